@@ -1,0 +1,7 @@
+//! pipewright: a GPT-2 trainer whose pipeline stages are actors.
+//!
+//! The layout follows one optimizer step: `config` → `data` → `model` (built
+//! from `kernels`) → `optim` → `train`.
+
+pub mod config;
+pub mod rng;
