@@ -1,0 +1,283 @@
+//! Causal multi-head self-attention, tiled over queries.
+//!
+//! qkv is (B, T, 3C): for head h, q = qkv[.., h·HS..], k = qkv[.., C + h·HS..],
+//! v = qkv[.., 2C + h·HS..]; out is (B, T, C); lse is (B, NH, T), the log-sum-exp
+//! of each query's scores, saved so backward can recompute probabilities without
+//! storing them. scratch is `scratch_len(B, NH, T)` floats of workspace.
+//!
+//! Each (b, h) is one task. A task walks query tiles of `TQ` rows; for a tile it
+//! holds only its (TQ × keys-so-far) score block, so the (B, NH, T, T) matrix is
+//! never formed. Every product is a `gemm` call on strided views of qkv (no
+//! transposes or copies). Each head's gradients are written by its own task
+//! and summed over tiles in tile order, so results do not depend on threads.
+
+use super::math::exp;
+use super::matmul::{gemm_raw, Mat};
+use super::SendPtr;
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// Query rows per tile.
+pub const TQ: usize = 64;
+
+/// Workspace floats that forward and backward need.
+pub fn scratch_len(b: usize, nh: usize, t: usize) -> usize {
+    b * nh * (2 * TQ * t + t)
+}
+
+/// Softmax over row[..valid] in place (scores already scaled), zeroing row[valid..];
+/// returns the row's log-sum-exp.
+#[inline]
+fn causal_softmax_row(row: &mut [f32], valid: usize) -> f32 {
+    let max = row[..valid].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut sum = 0.0f32;
+    for x in &mut row[..valid] {
+        *x = exp(*x - max);
+        sum += *x;
+    }
+    let inv = 1.0 / sum;
+    for x in &mut row[..valid] {
+        *x *= inv;
+    }
+    row[valid..].fill(0.0);
+    max + sum.ln()
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward(
+    out: &mut [f32],
+    lse: &mut [f32],
+    scratch: &mut [f32],
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) {
+    assert!(c % nh == 0);
+    assert!(out.len() == b * t * c && qkv.len() == b * t * 3 * c && lse.len() == b * nh * t);
+    assert!(scratch.len() >= scratch_len(b, nh, t));
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let per_task = 2 * TQ * t + t;
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    scratch[..b * nh * per_task]
+        .par_chunks_mut(per_task)
+        .zip(lse.par_chunks_mut(t))
+        .enumerate()
+        .for_each(|(task, (scratch, lse))| {
+            let out_ptr = out_ptr;
+            let (bi, h) = (task / nh, task % nh);
+            let base = bi * t * 3 * c + h * hs;
+            let q = qkv[base..].as_ptr();
+            let k = qkv[base + c..].as_ptr();
+            let v = qkv[base + 2 * c..].as_ptr();
+            let row3 = 3 * c as isize;
+            for q0 in (0..t).step_by(TQ) {
+                let tq = TQ.min(t - q0);
+                let kend = q0 + tq;
+                let s = &mut scratch[..tq * kend];
+                // SAFETY: views stay inside qkv (rows < T of batch bi, columns < 3C),
+                // and inside this task's scratch and head columns of out.
+                unsafe {
+                    gemm_raw(
+                        tq,
+                        kend,
+                        hs,
+                        s.as_mut_ptr(),
+                        kend as isize,
+                        false,
+                        Mat { ptr: q.offset(q0 as isize * row3), rs: row3, cs: 1 },
+                        Mat { ptr: k, rs: 1, cs: row3 },
+                        scale,
+                        Parallelism::None,
+                    );
+                }
+                for i in 0..tq {
+                    lse[q0 + i] = causal_softmax_row(&mut s[i * kend..(i + 1) * kend], q0 + i + 1);
+                }
+                unsafe {
+                    gemm_raw(
+                        tq,
+                        hs,
+                        kend,
+                        out_ptr.0.add((bi * t + q0) * c + h * hs),
+                        c as isize,
+                        false,
+                        Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 },
+                        Mat { ptr: v, rs: row3, cs: 1 },
+                        1.0,
+                        Parallelism::None,
+                    );
+                }
+            }
+        });
+}
+
+/// dqkv (B, T, 3C) += ∂L/∂qkv given dout (B, T, C), and forward's out and lse.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dqkv: &mut [f32],
+    scratch: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) {
+    assert!(dqkv.len() == b * t * 3 * c && qkv.len() == b * t * 3 * c);
+    assert!(dout.len() == b * t * c && out.len() == b * t * c && lse.len() == b * nh * t);
+    assert!(scratch.len() >= scratch_len(b, nh, t));
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let per_task = 2 * TQ * t + t;
+    let dqkv_ptr = SendPtr(dqkv.as_mut_ptr());
+    scratch[..b * nh * per_task].par_chunks_mut(per_task).enumerate().for_each(|(task, scratch)| {
+        let dqkv_ptr = dqkv_ptr;
+        let (bi, h) = (task / nh, task % nh);
+        let lse = &lse[task * t..(task + 1) * t];
+        let base = bi * t * 3 * c + h * hs;
+        let q = qkv[base..].as_ptr();
+        let k = qkv[base + c..].as_ptr();
+        let v = qkv[base + 2 * c..].as_ptr();
+        let row3 = 3 * c as isize;
+        let (p_buf, rest) = scratch.split_at_mut(TQ * t);
+        let (dp_buf, d) = rest.split_at_mut(TQ * t);
+        // D_t = Σ_d dout·out: the softmax backward's per-row correction.
+        for ti in 0..t {
+            let o = &out[(bi * t + ti) * c + h * hs..][..hs];
+            let g = &dout[(bi * t + ti) * c + h * hs..][..hs];
+            d[ti] = o.iter().zip(g).map(|(a, b)| a * b).sum();
+        }
+        let dq = unsafe { dqkv_ptr.0.add(base) };
+        let dk = unsafe { dqkv_ptr.0.add(base + c) };
+        let dv = unsafe { dqkv_ptr.0.add(base + 2 * c) };
+        for q0 in (0..t).step_by(TQ) {
+            let tq = TQ.min(t - q0);
+            let kend = q0 + tq;
+            let p = &mut p_buf[..tq * kend];
+            let dp = &mut dp_buf[..tq * kend];
+            let dout_tile = Mat { ptr: dout[(bi * t + q0) * c + h * hs..].as_ptr(), rs: c as isize, cs: 1 };
+            let q_tile = Mat { ptr: unsafe { q.offset(q0 as isize * row3) }, rs: row3, cs: 1 };
+            // SAFETY (all products below): views stay inside qkv, dout, this task's
+            // scratch, and this head's columns of dqkv for batch bi.
+            unsafe {
+                gemm_raw(tq, kend, hs, p.as_mut_ptr(), kend as isize, false, q_tile, Mat { ptr: k, rs: 1, cs: row3 }, scale, Parallelism::None);
+                gemm_raw(tq, kend, hs, dp.as_mut_ptr(), kend as isize, false, dout_tile, Mat { ptr: v, rs: 1, cs: row3 }, 1.0, Parallelism::None);
+            }
+            for i in 0..tq {
+                let valid = q0 + i + 1;
+                let (l, di) = (lse[q0 + i], d[q0 + i]);
+                let pr = &mut p[i * kend..(i + 1) * kend];
+                let dpr = &mut dp[i * kend..(i + 1) * kend];
+                for j in 0..valid {
+                    pr[j] = exp(pr[j] - l);
+                    dpr[j] = pr[j] * (dpr[j] - di);
+                }
+                pr[valid..].fill(0.0);
+                dpr[valid..].fill(0.0);
+            }
+            unsafe {
+                // dQ_tile += scale · dS · K
+                gemm_raw(tq, hs, kend, dq.offset(q0 as isize * row3), row3, true, Mat { ptr: dp.as_ptr(), rs: kend as isize, cs: 1 }, Mat { ptr: k, rs: row3, cs: 1 }, scale, Parallelism::None);
+                // dK[..kend] += scale · dSᵀ · Q_tile
+                gemm_raw(kend, hs, tq, dk, row3, true, Mat { ptr: dp.as_ptr(), rs: 1, cs: kend as isize }, q_tile, scale, Parallelism::None);
+                // dV[..kend] += Pᵀ · dO_tile
+                gemm_raw(kend, hs, tq, dv, row3, true, Mat { ptr: p.as_ptr(), rs: 1, cs: kend as isize }, dout_tile, 1.0, Parallelism::None);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use super::*;
+
+    /// Plain causal attention in f64, holding the whole score matrix.
+    fn reference(qkv: &[f64], b: usize, t: usize, c: usize, nh: usize) -> Vec<f64> {
+        let hs = c / nh;
+        let scale = 1.0 / (hs as f64).sqrt();
+        let mut out = vec![0.0; b * t * c];
+        for bi in 0..b {
+            for h in 0..nh {
+                for i in 0..t {
+                    let q = &qkv[(bi * t + i) * 3 * c + h * hs..][..hs];
+                    let scores: Vec<f64> = (0..=i)
+                        .map(|j| {
+                            let k = &qkv[(bi * t + j) * 3 * c + c + h * hs..][..hs];
+                            q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                    for (j, s) in scores.iter().enumerate() {
+                        let p = (s - m).exp() / z;
+                        let v = &qkv[(bi * t + j) * 3 * c + 2 * c + h * hs..][..hs];
+                        for d in 0..hs {
+                            out[(bi * t + i) * c + h * hs + d] += p * v[d];
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn to64(x: &[f32]) -> Vec<f64> {
+        x.iter().map(|&v| v as f64).collect()
+    }
+
+    #[test]
+    fn forward_matches_reference_across_tiles() {
+        // T spans three query tiles, the last one partial.
+        let (b, t, c, nh) = (2, 2 * TQ + 13, 24, 3);
+        let qkv = randn(b * t * 3 * c, 1);
+        let mut out = vec![0.0; b * t * c];
+        let mut lse = vec![0.0; b * nh * t];
+        let mut scratch = vec![0.0; scratch_len(b, nh, t)];
+        with_threads(2, || attention_forward(&mut out, &mut lse, &mut scratch, &qkv, b, t, c, nh));
+        assert_close(&out, &reference(&to64(&qkv), b, t, c, nh), 1e-5);
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (b, t, c, nh) = (2, TQ + 5, 8, 2);
+        let g = randn(b * t * c, 5);
+        let qkv = randn(b * t * 3 * c, 1);
+        let loss = |p: &[Vec<f64>]| {
+            reference(&p[0], b, t, c, nh).iter().zip(&g).map(|(o, &g)| o * g as f64).sum()
+        };
+        let mut out = vec![0.0; b * t * c];
+        let mut lse = vec![0.0; b * nh * t];
+        let mut scratch = vec![0.0; scratch_len(b, nh, t)];
+        let mut dqkv = vec![0.0; qkv.len()];
+        with_threads(2, || {
+            attention_forward(&mut out, &mut lse, &mut scratch, &qkv, b, t, c, nh);
+            attention_backward(&mut dqkv, &mut scratch, &g, &qkv, &out, &lse, b, t, c, nh);
+        });
+        check_grads(&[qkv], &[dqkv], loss, 1e-4);
+    }
+
+    #[test]
+    fn results_do_not_depend_on_thread_count() {
+        let (b, t, c, nh) = (3, 150, 64, 4);
+        let qkv = randn(b * t * 3 * c, 1);
+        let g = randn(b * t * c, 2);
+        let run = |threads| {
+            with_threads(threads, || {
+                let mut out = vec![0.0; b * t * c];
+                let mut lse = vec![0.0; b * nh * t];
+                let mut scratch = vec![0.0; scratch_len(b, nh, t)];
+                let mut dqkv = vec![0.0; qkv.len()];
+                attention_forward(&mut out, &mut lse, &mut scratch, &qkv, b, t, c, nh);
+                attention_backward(&mut dqkv, &mut scratch, &g, &qkv, &out, &lse, b, t, c, nh);
+                (out, lse, dqkv)
+            })
+        };
+        assert_eq!(run(1), run(2));
+    }
+}

@@ -1,0 +1,65 @@
+//! GELU in GPT-2's tanh form: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+//!
+//! inp, out, dinp and dout are flat (N·4C) slices.
+
+use super::math::tanh;
+use rayon::prelude::*;
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const CHUNK: usize = 4096;
+
+pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    assert_eq!(out.len(), inp.len());
+    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(o, x)| {
+        for (o, &x) in o.iter_mut().zip(x) {
+            let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+            *o = 0.5 * x * (1.0 + tanh(u));
+        }
+    });
+}
+
+/// dinp += GELU'(inp) · dout.
+pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+    assert!(dinp.len() == inp.len() && dout.len() == inp.len());
+    dinp.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).zip(dout.par_chunks(CHUNK)).for_each(
+        |((dx, x), dy)| {
+            for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
+                let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+                let th = tanh(u);
+                let sech2 = 1.0 - th * th;
+                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
+                *dx += (0.5 * (1.0 + th) + 0.5 * x * sech2 * du) * dy;
+            }
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use super::*;
+
+    fn reference(x: f64) -> f64 {
+        let s = (2.0 / std::f64::consts::PI).sqrt();
+        0.5 * x * (1.0 + (s * (x + 0.044715 * x * x * x)).tanh())
+    }
+
+    #[test]
+    fn forward_matches_reference() {
+        let x: Vec<f32> = randn(10_001, 1).iter().map(|v| v * 3.0).collect();
+        let mut out = vec![0.0; x.len()];
+        with_threads(2, || gelu_forward(&mut out, &x));
+        let want: Vec<f64> = x.iter().map(|&v| reference(v as f64)).collect();
+        assert_close(&out, &want, 1e-6);
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let x = randn(257, 3);
+        let g = randn(257, 4);
+        let loss = |p: &[Vec<f64>]| p[0].iter().zip(&g).map(|(&x, &g)| reference(x) * g as f64).sum();
+        let mut dx = vec![0.0; x.len()];
+        with_threads(2, || gelu_backward(&mut dx, &x, &g));
+        check_grads(&[x], &[dx], loss, 1e-4);
+    }
+}

@@ -1,0 +1,54 @@
+//! Helpers for kernel tests: seeded inputs, thread pools of a given size, and
+//! central finite differences in f64.
+
+use crate::rng::{Purpose, Rng};
+
+pub fn randn(n: usize, seed: u64) -> Vec<f32> {
+    let mut r = Rng::new(seed, Purpose::Test, &[n as u64]);
+    (0..n).map(|_| r.normal() as f32).collect()
+}
+
+pub fn with_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
+}
+
+/// Max abs difference relative to the reference's largest magnitude.
+pub fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs())).max(1e-12);
+    got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale
+}
+
+pub fn assert_close(got: &[f32], want: &[f64], tol: f64) {
+    let e = rel_err(got, want);
+    assert!(e < tol, "relative error {e:e} >= {tol:e}");
+}
+
+/// Checks analytic gradients against central differences of `loss`, evaluated in
+/// f64 at the same (f32-representable) point. The error of each tensor is its
+/// largest absolute difference over its largest numeric gradient.
+pub fn check_grads(
+    params: &[Vec<f32>],
+    grads: &[Vec<f32>],
+    loss: impl Fn(&[Vec<f64>]) -> f64,
+    tol: f64,
+) {
+    let mut p: Vec<Vec<f64>> =
+        params.iter().map(|t| t.iter().map(|&x| x as f64).collect()).collect();
+    for (ti, g) in grads.iter().enumerate() {
+        assert_eq!(g.len(), p[ti].len());
+        let mut numeric = vec![0.0f64; g.len()];
+        for i in 0..g.len() {
+            let x = p[ti][i];
+            let h = 1e-6 * x.abs().max(1.0);
+            p[ti][i] = x + h;
+            let up = loss(&p);
+            p[ti][i] = x - h;
+            let down = loss(&p);
+            p[ti][i] = x;
+            numeric[i] = (up - down) / (2.0 * h);
+        }
+        let e = rel_err(g, &numeric);
+        assert!(e < tol, "tensor {ti}: relative error {e:e} >= {tol:e}");
+    }
+}
