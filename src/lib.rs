@@ -6,3 +6,5 @@
 pub mod config;
 pub mod rng;
 pub mod kernels;
+pub mod model;
+pub mod optim;

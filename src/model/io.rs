@@ -1,0 +1,164 @@
+//! Weights in and out: safetensors files with Hugging Face GPT-2 names and
+//! layouts, and the layout-independent weights digest.
+//!
+//! Files are written to a temporary name in the same directory, synced and then
+//! renamed, so a crash never leaves a half-written file under the final name.
+//! Reading never panics on bad bytes: every problem names the file.
+
+use super::params::{all_tensors, GptConfig};
+use super::ModelPart;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a valid safetensors file: {msg}")]
+    Format { path: PathBuf, msg: String },
+    #[error("{path}: tensor `{name}` is missing (expected shape {expected:?})")]
+    Missing { path: PathBuf, name: String, expected: Vec<usize> },
+    #[error("{path}: tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    Shape { path: PathBuf, name: String, got: Vec<usize>, expected: Vec<usize> },
+    #[error("{path}: tensor `{name}` has dtype {got}, expected F32")]
+    Dtype { path: PathBuf, name: String, got: String },
+}
+
+/// Model tensors gathered from parts, by HF name, each exactly once (the
+/// head's copy of the tied wte is skipped when the embedding is present).
+pub fn gather<'a>(parts: &[&'a ModelPart]) -> BTreeMap<String, (&'a [usize], &'a [f32])> {
+    let mut out = BTreeMap::new();
+    for part in parts {
+        for p in &part.params {
+            out.entry(p.name.clone()).or_insert((p.shape.as_slice(), p.data.as_slice()));
+        }
+    }
+    out
+}
+
+/// blake3 over every tensor in sorted-name order: name, then the values as
+/// little-endian f32. Equal weights give equal digests whatever the layout.
+pub fn weights_digest(parts: &[&ModelPart]) -> String {
+    let mut h = blake3::Hasher::new();
+    for (name, (_, data)) in gather(parts) {
+        h.update(name.as_bytes());
+        for x in data {
+            h.update(&x.to_le_bytes());
+        }
+    }
+    h.finalize().to_hex().to_string()
+}
+
+fn to_le_bytes(x: &[f32]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(x.len() * 4);
+    for f in x {
+        v.extend_from_slice(&f.to_le_bytes());
+    }
+    v
+}
+
+/// Writes `tensors` as safetensors (F32) with `metadata`, atomically.
+pub fn save(
+    path: &Path,
+    tensors: &BTreeMap<String, (&[usize], &[f32])>,
+    metadata: HashMap<String, String>,
+) -> Result<(), WeightsError> {
+    let io = |source| WeightsError::Io { path: path.to_path_buf(), source };
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.iter().map(|(n, (s, d))| (n.clone(), s.to_vec(), to_le_bytes(d))).collect();
+    let views = bytes.iter().map(|(n, s, b)| {
+        (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches data"))
+    });
+    let buf = safetensors::serialize(views, Some(metadata))
+        .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
+    write_atomic(path, &buf).map_err(io)
+}
+
+/// Write to `path.tmp`, fsync, rename over `path`, fsync the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// Tensors read from a file, by name, as f32.
+pub struct LoadedWeights {
+    pub path: PathBuf,
+    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    pub metadata: HashMap<String, String>,
+}
+
+/// Reads a safetensors file. Accepts Hugging Face's `transformer.` prefix and
+/// ignores what GPT-2 checkpoints carry beside the weights (`lm_head.weight`,
+/// which is tied to wte, and the attention mask buffers).
+pub fn load(path: &Path) -> Result<LoadedWeights, WeightsError> {
+    let buf = std::fs::read(path).map_err(|source| WeightsError::Io { path: path.to_path_buf(), source })?;
+    let fmt = |msg: String| WeightsError::Format { path: path.to_path_buf(), msg };
+    let st = SafeTensors::deserialize(&buf).map_err(|e| fmt(e.to_string()))?;
+    let (_, meta) = SafeTensors::read_metadata(&buf).map_err(|e| fmt(e.to_string()))?;
+    let metadata = meta.metadata().clone().unwrap_or_default();
+    let mut tensors = HashMap::new();
+    for (name, view) in st.tensors() {
+        let name = name.strip_prefix("transformer.").unwrap_or(&name).to_string();
+        if name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+            continue;
+        }
+        if view.dtype() != Dtype::F32 {
+            return Err(WeightsError::Dtype { path: path.to_path_buf(), name, got: format!("{:?}", view.dtype()) });
+        }
+        let data: Vec<f32> =
+            view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        tensors.insert(name, (view.shape().to_vec(), data));
+    }
+    Ok(LoadedWeights { path: path.to_path_buf(), tensors, metadata })
+}
+
+impl LoadedWeights {
+    /// Checks that every tensor of `cfg`'s model is present with its shape.
+    pub fn check(&self, cfg: &GptConfig) -> Result<(), WeightsError> {
+        for (name, expected) in all_tensors(cfg) {
+            match self.tensors.get(&name) {
+                None => return Err(WeightsError::Missing { path: self.path.clone(), name, expected }),
+                Some((got, _)) if *got != expected => {
+                    return Err(WeightsError::Shape { path: self.path.clone(), name, got: got.clone(), expected })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the weights into a part (after `check`).
+    pub fn assign(&self, part: &mut ModelPart) -> Result<(), WeightsError> {
+        for p in &mut part.params {
+            let (shape, data) = self.tensors.get(&p.name).ok_or_else(|| WeightsError::Missing {
+                path: self.path.clone(),
+                name: p.name.clone(),
+                expected: p.shape.clone(),
+            })?;
+            if *shape != p.shape {
+                return Err(WeightsError::Shape {
+                    path: self.path.clone(),
+                    name: p.name.clone(),
+                    got: shape.clone(),
+                    expected: p.shape.clone(),
+                });
+            }
+            p.data.copy_from_slice(data);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,198 @@
+//! The optimizer step: learning-rate schedules, global-norm clipping and AdamW
+//! state for the parameters of one model part.
+//!
+//! Global norms are summed per tensor in the model's canonical tensor order, so
+//! the result is the same bits however the model is split into parts.
+
+use crate::kernels::cpu::adamw::{adamw_update, sum_squares, AdamW};
+use crate::kernels::profile::{timed, Kernel};
+use crate::model::params::all_tensors;
+use crate::model::{GptConfig, ModelPart};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ScheduleKind {
+    /// Linear warmup, then cosine decay to min_lr at the last step.
+    Cosine,
+    /// Warmup, stable at lr, then linear decay to min_lr over the final `decay_frac` of steps.
+    Wsd { decay_frac: f64 },
+    /// Linear warmup, then lr.
+    Constant,
+}
+
+#[derive(Clone, Debug)]
+pub struct LrSchedule {
+    pub kind: ScheduleKind,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: usize,
+    pub total_steps: usize,
+}
+
+impl LrSchedule {
+    pub fn from_config(c: &crate::config::Config) -> Self {
+        let kind = match c.optim.schedule.as_str() {
+            "wsd" => ScheduleKind::Wsd { decay_frac: c.optim.decay_frac },
+            "constant" => ScheduleKind::Constant,
+            _ => ScheduleKind::Cosine,
+        };
+        LrSchedule {
+            kind,
+            lr: c.optim.lr,
+            min_lr: c.optim.min_lr,
+            warmup_steps: c.optim.warmup_steps,
+            total_steps: c.train.steps,
+        }
+    }
+
+    /// The learning rate of 0-based optimizer step `step`.
+    pub fn lr(&self, step: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let last = self.total_steps.saturating_sub(1).max(self.warmup_steps);
+        match self.kind {
+            ScheduleKind::Constant => self.lr,
+            ScheduleKind::Cosine => {
+                if last == self.warmup_steps {
+                    return self.lr;
+                }
+                let ratio = ((step - self.warmup_steps) as f64 / (last - self.warmup_steps) as f64).min(1.0);
+                let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
+                self.min_lr + coeff * (self.lr - self.min_lr)
+            }
+            ScheduleKind::Wsd { decay_frac } => {
+                let decay_steps = ((self.total_steps as f64 * decay_frac).round() as usize).max(1);
+                let decay_start = self.total_steps.saturating_sub(decay_steps).max(self.warmup_steps);
+                if step < decay_start {
+                    self.lr
+                } else {
+                    let ratio = ((step - decay_start + 1) as f64 / (self.total_steps - decay_start) as f64).min(1.0);
+                    self.lr + (self.min_lr - self.lr) * ratio
+                }
+            }
+        }
+    }
+}
+
+/// Per-tensor Σg² of a part, as (canonical tensor index, value). The head's copy
+/// of the tied wte is left out when another part owns the embedding: the
+/// embedding's part reports the combined gradient once.
+pub fn grad_sum_squares(part: &ModelPart) -> Vec<(usize, f64)> {
+    let order = all_tensors(&part.cfg);
+    let index = |name: &str| order.iter().position(|(n, _)| n == name).expect("known tensor");
+    part.params
+        .iter()
+        .filter(|p| !(p.name == "wte.weight" && !part.spec.embedding))
+        .map(|p| (index(&p.name), timed(Kernel::GradNorm, || sum_squares(&p.grad))))
+        .collect()
+}
+
+/// √(Σ over all tensors, in canonical order, of Σg²).
+pub fn global_norm(mut per_tensor: Vec<(usize, f64)>) -> f64 {
+    per_tensor.sort_by_key(|&(i, _)| i);
+    per_tensor.iter().map(|&(_, s)| s).sum::<f64>().sqrt()
+}
+
+/// torch.nn.utils.clip_grad_norm_'s coefficient: max_norm / (norm + 1e-6) when
+/// that is below 1, else 1 (no clipping). max_norm = 0 disables clipping.
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> f32 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
+    let c = max_norm / (norm + 1e-6);
+    if c < 1.0 {
+        c as f32
+    } else {
+        1.0
+    }
+}
+
+/// AdamW moments for every parameter of one part.
+pub struct AdamState {
+    pub m: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    /// Updates applied so far (the bias-correction step count).
+    pub t: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Hyper {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Hyper {
+    pub fn from_config(c: &crate::config::Config) -> Self {
+        Hyper { beta1: c.optim.beta1, beta2: c.optim.beta2, eps: c.optim.eps, weight_decay: c.optim.weight_decay }
+    }
+}
+
+impl AdamState {
+    pub fn new(part: &ModelPart) -> Self {
+        AdamState {
+            m: part.params.iter().map(|p| vec![0.0; p.numel()]).collect(),
+            v: part.params.iter().map(|p| vec![0.0; p.numel()]).collect(),
+            t: 0,
+        }
+    }
+
+    /// One AdamW step over the part's parameters with their (combined) gradients.
+    pub fn step(&mut self, part: &mut ModelPart, hp: Hyper, lr: f64, clip: f32) {
+        self.t += 1;
+        let h = AdamW { lr, beta1: hp.beta1, beta2: hp.beta2, eps: hp.eps, weight_decay: hp.weight_decay, step: self.t };
+        for (i, p) in part.params.iter_mut().enumerate() {
+            let decay = p.decays();
+            timed(Kernel::AdamW, || adamw_update(&mut p.data, &p.grad, &mut self.m[i], &mut self.v[i], &h, decay, clip));
+        }
+    }
+}
+
+/// Total parameters that get weight decay, for reports.
+pub fn decayed_params(cfg: &GptConfig) -> usize {
+    all_tensors(cfg).iter().filter(|(_, s)| s.len() >= 2).map(|(_, s)| s.iter().product::<usize>()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sched(kind: ScheduleKind) -> LrSchedule {
+        LrSchedule { kind, lr: 1.0, min_lr: 0.1, warmup_steps: 10, total_steps: 110 }
+    }
+
+    #[test]
+    fn cosine_warms_up_linearly_then_decays_to_min_lr() {
+        let s = sched(ScheduleKind::Cosine);
+        assert_eq!(s.lr(0), 0.1);
+        assert_eq!(s.lr(9), 1.0);
+        assert_eq!(s.lr(10), 1.0);
+        assert!((s.lr(60) - 0.55).abs() < 0.01);
+        assert!((s.lr(109) - 0.1).abs() < 1e-12);
+        assert!(s.lr(500) >= 0.1);
+    }
+
+    #[test]
+    fn wsd_is_stable_then_decays_linearly() {
+        let s = sched(ScheduleKind::Wsd { decay_frac: 0.2 });
+        assert_eq!(s.lr(50), 1.0);
+        assert_eq!(s.lr(87), 1.0);
+        assert!(s.lr(99) < 1.0 && s.lr(99) > 0.1);
+        assert!((s.lr(109) - 0.1).abs() < 1e-12);
+    }
+
+    #[test]
+    fn constant_after_warmup() {
+        let s = sched(ScheduleKind::Constant);
+        assert_eq!(s.lr(4), 0.5);
+        assert_eq!(s.lr(100), 1.0);
+    }
+
+    #[test]
+    fn clip_coefficient_follows_pytorch() {
+        assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
+        assert_eq!(clip_coefficient(4.0, 1.0), (1.0 / (4.0 + 1e-6)) as f32);
+        assert_eq!(clip_coefficient(4.0, 0.0), 1.0);
+    }
+}

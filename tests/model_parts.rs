@@ -1,0 +1,134 @@
+//! The composed model: gradients against finite differences, and the
+//! properties the pipeline depends on (recompute and splitting change no bits).
+
+use pipewright::model::part::{Mode, PartInput};
+use pipewright::model::{GptConfig, ModelPart, PartSpec};
+
+fn tiny() -> GptConfig {
+    GptConfig { n_layer: 3, n_head: 2, n_embd: 16, vocab_size: 13, block_size: 7 }
+}
+
+fn batch(cfg: &GptConfig, b: usize, seed: u32) -> (Vec<u32>, Vec<u32>) {
+    let n = b * cfg.block_size;
+    let v = cfg.vocab_size as u32;
+    let tok: Vec<u32> = (0..n as u32).map(|i| (i * 7 + seed * 3 + i * i) % v).collect();
+    let tgt: Vec<u32> = (0..n as u32).map(|i| (i * 5 + seed + 1) % v).collect();
+    (tok, tgt)
+}
+
+/// Mean loss and (after backward) gradients of one whole-model part.
+fn loss_and_grads(part: &mut ModelPart, tok: &[u32], tgt: &[u32]) -> f64 {
+    let n = tok.len() as f32;
+    part.zero_grads();
+    let out = part.forward(PartInput::Tokens(tok), Some(tgt), Mode::Train { dloss: 1.0 / n });
+    part.backward(out.acts.unwrap(), None);
+    part.combine_tied_grads(None);
+    out.loss_sum.unwrap() / n as f64
+}
+
+fn eval_loss(part: &mut ModelPart, tok: &[u32], tgt: &[u32]) -> f64 {
+    let out = part.forward(PartInput::Tokens(tok), Some(tgt), Mode::Eval);
+    out.loss_sum.unwrap() / tok.len() as f64
+}
+
+#[test]
+fn whole_model_gradient_matches_directional_finite_differences() {
+    let cfg = tiny();
+    let b = 2;
+    let mut part = ModelPart::new(cfg, PartSpec::whole(&cfg), b, 5, false);
+    // Larger init than GPT-2's so every path carries signal.
+    for (i, p) in part.params.iter_mut().enumerate() {
+        for (j, x) in p.data.iter_mut().enumerate() {
+            *x += 0.3 * (((i * 131 + j * 17) % 23) as f32 / 23.0 - 0.5);
+        }
+    }
+    let (tok, tgt) = batch(&cfg, b, 1);
+    loss_and_grads(&mut part, &tok, &tgt);
+    let grads: Vec<Vec<f32>> = part.params.iter().map(|p| p.grad.clone()).collect();
+    for (i, g) in grads.iter().enumerate() {
+        // Direction = the gradient itself: the derivative along it is |g|².
+        let analytic: f64 = g.iter().map(|&x| x as f64 * x as f64).sum();
+        if analytic == 0.0 {
+            continue;
+        }
+        let gnorm = analytic.sqrt();
+        let h = 1e-2 / gnorm;
+        let orig = part.params[i].data.clone();
+        let shift = |part: &mut ModelPart, s: f64| {
+            for (x, (&o, &d)) in part.params[i].data.iter_mut().zip(orig.iter().zip(g)) {
+                *x = (o as f64 + s * d as f64) as f32;
+            }
+        };
+        shift(&mut part, h);
+        let up = eval_loss(&mut part, &tok, &tgt);
+        shift(&mut part, -h);
+        let down = eval_loss(&mut part, &tok, &tgt);
+        part.params[i].data.copy_from_slice(&orig);
+        let numeric = (up - down) / (2.0 * h);
+        let rel = (numeric - analytic).abs() / analytic;
+        assert!(rel < 2e-2, "{}: analytic {analytic:e} numeric {numeric:e} rel {rel:e}", part.params[i].name);
+    }
+}
+
+#[test]
+fn recompute_changes_no_bits() {
+    let cfg = tiny();
+    let (tok, tgt) = batch(&cfg, 3, 2);
+    let mut a = ModelPart::new(cfg, PartSpec::whole(&cfg), 3, 9, false);
+    let mut r = ModelPart::new(cfg, PartSpec::whole(&cfg), 3, 9, true);
+    assert_eq!(loss_and_grads(&mut a, &tok, &tgt), loss_and_grads(&mut r, &tok, &tgt));
+    for (p, q) in a.params.iter().zip(&r.params) {
+        assert_eq!(p.grad, q.grad, "{}", p.name);
+    }
+}
+
+#[test]
+fn two_parts_give_the_same_bits_as_one() {
+    let cfg = tiny();
+    let b = 2;
+    let mut whole = ModelPart::new(cfg, PartSpec::whole(&cfg), b, 3, false);
+    let mut first = ModelPart::new(cfg, PartSpec { layers: 0..1, embedding: true, head: false }, b, 3, false);
+    let mut last = ModelPart::new(cfg, PartSpec { layers: 1..3, embedding: false, head: true }, b, 3, false);
+    let m = 3;
+    let dloss = 1.0 / (m * b * cfg.block_size) as f32;
+    whole.zero_grads();
+    first.zero_grads();
+    last.zero_grads();
+    let (mut lw, mut ls) = (0.0, 0.0);
+    for mb in 0..m {
+        let (tok, tgt) = batch(&cfg, b, mb as u32);
+        let o = whole.forward(PartInput::Tokens(&tok), Some(&tgt), Mode::Train { dloss });
+        lw += o.loss_sum.unwrap();
+        whole.backward(o.acts.unwrap(), None);
+        let f = first.forward(PartInput::Tokens(&tok), None, Mode::Train { dloss });
+        let l = last.forward(PartInput::Activation(f.output.unwrap()), Some(&tgt), Mode::Train { dloss });
+        ls += l.loss_sum.unwrap();
+        let dx = last.backward(l.acts.unwrap(), None).unwrap();
+        assert!(first.backward(f.acts.unwrap(), Some(dx)).is_none());
+    }
+    assert_eq!(lw, ls);
+    whole.combine_tied_grads(None);
+    let head_share = last.wte_head_grad.clone();
+    let embed_share = first.params[0].grad.clone();
+    first.combine_tied_grads(Some(&head_share));
+    last.combine_tied_grads(Some(&embed_share));
+    for p in first.params.iter().chain(&last.params) {
+        let q = whole.params.iter().find(|q| q.name == p.name).unwrap();
+        assert_eq!(p.grad, q.grad, "{}", p.name);
+    }
+}
+
+#[test]
+fn recompute_keeps_less_activation_memory() {
+    let cfg = GptConfig { n_layer: 4, n_head: 2, n_embd: 32, vocab_size: 50, block_size: 16 };
+    let (tok, tgt) = batch(&cfg, 4, 0);
+    let mut bytes = vec![];
+    for recompute in [false, true] {
+        let mut p = ModelPart::new(cfg, PartSpec::whole(&cfg), 4, 1, recompute);
+        let o = p.forward(PartInput::Tokens(&tok), Some(&tgt), Mode::Train { dloss: 1.0 });
+        bytes.push(o.acts.as_ref().unwrap().bytes());
+        p.backward(o.acts.unwrap(), None);
+    }
+    // Per block: 15 (N, C)-sized tensors plus statistics without recompute, one with it.
+    assert!(bytes[1] * 5 < bytes[0], "{bytes:?}");
+}
