@@ -1,0 +1,119 @@
+//! `pipewright bench`: training throughput on random tokens, with the share of
+//! time per kernel and the machine's matrix-product rate measured in the same
+//! run, so every figure can be read as a fraction of what this machine can do.
+
+use crate::config::Config;
+use crate::kernels::cpu::matmul;
+use crate::kernels::profile;
+use crate::model::GptConfig;
+use crate::rng::{Purpose, Rng};
+use crate::train::engine::{thread_count, Engine};
+use serde::Serialize;
+use std::time::Instant;
+
+#[derive(Serialize, Debug)]
+pub struct BenchReport {
+    pub steps: usize,
+    pub threads: usize,
+    pub params: usize,
+    pub tokens_per_step: usize,
+    pub tokens_per_s: f64,
+    pub ms_per_step: f64,
+    /// Model FLOPs per second, counting (6·N + 6·L·C·T) per token as llm.c does.
+    pub gflops: f64,
+    /// A large f32 product (1024³) on the same threads, for scale.
+    pub gemm_peak_gflops: f64,
+    /// Fraction of step time in each kernel.
+    pub kernel_share: Vec<(String, f64)>,
+    pub final_loss: f64,
+}
+
+/// GFLOP/s of a 1024×1024×1024 f32 product on `threads` threads (best of 5).
+pub fn gemm_peak(threads: usize) -> f64 {
+    let n = 1024;
+    let mut rng = Rng::new(0, Purpose::Test, &[]);
+    let a: Vec<f32> = (0..n * n).map(|_| rng.normal() as f32).collect();
+    let b: Vec<f32> = (0..n * n).map(|_| rng.normal() as f32).collect();
+    let mut c = vec![0.0f32; n * n];
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    let mut best = f64::INFINITY;
+    pool.install(|| {
+        for _ in 0..5 {
+            let t = Instant::now();
+            matmul::gemm_checked(&mut c, false, &a, (n as isize, 1), &b, (n as isize, 1), n, n, n, 1.0);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    });
+    2.0 * (n * n * n) as f64 / best / 1e9
+}
+
+pub fn run(cfg: &Config, steps: usize, warmup: usize, mut progress: impl FnMut(usize, f64)) -> BenchReport {
+    let gpt = GptConfig::from_config(cfg);
+    let mut engine = Engine::new(cfg);
+    let n = engine.tokens_per_step() / engine.microbatches;
+    let vocab = gpt.vocab_size as u64;
+    let seed = cfg.train.seed;
+    let mut fill_step = |step: usize| {
+        move |mb: usize, inp: &mut [u32], tgt: &mut [u32]| {
+            let mut r = Rng::new(seed, Purpose::Data, &[step as u64, mb as u64]);
+            for i in 0..n {
+                inp[i] = r.below(vocab) as u32;
+                tgt[i] = r.below(vocab) as u32;
+            }
+        }
+    };
+    let lr = cfg.optim.lr;
+    for s in 0..warmup {
+        engine.step(lr, fill_step(s));
+    }
+    profile::reset();
+    profile::enable(true);
+    let t0 = Instant::now();
+    let mut last = 0.0;
+    for s in 0..steps {
+        last = engine.step(lr, fill_step(warmup + s)).loss;
+        progress(s + 1, last);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    profile::enable(false);
+    let tokens = (steps * engine.tokens_per_step()) as f64;
+    let tokens_per_s = tokens / secs;
+    let kernel_share =
+        profile::snapshot().into_iter().map(|(k, s)| (k.name().to_string(), s / secs)).collect();
+    BenchReport {
+        steps,
+        threads: thread_count(cfg.backend.threads),
+        params: gpt.num_params(),
+        tokens_per_step: engine.tokens_per_step(),
+        tokens_per_s,
+        ms_per_step: secs * 1e3 / steps as f64,
+        gflops: tokens_per_s * gpt.flops_per_token() / 1e9,
+        gemm_peak_gflops: gemm_peak(thread_count(cfg.backend.threads)),
+        kernel_share,
+        final_loss: last,
+    }
+}
+
+impl BenchReport {
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        s += &format!(
+            "{} params, {} tokens/step, {} threads, {} timed steps\n\n",
+            self.params, self.tokens_per_step, self.threads, self.steps
+        );
+        s += &format!("{:<34}{:>14}\n", "tokens/s", format!("{:.0}", self.tokens_per_s));
+        s += &format!("{:<34}{:>14}\n", "ms/step", format!("{:.1}", self.ms_per_step));
+        s += &format!("{:<34}{:>14}\n", "model GFLOP/s (6N + 6LCT per token)", format!("{:.1}", self.gflops));
+        s += &format!("{:<34}{:>14}\n", "1024³ f32 gemm GFLOP/s, same threads", format!("{:.1}", self.gemm_peak_gflops));
+        s += &format!("{:<34}{:>14}\n", "model / gemm rate", format!("{:.2}", self.gflops / self.gemm_peak_gflops));
+        s += "\nshare of step time per kernel\n";
+        let mut shares = self.kernel_share.clone();
+        shares.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let total: f64 = shares.iter().map(|x| x.1).sum();
+        for (k, f) in &shares {
+            s += &format!("  {:<14}{:>7.1}%\n", k, 100.0 * f);
+        }
+        s += &format!("  {:<14}{:>7.1}%\n", "(other)", 100.0 * (1.0 - total).max(0.0));
+        s
+    }
+}
