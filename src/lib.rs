@@ -4,4 +4,5 @@
 //! from `kernels`) → `optim` → `train`.
 
 pub mod config;
+pub mod data;
 pub mod rng;
