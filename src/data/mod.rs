@@ -5,6 +5,8 @@
 //! run state beyond a sequence counter supplied by the caller, so resuming or
 //! changing the parallel layout cannot change which tokens a sequence sees.
 
+pub mod sampler;
 pub mod token_file;
 
+pub use sampler::{Sampler, SamplerKind};
 pub use token_file::{write_llmc, DataError, TokenFile, TokenFormat, TokenSource};
