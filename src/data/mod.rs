@@ -5,10 +5,12 @@
 //! run state beyond a sequence counter supplied by the caller, so resuming or
 //! changing the parallel layout cannot change which tokens a sequence sees.
 
+pub mod arithmetic;
 pub mod prepare;
 pub mod sampler;
 pub mod token_file;
 
+pub use arithmetic::{AnswerSpan, ArithmeticCorpus, EvalSet, Problem};
 pub use prepare::{prepare, PrepareReport, Tokenizer, DEFAULT_VAL_FRACTION};
 pub use sampler::{Sampler, SamplerKind};
 pub use token_file::{write_llmc, DataError, TokenFile, TokenFormat, TokenSource};
