@@ -4,6 +4,7 @@
 //! from `kernels`) → `optim` → `train`.
 
 pub mod config;
+pub mod data;
 pub mod rng;
 pub mod kernels;
 pub mod model;
