@@ -5,3 +5,4 @@
 
 pub mod config;
 pub mod rng;
+pub mod train;

@@ -1,0 +1,3 @@
+//! Training: the loop and what it reports.
+
+pub mod plot;
