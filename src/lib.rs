@@ -4,5 +4,6 @@
 //! from `kernels`) → `optim` → `train`.
 
 pub mod config;
+pub mod inspect;
 pub mod rng;
 pub mod train;
