@@ -1,14 +1,18 @@
 //! The run's configuration: the TOML schema, defaults, `--set` overrides and
 //! validation. Owns every rule about which values are allowed; errors name the
 //! field's path (`optim.lr`), the value given and what was expected.
-//! Never touches files other than the config being read.
+//! Never touches files other than the config being read: whether data files
+//! exist, or a backend can start, is for the layers that use them to say.
+
+use std::fmt;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 /// The embedded default config: `pipewright train` with no arguments runs this.
 pub const DEFAULT_TOML: &str = include_str!("../configs/default.toml");
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub model: ModelSection,
@@ -35,7 +39,9 @@ pub struct ModelSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
-    /// Generated corpus used instead of files: "arithmetic", or "" for files.
+    /// Generated corpus used instead of files: "arithmetic" (the default's
+    /// addition task), "random" (uniformly random tokens made in memory, for
+    /// benchmarks: nothing to learn, nothing to read), or "" for files.
     pub builtin: String,
     /// Training token file (llm.c `.bin`, or nanoGPT raw uint16).
     pub train: String,
@@ -101,22 +107,15 @@ pub struct BackendSection {
     pub threads: usize,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            model: ModelSection::default(),
-            data: DataSection::default(),
-            train: TrainSection::default(),
-            optim: OptimSection::default(),
-            parallel: ParallelSection::default(),
-            backend: BackendSection::default(),
-        }
-    }
-}
-
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, block_size: 1024 }
+        ModelSection {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            vocab_size: 50257,
+            block_size: 1024,
+        }
     }
 }
 
@@ -163,12 +162,896 @@ impl Default for OptimSection {
 
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection { pp: 1, dp: 1, microbatches: 1, schedule: "1f1b".into() }
+        ParallelSection {
+            pp: 1,
+            dp: 1,
+            microbatches: 1,
+            schedule: "1f1b".into(),
+        }
     }
 }
 
 impl Default for BackendSection {
     fn default() -> Self {
-        BackendSection { kind: "cpu".into(), threads: 0 }
+        BackendSection {
+            kind: "cpu".into(),
+            threads: 0,
+        }
+    }
+}
+
+impl ModelSection {
+    /// Width of one attention head. Only meaningful on a validated config,
+    /// where `n_embd % n_head == 0` has been checked.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+}
+
+/// Where a config came from, as error messages should name it.
+const DEFAULT_ORIGIN: &str = "<embedded default config>";
+
+/// One broken rule found by [`Config::validate`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Problem {
+    /// The field's path, e.g. `model.n_head`.
+    pub path: String,
+    /// The value given, as written in TOML.
+    pub value: String,
+    /// What was expected instead.
+    pub expected: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}: {}", self.path, self.value, self.expected)
+    }
+}
+
+/// Everything that can be wrong with a config, each naming where.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{origin}: cannot read config file: {source}")]
+    Read {
+        origin: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not TOML at all; `message` carries TOML's line, column and excerpt.
+    #[error("{origin}: {message}")]
+    Syntax { origin: String, message: String },
+    /// A `--set` argument that is malformed or names no known field.
+    #[error("--set {arg}: {reason}")]
+    Override { arg: String, reason: String },
+    /// Well-formed TOML that does not fit the schema (wrong type, unknown key).
+    #[error("{origin}: {path}: {message}")]
+    Schema {
+        origin: String,
+        path: String,
+        message: String,
+    },
+    /// Values that fit the schema but break a rule; one line per problem.
+    #[error("{}", display_problems(.0))]
+    Invalid(Vec<Problem>),
+}
+
+fn display_problems(problems: &[Problem]) -> String {
+    let lines: Vec<String> = problems.iter().map(Problem::to_string).collect();
+    lines.join("\n")
+}
+
+impl ConfigError {
+    /// The broken rules, when this is a validation error (empty otherwise).
+    pub fn problems(&self) -> &[Problem] {
+        match self {
+            ConfigError::Invalid(problems) => problems,
+            _ => &[],
+        }
+    }
+}
+
+impl Config {
+    /// Reads the config at `path` (the embedded default when `None`), applies
+    /// `--set section.key=value` overrides to the TOML tree, then
+    /// deserializes. Does not validate: call [`Config::validate`].
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
+        match path {
+            None => Config::parse(DEFAULT_TOML, DEFAULT_ORIGIN, overrides),
+            Some(path) => {
+                let origin = path.display().to_string();
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    origin: origin.clone(),
+                    source,
+                })?;
+                Config::parse(&text, &origin, overrides)
+            }
+        }
+    }
+
+    /// [`Config::load`] for text already in memory (a checkpoint's stored
+    /// config, a test); `origin` is how errors name it.
+    pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, ConfigError> {
+        let mut tree: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            origin: origin.to_string(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        let mut overridden = Vec::with_capacity(overrides.len());
+        for arg in overrides {
+            overridden.push((apply_override(&mut tree, arg)?, arg));
+        }
+        serde_path_to_error::deserialize::<_, Config>(tree).map_err(|err| {
+            // The path ends with the offending key, unknown keys included.
+            let path = err.path().to_string();
+            let message = err.inner().message().to_string();
+            // A bad value that came from the command line is not the file's fault.
+            let origin = match overridden.iter().find(|(p, _)| *p == path) {
+                Some((_, arg)) => format!("--set {arg}"),
+                None => origin.to_string(),
+            };
+            ConfigError::Schema {
+                origin,
+                path,
+                message,
+            }
+        })
+    }
+
+    /// Checks every rule a run depends on and reports all broken ones, each as
+    /// `field path: value given: what was expected`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut v = Validator::default();
+        let m = &self.model;
+        for (path, value) in [
+            ("model.n_layer", m.n_layer),
+            ("model.n_head", m.n_head),
+            ("model.n_embd", m.n_embd),
+            ("model.vocab_size", m.vocab_size),
+            ("train.steps", self.train.steps),
+            ("train.micro_batch_size", self.train.micro_batch_size),
+            ("train.eval_batches", self.train.eval_batches),
+        ] {
+            v.check(value > 0, path, value, "must be > 0");
+        }
+        if m.n_head > 0 {
+            v.check(
+                m.n_embd.is_multiple_of(m.n_head),
+                "model.n_embd",
+                m.n_embd,
+                format!("must be divisible by model.n_head ({})", m.n_head),
+            );
+        }
+        // Token ids travel as i32 (llm.c's format, the kernels' indices).
+        v.check(
+            m.vocab_size <= 1 << 31,
+            "model.vocab_size",
+            m.vocab_size,
+            "must be <= 2^31 (2147483648)",
+        );
+        // One position predicts the next: a window of one token has no target.
+        v.check(
+            m.block_size >= 2,
+            "model.block_size",
+            m.block_size,
+            "must be >= 2",
+        );
+
+        let d = &self.data;
+        v.one_of("data.sampler", &d.sampler, &["shuffled", "sequential"]);
+        v.one_of("data.builtin", &d.builtin, &["", "arithmetic", "random"]);
+        if d.builtin.is_empty() {
+            v.check(
+                !d.train.is_empty(),
+                "data.train",
+                quoted(&d.train),
+                "a token file is required when data.builtin is \"\" \
+                 (or set data.builtin = \"arithmetic\" or \"random\")",
+            );
+        } else {
+            // Which one would be used is a guess the user should not have to make.
+            for (path, value) in [("data.train", &d.train), ("data.val", &d.val)] {
+                v.check(
+                    value.is_empty(),
+                    path,
+                    quoted(value),
+                    format!(
+                        "must be empty when data.builtin = {} (a built-in corpus reads no files)",
+                        quoted(&d.builtin)
+                    ),
+                );
+            }
+        }
+
+        let o = &self.optim;
+        let lr_ok = o.lr > 0.0 && o.lr.is_finite();
+        v.check(lr_ok, "optim.lr", o.lr, "must be finite and > 0");
+        // Each check states what must hold, so NaN (every comparison false)
+        // fails it. A broken lr is reported once, not again through min_lr.
+        v.check(
+            o.min_lr >= 0.0 && (o.min_lr <= o.lr || !lr_ok),
+            "optim.min_lr",
+            o.min_lr,
+            format!("must be >= 0 and <= optim.lr ({})", o.lr),
+        );
+        v.check(
+            o.warmup_steps <= self.train.steps,
+            "optim.warmup_steps",
+            o.warmup_steps,
+            format!("must be <= train.steps ({})", self.train.steps),
+        );
+        v.one_of(
+            "optim.schedule",
+            &o.schedule,
+            &["cosine", "wsd", "constant"],
+        );
+        v.check(
+            o.decay_frac > 0.0 && o.decay_frac <= 1.0,
+            "optim.decay_frac",
+            o.decay_frac,
+            "must be in (0, 1]",
+        );
+        v.check(
+            o.weight_decay >= 0.0 && o.weight_decay.is_finite(),
+            "optim.weight_decay",
+            o.weight_decay,
+            "must be finite and >= 0",
+        );
+        for (path, value) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
+            v.check(
+                (0.0..1.0).contains(&value),
+                path,
+                value,
+                "must be in [0, 1)",
+            );
+        }
+        v.check(
+            o.eps > 0.0 && o.eps.is_finite(),
+            "optim.eps",
+            o.eps,
+            "must be finite and > 0",
+        );
+        v.check(
+            o.grad_clip >= 0.0 && o.grad_clip.is_finite(),
+            "optim.grad_clip",
+            o.grad_clip,
+            "must be finite and >= 0 (0 disables clipping)",
+        );
+
+        let p = &self.parallel;
+        for (path, value) in [
+            ("parallel.pp", p.pp),
+            ("parallel.dp", p.dp),
+            ("parallel.microbatches", p.microbatches),
+        ] {
+            v.check(value >= 1, path, value, "must be >= 1");
+        }
+        v.check(
+            p.pp <= m.n_layer,
+            "parallel.pp",
+            p.pp,
+            format!(
+                "must be <= model.n_layer ({}): every stage needs at least one block",
+                m.n_layer
+            ),
+        );
+        v.one_of("parallel.schedule", &p.schedule, &["1f1b", "gpipe"]);
+        v.check(
+            p.pp <= 1,
+            "parallel.pp",
+            p.pp,
+            "pipeline parallelism is not implemented yet in this build \
+             (the actor runtime will lift this); use pp = 1",
+        );
+        v.check(
+            p.dp <= 1,
+            "parallel.dp",
+            p.dp,
+            "data parallelism is not implemented yet in this build \
+             (the actor runtime will lift this); use dp = 1",
+        );
+
+        v.check(
+            self.backend.kind == "cpu",
+            "backend.kind",
+            quoted(&self.backend.kind),
+            "only \"cpu\" is available in this build",
+        );
+
+        v.finish()
+    }
+
+    /// The resolved config as TOML: every field, defaults filled in and
+    /// overrides applied, so a result can be reproduced from it alone.
+    pub fn to_toml_string(&self) -> String {
+        // Only plain scalars in tables, which TOML can always express.
+        toml::to_string(self).expect("a Config always serializes to TOML")
+    }
+
+    /// blake3 of [`Config::to_toml_string`], in hex: names a run's settings.
+    pub fn hash(&self) -> String {
+        blake3::hash(self.to_toml_string().as_bytes())
+            .to_hex()
+            .to_string()
+    }
+}
+
+/// Applies one `section.key=value` to the tree and returns `section.key`.
+fn apply_override(tree: &mut toml::Table, arg: &str) -> Result<String, ConfigError> {
+    let fail = |reason: String| ConfigError::Override {
+        arg: arg.to_string(),
+        reason,
+    };
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| fail("expected section.key=value".into()))?;
+    let key = key.trim();
+    let (section, field) = key
+        .split_once('.')
+        .ok_or_else(|| fail(format!("`{key}` is not of the form section.key")))?;
+    // The schema, read off the defaults: every field is always serialized.
+    let schema = toml::Table::try_from(Config::default()).expect("defaults serialize");
+    let Some(toml::Value::Table(fields)) = schema.get(section) else {
+        let known: Vec<&str> = schema.keys().map(String::as_str).collect();
+        return Err(fail(format!(
+            "unknown section `{section}`, expected one of {}",
+            known.join(", ")
+        )));
+    };
+    let Some(default) = fields.get(field) else {
+        let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+        return Err(fail(format!(
+            "unknown key `{field}` in [{section}], expected one of {}",
+            known.join(", ")
+        )));
+    };
+    // A string field takes the text as given, so `data.train=2024` stays a
+    // file name instead of becoming an integer.
+    let value = match (raw.parse::<toml::Value>(), default) {
+        (Ok(parsed), toml::Value::String(_)) if !parsed.is_str() => {
+            toml::Value::String(raw.to_string())
+        }
+        (Ok(parsed), _) => parsed,
+        (Err(_), _) => toml::Value::String(raw.to_string()),
+    };
+    let table = tree
+        .entry(section.to_string())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let toml::Value::Table(table) = table else {
+        return Err(fail(format!("`{section}` in the config is not a table")));
+    };
+    table.insert(field.to_string(), value);
+    Ok(key.to_string())
+}
+
+fn quoted(s: &str) -> String {
+    format!("{s:?}")
+}
+
+#[derive(Default)]
+struct Validator {
+    problems: Vec<Problem>,
+}
+
+impl Validator {
+    fn check(
+        &mut self,
+        ok: bool,
+        path: &str,
+        value: impl fmt::Display,
+        expected: impl Into<String>,
+    ) {
+        if !ok {
+            self.problems.push(Problem {
+                path: path.to_string(),
+                value: value.to_string(),
+                expected: expected.into(),
+            });
+        }
+    }
+
+    fn one_of(&mut self, path: &str, value: &str, allowed: &[&str]) {
+        let list: Vec<String> = allowed.iter().map(|a| quoted(a)).collect();
+        self.check(
+            allowed.contains(&value),
+            path,
+            quoted(value),
+            format!("expected one of {}", list.join(", ")),
+        );
+    }
+
+    fn finish(self) -> Result<(), ConfigError> {
+        if self.problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(self.problems))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, "configs/x.toml", &[])
+    }
+
+    fn with_set(overrides: &[&str]) -> Result<Config, ConfigError> {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        Config::load(None, &overrides)
+    }
+
+    fn valid() -> Config {
+        Config::load(None, &[]).unwrap()
+    }
+
+    /// Validates `config` and returns the broken rules' paths.
+    fn broken(config: &Config) -> Vec<String> {
+        match config.validate() {
+            Ok(()) => vec![],
+            Err(e) => e.problems().iter().map(|p| p.path.clone()).collect(),
+        }
+    }
+
+    /// Asserts that exactly the rule at `path` is broken.
+    fn refused(config: &Config, path: &str) -> String {
+        let err = config.validate().expect_err("config should be refused");
+        let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, [path], "{err}");
+        err.to_string()
+    }
+
+    #[test]
+    fn embedded_default_loads_and_validates() {
+        let config = valid();
+        config.validate().unwrap();
+        assert_eq!(config.data.builtin, "arithmetic");
+    }
+
+    #[test]
+    fn shipped_configs_all_load_and_validate() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                let config = Config::load(Some(&path), &[]).unwrap();
+                config
+                    .validate()
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                seen += 1;
+            }
+        }
+        assert!(
+            seen >= 3,
+            "expected default, bench-cpu and gpt2-124m in {dir:?}"
+        );
+    }
+
+    #[test]
+    fn gpt2_124m_validates_without_its_data_files() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/gpt2-124m.toml");
+        let config = Config::load(Some(&path), &[]).unwrap();
+        assert!(!Path::new(&config.data.train).is_absolute());
+        config.validate().unwrap();
+        assert_eq!((config.model.n_layer, config.model.n_embd), (12, 768));
+        assert_eq!(config.model.head_dim(), 64);
+    }
+
+    #[test]
+    fn missing_sections_and_keys_take_defaults() {
+        let config = parse("[data]\nbuiltin = \"arithmetic\"\n").unwrap();
+        assert_eq!(config.model, ModelSection::default());
+        assert_eq!(config.optim, OptimSection::default());
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_with_its_path() {
+        let err = parse("[model]\nn_heads = 4\n").unwrap_err().to_string();
+        assert!(
+            err.starts_with("configs/x.toml: model.n_heads: unknown field `n_heads`"),
+            "{err}"
+        );
+        assert!(err.contains("expected one of"), "{err}");
+    }
+
+    #[test]
+    fn unknown_section_is_rejected_with_its_name() {
+        let err = parse("[modle]\nn_head = 4\n").unwrap_err().to_string();
+        assert!(
+            err.starts_with("configs/x.toml: modle: unknown field `modle`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn wrong_type_is_rejected_with_its_path() {
+        let err = parse("[model]\nn_head = \"four\"\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "configs/x.toml: model.n_head: invalid type: string \"four\", expected usize"
+        );
+    }
+
+    #[test]
+    fn negative_size_is_rejected_with_its_path() {
+        let err = parse("[train]\nsteps = -1\n").unwrap_err().to_string();
+        assert!(
+            err.starts_with("configs/x.toml: train.steps: invalid value"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn integer_is_accepted_for_a_float_field() {
+        assert_eq!(parse("[optim]\nlr = 1\n").unwrap().optim.lr, 1.0);
+    }
+
+    #[test]
+    fn missing_config_file_names_the_file() {
+        let err = Config::load(Some(Path::new("configs/no-such.toml")), &[]).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, ConfigError::Read { .. }));
+        assert!(
+            text.starts_with("configs/no-such.toml: cannot read config file"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn malformed_toml_names_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("broken.toml");
+        std::fs::write(&path, "[model]\nn_layer = 4\nn_head = = 4\n").unwrap();
+        let err = Config::load(Some(&path), &[]).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}: ", path.display())), "{err}");
+        assert!(err.contains("line 3, column"), "{err}");
+    }
+
+    #[test]
+    fn set_override_replaces_value() {
+        let config = with_set(&["optim.lr=3e-4", "model.n_layer=2"]).unwrap();
+        assert_eq!(config.optim.lr, 3e-4);
+        assert_eq!(config.model.n_layer, 2);
+    }
+
+    #[test]
+    fn set_override_takes_unquoted_text_as_a_string() {
+        let config = with_set(&["data.builtin=", "data.train=data/foo.bin"]).unwrap();
+        assert_eq!(config.data.train, "data/foo.bin");
+        assert_eq!(config.data.builtin, "");
+        config.validate().unwrap();
+    }
+
+    #[test]
+    fn set_override_of_a_string_field_keeps_numeric_text() {
+        let config = with_set(&["data.val=2024"]).unwrap();
+        assert_eq!(config.data.val, "2024");
+    }
+
+    #[test]
+    fn set_override_adds_a_section_the_file_lacks() {
+        let config = with_set(&["backend.threads=2"]).unwrap();
+        assert_eq!(config.backend.threads, 2);
+    }
+
+    #[test]
+    fn set_override_applies_in_order() {
+        let config = with_set(&["train.steps=5", "train.steps=7"]).unwrap();
+        assert_eq!(config.train.steps, 7);
+    }
+
+    #[test]
+    fn set_override_of_unknown_key_is_rejected() {
+        let err = with_set(&["model.n_heads=4"]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("--set model.n_heads=4: unknown key `n_heads` in [model]"),
+            "{err}"
+        );
+        let err = with_set(&["modle.n_head=4"]).unwrap_err().to_string();
+        assert!(
+            err.starts_with("--set modle.n_head=4: unknown section `modle`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn set_override_without_equals_or_section_is_rejected() {
+        let err = with_set(&["optim.lr"]).unwrap_err();
+        assert!(matches!(err, ConfigError::Override { .. }), "{err}");
+        let err = with_set(&["lr=1"]).unwrap_err();
+        assert!(matches!(err, ConfigError::Override { .. }), "{err}");
+    }
+
+    #[test]
+    fn set_override_of_wrong_type_blames_the_override() {
+        let err = with_set(&["model.n_head=four"]).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "--set model.n_head=four: model.n_head: invalid type: string \"four\", expected usize"
+        );
+    }
+
+    #[test]
+    fn sizes_must_be_positive() {
+        let mut c = valid();
+        c.model.n_layer = 0;
+        c.parallel.pp = 0;
+        assert_eq!(broken(&c), ["model.n_layer", "parallel.pp"]);
+        for path in [
+            "model.n_head",
+            "model.n_embd",
+            "model.vocab_size",
+            "train.steps",
+        ] {
+            let mut c = valid();
+            match path {
+                "model.n_head" => c.model.n_head = 0,
+                "model.n_embd" => c.model.n_embd = 0,
+                "model.vocab_size" => c.model.vocab_size = 0,
+                _ => {
+                    c.train.steps = 0;
+                    c.optim.warmup_steps = 0;
+                }
+            }
+            // n_embd = 0 is divisible by anything, so one rule each.
+            refused(&c, path);
+        }
+        let mut c = valid();
+        c.train.micro_batch_size = 0;
+        refused(&c, "train.micro_batch_size");
+    }
+
+    #[test]
+    fn heads_must_divide_width() {
+        let mut c = valid();
+        c.model.n_head = 3;
+        let err = refused(&c, "model.n_embd");
+        assert_eq!(
+            err,
+            "model.n_embd: 128: must be divisible by model.n_head (3)"
+        );
+    }
+
+    #[test]
+    fn head_dim_is_width_over_heads() {
+        assert_eq!(valid().model.head_dim(), 32);
+    }
+
+    #[test]
+    fn vocab_must_fit_in_i32_token_ids() {
+        let mut c = valid();
+        c.model.vocab_size = 1 << 31;
+        c.validate().unwrap();
+        c.model.vocab_size = (1 << 31) + 1;
+        refused(&c, "model.vocab_size");
+    }
+
+    #[test]
+    fn block_size_must_be_at_least_two() {
+        let mut c = valid();
+        c.model.block_size = 1;
+        assert_eq!(
+            refused(&c, "model.block_size"),
+            "model.block_size: 1: must be >= 2"
+        );
+    }
+
+    #[test]
+    fn sampler_must_be_known() {
+        let mut c = valid();
+        c.data.sampler = "random".into();
+        let err = refused(&c, "data.sampler");
+        assert!(err.contains("\"shuffled\", \"sequential\""), "{err}");
+    }
+
+    #[test]
+    fn lr_schedule_must_be_known() {
+        let mut c = valid();
+        c.optim.schedule = "linear".into();
+        refused(&c, "optim.schedule");
+        for ok in ["cosine", "wsd", "constant"] {
+            c.optim.schedule = ok.into();
+            c.validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn lr_must_be_positive_and_finite() {
+        for bad in [0.0, -1e-3, f64::INFINITY, f64::NAN] {
+            let mut c = valid();
+            c.optim.lr = bad;
+            c.optim.min_lr = 0.0;
+            refused(&c, "optim.lr");
+        }
+    }
+
+    #[test]
+    fn min_lr_must_lie_between_zero_and_lr() {
+        let mut c = valid();
+        c.optim.min_lr = c.optim.lr * 2.0;
+        refused(&c, "optim.min_lr");
+        c.optim.min_lr = -1e-5;
+        refused(&c, "optim.min_lr");
+        c.optim.min_lr = c.optim.lr;
+        c.validate().unwrap();
+        c.optim.min_lr = 0.0;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn betas_must_lie_in_zero_to_one() {
+        let mut c = valid();
+        c.optim.beta1 = 1.0;
+        refused(&c, "optim.beta1");
+        let mut c = valid();
+        c.optim.beta2 = -0.1;
+        refused(&c, "optim.beta2");
+        c.optim.beta2 = 0.0;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn eps_must_be_positive() {
+        let mut c = valid();
+        c.optim.eps = 0.0;
+        refused(&c, "optim.eps");
+    }
+
+    #[test]
+    fn weight_decay_must_not_be_negative() {
+        let mut c = valid();
+        c.optim.weight_decay = -0.1;
+        refused(&c, "optim.weight_decay");
+        c.optim.weight_decay = 0.0;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn grad_clip_must_not_be_negative() {
+        let mut c = valid();
+        c.optim.grad_clip = -1.0;
+        refused(&c, "optim.grad_clip");
+        c.optim.grad_clip = 0.0;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn decay_frac_must_lie_in_zero_exclusive_to_one() {
+        let mut c = valid();
+        c.optim.decay_frac = 0.0;
+        refused(&c, "optim.decay_frac");
+        c.optim.decay_frac = 1.5;
+        refused(&c, "optim.decay_frac");
+        c.optim.decay_frac = 1.0;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn warmup_must_not_exceed_steps() {
+        let mut c = valid();
+        c.optim.warmup_steps = c.train.steps + 1;
+        refused(&c, "optim.warmup_steps");
+        c.optim.warmup_steps = c.train.steps;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn pipeline_schedule_must_be_known() {
+        let mut c = valid();
+        c.parallel.schedule = "zbh1".into();
+        refused(&c, "parallel.schedule");
+        c.parallel.schedule = "gpipe".into();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn microbatches_must_be_at_least_one() {
+        let mut c = valid();
+        c.parallel.microbatches = 0;
+        refused(&c, "parallel.microbatches");
+    }
+
+    #[test]
+    fn stages_must_not_outnumber_layers() {
+        let mut c = valid();
+        c.parallel.pp = c.model.n_layer + 1;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("every stage needs at least one block"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn pipeline_and_data_parallelism_are_refused_until_implemented() {
+        let mut c = valid();
+        c.parallel.pp = 2;
+        let err = refused(&c, "parallel.pp");
+        assert!(
+            err.contains("pipeline parallelism is not implemented yet"),
+            "{err}"
+        );
+        let mut c = valid();
+        c.parallel.dp = 2;
+        let err = refused(&c, "parallel.dp");
+        assert!(
+            err.contains("data parallelism is not implemented yet"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn only_the_cpu_backend_is_available() {
+        let mut c = valid();
+        c.backend.kind = "cuda".into();
+        let err = refused(&c, "backend.kind");
+        assert_eq!(
+            err,
+            "backend.kind: \"cuda\": only \"cpu\" is available in this build"
+        );
+    }
+
+    #[test]
+    fn builtin_corpus_must_be_known() {
+        let mut c = valid();
+        c.data.builtin = "shakespeare".into();
+        refused(&c, "data.builtin");
+        c.data.builtin = "random".into();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn file_corpus_needs_a_train_file() {
+        let mut c = valid();
+        c.data.builtin = String::new();
+        let err = refused(&c, "data.train");
+        assert!(
+            err.starts_with("data.train: \"\": a token file is required"),
+            "{err}"
+        );
+        c.data.train = "data/train.bin".into();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn builtin_corpus_and_files_are_not_combined() {
+        let mut c = valid();
+        c.data.train = "data/train.bin".into();
+        refused(&c, "data.train");
+        let mut c = valid();
+        c.data.val = "data/val.bin".into();
+        refused(&c, "data.val");
+    }
+
+    #[test]
+    fn all_broken_rules_are_reported_together() {
+        let mut c = valid();
+        c.model.n_head = 3;
+        c.optim.lr = -1.0;
+        c.backend.kind = "tpu".into();
+        let err = c.validate().unwrap_err();
+        assert_eq!(err.problems().len(), 3, "{err}");
+        assert_eq!(err.to_string().lines().count(), 3);
+    }
+
+    #[test]
+    fn resolved_toml_round_trips() {
+        let config = with_set(&["optim.lr=3e-4", "data.sampler=sequential"]).unwrap();
+        let text = config.to_toml_string();
+        let again = Config::parse(&text, "resolved", &[]).unwrap();
+        assert_eq!(again, config);
+        assert_eq!(again.hash(), config.hash());
+    }
+
+    #[test]
+    fn hash_is_blake3_hex_and_changes_with_any_field() {
+        let a = valid();
+        let mut b = valid();
+        assert_eq!(a.hash().len(), 64);
+        assert_eq!(a.hash(), b.hash());
+        b.train.seed += 1;
+        assert_ne!(a.hash(), b.hash());
     }
 }

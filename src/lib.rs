@@ -3,9 +3,12 @@
 //! The layout follows one optimizer step: `config` → `data` → `model` (built
 //! from `kernels`) → `optim` → `train`.
 
+pub mod bench;
 pub mod config;
 pub mod data;
-pub mod rng;
+pub mod inspect;
 pub mod kernels;
 pub mod model;
 pub mod optim;
+pub mod rng;
+pub mod train;

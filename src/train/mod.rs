@@ -1,0 +1,6 @@
+//! A training run: the step engine, the run loop with its outputs (metrics,
+//! summary, weights, loss curve), and progress reporting.
+
+pub mod engine;
+pub mod plot;
+pub mod run;
