@@ -53,7 +53,7 @@ pub fn run(cfg: &Config, steps: usize, warmup: usize, mut progress: impl FnMut(u
     let n = engine.tokens_per_step() / engine.microbatches;
     let vocab = gpt.vocab_size as u64;
     let seed = cfg.train.seed;
-    let mut fill_step = |step: usize| {
+    let fill_step = |step: usize| {
         move |mb: usize, inp: &mut [u32], tgt: &mut [u32]| {
             let mut r = Rng::new(seed, Purpose::Data, &[step as u64, mb as u64]);
             for i in 0..n {
@@ -104,8 +104,16 @@ impl BenchReport {
         s += &format!("{:<34}{:>14}\n", "tokens/s", format!("{:.0}", self.tokens_per_s));
         s += &format!("{:<34}{:>14}\n", "ms/step", format!("{:.1}", self.ms_per_step));
         s += &format!("{:<34}{:>14}\n", "model GFLOP/s (6N + 6LCT per token)", format!("{:.1}", self.gflops));
-        s += &format!("{:<34}{:>14}\n", "1024³ f32 gemm GFLOP/s, same threads", format!("{:.1}", self.gemm_peak_gflops));
-        s += &format!("{:<34}{:>14}\n", "model / gemm rate", format!("{:.2}", self.gflops / self.gemm_peak_gflops));
+        s += &format!(
+            "{:<34}{:>14}\n",
+            "1024³ f32 gemm GFLOP/s, same threads",
+            format!("{:.1}", self.gemm_peak_gflops)
+        );
+        s += &format!(
+            "{:<34}{:>14}\n",
+            "model / gemm rate",
+            format!("{:.2}", self.gflops / self.gemm_peak_gflops)
+        );
         s += "\nshare of step time per kernel\n";
         let mut shares = self.kernel_share.clone();
         shares.sort_by(|a, b| b.1.total_cmp(&a.1));

@@ -109,13 +109,7 @@ pub struct BackendSection {
 
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection {
-            n_layer: 12,
-            n_head: 12,
-            n_embd: 768,
-            vocab_size: 50257,
-            block_size: 1024,
-        }
+        ModelSection { n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, block_size: 1024 }
     }
 }
 
@@ -162,21 +156,13 @@ impl Default for OptimSection {
 
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection {
-            pp: 1,
-            dp: 1,
-            microbatches: 1,
-            schedule: "1f1b".into(),
-        }
+        ParallelSection { pp: 1, dp: 1, microbatches: 1, schedule: "1f1b".into() }
     }
 }
 
 impl Default for BackendSection {
     fn default() -> Self {
-        BackendSection {
-            kind: "cpu".into(),
-            threads: 0,
-        }
+        BackendSection { kind: "cpu".into(), threads: 0 }
     }
 }
 
@@ -225,11 +211,7 @@ pub enum ConfigError {
     Override { arg: String, reason: String },
     /// Well-formed TOML that does not fit the schema (wrong type, unknown key).
     #[error("{origin}: {path}: {message}")]
-    Schema {
-        origin: String,
-        path: String,
-        message: String,
-    },
+    Schema { origin: String, path: String, message: String },
     /// Values that fit the schema but break a rule; one line per problem.
     #[error("{}", display_problems(.0))]
     Invalid(Vec<Problem>),
@@ -259,10 +241,8 @@ impl Config {
             None => Config::parse(DEFAULT_TOML, DEFAULT_ORIGIN, overrides),
             Some(path) => {
                 let origin = path.display().to_string();
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                    origin: origin.clone(),
-                    source,
-                })?;
+                let text = std::fs::read_to_string(path)
+                    .map_err(|source| ConfigError::Read { origin: origin.clone(), source })?;
                 Config::parse(&text, &origin, overrides)
             }
         }
@@ -288,11 +268,7 @@ impl Config {
                 Some((_, arg)) => format!("--set {arg}"),
                 None => origin.to_string(),
             };
-            ConfigError::Schema {
-                origin,
-                path,
-                message,
-            }
+            ConfigError::Schema { origin, path, message }
         })
     }
 
@@ -321,19 +297,9 @@ impl Config {
             );
         }
         // Token ids travel as i32 (llm.c's format, the kernels' indices).
-        v.check(
-            m.vocab_size <= 1 << 31,
-            "model.vocab_size",
-            m.vocab_size,
-            "must be <= 2^31 (2147483648)",
-        );
+        v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
         // One position predicts the next: a window of one token has no target.
-        v.check(
-            m.block_size >= 2,
-            "model.block_size",
-            m.block_size,
-            "must be >= 2",
-        );
+        v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
 
         let d = &self.data;
         v.one_of("data.sampler", &d.sampler, &["shuffled", "sequential"]);
@@ -378,11 +344,7 @@ impl Config {
             o.warmup_steps,
             format!("must be <= train.steps ({})", self.train.steps),
         );
-        v.one_of(
-            "optim.schedule",
-            &o.schedule,
-            &["cosine", "wsd", "constant"],
-        );
+        v.one_of("optim.schedule", &o.schedule, &["cosine", "wsd", "constant"]);
         v.check(
             o.decay_frac > 0.0 && o.decay_frac <= 1.0,
             "optim.decay_frac",
@@ -396,19 +358,9 @@ impl Config {
             "must be finite and >= 0",
         );
         for (path, value) in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)] {
-            v.check(
-                (0.0..1.0).contains(&value),
-                path,
-                value,
-                "must be in [0, 1)",
-            );
+            v.check((0.0..1.0).contains(&value), path, value, "must be in [0, 1)");
         }
-        v.check(
-            o.eps > 0.0 && o.eps.is_finite(),
-            "optim.eps",
-            o.eps,
-            "must be finite and > 0",
-        );
+        v.check(o.eps > 0.0 && o.eps.is_finite(), "optim.eps", o.eps, "must be finite and > 0");
         v.check(
             o.grad_clip >= 0.0 && o.grad_clip.is_finite(),
             "optim.grad_clip",
@@ -417,21 +369,16 @@ impl Config {
         );
 
         let p = &self.parallel;
-        for (path, value) in [
-            ("parallel.pp", p.pp),
-            ("parallel.dp", p.dp),
-            ("parallel.microbatches", p.microbatches),
-        ] {
+        for (path, value) in
+            [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.microbatches", p.microbatches)]
+        {
             v.check(value >= 1, path, value, "must be >= 1");
         }
         v.check(
             p.pp <= m.n_layer,
             "parallel.pp",
             p.pp,
-            format!(
-                "must be <= model.n_layer ({}): every stage needs at least one block",
-                m.n_layer
-            ),
+            format!("must be <= model.n_layer ({}): every stage needs at least one block", m.n_layer),
         );
         v.one_of("parallel.schedule", &p.schedule, &["1f1b", "gpipe"]);
         v.check(
@@ -468,33 +415,22 @@ impl Config {
 
     /// blake3 of [`Config::to_toml_string`], in hex: names a run's settings.
     pub fn hash(&self) -> String {
-        blake3::hash(self.to_toml_string().as_bytes())
-            .to_hex()
-            .to_string()
+        blake3::hash(self.to_toml_string().as_bytes()).to_hex().to_string()
     }
 }
 
 /// Applies one `section.key=value` to the tree and returns `section.key`.
 fn apply_override(tree: &mut toml::Table, arg: &str) -> Result<String, ConfigError> {
-    let fail = |reason: String| ConfigError::Override {
-        arg: arg.to_string(),
-        reason,
-    };
-    let (key, raw) = arg
-        .split_once('=')
-        .ok_or_else(|| fail("expected section.key=value".into()))?;
+    let fail = |reason: String| ConfigError::Override { arg: arg.to_string(), reason };
+    let (key, raw) = arg.split_once('=').ok_or_else(|| fail("expected section.key=value".into()))?;
     let key = key.trim();
-    let (section, field) = key
-        .split_once('.')
-        .ok_or_else(|| fail(format!("`{key}` is not of the form section.key")))?;
+    let (section, field) =
+        key.split_once('.').ok_or_else(|| fail(format!("`{key}` is not of the form section.key")))?;
     // The schema, read off the defaults: every field is always serialized.
     let schema = toml::Table::try_from(Config::default()).expect("defaults serialize");
     let Some(toml::Value::Table(fields)) = schema.get(section) else {
         let known: Vec<&str> = schema.keys().map(String::as_str).collect();
-        return Err(fail(format!(
-            "unknown section `{section}`, expected one of {}",
-            known.join(", ")
-        )));
+        return Err(fail(format!("unknown section `{section}`, expected one of {}", known.join(", "))));
     };
     let Some(default) = fields.get(field) else {
         let known: Vec<&str> = fields.keys().map(String::as_str).collect();
@@ -506,15 +442,11 @@ fn apply_override(tree: &mut toml::Table, arg: &str) -> Result<String, ConfigErr
     // A string field takes the text as given, so `data.train=2024` stays a
     // file name instead of becoming an integer.
     let value = match (raw.parse::<toml::Value>(), default) {
-        (Ok(parsed), toml::Value::String(_)) if !parsed.is_str() => {
-            toml::Value::String(raw.to_string())
-        }
+        (Ok(parsed), toml::Value::String(_)) if !parsed.is_str() => toml::Value::String(raw.to_string()),
         (Ok(parsed), _) => parsed,
         (Err(_), _) => toml::Value::String(raw.to_string()),
     };
-    let table = tree
-        .entry(section.to_string())
-        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let table = tree.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
     let toml::Value::Table(table) = table else {
         return Err(fail(format!("`{section}` in the config is not a table")));
     };
@@ -532,13 +464,7 @@ struct Validator {
 }
 
 impl Validator {
-    fn check(
-        &mut self,
-        ok: bool,
-        path: &str,
-        value: impl fmt::Display,
-        expected: impl Into<String>,
-    ) {
+    fn check(&mut self, ok: bool, path: &str, value: impl fmt::Display, expected: impl Into<String>) {
         if !ok {
             self.problems.push(Problem {
                 path: path.to_string(),
@@ -615,16 +541,11 @@ mod tests {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {
                 let config = Config::load(Some(&path), &[]).unwrap();
-                config
-                    .validate()
-                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                config.validate().unwrap_or_else(|e| panic!("{}: {e}", path.display()));
                 seen += 1;
             }
         }
-        assert!(
-            seen >= 3,
-            "expected default, bench-cpu and gpt2-124m in {dir:?}"
-        );
+        assert!(seen >= 3, "expected default, bench-cpu and gpt2-124m in {dir:?}");
     }
 
     #[test]
@@ -647,40 +568,26 @@ mod tests {
     #[test]
     fn unknown_key_is_rejected_with_its_path() {
         let err = parse("[model]\nn_heads = 4\n").unwrap_err().to_string();
-        assert!(
-            err.starts_with("configs/x.toml: model.n_heads: unknown field `n_heads`"),
-            "{err}"
-        );
+        assert!(err.starts_with("configs/x.toml: model.n_heads: unknown field `n_heads`"), "{err}");
         assert!(err.contains("expected one of"), "{err}");
     }
 
     #[test]
     fn unknown_section_is_rejected_with_its_name() {
         let err = parse("[modle]\nn_head = 4\n").unwrap_err().to_string();
-        assert!(
-            err.starts_with("configs/x.toml: modle: unknown field `modle`"),
-            "{err}"
-        );
+        assert!(err.starts_with("configs/x.toml: modle: unknown field `modle`"), "{err}");
     }
 
     #[test]
     fn wrong_type_is_rejected_with_its_path() {
-        let err = parse("[model]\nn_head = \"four\"\n")
-            .unwrap_err()
-            .to_string();
-        assert_eq!(
-            err,
-            "configs/x.toml: model.n_head: invalid type: string \"four\", expected usize"
-        );
+        let err = parse("[model]\nn_head = \"four\"\n").unwrap_err().to_string();
+        assert_eq!(err, "configs/x.toml: model.n_head: invalid type: string \"four\", expected usize");
     }
 
     #[test]
     fn negative_size_is_rejected_with_its_path() {
         let err = parse("[train]\nsteps = -1\n").unwrap_err().to_string();
-        assert!(
-            err.starts_with("configs/x.toml: train.steps: invalid value"),
-            "{err}"
-        );
+        assert!(err.starts_with("configs/x.toml: train.steps: invalid value"), "{err}");
     }
 
     #[test]
@@ -693,10 +600,7 @@ mod tests {
         let err = Config::load(Some(Path::new("configs/no-such.toml")), &[]).unwrap_err();
         let text = err.to_string();
         assert!(matches!(err, ConfigError::Read { .. }));
-        assert!(
-            text.starts_with("configs/no-such.toml: cannot read config file"),
-            "{text}"
-        );
+        assert!(text.starts_with("configs/no-such.toml: cannot read config file"), "{text}");
     }
 
     #[test]
@@ -745,15 +649,9 @@ mod tests {
     #[test]
     fn set_override_of_unknown_key_is_rejected() {
         let err = with_set(&["model.n_heads=4"]).unwrap_err().to_string();
-        assert!(
-            err.starts_with("--set model.n_heads=4: unknown key `n_heads` in [model]"),
-            "{err}"
-        );
+        assert!(err.starts_with("--set model.n_heads=4: unknown key `n_heads` in [model]"), "{err}");
         let err = with_set(&["modle.n_head=4"]).unwrap_err().to_string();
-        assert!(
-            err.starts_with("--set modle.n_head=4: unknown section `modle`"),
-            "{err}"
-        );
+        assert!(err.starts_with("--set modle.n_head=4: unknown section `modle`"), "{err}");
     }
 
     #[test]
@@ -779,12 +677,7 @@ mod tests {
         c.model.n_layer = 0;
         c.parallel.pp = 0;
         assert_eq!(broken(&c), ["model.n_layer", "parallel.pp"]);
-        for path in [
-            "model.n_head",
-            "model.n_embd",
-            "model.vocab_size",
-            "train.steps",
-        ] {
+        for path in ["model.n_head", "model.n_embd", "model.vocab_size", "train.steps"] {
             let mut c = valid();
             match path {
                 "model.n_head" => c.model.n_head = 0,
@@ -808,10 +701,7 @@ mod tests {
         let mut c = valid();
         c.model.n_head = 3;
         let err = refused(&c, "model.n_embd");
-        assert_eq!(
-            err,
-            "model.n_embd: 128: must be divisible by model.n_head (3)"
-        );
+        assert_eq!(err, "model.n_embd: 128: must be divisible by model.n_head (3)");
     }
 
     #[test]
@@ -832,10 +722,7 @@ mod tests {
     fn block_size_must_be_at_least_two() {
         let mut c = valid();
         c.model.block_size = 1;
-        assert_eq!(
-            refused(&c, "model.block_size"),
-            "model.block_size: 1: must be >= 2"
-        );
+        assert_eq!(refused(&c, "model.block_size"), "model.block_size: 1: must be >= 2");
     }
 
     #[test]
@@ -958,10 +845,7 @@ mod tests {
         let mut c = valid();
         c.parallel.pp = c.model.n_layer + 1;
         let err = c.validate().unwrap_err().to_string();
-        assert!(
-            err.contains("every stage needs at least one block"),
-            "{err}"
-        );
+        assert!(err.contains("every stage needs at least one block"), "{err}");
     }
 
     #[test]
@@ -969,17 +853,11 @@ mod tests {
         let mut c = valid();
         c.parallel.pp = 2;
         let err = refused(&c, "parallel.pp");
-        assert!(
-            err.contains("pipeline parallelism is not implemented yet"),
-            "{err}"
-        );
+        assert!(err.contains("pipeline parallelism is not implemented yet"), "{err}");
         let mut c = valid();
         c.parallel.dp = 2;
         let err = refused(&c, "parallel.dp");
-        assert!(
-            err.contains("data parallelism is not implemented yet"),
-            "{err}"
-        );
+        assert!(err.contains("data parallelism is not implemented yet"), "{err}");
     }
 
     #[test]
@@ -987,10 +865,7 @@ mod tests {
         let mut c = valid();
         c.backend.kind = "cuda".into();
         let err = refused(&c, "backend.kind");
-        assert_eq!(
-            err,
-            "backend.kind: \"cuda\": only \"cpu\" is available in this build"
-        );
+        assert_eq!(err, "backend.kind: \"cuda\": only \"cpu\" is available in this build");
     }
 
     #[test]
@@ -1007,10 +882,7 @@ mod tests {
         let mut c = valid();
         c.data.builtin = String::new();
         let err = refused(&c, "data.train");
-        assert!(
-            err.starts_with("data.train: \"\": a token file is required"),
-            "{err}"
-        );
+        assert!(err.starts_with("data.train: \"\": a token file is required"), "{err}");
         c.data.train = "data/train.bin".into();
         c.validate().unwrap();
     }

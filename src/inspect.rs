@@ -38,20 +38,12 @@ pub enum InspectError {
 /// in names compared as numbers so `h.2` comes before `h.10`), the total
 /// parameter count and the `__metadata__` entries.
 pub fn inspect(path: &Path) -> Result<String, InspectError> {
-    let file_path = if path.is_dir() {
-        path.join(MODEL_FILE)
-    } else {
-        path.to_path_buf()
-    };
+    let file_path = if path.is_dir() { path.join(MODEL_FILE) } else { path.to_path_buf() };
     let (header, file_len) = read_header(&file_path)?;
-    let bad = |reason: String| InspectError::Format {
-        path: file_path.clone(),
-        reason,
-    };
+    let bad = |reason: String| InspectError::Format { path: file_path.clone(), reason };
     // safetensors' Metadata checks that offsets tile the data without gaps and
     // agree with dtype and shape; what it cannot see is the file's length.
-    let metadata: Metadata =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+    let metadata: Metadata = serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
     let expected_len = 8 + header.len() as u64 + metadata.data_len() as u64;
     if expected_len != file_len {
         return Err(bad(format!(
@@ -63,28 +55,18 @@ pub fn inspect(path: &Path) -> Result<String, InspectError> {
 
 /// The JSON header and the file's length, read without touching tensor data.
 fn read_header(path: &Path) -> Result<(Vec<u8>, u64), InspectError> {
-    let io = |source| InspectError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
+    let io = |source| InspectError::Io { path: path.to_path_buf(), source };
     let mut file = File::open(path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
-    let bad = |reason: String| InspectError::Format {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let bad = |reason: String| InspectError::Format { path: path.to_path_buf(), reason };
     let mut len_bytes = [0u8; 8];
     if file_len < 8 {
-        return Err(bad(format!(
-            "{file_len} bytes is too short for the 8-byte header length"
-        )));
+        return Err(bad(format!("{file_len} bytes is too short for the 8-byte header length")));
     }
     file.read_exact(&mut len_bytes).map_err(io)?;
     let n = u64::from_le_bytes(len_bytes);
     if n > MAX_HEADER_BYTES || n > file_len - 8 {
-        return Err(bad(format!(
-            "header length {n} does not fit in a file of {file_len} bytes"
-        )));
+        return Err(bad(format!("header length {n} does not fit in a file of {file_len} bytes")));
     }
     let mut header = vec![0u8; n as usize];
     file.read_exact(&mut header).map_err(io)?;
@@ -108,10 +90,7 @@ fn render(path: &Path, metadata: &Metadata, file_len: u64) -> String {
             ]
         })
         .collect();
-    let total: u128 = tensors
-        .iter()
-        .map(|(_, info)| info.shape.iter().product::<usize>() as u128)
-        .sum();
+    let total: u128 = tensors.iter().map(|(_, info)| info.shape.iter().product::<usize>() as u128).sum();
 
     let mut out = String::new();
     let _ = writeln!(
@@ -175,10 +154,7 @@ fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
         if ca.is_ascii_digit() && cb.is_ascii_digit() {
             let da = a.len() - a.trim_start_matches(|c: char| c.is_ascii_digit()).len();
             let db = b.len() - b.trim_start_matches(|c: char| c.is_ascii_digit()).len();
-            let (na, nb) = (
-                a[..da].trim_start_matches('0'),
-                b[..db].trim_start_matches('0'),
-            );
+            let (na, nb) = (a[..da].trim_start_matches('0'), b[..db].trim_start_matches('0'));
             let ord = na.len().cmp(&nb.len()).then(na.cmp(nb)).then(da.cmp(&db));
             if ord.is_ne() {
                 return ord;
@@ -215,10 +191,8 @@ mod tests {
 
     /// Writes tensors of the given shapes (all f32 zeros) plus metadata.
     fn write(path: &Path, tensors: &[(&str, Vec<usize>)], meta: Option<&[(&str, &str)]>) {
-        let data: Vec<Vec<u8>> = tensors
-            .iter()
-            .map(|(_, shape)| vec![0u8; 4 * shape.iter().product::<usize>()])
-            .collect();
+        let data: Vec<Vec<u8>> =
+            tensors.iter().map(|(_, shape)| vec![0u8; 4 * shape.iter().product::<usize>()]).collect();
         let views: Vec<(String, TensorView)> = tensors
             .iter()
             .zip(&data)
@@ -227,11 +201,8 @@ mod tests {
                 (name.to_string(), view)
             })
             .collect();
-        let meta: Option<HashMap<String, String>> = meta.map(|m| {
-            m.iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect()
-        });
+        let meta: Option<HashMap<String, String>> =
+            meta.map(|m| m.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
         safetensors::serialize_to_file(views, meta, path).unwrap();
     }
 
@@ -269,14 +240,8 @@ mod tests {
                 "transformer.wte.weight"
             ]
         );
-        let wte = out
-            .lines()
-            .find(|l| l.contains("transformer.wte.weight"))
-            .unwrap();
-        assert!(
-            wte.contains("F32") && wte.contains("[10, 4]") && wte.ends_with("40"),
-            "{wte}"
-        );
+        let wte = out.lines().find(|l| l.contains("transformer.wte.weight")).unwrap();
+        assert!(wte.contains("F32") && wte.contains("[10, 4]") && wte.ends_with("40"), "{wte}");
         assert!(out.contains("total parameters: 80\n"), "{out}");
         assert!(out.contains("4 tensors, 80 parameters"), "{out}");
     }
@@ -318,10 +283,7 @@ mod tests {
         for cut in 0..bytes.len() {
             std::fs::write(&path, &bytes[..cut]).unwrap();
             let err = inspect(&path).expect_err("truncated file accepted");
-            assert!(
-                err.to_string().starts_with(&path.display().to_string()),
-                "{err}"
-            );
+            assert!(err.to_string().starts_with(&path.display().to_string()), "{err}");
         }
     }
 
@@ -338,18 +300,12 @@ mod tests {
                 std::fs::write(&path, &bytes).unwrap();
                 // Some flips still give a valid file (a changed name); none may panic.
                 if let Err(err) = inspect(&path) {
-                    assert!(
-                        err.to_string().starts_with(&path.display().to_string()),
-                        "{err}"
-                    );
+                    assert!(err.to_string().starts_with(&path.display().to_string()), "{err}");
                 }
             }
         }
         std::fs::write(&path, u64::MAX.to_le_bytes()).unwrap();
-        assert!(inspect(&path)
-            .unwrap_err()
-            .to_string()
-            .contains("header length"));
+        assert!(inspect(&path).unwrap_err().to_string().contains("header length"));
     }
 
     #[test]

@@ -1,1 +1,218 @@
-fn main(){}
+//! The `pipewright` command line: a thin layer over the library. Each command
+//! parses its options, calls one library entry point and reports errors with
+//! their context, exiting non-zero.
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use pipewright::config::Config;
+use pipewright::data::{self, Tokenizer};
+use pipewright::train::run::{train, TrainOptions};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "pipewright",
+    version,
+    about = "Train GPT-2 style transformers, bit-exact and easy to see into"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Options shared by commands that read a run config.
+#[derive(clap::Args, Clone)]
+struct ConfigArgs {
+    /// TOML config file; without it, the embedded default (configs/default.toml).
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Override one config value, e.g. --set optim.lr=3e-4 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+}
+
+impl ConfigArgs {
+    fn load(&self, steps: Option<usize>) -> Result<Config> {
+        let mut overrides = self.set.clone();
+        if let Some(s) = steps {
+            overrides.push(format!("train.steps={s}"));
+        }
+        Ok(Config::load(self.config.as_deref(), &overrides)?)
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model. With no options, trains the embedded default: a small GPT
+    /// learning multi-digit addition from a generated corpus, in a few minutes.
+    ///
+    /// Writes into --out: metrics.jsonl (one JSON object per step), summary.json,
+    /// model.safetensors (Hugging Face GPT-2 names), config.toml (the resolved
+    /// config) and loss.svg (train and validation loss).
+    Train {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Optimizer steps (overrides train.steps).
+        #[arg(long)]
+        steps: Option<usize>,
+        /// Run directory [default: runs/<date>-<time>].
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Start from these weights (safetensors with GPT-2 names) instead of a fresh init.
+        #[arg(long, value_name = "W.safetensors")]
+        init: Option<PathBuf>,
+        /// Replace the outputs of an earlier run in --out.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Mean loss of saved weights over the first N windows of a token file.
+    Eval {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Weights to evaluate (model.safetensors or a run directory).
+        #[arg(long)]
+        weights: PathBuf,
+        /// Token file (llm.c .bin or raw uint16).
+        #[arg(long)]
+        data: PathBuf,
+        /// Windows of block_size + 1 tokens, read sequentially from the start.
+        #[arg(long, default_value_t = 16)]
+        batches: usize,
+        /// Print {"loss": …} instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Tokenize a text file into train.bin and val.bin (llm.c format).
+    Prepare {
+        /// UTF-8 text file.
+        input: PathBuf,
+        /// "bytes" (vocab 256) or "gpt2" (GPT-2's BPE, vocab 50257; no download).
+        #[arg(long, default_value = "bytes")]
+        tokenizer: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Fraction of tokens, from the end, kept for validation.
+        #[arg(long, default_value_t = data::DEFAULT_VAL_FRACTION)]
+        val_fraction: f64,
+        /// Replace existing train.bin/val.bin.
+        #[arg(long)]
+        force: bool,
+    },
+    /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
+    Inspect { path: PathBuf },
+    /// Training throughput on random tokens: tokens/s, ms/step, GFLOP/s and time per kernel.
+    Bench {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Timed steps (overrides train.steps).
+        #[arg(long)]
+        steps: Option<usize>,
+        /// Untimed steps first.
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// End with one JSON line holding the figures.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn default_run_dir() -> PathBuf {
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    PathBuf::from(format!("runs/{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60))
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train { config, steps, out, init, force } => {
+            let cfg = config.load(steps)?;
+            cfg.validate()?;
+            let out_dir = out.unwrap_or_else(default_run_dir);
+            eprintln!("pipewright train → {}", out_dir.display());
+            let s = train(&cfg, &TrainOptions { out_dir: out_dir.clone(), init, force, progress: true })?;
+            eprintln!(
+                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
+                s.steps,
+                s.final_loss,
+                s.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
+                s.exact_match.map(|e| format!(", held-out exact match {:.1}%", 100.0 * e)).unwrap_or_default(),
+                s.tokens_per_s,
+                s.model_gflops,
+                100.0 * s.mfu
+            );
+            eprintln!("weights digest {}", s.weights_digest);
+            eprintln!("outputs in {}", out_dir.display());
+            Ok(())
+        }
+        Command::Eval { config, weights, data, batches, json } => {
+            let cfg = config.load(None)?;
+            let loss = pipewright::train::eval::eval_file(&cfg, &weights, &data, batches)?;
+            if json {
+                println!("{}", serde_json::json!({ "loss": loss }));
+            } else {
+                println!("mean loss over the first {batches} windows of {}: {loss:.6}", data.display());
+            }
+            Ok(())
+        }
+        Command::Prepare { input, tokenizer, out, val_fraction, force } => {
+            let tok: Tokenizer = tokenizer.parse().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
+            let r = data::prepare(&input, tok, &out, val_fraction, force)?;
+            println!("train: {} tokens → {}", r.train_tokens, r.train_path.display());
+            if let Some(v) = &r.val_path {
+                println!("val:   {} tokens → {}", r.val_tokens, v.display());
+            }
+            println!("set model.vocab_size = {} in your config", r.vocab_size);
+            Ok(())
+        }
+        Command::Inspect { path } => {
+            print!("{}", pipewright::inspect::inspect(&path)?);
+            Ok(())
+        }
+        Command::Bench { config, steps, warmup, json } => {
+            let path = config.config.clone();
+            let cfg = config.load(None)?;
+            cfg.validate()?;
+            let steps = steps.unwrap_or(cfg.train.steps);
+            let name = path.map(|p| p.display().to_string()).unwrap_or_else(|| "embedded default".into());
+            eprintln!(
+                "pipewright bench: {name}: {} layers, {} wide, {} heads, vocab {}, T {}, {} × {} sequences per step",
+                cfg.model.n_layer,
+                cfg.model.n_embd,
+                cfg.model.n_head,
+                cfg.model.vocab_size,
+                cfg.model.block_size,
+                cfg.parallel.microbatches,
+                cfg.train.micro_batch_size
+            );
+            let report = pipewright::bench::run(&cfg, steps, warmup, |s, loss| {
+                eprint!("\r  step {s}/{steps} loss {loss:.4}   ");
+            });
+            eprintln!();
+            print!("{}", report.table());
+            if json {
+                println!("{}", serde_json::to_string(&report).context("report")?);
+            }
+            Ok(())
+        }
+    }
+}

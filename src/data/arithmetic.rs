@@ -44,11 +44,7 @@ impl Problem {
     fn random(rng: &mut Rng) -> Problem {
         let operand = |rng: &mut Rng| {
             let digits = 1 + rng.below(3) as u32;
-            let lo = if digits == 1 {
-                0
-            } else {
-                10u32.pow(digits - 1)
-            };
+            let lo = if digits == 1 { 0 } else { 10u32.pow(digits - 1) };
             let hi = 10u32.pow(digits);
             lo + rng.below((hi - lo) as u64) as u32
         };
@@ -87,10 +83,7 @@ impl Problem {
             }
             s.parse().ok()
         };
-        let p = Problem {
-            a: digits(a)?,
-            b: digits(b)?,
-        };
+        let p = Problem { a: digits(a)?, b: digits(b)? };
         (digits(c)? == p.answer()).then_some(p)
     }
 }
@@ -98,8 +91,7 @@ impl Problem {
 /// An endless stream of problems from one side of the split.
 fn problems(seed: u64, stream: u64, held_out: bool) -> impl Iterator<Item = Problem> {
     let mut rng = Rng::new(seed, Purpose::Data, &[STREAM, stream]);
-    std::iter::repeat_with(move || Problem::random(&mut rng))
-        .filter(move |p| p.is_held_out() == held_out)
+    std::iter::repeat_with(move || Problem::random(&mut rng)).filter(move |p| p.is_held_out() == held_out)
 }
 
 /// Whole lines from `problems` until at least `n_tokens` bytes.
@@ -129,10 +121,7 @@ impl ArithmeticCorpus {
     /// stream of problems rather than drawing a new one.
     pub fn generate(seed: u64, n_train_tokens: usize) -> ArithmeticCorpus {
         let train = lines_to_tokens(problems(seed, TRAIN_STREAM, false), n_train_tokens);
-        let val = lines_to_tokens(
-            problems(seed, VAL_STREAM, true),
-            (n_train_tokens / 10).max(4096),
-        );
+        let val = lines_to_tokens(problems(seed, VAL_STREAM, true), (n_train_tokens / 10).max(4096));
         ArithmeticCorpus { train, val }
     }
 }
@@ -228,13 +217,7 @@ impl EvalSet {
             inputs.extend(win[..block_size].iter().map(|&b| b as u32));
             targets.extend(win[1..].iter().map(|&b| b as u32));
         }
-        Ok(EvalSet {
-            block_size,
-            n_windows,
-            inputs,
-            targets,
-            spans,
-        })
+        Ok(EvalSet { block_size, n_windows, inputs, targets, spans })
     }
 
     pub fn block_size(&self) -> usize {
@@ -301,33 +284,18 @@ mod tests {
             .iter()
             .map(|l| Problem::parse(l).unwrap_or_else(|| panic!("bad train line {l:?}")))
             .collect();
-        let val: BTreeSet<Problem> = lines(&c.val)
-            .iter()
-            .map(|l| Problem::parse(l).unwrap())
-            .collect();
+        let val: BTreeSet<Problem> = lines(&c.val).iter().map(|l| Problem::parse(l).unwrap()).collect();
         assert!(train.iter().all(|p| !p.is_held_out()));
         assert!(val.iter().all(|p| p.is_held_out()));
         assert!(train.is_disjoint(&val));
         let eval = EvalSet::new(1337, 64, 64).unwrap();
         for s in eval.spans() {
             let w = &eval.inputs()[s.window * 64..(s.window + 1) * 64];
-            let line_start = w[..s.start]
-                .iter()
-                .rposition(|&t| t == b'\n' as u32)
-                .map_or(0, |i| i + 1);
-            let line: String = w[line_start..s.start]
-                .iter()
-                .map(|&t| t as u8 as char)
-                .collect();
+            let line_start = w[..s.start].iter().rposition(|&t| t == b'\n' as u32).map_or(0, |i| i + 1);
+            let line: String = w[line_start..s.start].iter().map(|&t| t as u8 as char).collect();
             let (a, b) = line.split_once('+').unwrap();
-            let p = Problem {
-                a: a.parse().unwrap(),
-                b: b.parse().unwrap(),
-            };
-            assert!(
-                p.is_held_out() && !train.contains(&p),
-                "eval problem {p:?} leaked"
-            );
+            let p = Problem { a: a.parse().unwrap(), b: b.parse().unwrap() };
+            assert!(p.is_held_out() && !train.contains(&p), "eval problem {p:?} leaked");
         }
         // Roughly the intended share, and a wide spread of problems.
         let all: Vec<Problem> = {
@@ -336,11 +304,7 @@ mod tests {
         };
         let held = all.iter().filter(|p| p.is_held_out()).count();
         assert!((9_000..11_000).contains(&held), "held out {held} of 100000");
-        assert!(
-            train.len() > 20_000,
-            "only {} distinct train problems",
-            train.len()
-        );
+        assert!(train.len() > 20_000, "only {} distinct train problems", train.len());
     }
 
     #[test]
@@ -350,11 +314,7 @@ mod tests {
         assert_ne!(a.train, ArithmeticCorpus::generate(6, 10_000).train);
         assert!((10_000..10_000 + MAX_LINE_LEN).contains(&a.train.len()));
         assert!(a.val.len() >= 4096);
-        assert!(a
-            .train
-            .iter()
-            .chain(&a.val)
-            .all(|&t| (t as usize) < VOCAB_SIZE));
+        assert!(a.train.iter().chain(&a.val).all(|&t| (t as usize) < VOCAB_SIZE));
         let longer = ArithmeticCorpus::generate(5, 20_000);
         assert_eq!(&longer.train[..a.train.len()], &a.train[..]);
     }
@@ -369,10 +329,7 @@ mod tests {
             win.push(e.targets()[w * 20 + 19]);
             let text: String = win.iter().map(|&t| t as u8 as char).collect();
             for line in text.split('\n').filter(|l| !l.is_empty()) {
-                assert!(
-                    Problem::parse(line).is_some(),
-                    "window {w}: broken line {line:?} in {text:?}"
-                );
+                assert!(Problem::parse(line).is_some(), "window {w}: broken line {line:?} in {text:?}");
             }
         }
         assert!(EvalSet::new(3, 11, 1).is_err());
@@ -387,30 +344,13 @@ mod tests {
         assert_eq!(text, "12+5=17\n3+4=7\n\n\n");
         assert_eq!(
             e.spans(),
-            [
-                AnswerSpan {
-                    window: 0,
-                    start: 4,
-                    len: 3
-                },
-                AnswerSpan {
-                    window: 0,
-                    start: 11,
-                    len: 2
-                }
-            ]
+            [AnswerSpan { window: 0, start: 4, len: 3 }, AnswerSpan { window: 0, start: 11, len: 2 }]
         );
         // Span targets are the answer digits and the newline.
         let t = |s: &AnswerSpan| -> String {
-            e.targets()[s.start..s.start + s.len]
-                .iter()
-                .map(|&t| t as u8 as char)
-                .collect()
+            e.targets()[s.start..s.start + s.len].iter().map(|&t| t as u8 as char).collect()
         };
-        assert_eq!(
-            (t(&e.spans()[0]), t(&e.spans()[1])),
-            ("17\n".into(), "7\n".into())
-        );
+        assert_eq!((t(&e.spans()[0]), t(&e.spans()[1])), ("17\n".into(), "7\n".into()));
 
         let perfect = e.targets().to_vec();
         assert_eq!(e.exact_match(&perfect), (2, 2));
@@ -431,10 +371,7 @@ mod tests {
 
     #[test]
     fn problem_parse_rejects_wrong_answers_and_junk() {
-        assert_eq!(
-            Problem::parse("347+85=432"),
-            Some(Problem { a: 347, b: 85 })
-        );
+        assert_eq!(Problem::parse("347+85=432"), Some(Problem { a: 347, b: 85 }));
         assert_eq!(Problem::parse("347+85=431"), None);
         assert_eq!(Problem::parse("+85=85"), None);
         assert_eq!(Problem::parse("3 4+85=432"), None);

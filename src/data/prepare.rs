@@ -91,24 +91,16 @@ pub fn prepare(
 
     let bytes = fs::read(input).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
-            DataError::Invalid {
-                what: format!("text file {}: no such file", input.display()),
-            }
+            DataError::Invalid { what: format!("text file {}: no such file", input.display()) }
         } else {
-            DataError::Io {
-                path: input.to_path_buf(),
-                action: "read",
-                source,
-            }
+            DataError::Io { path: input.to_path_buf(), action: "read", source }
         }
     })?;
     let tokens: Vec<u32> = match tokenizer {
         Tokenizer::Bytes => bytes.iter().map(|&b| b as u32).collect(),
         Tokenizer::Gpt2 => {
-            let text = std::str::from_utf8(&bytes).map_err(|e| DataError::NotUtf8 {
-                path: input.to_path_buf(),
-                offset: e.valid_up_to(),
-            })?;
+            let text = std::str::from_utf8(&bytes)
+                .map_err(|e| DataError::NotUtf8 { path: input.to_path_buf(), offset: e.valid_up_to() })?;
             tiktoken_rs::r50k_base_singleton().encode_ordinary(text)
         }
     };
@@ -173,10 +165,7 @@ mod tests {
         assert_eq!(r.train_tokens + r.val_tokens, n);
         assert_eq!(r.val_tokens, (n as f64 * 0.1).round() as usize);
         let mut all = read_all(&r.train_path, 256);
-        assert_eq!(
-            TokenFile::open(&r.train_path, 256).unwrap().format(),
-            TokenFormat::LlmcU16
-        );
+        assert_eq!(TokenFile::open(&r.train_path, 256).unwrap().format(), TokenFormat::LlmcU16);
         all.extend(read_all(r.val_path.as_ref().unwrap(), 256));
         assert_eq!(all, TEXT.bytes().map(|b| b as u32).collect::<Vec<_>>());
     }
@@ -207,10 +196,7 @@ mod tests {
         let err = prepare(&input, Tokenizer::Bytes, &out, 0.1, false).unwrap_err();
         assert!(matches!(err, DataError::OutputExists { .. }), "{err}");
         assert!(err.to_string().contains("val.bin"), "{err}");
-        assert!(
-            !out.join("train.bin").exists(),
-            "a refusal must write nothing"
-        );
+        assert!(!out.join("train.bin").exists(), "a refusal must write nothing");
         assert_eq!(fs::read(out.join("val.bin")).unwrap(), b"keep me");
         prepare(&input, Tokenizer::Bytes, &out, 0.1, true).unwrap();
         assert!(TokenFile::open(&out.join("val.bin"), 256).is_ok());
@@ -232,10 +218,7 @@ mod tests {
         let input = dir.path().join("in.txt");
         fs::write(&input, TEXT).unwrap();
         let r = prepare(&input, Tokenizer::Bytes, dir.path(), 0.0, false).unwrap();
-        assert_eq!(
-            (r.train_tokens, r.val_tokens, r.val_path),
-            (TEXT.len(), 0, None)
-        );
+        assert_eq!((r.train_tokens, r.val_tokens, r.val_path), (TEXT.len(), 0, None));
         assert!(!dir.path().join("val.bin").exists());
     }
 }

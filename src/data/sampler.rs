@@ -35,9 +35,7 @@ impl FromStr for SamplerKind {
             "sequential" => Ok(SamplerKind::Sequential),
             "shuffled" => Ok(SamplerKind::Shuffled),
             other => Err(DataError::Invalid {
-                what: format!(
-                    "data.sampler: got {other:?}, expected \"shuffled\" or \"sequential\""
-                ),
+                what: format!("data.sampler: got {other:?}, expected \"shuffled\" or \"sequential\""),
             }),
         }
     }
@@ -71,10 +69,7 @@ impl Sampler {
         seed: u64,
     ) -> Result<Sampler, DataError> {
         let source = source.into();
-        let bad = |what: String| DataError::BadShape {
-            name: source.name(),
-            what,
-        };
+        let bad = |what: String| DataError::BadShape { name: source.name(), what };
         if block_size == 0 {
             return Err(bad("block_size T is 0; expected at least 1".into()));
         }
@@ -83,12 +78,7 @@ impl Sampler {
         }
         let len = source.len();
         if len < block_size + 1 {
-            return Err(DataError::TooShort {
-                name: source.name(),
-                len,
-                block_size,
-                needed: block_size + 1,
-            });
+            return Err(DataError::TooShort { name: source.name(), len, block_size, needed: block_size + 1 });
         }
         let n_windows = ((len - 1) / block_size) as u64;
         if kind == SamplerKind::Shuffled && n_windows > u32::MAX as u64 {
@@ -118,13 +108,7 @@ impl Sampler {
         block_size: usize,
         micro_batch_size: usize,
     ) -> Result<Sampler, DataError> {
-        Sampler::new(
-            SamplerKind::Sequential,
-            source,
-            block_size,
-            micro_batch_size,
-            0,
-        )
+        Sampler::new(SamplerKind::Sequential, source, block_size, micro_batch_size, 0)
     }
 
     pub fn kind(&self) -> SamplerKind {
@@ -156,8 +140,8 @@ impl Sampler {
             SamplerKind::Shuffled => {
                 let epoch = g / self.n_windows;
                 if self.perm.as_ref().map(|(e, _)| *e) != Some(epoch) {
-                    let p = Rng::new(self.seed, Purpose::Shuffle, &[epoch])
-                        .permutation(self.n_windows as usize);
+                    let p =
+                        Rng::new(self.seed, Purpose::Shuffle, &[epoch]).permutation(self.n_windows as usize);
                     self.perm = Some((epoch, p));
                 }
                 let (_, p) = self.perm.as_ref().expect("permutation cached above");
@@ -214,17 +198,7 @@ mod tests {
     #[test]
     fn source_too_short_for_one_window_is_rejected_with_its_name() {
         let err = Sampler::new(SamplerKind::Sequential, source(8), 8, 1, 0).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                DataError::TooShort {
-                    len: 8,
-                    needed: 9,
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, DataError::TooShort { len: 8, needed: 9, .. }), "{err}");
         assert!(err.to_string().contains("test"), "{err}");
         assert!(Sampler::new(SamplerKind::Sequential, source(9), 8, 1, 0).is_ok());
     }
@@ -241,28 +215,15 @@ mod tests {
             let order: Vec<u64> = (0..n).map(|i| a.window_index(epoch * n + i)).collect();
             let mut sorted = order.clone();
             sorted.sort();
-            assert_eq!(
-                sorted,
-                (0..n).collect::<Vec<_>>(),
-                "epoch {epoch} is not a permutation"
-            );
+            assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "epoch {epoch} is not a permutation");
             // Asked in reverse, out of order: the answer is a function of g only.
-            let again: Vec<u64> = (0..n)
-                .rev()
-                .map(|i| b.window_index(epoch * n + i))
-                .collect();
+            let again: Vec<u64> = (0..n).rev().map(|i| b.window_index(epoch * n + i)).collect();
             assert_eq!(again.into_iter().rev().collect::<Vec<_>>(), order);
             epochs.push(order);
         }
-        assert_ne!(
-            epochs[0], epochs[1],
-            "epochs should use different permutations"
-        );
+        assert_ne!(epochs[0], epochs[1], "epochs should use different permutations");
         let other: Vec<u64> = (0..n).map(|i| c.window_index(i)).collect();
-        assert_ne!(
-            other, epochs[0],
-            "a different seed should give a different order"
-        );
+        assert_ne!(other, epochs[0], "a different seed should give a different order");
     }
 
     #[test]
@@ -291,14 +252,8 @@ mod tests {
 
     #[test]
     fn sampler_kind_parses_config_strings() {
-        assert_eq!(
-            "shuffled".parse::<SamplerKind>().unwrap(),
-            SamplerKind::Shuffled
-        );
-        assert_eq!(
-            "sequential".parse::<SamplerKind>().unwrap(),
-            SamplerKind::Sequential
-        );
+        assert_eq!("shuffled".parse::<SamplerKind>().unwrap(), SamplerKind::Shuffled);
+        assert_eq!("sequential".parse::<SamplerKind>().unwrap(), SamplerKind::Sequential);
         let err = "random".parse::<SamplerKind>().unwrap_err();
         assert!(err.to_string().contains("data.sampler"), "{err}");
     }

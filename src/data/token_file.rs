@@ -29,11 +29,7 @@ pub enum DataError {
     Missing { path: PathBuf },
 
     #[error("{path}: {action} failed: {source}")]
-    Io {
-        path: PathBuf,
-        action: &'static str,
-        source: io::Error,
-    },
+    Io { path: PathBuf, action: &'static str, source: io::Error },
 
     #[error(
         "token file {path}: llm.c header (magic {LLMC_MAGIC}) has version {version}; \
@@ -74,24 +70,13 @@ pub enum DataError {
         "token file {path}: token {token} at index {index} (byte offset {offset}) is out of range; \
          expected ids below vocab_size {vocab_size}"
     )]
-    TokenOutOfRange {
-        path: PathBuf,
-        index: u64,
-        offset: u64,
-        token: u32,
-        vocab_size: usize,
-    },
+    TokenOutOfRange { path: PathBuf, index: u64, offset: u64, token: u32, vocab_size: usize },
 
     #[error(
         "token source {name}: {len} tokens is too short for one window of block_size {block_size} \
          (expected at least {needed} tokens: T inputs plus one target)"
     )]
-    TooShort {
-        name: String,
-        len: usize,
-        block_size: usize,
-        needed: usize,
-    },
+    TooShort { name: String, len: usize, block_size: usize, needed: usize },
 
     #[error("token source {name}: {what}")]
     BadShape { name: String, what: String },
@@ -147,15 +132,9 @@ pub struct TokenFile {
 fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> DataError + 'a {
     move |source| {
         if source.kind() == io::ErrorKind::NotFound && action == "open" {
-            DataError::Missing {
-                path: path.to_path_buf(),
-            }
+            DataError::Missing { path: path.to_path_buf() }
         } else {
-            DataError::Io {
-                path: path.to_path_buf(),
-                action,
-                source,
-            }
+            DataError::Io { path: path.to_path_buf(), action, source }
         }
     }
 }
@@ -220,13 +199,7 @@ impl TokenFile {
             return Err(DataError::Empty { path: p() });
         }
 
-        let tf = TokenFile {
-            path: p(),
-            map,
-            format,
-            offset,
-            len,
-        };
+        let tf = TokenFile { path: p(), map, format, offset, len };
         tf.check_range(vocab_size)?;
         Ok(tf)
     }
@@ -234,9 +207,7 @@ impl TokenFile {
     fn check_range(&self, vocab_size: usize) -> Result<(), DataError> {
         let data = &self.map[self.offset..self.offset + self.len * self.format.width()];
         let bad = match self.format.width() {
-            2 => data
-                .chunks_exact(2)
-                .position(|c| u16::from_le_bytes([c[0], c[1]]) as usize >= vocab_size),
+            2 => data.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) as usize >= vocab_size),
             _ => data
                 .chunks_exact(4)
                 .position(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize >= vocab_size),
@@ -274,20 +245,11 @@ impl TokenFile {
 
     /// The token at index `i`. Panics when `i >= len()`.
     pub fn get(&self, i: usize) -> u32 {
-        assert!(
-            i < self.len,
-            "token index {i} out of range for {} tokens",
-            self.len
-        );
+        assert!(i < self.len, "token index {i} out of range for {} tokens", self.len);
         let at = self.offset + i * self.format.width();
         match self.format.width() {
             2 => u16::from_le_bytes([self.map[at], self.map[at + 1]]) as u32,
-            _ => u32::from_le_bytes([
-                self.map[at],
-                self.map[at + 1],
-                self.map[at + 2],
-                self.map[at + 3],
-            ]),
+            _ => u32::from_le_bytes([self.map[at], self.map[at + 1], self.map[at + 2], self.map[at + 3]]),
         }
     }
 
@@ -295,14 +257,8 @@ impl TokenFile {
     /// range runs past the end: callers compute windows from `len()`, so an
     /// overrun is a bug, not a data problem.
     pub fn window(&self, start: usize, out: &mut [u32]) {
-        let end = start
-            .checked_add(out.len())
-            .expect("window end overflows usize");
-        assert!(
-            end <= self.len,
-            "window [{start}, {end}) out of range for {} tokens",
-            self.len
-        );
+        let end = start.checked_add(out.len()).expect("window end overflows usize");
+        assert!(end <= self.len, "window [{start}, {end}) out of range for {} tokens", self.len);
         let w = self.format.width();
         let bytes = &self.map[self.offset + start * w..self.offset + end * w];
         match w {
@@ -342,9 +298,7 @@ impl TokenSource {
     ) -> Result<TokenSource, DataError> {
         let name = name.into();
         if tokens.is_empty() {
-            return Err(DataError::Empty {
-                path: PathBuf::from(name),
-            });
+            return Err(DataError::Empty { path: PathBuf::from(name) });
         }
         if let Some(index) = tokens.iter().position(|&t| t as usize >= vocab_size) {
             return Err(DataError::TokenOutOfRange {
@@ -381,9 +335,7 @@ impl TokenSource {
     pub fn window(&self, start: usize, out: &mut [u32]) {
         match self {
             TokenSource::File(f) => f.window(start, out),
-            TokenSource::Memory { tokens, .. } => {
-                out.copy_from_slice(&tokens[start..start + out.len()])
-            }
+            TokenSource::Memory { tokens, .. } => out.copy_from_slice(&tokens[start..start + out.len()]),
         }
     }
 }
@@ -400,15 +352,10 @@ impl From<TokenFile> for TokenSource {
 /// place, so `path` holds either the old file or the complete new one.
 pub fn write_llmc(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<(), DataError> {
     if tokens.is_empty() {
-        return Err(DataError::Empty {
-            path: path.to_path_buf(),
-        });
+        return Err(DataError::Empty { path: path.to_path_buf() });
     }
     if tokens.len() > i32::MAX as usize {
-        return Err(DataError::TooManyTokens {
-            path: path.to_path_buf(),
-            count: tokens.len(),
-        });
+        return Err(DataError::TooManyTokens { path: path.to_path_buf(), count: tokens.len() });
     }
     if let Some(index) = tokens.iter().position(|&t| t as usize >= vocab_size) {
         return Err(DataError::TokenOutOfRange {
@@ -419,23 +366,12 @@ pub fn write_llmc(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<(), 
             vocab_size,
         });
     }
-    let version = if vocab_size <= 1 << 16 {
-        LLMC_VERSION_U16
-    } else {
-        LLMC_VERSION_U32
-    };
+    let version = if vocab_size <= 1 << 16 { LLMC_VERSION_U16 } else { LLMC_VERSION_U32 };
 
     let file_name = path.file_name().ok_or_else(|| DataError::Invalid {
-        what: format!(
-            "{}: expected a file path, found a directory-like path",
-            path.display()
-        ),
+        what: format!("{}: expected a file path, found a directory-like path", path.display()),
     })?;
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
+    let tmp = path.with_file_name(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
     let result = write_llmc_to(&tmp, tokens, version).and_then(|()| {
         fs::rename(&tmp, path).map_err(|source| DataError::Io {
             path: path.to_path_buf(),
@@ -550,10 +486,7 @@ mod tests {
         let path = dir.path().join("a.bin");
         write_llmc(&path, &[1, 2, 3], 256).unwrap();
         write_llmc(&path, &[4, 5], 256).unwrap();
-        let names: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("a.bin")]);
         assert_eq!(TokenFile::open(&path, 256).unwrap().len(), 2);
     }
@@ -564,10 +497,7 @@ mod tests {
         let path = dir.path().join("a.bin");
         write_llmc(&path, &[1, 2, 3], 256).unwrap();
         let err = write_llmc(&path, &[1, 256], 256).unwrap_err();
-        assert!(
-            matches!(err, DataError::TokenOutOfRange { index: 1, .. }),
-            "{err}"
-        );
+        assert!(matches!(err, DataError::TokenOutOfRange { index: 1, .. }), "{err}");
         assert_eq!(TokenFile::open(&path, 256).unwrap().len(), 3);
     }
 
@@ -589,14 +519,8 @@ mod tests {
         let path = dir.path().join("odd.bin");
         fs::write(&path, [1u8, 0, 2]).unwrap();
         let err = TokenFile::open(&path, 256).unwrap_err();
-        assert!(
-            matches!(err, DataError::OddRawSize { size: 3, .. }),
-            "{err}"
-        );
-        assert!(
-            err.to_string().contains(&path.display().to_string()),
-            "{err}"
-        );
+        assert!(matches!(err, DataError::OddRawSize { size: 3, .. }), "{err}");
+        assert!(err.to_string().contains(&path.display().to_string()), "{err}");
     }
 
     #[test]
@@ -607,15 +531,9 @@ mod tests {
         bytes.extend(raw_u16(&[1, 2]));
         fs::write(&path, bytes).unwrap();
         let err = TokenFile::open(&path, 256).unwrap_err();
-        assert!(
-            matches!(err, DataError::BadVersion { version: 7, .. }),
-            "{err}"
-        );
+        assert!(matches!(err, DataError::BadVersion { version: 7, .. }), "{err}");
         let msg = err.to_string();
-        assert!(
-            msg.contains(&path.display().to_string()) && msg.contains("expected 1"),
-            "{msg}"
-        );
+        assert!(msg.contains(&path.display().to_string()) && msg.contains("expected 1"), "{msg}");
     }
 
     #[test]
@@ -627,21 +545,10 @@ mod tests {
         fs::write(&path, &bytes[..bytes.len() - 2]).unwrap();
         let err = TokenFile::open(&path, 256).unwrap_err();
         assert!(
-            matches!(
-                err,
-                DataError::SizeMismatch {
-                    what: "truncated",
-                    expected: 8,
-                    actual: 6,
-                    ..
-                }
-            ),
+            matches!(err, DataError::SizeMismatch { what: "truncated", expected: 8, actual: 6, .. }),
             "{err}"
         );
-        assert!(
-            err.to_string().contains(&path.display().to_string()),
-            "{err}"
-        );
+        assert!(err.to_string().contains(&path.display().to_string()), "{err}");
     }
 
     #[test]
@@ -652,16 +559,7 @@ mod tests {
         bytes.extend(raw_u16(&[1, 2, 3]));
         fs::write(&path, bytes).unwrap();
         let err = TokenFile::open(&path, 256).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                DataError::SizeMismatch {
-                    what: "oversized",
-                    ..
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, DataError::SizeMismatch { what: "oversized", .. }), "{err}");
     }
 
     #[test]
@@ -670,10 +568,7 @@ mod tests {
         let path = dir.path().join("hdr.bin");
         fs::write(&path, &llmc_header(1, 2)[..100]).unwrap();
         let err = TokenFile::open(&path, 256).unwrap_err();
-        assert!(
-            matches!(err, DataError::TruncatedHeader { size: 100, .. }),
-            "{err}"
-        );
+        assert!(matches!(err, DataError::TruncatedHeader { size: 100, .. }), "{err}");
     }
 
     #[test]
@@ -681,10 +576,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let raw = dir.path().join("empty.bin");
         fs::write(&raw, b"").unwrap();
-        assert!(matches!(
-            TokenFile::open(&raw, 256),
-            Err(DataError::Empty { .. })
-        ));
+        assert!(matches!(TokenFile::open(&raw, 256), Err(DataError::Empty { .. })));
         let llmc = dir.path().join("hdr_only.bin");
         fs::write(&llmc, llmc_header(1, 0)).unwrap();
         let err = TokenFile::open(&llmc, 256).unwrap_err();
@@ -701,25 +593,13 @@ mod tests {
         fs::write(&path, bytes).unwrap();
         let err = TokenFile::open(&path, 256).unwrap_err();
         match &err {
-            DataError::TokenOutOfRange {
-                path: p,
-                index,
-                offset,
-                token,
-                vocab_size,
-            } => {
-                assert_eq!(
-                    (p, *index, *offset, *token, *vocab_size),
-                    (&path, 2, 1028, 256, 256)
-                );
+            DataError::TokenOutOfRange { path: p, index, offset, token, vocab_size } => {
+                assert_eq!((p, *index, *offset, *token, *vocab_size), (&path, 2, 1028, 256, 256));
             }
             other => panic!("unexpected {other}"),
         }
         let msg = err.to_string();
-        assert!(
-            msg.contains("oov.bin") && msg.contains("index 2") && msg.contains("1028"),
-            "{msg}"
-        );
+        assert!(msg.contains("oov.bin") && msg.contains("index 2") && msg.contains("1028"), "{msg}");
         // The same file is fine for a vocabulary that contains id 256.
         assert!(TokenFile::open(&path, 257).is_ok());
     }
@@ -736,10 +616,7 @@ mod tests {
     #[test]
     fn memory_source_checks_range_and_copies_windows() {
         let err = TokenSource::from_vec("gen", vec![1, 300], 256).unwrap_err();
-        assert!(
-            err.to_string().contains("gen") && err.to_string().contains("index 1"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("gen") && err.to_string().contains("index 1"), "{err}");
         let s = TokenSource::from_vec("gen", vec![5, 6, 7, 8], 256).unwrap();
         let mut out = [0; 2];
         s.window(1, &mut out);

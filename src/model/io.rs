@@ -69,7 +69,10 @@ pub fn save(
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
         tensors.iter().map(|(n, (s, d))| (n.clone(), s.to_vec(), to_le_bytes(d))).collect();
     let views = bytes.iter().map(|(n, s, b)| {
-        (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches data"))
+        (
+            n.clone(),
+            safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches data"),
+        )
     });
     let buf = safetensors::serialize(views, Some(metadata))
         .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
@@ -117,7 +120,11 @@ pub fn load(path: &Path) -> Result<LoadedWeights, WeightsError> {
             continue;
         }
         if view.dtype() != Dtype::F32 {
-            return Err(WeightsError::Dtype { path: path.to_path_buf(), name, got: format!("{:?}", view.dtype()) });
+            return Err(WeightsError::Dtype {
+                path: path.to_path_buf(),
+                name,
+                got: format!("{:?}", view.dtype()),
+            });
         }
         let data: Vec<f32> =
             view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
@@ -133,7 +140,12 @@ impl LoadedWeights {
             match self.tensors.get(&name) {
                 None => return Err(WeightsError::Missing { path: self.path.clone(), name, expected }),
                 Some((got, _)) if *got != expected => {
-                    return Err(WeightsError::Shape { path: self.path.clone(), name, got: got.clone(), expected })
+                    return Err(WeightsError::Shape {
+                        path: self.path.clone(),
+                        name,
+                        got: got.clone(),
+                        expected,
+                    })
                 }
                 _ => {}
             }

@@ -337,11 +337,7 @@ impl ModelPart {
         for l in 0..nb {
             let mut out = self.take_nc();
             let base = self.block_base(l);
-            let ba = if self.recompute {
-                self.recompute_acts.as_mut().unwrap()
-            } else {
-                &mut acts.blocks[l]
-            };
+            let ba = if self.recompute { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
             block_forward(
                 &self.params[base..base + 12],
                 ba,
@@ -410,7 +406,18 @@ impl ModelPart {
         let wte = &self.params[wte_i].data;
         // logits (N, V) = lnf (N, C) · wteᵀ
         timed(Kernel::Matmul, || {
-            matmul::gemm_checked(&mut s.logits, false, &s.lnf, (c as isize, 1), wte, (1, c as isize), n, v, c, 1.0)
+            matmul::gemm_checked(
+                &mut s.logits,
+                false,
+                &s.lnf,
+                (c as isize, 1),
+                wte,
+                (1, c as isize),
+                n,
+                v,
+                c,
+                1.0,
+            )
         });
         let dloss = match mode {
             Mode::Eval => {
@@ -428,7 +435,18 @@ impl ModelPart {
         // dlnf (N, C) = dlogits (N, V) · wte (V, C); dwte_head (V, C) += dlogitsᵀ · lnf
         s.dln.fill(0.0);
         timed(Kernel::Matmul, || {
-            matmul::gemm_checked(&mut s.dln, true, &s.logits, (v as isize, 1), wte, (c as isize, 1), n, c, v, 1.0);
+            matmul::gemm_checked(
+                &mut s.dln,
+                true,
+                &s.logits,
+                (v as isize, 1),
+                wte,
+                (c as isize, 1),
+                n,
+                c,
+                v,
+                1.0,
+            );
             matmul::gemm_checked(
                 &mut self.wte_head_grad,
                 true,
@@ -447,7 +465,16 @@ impl ModelPart {
         let (pw, pb) = pair(&mut self.params, hb, hb + 1);
         timed(Kernel::LayerNorm, || {
             layernorm::layernorm_backward(
-                &mut dx, &mut pw.grad, &mut pb.grad, &s.dln, x, &pw.data, &s.lnf_mean, &s.lnf_rstd, n, c,
+                &mut dx,
+                &mut pw.grad,
+                &mut pb.grad,
+                &s.dln,
+                x,
+                &pw.data,
+                &s.lnf_mean,
+                &s.lnf_rstd,
+                n,
+                c,
             )
         });
         (loss_sum, Some(dx))
@@ -551,7 +578,16 @@ fn block_forward(
     let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
     let n = b * t;
     timed(Kernel::LayerNorm, || {
-        layernorm::layernorm_forward(&mut a.ln1, &mut a.ln1_mean, &mut a.ln1_rstd, x, &p[LN1W].data, &p[LN1B].data, n, c)
+        layernorm::layernorm_forward(
+            &mut a.ln1,
+            &mut a.ln1_mean,
+            &mut a.ln1_rstd,
+            x,
+            &p[LN1W].data,
+            &p[LN1B].data,
+            n,
+            c,
+        )
     });
     timed(Kernel::Matmul, || {
         matmul::matmul_forward(&mut a.qkv, &a.ln1, &p[QKVW].data, Some(&p[QKVB].data), n, c, 3 * c)
@@ -566,7 +602,14 @@ fn block_forward(
     timed(Kernel::Residual, || residual::accumulate(&mut a.res2, x));
     timed(Kernel::LayerNorm, || {
         layernorm::layernorm_forward(
-            &mut a.ln2, &mut a.ln2_mean, &mut a.ln2_rstd, &a.res2, &p[LN2W].data, &p[LN2B].data, n, c,
+            &mut a.ln2,
+            &mut a.ln2_mean,
+            &mut a.ln2_rstd,
+            &a.res2,
+            &p[LN2W].data,
+            &p[LN2B].data,
+            n,
+            c,
         )
     });
     timed(Kernel::Matmul, || {
@@ -597,7 +640,17 @@ fn block_backward(
     {
         let (w, bias) = pair(p, FCPW, FCPB);
         timed(Kernel::Matmul, || {
-            matmul::matmul_backward(Some(&mut s.dgelu), &mut w.grad, Some(&mut bias.grad), dres, &a.fch_gelu, &w.data, n, 4 * c, c)
+            matmul::matmul_backward(
+                Some(&mut s.dgelu),
+                &mut w.grad,
+                Some(&mut bias.grad),
+                dres,
+                &a.fch_gelu,
+                &w.data,
+                n,
+                4 * c,
+                c,
+            )
         });
     }
     s.dfch.fill(0.0);
@@ -606,13 +659,34 @@ fn block_backward(
     {
         let (w, bias) = pair(p, FCW, FCB);
         timed(Kernel::Matmul, || {
-            matmul::matmul_backward(Some(&mut s.dln), &mut w.grad, Some(&mut bias.grad), &s.dfch, &a.ln2, &w.data, n, c, 4 * c)
+            matmul::matmul_backward(
+                Some(&mut s.dln),
+                &mut w.grad,
+                Some(&mut bias.grad),
+                &s.dfch,
+                &a.ln2,
+                &w.data,
+                n,
+                c,
+                4 * c,
+            )
         });
     }
     {
         let (w, bias) = pair(p, LN2W, LN2B);
         timed(Kernel::LayerNorm, || {
-            layernorm::layernorm_backward(dres, &mut w.grad, &mut bias.grad, &s.dln, &a.res2, &w.data, &a.ln2_mean, &a.ln2_rstd, n, c)
+            layernorm::layernorm_backward(
+                dres,
+                &mut w.grad,
+                &mut bias.grad,
+                &s.dln,
+                &a.res2,
+                &w.data,
+                &a.ln2_mean,
+                &a.ln2_rstd,
+                n,
+                c,
+            )
         });
     }
     // dres is now ∂L/∂res2. Attention: res2 = x + attn(ln1(x))·Wproj.
@@ -620,24 +694,66 @@ fn block_backward(
     {
         let (w, bias) = pair(p, PROJW, PROJB);
         timed(Kernel::Matmul, || {
-            matmul::matmul_backward(Some(&mut s.datty), &mut w.grad, Some(&mut bias.grad), dres, &a.atty, &w.data, n, c, c)
+            matmul::matmul_backward(
+                Some(&mut s.datty),
+                &mut w.grad,
+                Some(&mut bias.grad),
+                dres,
+                &a.atty,
+                &w.data,
+                n,
+                c,
+                c,
+            )
         });
     }
     s.dqkv.fill(0.0);
     timed(Kernel::Attention, || {
-        attention::attention_backward(&mut s.dqkv, &mut s.attn, &s.datty, &a.qkv, &a.atty, &a.lse, b, t, c, nh)
+        attention::attention_backward(
+            &mut s.dqkv,
+            &mut s.attn,
+            &s.datty,
+            &a.qkv,
+            &a.atty,
+            &a.lse,
+            b,
+            t,
+            c,
+            nh,
+        )
     });
     s.dln.fill(0.0);
     {
         let (w, bias) = pair(p, QKVW, QKVB);
         timed(Kernel::Matmul, || {
-            matmul::matmul_backward(Some(&mut s.dln), &mut w.grad, Some(&mut bias.grad), &s.dqkv, &a.ln1, &w.data, n, c, 3 * c)
+            matmul::matmul_backward(
+                Some(&mut s.dln),
+                &mut w.grad,
+                Some(&mut bias.grad),
+                &s.dqkv,
+                &a.ln1,
+                &w.data,
+                n,
+                c,
+                3 * c,
+            )
         });
     }
     {
         let (w, bias) = pair(p, LN1W, LN1B);
         timed(Kernel::LayerNorm, || {
-            layernorm::layernorm_backward(dres, &mut w.grad, &mut bias.grad, &s.dln, x, &w.data, &a.ln1_mean, &a.ln1_rstd, n, c)
+            layernorm::layernorm_backward(
+                dres,
+                &mut w.grad,
+                &mut bias.grad,
+                &s.dln,
+                x,
+                &w.data,
+                &a.ln1_mean,
+                &a.ln1_rstd,
+                n,
+                c,
+            )
         });
     }
 }

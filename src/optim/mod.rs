@@ -66,7 +66,8 @@ impl LrSchedule {
                 if step < decay_start {
                     self.lr
                 } else {
-                    let ratio = ((step - decay_start + 1) as f64 / (self.total_steps - decay_start) as f64).min(1.0);
+                    let ratio =
+                        ((step - decay_start + 1) as f64 / (self.total_steps - decay_start) as f64).min(1.0);
                     self.lr + (self.min_lr - self.lr) * ratio
                 }
             }
@@ -125,7 +126,12 @@ pub struct Hyper {
 
 impl Hyper {
     pub fn from_config(c: &crate::config::Config) -> Self {
-        Hyper { beta1: c.optim.beta1, beta2: c.optim.beta2, eps: c.optim.eps, weight_decay: c.optim.weight_decay }
+        Hyper {
+            beta1: c.optim.beta1,
+            beta2: c.optim.beta2,
+            eps: c.optim.eps,
+            weight_decay: c.optim.weight_decay,
+        }
     }
 }
 
@@ -141,10 +147,19 @@ impl AdamState {
     /// One AdamW step over the part's parameters with their (combined) gradients.
     pub fn step(&mut self, part: &mut ModelPart, hp: Hyper, lr: f64, clip: f32) {
         self.t += 1;
-        let h = AdamW { lr, beta1: hp.beta1, beta2: hp.beta2, eps: hp.eps, weight_decay: hp.weight_decay, step: self.t };
+        let h = AdamW {
+            lr,
+            beta1: hp.beta1,
+            beta2: hp.beta2,
+            eps: hp.eps,
+            weight_decay: hp.weight_decay,
+            step: self.t,
+        };
         for (i, p) in part.params.iter_mut().enumerate() {
             let decay = p.decays();
-            timed(Kernel::AdamW, || adamw_update(&mut p.data, &p.grad, &mut self.m[i], &mut self.v[i], &h, decay, clip));
+            timed(Kernel::AdamW, || {
+                adamw_update(&mut p.data, &p.grad, &mut self.m[i], &mut self.v[i], &h, decay, clip)
+            });
         }
     }
 }

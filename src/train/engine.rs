@@ -69,7 +69,7 @@ impl Engine {
     }
 
     /// One optimizer step. `fill(mb, inputs, targets)` supplies microbatch `mb`.
-    pub fn step(&mut self, lr: f64, mut fill: impl FnMut(usize, &mut [u32], &mut [u32])) -> StepStats {
+    pub fn step(&mut self, lr: f64, mut fill: impl FnMut(usize, &mut [u32], &mut [u32]) + Send) -> StepStats {
         let dloss = 1.0 / self.tokens_per_step() as f32;
         let Engine { part, adam, hyper, grad_clip, microbatches, pool, inputs, targets } = self;
         pool.install(|| {
@@ -98,7 +98,7 @@ impl Engine {
     pub fn evaluate(
         &mut self,
         batches: usize,
-        mut fill: impl FnMut(usize, &mut [u32], &mut [u32]),
+        mut fill: impl FnMut(usize, &mut [u32], &mut [u32]) + Send,
         mut predictions: Option<&mut Vec<u32>>,
     ) -> f64 {
         let Engine { part, pool, inputs, targets, .. } = self;

@@ -2,5 +2,6 @@
 //! summary, weights, loss curve), and progress reporting.
 
 pub mod engine;
+pub mod eval;
 pub mod plot;
 pub mod run;

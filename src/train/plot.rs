@@ -24,16 +24,8 @@ pub fn loss_svg(train: &[(usize, f64)], val: &[(usize, f64)], title: &str) -> St
     // Steps are integers: a tick every half step would be a lie.
     let x_axis = Axis::new(x_range, 1.0);
     // Headroom so the highest and lowest losses do not sit on the frame.
-    let y_axis = Axis::new(
-        y_range.map(|(lo, hi)| (lo - (hi - lo) * 0.04, hi + (hi - lo) * 0.04)),
-        0.0,
-    );
-    let plot = Frame {
-        x0: LEFT,
-        x1: WIDTH - RIGHT,
-        y0: TOP,
-        y1: HEIGHT - BOTTOM,
-    };
+    let y_axis = Axis::new(y_range.map(|(lo, hi)| (lo - (hi - lo) * 0.04, hi + (hi - lo) * 0.04)), 0.0);
+    let plot = Frame { x0: LEFT, x1: WIDTH - RIGHT, y0: TOP, y1: HEIGHT - BOTTOM };
     let sx = |x: f64| plot.x0 + (x - x_axis.lo) / (x_axis.hi - x_axis.lo) * (plot.x1 - plot.x0);
     let sy = |y: f64| plot.y1 - (y - y_axis.lo) / (y_axis.hi - y_axis.lo) * (plot.y1 - plot.y0);
 
@@ -123,12 +115,7 @@ pub fn loss_svg(train: &[(usize, f64)], val: &[(usize, f64)], title: &str) -> St
         );
         let _ = writeln!(w, r#"<g class="val-markers" fill="{VAL_COLOR}">"#);
         for &(x, y) in val.iter().filter(|(_, y)| y.is_finite()) {
-            let _ = writeln!(
-                w,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="3.5"/>"#,
-                sx(x as f64),
-                sy(y)
-            );
+            let _ = writeln!(w, r#"<circle cx="{:.1}" cy="{:.1}" r="3.5"/>"#, sx(x as f64), sy(y));
         }
         let _ = writeln!(w, "</g>");
     }
@@ -333,44 +320,21 @@ mod tests {
     }
 
     fn curve(n: usize) -> Vec<(usize, f64)> {
-        (0..n)
-            .map(|s| (s, 4.0 * (-(s as f64) / 300.0).exp() + 2.5))
-            .collect()
+        (0..n).map(|s| (s, 4.0 * (-(s as f64) / 300.0).exp() + 2.5)).collect()
     }
 
     #[test]
     fn svg_is_xml_with_both_series() {
         let train = curve(1000);
-        let val: Vec<_> = train
-            .iter()
-            .copied()
-            .step_by(250)
-            .map(|(s, l)| (s, l + 0.1))
-            .collect();
+        let val: Vec<_> = train.iter().copied().step_by(250).map(|(s, l)| (s, l + 0.1)).collect();
         let svg = loss_svg(&train, &val, "gpt2 <tiny> & \"friends\"");
         let doc = parse(&svg);
         assert_eq!(path_d(&doc, "train").unwrap().matches('L').count(), 999);
         assert_eq!(path_d(&doc, "val").unwrap().matches('L').count(), 3);
-        assert_eq!(
-            doc.descendants()
-                .filter(|n| n.has_tag_name("circle"))
-                .count(),
-            4 + 1
-        );
+        assert_eq!(doc.descendants().filter(|n| n.has_tag_name("circle")).count(), 4 + 1);
         let texts = texts(&doc);
-        for want in [
-            "gpt2 <tiny> & \"friends\"",
-            "step",
-            "loss",
-            "train",
-            "val",
-            "0",
-            "1000",
-        ] {
-            assert!(
-                texts.iter().any(|t| t == want),
-                "missing {want:?} in {texts:?}"
-            );
+        for want in ["gpt2 <tiny> & \"friends\"", "step", "loss", "train", "val", "0", "1000"] {
+            assert!(texts.iter().any(|t| t == want), "missing {want:?} in {texts:?}");
         }
     }
 
@@ -406,34 +370,19 @@ mod tests {
             .descendants()
             .find(|n| n.attribute("class") == Some("train-dots"))
             .expect("a dot for the lone point");
-        assert_eq!(
-            dots.children().filter(|n| n.has_tag_name("circle")).count(),
-            1
-        );
+        assert_eq!(dots.children().filter(|n| n.has_tag_name("circle")).count(), 1);
         assert!(!svg.contains("NaN") && !svg.contains("inf"));
     }
 
     #[test]
     fn non_finite_values_are_skipped_and_break_the_line() {
-        let train = [
-            (0, 5.0),
-            (1, 4.0),
-            (2, f64::NAN),
-            (3, f64::INFINITY),
-            (4, 3.0),
-            (5, 2.9),
-        ];
+        let train = [(0, 5.0), (1, 4.0), (2, f64::NAN), (3, f64::INFINITY), (4, 3.0), (5, 2.9)];
         let val = [(0, f64::NEG_INFINITY), (5, 3.1)];
         let svg = loss_svg(&train, &val, "nan");
         let doc = parse(&svg);
         assert!(!svg.contains("NaN") && !svg.contains("inf"));
         assert_eq!(path_d(&doc, "train").unwrap().matches('M').count(), 2);
-        assert_eq!(
-            doc.descendants()
-                .filter(|n| n.has_tag_name("circle"))
-                .count(),
-            1 + 1
-        );
+        assert_eq!(doc.descendants().filter(|n| n.has_tag_name("circle")).count(), 1 + 1);
     }
 
     #[test]
@@ -456,10 +405,6 @@ mod tests {
         let axis = Axis::new(Some((0.0, 1.0)), 1.0);
         assert_eq!(axis.step, 1.0);
         let axis = Axis::new(Some((3.41, 3.47)), 0.0);
-        assert!(
-            axis.ticks().all(|t| axis.label(t).len() <= 4),
-            "{}",
-            axis.step
-        );
+        assert!(axis.ticks().all(|t| axis.label(t).len() <= 4), "{}", axis.step);
     }
 }

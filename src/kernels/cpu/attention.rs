@@ -11,7 +11,7 @@
 //! transposes or copies). Each head's gradients are written by its own task
 //! and summed over tiles in tile order, so results do not depend on threads.
 
-use super::math::exp;
+use super::math::{exp, simd_fn};
 use super::matmul::{gemm_raw, Mat};
 use super::SendPtr;
 use gemm::Parallelism;
@@ -30,17 +30,38 @@ pub fn scratch_len(b: usize, nh: usize, t: usize) -> usize {
 #[inline]
 fn causal_softmax_row(row: &mut [f32], valid: usize) -> f32 {
     let max = row[..valid].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let mut sum = 0.0f32;
-    for x in &mut row[..valid] {
-        *x = exp(*x - max);
-        sum += *x;
-    }
-    let inv = 1.0 / sum;
-    for x in &mut row[..valid] {
-        *x *= inv;
-    }
+    exp_shifted(&mut row[..valid], max);
+    let sum: f32 = row[..valid].iter().sum();
+    scale(&mut row[..valid], 1.0 / sum);
     row[valid..].fill(0.0);
     max + sum.ln()
+}
+
+simd_fn! {
+    /// x ← e^(x − shift), elementwise.
+    fn exp_shifted(x: &mut [f32], shift: f32) {
+        for v in x.iter_mut() {
+            *v = exp(*v - shift);
+        }
+    }
+}
+
+simd_fn! {
+    fn scale(x: &mut [f32], s: f32) {
+        for v in x.iter_mut() {
+            *v *= s;
+        }
+    }
+}
+
+simd_fn! {
+    /// p ← e^(p − lse); dp ← p·(dp − d): the softmax backward of one row.
+    fn softmax_row_backward(p: &mut [f32], dp: &mut [f32], lse: f32, d: f32) {
+        for (p, dp) in p.iter_mut().zip(dp.iter_mut()) {
+            *p = exp(*p - lse);
+            *dp = *p * (*dp - d);
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -61,11 +82,8 @@ pub fn attention_forward(
     let scale = 1.0 / (hs as f32).sqrt();
     let per_task = 2 * TQ * t + t;
     let out_ptr = SendPtr(out.as_mut_ptr());
-    scratch[..b * nh * per_task]
-        .par_chunks_mut(per_task)
-        .zip(lse.par_chunks_mut(t))
-        .enumerate()
-        .for_each(|(task, (scratch, lse))| {
+    scratch[..b * nh * per_task].par_chunks_mut(per_task).zip(lse.par_chunks_mut(t)).enumerate().for_each(
+        |(task, (scratch, lse))| {
             let out_ptr = out_ptr;
             let (bi, h) = (task / nh, task % nh);
             let base = bi * t * 3 * c + h * hs;
@@ -111,7 +129,8 @@ pub fn attention_forward(
                     );
                 }
             }
-        });
+        },
+    );
 }
 
 /// dqkv (B, T, 3C) += ∂L/∂qkv given dout (B, T, C), and forward's out and lse.
@@ -165,28 +184,80 @@ pub fn attention_backward(
             // SAFETY (all products below): views stay inside qkv, dout, this task's
             // scratch, and this head's columns of dqkv for batch bi.
             unsafe {
-                gemm_raw(tq, kend, hs, p.as_mut_ptr(), kend as isize, false, q_tile, Mat { ptr: k, rs: 1, cs: row3 }, scale, Parallelism::None);
-                gemm_raw(tq, kend, hs, dp.as_mut_ptr(), kend as isize, false, dout_tile, Mat { ptr: v, rs: 1, cs: row3 }, 1.0, Parallelism::None);
+                gemm_raw(
+                    tq,
+                    kend,
+                    hs,
+                    p.as_mut_ptr(),
+                    kend as isize,
+                    false,
+                    q_tile,
+                    Mat { ptr: k, rs: 1, cs: row3 },
+                    scale,
+                    Parallelism::None,
+                );
+                gemm_raw(
+                    tq,
+                    kend,
+                    hs,
+                    dp.as_mut_ptr(),
+                    kend as isize,
+                    false,
+                    dout_tile,
+                    Mat { ptr: v, rs: 1, cs: row3 },
+                    1.0,
+                    Parallelism::None,
+                );
             }
             for i in 0..tq {
                 let valid = q0 + i + 1;
                 let (l, di) = (lse[q0 + i], d[q0 + i]);
                 let pr = &mut p[i * kend..(i + 1) * kend];
                 let dpr = &mut dp[i * kend..(i + 1) * kend];
-                for j in 0..valid {
-                    pr[j] = exp(pr[j] - l);
-                    dpr[j] = pr[j] * (dpr[j] - di);
-                }
+                softmax_row_backward(&mut pr[..valid], &mut dpr[..valid], l, di);
                 pr[valid..].fill(0.0);
                 dpr[valid..].fill(0.0);
             }
             unsafe {
                 // dQ_tile += scale · dS · K
-                gemm_raw(tq, hs, kend, dq.offset(q0 as isize * row3), row3, true, Mat { ptr: dp.as_ptr(), rs: kend as isize, cs: 1 }, Mat { ptr: k, rs: row3, cs: 1 }, scale, Parallelism::None);
+                gemm_raw(
+                    tq,
+                    hs,
+                    kend,
+                    dq.offset(q0 as isize * row3),
+                    row3,
+                    true,
+                    Mat { ptr: dp.as_ptr(), rs: kend as isize, cs: 1 },
+                    Mat { ptr: k, rs: row3, cs: 1 },
+                    scale,
+                    Parallelism::None,
+                );
                 // dK[..kend] += scale · dSᵀ · Q_tile
-                gemm_raw(kend, hs, tq, dk, row3, true, Mat { ptr: dp.as_ptr(), rs: 1, cs: kend as isize }, q_tile, scale, Parallelism::None);
+                gemm_raw(
+                    kend,
+                    hs,
+                    tq,
+                    dk,
+                    row3,
+                    true,
+                    Mat { ptr: dp.as_ptr(), rs: 1, cs: kend as isize },
+                    q_tile,
+                    scale,
+                    Parallelism::None,
+                );
                 // dV[..kend] += Pᵀ · dO_tile
-                gemm_raw(kend, hs, tq, dv, row3, true, Mat { ptr: p.as_ptr(), rs: 1, cs: kend as isize }, dout_tile, 1.0, Parallelism::None);
+                gemm_raw(
+                    kend,
+                    hs,
+                    tq,
+                    dv,
+                    row3,
+                    true,
+                    Mat { ptr: p.as_ptr(), rs: 1, cs: kend as isize },
+                    dout_tile,
+                    1.0,
+                    Parallelism::None,
+                );
             }
         }
     });
@@ -248,9 +319,8 @@ mod tests {
         let (b, t, c, nh) = (2, TQ + 5, 8, 2);
         let g = randn(b * t * c, 5);
         let qkv = randn(b * t * 3 * c, 1);
-        let loss = |p: &[Vec<f64>]| {
-            reference(&p[0], b, t, c, nh).iter().zip(&g).map(|(o, &g)| o * g as f64).sum()
-        };
+        let loss =
+            |p: &[Vec<f64>]| reference(&p[0], b, t, c, nh).iter().zip(&g).map(|(o, &g)| o * g as f64).sum();
         let mut out = vec![0.0; b * t * c];
         let mut lse = vec![0.0; b * nh * t];
         let mut scratch = vec![0.0; scratch_len(b, nh, t)];

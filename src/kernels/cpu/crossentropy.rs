@@ -4,7 +4,7 @@
 //! logits buffer is overwritten by dlogits = (softmax − onehot(target))·dloss, so
 //! the (N, V) probabilities never need a buffer of their own.
 
-use super::math::exp;
+use super::math::{exp, simd_fn};
 use super::ROWS_PER_TASK;
 use rayon::prelude::*;
 
@@ -12,8 +12,34 @@ use rayon::prelude::*;
 #[inline]
 fn row_lse(row: &[f32]) -> (f32, f32) {
     let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let sum: f32 = row.iter().map(|&x| exp(x - max)).sum();
-    (max, sum.ln())
+    (max, sum_exp_shifted(row, max).ln())
+}
+
+simd_fn! {
+    /// Σ e^(x − shift), exponentials formed in blocks so they vectorize while
+    /// the sum itself stays in index order.
+    fn sum_exp_shifted(row: &[f32], shift: f32) -> f32 {
+        let mut buf = [0.0f32; 64];
+        let mut sum = 0.0f32;
+        for chunk in row.chunks(64) {
+            for (b, &x) in buf.iter_mut().zip(chunk) {
+                *b = exp(x - shift);
+            }
+            for &b in &buf[..chunk.len()] {
+                sum += b;
+            }
+        }
+        sum
+    }
+}
+
+simd_fn! {
+    /// x ← e^(x − lse)·dloss: softmax times the loss gradient.
+    fn softmax_times(row: &mut [f32], lse: f32, dloss: f32) {
+        for x in row.iter_mut() {
+            *x = exp(*x - lse) * dloss;
+        }
+    }
 }
 
 /// losses[i] = −log softmax(logits[i])[targets[i]]; logits[i] ← its gradient times dloss.
@@ -34,9 +60,7 @@ pub fn crossentropy_forward_backward(
                 let (max, log_sum) = row_lse(row);
                 let lse = max + log_sum;
                 losses[i] = lse - row[target];
-                for x in row.iter_mut() {
-                    *x = exp(*x - lse) * dloss;
-                }
+                softmax_times(row, lse, dloss);
                 row[target] -= dloss;
             }
         },

@@ -2,7 +2,7 @@
 //!
 //! inp, out, dinp and dout are flat (N·4C) slices.
 
-use super::math::tanh;
+use super::math::{simd_fn, tanh};
 use rayon::prelude::*;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -10,28 +10,37 @@ const CHUNK: usize = 4096;
 
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
     assert_eq!(out.len(), inp.len());
-    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(o, x)| {
-        for (o, &x) in o.iter_mut().zip(x) {
+    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(o, x)| forward_chunk(o, x));
+}
+
+simd_fn! {
+    fn forward_chunk(out: &mut [f32], inp: &[f32]) {
+        for (o, &x) in out.iter_mut().zip(inp) {
             let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
             *o = 0.5 * x * (1.0 + tanh(u));
         }
-    });
+    }
+}
+
+simd_fn! {
+    fn backward_chunk(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+        for ((dx, &x), &dy) in dinp.iter_mut().zip(inp).zip(dout) {
+            let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+            let th = tanh(u);
+            let sech2 = 1.0 - th * th;
+            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
+            *dx += (0.5 * (1.0 + th) + 0.5 * x * sech2 * du) * dy;
+        }
+    }
 }
 
 /// dinp += GELU'(inp) · dout.
 pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
     assert!(dinp.len() == inp.len() && dout.len() == inp.len());
-    dinp.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).zip(dout.par_chunks(CHUNK)).for_each(
-        |((dx, x), dy)| {
-            for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
-                let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
-                let th = tanh(u);
-                let sech2 = 1.0 - th * th;
-                let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
-                *dx += (0.5 * (1.0 + th) + 0.5 * x * sech2 * du) * dy;
-            }
-        },
-    );
+    dinp.par_chunks_mut(CHUNK)
+        .zip(inp.par_chunks(CHUNK))
+        .zip(dout.par_chunks(CHUNK))
+        .for_each(|((dx, x), dy)| backward_chunk(dx, x, dy));
 }
 
 #[cfg(test)]

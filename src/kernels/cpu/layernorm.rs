@@ -143,9 +143,7 @@ mod tests {
         let (mut dinp, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
         with_threads(2, || {
             layernorm_forward(&mut out, &mut mean, &mut rstd, &params[0], &params[1], &params[2], n, c);
-            layernorm_backward(
-                &mut dinp, &mut dw, &mut db, &g, &params[0], &params[1], &mean, &rstd, n, c,
-            );
+            layernorm_backward(&mut dinp, &mut dw, &mut db, &g, &params[0], &params[1], &mean, &rstd, n, c);
         });
         check_grads(&params, &[dinp, dw, db], loss, 1e-4);
     }

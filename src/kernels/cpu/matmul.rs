@@ -61,8 +61,8 @@ pub unsafe fn gemm_raw(
         return;
     }
     gemm::gemm(
-        m, n, k, dst, 1, dst_rs, accumulate, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs,
-        1.0, scale, false, false, false, par,
+        m, n, k, dst, 1, dst_rs, accumulate, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs, 1.0, scale,
+        false, false, false, par,
     );
 }
 
@@ -228,17 +228,7 @@ mod tests {
         let mut dw = vec![0.0; c * oc];
         let mut db = vec![0.0; oc];
         with_threads(2, || {
-            matmul_backward(
-                Some(&mut dinp),
-                &mut dw,
-                Some(&mut db),
-                &g,
-                &params[0],
-                &params[1],
-                n,
-                c,
-                oc,
-            )
+            matmul_backward(Some(&mut dinp), &mut dw, Some(&mut db), &g, &params[0], &params[1], n, c, oc)
         });
         check_grads(&params, &[dinp, dw, db], loss, 1e-4);
     }

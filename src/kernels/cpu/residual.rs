@@ -6,13 +6,11 @@ const CHUNK: usize = 4096;
 
 pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
     assert!(out.len() == a.len() && out.len() == b.len());
-    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(
-        |((o, a), b)| {
-            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
-                *o = a + b;
-            }
-        },
-    );
+    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(|((o, a), b)| {
+        for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+            *o = a + b;
+        }
+    });
 }
 
 /// acc += dout: the backward of a residual is the identity into both branches.
@@ -41,9 +39,8 @@ mod tests {
         accumulate(&mut da, &g);
         accumulate(&mut db, &g);
         let (a, b, g) = (a[..50].to_vec(), b[..50].to_vec(), g[..50].to_vec());
-        let loss = |p: &[Vec<f64>]| {
-            p[0].iter().zip(&p[1]).zip(&g).map(|((a, b), &g)| (a + b) * g as f64).sum()
-        };
+        let loss =
+            |p: &[Vec<f64>]| p[0].iter().zip(&p[1]).zip(&g).map(|((a, b), &g)| (a + b) * g as f64).sum();
         check_grads(&[a, b], &[da[..50].to_vec(), db[..50].to_vec()], loss, 1e-4);
     }
 }

@@ -27,14 +27,8 @@ pub fn assert_close(got: &[f32], want: &[f64], tol: f64) {
 /// Checks analytic gradients against central differences of `loss`, evaluated in
 /// f64 at the same (f32-representable) point. The error of each tensor is its
 /// largest absolute difference over its largest numeric gradient.
-pub fn check_grads(
-    params: &[Vec<f32>],
-    grads: &[Vec<f32>],
-    loss: impl Fn(&[Vec<f64>]) -> f64,
-    tol: f64,
-) {
-    let mut p: Vec<Vec<f64>> =
-        params.iter().map(|t| t.iter().map(|&x| x as f64).collect()).collect();
+pub fn check_grads(params: &[Vec<f32>], grads: &[Vec<f32>], loss: impl Fn(&[Vec<f64>]) -> f64, tol: f64) {
+    let mut p: Vec<Vec<f64>> = params.iter().map(|t| t.iter().map(|&x| x as f64).collect()).collect();
     for (ti, g) in grads.iter().enumerate() {
         assert_eq!(g.len(), p[ti].len());
         let mut numeric = vec![0.0f64; g.len()];
