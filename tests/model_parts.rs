@@ -132,3 +132,41 @@ fn recompute_keeps_less_activation_memory() {
     // Per block: 15 (N, C)-sized tensors plus statistics without recompute, one with it.
     assert!(bytes[1] * 5 < bytes[0], "{bytes:?}");
 }
+
+fn engine_digest(threads: usize, recompute: bool) -> (Vec<f64>, String) {
+    use pipewright::config::Config;
+    use pipewright::train::engine::Engine;
+    let mut cfg = Config::load(
+        None,
+        &[
+            "model.n_layer=2".into(),
+            "model.n_embd=64".into(),
+            "model.n_head=4".into(),
+            "model.block_size=80".into(),
+            "train.micro_batch_size=3".into(),
+            "parallel.microbatches=2".into(),
+        ],
+    )
+    .unwrap();
+    cfg.backend.threads = threads;
+    cfg.train.recompute = recompute;
+    let mut e = Engine::new(&cfg);
+    let mut losses = vec![];
+    for step in 0..3u32 {
+        let s = e.step(1e-3, |mb, inp, tgt| {
+            for (i, (x, y)) in inp.iter_mut().zip(tgt.iter_mut()).enumerate() {
+                *x = (i as u32 * 31 + step * 7 + mb as u32 * 3) % 256;
+                *y = (i as u32 * 17 + step) % 256;
+            }
+        });
+        losses.push(s.loss);
+    }
+    (losses, pipewright::model::io::weights_digest(&[&e.part]))
+}
+
+#[test]
+fn training_steps_are_bit_identical_across_thread_counts_and_recompute() {
+    let one = engine_digest(1, false);
+    assert_eq!(one, engine_digest(2, false));
+    assert_eq!(one, engine_digest(3, true));
+}

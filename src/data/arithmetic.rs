@@ -1,7 +1,13 @@
 //! The embedded default corpus: multi-digit addition, generated from a seed.
 //!
 //! Owns the problem distribution, the train/held-out split, the text format
-//! (`347+85=432\n`, one byte per token, vocab 256) and exact-match scoring.
+//! and exact-match scoring. A line is `347+085=2340\n`: operands zero-padded
+//! to three digits, the sum zero-padded to four and written least-significant
+//! digit first — the order a person adds in, carrying right to left, so each
+//! answer digit depends only on digits already seen. Small transformers learn
+//! this format from far fewer examples than the usual order (Lee et al., 2023,
+//! "Teaching Arithmetic to Small Transformers"); fixed widths line the digits
+//! up. One byte per token, vocab 256, every line 13 bytes.
 //! Must never let a held-out problem into the training tokens: the split is a
 //! fixed hash of the problem itself, so it holds for every seed and every
 //! corpus size, and the held-out accuracy measures generalisation rather than
@@ -16,7 +22,7 @@ use crate::rng::{mix64, Purpose, Rng};
 
 /// Vocabulary of the generated corpus: bytes.
 pub const VOCAB_SIZE: usize = 256;
-/// Longest line, `999+999=1998\n`; an eval window must hold at least one.
+/// Every line's length, `999+999=8991\n`; an eval window must hold at least one.
 pub const MAX_LINE_LEN: usize = 13;
 /// Share of all problems (in percent) that are held out of training.
 pub const HELD_OUT_PERCENT: u64 = 10;
@@ -57,9 +63,10 @@ impl Problem {
         self.a + self.b
     }
 
-    /// The problem as its text line, `a+b=c\n`.
+    /// The problem as its text line: `aaa+bbb=cccc\n`, the sum reversed.
     pub fn line(&self) -> String {
-        format!("{}+{}={}\n", self.a, self.b, self.answer())
+        let sum: String = format!("{:04}", self.answer()).chars().rev().collect();
+        format!("{:03}+{:03}={sum}\n", self.a, self.b)
     }
 
     /// Whether the problem belongs to the held-out set: a hash of the
@@ -72,19 +79,20 @@ impl Problem {
         h % 100 < HELD_OUT_PERCENT
     }
 
-    /// Parses a line `a+b=c` (without the newline); `None` unless it is a
-    /// well-formed problem with the right answer.
+    /// Parses a line `aaa+bbb=cccc` (without the newline, the sum reversed);
+    /// `None` unless it is a well-formed problem with the right answer.
     pub fn parse(line: &str) -> Option<Problem> {
         let (lhs, c) = line.split_once('=')?;
         let (a, b) = lhs.split_once('+')?;
-        let digits = |s: &str| -> Option<u32> {
-            if s.is_empty() || s.len() > 4 || !s.bytes().all(|c| c.is_ascii_digit()) {
+        let digits = |s: &str, n: usize| -> Option<u32> {
+            if s.len() != n || !s.bytes().all(|c| c.is_ascii_digit()) {
                 return None;
             }
             s.parse().ok()
         };
-        let p = Problem { a: digits(a)?, b: digits(b)? };
-        (digits(c)? == p.answer()).then_some(p)
+        let p = Problem { a: digits(a, 3)?, b: digits(b, 3)? };
+        let c: String = c.chars().rev().collect();
+        (digits(&c, 4)? == p.answer()).then_some(p)
     }
 }
 
@@ -146,7 +154,7 @@ pub struct AnswerSpan {
 /// writes the whole answer and the newline exactly. Conversely, if greedy
 /// decoding writes the answer exactly, every prefix it conditioned on was the
 /// true one, so every teacher-forced argmax was correct. Scoring the newline
-/// makes "4321" fail on an answer of "432". So one forward pass over these
+/// makes an answer that runs on fail. So one forward pass over these
 /// windows gives generation accuracy without a decoding loop.
 #[derive(Clone, Debug)]
 pub struct EvalSet {
@@ -304,7 +312,7 @@ mod tests {
         };
         let held = all.iter().filter(|p| p.is_held_out()).count();
         assert!((9_000..11_000).contains(&held), "held out {held} of 100000");
-        assert!(train.len() > 20_000, "only {} distinct train problems", train.len());
+        assert!(train.len() > 12_000, "only {} distinct train problems", train.len());
     }
 
     #[test]
@@ -338,42 +346,44 @@ mod tests {
 
     #[test]
     fn exact_match_counts_a_problem_only_when_every_answer_token_is_right() {
-        // T = 16, one window of 17 bytes: "12+5=17\n3+4=7\n" + 3 pad newlines.
-        let e = EvalSet::pack(16, 1, [Problem { a: 12, b: 5 }, Problem { a: 3, b: 4 }]).unwrap();
+        // T = 26, one window of 27 bytes: two 13-byte lines and one pad newline.
+        let e = EvalSet::pack(26, 1, [Problem { a: 12, b: 5 }, Problem { a: 3, b: 4 }]).unwrap();
         let text: String = e.inputs().iter().map(|&t| t as u8 as char).collect();
-        assert_eq!(text, "12+5=17\n3+4=7\n\n\n");
+        assert_eq!(text, "012+005=7100\n003+004=7000\n");
         assert_eq!(
             e.spans(),
-            [AnswerSpan { window: 0, start: 4, len: 3 }, AnswerSpan { window: 0, start: 11, len: 2 }]
+            [AnswerSpan { window: 0, start: 7, len: 5 }, AnswerSpan { window: 0, start: 20, len: 5 }]
         );
         // Span targets are the answer digits and the newline.
         let t = |s: &AnswerSpan| -> String {
             e.targets()[s.start..s.start + s.len].iter().map(|&t| t as u8 as char).collect()
         };
-        assert_eq!((t(&e.spans()[0]), t(&e.spans()[1])), ("17\n".into(), "7\n".into()));
+        assert_eq!((t(&e.spans()[0]), t(&e.spans()[1])), ("7100\n".into(), "7000\n".into()));
 
         let perfect = e.targets().to_vec();
         assert_eq!(e.exact_match(&perfect), (2, 2));
         // Errors outside answer spans do not count.
         let mut p = perfect.clone();
-        p[0] = b'9' as u32; // predicting after "1"
-        p[7] = b'0' as u32; // predicting the first operand of problem 2
+        p[0] = b'9' as u32; // predicting after "0"
+        p[13] = b'5' as u32; // predicting the first operand of problem 2
         assert_eq!(e.exact_match(&p), (2, 2));
         // Wrong first digit (the prediction at '=') of problem 2.
         let mut p = perfect.clone();
-        p[11] = b'8' as u32;
+        p[20] = b'8' as u32;
         assert_eq!(e.exact_match(&p), (1, 2));
-        // Not ending the answer: predicting another digit instead of '\n' after "17".
+        // Not ending the answer: another digit instead of '\n' after "7100".
         let mut p = perfect.clone();
-        p[6] = b'0' as u32;
+        p[11] = b'0' as u32;
         assert_eq!(e.exact_match(&p), (1, 2));
     }
 
     #[test]
     fn problem_parse_rejects_wrong_answers_and_junk() {
-        assert_eq!(Problem::parse("347+85=432"), Some(Problem { a: 347, b: 85 }));
-        assert_eq!(Problem::parse("347+85=431"), None);
-        assert_eq!(Problem::parse("+85=85"), None);
-        assert_eq!(Problem::parse("3 4+85=432"), None);
+        assert_eq!(Problem::parse("347+085=2340"), Some(Problem { a: 347, b: 85 }));
+        assert_eq!(Problem::parse("347+085=2341"), None);
+        assert_eq!(Problem::parse("347+85=2340"), None);
+        assert_eq!(Problem::parse("+085=580"), None);
+        assert_eq!(Problem::parse("3 4+085=2340"), None);
+        assert_eq!(Problem { a: 999, b: 999 }.line(), "999+999=8991\n");
     }
 }

@@ -44,6 +44,8 @@ pub struct Param {
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
     pub grad: Vec<f32>,
+    /// Position in `all_tensors` order, the order global sums run in.
+    pub canonical: usize,
 }
 
 impl Param {
@@ -121,5 +123,52 @@ pub fn init_tensor(cfg: &GptConfig, name: &str, shape: &[usize], seed: u64) -> V
 pub fn new_param(cfg: &GptConfig, name: String, shape: Vec<usize>, seed: u64) -> Param {
     let data = init_tensor(cfg, &name, &shape, seed);
     let grad = vec![0.0; data.len()];
-    Param { name, shape, data, grad }
+    let canonical = canonical_index(cfg, &name).expect("a GPT-2 tensor name");
+    Param { name, shape, data, grad, canonical }
+}
+
+/// Position of a tensor in `all_tensors` order, from its name alone.
+pub fn canonical_index(cfg: &GptConfig, name: &str) -> Option<usize> {
+    const BLOCK: [&str; 12] = [
+        "ln_1.weight",
+        "ln_1.bias",
+        "attn.c_attn.weight",
+        "attn.c_attn.bias",
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "ln_2.weight",
+        "ln_2.bias",
+        "mlp.c_fc.weight",
+        "mlp.c_fc.bias",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    ];
+    match name {
+        "wte.weight" => Some(0),
+        "wpe.weight" => Some(1),
+        "ln_f.weight" => Some(2 + 12 * cfg.n_layer),
+        "ln_f.bias" => Some(3 + 12 * cfg.n_layer),
+        _ => {
+            let rest = name.strip_prefix("h.")?;
+            let (layer, tensor) = rest.split_once('.')?;
+            let layer: usize = layer.parse().ok()?;
+            let k = BLOCK.iter().position(|b| *b == tensor)?;
+            (layer < cfg.n_layer).then_some(2 + 12 * layer + k)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn canonical_index_matches_all_tensors_order() {
+        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 8, vocab_size: 10, block_size: 4 };
+        for (i, (name, _)) in all_tensors(&cfg).iter().enumerate() {
+            assert_eq!(canonical_index(&cfg, name), Some(i), "{name}");
+        }
+        assert_eq!(canonical_index(&cfg, "h.3.ln_1.weight"), None);
+        assert_eq!(canonical_index(&cfg, "lm_head.weight"), None);
+    }
 }

@@ -78,18 +78,18 @@ impl LrSchedule {
 /// Per-tensor Σg² of a part, as (canonical tensor index, value). The head's copy
 /// of the tied wte is left out when another part owns the embedding: the
 /// embedding's part reports the combined gradient once.
-pub fn grad_sum_squares(part: &ModelPart) -> Vec<(usize, f64)> {
-    let order = all_tensors(&part.cfg);
-    let index = |name: &str| order.iter().position(|(n, _)| n == name).expect("known tensor");
-    part.params
-        .iter()
-        .filter(|p| !(p.name == "wte.weight" && !part.spec.embedding))
-        .map(|p| (index(&p.name), timed(Kernel::GradNorm, || sum_squares(&p.grad))))
-        .collect()
+pub fn grad_sum_squares(part: &ModelPart, out: &mut Vec<(usize, f64)>) {
+    out.clear();
+    for p in &part.params {
+        if p.name == "wte.weight" && !part.spec.embedding {
+            continue;
+        }
+        out.push((p.canonical, timed(Kernel::GradNorm, || sum_squares(&p.grad))));
+    }
 }
 
 /// √(Σ over all tensors, in canonical order, of Σg²).
-pub fn global_norm(mut per_tensor: Vec<(usize, f64)>) -> f64 {
+pub fn global_norm(per_tensor: &mut [(usize, f64)]) -> f64 {
     per_tensor.sort_by_key(|&(i, _)| i);
     per_tensor.iter().map(|&(_, s)| s).sum::<f64>().sqrt()
 }

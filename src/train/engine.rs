@@ -27,6 +27,7 @@ pub struct Engine {
     pub pool: rayon::ThreadPool,
     inputs: Vec<u32>,
     targets: Vec<u32>,
+    norms: Vec<(usize, f64)>,
 }
 
 /// Compute threads: the configured count, or one per available core.
@@ -60,6 +61,7 @@ impl Engine {
             pool,
             inputs: vec![0; n],
             targets: vec![0; n],
+            norms: Vec::new(),
         }
     }
 
@@ -71,7 +73,7 @@ impl Engine {
     /// One optimizer step. `fill(mb, inputs, targets)` supplies microbatch `mb`.
     pub fn step(&mut self, lr: f64, mut fill: impl FnMut(usize, &mut [u32], &mut [u32]) + Send) -> StepStats {
         let dloss = 1.0 / self.tokens_per_step() as f32;
-        let Engine { part, adam, hyper, grad_clip, microbatches, pool, inputs, targets } = self;
+        let Engine { part, adam, hyper, grad_clip, microbatches, pool, inputs, targets, norms } = self;
         pool.install(|| {
             part.zero_grads();
             let mut loss_sum = 0.0f64;
@@ -83,7 +85,8 @@ impl Engine {
             }
             part.combine_tied_grads(None);
             let loss = loss_sum * dloss as f64;
-            let grad_norm = optim::global_norm(optim::grad_sum_squares(part));
+            optim::grad_sum_squares(part, norms);
+            let grad_norm = optim::global_norm(norms);
             let skipped = !loss.is_finite() || !grad_norm.is_finite();
             if !skipped {
                 let clip = optim::clip_coefficient(grad_norm, *grad_clip);

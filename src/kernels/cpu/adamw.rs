@@ -63,9 +63,18 @@ pub fn adamw_update(
 /// Σ x² in f64, summed over fixed chunks in order so the thread count never
 /// changes the result.
 pub fn sum_squares(x: &[f32]) -> f64 {
-    let partials: Vec<f64> =
-        x.par_chunks(CHUNK).map(|c| c.iter().map(|&v| v as f64 * v as f64).sum::<f64>()).collect();
-    partials.iter().sum()
+    // Chunks are summed in parallel and their partials added in chunk order;
+    // a fixed-size stack buffer of partials keeps this free of allocation.
+    const GROUP: usize = 64;
+    let mut total = 0.0f64;
+    for group in x.chunks(CHUNK * GROUP) {
+        let mut partials = [0.0f64; GROUP];
+        partials.par_iter_mut().zip(group.par_chunks(CHUNK)).for_each(|(p, c)| {
+            *p = c.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        });
+        total += partials.iter().sum::<f64>();
+    }
+    total
 }
 
 #[cfg(test)]
