@@ -99,6 +99,47 @@ impl BlockActs {
     }
 }
 
+/// The gradients of a block's intermediate outputs, produced by the input half
+/// of its backward (I) and consumed by the weight half (W).
+struct BlockGrads {
+    dout: Vec<f32>,  // (N, C) the block's output
+    dfch: Vec<f32>,  // (N, 4C) the MLP's first product
+    dln2: Vec<f32>,  // (N, C)
+    dres2: Vec<f32>, // (N, C) the residual after attention
+    dqkv: Vec<f32>,  // (N, 3C)
+    dln1: Vec<f32>,  // (N, C)
+}
+
+impl BlockGrads {
+    fn new(n: usize, c: usize) -> Self {
+        BlockGrads {
+            dout: vec![0.0; n * c],
+            dfch: vec![0.0; n * 4 * c],
+            dln2: vec![0.0; n * c],
+            dres2: vec![0.0; n * c],
+            dqkv: vec![0.0; n * 3 * c],
+            dln1: vec![0.0; n * c],
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        4 * (self.dout.len()
+            + self.dfch.len()
+            + self.dln2.len()
+            + self.dres2.len()
+            + self.dqkv.len()
+            + self.dln1.len())
+    }
+}
+
+/// A microbatch between its I and its W: its activations, its blocks' output
+/// gradients and (first part) the gradient of the embedding's output.
+struct PendingWeight {
+    acts: MicroActs,
+    grads: Vec<BlockGrads>,
+    dembed: Option<Vec<f32>>,
+}
+
 /// Everything one microbatch's backward needs from its forward on this part.
 pub struct MicroActs {
     tokens: Vec<u32>,
@@ -132,10 +173,8 @@ pub struct ForwardOut {
 
 /// Workspace shared by all microbatches (only one runs at a time on a part).
 struct Scratch {
-    dln: Vec<f32>,   // (N, C)
+    dln: Vec<f32>,   // (N, C) the head's LayerNorm output gradient
     datty: Vec<f32>, // (N, C)
-    dqkv: Vec<f32>,  // (N, 3C)
-    dfch: Vec<f32>,  // (N, 4C)
     dgelu: Vec<f32>, // (N, 4C)
     attn: Vec<f32>,
     // Head (last part only).
@@ -175,6 +214,12 @@ pub struct ModelPart {
     scratch: Scratch,
     /// One block's intermediates, recomputed in backward when `recompute` is on.
     recompute_acts: Option<BlockActs>,
+    /// Microbatches whose I ran and whose W has not, by microbatch.
+    pending_w: std::collections::BTreeMap<usize, PendingWeight>,
+    grads_pool: Vec<Vec<BlockGrads>>,
+    /// One block's output gradients for a full backward (B), whose weight half
+    /// follows its input half at once.
+    full_grads: BlockGrads,
     nc_pool: Vec<Vec<f32>>,
     acts_pool: Vec<MicroActs>,
     /// Peak bytes of activations held by microbatches awaiting backward.
@@ -214,8 +259,6 @@ impl ModelPart {
         let scratch = Scratch {
             dln: vec![0.0; n * c],
             datty: vec![0.0; n * c],
-            dqkv: vec![0.0; n * 3 * c],
-            dfch: vec![0.0; n * 4 * c],
             dgelu: vec![0.0; n * 4 * c],
             attn: vec![0.0; attention::scratch_len(b, cfg.n_head, t)],
             lnf: if head { vec![0.0; n * c] } else { vec![] },
@@ -233,6 +276,9 @@ impl ModelPart {
             wte_head_grad: if head { vec![0.0; v * c] } else { vec![] },
             scratch,
             recompute_acts: recompute.then(|| BlockActs::new(b, t, c, cfg.n_head)),
+            pending_w: std::collections::BTreeMap::new(),
+            grads_pool: Vec::new(),
+            full_grads: BlockGrads::new(n, c),
             nc_pool: Vec::new(),
             acts_pool: Vec::new(),
             live_bytes: 0,
@@ -480,47 +526,134 @@ impl ModelPart {
         (loss_sum, Some(dx))
     }
 
-    /// Backward of one microbatch. `dout` is the gradient of this part's output
-    /// (None on the last part, whose loss gradient was formed in forward).
+    /// Backward of one microbatch (B). `dout` is the gradient of this part's
+    /// output (None on the last part, whose loss gradient was formed in forward).
     /// Returns the gradient of the part's input (None on the first part).
     pub fn backward(&mut self, mut acts: MicroActs, dout: Option<Vec<f32>>) -> Option<Vec<f32>> {
         self.live_bytes -= acts.bytes();
-        let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
-        // The gradient of the residual stream, carried down through the blocks in place.
-        let mut dres = if self.spec.head {
-            assert!(dout.is_none());
-            std::mem::take(&mut acts.dhead)
-        } else {
-            dout.expect("a part without the head needs its output gradient")
-        };
+        let mut dres = self.output_grad(&mut acts, dout);
         for l in (0..self.n_blocks()).rev() {
             let base = self.block_base(l);
             if self.recompute {
-                let ba = self.recompute_acts.as_mut().unwrap();
-                let mut out = self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * t * c]);
-                block_forward(
-                    &self.params[base..base + 12],
-                    ba,
-                    &acts.inputs[l],
-                    &mut out,
-                    &mut self.scratch.attn,
-                    self.b,
-                    &self.cfg,
-                );
-                self.nc_pool.push(out);
+                self.recompute_block(&acts, l);
             }
             let ba = if self.recompute { self.recompute_acts.as_ref().unwrap() } else { &acts.blocks[l] };
-            block_backward(
-                &mut self.params[base..base + 12],
+            // The input half then at once the weight half: the same kernel calls in
+            // the same order per tensor as I followed later by W, so B = I + W in bits.
+            block_backward_input(
+                &self.params[base..base + 12],
                 ba,
                 &acts.inputs[l],
                 &mut dres,
+                &mut self.full_grads,
+                &mut self.scratch,
+                self.b,
+                &self.cfg,
+            );
+            block_backward_weight(
+                &mut self.params[base..base + 12],
+                ba,
+                &acts.inputs[l],
+                &self.full_grads,
+                self.b,
+                &self.cfg,
+            );
+        }
+        let result = self.finish_input(&acts, dres, true);
+        self.recycle(acts);
+        result
+    }
+
+    /// The input half of the backward (zero-bubble schedules' I): returns the
+    /// gradient of the part's input and keeps what W needs for microbatch `mb`.
+    pub fn backward_input(
+        &mut self,
+        mut acts: MicroActs,
+        dout: Option<Vec<f32>>,
+        mb: usize,
+    ) -> Option<Vec<f32>> {
+        assert!(!self.recompute, "split backward with recompute is refused by the config");
+        let mut dres = self.output_grad(&mut acts, dout);
+        let mut grads = self.grads_pool.pop().unwrap_or_default();
+        let n = self.n();
+        while grads.len() < self.n_blocks() {
+            grads.push(BlockGrads::new(n, self.cfg.n_embd));
+        }
+        for l in (0..self.n_blocks()).rev() {
+            let base = self.block_base(l);
+            block_backward_input(
+                &self.params[base..base + 12],
+                &acts.blocks[l],
+                &acts.inputs[l],
+                &mut dres,
+                &mut grads[l],
                 &mut self.scratch,
                 self.b,
                 &self.cfg,
             );
         }
-        let result = if self.spec.embedding {
+        let extra: usize = grads.iter().map(BlockGrads::bytes).sum();
+        self.live_bytes += extra;
+        self.peak_live_bytes = self.peak_live_bytes.max(self.live_bytes);
+        let (result, dembed) = if self.spec.embedding { (None, Some(dres)) } else { (Some(dres), None) };
+        self.pending_w.insert(mb, PendingWeight { acts, grads, dembed });
+        result
+    }
+
+    /// The weight half (zero-bubble schedules' W) of microbatch `mb`, whose I ran.
+    pub fn backward_weight(&mut self, mb: usize) {
+        let PendingWeight { acts, grads, dembed } = self.pending_w.remove(&mb).expect("I ran before W");
+        self.live_bytes -= acts.bytes() + grads.iter().map(BlockGrads::bytes).sum::<usize>();
+        for l in (0..self.n_blocks()).rev() {
+            let base = self.block_base(l);
+            block_backward_weight(
+                &mut self.params[base..base + 12],
+                &acts.blocks[l],
+                &acts.inputs[l],
+                &grads[l],
+                self.b,
+                &self.cfg,
+            );
+        }
+        if let Some(d) = dembed {
+            self.finish_input(&acts, d, true);
+        }
+        self.grads_pool.push(grads);
+        self.recycle(acts);
+    }
+
+    /// The gradient of this part's output: the head's, formed in forward, or the one received.
+    fn output_grad(&mut self, acts: &mut MicroActs, dout: Option<Vec<f32>>) -> Vec<f32> {
+        if self.spec.head {
+            assert!(dout.is_none());
+            std::mem::take(&mut acts.dhead)
+        } else {
+            dout.expect("a part without the head needs its output gradient")
+        }
+    }
+
+    fn recompute_block(&mut self, acts: &MicroActs, l: usize) {
+        let base = self.block_base(l);
+        let ba = self.recompute_acts.as_mut().unwrap();
+        let mut out =
+            self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * self.cfg.block_size * self.cfg.n_embd]);
+        block_forward(
+            &self.params[base..base + 12],
+            ba,
+            &acts.inputs[l],
+            &mut out,
+            &mut self.scratch.attn,
+            self.b,
+            &self.cfg,
+        );
+        self.nc_pool.push(out);
+    }
+
+    /// On the first part the input gradient ends in the embedding's weight
+    /// gradients; elsewhere it is returned for the previous stage.
+    fn finish_input(&mut self, acts: &MicroActs, dres: Vec<f32>, _weights: bool) -> Option<Vec<f32>> {
+        if self.spec.embedding {
+            let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
             let (wte, wpe) = pair(&mut self.params, 0, 1);
             timed(Kernel::Embedding, || {
                 embedding::embedding_backward(&mut wte.grad, &mut wpe.grad, &dres, &acts.tokens, t, c)
@@ -529,9 +662,7 @@ impl ModelPart {
             None
         } else {
             Some(dres)
-        };
-        self.recycle(acts);
-        result
+        }
     }
 
     /// Sum the tied embedding's two gradient shares into `wte.grad` (first
@@ -622,95 +753,50 @@ fn block_forward(
     timed(Kernel::Residual, || residual::accumulate(out, &a.res2));
 }
 
-/// Backward of one block. `dres` holds the gradient of the block's output on
-/// entry and of its input on return.
-fn block_backward(
-    p: &mut [Param],
+/// The input half of one block's backward. `dres` holds the gradient of the
+/// block's output on entry and of its input on return; `g` receives the
+/// intermediate output gradients the weight half needs.
+#[allow(clippy::too_many_arguments)]
+fn block_backward_input(
+    p: &[Param],
     a: &BlockActs,
     x: &[f32],
     dres: &mut [f32],
+    g: &mut BlockGrads,
     s: &mut Scratch,
     b: usize,
     cfg: &GptConfig,
 ) {
     let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
     let n = b * t;
+    g.dout.copy_from_slice(dres);
     // MLP: out = res2 + gelu(ln2(res2)·Wfc)·Wfcproj
     s.dgelu.fill(0.0);
-    {
-        let (w, bias) = pair(p, FCPW, FCPB);
-        timed(Kernel::Matmul, || {
-            matmul::matmul_backward(
-                Some(&mut s.dgelu),
-                &mut w.grad,
-                Some(&mut bias.grad),
-                dres,
-                &a.fch_gelu,
-                &w.data,
-                n,
-                4 * c,
-                c,
-            )
-        });
-    }
-    s.dfch.fill(0.0);
-    timed(Kernel::Gelu, || gelu::gelu_backward(&mut s.dfch, &a.fch, &s.dgelu));
-    s.dln.fill(0.0);
-    {
-        let (w, bias) = pair(p, FCW, FCB);
-        timed(Kernel::Matmul, || {
-            matmul::matmul_backward(
-                Some(&mut s.dln),
-                &mut w.grad,
-                Some(&mut bias.grad),
-                &s.dfch,
-                &a.ln2,
-                &w.data,
-                n,
-                c,
-                4 * c,
-            )
-        });
-    }
-    {
-        let (w, bias) = pair(p, LN2W, LN2B);
-        timed(Kernel::LayerNorm, || {
-            layernorm::layernorm_backward(
-                dres,
-                &mut w.grad,
-                &mut bias.grad,
-                &s.dln,
-                &a.res2,
-                &w.data,
-                &a.ln2_mean,
-                &a.ln2_rstd,
-                n,
-                c,
-            )
-        });
-    }
+    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut s.dgelu, dres, &p[FCPW].data, n, 4 * c, c));
+    g.dfch.fill(0.0);
+    timed(Kernel::Gelu, || gelu::gelu_backward(&mut g.dfch, &a.fch, &s.dgelu));
+    g.dln2.fill(0.0);
+    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut g.dln2, &g.dfch, &p[FCW].data, n, c, 4 * c));
+    timed(Kernel::LayerNorm, || {
+        layernorm::layernorm_backward_input(
+            dres,
+            &g.dln2,
+            &a.res2,
+            &p[LN2W].data,
+            &a.ln2_mean,
+            &a.ln2_rstd,
+            n,
+            c,
+        )
+    });
     // dres is now ∂L/∂res2. Attention: res2 = x + attn(ln1(x))·Wproj.
+    g.dres2.copy_from_slice(dres);
     s.datty.fill(0.0);
-    {
-        let (w, bias) = pair(p, PROJW, PROJB);
-        timed(Kernel::Matmul, || {
-            matmul::matmul_backward(
-                Some(&mut s.datty),
-                &mut w.grad,
-                Some(&mut bias.grad),
-                dres,
-                &a.atty,
-                &w.data,
-                n,
-                c,
-                c,
-            )
-        });
-    }
-    s.dqkv.fill(0.0);
+    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut s.datty, dres, &p[PROJW].data, n, c, c));
+    g.dqkv.fill(0.0);
     timed(Kernel::Attention, || {
         attention::attention_backward(
-            &mut s.dqkv,
+            &mut g.dqkv,
             &mut s.attn,
             &s.datty,
             &a.qkv,
@@ -722,38 +808,42 @@ fn block_backward(
             nh,
         )
     });
-    s.dln.fill(0.0);
-    {
-        let (w, bias) = pair(p, QKVW, QKVB);
+    g.dln1.fill(0.0);
+    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut g.dln1, &g.dqkv, &p[QKVW].data, n, c, 3 * c));
+    timed(Kernel::LayerNorm, || {
+        layernorm::layernorm_backward_input(dres, &g.dln1, x, &p[LN1W].data, &a.ln1_mean, &a.ln1_rstd, n, c)
+    });
+}
+
+/// The weight half of one block's backward: accumulates every weight gradient
+/// of the block from its activations and the output gradients of the input half.
+fn block_backward_weight(
+    p: &mut [Param],
+    a: &BlockActs,
+    x: &[f32],
+    g: &BlockGrads,
+    b: usize,
+    cfg: &GptConfig,
+) {
+    let c = cfg.n_embd;
+    let n = b * cfg.block_size;
+    let mm = |p: &mut [Param], w: usize, bias: usize, dout: &[f32], inp: &[f32], ic: usize, oc: usize| {
+        let (w, bias) = pair(p, w, bias);
         timed(Kernel::Matmul, || {
-            matmul::matmul_backward(
-                Some(&mut s.dln),
-                &mut w.grad,
-                Some(&mut bias.grad),
-                &s.dqkv,
-                &a.ln1,
-                &w.data,
-                n,
-                c,
-                3 * c,
-            )
+            matmul::matmul_backward_weight(&mut w.grad, Some(&mut bias.grad), dout, inp, n, ic, oc)
         });
-    }
-    {
-        let (w, bias) = pair(p, LN1W, LN1B);
-        timed(Kernel::LayerNorm, || {
-            layernorm::layernorm_backward(
-                dres,
-                &mut w.grad,
-                &mut bias.grad,
-                &s.dln,
-                x,
-                &w.data,
-                &a.ln1_mean,
-                &a.ln1_rstd,
-                n,
-                c,
-            )
-        });
-    }
+    };
+    let ln =
+        |p: &mut [Param], w: usize, bias: usize, dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32]| {
+            let (w, bias) = pair(p, w, bias);
+            timed(Kernel::LayerNorm, || {
+                layernorm::layernorm_backward_weight(&mut w.grad, &mut bias.grad, dout, inp, mean, rstd, n, c)
+            });
+        };
+    mm(p, FCPW, FCPB, &g.dout, &a.fch_gelu, 4 * c, c);
+    mm(p, FCW, FCB, &g.dfch, &a.ln2, c, 4 * c);
+    ln(p, LN2W, LN2B, &g.dln2, &a.res2, &a.ln2_mean, &a.ln2_rstd);
+    mm(p, PROJW, PROJB, &g.dres2, &a.atty, c, c);
+    mm(p, QKVW, QKVB, &g.dqkv, &a.ln1, c, 3 * c);
+    ln(p, LN1W, LN1B, &g.dln1, x, &a.ln1_mean, &a.ln1_rstd);
 }

@@ -54,8 +54,24 @@ pub fn layernorm_backward(
     n: usize,
     c: usize,
 ) {
+    layernorm_backward_input(dinp, dout, inp, weight, mean, rstd, n, c);
+    layernorm_backward_weight(dweight, dbias, dout, inp, mean, rstd, n, c);
+}
+
+/// The input half: dinp (N, C) += ∂L/∂inp.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_input(
+    dinp: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
     assert!(dinp.len() == n * c && dout.len() == n * c && inp.len() == n * c);
-    assert!(dweight.len() == c && dbias.len() == c && mean.len() == n && rstd.len() == n);
+    assert!(weight.len() == c && mean.len() == n && rstd.len() == n);
     dinp.par_chunks_mut(c * ROWS_PER_TASK).enumerate().for_each(|(task, dinp)| {
         let r0 = task * ROWS_PER_TASK;
         for (i, dx) in dinp.chunks_mut(c).enumerate() {
@@ -80,6 +96,22 @@ pub fn layernorm_backward(
             }
         }
     });
+}
+
+/// The weight half: dweight (C) += Σ_rows dout·x̂; dbias (C) += Σ_rows dout.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward_weight(
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    assert!(dout.len() == n * c && inp.len() == n * c);
+    assert!(dweight.len() == c && dbias.len() == c && mean.len() == n && rstd.len() == n);
     dweight.par_chunks_mut(COLS_PER_TASK).zip(dbias.par_chunks_mut(COLS_PER_TASK)).enumerate().for_each(
         |(task, (dw, db))| {
             let c0 = task * COLS_PER_TASK;

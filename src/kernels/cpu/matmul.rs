@@ -148,13 +148,33 @@ pub fn matmul_backward(
     c: usize,
     oc: usize,
 ) {
+    if let Some(dinp) = dinp {
+        matmul_backward_input(dinp, dout, weight, n, c, oc);
+    }
+    matmul_backward_weight(dweight, dbias, dout, inp, n, c, oc);
+}
+
+/// The input half of the backward (zero-bubble schedules' I): dinp (N, C) += dout · weightᵀ.
+pub fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], weight: &[f32], n: usize, c: usize, oc: usize) {
+    assert_eq!(dout.len(), n * oc);
+    assert_eq!(weight.len(), c * oc);
+    assert_eq!(dinp.len(), n * c);
+    gemm_checked(dinp, true, dout, (oc as isize, 1), weight, (1, oc as isize), n, c, oc, 1.0);
+}
+
+/// The weight half (zero-bubble schedules' W): dweight (C, OC) += inpᵀ · dout; dbias += Σ_rows dout.
+pub fn matmul_backward_weight(
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
     assert_eq!(dout.len(), n * oc);
     assert_eq!(inp.len(), n * c);
     assert_eq!(dweight.len(), c * oc);
-    if let Some(dinp) = dinp {
-        assert_eq!(dinp.len(), n * c);
-        gemm_checked(dinp, true, dout, (oc as isize, 1), weight, (1, oc as isize), n, c, oc, 1.0);
-    }
     gemm_checked(dweight, true, inp, (1, c as isize), dout, (oc as isize, 1), c, oc, n, 1.0);
     if let Some(dbias) = dbias {
         assert_eq!(dbias.len(), oc);
