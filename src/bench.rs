@@ -94,6 +94,91 @@ pub fn run(cfg: &Config, steps: usize, warmup: usize, mut progress: impl FnMut(u
     }
 }
 
+/// One row of the pipeline comparison: the same model and batch at one layout.
+#[derive(Serialize, Debug, Clone)]
+pub struct PipelineRow {
+    pub pp: usize,
+    pub schedule: String,
+    pub tokens_per_s: f64,
+    pub ms_per_step: f64,
+    pub gflops: f64,
+    /// Send → compute-thread receipt of activation and gradient messages, µs.
+    pub msg_median_us: f64,
+    pub msg_p99_us: f64,
+    pub messages: usize,
+}
+
+/// Trains `steps` steps of `cfg` (random tokens) through the actor runtime at
+/// each pipeline size in `pps`, with `microbatches` per step, and reports
+/// throughput and message latency. Sizes that do not fit the model are skipped.
+pub fn pipeline_rows(
+    cfg: &Config,
+    steps: usize,
+    pps: &[usize],
+    microbatches: usize,
+) -> anyhow::Result<Vec<PipelineRow>> {
+    let gpt = GptConfig::from_config(cfg);
+    let mut rows = Vec::new();
+    for &pp in pps {
+        if pp > gpt.n_layer {
+            continue;
+        }
+        let mut c = cfg.clone();
+        c.parallel.pp = pp;
+        c.parallel.microbatches = microbatches;
+        c.train.steps = steps;
+        c.train.eval_every = 0;
+        c.data.builtin = "random".into();
+        c.data.train.clear();
+        c.data.val.clear();
+        let dir = std::env::temp_dir().join(format!("pipewright-bench-{}-pp{pp}", std::process::id()));
+        let opts = crate::train::run::TrainOptions {
+            out_dir: dir.clone(),
+            init: None,
+            force: true,
+            progress: false,
+        };
+        let (summary, out) = crate::train::run::train_with(&c, &opts, None)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut lat = out.message_latency_us.clone();
+        lat.sort_by(f64::total_cmp);
+        let q = |f: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * f) as usize] };
+        rows.push(PipelineRow {
+            pp,
+            schedule: c.parallel.schedule.clone(),
+            tokens_per_s: summary.tokens_per_s,
+            ms_per_step: summary.train_seconds * 1e3 / steps as f64,
+            gflops: summary.model_gflops,
+            msg_median_us: q(0.5),
+            msg_p99_us: q(0.99),
+            messages: lat.len(),
+        });
+    }
+    Ok(rows)
+}
+
+pub fn pipeline_table(rows: &[PipelineRow]) -> String {
+    let mut s = String::from("\nthe same model through the actor runtime (1F1B), per pipeline size\n");
+    s += &format!(
+        "  {:>3} {:>10} {:>9} {:>9} {:>8} {:>13} {:>10}\n",
+        "pp", "tokens/s", "ms/step", "GFLOP/s", "vs pp=1", "msg median µs", "msg p99 µs"
+    );
+    let base = rows.first().map(|r| r.tokens_per_s).unwrap_or(1.0);
+    for r in rows {
+        s += &format!(
+            "  {:>3} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>13.1} {:>10.1}\n",
+            r.pp,
+            r.tokens_per_s,
+            r.ms_per_step,
+            r.gflops,
+            r.tokens_per_s / base,
+            r.msg_median_us,
+            r.msg_p99_us
+        );
+    }
+    s
+}
+
 impl BenchReport {
     pub fn table(&self) -> String {
         let mut s = String::new();

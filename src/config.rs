@@ -94,8 +94,12 @@ pub struct ParallelSection {
     pub dp: usize,
     /// Microbatches per optimizer step (per replica): the gradient-accumulation count.
     pub microbatches: usize,
-    /// Pipeline schedule: "1f1b" or "gpipe".
+    /// Pipeline schedule: "1f1b", "gpipe", "interleaved" or "zb-h1".
     pub schedule: String,
+    /// Model chunks per rank (interleaved 1F1B's v); stages = pp · chunks.
+    pub chunks: usize,
+    /// Blocks per stage, in stage order; empty means an even split.
+    pub layers_per_stage: Vec<usize>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -156,7 +160,14 @@ impl Default for OptimSection {
 
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection { pp: 1, dp: 1, microbatches: 1, schedule: "1f1b".into() }
+        ParallelSection {
+            pp: 1,
+            dp: 1,
+            microbatches: 1,
+            schedule: "1f1b".into(),
+            chunks: 1,
+            layers_per_stage: Vec::new(),
+        }
     }
 }
 
@@ -376,20 +387,19 @@ impl Config {
             p.pp,
             format!("must be <= model.n_layer ({}): every stage needs at least one block", m.n_layer),
         );
-        v.one_of("parallel.schedule", &p.schedule, &["1f1b", "gpipe"]);
+        v.one_of("parallel.schedule", &p.schedule, &["1f1b", "gpipe", "interleaved", "zb-h1"]);
         v.check(
-            p.pp <= 1,
-            "parallel.pp",
-            p.pp,
-            "pipeline parallelism is not implemented yet in this build \
-             (the actor runtime will lift this); use pp = 1",
+            p.chunks >= 1 && (p.chunks == 1 || p.schedule == "interleaved"),
+            "parallel.chunks",
+            p.chunks,
+            "must be >= 1, and more than 1 only with parallel.schedule = \"interleaved\"",
         );
         v.check(
-            p.dp <= 1,
-            "parallel.dp",
-            p.dp,
-            "data parallelism is not implemented yet in this build \
-             (the actor runtime will lift this); use dp = 1",
+            !(p.schedule == "zb-h1" && self.train.recompute),
+            "train.recompute",
+            self.train.recompute,
+            "the split backward of parallel.schedule = \"zb-h1\" keeps activations until W; \
+             recompute is not supported with it",
         );
 
         v.check(
@@ -843,15 +853,20 @@ mod tests {
     }
 
     #[test]
-    fn pipeline_and_data_parallelism_are_refused_until_implemented() {
+    fn chunks_need_the_interleaved_schedule() {
         let mut c = valid();
-        c.parallel.pp = 2;
-        let err = refused(&c, "parallel.pp");
-        assert!(err.contains("pipeline parallelism is not implemented yet"), "{err}");
+        c.parallel.chunks = 2;
+        refused(&c, "parallel.chunks");
+        c.parallel.schedule = "interleaved".into();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn zero_bubble_refuses_recompute() {
         let mut c = valid();
-        c.parallel.dp = 2;
-        let err = refused(&c, "parallel.dp");
-        assert!(err.contains("data parallelism is not implemented yet"), "{err}");
+        c.parallel.schedule = "zb-h1".into();
+        c.train.recompute = true;
+        refused(&c, "train.recompute");
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! pipewright: a GPT-2 trainer whose pipeline stages are actors.
 //!
-//! The layout follows one optimizer step: `config` → `data` → `model` (built
-//! from `kernels`) → `optim` → `train`.
+//! The layout follows one optimizer step: `config` → `schedule` → `actors` →
+//! `model` (built from `kernels`) → `optim`; `data` feeds it and `train` runs it.
 
+pub mod actors;
 pub mod bench;
 pub mod config;
 pub mod data;
@@ -11,4 +12,5 @@ pub mod kernels;
 pub mod model;
 pub mod optim;
 pub mod rng;
+pub mod schedule;
 pub mod train;

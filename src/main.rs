@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
-use pipewright::train::run::{train, TrainOptions};
+use pipewright::train::run::{train_with, TrainOptions};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -64,6 +64,10 @@ enum Command {
         /// Replace the outputs of an earlier run in --out.
         #[arg(long)]
         force: bool,
+        /// Deliver messages between actors after random delays, in a scrambled
+        /// order (results must not change: a check of determinism).
+        #[arg(long, value_name = "SEED")]
+        chaos_seed: Option<u64>,
     },
     /// Mean loss of saved weights over the first N windows of a token file.
     Eval {
@@ -111,6 +115,12 @@ enum Command {
         /// Untimed steps first.
         #[arg(long, default_value_t = 3)]
         warmup: usize,
+        /// Pipeline sizes to compare through the actor runtime (empty: none).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        pp: Vec<usize>,
+        /// Microbatches per step in the pipeline comparison.
+        #[arg(long, default_value_t = 8)]
+        microbatches: usize,
         /// End with one JSON line holding the figures.
         #[arg(long)]
         json: bool,
@@ -144,12 +154,13 @@ fn default_run_dir() -> PathBuf {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, steps, out, init, force } => {
+        Command::Train { config, steps, out, init, force, chaos_seed } => {
             let cfg = config.load(steps)?;
             cfg.validate()?;
             let out_dir = out.unwrap_or_else(default_run_dir);
             eprintln!("pipewright train → {}", out_dir.display());
-            let s = train(&cfg, &TrainOptions { out_dir: out_dir.clone(), init, force, progress: true })?;
+            let opts = TrainOptions { out_dir: out_dir.clone(), init, force, progress: true };
+            let (s, _) = train_with(&cfg, &opts, chaos_seed)?;
             eprintln!(
                 "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
                 s.steps,
@@ -188,7 +199,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", pipewright::inspect::inspect(&path)?);
             Ok(())
         }
-        Command::Bench { config, steps, warmup, json } => {
+        Command::Bench { config, steps, warmup, pp, microbatches, json } => {
             let path = config.config.clone();
             let cfg = config.load(None)?;
             cfg.validate()?;
@@ -209,8 +220,21 @@ fn run(cli: Cli) -> Result<()> {
             });
             eprintln!();
             print!("{}", report.table());
+            let rows = if pp.is_empty() {
+                vec![]
+            } else {
+                eprintln!(
+                    "pipeline comparison: pp = {pp:?}, {microbatches} microbatches of {} sequences per step",
+                    cfg.train.micro_batch_size
+                );
+                let rows = pipewright::bench::pipeline_rows(&cfg, steps, &pp, microbatches)?;
+                print!("{}", pipewright::bench::pipeline_table(&rows));
+                rows
+            };
             if json {
-                println!("{}", serde_json::to_string(&report).context("report")?);
+                let mut v = serde_json::to_value(&report).context("report")?;
+                v["pipeline"] = serde_json::to_value(&rows)?;
+                println!("{v}");
             }
             Ok(())
         }

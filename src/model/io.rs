@@ -6,7 +6,7 @@
 //! Reading never panics on bad bytes: every problem names the file.
 
 use super::params::{all_tensors, GptConfig};
-use super::ModelPart;
+use super::{ModelPart, Param};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -29,11 +29,16 @@ pub enum WeightsError {
 /// Model tensors gathered from parts, by HF name, each exactly once (the
 /// head's copy of the tied wte is skipped when the embedding is present).
 pub fn gather<'a>(parts: &[&'a ModelPart]) -> BTreeMap<String, (&'a [usize], &'a [f32])> {
+    gather_params(parts.iter().flat_map(|p| p.params.iter()))
+}
+
+/// The same from a list of parameters (for example all stages' of a pipeline).
+pub fn gather_params<'a>(
+    params: impl IntoIterator<Item = &'a Param>,
+) -> BTreeMap<String, (&'a [usize], &'a [f32])> {
     let mut out = BTreeMap::new();
-    for part in parts {
-        for p in &part.params {
-            out.entry(p.name.clone()).or_insert((p.shape.as_slice(), p.data.as_slice()));
-        }
+    for p in params {
+        out.entry(p.name.clone()).or_insert((p.shape.as_slice(), p.data.as_slice()));
     }
     out
 }
@@ -41,10 +46,14 @@ pub fn gather<'a>(parts: &[&'a ModelPart]) -> BTreeMap<String, (&'a [usize], &'a
 /// blake3 over every tensor in sorted-name order: name, then the values as
 /// little-endian f32. Equal weights give equal digests whatever the layout.
 pub fn weights_digest(parts: &[&ModelPart]) -> String {
+    digest_of(&gather(parts))
+}
+
+pub fn digest_of(tensors: &BTreeMap<String, (&[usize], &[f32])>) -> String {
     let mut h = blake3::Hasher::new();
-    for (name, (_, data)) in gather(parts) {
+    for (name, (_, data)) in tensors {
         h.update(name.as_bytes());
-        for x in data {
+        for x in data.iter() {
             h.update(&x.to_le_bytes());
         }
     }

@@ -6,21 +6,21 @@
 //! output directory holding an earlier run) is checked before the first byte is
 //! written, so bad input never costs earlier results.
 
-use super::engine::Engine;
 use super::plot::loss_svg;
+use crate::actors::coordinator::RunData;
+use crate::actors::{Layout, RunInputs, RunOutcome};
 use crate::bench::gemm_peak;
 use crate::config::Config;
 use crate::data::{ArithmeticCorpus, EvalSet, Sampler, SamplerKind, TokenFile, TokenSource};
 use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{io, GptConfig};
-use crate::optim::LrSchedule;
 use crate::rng::{Purpose, Rng};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::collections::HashMap;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Arc;
 
 pub struct TrainOptions {
     pub out_dir: PathBuf,
@@ -69,19 +69,19 @@ pub struct Summary {
 }
 
 /// Training and validation data as the config describes them.
-struct Data {
-    train: Sampler,
-    val: Option<Sampler>,
-    eval_set: Option<EvalSet>,
+pub struct Sources {
+    pub train: Arc<TokenSource>,
+    pub val: Option<Arc<TokenSource>>,
+    pub eval_set: Option<Arc<EvalSet>>,
 }
 
 /// Held-out problems scored for exact match at each evaluation.
 const EVAL_WINDOWS: usize = 256;
 
-fn load_data(cfg: &Config) -> Result<Data> {
+pub fn load_sources(cfg: &Config) -> Result<Sources> {
     let (t, b, seed) = (cfg.model.block_size, cfg.train.micro_batch_size, cfg.train.seed);
-    let kind: SamplerKind = cfg.data.sampler.parse().map_err(|e| anyhow::anyhow!("data.sampler: {e}"))?;
     let vocab = cfg.model.vocab_size;
+    let tokens_needed = cfg.train.steps * cfg.parallel.dp * cfg.parallel.microbatches * b * t + t + 1;
     match cfg.data.builtin.as_str() {
         "arithmetic" => {
             if vocab < crate::data::arithmetic::VOCAB_SIZE {
@@ -91,52 +91,91 @@ fn load_data(cfg: &Config) -> Result<Data> {
                 );
             }
             // Enough text that the run never repeats a window.
-            let need = cfg.train.steps * cfg.parallel.microbatches * b * t + t + 1;
-            let corpus = ArithmeticCorpus::generate(seed, need);
+            let corpus = ArithmeticCorpus::generate(seed, tokens_needed);
             let train = TokenSource::from_vec("builtin:arithmetic/train", corpus.train, vocab)?;
             let val = TokenSource::from_vec("builtin:arithmetic/val", corpus.val, vocab)?;
             let windows = EVAL_WINDOWS.div_ceil(b) * b;
-            Ok(Data {
-                train: Sampler::new(kind, train, t, b, seed)?,
-                val: Some(Sampler::eval(val, t, b)?),
-                eval_set: Some(EvalSet::new(seed, t, windows)?),
+            Ok(Sources {
+                train: Arc::new(train),
+                val: Some(Arc::new(val)),
+                eval_set: Some(Arc::new(EvalSet::new(seed, t, windows)?)),
             })
         }
         "random" => {
-            let n = (cfg.train.steps * cfg.parallel.microbatches * b * t + t + 1).min(1 << 26);
+            let n = tokens_needed.min(1 << 26);
             let mut r = Rng::new(seed, Purpose::Data, &[0xb]);
             let tokens = (0..n).map(|_| r.below(vocab as u64) as u32).collect();
-            let train = TokenSource::from_vec("builtin:random", tokens, vocab)?;
-            Ok(Data { train: Sampler::new(kind, train, t, b, seed)?, val: None, eval_set: None })
+            Ok(Sources {
+                train: Arc::new(TokenSource::from_vec("builtin:random", tokens, vocab)?),
+                val: None,
+                eval_set: None,
+            })
         }
         _ => {
             let train = TokenSource::from(TokenFile::open(Path::new(&cfg.data.train), vocab)?);
             let val = if cfg.data.val.is_empty() {
                 None
             } else {
-                Some(Sampler::eval(
-                    TokenSource::from(TokenFile::open(Path::new(&cfg.data.val), vocab)?),
-                    t,
-                    b,
-                )?)
+                Some(Arc::new(TokenSource::from(TokenFile::open(Path::new(&cfg.data.val), vocab)?)))
             };
-            Ok(Data { train: Sampler::new(kind, train, t, b, seed)?, val, eval_set: None })
+            Ok(Sources { train: Arc::new(train), val, eval_set: None })
         }
+    }
+}
+
+impl Sources {
+    /// Samplers for one data-parallel replica (each samples by global sequence number).
+    pub fn replica_data(&self, cfg: &Config) -> Result<RunData> {
+        let (t, b, seed) = (cfg.model.block_size, cfg.train.micro_batch_size, cfg.train.seed);
+        let kind: SamplerKind = cfg.data.sampler.parse().map_err(|e| anyhow::anyhow!("data.sampler: {e}"))?;
+        let val = match &self.val {
+            Some(v) => {
+                let s = Sampler::eval(v.clone(), t, b)?;
+                if (s.n_windows() as usize) < b {
+                    bail!("{}: too short for one validation microbatch of {b} windows", v.name());
+                }
+                Some(s)
+            }
+            None => None,
+        };
+        Ok(RunData {
+            train: Sampler::new(kind, self.train.clone(), t, b, seed)?,
+            val,
+            eval_set: self.eval_set.clone(),
+        })
     }
 }
 
 /// Outputs of a run; an out dir holding any of them belongs to an earlier run.
 const OUTPUTS: [&str; 5] = ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg"];
 
+/// Runs training on the actor runtime; `chaos_seed` scrambles message delivery (tests).
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
+    train_with(cfg, opts, None).map(|(s, _)| s)
+}
+
+pub fn train_with(
+    cfg: &Config,
+    opts: &TrainOptions,
+    chaos_seed: Option<u64>,
+) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
     let gpt = GptConfig::from_config(cfg);
-    let mut data = load_data(cfg)?;
+    let layout = Layout::from_config(cfg)?;
+    let sources = load_sources(cfg)?;
+    // The eval sampler caps validation batches at what the data holds.
+    let mut cfg = cfg.clone();
+    if let Some(v) = &sources.val {
+        let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
+        cfg.train.eval_batches = cfg.train.eval_batches.min(windows.max(1));
+    }
+    let cfg = &cfg;
+    let data = (0..layout.dp).map(|_| sources.replica_data(cfg)).collect::<Result<Vec<_>>>()?;
     let init = match &opts.init {
         Some(p) => {
             let w = io::load(p)?;
             w.check(&gpt)?;
-            Some(w)
+            Some(Arc::new(w))
         }
         None => None,
     };
@@ -153,136 +192,70 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
     }
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
-
-    let mut engine = Engine::new(cfg);
-    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
-    // before and after training and the better figure kept.
-    let peak_before = gemm_peak(engine.pool.current_num_threads());
-    if let Some(w) = &init {
-        w.assign(&mut engine.part)?;
-    }
-    let sched = LrSchedule::from_config(cfg);
-    let steps = cfg.train.steps;
-    let (m, b) = (cfg.parallel.microbatches, cfg.train.micro_batch_size);
-    let tokens_per_step = engine.tokens_per_step() as u64;
-
     let metrics_path = opts.out_dir.join("metrics.jsonl");
-    let mut metrics = std::io::BufWriter::new(
+    let metrics = std::io::BufWriter::new(
         std::fs::File::create(&metrics_path)
             .with_context(|| format!("{}: cannot create", metrics_path.display()))?,
     );
-    let bar = Progress::new(steps, opts.progress);
-    let mut train_curve = Vec::with_capacity(steps);
-    let mut val_curve = Vec::new();
-    let (mut last_val, mut last_em) = (None, None);
-    let mut skipped = 0;
-    let mut train_secs = 0.0;
-    let mut final_loss = f64::NAN;
-    for step in 0..steps {
-        let t0 = Instant::now();
-        let lr = sched.lr(step);
-        let sampler = &mut data.train;
-        let stats = engine.step(lr, |mb, inp, tgt| {
-            sampler.fill(((step * m + mb) * b) as u64, inp, tgt);
-        });
-        let dt = t0.elapsed().as_secs_f64();
-        train_secs += dt;
-        skipped += stats.skipped as usize;
-        final_loss = stats.loss;
-        train_curve.push((step + 1, stats.loss));
-        let done = step + 1;
-        let eval_now = (cfg.train.eval_every > 0 && done % cfg.train.eval_every == 0) || done == steps;
-        let (mut val_loss, mut em) = (None, None);
-        if eval_now {
-            (val_loss, em) = evaluate(&mut engine, &mut data, cfg.train.eval_batches);
-            if let Some(v) = val_loss {
-                val_curve.push((done, v));
-                last_val = Some(v);
-            }
-            last_em = em.or(last_em);
-        }
-        let tokens = done as u64 * tokens_per_step;
-        let rec = StepMetrics {
-            step: done,
-            loss: stats.loss,
-            lr,
-            grad_norm: stats.grad_norm,
-            tokens,
-            tokens_per_s: tokens as f64 / train_secs,
-            ms: dt * 1e3,
-            skipped: stats.skipped,
-            val_loss,
-            exact_match: em,
-        };
-        serde_json::to_writer(&mut metrics, &rec)?;
-        metrics.write_all(b"\n")?;
-        metrics.flush()?;
-        bar.update(&rec);
-    }
-    bar.finish();
+    let threads = layout.threads_per_rank * layout.pp * layout.dp;
+    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
+    // before and after training and the better figure kept.
+    let peak_before = gemm_peak(threads);
+    let inputs = RunInputs {
+        cfg: cfg.clone(),
+        layout,
+        data,
+        init,
+        metrics: Some(metrics),
+        progress: opts.progress,
+        chaos_seed,
+    };
+    let out = runtime()?.block_on(crate::actors::run(inputs))?;
 
-    let tokens = steps as u64 * tokens_per_step;
-    let tokens_per_s = tokens as f64 / train_secs.max(1e-9);
-    let threads = engine.pool.current_num_threads();
+    let steps = cfg.train.steps;
+    let tokens_per_s = out.tokens as f64 / out.train_seconds.max(1e-9);
     let peak = gemm_peak(threads).max(peak_before);
     let model_gflops = tokens_per_s * gpt.flops_per_token() / 1e9;
-    let digest = io::weights_digest(&[&engine.part]);
+    let tensors = io::gather_params(&out.params);
     let summary = Summary {
         steps,
-        final_loss,
-        val_loss: last_val,
-        exact_match: last_em,
-        tokens,
+        final_loss: out.losses.last().copied().unwrap_or(f64::NAN),
+        val_loss: out.last_val,
+        exact_match: out.last_exact_match,
+        tokens: out.tokens,
         tokens_per_s,
-        train_seconds: train_secs,
+        train_seconds: out.train_seconds,
         mfu: model_gflops / peak,
         model_gflops,
         peak_gflops: peak,
         peak_source: format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
-        skipped_steps: skipped,
+        skipped_steps: out.skipped,
         params: gpt.num_params(),
-        weights_digest: digest,
+        weights_digest: io::digest_of(&tensors),
         config_hash: cfg.hash(),
     };
-
     let mut meta = HashMap::new();
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());
     meta.insert("format".to_string(), "pt".to_string());
-    io::save(&opts.out_dir.join("model.safetensors"), &io::gather(&[&engine.part]), meta)?;
+    io::save(&opts.out_dir.join("model.safetensors"), &tensors, meta)?;
     let write = |name: &str, text: &str| -> Result<()> {
         let p = opts.out_dir.join(name);
         io::write_atomic(&p, text.as_bytes()).with_context(|| format!("{}: cannot write", p.display()))
     };
     write("config.toml", &cfg.to_toml_string())?;
     write("summary.json", &serde_json::to_string_pretty(&summary)?)?;
-    write("loss.svg", &loss_svg(&train_curve, &val_curve, "pipewright: loss"))?;
-    Ok(summary)
+    write("loss.svg", &loss_svg(&out.train_curve, &out.val_curve, "pipewright: loss"))?;
+    Ok((summary, out))
 }
 
-/// Validation loss over `batches` microbatches from the start of the val data,
-/// and exact-match accuracy on the held-out problems when there are any.
-fn evaluate(engine: &mut Engine, data: &mut Data, batches: usize) -> (Option<f64>, Option<f64>) {
-    let val_loss = data.val.as_mut().map(|val| {
-        let b = val.micro_batch_size() as u64;
-        let batches = batches.min((val.n_windows() / b).max(1) as usize);
-        engine.evaluate(batches, |mb, inp, tgt| val.fill(mb as u64 * b, inp, tgt), None)
-    });
-    let em = data.eval_set.as_ref().map(|set| {
-        let n = engine.tokens_per_step() / engine.microbatches;
-        let batches = set.inputs().len() / n;
-        let mut preds = Vec::with_capacity(set.inputs().len());
-        engine.evaluate(
-            batches,
-            |mb, inp, tgt| {
-                inp.copy_from_slice(&set.inputs()[mb * n..(mb + 1) * n]);
-                tgt.copy_from_slice(&set.targets()[mb * n..(mb + 1) * n]);
-            },
-            Some(&mut preds),
-        );
-        let (correct, total) = set.exact_match(&preds);
-        correct as f64 / total.max(1) as f64
-    });
-    (val_loss, em)
+/// The async runtime the actors live on. Actors only route messages; the
+/// heavy work runs on each stage's own threads, so two workers are plenty.
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("actors")
+        .enable_all()
+        .build()?)
 }
 
 /// A progress bar on a terminal, plain log lines otherwise.

@@ -1,0 +1,572 @@
+//! The coordinator: parent of every actor in a run and owner of the step loop.
+//!
+//! For each optimizer step it tells the loaders to feed and the stages to walk
+//! their action lists, gathers each rank's per-tensor squared gradient norms and
+//! loss sums, sums them in a fixed order (canonical tensor order; replica order),
+//! decides the clip factor — or skips the update if anything is non-finite —
+//! and tells every stage to apply AdamW. Evaluations run between steps. A
+//! failure anywhere (a stage's error or panic, an actor dying) ends the run
+//! with an error naming the actor, step and microbatch; nothing waits forever.
+
+use super::data_loader::{DataLoader, LoaderArgs, LoaderMsg};
+use super::layout::Layout;
+use super::monitor::{Monitor, MonitorArgs, MonitorMsg};
+use super::reducer::{Reducer, ReducerArgs, ReducerMsg};
+use super::stage::{StageActor, StageArgs, StageMsg};
+use crate::config::Config;
+use crate::data::{EvalSet, Sampler};
+use crate::model::{io::LoadedWeights, Param};
+use crate::optim::{self, LrSchedule};
+use crate::train::run::{Progress, StepMetrics};
+use ractor::{Actor, ActorProcessingErr, ActorRef, Message, SupervisionEvent};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalKind {
+    /// Mean loss over validation windows.
+    Val,
+    /// Exact-match accuracy on held-out problems.
+    ExactMatch,
+}
+
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub actor: String,
+    pub step: u64,
+    pub action: Option<String>,
+    pub error: String,
+}
+
+impl Failure {
+    pub fn new(
+        rank: usize,
+        replica: usize,
+        step: u64,
+        action: Option<String>,
+        error: impl Into<String>,
+    ) -> Self {
+        Failure { actor: stage_name(rank, replica), step, action, error: error.into() }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} failed at step {}", self.actor, self.step)?;
+        if let Some(a) = &self.action {
+            write!(f, " during {a} (stage {}, microbatch {})", stage_of(a), mb_of(a))?;
+        }
+        write!(f, ": {}", self.error)
+    }
+}
+
+fn stage_of(action: &str) -> &str {
+    action.split(['F', 'B', 'I', 'W']).next().unwrap_or("?")
+}
+
+fn mb_of(action: &str) -> &str {
+    action.rsplit(['F', 'B', 'I', 'W']).next().unwrap_or("?")
+}
+
+/// ractor's registry is process-wide: runs in one process (tests, the bench's
+/// layouts) register their actors under their own run number, `name#run`.
+fn registered(name: &str, run: u64) -> String {
+    format!("{name}#{run}")
+}
+
+fn plain_name(registered: &str) -> &str {
+    registered.split('#').next().unwrap_or(registered)
+}
+
+/// Actor names as the replay log will use them: stage-R (replica 0), stage-R.K.
+pub fn stage_name(rank: usize, replica: usize) -> String {
+    if replica == 0 {
+        format!("stage-{rank}")
+    } else {
+        format!("stage-{rank}.{replica}")
+    }
+}
+
+pub struct StageReport {
+    pub rank: usize,
+    pub replica: usize,
+    pub step: u64,
+    /// (canonical tensor index, Σg²), replica 0 only.
+    pub grad_sumsq: Vec<(usize, f64)>,
+    /// Σ loss over the step's microbatches, from the rank holding the last stage.
+    pub loss_sum: Option<f64>,
+}
+
+pub enum CoordinatorMsg {
+    Start,
+    StageDone(StageReport),
+    Applied {
+        rank: usize,
+        replica: usize,
+        step: u64,
+    },
+    EvalDone {
+        step: u64,
+        kind: EvalKind,
+        loss_sum: f64,
+        tokens: usize,
+        predictions: Vec<u32>,
+    },
+    Weights {
+        rank: usize,
+        replica: usize,
+        params: Vec<Param>,
+        latencies_us: Vec<f64>,
+        peak_live_bytes: usize,
+    },
+    Failed(Failure),
+}
+
+impl Message for CoordinatorMsg {}
+
+pub struct RunData {
+    pub train: Sampler,
+    pub val: Option<Sampler>,
+    pub eval_set: Option<Arc<EvalSet>>,
+}
+
+pub struct RunInputs {
+    pub cfg: Config,
+    pub layout: Layout,
+    pub data: Vec<RunData>,
+    pub init: Option<Arc<LoadedWeights>>,
+    pub metrics: Option<std::io::BufWriter<std::fs::File>>,
+    pub progress: bool,
+    pub chaos_seed: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+pub struct RunOutcome {
+    /// Parameters of replica 0, every stage (a tied copy may appear twice).
+    pub params: Vec<Param>,
+    pub losses: Vec<f64>,
+    pub train_curve: Vec<(usize, f64)>,
+    pub val_curve: Vec<(usize, f64)>,
+    pub last_val: Option<f64>,
+    pub last_exact_match: Option<f64>,
+    pub skipped: usize,
+    pub train_seconds: f64,
+    pub tokens: u64,
+    /// Send → compute-thread receipt of every activation and gradient message.
+    pub message_latency_us: Vec<f64>,
+    /// Peak activation bytes held per rank (replica 0).
+    pub peak_live_bytes: Vec<usize>,
+}
+
+/// Runs a whole training run on actors and returns what it produced.
+pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
+    static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let (tx, rx) = oneshot::channel();
+    let (_coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
+    let result = rx.await.map_err(|_| anyhow::anyhow!("the coordinator stopped without a result"))?;
+    let _ = handle.await;
+    result.map_err(|f| anyhow::anyhow!("{f}"))
+}
+
+pub struct Coordinator;
+
+enum Waiting {
+    StageDone,
+    Applied,
+    Eval(EvalKind),
+    Weights,
+    Done,
+}
+
+pub struct CoordinatorState {
+    cfg: Config,
+    layout: Layout,
+    sched: LrSchedule,
+    stages: Vec<Vec<ActorRef<StageMsg>>>,
+    loaders: Vec<ActorRef<LoaderMsg>>,
+    reducer: Option<ActorRef<ReducerMsg>>,
+    monitor: ActorRef<MonitorMsg>,
+    eval_set: Option<Arc<EvalSet>>,
+    has_val: bool,
+    reply: Option<oneshot::Sender<Result<RunOutcome, String>>>,
+    step: u64,
+    steps: u64,
+    waiting: Waiting,
+    reports: Vec<StageReport>,
+    acks: usize,
+    step_started: Instant,
+    lr: f64,
+    pending: Option<StepMetrics>,
+    weights: Vec<Option<Vec<Param>>>,
+    tokens_per_step: u64,
+    norms: Vec<(usize, f64)>,
+    out: RunOutcome,
+}
+
+impl Actor for Coordinator {
+    type Msg = CoordinatorMsg;
+    type State = CoordinatorState;
+    type Arguments = (RunInputs, oneshot::Sender<Result<RunOutcome, String>>, u64);
+
+    async fn pre_start(
+        &self,
+        me: ActorRef<CoordinatorMsg>,
+        (inputs, reply, id): Self::Arguments,
+    ) -> Result<CoordinatorState, ActorProcessingErr> {
+        let RunInputs { cfg, layout, data, init, metrics, progress, chaos_seed } = inputs;
+        let (pp, dp) = (layout.pp, layout.dp);
+        let all: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>> = Arc::new(OnceLock::new());
+        let monitor_args = MonitorArgs { metrics, progress: Progress::new(cfg.train.steps, progress) };
+        let (monitor, _) =
+            Actor::spawn_linked(Some(registered("monitor", id)), Monitor, monitor_args, me.get_cell())
+                .await?;
+        let reducer = if dp > 1 {
+            let args = ReducerArgs { dp, stages: all.clone(), pp };
+            Some(Actor::spawn_linked(Some(registered("reducer", id)), Reducer, args, me.get_cell()).await?.0)
+        } else {
+            None
+        };
+        let cores = core_affinity::get_core_ids().unwrap_or_default();
+        let mut stages = Vec::new();
+        for replica in 0..dp {
+            let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
+            let mut refs = Vec::new();
+            for rank in 0..pp {
+                let k = replica * pp + rank;
+                let t = layout.threads_per_rank;
+                let mine = if cores.is_empty() {
+                    vec![]
+                } else {
+                    (0..t).map(|i| cores[(k * t + i) % cores.len()]).collect()
+                };
+                let args = StageArgs {
+                    rank,
+                    replica,
+                    cfg: cfg.clone(),
+                    layout: layout.clone(),
+                    init: init.clone(),
+                    peers: peers.clone(),
+                    coordinator: me.clone(),
+                    reducer: reducer.clone(),
+                    chaos_seed,
+                    cores: mine,
+                };
+                let (r, _) = Actor::spawn_linked(
+                    Some(registered(&stage_name(rank, replica), id)),
+                    StageActor,
+                    args,
+                    me.get_cell(),
+                )
+                .await?;
+                refs.push(r);
+            }
+            let _ = peers.set(refs.clone());
+            stages.push(refs);
+        }
+        let _ = all.set(stages.clone());
+        let mut loaders = Vec::new();
+        let mut eval_set = None;
+        let mut has_val = false;
+        for (replica, d) in data.into_iter().enumerate() {
+            if replica == 0 {
+                eval_set = d.eval_set.clone();
+                has_val = d.val.is_some();
+            }
+            let args = LoaderArgs {
+                replica,
+                dp,
+                microbatches: layout.microbatches,
+                micro_batch_size: cfg.train.micro_batch_size,
+                block_size: cfg.model.block_size,
+                train: d.train,
+                val: d.val,
+                eval_set: d.eval_set,
+                stages: all.clone(),
+                first_rank: layout.rank_of(0),
+                last_rank: layout.rank_of(layout.last_stage()),
+            };
+            let name = format!("loader-{replica}");
+            loaders.push(
+                Actor::spawn_linked(Some(registered(&name, id)), DataLoader, args, me.get_cell()).await?.0,
+            );
+        }
+        let tokens_per_step =
+            (dp * layout.microbatches * cfg.train.micro_batch_size * cfg.model.block_size) as u64;
+        me.send_message(CoordinatorMsg::Start)?;
+        Ok(CoordinatorState {
+            sched: LrSchedule::from_config(&cfg),
+            steps: cfg.train.steps as u64,
+            weights: vec![None; pp],
+            cfg,
+            layout,
+            stages,
+            loaders,
+            reducer,
+            monitor,
+            eval_set,
+            has_val,
+            reply: Some(reply),
+            step: 0,
+            waiting: Waiting::StageDone,
+            reports: Vec::new(),
+            acks: 0,
+            step_started: Instant::now(),
+            lr: 0.0,
+            pending: None,
+            tokens_per_step,
+            norms: Vec::new(),
+            out: RunOutcome::default(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        me: ActorRef<CoordinatorMsg>,
+        msg: CoordinatorMsg,
+        st: &mut CoordinatorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            CoordinatorMsg::Start => st.begin_step(),
+            CoordinatorMsg::StageDone(r) => {
+                check(matches!(st.waiting, Waiting::StageDone) && r.step == st.step, "unexpected StageDone")?;
+                st.reports.push(r);
+                if st.reports.len() == st.layout.pp * st.layout.dp {
+                    st.decide_update()?;
+                }
+                Ok(())
+            }
+            CoordinatorMsg::Applied { step, .. } => {
+                check(matches!(st.waiting, Waiting::Applied) && step == st.step, "unexpected Applied")?;
+                st.acks += 1;
+                if st.acks == st.layout.pp * st.layout.dp {
+                    st.step_applied()?;
+                }
+                Ok(())
+            }
+            CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens, predictions } => {
+                check(step == st.step, "evaluation of another step")?;
+                st.eval_done(kind, loss_sum, tokens, predictions)
+            }
+            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes } => {
+                check(replica == 0 && matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
+                st.weights[rank] = Some(params);
+                st.out.message_latency_us.extend(latencies_us);
+                st.out.peak_live_bytes.push(peak_live_bytes);
+                if st.weights.iter().all(Option::is_some) {
+                    st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
+                    st.waiting = Waiting::Done;
+                    let _ = st.monitor.send_message(MonitorMsg::Finish);
+                    st.finish(Ok(()));
+                    me.stop(None);
+                }
+                Ok(())
+            }
+            CoordinatorMsg::Failed(f) => {
+                st.finish(Err(f.to_string()));
+                me.stop(None);
+                Ok(())
+            }
+        }
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        me: ActorRef<CoordinatorMsg>,
+        evt: SupervisionEvent,
+        st: &mut CoordinatorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match evt {
+            SupervisionEvent::ActorFailed(cell, err) => {
+                let name =
+                    cell.get_name().map(|n| plain_name(&n).to_string()).unwrap_or_else(|| "an actor".into());
+                st.finish(Err(format!("{name} failed at step {}: {err}", st.step)));
+                me.stop(None);
+            }
+            SupervisionEvent::ActorTerminated(cell, _, reason) if !matches!(st.waiting, Waiting::Done) => {
+                let name =
+                    cell.get_name().map(|n| plain_name(&n).to_string()).unwrap_or_else(|| "an actor".into());
+                let why = reason.unwrap_or_else(|| "no reason given".into());
+                st.finish(Err(format!("{name} stopped unexpectedly at step {}: {why}", st.step)));
+                me.stop(None);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _me: ActorRef<CoordinatorMsg>,
+        st: &mut CoordinatorState,
+    ) -> Result<(), ActorProcessingErr> {
+        st.waiting = Waiting::Done;
+        for r in st.stages.iter().flatten() {
+            r.stop(None);
+        }
+        for l in &st.loaders {
+            l.stop(None);
+        }
+        if let Some(r) = &st.reducer {
+            r.stop(None);
+        }
+        st.monitor.stop(None);
+        st.finish(Err("the run was stopped".into()));
+        Ok(())
+    }
+}
+
+fn check(ok: bool, what: &str) -> Result<(), ActorProcessingErr> {
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("coordinator: {what}").into())
+    }
+}
+
+impl CoordinatorState {
+    fn finish(&mut self, result: Result<(), String>) {
+        if let Some(reply) = self.reply.take() {
+            let out = std::mem::take(&mut self.out);
+            let _ = reply.send(result.map(|_| out));
+        }
+    }
+
+    fn all_stages(&self) -> impl Iterator<Item = &ActorRef<StageMsg>> {
+        self.stages.iter().flatten()
+    }
+
+    fn begin_step(&mut self) -> Result<(), ActorProcessingErr> {
+        if self.step == self.steps {
+            self.waiting = Waiting::Weights;
+            for r in &self.stages[0] {
+                r.send_message(StageMsg::SendWeights)?;
+            }
+            return Ok(());
+        }
+        self.step_started = Instant::now();
+        self.lr = self.sched.lr(self.step as usize);
+        self.waiting = Waiting::StageDone;
+        self.reports.clear();
+        for l in &self.loaders {
+            l.send_message(LoaderMsg::Train { step: self.step })?;
+        }
+        for s in self.all_stages() {
+            s.send_message(StageMsg::RunStep { step: self.step })?;
+        }
+        Ok(())
+    }
+
+    /// Global norm in canonical tensor order, loss in replica order; clip or skip.
+    fn decide_update(&mut self) -> Result<(), ActorProcessingErr> {
+        self.reports.sort_by_key(|r| (r.replica, r.rank));
+        self.norms.clear();
+        for r in &self.reports {
+            self.norms.extend_from_slice(&r.grad_sumsq);
+        }
+        let grad_norm = optim::global_norm(&mut self.norms);
+        let loss_sum: f64 = self.reports.iter().filter_map(|r| r.loss_sum).sum();
+        let loss = loss_sum / self.tokens_per_step as f64;
+        let skip = !loss.is_finite() || !grad_norm.is_finite();
+        let clip = optim::clip_coefficient(grad_norm, self.cfg.optim.grad_clip);
+        self.waiting = Waiting::Applied;
+        self.acks = 0;
+        let (step, lr) = (self.step, self.lr);
+        for s in self.all_stages() {
+            s.send_message(StageMsg::Apply { step, lr, clip, skip })?;
+        }
+        self.pending = Some(StepMetrics {
+            step: step as usize + 1,
+            loss,
+            lr,
+            grad_norm,
+            tokens: 0,
+            tokens_per_s: 0.0,
+            ms: 0.0,
+            skipped: skip,
+            val_loss: None,
+            exact_match: None,
+        });
+        Ok(())
+    }
+
+    fn step_applied(&mut self) -> Result<(), ActorProcessingErr> {
+        let dt = self.step_started.elapsed().as_secs_f64();
+        self.out.train_seconds += dt;
+        let done = self.step + 1;
+        self.out.tokens = done * self.tokens_per_step;
+        let m = self.pending.as_mut().expect("metrics of this step");
+        m.ms = dt * 1e3;
+        m.tokens = self.out.tokens;
+        m.tokens_per_s = self.out.tokens as f64 / self.out.train_seconds;
+        self.out.skipped += m.skipped as usize;
+        self.out.losses.push(m.loss);
+        self.out.train_curve.push((done as usize, m.loss));
+        let every = self.cfg.train.eval_every as u64;
+        let due = (every > 0 && done % every == 0) || done == self.steps;
+        if due && self.has_val {
+            self.start_eval(EvalKind::Val)
+        } else if due && self.eval_set.is_some() {
+            self.start_eval(EvalKind::ExactMatch)
+        } else {
+            self.end_step()
+        }
+    }
+
+    fn start_eval(&mut self, kind: EvalKind) -> Result<(), ActorProcessingErr> {
+        let b = self.cfg.train.micro_batch_size;
+        let n = b * self.cfg.model.block_size;
+        let batches = match kind {
+            EvalKind::Val => self.cfg.train.eval_batches,
+            EvalKind::ExactMatch => self.eval_set.as_ref().map_or(0, |s| s.inputs().len() / n),
+        };
+        self.waiting = Waiting::Eval(kind);
+        let step = self.step;
+        self.loaders[0].send_message(LoaderMsg::Eval { step, kind, batches })?;
+        for s in &self.stages[0] {
+            s.send_message(StageMsg::RunEval { step, kind, batches })?;
+        }
+        Ok(())
+    }
+
+    fn eval_done(
+        &mut self,
+        kind: EvalKind,
+        loss_sum: f64,
+        tokens: usize,
+        predictions: Vec<u32>,
+    ) -> Result<(), ActorProcessingErr> {
+        check(matches!(self.waiting, Waiting::Eval(k) if k == kind), "unexpected EvalDone")?;
+        let done = self.step as usize + 1;
+        match kind {
+            EvalKind::Val => {
+                let v = loss_sum / tokens.max(1) as f64;
+                self.pending.as_mut().expect("metrics").val_loss = Some(v);
+                self.out.val_curve.push((done, v));
+                self.out.last_val = Some(v);
+                if self.eval_set.is_some() {
+                    return self.start_eval(EvalKind::ExactMatch);
+                }
+            }
+            EvalKind::ExactMatch => {
+                let set = self.eval_set.as_ref().expect("held-out set");
+                let (correct, total) = set.exact_match(&predictions);
+                let em = correct as f64 / total.max(1) as f64;
+                self.pending.as_mut().expect("metrics").exact_match = Some(em);
+                self.out.last_exact_match = Some(em);
+            }
+        }
+        self.end_step()
+    }
+
+    fn end_step(&mut self) -> Result<(), ActorProcessingErr> {
+        if let Some(m) = self.pending.take() {
+            self.monitor.send_message(MonitorMsg::Step(m))?;
+        }
+        self.step += 1;
+        self.begin_step()
+    }
+}

@@ -1,0 +1,105 @@
+//! How the model is spread: pipeline ranks, model chunks per rank, data-parallel
+//! replicas, which layers each stage holds, and the threads each rank gets.
+//! Refuses layouts that cannot work before anything starts, naming the field.
+
+use crate::config::Config;
+use crate::model::{GptConfig, PartSpec};
+use crate::schedule::{self, Schedule, ScheduleKind};
+use anyhow::{bail, Result};
+
+#[derive(Clone, Debug)]
+pub struct Layout {
+    /// Pipeline ranks (p).
+    pub pp: usize,
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Model chunks per rank (v); stages = pp · chunks.
+    pub chunks: usize,
+    pub microbatches: usize,
+    /// One spec per global stage.
+    pub stages: Vec<PartSpec>,
+    pub schedule: Schedule,
+    /// Compute threads per rank.
+    pub threads_per_rank: usize,
+}
+
+impl Layout {
+    pub fn from_config(cfg: &Config) -> Result<Layout> {
+        let gpt = GptConfig::from_config(cfg);
+        let p = &cfg.parallel;
+        let kind: ScheduleKind = p.schedule.parse().map_err(|e| anyhow::anyhow!("parallel.schedule: {e}"))?;
+        let chunks = if kind == ScheduleKind::Interleaved1F1B { p.chunks.max(2) } else { p.chunks.max(1) };
+        if chunks > 1 && kind != ScheduleKind::Interleaved1F1B {
+            bail!("parallel.chunks: {chunks}: more than one chunk per rank needs parallel.schedule = \"interleaved\"");
+        }
+        let n_stages = p.pp * chunks;
+        let layers = if p.layers_per_stage.is_empty() {
+            if n_stages > gpt.n_layer {
+                bail!(
+                    "parallel.pp: {}: {} stages (pp × chunks) but model.n_layer is {}; every stage needs at least one layer",
+                    p.pp,
+                    n_stages,
+                    gpt.n_layer
+                );
+            }
+            // Even split; the first (n_layer mod stages) stages take one more.
+            (0..n_stages).map(|s| gpt.n_layer / n_stages + usize::from(s < gpt.n_layer % n_stages)).collect()
+        } else {
+            let l = &p.layers_per_stage;
+            if l.len() != n_stages {
+                bail!(
+                    "parallel.layers_per_stage: {l:?}: expected {n_stages} entries (pp × chunks = {} × {chunks})",
+                    p.pp
+                );
+            }
+            if l.contains(&0) || l.iter().sum::<usize>() != gpt.n_layer {
+                bail!(
+                    "parallel.layers_per_stage: {l:?}: every entry must be >= 1 and they must sum to model.n_layer ({})",
+                    gpt.n_layer
+                );
+            }
+            l.clone()
+        };
+        let mut stages = Vec::with_capacity(n_stages);
+        let mut first = 0;
+        for (s, &n) in layers.iter().enumerate() {
+            stages.push(PartSpec { layers: first..first + n, embedding: s == 0, head: s + 1 == n_stages });
+            first += n;
+        }
+        let schedule = schedule::build(kind, p.pp, p.microbatches, chunks)
+            .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
+        schedule.validate().map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
+        // A schedule that would deadlock is refused here, before any actor starts.
+        schedule
+            .simulate(&schedule::Costs::unit())
+            .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
+        let total = crate::train::engine::thread_count(cfg.backend.threads);
+        let threads_per_rank = (total / (p.pp * p.dp)).max(1);
+        Ok(Layout {
+            pp: p.pp,
+            dp: p.dp,
+            chunks,
+            microbatches: p.microbatches,
+            stages,
+            schedule,
+            threads_per_rank,
+        })
+    }
+
+    pub fn n_stages(&self) -> usize {
+        self.stages.len()
+    }
+
+    pub fn rank_of(&self, stage: usize) -> usize {
+        stage % self.pp
+    }
+
+    /// Global stages held by `rank`, ascending.
+    pub fn stages_of(&self, rank: usize) -> Vec<usize> {
+        (0..self.n_stages()).filter(|&s| self.rank_of(s) == rank).collect()
+    }
+
+    pub fn last_stage(&self) -> usize {
+        self.n_stages() - 1
+    }
+}

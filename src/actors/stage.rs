@@ -1,0 +1,684 @@
+//! A pipeline rank of one data-parallel replica: an actor that owns the
+//! mailbox and supervision, and a compute thread that owns the model chunks
+//! and walks the rank's action list.
+//!
+//! The actor never computes: it forwards each message to the compute thread
+//! over a crossbeam channel (optionally through a chaos shim that delays and
+//! reorders them). The compute thread executes exactly its schedule; a message
+//! that arrives before it is needed waits in a buffer keyed by (phase, kind,
+//! stage, mb), so the work done — and every bit of its result — never depends
+//! on arrival order. Tensors move between ranks by moving their `Vec`s: no copy
+//! in one process, and a rank passing to itself skips the mailbox.
+
+use super::coordinator::{CoordinatorMsg, EvalKind, Failure, StageReport};
+use super::layout::Layout;
+use super::reducer::ReducerMsg;
+use crate::model::part::{MicroActs, Mode, PartInput};
+use crate::model::{GptConfig, ModelPart, Param};
+use crate::optim::{self, AdamState, Hyper};
+use crate::rng::{Purpose, Rng};
+use crate::schedule::{Action, ActionKind};
+use crossbeam_channel::{Receiver, Sender};
+use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Whether a message belongs to training or to a forward-only evaluation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    Train,
+    Eval,
+}
+
+pub enum StageMsg {
+    /// Walk the action list for optimizer step `step`.
+    RunStep {
+        step: u64,
+    },
+    /// The coordinator's decision after the step's gradient norm.
+    Apply {
+        step: u64,
+        lr: f64,
+        clip: f32,
+        skip: bool,
+    },
+    /// Forward-only pass over `batches` microbatches (replica 0 only).
+    RunEval {
+        step: u64,
+        kind: EvalKind,
+        batches: usize,
+    },
+    Tokens {
+        phase: Phase,
+        step: u64,
+        mb: usize,
+        tokens: Vec<u32>,
+    },
+    Targets {
+        phase: Phase,
+        step: u64,
+        mb: usize,
+        targets: Vec<u32>,
+    },
+    /// The input of F on `stage`.
+    Activation {
+        phase: Phase,
+        step: u64,
+        stage: usize,
+        mb: usize,
+        data: Vec<f32>,
+        sent: Instant,
+    },
+    /// The gradient of `stage`'s output, for its B or I.
+    Gradient {
+        step: u64,
+        stage: usize,
+        mb: usize,
+        data: Vec<f32>,
+        sent: Instant,
+    },
+    /// The other rank's share of the tied embedding's gradient.
+    TiedShare {
+        step: u64,
+        data: Vec<f32>,
+    },
+    /// Gradients of `stage` summed over replicas.
+    Reduced {
+        step: u64,
+        stage: usize,
+        grads: Vec<Vec<f32>>,
+    },
+    /// Send the parameters to the coordinator (end of run).
+    SendWeights,
+    Stop,
+}
+
+impl Message for StageMsg {}
+
+/// Buffer key: what a waiting action needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Key {
+    Tokens(Phase, usize),
+    Targets(Phase, usize),
+    Act(Phase, usize, usize),
+    Grad(usize, usize),
+    Tied,
+    Reduced(usize),
+}
+
+enum Payload {
+    U32(Vec<u32>),
+    F32(Vec<f32>),
+    Grads(Vec<Vec<f32>>),
+}
+
+pub struct StageArgs {
+    pub rank: usize,
+    pub replica: usize,
+    pub cfg: crate::config::Config,
+    pub layout: Layout,
+    pub init: Option<Arc<crate::model::io::LoadedWeights>>,
+    pub peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>>,
+    pub coordinator: ActorRef<CoordinatorMsg>,
+    pub reducer: Option<ActorRef<ReducerMsg>>,
+    pub chaos_seed: Option<u64>,
+    /// Cores this rank's threads are pinned to (empty: not pinned).
+    pub cores: Vec<core_affinity::CoreId>,
+}
+
+pub struct StageActor;
+
+pub struct StageState {
+    tx: Sender<StageMsg>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    chaos: Option<Rng>,
+}
+
+impl Actor for StageActor {
+    type Msg = StageMsg;
+    type State = StageState;
+    type Arguments = StageArgs;
+
+    async fn pre_start(
+        &self,
+        _me: ActorRef<StageMsg>,
+        args: StageArgs,
+    ) -> Result<StageState, ActorProcessingErr> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let chaos =
+            args.chaos_seed.map(|s| Rng::new(s, Purpose::Test, &[args.rank as u64, args.replica as u64]));
+        let name = format!("stage-{}.{}", args.rank, args.replica);
+        let thread = std::thread::Builder::new().name(name).spawn(move || worker_main(args, rx))?;
+        Ok(StageState { tx, thread: Some(thread), chaos })
+    }
+
+    async fn handle(
+        &self,
+        _me: ActorRef<StageMsg>,
+        msg: StageMsg,
+        st: &mut StageState,
+    ) -> Result<(), ActorProcessingErr> {
+        let data = matches!(
+            msg,
+            StageMsg::Tokens { .. }
+                | StageMsg::Targets { .. }
+                | StageMsg::Activation { .. }
+                | StageMsg::Gradient { .. }
+        );
+        match (&mut st.chaos, data) {
+            (Some(rng), true) => {
+                // Test transport: deliver data messages after a random delay, so
+                // they reach the compute thread in a scrambled order.
+                let delay = Duration::from_micros(rng.below(2000));
+                let tx = st.tx.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let _ = tx.send(msg);
+                });
+            }
+            _ => st.tx.send(msg).map_err(|_| "compute thread has exited")?,
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _me: ActorRef<StageMsg>,
+        st: &mut StageState,
+    ) -> Result<(), ActorProcessingErr> {
+        let _ = st.tx.send(StageMsg::Stop);
+        if let Some(t) = st.thread.take() {
+            // The thread stops at its next message; never block the runtime on it.
+            std::thread::spawn(move || {
+                let _ = t.join();
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Raised inside the compute thread to unwind out of a step on `Stop`.
+struct Stopped;
+
+struct Worker {
+    rank: usize,
+    replica: usize,
+    layout: Layout,
+    gpt: GptConfig,
+    /// Global stage ids held here, ascending, and their parts.
+    stages: Vec<usize>,
+    parts: Vec<ModelPart>,
+    adam: Vec<AdamState>,
+    hyper: Hyper,
+    actions: Vec<Action>,
+    rx: Receiver<StageMsg>,
+    inbox: BTreeMap<Key, Payload>,
+    control: VecDeque<StageMsg>,
+    saved: BTreeMap<(usize, usize), MicroActs>,
+    peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>>,
+    coordinator: ActorRef<CoordinatorMsg>,
+    reducer: Option<ActorRef<ReducerMsg>>,
+    pool: rayon::ThreadPool,
+    step: u64,
+    /// The action being executed, for failure reports.
+    current: Option<Action>,
+    /// Send → compute-thread receipt times of activation and gradient messages, in µs.
+    latencies_us: Vec<f64>,
+    norms: Vec<(usize, f64)>,
+    fault: Option<(usize, u64, usize)>,
+    dloss: f32,
+}
+
+fn worker_main(args: StageArgs, rx: Receiver<StageMsg>) {
+    let coordinator = args.coordinator.clone();
+    let (rank, replica) = (args.rank, args.replica);
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Worker::new(args, rx)));
+    let mut w = match built {
+        Ok(Ok(w)) => w,
+        Ok(Err(e)) => {
+            let _ = coordinator.send_message(CoordinatorMsg::Failed(Failure::new(rank, replica, 0, None, e)));
+            return;
+        }
+        Err(p) => {
+            let _ = coordinator.send_message(CoordinatorMsg::Failed(Failure::new(
+                rank,
+                replica,
+                0,
+                None,
+                panic_text(&p),
+            )));
+            return;
+        }
+    };
+    loop {
+        let msg = match w.next_control() {
+            Ok(m) => m,
+            Err(Stopped) => return,
+        };
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.handle_control(msg)));
+        match result {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) | Ok(Err(Stopped)) => return,
+            Err(p) => {
+                let f =
+                    Failure::new(w.rank, w.replica, w.step, w.current.map(|a| a.to_string()), panic_text(&p));
+                let _ = w.coordinator.send_message(CoordinatorMsg::Failed(f));
+                return;
+            }
+        }
+    }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into())
+}
+
+/// `PIPEWRIGHT_FAULT=stage=S,step=N,mb=M` makes F of (S, M) at step N panic:
+/// how the tests check that a failing stage is reported and nothing hangs.
+fn fault_from_env() -> Option<(usize, u64, usize)> {
+    let v = std::env::var("PIPEWRIGHT_FAULT").ok()?;
+    let mut f = (usize::MAX, u64::MAX, usize::MAX);
+    for kv in v.split(',') {
+        let (k, val) = kv.split_once('=')?;
+        match k.trim() {
+            "stage" => f.0 = val.trim().parse().ok()?,
+            "step" => f.1 = val.trim().parse().ok()?,
+            "mb" => f.2 = val.trim().parse().ok()?,
+            _ => return None,
+        }
+    }
+    Some(f)
+}
+
+impl Worker {
+    fn new(args: StageArgs, rx: Receiver<StageMsg>) -> Result<Worker, String> {
+        let cfg = &args.cfg;
+        let gpt = GptConfig::from_config(cfg);
+        let stages = args.layout.stages_of(args.rank);
+        let b = cfg.train.micro_batch_size;
+        let mut parts = Vec::new();
+        for &s in &stages {
+            let mut part =
+                ModelPart::new(gpt, args.layout.stages[s].clone(), b, cfg.train.seed, cfg.train.recompute);
+            if let Some(w) = &args.init {
+                w.assign(&mut part).map_err(|e| e.to_string())?;
+            }
+            parts.push(part);
+        }
+        let adam = parts.iter().map(AdamState::new).collect();
+        let cores = args.cores.clone();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(args.layout.threads_per_rank)
+            .thread_name(move |i| format!("stage-{}.{}-compute-{i}", args.rank, args.replica))
+            .start_handler(move |i| {
+                if !cores.is_empty() {
+                    core_affinity::set_for_current(cores[i % cores.len()]);
+                }
+            })
+            .build()
+            .map_err(|e| e.to_string())?;
+        let actions = args.layout.schedule.actions[args.rank].clone();
+        let l = &args.layout;
+        let dloss = 1.0 / (l.dp * l.microbatches * b * gpt.block_size) as f32;
+        Ok(Worker {
+            rank: args.rank,
+            replica: args.replica,
+            layout: args.layout,
+            gpt,
+            stages,
+            parts,
+            adam,
+            hyper: Hyper::from_config(cfg),
+            actions,
+            rx,
+            inbox: BTreeMap::new(),
+            control: VecDeque::new(),
+            saved: BTreeMap::new(),
+            peers: args.peers,
+            coordinator: args.coordinator,
+            reducer: args.reducer,
+            pool,
+            step: 0,
+            current: None,
+            latencies_us: Vec::new(),
+            norms: Vec::new(),
+            fault: fault_from_env(),
+            dloss,
+        })
+    }
+
+    fn local(&self, stage: usize) -> usize {
+        self.stages.iter().position(|&s| s == stage).expect("stage held by this rank")
+    }
+
+    /// Files a data message in the inbox, or a control message in the queue.
+    fn file(&mut self, msg: StageMsg) -> Result<(), Stopped> {
+        let now = Instant::now();
+        let (key, payload) = match msg {
+            StageMsg::Tokens { phase, mb, tokens, .. } => (Key::Tokens(phase, mb), Payload::U32(tokens)),
+            StageMsg::Targets { phase, mb, targets, .. } => (Key::Targets(phase, mb), Payload::U32(targets)),
+            StageMsg::Activation { phase, stage, mb, data, sent, .. } => {
+                self.latencies_us.push(now.duration_since(sent).as_secs_f64() * 1e6);
+                (Key::Act(phase, stage, mb), Payload::F32(data))
+            }
+            StageMsg::Gradient { stage, mb, data, sent, .. } => {
+                self.latencies_us.push(now.duration_since(sent).as_secs_f64() * 1e6);
+                (Key::Grad(stage, mb), Payload::F32(data))
+            }
+            StageMsg::TiedShare { data, .. } => (Key::Tied, Payload::F32(data)),
+            StageMsg::Reduced { stage, grads, .. } => (Key::Reduced(stage), Payload::Grads(grads)),
+            StageMsg::Stop => return Err(Stopped),
+            other => {
+                self.control.push_back(other);
+                return Ok(());
+            }
+        };
+        let prev = self.inbox.insert(key, payload);
+        assert!(prev.is_none(), "rank {} received {key:?} twice", self.rank);
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<(), Stopped> {
+        match self.rx.recv() {
+            Ok(m) => self.file(m),
+            Err(_) => Err(Stopped),
+        }
+    }
+
+    fn next_control(&mut self) -> Result<StageMsg, Stopped> {
+        loop {
+            if let Some(m) = self.control.pop_front() {
+                return Ok(m);
+            }
+            self.recv()?;
+        }
+    }
+
+    fn wait_for(&mut self, key: Key) -> Result<Payload, Stopped> {
+        loop {
+            if let Some(p) = self.inbox.remove(&key) {
+                return Ok(p);
+            }
+            self.recv()?;
+        }
+    }
+
+    fn wait_f32(&mut self, key: Key) -> Result<Vec<f32>, Stopped> {
+        match self.wait_for(key)? {
+            Payload::F32(v) => Ok(v),
+            _ => unreachable!("{key:?} carries f32"),
+        }
+    }
+
+    fn wait_u32(&mut self, key: Key) -> Result<Vec<u32>, Stopped> {
+        match self.wait_for(key)? {
+            Payload::U32(v) => Ok(v),
+            _ => unreachable!("{key:?} carries u32"),
+        }
+    }
+
+    /// Delivers to the rank holding `stage` (directly into our own inbox when that is us).
+    fn send_to_stage(&mut self, stage: usize, msg: StageMsg) -> Result<(), Stopped> {
+        let rank = self.layout.rank_of(stage);
+        if rank == self.rank {
+            return self.file(msg);
+        }
+        let peers = self.peers.get().expect("peers are set before the first step");
+        peers[rank].send_message(msg).map_err(|_| Stopped)
+    }
+
+    /// Returns false when the worker should exit.
+    fn handle_control(&mut self, msg: StageMsg) -> Result<bool, Stopped> {
+        match msg {
+            StageMsg::RunStep { step } => self.run_step(step)?,
+            StageMsg::Apply { step, lr, clip, skip } => {
+                assert_eq!(step, self.step);
+                if !skip {
+                    let (parts, adam, hyper) = (&mut self.parts, &mut self.adam, self.hyper);
+                    self.pool.install(|| {
+                        for (part, st) in parts.iter_mut().zip(adam.iter_mut()) {
+                            st.step(part, hyper, lr, clip);
+                        }
+                    });
+                }
+                self.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
+            }
+            StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
+            StageMsg::SendWeights => {
+                let params: Vec<Param> = self.parts.iter().flat_map(|p| p.params.iter().cloned()).collect();
+                let latencies = std::mem::take(&mut self.latencies_us);
+                let peak_live_bytes = self.parts.iter().map(|p| p.peak_live_bytes).sum();
+                self.report(CoordinatorMsg::Weights {
+                    rank: self.rank,
+                    replica: self.replica,
+                    params,
+                    latencies_us: latencies,
+                    peak_live_bytes,
+                });
+            }
+            StageMsg::Stop => return Ok(false),
+            _ => unreachable!("data messages are filed, not handled"),
+        }
+        Ok(true)
+    }
+
+    fn report(&self, msg: CoordinatorMsg) {
+        let _ = self.coordinator.send_message(msg);
+    }
+
+    fn run_step(&mut self, step: u64) -> Result<(), Stopped> {
+        self.step = step;
+        for p in &mut self.parts {
+            p.zero_grads();
+        }
+        let last = self.layout.last_stage();
+        let mut loss_sum = 0.0f64;
+        let actions = std::mem::take(&mut self.actions);
+        for &a in &actions {
+            self.current = Some(a);
+            match a.kind {
+                ActionKind::F => {
+                    if let Some(l) =
+                        self.forward(Phase::Train, a.stage, a.mb, Mode::Train { dloss: self.dloss }, None)?
+                    {
+                        loss_sum += l;
+                    }
+                }
+                ActionKind::B => self.backward(a.stage, a.mb, BackwardPart::Full)?,
+                ActionKind::I => self.backward(a.stage, a.mb, BackwardPart::Input)?,
+                ActionKind::W => self.backward(a.stage, a.mb, BackwardPart::Weight)?,
+            }
+        }
+        self.actions = actions;
+        self.current = None;
+        self.combine_tied()?;
+        if self.layout.dp > 1 {
+            self.reduce_over_replicas()?;
+        }
+        let mut sumsq = Vec::new();
+        if self.replica == 0 {
+            for part in &self.parts {
+                let norms = &mut self.norms;
+                self.pool.install(|| optim::grad_sum_squares(part, norms));
+                sumsq.extend_from_slice(&self.norms);
+            }
+        }
+        let holds_last = self.stages.contains(&last);
+        self.report(CoordinatorMsg::StageDone(StageReport {
+            rank: self.rank,
+            replica: self.replica,
+            step,
+            grad_sumsq: sumsq,
+            loss_sum: holds_last.then_some(loss_sum),
+        }));
+        Ok(())
+    }
+
+    /// F of (stage, mb). Returns the microbatch's loss sum on the last stage.
+    fn forward(
+        &mut self,
+        phase: Phase,
+        stage: usize,
+        mb: usize,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+    ) -> Result<Option<f64>, Stopped> {
+        if phase == Phase::Train && self.fault == Some((stage, self.step, mb)) {
+            panic!("injected fault (PIPEWRIGHT_FAULT) in F of stage {stage}, microbatch {mb}");
+        }
+        let last = self.layout.last_stage();
+        let tokens = if stage == 0 { Some(self.wait_u32(Key::Tokens(phase, mb))?) } else { None };
+        let act = if stage > 0 { Some(self.wait_f32(Key::Act(phase, stage, mb))?) } else { None };
+        let targets = if stage == last { Some(self.wait_u32(Key::Targets(phase, mb))?) } else { None };
+        let i = self.local(stage);
+        let part = &mut self.parts[i];
+        let out = self.pool.install(|| {
+            let input = match (&tokens, act) {
+                (Some(t), _) => PartInput::Tokens(t),
+                (None, Some(a)) => PartInput::Activation(a),
+                _ => unreachable!(),
+            };
+            part.forward_with(input, targets.as_deref(), mode, argmax)
+        });
+        if let Some(acts) = out.acts {
+            self.saved.insert((stage, mb), acts);
+        }
+        if let Some(y) = out.output {
+            let msg = StageMsg::Activation {
+                phase,
+                step: self.step,
+                stage: stage + 1,
+                mb,
+                data: y,
+                sent: Instant::now(),
+            };
+            self.send_to_stage(stage + 1, msg)?;
+        }
+        Ok(out.loss_sum)
+    }
+
+    fn backward(&mut self, stage: usize, mb: usize, which: BackwardPart) -> Result<(), Stopped> {
+        let last = self.layout.last_stage();
+        let i = self.local(stage);
+        if which == BackwardPart::Weight {
+            let part = &mut self.parts[i];
+            self.pool.install(|| part.backward_weight(mb));
+            return Ok(());
+        }
+        let dout = if stage < last { Some(self.wait_f32(Key::Grad(stage, mb))?) } else { None };
+        let acts = self.saved.remove(&(stage, mb)).expect("F ran before B");
+        let part = &mut self.parts[i];
+        let dinp = self.pool.install(|| match which {
+            BackwardPart::Full => part.backward(acts, dout),
+            BackwardPart::Input => part.backward_input(acts, dout, mb),
+            BackwardPart::Weight => unreachable!(),
+        });
+        if let Some(g) = dinp {
+            let msg =
+                StageMsg::Gradient { step: self.step, stage: stage - 1, mb, data: g, sent: Instant::now() };
+            self.send_to_stage(stage - 1, msg)?;
+        }
+        Ok(())
+    }
+
+    /// Both shares of the tied embedding's gradient, summed in one order on both
+    /// ranks that hold a copy: embedding share + head share.
+    fn combine_tied(&mut self) -> Result<(), Stopped> {
+        let last = self.layout.last_stage();
+        let (first_here, last_here) = (self.stages.contains(&0), self.stages.contains(&last));
+        if last == 0 {
+            self.parts[0].combine_tied_grads(None);
+            return Ok(());
+        }
+        if first_here && last_here {
+            let (a, b) = (self.local(0), self.local(last));
+            let embed = self.parts[a].params[0].grad.clone();
+            let head = self.parts[b].wte_head_grad.clone();
+            self.parts[a].combine_tied_grads(Some(&head));
+            self.parts[b].combine_tied_grads(Some(&embed));
+            return Ok(());
+        }
+        if first_here {
+            let share = self.parts[self.local(0)].params[0].grad.clone();
+            let to = self.layout.rank_of(last);
+            self.peers.get().expect("peers")[to]
+                .send_message(StageMsg::TiedShare { step: self.step, data: share })
+                .map_err(|_| Stopped)?;
+            let head = self.wait_f32(Key::Tied)?;
+            let i = self.local(0);
+            self.parts[i].combine_tied_grads(Some(&head));
+        }
+        if last_here {
+            let share = self.parts[self.local(last)].wte_head_grad.clone();
+            let to = self.layout.rank_of(0);
+            self.peers.get().expect("peers")[to]
+                .send_message(StageMsg::TiedShare { step: self.step, data: share })
+                .map_err(|_| Stopped)?;
+            let embed = self.wait_f32(Key::Tied)?;
+            let i = self.local(last);
+            self.parts[i].combine_tied_grads(Some(&embed));
+        }
+        Ok(())
+    }
+
+    /// Sends each part's gradients to the reducer and takes back their sum over replicas.
+    fn reduce_over_replicas(&mut self) -> Result<(), Stopped> {
+        let reducer = self.reducer.clone().expect("dp > 1 has a reducer");
+        for (i, &stage) in self.stages.iter().enumerate() {
+            let grads: Vec<Vec<f32>> =
+                self.parts[i].params.iter_mut().map(|p| std::mem::take(&mut p.grad)).collect();
+            reducer
+                .send_message(ReducerMsg::Reduce { step: self.step, stage, replica: self.replica, grads })
+                .map_err(|_| Stopped)?;
+        }
+        for i in 0..self.stages.len() {
+            let stage = self.stages[i];
+            let grads = match self.wait_for(Key::Reduced(stage))? {
+                Payload::Grads(g) => g,
+                _ => unreachable!(),
+            };
+            for (p, g) in self.parts[i].params.iter_mut().zip(grads) {
+                p.grad = g;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward-only microbatches through every stage, in microbatch order.
+    fn run_eval(&mut self, step: u64, kind: EvalKind, batches: usize) -> Result<(), Stopped> {
+        self.step = step;
+        let last = self.layout.last_stage();
+        let want_argmax = kind == EvalKind::ExactMatch && self.stages.contains(&last);
+        let n = self.parts[0].b * self.gpt.block_size;
+        let mut predictions = Vec::with_capacity(if want_argmax { batches * n } else { 0 });
+        let mut argmax = vec![0u32; if want_argmax { n } else { 0 }];
+        let mut loss_sum = 0.0;
+        let stages = self.stages.clone();
+        for mb in 0..batches {
+            for &s in &stages {
+                let am = (want_argmax && s == last).then_some(argmax.as_mut_slice());
+                if let Some(l) = self.forward(Phase::Eval, s, mb, Mode::Eval, am)? {
+                    loss_sum += l;
+                    if want_argmax {
+                        predictions.extend_from_slice(&argmax);
+                    }
+                }
+            }
+        }
+        if stages.contains(&last) {
+            self.report(CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens: batches * n, predictions });
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum BackwardPart {
+    Full,
+    Input,
+    Weight,
+}
