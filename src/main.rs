@@ -231,9 +231,15 @@ fn run(cli: Cli) -> Result<()> {
                 print!("{}", pipewright::bench::pipeline_table(&rows));
                 rows
             };
+            let (lat_median, lat_p99) = pipewright::bench::message_latency(20_000)?;
+            println!(
+                "\nruntime per-message overhead, idle actor (send → handle): median {lat_median:.1} µs, p99 {lat_p99:.1} µs"
+            );
             if json {
                 let mut v = serde_json::to_value(&report).context("report")?;
                 v["pipeline"] = serde_json::to_value(&rows)?;
+                v["message_latency_median_us"] = lat_median.into();
+                v["message_latency_p99_us"] = lat_p99.into();
                 println!("{v}");
             }
             Ok(())

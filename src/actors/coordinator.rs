@@ -153,7 +153,7 @@ pub struct RunOutcome {
     pub skipped: usize,
     pub train_seconds: f64,
     pub tokens: u64,
-    /// Send → compute-thread receipt of every activation and gradient message.
+    /// Send → actor handle time of every activation and gradient message, µs.
     pub message_latency_us: Vec<f64>,
     /// Peak activation bytes held per rank (replica 0).
     pub peak_live_bytes: Vec<usize>,
@@ -230,7 +230,10 @@ impl Actor for Coordinator {
         } else {
             None
         };
+        // Pin only when every compute thread can have a core of its own: two busy
+        // ranks pinned to one core cannot borrow an idle neighbour.
         let cores = core_affinity::get_core_ids().unwrap_or_default();
+        let cores = if layout.threads_per_rank * pp * dp <= cores.len() { cores } else { vec![] };
         let mut stages = Vec::new();
         for replica in 0..dp {
             let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
@@ -254,6 +257,7 @@ impl Actor for Coordinator {
                     reducer: reducer.clone(),
                     chaos_seed,
                     cores: mine,
+                    latencies_us: Default::default(),
                 };
                 let (r, _) = Actor::spawn_linked(
                     Some(registered(&stage_name(rank, replica), id)),

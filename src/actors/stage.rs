@@ -125,12 +125,16 @@ pub struct StageArgs {
     pub chaos_seed: Option<u64>,
     /// Cores this rank's threads are pinned to (empty: not pinned).
     pub cores: Vec<core_affinity::CoreId>,
+    pub latencies_us: Arc<std::sync::Mutex<Vec<f64>>>,
 }
 
 pub struct StageActor;
 
 pub struct StageState {
     tx: Sender<StageMsg>,
+    /// Send → handle times of activation and gradient messages, in µs: the
+    /// runtime's own per-message cost, whatever the compute thread is doing.
+    latencies_us: Arc<std::sync::Mutex<Vec<f64>>>,
     thread: Option<std::thread::JoinHandle<()>>,
     chaos: Option<Rng>,
 }
@@ -146,11 +150,12 @@ impl Actor for StageActor {
         args: StageArgs,
     ) -> Result<StageState, ActorProcessingErr> {
         let (tx, rx) = crossbeam_channel::unbounded();
+        let latencies_us = args.latencies_us.clone();
         let chaos =
             args.chaos_seed.map(|s| Rng::new(s, Purpose::Test, &[args.rank as u64, args.replica as u64]));
         let name = format!("stage-{}.{}", args.rank, args.replica);
         let thread = std::thread::Builder::new().name(name).spawn(move || worker_main(args, rx))?;
-        Ok(StageState { tx, thread: Some(thread), chaos })
+        Ok(StageState { tx, latencies_us, thread: Some(thread), chaos })
     }
 
     async fn handle(
@@ -159,6 +164,10 @@ impl Actor for StageActor {
         msg: StageMsg,
         st: &mut StageState,
     ) -> Result<(), ActorProcessingErr> {
+        if let StageMsg::Activation { sent, .. } | StageMsg::Gradient { sent, .. } = &msg {
+            let us = sent.elapsed().as_secs_f64() * 1e6;
+            st.latencies_us.lock().expect("latency log").push(us);
+        }
         let data = matches!(
             msg,
             StageMsg::Tokens { .. }
@@ -223,8 +232,8 @@ struct Worker {
     step: u64,
     /// The action being executed, for failure reports.
     current: Option<Action>,
-    /// Send → compute-thread receipt times of activation and gradient messages, in µs.
-    latencies_us: Vec<f64>,
+    /// Shared with the actor, which records send → handle times.
+    latencies_us: Arc<std::sync::Mutex<Vec<f64>>>,
     norms: Vec<(usize, f64)>,
     fault: Option<(usize, u64, usize)>,
     dloss: f32,
@@ -311,8 +320,14 @@ impl Worker {
         }
         let adam = parts.iter().map(AdamState::new).collect();
         let cores = args.cores.clone();
+        // The compute thread itself is the pool's first worker, so a rank with
+        // one thread runs its kernels where it stands, with no hand-off.
+        if let Some(&core) = cores.first() {
+            core_affinity::set_for_current(core);
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(args.layout.threads_per_rank)
+            .use_current_thread()
             .thread_name(move |i| format!("stage-{}.{}-compute-{i}", args.rank, args.replica))
             .start_handler(move |i| {
                 if !cores.is_empty() {
@@ -344,7 +359,7 @@ impl Worker {
             pool,
             step: 0,
             current: None,
-            latencies_us: Vec::new(),
+            latencies_us: args.latencies_us.clone(),
             norms: Vec::new(),
             fault: fault_from_env(),
             dloss,
@@ -357,18 +372,13 @@ impl Worker {
 
     /// Files a data message in the inbox, or a control message in the queue.
     fn file(&mut self, msg: StageMsg) -> Result<(), Stopped> {
-        let now = Instant::now();
         let (key, payload) = match msg {
             StageMsg::Tokens { phase, mb, tokens, .. } => (Key::Tokens(phase, mb), Payload::U32(tokens)),
             StageMsg::Targets { phase, mb, targets, .. } => (Key::Targets(phase, mb), Payload::U32(targets)),
-            StageMsg::Activation { phase, stage, mb, data, sent, .. } => {
-                self.latencies_us.push(now.duration_since(sent).as_secs_f64() * 1e6);
+            StageMsg::Activation { phase, stage, mb, data, .. } => {
                 (Key::Act(phase, stage, mb), Payload::F32(data))
             }
-            StageMsg::Gradient { stage, mb, data, sent, .. } => {
-                self.latencies_us.push(now.duration_since(sent).as_secs_f64() * 1e6);
-                (Key::Grad(stage, mb), Payload::F32(data))
-            }
+            StageMsg::Gradient { stage, mb, data, .. } => (Key::Grad(stage, mb), Payload::F32(data)),
             StageMsg::TiedShare { data, .. } => (Key::Tied, Payload::F32(data)),
             StageMsg::Reduced { stage, grads, .. } => (Key::Reduced(stage), Payload::Grads(grads)),
             StageMsg::Stop => return Err(Stopped),
@@ -450,7 +460,7 @@ impl Worker {
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
             StageMsg::SendWeights => {
                 let params: Vec<Param> = self.parts.iter().flat_map(|p| p.params.iter().cloned()).collect();
-                let latencies = std::mem::take(&mut self.latencies_us);
+                let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
                 let peak_live_bytes = self.parts.iter().map(|p| p.peak_live_bytes).sum();
                 self.report(CoordinatorMsg::Weights {
                     rank: self.rank,

@@ -258,11 +258,13 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// A progress bar on a terminal, plain log lines otherwise.
+/// A progress bar on a terminal, plain log lines otherwise, or nothing when disabled.
 pub struct Progress {
     bar: Option<indicatif::ProgressBar>,
     steps: usize,
     every: usize,
+    /// Neither bar nor lines (benchmarks and tests).
+    quiet: bool,
 }
 
 impl Progress {
@@ -277,10 +279,13 @@ impl Progress {
             );
             b
         });
-        Progress { bar, steps, every: (steps / 20).max(1) }
+        Progress { bar, steps, every: (steps / 20).max(1), quiet: !enabled }
     }
 
     pub fn update(&self, m: &StepMetrics) {
+        if self.quiet {
+            return;
+        }
         let mut msg = format!("loss {:.4} | {:.0} tok/s", m.loss, m.tokens_per_s);
         if let Some(v) = m.val_loss {
             msg += &format!(" | val {v:.4}");
