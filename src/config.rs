@@ -21,6 +21,14 @@ pub struct Config {
     pub optim: OptimSection,
     pub parallel: ParallelSection,
     pub backend: BackendSection,
+    pub trace: TraceSection,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct TraceSection {
+    /// Write trace.json (Chrome Trace Event format) into the run directory.
+    pub enabled: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -13,4 +13,5 @@ pub mod model;
 pub mod optim;
 pub mod rng;
 pub mod schedule;
+pub mod trace;
 pub mod train;

@@ -64,6 +64,9 @@ enum Command {
         /// Replace the outputs of an earlier run in --out.
         #[arg(long)]
         force: bool,
+        /// Write trace.json (Chrome Trace Event format; open it in Perfetto).
+        #[arg(long)]
+        trace: bool,
         /// Deliver messages between actors after random delays, in a scrambled
         /// order (results must not change: a check of determinism).
         #[arg(long, value_name = "SEED")]
@@ -154,8 +157,9 @@ fn default_run_dir() -> PathBuf {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, steps, out, init, force, chaos_seed } => {
-            let cfg = config.load(steps)?;
+        Command::Train { config, steps, out, init, force, trace, chaos_seed } => {
+            let mut cfg = config.load(steps)?;
+            cfg.trace.enabled |= trace;
             cfg.validate()?;
             let out_dir = out.unwrap_or_else(default_run_dir);
             eprintln!("pipewright train → {}", out_dir.display());

@@ -119,6 +119,7 @@ pub enum CoordinatorMsg {
         params: Vec<Param>,
         latencies_us: Vec<f64>,
         peak_live_bytes: usize,
+        trace: Vec<crate::trace::Record>,
     },
     Failed(Failure),
 }
@@ -157,6 +158,8 @@ pub struct RunOutcome {
     pub message_latency_us: Vec<f64>,
     /// Peak activation bytes held per rank (replica 0).
     pub peak_live_bytes: Vec<usize>,
+    /// Trace records of replica 0's stages (empty unless tracing).
+    pub trace: Vec<crate::trace::Record>,
 }
 
 /// Runs a whole training run on actors and returns what it produced.
@@ -219,6 +222,7 @@ impl Actor for Coordinator {
     ) -> Result<CoordinatorState, ActorProcessingErr> {
         let RunInputs { cfg, layout, data, init, metrics, progress, chaos_seed } = inputs;
         let (pp, dp) = (layout.pp, layout.dp);
+        let epoch = Instant::now();
         let all: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>> = Arc::new(OnceLock::new());
         let monitor_args = MonitorArgs { metrics, progress: Progress::new(cfg.train.steps, progress) };
         let (monitor, _) =
@@ -258,6 +262,7 @@ impl Actor for Coordinator {
                     chaos_seed,
                     cores: mine,
                     latencies_us: Default::default(),
+                    trace_epoch: cfg.trace.enabled.then_some(epoch),
                 };
                 let (r, _) = Actor::spawn_linked(
                     Some(registered(&stage_name(rank, replica), id)),
@@ -355,7 +360,8 @@ impl Actor for Coordinator {
                 check(step == st.step, "evaluation of another step")?;
                 st.eval_done(kind, loss_sum, tokens, predictions)
             }
-            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes } => {
+            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
+                st.out.trace.extend(trace);
                 check(replica == 0 && matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
                 st.weights[rank] = Some(params);
                 st.out.message_latency_us.extend(latencies_us);

@@ -18,6 +18,7 @@ use crate::model::{GptConfig, ModelPart, Param};
 use crate::optim::{self, AdamState, Hyper};
 use crate::rng::{Purpose, Rng};
 use crate::schedule::{Action, ActionKind};
+use crate::trace::Recorder;
 use crossbeam_channel::{Receiver, Sender};
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
 use std::collections::{BTreeMap, VecDeque};
@@ -126,6 +127,8 @@ pub struct StageArgs {
     /// Cores this rank's threads are pinned to (empty: not pinned).
     pub cores: Vec<core_affinity::CoreId>,
     pub latencies_us: Arc<std::sync::Mutex<Vec<f64>>>,
+    /// The run's clock for trace timestamps; `None` when not tracing.
+    pub trace_epoch: Option<Instant>,
 }
 
 pub struct StageActor;
@@ -237,6 +240,9 @@ struct Worker {
     norms: Vec<(usize, f64)>,
     fault: Option<(usize, u64, usize)>,
     dloss: f32,
+    rec: Recorder,
+    /// When the current action's inputs were all in hand (trace time, µs).
+    compute_start: f64,
 }
 
 fn worker_main(args: StageArgs, rx: Receiver<StageMsg>) {
@@ -363,6 +369,8 @@ impl Worker {
             norms: Vec::new(),
             fault: fault_from_env(),
             dloss,
+            rec: Recorder::new(args.trace_epoch.is_some(), args.trace_epoch.unwrap_or_else(Instant::now)),
+            compute_start: 0.0,
         })
     }
 
@@ -409,11 +417,54 @@ impl Worker {
     }
 
     fn wait_for(&mut self, key: Key) -> Result<Payload, Stopped> {
+        if let Some(p) = self.inbox.remove(&key) {
+            return Ok(p);
+        }
+        let t0 = self.rec.now_us();
         loop {
+            self.recv()?;
             if let Some(p) = self.inbox.remove(&key) {
+                if self.rec.enabled {
+                    let (stage, mb) = match self.current {
+                        Some(a) => (a.stage, Some(a.mb)),
+                        None => (self.stages[0], None),
+                    };
+                    let detail = Some(self.describe(key));
+                    self.rec.span(self.replica, self.rank, stage, "wait", self.step, mb, t0, detail, None);
+                }
                 return Ok(p);
             }
-            self.recv()?;
+        }
+    }
+
+    /// What a key stands for, in a trace's words.
+    fn describe(&self, key: Key) -> String {
+        match key {
+            Key::Tokens(..) => "tokens from the data loader".into(),
+            Key::Targets(..) => "targets from the data loader".into(),
+            Key::Act(_, s, _) => format!("activation from stage {}", s - 1),
+            Key::Grad(s, _) => format!("gradient from stage {}", s + 1),
+            Key::Tied => "the other share of the tied embedding gradient".into(),
+            Key::Reduced(_) => "gradients reduced over replicas".into(),
+        }
+    }
+
+    /// Records the action just finished (from when its inputs were in hand).
+    fn trace_action(&mut self, a: Action, name: &str) {
+        if !self.rec.enabled {
+            return;
+        }
+        let i = self.local(a.stage);
+        let live_mb = self.saved.range((a.stage, 0)..(a.stage + 1, 0)).count() + self.parts[i].pending_weight_count();
+        let live = Some((live_mb, self.parts[i].live_bytes));
+        let start = self.compute_start;
+        self.rec.span(self.replica, self.rank, a.stage, name, self.step, Some(a.mb), start, None, live);
+    }
+
+    /// Records a span on this rank's first stage (optimizer, reduction, …).
+    fn trace_rank(&mut self, name: &str, start: f64) {
+        if self.rec.enabled {
+            self.rec.span(self.replica, self.rank, self.stages[0], name, self.step, None, start, None, None);
         }
     }
 
@@ -447,6 +498,7 @@ impl Worker {
             StageMsg::RunStep { step } => self.run_step(step)?,
             StageMsg::Apply { step, lr, clip, skip } => {
                 assert_eq!(step, self.step);
+                let t = self.rec.now_us();
                 if !skip {
                     let (parts, adam, hyper) = (&mut self.parts, &mut self.adam, self.hyper);
                     self.pool.install(|| {
@@ -455,6 +507,7 @@ impl Worker {
                         }
                     });
                 }
+                self.trace_rank("optimizer", t);
                 self.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
             }
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
@@ -462,12 +515,14 @@ impl Worker {
                 let params: Vec<Param> = self.parts.iter().flat_map(|p| p.params.iter().cloned()).collect();
                 let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
                 let peak_live_bytes = self.parts.iter().map(|p| p.peak_live_bytes).sum();
+                let trace = std::mem::take(&mut self.rec.records);
                 self.report(CoordinatorMsg::Weights {
                     rank: self.rank,
                     replica: self.replica,
                     params,
                     latencies_us: latencies,
                     peak_live_bytes,
+                    trace,
                 });
             }
             StageMsg::Stop => return Ok(false),
@@ -502,12 +557,23 @@ impl Worker {
                 ActionKind::I => self.backward(a.stage, a.mb, BackwardPart::Input)?,
                 ActionKind::W => self.backward(a.stage, a.mb, BackwardPart::Weight)?,
             }
+            let name = match a.kind {
+                ActionKind::F => "F",
+                ActionKind::B => "B",
+                ActionKind::I => "I",
+                ActionKind::W => "W",
+            };
+            self.trace_action(a, name);
         }
         self.actions = actions;
         self.current = None;
+        let t = self.rec.now_us();
         self.combine_tied()?;
+        self.trace_rank("tied", t);
         if self.layout.dp > 1 {
+            let t = self.rec.now_us();
             self.reduce_over_replicas()?;
+            self.trace_rank("reduce", t);
         }
         let mut sumsq = Vec::new();
         if self.replica == 0 {
@@ -544,6 +610,7 @@ impl Worker {
         let tokens = if stage == 0 { Some(self.wait_u32(Key::Tokens(phase, mb))?) } else { None };
         let act = if stage > 0 { Some(self.wait_f32(Key::Act(phase, stage, mb))?) } else { None };
         let targets = if stage == last { Some(self.wait_u32(Key::Targets(phase, mb))?) } else { None };
+        self.compute_start = self.rec.now_us();
         let i = self.local(stage);
         let part = &mut self.parts[i];
         let out = self.pool.install(|| {
@@ -574,12 +641,14 @@ impl Worker {
     fn backward(&mut self, stage: usize, mb: usize, which: BackwardPart) -> Result<(), Stopped> {
         let last = self.layout.last_stage();
         let i = self.local(stage);
+        self.compute_start = self.rec.now_us();
         if which == BackwardPart::Weight {
             let part = &mut self.parts[i];
             self.pool.install(|| part.backward_weight(mb));
             return Ok(());
         }
         let dout = if stage < last { Some(self.wait_f32(Key::Grad(stage, mb))?) } else { None };
+        self.compute_start = self.rec.now_us();
         let acts = self.saved.remove(&(stage, mb)).expect("F ran before B");
         let part = &mut self.parts[i];
         let dinp = self.pool.install(|| match which {
@@ -671,7 +740,12 @@ impl Worker {
         for mb in 0..batches {
             for &s in &stages {
                 let am = (want_argmax && s == last).then_some(argmax.as_mut_slice());
-                if let Some(l) = self.forward(Phase::Eval, s, mb, Mode::Eval, am)? {
+                let result = self.forward(Phase::Eval, s, mb, Mode::Eval, am)?;
+                if self.rec.enabled {
+                    let start = self.compute_start;
+                    self.rec.span(self.replica, self.rank, s, "eval", step, Some(mb), start, None, None);
+                }
+                if let Some(l) = result {
                     loss_sum += l;
                     if want_argmax {
                         predictions.extend_from_slice(&argmax);

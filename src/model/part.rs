@@ -564,6 +564,11 @@ impl ModelPart {
         result
     }
 
+    /// Microbatches whose I ran and whose W is still to come.
+    pub fn pending_weight_count(&self) -> usize {
+        self.pending_w.len()
+    }
+
     /// The input half of the backward (zero-bubble schedules' I): returns the
     /// gradient of the part's input and keeps what W needs for microbatch `mb`.
     pub fn backward_input(

@@ -147,7 +147,8 @@ impl Sources {
 }
 
 /// Outputs of a run; an out dir holding any of them belongs to an earlier run.
-const OUTPUTS: [&str; 5] = ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg"];
+const OUTPUTS: [&str; 6] =
+    ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json"];
 
 /// Runs training on the actor runtime; `chaos_seed` scrambles message delivery (tests).
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
@@ -201,6 +202,15 @@ pub fn train_with(
     // The machine's f32 matrix-product rate, the yardstick for MFU; measured
     // before and after training and the better figure kept.
     let peak_before = gemm_peak(threads);
+    let trace_meta = serde_json::json!({
+        "schedule": cfg.parallel.schedule,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "chunks": layout.chunks,
+        "microbatches": layout.microbatches,
+        "steps": cfg.train.steps,
+        "stages": layout.n_stages(),
+    });
     let inputs = RunInputs {
         cfg: cfg.clone(),
         layout,
@@ -245,6 +255,10 @@ pub fn train_with(
     write("config.toml", &cfg.to_toml_string())?;
     write("summary.json", &serde_json::to_string_pretty(&summary)?)?;
     write("loss.svg", &loss_svg(&out.train_curve, &out.val_curve, "pipewright: loss"))?;
+    if cfg.trace.enabled {
+        let json = crate::trace::chrome_json(&out.trace, trace_meta);
+        write("trace.json", &serde_json::to_string(&json)?)?;
+    }
     Ok((summary, out))
 }
 
