@@ -11,4 +11,5 @@ pub mod kernels;
 pub mod model;
 pub mod optim;
 pub mod rng;
+pub mod schedule;
 pub mod train;
