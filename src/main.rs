@@ -115,6 +115,24 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Build a pipeline schedule, check it, and draw its simulated timeline (unit costs).
+    Schedule {
+        /// gpipe, 1f1b, interleaved or zb-h1.
+        #[arg(long)]
+        kind: String,
+        /// Pipeline ranks (p).
+        #[arg(long)]
+        stages: usize,
+        /// Microbatches per step (m).
+        #[arg(long)]
+        microbatches: usize,
+        /// Model chunks per rank (v) [default: 2 for interleaved, else 1].
+        #[arg(long)]
+        chunks: Option<usize>,
+        /// Print only the per-rank action lists: {"ranks": [["0F0", …], …]}.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() {
@@ -212,6 +230,10 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string(&report).context("report")?);
             }
+            Ok(())
+        }
+        Command::Schedule { kind, stages, microbatches, chunks, json } => {
+            print!("{}", pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?);
             Ok(())
         }
     }
