@@ -1,7 +1,8 @@
 //! pipewright: a GPT-2 trainer whose pipeline stages are actors.
 //!
 //! The layout follows one optimizer step: `config` → `schedule` → `actors` →
-//! `model` (built from `kernels`) → `optim`; `data` feeds it and `train` runs it.
+//! `model` (built from `kernels`) → `optim`; `data` feeds it, `train` runs it
+//! and `trace` shows it.
 
 pub mod actors;
 pub mod bench;

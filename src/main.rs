@@ -128,6 +128,24 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Build a pipeline schedule, check it, and draw its simulated timeline (unit costs).
+    Schedule {
+        /// gpipe, 1f1b, interleaved or zb-h1.
+        #[arg(long)]
+        kind: String,
+        /// Pipeline ranks (p).
+        #[arg(long)]
+        stages: usize,
+        /// Microbatches per step (m).
+        #[arg(long)]
+        microbatches: usize,
+        /// Model chunks per rank (v) [default: 2 for interleaved, else 1].
+        #[arg(long)]
+        chunks: Option<usize>,
+        /// Print only the per-rank action lists: {"ranks": [["0F0", …], …]}.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() {
@@ -246,6 +264,10 @@ fn run(cli: Cli) -> Result<()> {
                 v["message_latency_p99_us"] = lat_p99.into();
                 println!("{v}");
             }
+            Ok(())
+        }
+        Command::Schedule { kind, stages, microbatches, chunks, json } => {
+            print!("{}", pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?);
             Ok(())
         }
     }

@@ -1,0 +1,325 @@
+//! The schedule module's specification: every builder validates and matches the
+//! theory, the validator and simulator catch what they promise to.
+
+use super::*;
+
+const PS: [usize; 5] = [1, 2, 3, 4, 8];
+
+fn built(kind: ScheduleKind, p: usize, m: usize, v: usize) -> Schedule {
+    let s = build(kind, p, m, v).unwrap_or_else(|e| panic!("{kind} p={p} m={m} v={v}: {e}"));
+    s.validate().unwrap_or_else(|e| panic!("{kind} p={p} m={m} v={v}: {e}"));
+    s
+}
+
+fn sim(s: &Schedule) -> SimReport {
+    s.simulate(&Costs::unit())
+        .unwrap_or_else(|e| panic!("{} p={} m={} v={}: {e}", s.kind, s.ranks, s.microbatches, s.chunks))
+}
+
+/// Every shape each builder accepts, as (schedule, report).
+fn all_single_chunk(kind: ScheduleKind) -> Vec<(Schedule, SimReport)> {
+    let mut out = vec![];
+    for p in PS {
+        for m in 1..=16 {
+            let s = built(kind, p, m, 1);
+            let r = sim(&s);
+            out.push((s, r));
+        }
+    }
+    out
+}
+
+/// Each stage's actions of `kind`, by microbatch, in the order the stage runs them.
+fn order_of(s: &Schedule, stage: usize, kind: ActionKind) -> Vec<usize> {
+    s.actions[s.rank_of(stage)].iter().filter(|a| a.stage == stage && a.kind == kind).map(|a| a.mb).collect()
+}
+
+fn assert_ascending(s: &Schedule) {
+    for stage in 0..s.stages() {
+        for kind in [ActionKind::F, ActionKind::B, ActionKind::I, ActionKind::W] {
+            let o = order_of(s, stage, kind);
+            assert!(
+                o.windows(2).all(|w| w[0] < w[1]),
+                "{} p={} m={}: stage {stage} {kind}s out of microbatch order: {o:?}",
+                s.kind,
+                s.ranks,
+                s.microbatches
+            );
+        }
+    }
+}
+
+#[test]
+fn gpipe_and_1f1b_bubble_is_the_theory_exactly() {
+    for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
+        for (s, r) in all_single_chunk(kind) {
+            let (p, m) = (s.ranks as f64, s.microbatches as f64);
+            let theory = (p - 1.0) / (m + p - 1.0);
+            assert_eq!(r.makespan, 3.0 * (m + p - 1.0), "{kind} p={p} m={m}");
+            for b in r.bubble_frac.iter().chain([&r.mean_bubble_frac]) {
+                assert!((b - theory).abs() < 1e-12, "{kind} p={p} m={m}: bubble {b} vs {theory}");
+            }
+            assert_eq!(s.theory_bubble(), Some(theory));
+            assert_ascending(&s);
+        }
+    }
+}
+
+#[test]
+fn peak_live_is_m_for_gpipe_and_p_minus_s_for_1f1b() {
+    for (s, r) in all_single_chunk(ScheduleKind::GPipe) {
+        assert_eq!(r.peak_live, vec![s.microbatches; s.ranks]);
+    }
+    for (s, r) in all_single_chunk(ScheduleKind::OneFOneB) {
+        let want: Vec<usize> = (0..s.ranks).map(|st| (s.ranks - st).min(s.microbatches)).collect();
+        assert_eq!(r.peak_live, want, "p={} m={}", s.ranks, s.microbatches);
+    }
+}
+
+/// ZB-H1 at 1F1B's memory (p − s microbatches alive until W on stage s) reaches the
+/// lower bound 2(p−1)/(3m+2(p−1)): two thirds of 1F1B's bubble time, not the ZB
+/// paper's third (see `Schedule::theory_bubble`).
+#[test]
+fn zb_h1_reaches_the_bound_at_1f1b_memory() {
+    for (s, r) in all_single_chunk(ScheduleKind::ZbH1) {
+        let (p, m) = (s.ranks, s.microbatches);
+        let base = sim(&built(ScheduleKind::OneFOneB, p, m, 1));
+        for (st, (z, o)) in r.peak_live.iter().zip(&base.peak_live).enumerate() {
+            assert!(z <= o, "p={p} m={m} stage {st}: zb-h1 keeps {z} alive, 1f1b {o}");
+        }
+        if let Some(bound) = s.theory_bubble() {
+            let (pf, mf) = (p as f64, m as f64);
+            assert_eq!(r.makespan, 3.0 * mf + 2.0 * (pf - 1.0), "p={p} m={m}");
+            assert!((r.mean_bubble_frac - bound).abs() < 1e-12, "p={p} m={m}: {}", r.mean_bubble_frac);
+            // Bubble time 2(p−1) against 1F1B's 3(p−1).
+            let (zb, one) = (r.makespan - 3.0 * mf, base.makespan - 3.0 * mf);
+            assert!((zb - one * 2.0 / 3.0).abs() < 1e-9, "p={p} m={m}: {zb} vs {one}");
+        }
+        assert!(r.mean_bubble_frac <= base.mean_bubble_frac + 1e-12, "p={p} m={m}");
+        assert!(s.actions.iter().flatten().all(|a| a.kind != ActionKind::B));
+        assert_ascending(&s);
+    }
+}
+
+#[test]
+fn interleaved_follows_megatron_and_beats_1f1b() {
+    for p in PS {
+        for v in [2, 3, 4] {
+            for m in (1..=16).filter(|m| m % p == 0) {
+                let s = built(ScheduleKind::Interleaved1F1B, p, m, v);
+                let r = sim(&s);
+                assert_ascending(&s);
+                let (pf, mf, vf) = (p as f64, m as f64, v as f64);
+                assert!(
+                    r.mean_bubble_frac <= (pf - 1.0) / (vf * mf) + 0.02,
+                    "p={p} m={m} v={v}: bubble {} vs theory {}",
+                    r.mean_bubble_frac,
+                    (pf - 1.0) / (vf * mf)
+                );
+                let base = sim(&built(ScheduleKind::OneFOneB, p, m, 1));
+                if p > 1 {
+                    assert!(
+                        r.mean_bubble_frac < base.mean_bubble_frac,
+                        "p={p} m={m} v={v}: {} vs 1f1b {}",
+                        r.mean_bubble_frac,
+                        base.mean_bubble_frac
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn interleaved_refuses_what_megatron_refuses() {
+    let e = build(ScheduleKind::Interleaved1F1B, 4, 6, 2).unwrap_err();
+    assert!(
+        matches!(&e, ScheduleError::Unsupported { field, .. } if field == "parallel.microbatches"),
+        "{e}"
+    );
+    let e = build(ScheduleKind::Interleaved1F1B, 4, 8, 1).unwrap_err();
+    assert!(e.to_string().contains("parallel.chunks"), "{e}");
+    for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+        assert!(build(kind, 4, 8, 2).unwrap_err().to_string().contains("parallel.chunks"));
+    }
+    assert!(build(ScheduleKind::GPipe, 0, 8, 1).unwrap_err().to_string().contains("parallel.pp"));
+    assert!(build(ScheduleKind::GPipe, 2, 0, 1).unwrap_err().to_string().contains("parallel.microbatches"));
+}
+
+#[test]
+fn kinds_parse_from_their_names() {
+    for k in ScheduleKind::BUILT {
+        assert_eq!(k.name().parse::<ScheduleKind>().unwrap(), k);
+    }
+    assert!("zbh1".parse::<ScheduleKind>().unwrap_err().to_string().contains("zb-h1"));
+}
+
+#[test]
+fn json_round_trips_and_recognises_the_kind() {
+    for kind in ScheduleKind::BUILT {
+        let v = if kind == ScheduleKind::Interleaved1F1B { 2 } else { 1 };
+        let s = built(kind, 4, 8, v);
+        let text = s.to_json();
+        assert!(text.starts_with("{\"ranks\": [[\"0F0\","), "{text}");
+        assert_eq!(Schedule::from_json(&text).unwrap(), s);
+        let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(parsed["ranks"].as_array().unwrap().len(), 4);
+    }
+    let custom =
+        Schedule::from_json(r#"{"ranks": [["0F0","0F1","0B1","0B0"],["1F0","1B0","1F1","1B1"]]}"#).unwrap();
+    assert_eq!(
+        (custom.kind, custom.ranks, custom.chunks, custom.microbatches),
+        (ScheduleKind::Custom, 2, 1, 2)
+    );
+    custom.validate().unwrap();
+    let e = Schedule::from_json(r#"{"ranks": [["0F0","0X1"]]}"#).unwrap_err().to_string();
+    assert!(e.contains("0X1") && e.contains("'X'"), "{e}");
+    let e = Schedule::from_json(r#"{"ranks": [["0F0","2F0"],["1F0"]]}"#).unwrap_err().to_string();
+    assert!(e.contains("3 stages"), "{e}");
+}
+
+fn two_ranks(r0: &[&str], r1: &[&str]) -> Schedule {
+    let parse = |l: &[&str]| l.iter().map(|t| t.parse().unwrap()).collect();
+    Schedule {
+        kind: ScheduleKind::Custom,
+        ranks: 2,
+        chunks: 1,
+        microbatches: 2,
+        actions: vec![parse(r0), parse(r1)],
+    }
+}
+
+#[test]
+fn deadlock_names_each_stuck_rank_index_and_input() {
+    let s = two_ranks(&["0F0", "0B0", "0F1", "0B1"], &["1F1", "1B1", "1F0", "1B0"]);
+    s.validate().unwrap();
+    let e = s.simulate(&Costs::unit()).unwrap_err();
+    let ScheduleError::Deadlock { waiting } = &e else { panic!("{e}") };
+    assert_eq!(
+        waiting,
+        &vec![
+            Stuck { rank: 0, index: 1, action: Action::b(0, 0), waits_for: Action::b(1, 0) },
+            Stuck { rank: 1, index: 0, action: Action::f(1, 1), waits_for: Action::f(0, 1) },
+        ]
+    );
+    let text = e.to_string();
+    assert!(text.contains("rank 0 at index 1 (0B0) waits for 1B0"), "{text}");
+    assert!(text.contains("rank 1 at index 0 (1F1) waits for 0F1"), "{text}");
+}
+
+fn invalid(s: &Schedule) -> (usize, usize, Action, String) {
+    match s.validate() {
+        Err(ScheduleError::Invalid { rank, index, action, reason }) => (rank, index, action, reason),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+}
+
+#[test]
+fn validator_catches_broken_schedules() {
+    let good = ["0F0", "0F1", "0B0", "0B1"];
+    two_ranks(&good, &["1F0", "1B0", "1F1", "1B1"]).validate().unwrap();
+
+    let (r, i, a, why) = invalid(&two_ranks(&good, &["1F0", "1B0", "1F1"]));
+    assert_eq!((r, i, a), (1, 3, Action::b(1, 1)));
+    assert!(why.contains("missing") && why.contains("1F1 at index 2"), "{why}");
+
+    let (r, i, a, why) = invalid(&two_ranks(&good, &["1F0", "1F0", "1B0", "1F1", "1B1"]));
+    assert_eq!((r, i, a), (1, 1, Action::f(1, 0)));
+    assert!(why.contains("duplicate"), "{why}");
+
+    let (r, i, a, why) = invalid(&two_ranks(&good, &["1B0", "1F0", "1F1", "1B1"]));
+    assert_eq!((r, i, a), (1, 0, Action::b(1, 0)));
+    assert!(why.contains("before its forward 1F0"), "{why}");
+
+    let (r, i, a, why) = invalid(&two_ranks(&good, &["1F0", "1B0", "0F1", "1F1", "1B1"]));
+    assert_eq!((r, i, a), (1, 2, Action::f(0, 1)));
+    assert!(why.contains("lives on rank 0"), "{why}");
+
+    let (r, i, a, why) =
+        invalid(&two_ranks(&["0F0", "0F1", "0B0", "0W1", "0I1"], &["1F0", "1B0", "1F1", "1B1"]));
+    assert_eq!((r, i, a), (0, 3, Action::w(0, 1)));
+    assert!(why.contains("before its input backward 0I1"), "{why}");
+
+    let (.., why) = invalid(&two_ranks(&["0F0", "0F1", "0B0", "0B1", "0I1", "0W1"], &good));
+    assert!(why.contains("duplicate") || why.contains("both"), "{why}");
+
+    let (r, i, a, why) = invalid(&two_ranks(&["0F0", "0F1", "0B0", "0I1"], &["1F0", "1B0", "1F1", "1B1"]));
+    assert_eq!((r, i, a), (0, 4, Action::w(0, 1)));
+    assert!(why.contains("no weight backward"), "{why}");
+
+    let (r, i, a, why) = invalid(&two_ranks(&["0F0", "0B0"], &["1F0", "1B0", "1F1", "1B1"]));
+    assert_eq!((r, i, a), (0, 2, Action::f(0, 1)));
+    assert!(why.contains("no forward"), "{why}");
+
+    let (.., why) = invalid(&two_ranks(&good, &["1F0", "1B0", "1F2", "1B1"]));
+    assert!(why.contains("microbatch 2 out of range"), "{why}");
+    let (.., why) = invalid(&two_ranks(&good, &["1F0", "1B0", "3F1", "1B1"]));
+    assert!(why.contains("stage 3 out of range"), "{why}");
+}
+
+#[test]
+fn comm_latency_and_stage_factors_stretch_the_makespan() {
+    let slow = Costs { comm: 0.5, ..Costs::unit() };
+    // GPipe pays the latency once per boundary on the way down and once on the way up.
+    let g = built(ScheduleKind::GPipe, 4, 8, 1);
+    assert_eq!(g.simulate(&slow).unwrap().makespan, sim(&g).makespan + 6.0 * 0.5);
+    // 1F1B's steady state waits for each round trip, so it pays more.
+    let s = built(ScheduleKind::OneFOneB, 4, 8, 1);
+    let base = sim(&s).makespan;
+    assert!(s.simulate(&slow).unwrap().makespan > base + 6.0 * 0.5);
+    let uneven = Costs { per_stage_factor: vec![1.0, 1.0, 1.0, 2.0], ..Costs::unit() };
+    assert!(s.simulate(&uneven).unwrap().makespan > base);
+    let wrong = Costs { per_stage_factor: vec![1.0], ..Costs::unit() };
+    assert!(s.simulate(&wrong).unwrap_err().to_string().contains("costs.per_stage_factor"));
+}
+
+#[test]
+fn timeline_respects_every_dependency() {
+    let costs = Costs { comm: 0.25, ..Costs::unit() };
+    for kind in ScheduleKind::BUILT {
+        let v = if kind == ScheduleKind::Interleaved1F1B { 2 } else { 1 };
+        let s = built(kind, 4, 8, v);
+        let r = s.simulate(&costs).unwrap();
+        let mut end = std::collections::BTreeMap::new();
+        for (a, _, e) in r.timeline.iter().flatten() {
+            end.insert(*a, *e);
+        }
+        for (rank, line) in r.timeline.iter().enumerate() {
+            for w in line.windows(2) {
+                assert!(w[1].1 >= w[0].2, "{kind}: rank {rank} overlaps");
+            }
+            for (a, start, _) in line {
+                let last = s.stages() - 1;
+                let deps: Vec<Action> = match a.kind {
+                    ActionKind::F if a.stage > 0 => vec![Action::f(a.stage - 1, a.mb)],
+                    ActionKind::B | ActionKind::I if a.stage < last => {
+                        vec![Action::f(a.stage, a.mb), Action::new(a.stage + 1, a.kind, a.mb)]
+                    }
+                    ActionKind::B | ActionKind::I => vec![Action::f(a.stage, a.mb)],
+                    ActionKind::W => vec![Action::i(a.stage, a.mb)],
+                    _ => vec![],
+                };
+                for d in deps {
+                    let lat = if s.rank_of(d.stage) == rank { 0.0 } else { costs.comm };
+                    assert!(*start >= end[&d] + lat - 1e-9, "{kind}: {a} starts before {d} arrives");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn grid_draws_every_rank_and_the_figures() {
+    let s = built(ScheduleKind::OneFOneB, 4, 8, 1);
+    let g = s.grid(&sim(&s));
+    let rows: Vec<&str> = g.lines().filter(|l| l.starts_with("rank")).collect();
+    assert_eq!(rows.len(), 4);
+    assert!(rows[0].starts_with("rank 0 | F0 F1 F2 F3 .  .  .  .  .  .  B0 -- F4"), "{g}");
+    assert!(rows[3].starts_with("rank 3 | .  .  .  F0 B0 --"), "{g}");
+    assert!(g.contains("makespan: 33"), "{g}");
+    assert!(g.contains("theory with unit costs: 0.2727"), "{g}");
+    assert!(g.contains("peak live microbatches per stage: 0: 4, 1: 3, 2: 2, 3: 1"), "{g}");
+    let s = built(ScheduleKind::Interleaved1F1B, 2, 4, 2);
+    let g = s.grid(&sim(&s));
+    assert!(g.contains("rank 1 | .   1F0 1F1 3F0 3B0 --- 3F1"), "{g}");
+}

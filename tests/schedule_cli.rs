@@ -1,0 +1,47 @@
+//! `pipewright schedule` as a user meets it: the JSON form parses and has one list
+//! per rank; an impossible request is refused naming the flag, without a panic.
+
+use std::process::Command;
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_pipewright")).arg("schedule").args(args).output().expect("run");
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!stderr.contains("panicked"), "pipewright panicked: {stderr}");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string(), stderr)
+}
+
+#[test]
+fn json_has_one_list_per_rank() {
+    for kind in ["gpipe", "1f1b", "interleaved", "zb-h1"] {
+        let (ok, out, err) = run(&["--kind", kind, "--stages", "4", "--microbatches", "8", "--json"]);
+        assert!(ok, "{kind}: {err}");
+        let v: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{kind}: {e}: {out}"));
+        let ranks = v["ranks"].as_array().expect("ranks");
+        assert_eq!(ranks.len(), 4, "{kind}");
+        assert_eq!(ranks[0][0], "0F0", "{kind}");
+        assert_eq!(v.as_object().unwrap().len(), 1, "{kind}: only \"ranks\"");
+    }
+}
+
+#[test]
+fn text_has_the_grid_and_the_figures() {
+    let (ok, out, err) = run(&["--kind", "1f1b", "--stages", "4", "--microbatches", "8"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().filter(|l| l.starts_with("rank ")).count(), 4, "{out}");
+    assert!(out.contains("bubble fraction mean: 0.2727"), "{out}");
+}
+
+#[test]
+fn impossible_requests_name_the_flag() {
+    let (ok, out, err) = run(&["--kind", "interleaved", "--stages", "4", "--microbatches", "6"]);
+    assert!(!ok, "{out}");
+    assert!(err.contains("--microbatches"), "{err}");
+    let (ok, _, err) = run(&["--kind", "zbh1", "--stages", "4", "--microbatches", "8"]);
+    assert!(!ok);
+    assert!(err.contains("--kind"), "{err}");
+    let (ok, _, err) = run(&["--kind", "1f1b", "--stages", "4", "--microbatches", "8", "--chunks", "2"]);
+    assert!(!ok);
+    assert!(err.contains("--chunks"), "{err}");
+}
