@@ -18,7 +18,9 @@ fn run(args: &[&str]) -> (bool, String, String) {
 }
 
 /// A tiny model over the byte-level corpus, fast enough for tests.
-const TINY: [&str; 12] = [
+const TINY: [&str; 14] = [
+    "--set",
+    "parallel.pp=1",
     "--set",
     "model.n_layer=1",
     "--set",

@@ -25,7 +25,10 @@ fn config(extra: &[&str]) -> Config {
     Config::load(None, &o).unwrap()
 }
 
-fn train(cfg: &Config, chaos: Option<u64>) -> (Summary, Vec<f64>, Vec<(String, Vec<f32>)>) {
+/// A run's summary, its losses, and its weights by name.
+type Run = (Summary, Vec<f64>, Vec<(String, Vec<f32>)>);
+
+fn train(cfg: &Config, chaos: Option<u64>) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let opts = TrainOptions { out_dir: dir.path().join("run"), init: None, force: false, progress: false };
     let (s, out) = train_with(cfg, &opts, chaos).unwrap();
@@ -36,11 +39,7 @@ fn train(cfg: &Config, chaos: Option<u64>) -> (Summary, Vec<f64>, Vec<(String, V
     (s, out.losses, params)
 }
 
-fn assert_same_bits(
-    a: &(Summary, Vec<f64>, Vec<(String, Vec<f32>)>),
-    b: &(Summary, Vec<f64>, Vec<(String, Vec<f32>)>),
-    what: &str,
-) {
+fn assert_same_bits(a: &Run, b: &Run, what: &str) {
     assert_eq!(a.1, b.1, "{what}: losses differ");
     assert_eq!(a.0.weights_digest, b.0.weights_digest, "{what}: weights differ");
 }
@@ -54,6 +53,37 @@ fn pipelines_of_1_2_and_4_stages_give_identical_bits_under_1f1b_and_gpipe() {
             assert_same_bits(&reference, &train(&cfg, None), &format!("{schedule} pp={pp}"));
         }
     }
+}
+
+#[test]
+fn interleaved_and_zero_bubble_schedules_give_identical_bits_too() {
+    let reference = train(&config(&[]), None);
+    let interleaved = config(&["parallel.pp=2", "parallel.schedule=\"interleaved\"", "parallel.chunks=2"]);
+    assert_same_bits(&reference, &train(&interleaved, None), "interleaved pp=2 v=2");
+    for pp in [2, 4] {
+        let zb = config(&[&format!("parallel.pp={pp}"), "parallel.schedule=\"zb-h1\""]);
+        assert_same_bits(&reference, &train(&zb, None), &format!("zb-h1 pp={pp}"));
+    }
+    let uneven = config(&["parallel.pp=2", "parallel.layers_per_stage=[3, 1]"]);
+    assert_same_bits(&reference, &train(&uneven, Some(9)), "uneven split under chaos");
+}
+
+#[test]
+fn a_deadlocking_schedule_is_refused_before_anything_runs() {
+    use pipewright::schedule::{Action, Schedule, ScheduleKind};
+    // Rank 0 waits for 0B0 (needing 1B0) before sending 0F1; rank 1 wants 1F1 first.
+    let s = Schedule {
+        kind: ScheduleKind::Custom,
+        ranks: 2,
+        chunks: 1,
+        microbatches: 2,
+        actions: vec![
+            ["0F0", "0B0", "0F1", "0B1"].iter().map(|a| a.parse::<Action>().unwrap()).collect(),
+            ["1F1", "1F0", "1B0", "1B1"].iter().map(|a| a.parse::<Action>().unwrap()).collect(),
+        ],
+    };
+    let err = pipewright::actors::layout::check_schedule(&s, "parallel.schedule").unwrap_err().to_string();
+    assert!(err.contains("parallel.schedule") && err.contains("rank 0") && err.contains("rank 1"), "{err}");
 }
 
 #[test]

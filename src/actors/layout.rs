@@ -23,6 +23,14 @@ pub struct Layout {
     pub threads_per_rank: usize,
 }
 
+/// Validates a schedule and dry-runs it: one that is malformed or would
+/// deadlock is refused here, before any actor starts. `field` names the origin.
+pub fn check_schedule(schedule: &Schedule, field: &str) -> Result<()> {
+    schedule.validate().map_err(|e| anyhow::anyhow!("{field}: {e}"))?;
+    schedule.simulate(&schedule::Costs::unit()).map_err(|e| anyhow::anyhow!("{field}: {e}"))?;
+    Ok(())
+}
+
 impl Layout {
     pub fn from_config(cfg: &Config) -> Result<Layout> {
         let gpt = GptConfig::from_config(cfg);
@@ -68,11 +76,7 @@ impl Layout {
         }
         let schedule = schedule::build(kind, p.pp, p.microbatches, chunks)
             .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
-        schedule.validate().map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
-        // A schedule that would deadlock is refused here, before any actor starts.
-        schedule
-            .simulate(&schedule::Costs::unit())
-            .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
+        check_schedule(&schedule, &format!("parallel.schedule = {:?}", p.schedule))?;
         let total = crate::train::engine::thread_count(cfg.backend.threads);
         let threads_per_rank = (total / (p.pp * p.dp)).max(1);
         Ok(Layout {

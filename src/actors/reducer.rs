@@ -22,10 +22,13 @@ pub struct ReducerArgs {
 
 pub struct Reducer;
 
+/// One stage's gradients, a vector per parameter tensor.
+type Grads = Vec<Vec<f32>>;
+
 pub struct ReducerState {
     args: ReducerArgs,
     /// (step, stage) → gradients by replica.
-    pending: BTreeMap<(u64, usize), Vec<Option<Vec<Vec<f32>>>>>,
+    pending: BTreeMap<(u64, usize), Vec<Option<Grads>>>,
 }
 
 impl Actor for Reducer {
@@ -71,8 +74,8 @@ impl Actor for Reducer {
         let sum = parts.swap_remove(0);
         let stages = st.args.stages.get().ok_or("reducer: stage actors not known yet")?;
         let rank = stage % st.args.pp;
-        for r in 1..dp {
-            stages[r][rank].send_message(StageMsg::Reduced { step, stage, grads: sum.clone() })?;
+        for replica in stages.iter().take(dp).skip(1) {
+            replica[rank].send_message(StageMsg::Reduced { step, stage, grads: sum.clone() })?;
         }
         stages[0][rank].send_message(StageMsg::Reduced { step, stage, grads: sum })?;
         Ok(())

@@ -455,7 +455,8 @@ impl Worker {
             return;
         }
         let i = self.local(a.stage);
-        let live_mb = self.saved.range((a.stage, 0)..(a.stage + 1, 0)).count() + self.parts[i].pending_weight_count();
+        let live_mb =
+            self.saved.range((a.stage, 0)..(a.stage + 1, 0)).count() + self.parts[i].pending_weight_count();
         let live = Some((live_mb, self.parts[i].live_bytes));
         let start = self.compute_start;
         self.rec.span(self.replica, self.rank, a.stage, name, self.step, Some(a.mb), start, None, live);

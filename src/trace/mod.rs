@@ -85,19 +85,24 @@ impl Recorder {
 pub fn chrome_json(records: &[Record], meta: serde_json::Value) -> serde_json::Value {
     use serde_json::json;
     let mut events = Vec::new();
-    let mut lanes: Vec<(usize, usize, usize)> = records.iter().map(|r| (r.replica, r.stage, r.rank)).collect();
+    let mut lanes: Vec<(usize, usize, usize)> =
+        records.iter().map(|r| (r.replica, r.stage, r.rank)).collect();
     lanes.sort();
     lanes.dedup();
     let mut replicas: Vec<usize> = lanes.iter().map(|l| l.0).collect();
     replicas.dedup();
     for p in replicas {
-        events.push(json!({"ph": "M", "name": "process_name", "pid": p, "args": {"name": format!("replica {p}")}}));
+        events.push(
+            json!({"ph": "M", "name": "process_name", "pid": p, "args": {"name": format!("replica {p}")}}),
+        );
         events.push(json!({"ph": "M", "name": "process_sort_index", "pid": p, "args": {"sort_index": p}}));
     }
     for (p, s, r) in &lanes {
         events.push(json!({"ph": "M", "name": "thread_name", "pid": p, "tid": s,
             "args": {"name": format!("stage {s} (rank {r})")}}));
-        events.push(json!({"ph": "M", "name": "thread_sort_index", "pid": p, "tid": s, "args": {"sort_index": s}}));
+        events.push(
+            json!({"ph": "M", "name": "thread_sort_index", "pid": p, "tid": s, "args": {"sort_index": s}}),
+        );
     }
     for r in records {
         let action = matches!(r.name.as_str(), "F" | "B" | "I" | "W");

@@ -313,7 +313,7 @@ impl Progress {
                 b.set_message(msg);
             }
             None => {
-                if m.step % self.every == 0 || m.step == self.steps || m.val_loss.is_some() {
+                if m.step.is_multiple_of(self.every) || m.step == self.steps || m.val_loss.is_some() {
                     let eta = (self.steps - m.step) as f64 * m.tokens as f64 / m.tokens_per_s / m.step as f64;
                     eprintln!("step {:>6}/{} {msg} | lr {:.2e} | eta {:.0}s", m.step, self.steps, m.lr, eta);
                 }

@@ -75,7 +75,7 @@ pub fn attention_forward(
     c: usize,
     nh: usize,
 ) {
-    assert!(c % nh == 0);
+    assert!(c.is_multiple_of(nh));
     assert!(out.len() == b * t * c && qkv.len() == b * t * 3 * c && lse.len() == b * nh * t);
     assert!(scratch.len() >= scratch_len(b, nh, t));
     let hs = c / nh;
@@ -84,7 +84,6 @@ pub fn attention_forward(
     let out_ptr = SendPtr(out.as_mut_ptr());
     scratch[..b * nh * per_task].par_chunks_mut(per_task).zip(lse.par_chunks_mut(t)).enumerate().for_each(
         |(task, (scratch, lse))| {
-            let out_ptr = out_ptr;
             let (bi, h) = (task / nh, task % nh);
             let base = bi * t * 3 * c + h * hs;
             let q = qkv[base..].as_ptr();
@@ -119,7 +118,7 @@ pub fn attention_forward(
                         tq,
                         hs,
                         kend,
-                        out_ptr.0.add((bi * t + q0) * c + h * hs),
+                        out_ptr.get().add((bi * t + q0) * c + h * hs),
                         c as isize,
                         false,
                         Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 },
@@ -155,7 +154,6 @@ pub fn attention_backward(
     let per_task = 2 * TQ * t + t;
     let dqkv_ptr = SendPtr(dqkv.as_mut_ptr());
     scratch[..b * nh * per_task].par_chunks_mut(per_task).enumerate().for_each(|(task, scratch)| {
-        let dqkv_ptr = dqkv_ptr;
         let (bi, h) = (task / nh, task % nh);
         let lse = &lse[task * t..(task + 1) * t];
         let base = bi * t * 3 * c + h * hs;
@@ -171,9 +169,9 @@ pub fn attention_backward(
             let g = &dout[(bi * t + ti) * c + h * hs..][..hs];
             d[ti] = o.iter().zip(g).map(|(a, b)| a * b).sum();
         }
-        let dq = unsafe { dqkv_ptr.0.add(base) };
-        let dk = unsafe { dqkv_ptr.0.add(base + c) };
-        let dv = unsafe { dqkv_ptr.0.add(base + 2 * c) };
+        let dq = unsafe { dqkv_ptr.get().add(base) };
+        let dk = unsafe { dqkv_ptr.get().add(base + c) };
+        let dv = unsafe { dqkv_ptr.get().add(base + 2 * c) };
         for q0 in (0..t).step_by(TQ) {
             let tq = TQ.min(t - q0);
             let kend = q0 + tq;

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 pub fn embedding_forward(out: &mut [f32], tokens: &[u32], wte: &[f32], wpe: &[f32], t: usize, c: usize) {
     assert_eq!(out.len(), tokens.len() * c);
-    assert!(tokens.len() % t == 0 && wpe.len() >= t * c);
+    assert!(tokens.len().is_multiple_of(t) && wpe.len() >= t * c);
     out.par_chunks_mut(c * ROWS_PER_TASK).enumerate().for_each(|(task, rows)| {
         for (i, o) in rows.chunks_mut(c).enumerate() {
             let r = task * ROWS_PER_TASK + i;
@@ -38,7 +38,6 @@ pub fn embedding_backward(
     let tasks = c.div_ceil(COLS_PER_TASK);
     let dwpe_ptr = super::SendPtr(dwpe.as_mut_ptr());
     (0..tasks).into_par_iter().for_each(|task| {
-        let (dwte_ptr, dwpe_ptr) = (dwte_ptr, dwpe_ptr);
         let c0 = task * COLS_PER_TASK;
         let w = COLS_PER_TASK.min(c - c0);
         for (r, &tok) in tokens.iter().enumerate() {
@@ -49,8 +48,8 @@ pub fn embedding_backward(
             // SAFETY: this task alone touches columns c0..c0+w of dwte and dwpe.
             let (e, p) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(dwte_ptr.0.add(tok * c + c0), w),
-                    std::slice::from_raw_parts_mut(dwpe_ptr.0.add(pos * c + c0), w),
+                    std::slice::from_raw_parts_mut(dwte_ptr.get().add(tok * c + c0), w),
+                    std::slice::from_raw_parts_mut(dwpe_ptr.get().add(pos * c + c0), w),
                 )
             };
             for j in 0..w {

@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 pub const EPS: f32 = 1e-5;
 
+#[allow(clippy::too_many_arguments)]
 pub fn layernorm_forward(
     out: &mut [f32],
     mean: &mut [f32],

@@ -33,3 +33,12 @@ pub(crate) const COLS_PER_TASK: usize = 64;
 pub(crate) struct SendPtr(pub *mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// Read through a method so closures capture the whole (Send) wrapper,
+    /// not its raw-pointer field.
+    #[inline]
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
