@@ -259,3 +259,198 @@ pub fn message_latency(n: usize) -> anyhow::Result<(f64, f64)> {
         Ok((q(0.5), q(0.99)))
     })
 }
+
+/// One cell of the simulated-backend table.
+#[derive(Serialize, Debug, Clone)]
+pub struct SimRow {
+    pub pp: usize,
+    pub microbatches: usize,
+    pub schedule: String,
+    /// Mean over stages and timed steps of idle / step window.
+    pub measured_bubble: f64,
+    /// The simulator's bubble for the same costs.
+    pub theory_bubble: f64,
+    /// Measured step window ÷ the simulator's ideal makespan − 1.
+    pub overhead: f64,
+    pub step_ms: f64,
+    pub ideal_ms: f64,
+}
+
+/// Runs the sim backend (sleeping stages, real actors and messages) for each
+/// (pp, m) and compares what it measures with the schedule simulator.
+pub fn sim_rows(
+    schedule: &str,
+    cells: &[(usize, usize)],
+    forward_ms: f64,
+    backward_ms: f64,
+    steps: usize,
+) -> anyhow::Result<Vec<SimRow>> {
+    use crate::schedule::{build, Costs, ScheduleKind};
+    let mut rows = Vec::new();
+    for &(pp, m) in cells {
+        let overrides: Vec<String> = vec![
+            format!("model.n_layer={pp}"),
+            "model.n_embd=8".into(),
+            "model.n_head=1".into(),
+            "model.block_size=4".into(),
+            "model.vocab_size=16".into(),
+            "train.micro_batch_size=1".into(),
+            format!("train.steps={steps}"),
+            "train.eval_every=0".into(),
+            "data.builtin=\"random\"".into(),
+            format!("parallel.pp={pp}"),
+            format!("parallel.microbatches={m}"),
+            format!("parallel.schedule=\"{schedule}\""),
+            "backend.kind=\"sim\"".into(),
+            format!("sim.forward_ms={forward_ms}"),
+            format!("sim.backward_ms={backward_ms}"),
+            format!("sim.weight_ms={}", backward_ms / 2.0),
+            "trace.enabled=true".into(),
+        ];
+        let cfg = Config::load(None, &overrides)?;
+        let dir = std::env::temp_dir().join(format!("pipewright-sim-{}-{pp}-{m}", std::process::id()));
+        let opts = crate::train::run::TrainOptions {
+            out_dir: dir.clone(),
+            init: None,
+            force: true,
+            progress: false,
+        };
+        let (_, out) = crate::train::run::train_with(&cfg, &opts, None)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        let kind: ScheduleKind = schedule.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let sched = build(kind, pp, m, 1).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let costs = Costs {
+            forward: forward_ms,
+            backward: backward_ms,
+            backward_input: backward_ms / 2.0,
+            backward_weight: backward_ms / 2.0,
+            comm: 0.0,
+            per_stage_factor: vec![],
+        };
+        let theory = sched.simulate(&costs).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (bubble, window_ms) = measured_bubble(&out.trace, pp, steps);
+        rows.push(SimRow {
+            pp,
+            microbatches: m,
+            schedule: schedule.to_string(),
+            measured_bubble: bubble,
+            theory_bubble: theory.mean_bubble_frac,
+            overhead: window_ms / theory.makespan - 1.0,
+            step_ms: window_ms,
+            ideal_ms: theory.makespan,
+        });
+    }
+    Ok(rows)
+}
+
+/// (mean bubble, mean step window in ms) over the steps after the first.
+pub fn measured_bubble(trace: &[crate::trace::Record], stages: usize, steps: usize) -> (f64, f64) {
+    let actions = |step: u64| {
+        trace.iter().filter(move |r| r.step == step && matches!(r.name.as_str(), "F" | "B" | "I" | "W"))
+    };
+    let first = if steps > 1 { 1 } else { 0 };
+    let (mut bubble, mut window, mut n) = (0.0, 0.0, 0.0);
+    for step in first..steps as u64 {
+        let start = actions(step).map(|r| r.start_us).fold(f64::INFINITY, f64::min);
+        let end = actions(step).map(|r| r.start_us + r.dur_us).fold(f64::NEG_INFINITY, f64::max);
+        let w = end - start;
+        for s in 0..stages {
+            let busy: f64 = actions(step).filter(|r| r.stage == s).map(|r| r.dur_us).sum();
+            bubble += 1.0 - busy / w;
+        }
+        window += w;
+        n += 1.0;
+    }
+    (bubble / (n * stages as f64), window / n / 1e3)
+}
+
+pub fn sim_table(rows: &[SimRow]) -> String {
+    let mut s = String::from(
+        "simulated backend: stages sleep for their costs; real actors, messages and schedules\n",
+    );
+    s += &format!(
+        "  {:>3} {:>5} {:>9} {:>9} {:>8} {:>10} {:>10} {:>9}\n",
+        "pp", "m", "bubble", "theory", "diff", "step ms", "ideal ms", "overhead"
+    );
+    for r in rows {
+        s += &format!(
+            "  {:>3} {:>5} {:>9.4} {:>9.4} {:>+8.4} {:>10.1} {:>10.1} {:>8.2}%\n",
+            r.pp,
+            r.microbatches,
+            r.measured_bubble,
+            r.theory_bubble,
+            r.measured_bubble - r.theory_bubble,
+            r.step_ms,
+            r.ideal_ms,
+            100.0 * r.overhead
+        );
+    }
+    s
+}
+
+/// Measured against theoretical bubble, one point per (pp, m), as an SVG.
+pub fn sim_plot(rows: &[SimRow]) -> String {
+    let (w, h, pad) = (560.0, 460.0, 60.0);
+    let max = rows.iter().map(|r| r.measured_bubble.max(r.theory_bubble)).fold(0.05f64, f64::max) * 1.1;
+    let x = |v: f64| pad + v / max * (w - 2.0 * pad);
+    let y = |v: f64| h - pad - v / max * (h - 2.0 * pad);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">Pipeline bubble: measured (sim backend) vs schedule theory</text>\n",
+        w / 2.0
+    );
+    s += &format!(
+        "<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#bbb\" stroke-dasharray=\"4 4\"/>\n",
+        x(0.0),
+        y(0.0),
+        x(max),
+        y(max)
+    );
+    s += &format!(
+        "<line x1=\"{p}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/><line x1=\"{p}\" y1=\"{t}\" x2=\"{p}\" y2=\"{b}\" stroke=\"black\"/>\n",
+        p = pad,
+        b = h - pad,
+        r = w - pad,
+        t = pad
+    );
+    for i in 0..=5 {
+        let v = max * i as f64 / 5.0;
+        s += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{v:.2}</text>\n", x(v), h - pad + 16.0);
+        s += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{v:.2}</text>\n", pad - 6.0, y(v) + 4.0);
+    }
+    s += &format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">theoretical bubble fraction</text>\n",
+        w / 2.0,
+        h - 18.0
+    );
+    s += &format!(
+        "<text transform=\"translate(16 {}) rotate(-90)\" text-anchor=\"middle\">measured bubble fraction</text>\n",
+        h / 2.0
+    );
+    let colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+    let mut pps: Vec<usize> = rows.iter().map(|r| r.pp).collect();
+    pps.dedup();
+    for (i, pp) in pps.iter().enumerate() {
+        let c = colours[i % colours.len()];
+        for r in rows.iter().filter(|r| r.pp == *pp) {
+            s += &format!(
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"5\" fill=\"{c}\"><title>pp={} m={}: measured {:.4}, theory {:.4}</title></circle>\n",
+                x(r.theory_bubble),
+                y(r.measured_bubble),
+                r.pp,
+                r.microbatches,
+                r.measured_bubble,
+                r.theory_bubble
+            );
+        }
+        s += &format!(
+            "<circle cx=\"{}\" cy=\"{}\" r=\"5\" fill=\"{c}\"/><text x=\"{}\" y=\"{}\">pp = {pp}</text>\n",
+            pad + 20.0,
+            pad + 10.0 + 18.0 * i as f64,
+            pad + 32.0,
+            pad + 14.0 + 18.0 * i as f64
+        );
+    }
+    s + "</svg>\n"
+}

@@ -21,6 +21,7 @@ pub struct Config {
     pub optim: OptimSection,
     pub parallel: ParallelSection,
     pub backend: BackendSection,
+    pub sim: SimSection,
     pub trace: TraceSection,
 }
 
@@ -113,10 +114,39 @@ pub struct ParallelSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct BackendSection {
-    /// "cpu".
+    /// "cpu", or "sim": stages sleep for the `[sim]` costs instead of computing.
     pub kind: String,
     /// Compute threads; 0 means one per available core.
     pub threads: usize,
+}
+
+/// The simulated backend: each action takes a set time and moves a tiny
+/// payload, so the runtime's own overhead and bubbles can be measured at
+/// pipeline sizes no 2-core machine could compute.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimSection {
+    /// Forward (F) time per microbatch and stage.
+    pub forward_ms: f64,
+    /// Full backward (B) time; a split backward takes backward_ms − weight_ms (I) + weight_ms (W).
+    pub backward_ms: f64,
+    pub weight_ms: f64,
+    /// Per-stage multipliers of every cost (empty: all 1).
+    pub stage_factors: Vec<f64>,
+    /// Each action's time is scaled by 1 + jitter·u, u uniform in [−1, 1], seeded.
+    pub jitter: f64,
+}
+
+impl Default for SimSection {
+    fn default() -> Self {
+        SimSection {
+            forward_ms: 2.0,
+            backward_ms: 4.0,
+            weight_ms: 2.0,
+            stage_factors: Vec::new(),
+            jitter: 0.0,
+        }
+    }
 }
 
 impl Default for ModelSection {
@@ -411,10 +441,30 @@ impl Config {
         );
 
         v.check(
-            self.backend.kind == "cpu",
+            self.backend.kind == "cpu" || self.backend.kind == "sim",
             "backend.kind",
             quoted(&self.backend.kind),
-            "only \"cpu\" is available in this build",
+            "only \"cpu\" and \"sim\" are available in this build",
+        );
+        let sim = &self.sim;
+        v.check(
+            sim.forward_ms >= 0.0 && sim.forward_ms.is_finite(),
+            "sim.forward_ms",
+            sim.forward_ms,
+            "must be a finite number >= 0",
+        );
+        v.check(
+            sim.weight_ms >= 0.0 && sim.backward_ms >= sim.weight_ms && sim.backward_ms.is_finite(),
+            "sim.backward_ms",
+            sim.backward_ms,
+            format!("must be finite and >= sim.weight_ms ({}) >= 0", sim.weight_ms),
+        );
+        v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
+        v.check(
+            sim.stage_factors.iter().all(|f| *f > 0.0 && f.is_finite()),
+            "sim.stage_factors",
+            format!("{:?}", sim.stage_factors),
+            "every factor must be finite and > 0",
         );
 
         v.finish()
@@ -882,7 +932,7 @@ mod tests {
         let mut c = valid();
         c.backend.kind = "cuda".into();
         let err = refused(&c, "backend.kind");
-        assert_eq!(err, "backend.kind: \"cuda\": only \"cpu\" is available in this build");
+        assert_eq!(err, "backend.kind: \"cuda\": only \"cpu\" and \"sim\" are available in this build");
     }
 
     #[test]

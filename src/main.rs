@@ -124,6 +124,16 @@ enum Command {
         /// Microbatches per step in the pipeline comparison.
         #[arg(long, default_value_t = 8)]
         microbatches: usize,
+        /// Instead: the simulated backend's table of measured vs theoretical bubble
+        /// and runtime overhead for pp ∈ {2,4,8,16,32} × m ∈ {p,2p,4p,8p}.
+        #[arg(long)]
+        sim: bool,
+        /// With --sim: the schedule to measure.
+        #[arg(long, default_value = "1f1b")]
+        schedule: String,
+        /// With --sim: where to write the plot.
+        #[arg(long, default_value = "bench-sim.svg")]
+        plot: PathBuf,
         /// End with one JSON line holding the figures.
         #[arg(long)]
         json: bool,
@@ -221,7 +231,27 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", pipewright::inspect::inspect(&path)?);
             Ok(())
         }
-        Command::Bench { config, steps, warmup, pp, microbatches, json } => {
+        Command::Bench { sim: true, schedule, plot, json, .. } => {
+            let mut cells = vec![];
+            for p in [2, 4, 8, 16, 32] {
+                for k in [1, 2, 4, 8] {
+                    cells.push((p, p * k));
+                }
+            }
+            eprintln!(
+                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 3 steps per cell"
+            );
+            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 3)?;
+            print!("{}", pipewright::bench::sim_table(&rows));
+            std::fs::write(&plot, pipewright::bench::sim_plot(&rows))
+                .with_context(|| format!("{}: cannot write", plot.display()))?;
+            println!("plot: {}", plot.display());
+            if json {
+                println!("{}", serde_json::to_string(&rows)?);
+            }
+            Ok(())
+        }
+        Command::Bench { config, steps, warmup, pp, microbatches, json, .. } => {
             let path = config.config.clone();
             let cfg = config.load(None)?;
             cfg.validate()?;

@@ -516,7 +516,8 @@ impl CoordinatorState {
         self.out.losses.push(m.loss);
         self.out.train_curve.push((done as usize, m.loss));
         let every = self.cfg.train.eval_every as u64;
-        let due = (every > 0 && done.is_multiple_of(every)) || done == self.steps;
+        let simulated = self.cfg.backend.kind == "sim";
+        let due = !simulated && ((every > 0 && done.is_multiple_of(every)) || done == self.steps);
         if due && self.has_val {
             self.start_eval(EvalKind::Val)
         } else if due && self.eval_set.is_some() {

@@ -243,6 +243,45 @@ struct Worker {
     rec: Recorder,
     /// When the current action's inputs were all in hand (trace time, µs).
     compute_start: f64,
+    /// The simulated backend: actions take set times instead of computing.
+    sim: Option<SimCosts>,
+}
+
+/// Action times of the simulated backend, in ms.
+struct SimCosts {
+    forward: f64,
+    backward: f64,
+    weight: f64,
+    factors: Vec<f64>,
+    jitter: f64,
+    rng: Rng,
+}
+
+impl SimCosts {
+    fn duration(&mut self, kind: ActionKind, stage: usize) -> Duration {
+        let base = match kind {
+            ActionKind::F => self.forward,
+            ActionKind::B => self.backward,
+            ActionKind::I => self.backward - self.weight,
+            ActionKind::W => self.weight,
+        };
+        let factor = self.factors.get(stage).copied().unwrap_or(1.0);
+        let u = 2.0 * self.rng.next_f64() - 1.0;
+        Duration::from_secs_f64((base * factor * (1.0 + self.jitter * u)).max(0.0) / 1e3)
+    }
+}
+
+/// Sleeps until `deadline`: the OS sleep for all but the last stretch, then
+/// yielding, so simulated actions end on time without hogging a core.
+fn sleep_until(deadline: Instant) {
+    const SPIN: Duration = Duration::from_micros(150);
+    let now = Instant::now();
+    if deadline > now + SPIN {
+        std::thread::sleep(deadline - now - SPIN);
+    }
+    while Instant::now() < deadline {
+        std::thread::yield_now();
+    }
 }
 
 fn worker_main(args: StageArgs, rx: Receiver<StageMsg>) {
@@ -315,8 +354,9 @@ impl Worker {
         let gpt = GptConfig::from_config(cfg);
         let stages = args.layout.stages_of(args.rank);
         let b = cfg.train.micro_batch_size;
+        let simulated = cfg.backend.kind == "sim";
         let mut parts = Vec::new();
-        for &s in &stages {
+        for &s in stages.iter().filter(|_| !simulated) {
             let mut part =
                 ModelPart::new(gpt, args.layout.stages[s].clone(), b, cfg.train.seed, cfg.train.recompute);
             if let Some(w) = &args.init {
@@ -371,6 +411,14 @@ impl Worker {
             dloss,
             rec: Recorder::new(args.trace_epoch.is_some(), args.trace_epoch.unwrap_or_else(Instant::now)),
             compute_start: 0.0,
+            sim: simulated.then(|| SimCosts {
+                forward: cfg.sim.forward_ms,
+                backward: cfg.sim.backward_ms,
+                weight: cfg.sim.weight_ms,
+                factors: cfg.sim.stage_factors.clone(),
+                jitter: cfg.sim.jitter,
+                rng: Rng::new(cfg.train.seed, Purpose::Test, &[args.rank as u64, args.replica as u64, 0x51]),
+            }),
         })
     }
 
@@ -546,6 +594,30 @@ impl Worker {
         let actions = std::mem::take(&mut self.actions);
         for &a in &actions {
             self.current = Some(a);
+            if self.sim.is_some() {
+                self.simulate_action(a)?;
+                let name = match a.kind {
+                    ActionKind::F => "F",
+                    ActionKind::B => "B",
+                    ActionKind::I => "I",
+                    ActionKind::W => "W",
+                };
+                if self.rec.enabled {
+                    let start = self.compute_start;
+                    self.rec.span(
+                        self.replica,
+                        self.rank,
+                        a.stage,
+                        name,
+                        step,
+                        Some(a.mb),
+                        start,
+                        None,
+                        None,
+                    );
+                }
+                continue;
+            }
             match a.kind {
                 ActionKind::F => {
                     if let Some(l) =
@@ -569,9 +641,11 @@ impl Worker {
         self.actions = actions;
         self.current = None;
         let t = self.rec.now_us();
-        self.combine_tied()?;
+        if self.sim.is_none() {
+            self.combine_tied()?;
+        }
         self.trace_rank("tied", t);
-        if self.layout.dp > 1 {
+        if self.layout.dp > 1 && self.sim.is_none() {
             let t = self.rec.now_us();
             self.reduce_over_replicas()?;
             self.trace_rank("reduce", t);
@@ -592,6 +666,57 @@ impl Worker {
             grad_sumsq: sumsq,
             loss_sum: holds_last.then_some(loss_sum),
         }));
+        Ok(())
+    }
+
+    /// One action of the simulated backend: wait for the same inputs as the real
+    /// action, take its set time, send a token-sized payload on.
+    fn simulate_action(&mut self, a: Action) -> Result<(), Stopped> {
+        let last = self.layout.last_stage();
+        match a.kind {
+            ActionKind::F => {
+                if a.stage == 0 {
+                    self.wait_u32(Key::Tokens(Phase::Train, a.mb))?;
+                } else {
+                    self.wait_f32(Key::Act(Phase::Train, a.stage, a.mb))?;
+                }
+                if a.stage == last {
+                    self.wait_u32(Key::Targets(Phase::Train, a.mb))?;
+                }
+            }
+            ActionKind::B | ActionKind::I if a.stage < last => {
+                self.wait_f32(Key::Grad(a.stage, a.mb))?;
+            }
+            _ => {}
+        }
+        self.compute_start = self.rec.now_us();
+        let d = self.sim.as_mut().expect("sim backend").duration(a.kind, a.stage);
+        sleep_until(Instant::now() + d);
+        let (step, mb) = (self.step, a.mb);
+        match a.kind {
+            ActionKind::F if a.stage < last => {
+                let msg = StageMsg::Activation {
+                    phase: Phase::Train,
+                    step,
+                    stage: a.stage + 1,
+                    mb,
+                    data: vec![0.0; 4],
+                    sent: Instant::now(),
+                };
+                self.send_to_stage(a.stage + 1, msg)?;
+            }
+            ActionKind::B | ActionKind::I if a.stage > 0 => {
+                let msg = StageMsg::Gradient {
+                    step,
+                    stage: a.stage - 1,
+                    mb,
+                    data: vec![0.0; 4],
+                    sent: Instant::now(),
+                };
+                self.send_to_stage(a.stage - 1, msg)?;
+            }
+            _ => {}
+        }
         Ok(())
     }
 

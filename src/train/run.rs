@@ -201,7 +201,8 @@ pub fn train_with(
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
     // The machine's f32 matrix-product rate, the yardstick for MFU; measured
     // before and after training and the better figure kept.
-    let peak_before = gemm_peak(threads);
+    let simulated = cfg.backend.kind == "sim";
+    let peak_before = if simulated { 0.0 } else { gemm_peak(threads) };
     let trace_meta = serde_json::json!({
         "schedule": cfg.parallel.schedule,
         "pp": layout.pp,
@@ -224,7 +225,7 @@ pub fn train_with(
 
     let steps = cfg.train.steps;
     let tokens_per_s = out.tokens as f64 / out.train_seconds.max(1e-9);
-    let peak = gemm_peak(threads).max(peak_before);
+    let peak = if simulated { f64::NAN } else { gemm_peak(threads).max(peak_before) };
     let model_gflops = tokens_per_s * gpt.flops_per_token() / 1e9;
     let tensors = io::gather_params(&out.params);
     let summary = Summary {
@@ -247,7 +248,9 @@ pub fn train_with(
     let mut meta = HashMap::new();
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());
     meta.insert("format".to_string(), "pt".to_string());
-    io::save(&opts.out_dir.join("model.safetensors"), &tensors, meta)?;
+    if !simulated {
+        io::save(&opts.out_dir.join("model.safetensors"), &tensors, meta)?;
+    }
     let write = |name: &str, text: &str| -> Result<()> {
         let p = opts.out_dir.join(name);
         io::write_atomic(&p, text.as_bytes()).with_context(|| format!("{}: cannot write", p.display()))
