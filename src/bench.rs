@@ -137,6 +137,7 @@ pub fn pipeline_rows(
             init: None,
             force: true,
             progress: false,
+            resume: false,
         };
         let (summary, out) = crate::train::run::train_with(&c, &opts, None)?;
         let _ = std::fs::remove_dir_all(&dir);
@@ -314,6 +315,7 @@ pub fn sim_rows(
             init: None,
             force: true,
             progress: false,
+            resume: false,
         };
         let (_, out) = crate::train::run::train_with(&cfg, &opts, None)?;
         let _ = std::fs::remove_dir_all(&dir);

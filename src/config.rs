@@ -23,6 +23,25 @@ pub struct Config {
     pub backend: BackendSection,
     pub sim: SimSection,
     pub trace: TraceSection,
+    pub checkpoint: CheckpointSection,
+}
+
+/// Checkpoints in `RUN/checkpoints/step_NNNNNNNN/`, written in the background.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointSection {
+    /// Save every N optimizer steps (0: only on SIGINT/SIGTERM).
+    pub every: usize,
+    /// Newest checkpoints kept (at least 2, so a damaged newest one has a fallback).
+    pub keep: usize,
+    /// Also keep every checkpoint whose step is a multiple of this for good (0: none).
+    pub keep_every: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection { every: 0, keep: 2, keep_every: 0 }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
@@ -460,6 +479,12 @@ impl Config {
             format!("must be finite and >= sim.weight_ms ({}) >= 0", sim.weight_ms),
         );
         v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
+        v.check(
+            self.checkpoint.keep >= 2,
+            "checkpoint.keep",
+            self.checkpoint.keep,
+            "must be >= 2, so a damaged newest checkpoint has a fallback",
+        );
         v.check(
             sim.stage_factors.iter().all(|f| *f > 0.0 && f.is_finite()),
             "sim.stage_factors",

@@ -6,6 +6,7 @@
 
 pub mod actors;
 pub mod bench;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod inspect;

@@ -64,6 +64,10 @@ enum Command {
         /// Replace the outputs of an earlier run in --out.
         #[arg(long)]
         force: bool,
+        /// Continue the run in DIR from its latest complete checkpoint (same
+        /// config and overrides; the pipeline layout may differ).
+        #[arg(long, value_name = "DIR", conflicts_with = "out")]
+        resume: Option<PathBuf>,
         /// Write trace.json (Chrome Trace Event format; open it in Perfetto).
         #[arg(long)]
         trace: bool,
@@ -185,13 +189,15 @@ fn default_run_dir() -> PathBuf {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, steps, out, init, force, trace, chaos_seed } => {
+        Command::Train { config, steps, out, init, force, resume, trace, chaos_seed } => {
             let mut cfg = config.load(steps)?;
             cfg.trace.enabled |= trace;
             cfg.validate()?;
-            let out_dir = out.unwrap_or_else(default_run_dir);
+            let resuming = resume.is_some();
+            let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
             eprintln!("pipewright train → {}", out_dir.display());
-            let opts = TrainOptions { out_dir: out_dir.clone(), init, force, progress: true };
+            let opts =
+                TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
             let (s, _) = train_with(&cfg, &opts, chaos_seed)?;
             eprintln!(
                 "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",

@@ -30,7 +30,13 @@ type Run = (Summary, Vec<f64>, Vec<(String, Vec<f32>)>);
 
 fn train(cfg: &Config, chaos: Option<u64>) -> Run {
     let dir = tempfile::tempdir().unwrap();
-    let opts = TrainOptions { out_dir: dir.path().join("run"), init: None, force: false, progress: false };
+    let opts = TrainOptions {
+        out_dir: dir.path().join("run"),
+        init: None,
+        force: false,
+        progress: false,
+        resume: false,
+    };
     let (s, out) = train_with(cfg, &opts, chaos).unwrap();
     let mut params: Vec<(String, Vec<f32>)> =
         out.params.iter().map(|p| (p.name.clone(), p.data.clone())).collect();
@@ -162,7 +168,13 @@ fn a_failing_stage_is_reported_with_actor_step_and_microbatch_and_nothing_hangs(
 #[test]
 fn impossible_layouts_are_refused_naming_the_field() {
     let dir = tempfile::tempdir().unwrap();
-    let opts = TrainOptions { out_dir: dir.path().join("r"), init: None, force: false, progress: false };
+    let opts = TrainOptions {
+        out_dir: dir.path().join("r"),
+        init: None,
+        force: false,
+        progress: false,
+        resume: false,
+    };
     let err = train_with(&config(&["parallel.pp=5"]), &opts, None).unwrap_err().to_string();
     assert!(err.contains("parallel.pp"), "{err}");
     let err = train_with(&config(&["parallel.pp=2", "parallel.layers_per_stage=[3, 3]"]), &opts, None)

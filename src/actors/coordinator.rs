@@ -122,6 +122,22 @@ pub enum CoordinatorMsg {
         trace: Vec<crate::trace::Record>,
     },
     Failed(Failure),
+    /// A stage's copy of its parameters and moments for the checkpoint of `step`.
+    Snapshot {
+        rank: usize,
+        step: u64,
+        tensors: Vec<crate::checkpoint::TensorState>,
+        adam_step: u64,
+    },
+    /// The checkpointer finished writing the checkpoint of `step`.
+    Saved {
+        step: u64,
+        ms: f64,
+        path: std::path::PathBuf,
+    },
+    CheckpointFailed(String),
+    /// SIGINT or SIGTERM: checkpoint at the next step boundary and stop.
+    StopRequested,
 }
 
 impl Message for CoordinatorMsg {}
@@ -133,6 +149,10 @@ pub struct RunData {
 }
 
 pub struct RunInputs {
+    /// Where checkpoints go (`run_dir/checkpoints/`).
+    pub run_dir: std::path::PathBuf,
+    /// Resume from this checkpoint (its step is the first step run).
+    pub resume: Option<Arc<crate::checkpoint::Loaded>>,
     pub cfg: Config,
     pub layout: Layout,
     pub data: Vec<RunData>,
@@ -160,6 +180,15 @@ pub struct RunOutcome {
     pub peak_live_bytes: Vec<usize>,
     /// Trace records of replica 0's stages (empty unless tracing).
     pub trace: Vec<crate::trace::Record>,
+    /// Training paused while stages copied their state, per checkpoint, ms.
+    pub checkpoint_pause_ms: Vec<f64>,
+    /// Background write time per checkpoint, ms.
+    pub checkpoint_write_ms: Vec<f64>,
+    pub checkpoints: Vec<std::path::PathBuf>,
+    /// The run stopped at a signal before its last step.
+    pub stopped_early: bool,
+    /// Steps completed when the run ended (counting those before a resume).
+    pub steps_done: u64,
 }
 
 /// Runs a whole training run on actors and returns what it produced.
@@ -167,10 +196,28 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
     static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
-    let (_coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
+    let (coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
+    // SIGINT / SIGTERM: a checkpoint at the next step boundary, then a clean exit.
+    let signals = {
+        let coord = coord.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut int), Ok(mut term)) =
+                (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
+            else {
+                return;
+            };
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            let _ = coord.send_message(CoordinatorMsg::StopRequested);
+        })
+    };
     let result = rx.await.map_err(|_| anyhow::anyhow!("the coordinator stopped without a result"))?;
+    signals.abort();
     let _ = handle.await;
     result.map_err(|f| anyhow::anyhow!("{f}"))
 }
@@ -181,7 +228,10 @@ enum Waiting {
     StageDone,
     Applied,
     Eval(EvalKind),
+    Snapshots,
     Weights,
+    /// Weights are in; checkpoints still being written.
+    Flush,
     Done,
 }
 
@@ -208,6 +258,11 @@ pub struct CoordinatorState {
     tokens_per_step: u64,
     norms: Vec<(usize, f64)>,
     out: RunOutcome,
+    checkpointer: ActorRef<super::checkpointer::CheckpointerMsg>,
+    snapshots: Vec<Option<(Vec<crate::checkpoint::TensorState>, u64)>>,
+    snapshot_started: Instant,
+    writes_pending: usize,
+    stop_requested: bool,
 }
 
 impl Actor for Coordinator {
@@ -220,7 +275,21 @@ impl Actor for Coordinator {
         me: ActorRef<CoordinatorMsg>,
         (inputs, reply, id): Self::Arguments,
     ) -> Result<CoordinatorState, ActorProcessingErr> {
-        let RunInputs { cfg, layout, data, init, metrics, progress, chaos_seed } = inputs;
+        let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed } = inputs;
+        let start_step = resume.as_ref().map_or(0, |r| r.state.step);
+        let ck_args = super::checkpointer::CheckpointerArgs {
+            run_dir,
+            keep: cfg.checkpoint.keep,
+            keep_every: cfg.checkpoint.keep_every as u64,
+            coordinator: me.clone(),
+        };
+        let (checkpointer, _) = Actor::spawn_linked(
+            Some(registered("checkpointer", id)),
+            super::checkpointer::Checkpointer,
+            ck_args,
+            me.get_cell(),
+        )
+        .await?;
         let (pp, dp) = (layout.pp, layout.dp);
         let epoch = Instant::now();
         let all: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>> = Arc::new(OnceLock::new());
@@ -256,6 +325,7 @@ impl Actor for Coordinator {
                     cfg: cfg.clone(),
                     layout: layout.clone(),
                     init: init.clone(),
+                    resume: resume.clone(),
                     peers: peers.clone(),
                     coordinator: me.clone(),
                     reducer: reducer.clone(),
@@ -319,7 +389,7 @@ impl Actor for Coordinator {
             eval_set,
             has_val,
             reply: Some(reply),
-            step: 0,
+            step: start_step,
             waiting: Waiting::StageDone,
             reports: Vec::new(),
             acks: 0,
@@ -329,6 +399,11 @@ impl Actor for Coordinator {
             tokens_per_step,
             norms: Vec::new(),
             out: RunOutcome::default(),
+            checkpointer,
+            snapshots: vec![None; pp],
+            snapshot_started: Instant::now(),
+            writes_pending: 0,
+            stop_requested: false,
         })
     }
 
@@ -368,11 +443,33 @@ impl Actor for Coordinator {
                 st.out.peak_live_bytes.push(peak_live_bytes);
                 if st.weights.iter().all(Option::is_some) {
                     st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
-                    st.waiting = Waiting::Done;
-                    let _ = st.monitor.send_message(MonitorMsg::Finish);
-                    st.finish(Ok(()));
-                    me.stop(None);
+                    st.waiting = Waiting::Flush;
+                    st.maybe_done(&me);
                 }
+                Ok(())
+            }
+            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step } => {
+                check(matches!(st.waiting, Waiting::Snapshots) && step == st.step, "unexpected Snapshot")?;
+                st.snapshots[rank] = Some((tensors, adam_step));
+                if st.snapshots.iter().all(Option::is_some) {
+                    st.snapshots_done()?;
+                }
+                Ok(())
+            }
+            CoordinatorMsg::Saved { ms, path, .. } => {
+                st.writes_pending -= 1;
+                st.out.checkpoint_write_ms.push(ms);
+                st.out.checkpoints.push(path);
+                st.maybe_done(&me);
+                Ok(())
+            }
+            CoordinatorMsg::CheckpointFailed(e) => {
+                st.finish(Err(e));
+                me.stop(None);
+                Ok(())
+            }
+            CoordinatorMsg::StopRequested => {
+                st.stop_requested = true;
                 Ok(())
             }
             CoordinatorMsg::Failed(f) => {
@@ -424,6 +521,7 @@ impl Actor for Coordinator {
             r.stop(None);
         }
         st.monitor.stop(None);
+        st.checkpointer.stop(None);
         st.finish(Err("the run was stopped".into()));
         Ok(())
     }
@@ -438,6 +536,56 @@ fn check(ok: bool, what: &str) -> Result<(), ActorProcessingErr> {
 }
 
 impl CoordinatorState {
+    /// Ends the run once the weights are in and every checkpoint is on disk.
+    fn maybe_done(&mut self, me: &ActorRef<CoordinatorMsg>) {
+        if matches!(self.waiting, Waiting::Flush) && self.writes_pending == 0 {
+            self.waiting = Waiting::Done;
+            self.out.steps_done = self.step;
+            let _ = self.monitor.send_message(MonitorMsg::Finish);
+            self.finish(Ok(()));
+            me.stop(None);
+        }
+    }
+
+    /// Every stage's copy is in: hand them to the checkpointer and go on.
+    fn snapshots_done(&mut self) -> Result<(), ActorProcessingErr> {
+        let mut tensors = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
+        let mut adam_step = 0;
+        for s in self.snapshots.iter_mut() {
+            let (ts, t) = s.take().expect("snapshot");
+            adam_step = t;
+            for tensor in ts {
+                // The head's copy of the tied wte equals the embedding's; keep one.
+                if seen.insert(tensor.name.clone()) {
+                    tensors.push(tensor);
+                }
+            }
+        }
+        self.out.checkpoint_pause_ms.push(self.snapshot_started.elapsed().as_secs_f64() * 1e3);
+        let b = self.cfg.train.micro_batch_size as u64;
+        let state = crate::checkpoint::StateFile {
+            format_version: crate::checkpoint::FORMAT_VERSION,
+            step: self.step,
+            adam_step,
+            tokens: self.step * self.tokens_per_step,
+            skipped_steps: self.out.skipped,
+            data_cursor: self.step * (self.layout.dp * self.layout.microbatches) as u64 * b,
+            seed: self.cfg.train.seed,
+            next_lr: self.sched.lr(self.step as usize),
+            config: self.cfg.to_toml_string(),
+            config_hash: self.cfg.hash(),
+            digests: Default::default(),
+        };
+        self.writes_pending += 1;
+        self.checkpointer.send_message(super::checkpointer::CheckpointerMsg::Write { tensors, state })?;
+        if self.stop_requested {
+            self.out.stopped_early = self.step < self.steps;
+            self.steps = self.step;
+        }
+        self.begin_step()
+    }
+
     fn finish(&mut self, result: Result<(), String>) {
         if let Some(reply) = self.reply.take() {
             let out = std::mem::take(&mut self.out);
@@ -578,6 +726,20 @@ impl CoordinatorState {
             self.monitor.send_message(MonitorMsg::Step(m))?;
         }
         self.step += 1;
+        let every = self.cfg.checkpoint.every as u64;
+        let due = (every > 0 && self.step.is_multiple_of(every)) || self.stop_requested;
+        if due && self.cfg.backend.kind != "sim" {
+            self.waiting = Waiting::Snapshots;
+            self.snapshot_started = Instant::now();
+            for s in &self.stages[0] {
+                s.send_message(StageMsg::Snapshot { step: self.step })?;
+            }
+            return Ok(());
+        }
+        if self.stop_requested {
+            self.out.stopped_early = self.step < self.steps;
+            self.steps = self.step;
+        }
         self.begin_step()
     }
 }

@@ -8,11 +8,13 @@
 //!   and a compute thread that walks the rank's action list from the schedule.
 //! - `reducer`: sums gradients over data-parallel replicas in replica order.
 //! - `monitor`: metrics.jsonl and the progress display.
+//! - `checkpointer`: writes checkpoints in the background.
 //!
 //! Schedules come from `crate::schedule` as data; nothing here decides an
 //! order of work. Every message type is declared with `impl Message` (ractor's
 //! `cluster` feature is on, so remote transport can come without touching them).
 
+pub mod checkpointer;
 pub mod coordinator;
 pub mod data_loader;
 pub mod layout;

@@ -92,6 +92,10 @@ pub enum StageMsg {
     },
     /// Send the parameters to the coordinator (end of run).
     SendWeights,
+    /// Copy parameters and AdamW moments for a checkpoint of step `step`.
+    Snapshot {
+        step: u64,
+    },
     Stop,
 }
 
@@ -120,6 +124,8 @@ pub struct StageArgs {
     pub cfg: crate::config::Config,
     pub layout: Layout,
     pub init: Option<Arc<crate::model::io::LoadedWeights>>,
+    /// A checkpoint to resume from: weights and AdamW moments by tensor name.
+    pub resume: Option<Arc<crate::checkpoint::Loaded>>,
     pub peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>>,
     pub coordinator: ActorRef<CoordinatorMsg>,
     pub reducer: Option<ActorRef<ReducerMsg>>,
@@ -362,9 +368,25 @@ impl Worker {
             if let Some(w) = &args.init {
                 w.assign(&mut part).map_err(|e| e.to_string())?;
             }
+            if let Some(c) = &args.resume {
+                c.weights.assign(&mut part).map_err(|e| e.to_string())?;
+            }
             parts.push(part);
         }
-        let adam = parts.iter().map(AdamState::new).collect();
+        let mut adam: Vec<AdamState> = parts.iter().map(AdamState::new).collect();
+        if let Some(c) = &args.resume {
+            for (part, st) in parts.iter().zip(adam.iter_mut()) {
+                st.t = c.state.adam_step;
+                for (i, p) in part.params.iter().enumerate() {
+                    let (m, v) = c
+                        .moments
+                        .get(&p.name)
+                        .ok_or_else(|| format!("checkpoint lacks moments of {}", p.name))?;
+                    st.m[i].copy_from_slice(m);
+                    st.v[i].copy_from_slice(v);
+                }
+            }
+        }
         let cores = args.cores.clone();
         // The compute thread itself is the pool's first worker, so a rank with
         // one thread runs its kernels where it stands, with no hand-off.
@@ -573,6 +595,22 @@ impl Worker {
                     peak_live_bytes,
                     trace,
                 });
+            }
+            StageMsg::Snapshot { step } => {
+                let mut tensors = Vec::new();
+                for (part, st) in self.parts.iter().zip(&self.adam) {
+                    for (i, p) in part.params.iter().enumerate() {
+                        tensors.push(crate::checkpoint::TensorState {
+                            name: p.name.clone(),
+                            shape: p.shape.clone(),
+                            data: p.data.clone(),
+                            exp_avg: st.m[i].clone(),
+                            exp_avg_sq: st.v[i].clone(),
+                        });
+                    }
+                }
+                let adam_step = self.adam.first().map_or(0, |a| a.t);
+                self.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
             }
             StageMsg::Stop => return Ok(false),
             _ => unreachable!("data messages are filed, not handled"),

@@ -29,9 +29,11 @@ pub struct TrainOptions {
     pub force: bool,
     /// Show a progress bar (else plain log lines).
     pub progress: bool,
+    /// Continue the run in `out_dir` from its latest complete checkpoint.
+    pub resume: bool,
 }
 
-#[derive(Serialize, Debug, Clone)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone)]
 pub struct StepMetrics {
     pub step: usize,
     pub loss: f64,
@@ -66,6 +68,69 @@ pub struct Summary {
     pub params: usize,
     pub weights_digest: String,
     pub config_hash: String,
+    /// The checkpoint step this run resumed from.
+    pub resumed_from: Option<u64>,
+    /// Stopped by SIGINT/SIGTERM (after saving a checkpoint).
+    pub stopped_early: bool,
+    /// Mean time training paused while stages copied their state for a checkpoint.
+    pub checkpoint_pause_ms: Option<f64>,
+    /// Mean time to write a checkpoint in the background.
+    pub checkpoint_write_ms: Option<f64>,
+}
+
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// The latest complete checkpoint of the run in `dir`, verified; incomplete
+/// ones are reported and left alone. None (said aloud) when there is none.
+fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<crate::checkpoint::Loaded>> {
+    let root = crate::checkpoint::checkpoints_dir(dir);
+    let (done, incomplete) = crate::checkpoint::list(&root)?;
+    for p in &incomplete {
+        eprintln!("ignoring incomplete checkpoint {}", p.display());
+    }
+    let Some((step, path)) = done.last() else {
+        eprintln!("no complete checkpoint in {}: starting from step 0", root.display());
+        return Ok(None);
+    };
+    let loaded = crate::checkpoint::load(path)?;
+    let theirs = Config::parse(&loaded.state.config, &path.join("state.json").display().to_string(), &[])?;
+    if theirs.model != cfg.model {
+        bail!(
+            "{}: the checkpoint's [model] ({:?}) differs from this config's ({:?})",
+            path.join("state.json").display(),
+            theirs.model,
+            cfg.model
+        );
+    }
+    loaded.weights.check(&GptConfig::from_config(cfg))?;
+    if (*step as usize) > cfg.train.steps {
+        bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
+    }
+    eprintln!("resuming from {} (step {step})", path.display());
+    Ok(Some(loaded))
+}
+
+/// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
+fn prior_metrics(path: &Path, upto: usize) -> Result<Vec<StepMetrics>> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(Vec::new()) };
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let m: StepMetrics = match serde_json::from_str(line) {
+            Ok(m) => m,
+            // A line cut short by a crash can only be the last one.
+            Err(_) if i + 1 == text.lines().count() => break,
+            Err(e) => bail!("{}: line {}: {e}", path.display(), i + 1),
+        };
+        if m.step <= upto {
+            out.push(m);
+        }
+    }
+    Ok(out)
 }
 
 /// Training and validation data as the config describes them.
@@ -180,7 +245,8 @@ pub fn train_with(
         }
         None => None,
     };
-    if !opts.force {
+    let resume = if opts.resume { find_resume_point(&opts.out_dir, cfg)? } else { None };
+    if !opts.force && !opts.resume {
         for f in OUTPUTS {
             let p = opts.out_dir.join(f);
             if p.exists() {
@@ -194,9 +260,22 @@ pub fn train_with(
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
     let metrics_path = opts.out_dir.join("metrics.jsonl");
+    // On resume, the metrics of steps up to the checkpoint stay and later ones
+    // (from the interrupted run, past its last checkpoint) are dropped.
+    let start = resume.as_ref().map_or(0, |r| r.state.step as usize);
+    let prior = if resume.is_some() { prior_metrics(&metrics_path, start)? } else { Vec::new() };
+    let mut kept = String::new();
+    for m in &prior {
+        kept += &serde_json::to_string(m)?;
+        kept.push('\n');
+    }
+    io::write_atomic(&metrics_path, kept.as_bytes())
+        .with_context(|| format!("{}: cannot write", metrics_path.display()))?;
     let metrics = std::io::BufWriter::new(
-        std::fs::File::create(&metrics_path)
-            .with_context(|| format!("{}: cannot create", metrics_path.display()))?,
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&metrics_path)
+            .with_context(|| format!("{}: cannot open", metrics_path.display()))?,
     );
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
     // The machine's f32 matrix-product rate, the yardstick for MFU; measured
@@ -212,7 +291,11 @@ pub fn train_with(
         "steps": cfg.train.steps,
         "stages": layout.n_stages(),
     });
+    let resumed_from = resume.as_ref().map(|r| r.state.step);
+    let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
     let inputs = RunInputs {
+        run_dir: opts.out_dir.clone(),
+        resume: resume.map(Arc::new),
         cfg: cfg.clone(),
         layout,
         data,
@@ -221,16 +304,32 @@ pub fn train_with(
         progress: opts.progress,
         chaos_seed,
     };
-    let out = runtime()?.block_on(crate::actors::run(inputs))?;
-
-    let steps = cfg.train.steps;
-    let tokens_per_s = out.tokens as f64 / out.train_seconds.max(1e-9);
+    let mut out = runtime()?.block_on(crate::actors::run(inputs))?;
+    if out.stopped_early {
+        eprintln!(
+            "stopped by a signal after step {}; resume with --resume {}",
+            out.steps_done,
+            opts.out_dir.display()
+        );
+    }
+    // Curves and counts over the whole run, resumed or not.
+    let mut train_curve: Vec<(usize, f64)> = prior.iter().map(|m| (m.step, m.loss)).collect();
+    train_curve.extend(out.train_curve.iter().copied());
+    let mut val_curve: Vec<(usize, f64)> =
+        prior.iter().filter_map(|m| m.val_loss.map(|v| (m.step, v))).collect();
+    val_curve.extend(out.val_curve.iter().copied());
+    out.last_val = out.last_val.or(val_curve.last().map(|v| v.1));
+    out.skipped += prior_skipped;
+    let steps = out.steps_done as usize;
+    let tokens_this_run = (out.steps_done - resumed_from.unwrap_or(0)) as f64 * out.tokens as f64
+        / out.steps_done.max(1) as f64;
+    let tokens_per_s = tokens_this_run / out.train_seconds.max(1e-9);
     let peak = if simulated { f64::NAN } else { gemm_peak(threads).max(peak_before) };
     let model_gflops = tokens_per_s * gpt.flops_per_token() / 1e9;
     let tensors = io::gather_params(&out.params);
     let summary = Summary {
         steps,
-        final_loss: out.losses.last().copied().unwrap_or(f64::NAN),
+        final_loss: train_curve.last().map_or(f64::NAN, |l| l.1),
         val_loss: out.last_val,
         exact_match: out.last_exact_match,
         tokens: out.tokens,
@@ -244,6 +343,10 @@ pub fn train_with(
         params: gpt.num_params(),
         weights_digest: io::digest_of(&tensors),
         config_hash: cfg.hash(),
+        resumed_from,
+        stopped_early: out.stopped_early,
+        checkpoint_pause_ms: mean(&out.checkpoint_pause_ms),
+        checkpoint_write_ms: mean(&out.checkpoint_write_ms),
     };
     let mut meta = HashMap::new();
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());
@@ -257,7 +360,7 @@ pub fn train_with(
     };
     write("config.toml", &cfg.to_toml_string())?;
     write("summary.json", &serde_json::to_string_pretty(&summary)?)?;
-    write("loss.svg", &loss_svg(&out.train_curve, &out.val_curve, "pipewright: loss"))?;
+    write("loss.svg", &loss_svg(&train_curve, &val_curve, "pipewright: loss"))?;
     if cfg.trace.enabled {
         let json = crate::trace::chrome_json(&out.trace, trace_meta);
         write("trace.json", &serde_json::to_string(&json)?)?;

@@ -1,0 +1,243 @@
+//! Checkpoints as a user depends on them: a resumed run ends with the same
+//! bits as one never interrupted, whatever killed it and whatever the layout
+//! it resumes with; damaged checkpoints are refused by name; nothing saved
+//! before is ever lost.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const TINY: [&str; 18] = [
+    "--set",
+    "model.n_layer=4",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "model.block_size=16",
+    "--set",
+    "train.micro_batch_size=2",
+    "--set",
+    "parallel.microbatches=4",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "checkpoint.every=2",
+    "--set",
+    "train.eval_batches=2",
+];
+
+fn cmd(args: &[&str], extra: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_pipewright"));
+    c.args(args).args(TINY).args(extra);
+    c
+}
+
+fn run(args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> (bool, String) {
+    let mut c = cmd(args, extra);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    (out.status.success(), err)
+}
+
+fn digest(dir: &Path) -> String {
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
+    s["weights_digest"].as_str().unwrap().to_string()
+}
+
+fn full_run(dir: &Path, steps: &str) -> String {
+    let out = dir.join("full");
+    let (ok, err) =
+        run(&["train", "--steps", steps, "--out", out.to_str().unwrap()], &["--set", "parallel.pp=2"], &[]);
+    assert!(ok, "{err}");
+    digest(&out)
+}
+
+#[test]
+fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = full_run(dir.path(), "9");
+    for (pp, resume_pp) in [("1", "1"), ("4", "4"), ("4", "2")] {
+        let out = dir.path().join(format!("crash-{pp}-{resume_pp}"));
+        let o = out.to_str().unwrap();
+        let (ok, err) = run(
+            &["train", "--steps", "9", "--out", o],
+            &["--set", &format!("parallel.pp={pp}")],
+            &[("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1")],
+        );
+        assert!(!ok && err.contains("step 7"), "{err}");
+        let (ok, err) = run(
+            &["train", "--steps", "9", "--resume", o],
+            &["--set", &format!("parallel.pp={resume_pp}")],
+            &[],
+        );
+        assert!(ok, "{err}");
+        assert!(err.contains("step 6"), "resumes from the checkpoint of step 6: {err}");
+        assert_eq!(digest(&out), want, "crash at pp={pp}, resume at pp={resume_pp}");
+        let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().count();
+        assert_eq!(lines, 9, "metrics hold each step once");
+    }
+}
+
+#[test]
+fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = full_run(dir.path(), "14");
+    let out = dir.path().join("killed");
+    let o = out.to_str().unwrap().to_string();
+    let mut rng = 0x2545F4914F6CDD1Du64;
+    let mut kills = 0;
+    for attempt in 0..60 {
+        let args = if attempt == 0 {
+            vec!["train", "--steps", "14", "--out", &o]
+        } else {
+            vec!["train", "--steps", "14", "--resume", &o]
+        };
+        let mut child = cmd(&args, &["--set", "parallel.pp=2", "--set", "checkpoint.every=1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let wait = Duration::from_millis(150 + rng % 700);
+        std::thread::sleep(wait);
+        match child.try_wait().unwrap() {
+            Some(status) => {
+                let mut err = String::new();
+                std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+                assert!(status.success(), "a resume failed: {err}");
+                if kills >= 10 {
+                    break;
+                }
+                // Finished before the kill: start over to get more kills in.
+                let _ = std::fs::remove_dir_all(&out);
+            }
+            None => {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                kills += 1;
+            }
+        }
+    }
+    assert!(kills >= 10, "only {kills} kills landed");
+    let (ok, err) = run(&["train", "--steps", "14", "--resume", &o], &["--set", "parallel.pp=2"], &[]);
+    assert!(ok, "{err}");
+    assert_eq!(digest(&out), want, "after {kills} kills");
+}
+
+#[test]
+fn sigint_saves_a_checkpoint_at_the_next_step_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = full_run(dir.path(), "40");
+    let out = dir.path().join("int");
+    let o = out.to_str().unwrap();
+    let child = cmd(
+        &["train", "--steps", "40", "--out", o],
+        &["--set", "parallel.pp=2", "--set", "checkpoint.every=0"],
+    )
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // Wait until training is under way (metrics appear), then interrupt.
+    for _ in 0..200 {
+        if std::fs::read_to_string(out.join("metrics.jsonl")).map(|t| t.lines().count() >= 2).unwrap_or(false)
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    assert!(err.contains("stopped by a signal"), "{err}");
+    let (ok, err) = run(&["train", "--steps", "40", "--resume", o], &["--set", "parallel.pp=2"], &[]);
+    assert!(ok, "{err}");
+    assert_eq!(digest(&out), want);
+}
+
+fn crashed_run(dir: &Path) -> std::path::PathBuf {
+    let out = dir.join("run");
+    let (ok, _) = run(
+        &["train", "--steps", "8", "--out", out.to_str().unwrap()],
+        &["--set", "parallel.pp=2"],
+        &[("PIPEWRIGHT_FAULT", "stage=0,step=5,mb=0")],
+    );
+    assert!(!ok);
+    out
+}
+
+fn resume(out: &Path, extra: &[&str]) -> (bool, String) {
+    run(&["train", "--steps", "8", "--resume", out.to_str().unwrap()], extra, &[])
+}
+
+#[test]
+fn damaged_checkpoints_are_refused_by_name_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crashed_run(dir.path());
+    let ck = out.join("checkpoints/step_00000004");
+    // A flipped byte: the digest no longer matches.
+    let model = ck.join("model.safetensors");
+    let original = std::fs::read(&model).unwrap();
+    let mut bytes = original.clone();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x40;
+    std::fs::write(&model, &bytes).unwrap();
+    let (ok, err) = resume(&out, &[]);
+    assert!(!ok && err.contains("model.safetensors") && err.contains("digest"), "{err}");
+    // Truncated.
+    std::fs::write(&model, &bytes[..n / 2]).unwrap();
+    let (ok, err) = resume(&out, &[]);
+    assert!(!ok && err.contains("model.safetensors"), "{err}");
+    // A missing file (the model file whole again).
+    std::fs::write(&model, &original).unwrap();
+    std::fs::remove_file(ck.join("optimizer.safetensors")).unwrap();
+    let (ok, err) = resume(&out, &[]);
+    assert!(!ok && err.contains("optimizer.safetensors"), "{err}");
+    assert!(
+        ck.join("state.json").exists() && out.join("checkpoints/step_00000002").exists(),
+        "nothing deleted"
+    );
+}
+
+#[test]
+fn a_different_model_shape_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crashed_run(dir.path());
+    let (ok, err) = resume(&out, &["--set", "model.n_embd=64"]);
+    assert!(!ok && err.contains("state.json") && err.contains("[model]"), "{err}");
+}
+
+#[test]
+fn a_full_disk_fails_the_run_by_name_and_keeps_the_earlier_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let (ok, err) = run(
+        &["train", "--steps", "8", "--out", out.to_str().unwrap()],
+        &["--set", "parallel.pp=2"],
+        &[("PIPEWRIGHT_FAULT_DISK_FULL", "4")],
+    );
+    assert!(
+        !ok && err.contains("step_00000004.tmp/model.safetensors") && err.contains("No space left"),
+        "{err}"
+    );
+    let (ok, err) = resume(&out, &[]);
+    assert!(ok, "{err}");
+    assert!(err.contains("step 2"), "{err}");
+}
+
+#[test]
+fn resuming_without_any_checkpoint_starts_from_step_zero_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("fresh");
+    let (ok, err) = resume(&out, &[]);
+    assert!(ok, "{err}");
+    assert!(err.contains("starting from step 0"), "{err}");
+}
