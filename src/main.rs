@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
-use pipewright::train::run::{train_with, TrainOptions};
+use pipewright::train::run::{train_with, RunFailed, TrainOptions};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -68,6 +68,10 @@ enum Command {
         /// config and overrides; the pipeline layout may differ).
         #[arg(long, value_name = "DIR", conflicts_with = "out")]
         resume: Option<PathBuf>,
+        /// When the run fails after starting (a stage errors or panics), resume it
+        /// from its latest checkpoint, up to N times.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        max_restarts: usize,
         /// Write trace.json (Chrome Trace Event format; open it in Perfetto).
         #[arg(long)]
         trace: bool,
@@ -189,16 +193,29 @@ fn default_run_dir() -> PathBuf {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, steps, out, init, force, resume, trace, chaos_seed } => {
+        Command::Train { config, steps, out, init, force, resume, max_restarts, trace, chaos_seed } => {
             let mut cfg = config.load(steps)?;
             cfg.trace.enabled |= trace;
             cfg.validate()?;
             let resuming = resume.is_some();
             let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
             eprintln!("pipewright train → {}", out_dir.display());
-            let opts =
+            let mut opts =
                 TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
-            let (s, _) = train_with(&cfg, &opts, chaos_seed)?;
+            let mut restarts = 0;
+            let (s, _) = loop {
+                match train_with(&cfg, &opts, chaos_seed) {
+                    Ok(r) => break r,
+                    Err(e) if restarts < max_restarts && e.downcast_ref::<RunFailed>().is_some() => {
+                        restarts += 1;
+                        eprintln!("error: {e:#}");
+                        eprintln!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
+                        opts.resume = true;
+                        opts.init = None;
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
             eprintln!(
                 "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
                 s.steps,

@@ -241,3 +241,21 @@ fn resuming_without_any_checkpoint_starts_from_step_zero_and_says_so() {
     assert!(ok, "{err}");
     assert!(err.contains("starting from step 0"), "{err}");
 }
+
+#[test]
+fn max_restarts_resumes_a_failed_run_by_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let want = full_run(dir.path(), "9");
+    let out = dir.path().join("restart");
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", out.to_str().unwrap(), "--max-restarts", "2"],
+        &["--set", "parallel.pp=2"],
+        &[("PIPEWRIGHT_FAULT", "stage=1,step=5,mb=2"), ("PIPEWRIGHT_FAULT_ONCE", "1")],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("stage-1 failed at step 5") && err.contains("restarting from the latest checkpoint"),
+        "{err}"
+    );
+    assert_eq!(digest(&out), want);
+}

@@ -337,6 +337,14 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "panic".into())
 }
 
+/// With `PIPEWRIGHT_FAULT_ONCE=1` the fault fires only once per process (a
+/// transient failure, for `--max-restarts`).
+fn fault_fires() -> bool {
+    static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    std::env::var_os("PIPEWRIGHT_FAULT_ONCE").is_none()
+        || !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst)
+}
+
 /// `PIPEWRIGHT_FAULT=stage=S,step=N,mb=M` makes F of (S, M) at step N panic:
 /// how the tests check that a failing stage is reported and nothing hangs.
 fn fault_from_env() -> Option<(usize, u64, usize)> {
@@ -767,7 +775,7 @@ impl Worker {
         mode: Mode,
         argmax: Option<&mut [u32]>,
     ) -> Result<Option<f64>, Stopped> {
-        if phase == Phase::Train && self.fault == Some((stage, self.step, mb)) {
+        if phase == Phase::Train && self.fault == Some((stage, self.step, mb)) && fault_fires() {
             panic!("injected fault (PIPEWRIGHT_FAULT) in F of stage {stage}, microbatch {mb}");
         }
         let last = self.layout.last_stage();

@@ -78,6 +78,12 @@ pub struct Summary {
     pub checkpoint_write_ms: Option<f64>,
 }
 
+/// A run that started and then failed (an actor's error or panic), as opposed
+/// to input refused before anything ran: the kind `--max-restarts` retries.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct RunFailed(pub String);
+
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
@@ -304,7 +310,7 @@ pub fn train_with(
         progress: opts.progress,
         chaos_seed,
     };
-    let mut out = runtime()?.block_on(crate::actors::run(inputs))?;
+    let mut out = runtime()?.block_on(crate::actors::run(inputs)).map_err(|e| RunFailed(format!("{e:#}")))?;
     if out.stopped_early {
         eprintln!(
             "stopped by a signal after step {}; resume with --resume {}",
