@@ -24,6 +24,42 @@ pub struct Config {
     pub sim: SimSection,
     pub trace: TraceSection,
     pub checkpoint: CheckpointSection,
+    pub recovery: RecoverySection,
+}
+
+/// What happens when a step goes wrong: non-finite values always skip the
+/// update; repeated skips roll back; loss spikes raise an alert (and can skip).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecoverySection {
+    /// Consecutive skipped steps before rolling back to the last checkpoint (0: never).
+    pub max_skips: usize,
+    /// After a rollback, the learning rate is scaled by this …
+    pub lr_factor: f64,
+    /// … for this many steps.
+    pub cooldown_steps: usize,
+    /// Steps in the rolling window of the spike detector.
+    pub spike_window: usize,
+    /// A loss above this multiple of the window's mean is a spike (0: off).
+    pub spike_factor: f64,
+    /// A gradient norm this many standard deviations above the window's mean is a spike (0: off).
+    pub spike_zscore: f64,
+    /// Skip the update of a step whose loss or gradient norm spiked.
+    pub spike_skip: bool,
+}
+
+impl Default for RecoverySection {
+    fn default() -> Self {
+        RecoverySection {
+            max_skips: 3,
+            lr_factor: 0.5,
+            cooldown_steps: 100,
+            spike_window: 50,
+            spike_factor: 3.0,
+            spike_zscore: 0.0,
+            spike_skip: false,
+        }
+    }
 }
 
 /// Checkpoints in `RUN/checkpoints/step_NNNNNNNN/`, written in the background.
@@ -479,6 +515,16 @@ impl Config {
             format!("must be finite and >= sim.weight_ms ({}) >= 0", sim.weight_ms),
         );
         v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
+        let r = &self.recovery;
+        v.check(
+            r.lr_factor > 0.0 && r.lr_factor <= 1.0,
+            "recovery.lr_factor",
+            r.lr_factor,
+            "must be in (0, 1]",
+        );
+        v.check(r.spike_window >= 2, "recovery.spike_window", r.spike_window, "must be >= 2");
+        v.check(r.spike_factor >= 0.0, "recovery.spike_factor", r.spike_factor, "must be >= 0 (0: off)");
+        v.check(r.spike_zscore >= 0.0, "recovery.spike_zscore", r.spike_zscore, "must be >= 0 (0: off)");
         v.check(
             self.checkpoint.keep >= 2,
             "checkpoint.keep",

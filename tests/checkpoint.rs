@@ -259,3 +259,89 @@ fn max_restarts_resumes_a_failed_run_by_itself() {
     );
     assert_eq!(digest(&out), want);
 }
+
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_nan_step_is_skipped_logged_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("nan");
+    let (ok, err) = run(
+        &["train", "--steps", "6", "--out", out.to_str().unwrap()],
+        &[],
+        &[("PIPEWRIGHT_FAULT_NAN", "3")],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("step 4: non-finite loss"), "{err}");
+    let m = metrics(&out);
+    assert_eq!(m[3]["skipped"], true);
+    assert!(m[3]["alert"].as_str().unwrap().contains("update skipped"));
+    assert_eq!(m.iter().filter(|x| x["skipped"] == true).count(), 1);
+    assert_eq!(summary(&out)["skipped_steps"], 1);
+}
+
+#[test]
+fn repeated_nan_steps_roll_back_to_the_last_checkpoint_with_a_lower_learning_rate() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("rollback");
+    let (ok, err) = run(
+        &["train", "--steps", "10", "--out", out.to_str().unwrap()],
+        &[
+            "--set",
+            "recovery.max_skips=3",
+            "--set",
+            "recovery.lr_factor=0.5",
+            "--set",
+            "optim.warmup_steps=0",
+        ],
+        &[("PIPEWRIGHT_FAULT_NAN", "4,5,6")],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("rolling back to") && err.contains("step_00000006"), "{err}");
+    let s = summary(&out);
+    assert_eq!(s["rollbacks"], 1);
+    assert!(s["final_loss"].as_f64().unwrap().is_finite());
+    // Step 7 ran twice: skipped, then again after the rollback at half the learning rate.
+    let m = metrics(&out);
+    let seventh: Vec<&serde_json::Value> = m.iter().filter(|x| x["step"] == 7).collect();
+    assert_eq!(seventh.len(), 2);
+    assert_eq!(seventh[0]["skipped"], true);
+    assert_eq!(seventh[1]["skipped"], false);
+    let lr = |x: &serde_json::Value| x["lr"].as_f64().unwrap();
+    assert!((lr(seventh[1]) - 0.5 * lr(seventh[0])).abs() < 1e-12);
+}
+
+#[test]
+fn a_loss_spike_raises_an_alert_and_can_skip() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("spike");
+    // A factor below 1 makes every step after the window fills a "spike".
+    let (ok, err) = run(
+        &["train", "--steps", "30", "--out", out.to_str().unwrap()],
+        &[
+            "--set",
+            "recovery.spike_window=10",
+            "--set",
+            "recovery.spike_factor=0.5",
+            "--set",
+            "recovery.spike_skip=true",
+        ],
+        &[],
+    );
+    assert!(ok, "{err}");
+    let m = metrics(&out);
+    let spikes: Vec<&serde_json::Value> =
+        m.iter().filter(|x| x["alert"].as_str().is_some_and(|a| a.contains("loss spike"))).collect();
+    assert!(!spikes.is_empty(), "no spike flagged");
+    assert!(spikes.iter().all(|x| x["skipped"] == true));
+}

@@ -136,6 +136,11 @@ pub enum CoordinatorMsg {
         path: std::path::PathBuf,
     },
     CheckpointFailed(String),
+    /// A stage reloaded the rollback checkpoint.
+    Restored {
+        rank: usize,
+        replica: usize,
+    },
     /// SIGINT or SIGTERM: checkpoint at the next step boundary and stop.
     StopRequested,
 }
@@ -189,6 +194,8 @@ pub struct RunOutcome {
     pub stopped_early: bool,
     /// Steps completed when the run ended (counting those before a resume).
     pub steps_done: u64,
+    /// Rollbacks to a checkpoint after repeated skipped steps.
+    pub rollbacks: usize,
 }
 
 /// Runs a whole training run on actors and returns what it produced.
@@ -229,6 +236,10 @@ enum Waiting {
     Applied,
     Eval(EvalKind),
     Snapshots,
+    /// Stages are reloading a checkpoint (a rollback).
+    Restored,
+    /// A rollback waits for checkpoint writes in flight.
+    RollbackAfterWrites,
     Weights,
     /// Weights are in; checkpoints still being written.
     Flush,
@@ -236,6 +247,7 @@ enum Waiting {
 }
 
 pub struct CoordinatorState {
+    run_dir: std::path::PathBuf,
     cfg: Config,
     layout: Layout,
     sched: LrSchedule,
@@ -263,6 +275,11 @@ pub struct CoordinatorState {
     snapshot_started: Instant,
     writes_pending: usize,
     stop_requested: bool,
+    /// (loss, grad norm) of recent non-skipped steps, for the spike detector.
+    window: std::collections::VecDeque<(f64, f64)>,
+    consecutive_skips: usize,
+    /// After a rollback, the LR is scaled until this step.
+    cooldown_until: u64,
 }
 
 impl Actor for Coordinator {
@@ -278,7 +295,7 @@ impl Actor for Coordinator {
         let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed } = inputs;
         let start_step = resume.as_ref().map_or(0, |r| r.state.step);
         let ck_args = super::checkpointer::CheckpointerArgs {
-            run_dir,
+            run_dir: run_dir.clone(),
             keep: cfg.checkpoint.keep,
             keep_every: cfg.checkpoint.keep_every as u64,
             coordinator: me.clone(),
@@ -380,6 +397,7 @@ impl Actor for Coordinator {
             sched: LrSchedule::from_config(&cfg),
             steps: cfg.train.steps as u64,
             weights: vec![None; pp],
+            run_dir,
             cfg,
             layout,
             stages,
@@ -404,6 +422,9 @@ impl Actor for Coordinator {
             snapshot_started: Instant::now(),
             writes_pending: 0,
             stop_requested: false,
+            window: Default::default(),
+            consecutive_skips: 0,
+            cooldown_until: 0,
         })
     }
 
@@ -460,12 +481,23 @@ impl Actor for Coordinator {
                 st.writes_pending -= 1;
                 st.out.checkpoint_write_ms.push(ms);
                 st.out.checkpoints.push(path);
+                if matches!(st.waiting, Waiting::RollbackAfterWrites) && st.writes_pending == 0 {
+                    return st.roll_back();
+                }
                 st.maybe_done(&me);
                 Ok(())
             }
             CoordinatorMsg::CheckpointFailed(e) => {
                 st.finish(Err(e));
                 me.stop(None);
+                Ok(())
+            }
+            CoordinatorMsg::Restored { .. } => {
+                check(matches!(st.waiting, Waiting::Restored), "unexpected Restored")?;
+                st.acks += 1;
+                if st.acks == st.layout.pp * st.layout.dp {
+                    st.begin_step()?;
+                }
                 Ok(())
             }
             CoordinatorMsg::StopRequested => {
@@ -607,6 +639,9 @@ impl CoordinatorState {
         }
         self.step_started = Instant::now();
         self.lr = self.sched.lr(self.step as usize);
+        if self.step < self.cooldown_until {
+            self.lr *= self.cfg.recovery.lr_factor;
+        }
         self.waiting = Waiting::StageDone;
         self.reports.clear();
         for l in &self.loaders {
@@ -628,7 +663,26 @@ impl CoordinatorState {
         let grad_norm = optim::global_norm(&mut self.norms);
         let loss_sum: f64 = self.reports.iter().filter_map(|r| r.loss_sum).sum();
         let loss = loss_sum / self.tokens_per_step as f64;
-        let skip = !loss.is_finite() || !grad_norm.is_finite();
+        let mut skip = !loss.is_finite() || !grad_norm.is_finite();
+        let mut alert = None;
+        if skip {
+            alert = Some(format!("non-finite loss ({loss}) or gradient norm ({grad_norm}): update skipped"));
+        } else if let Some(a) = self.spike(loss, grad_norm) {
+            skip = self.cfg.recovery.spike_skip;
+            alert = Some(if skip { format!("{a}; update skipped") } else { a });
+        }
+        if let Some(a) = &alert {
+            eprintln!("step {}: {a}", self.step + 1);
+        }
+        if skip {
+            self.consecutive_skips += 1;
+        } else {
+            self.consecutive_skips = 0;
+            self.window.push_back((loss, grad_norm));
+            if self.window.len() > self.cfg.recovery.spike_window {
+                self.window.pop_front();
+            }
+        }
         let clip = optim::clip_coefficient(grad_norm, self.cfg.optim.grad_clip);
         self.waiting = Waiting::Applied;
         self.acks = 0;
@@ -647,8 +701,34 @@ impl CoordinatorState {
             skipped: skip,
             val_loss: None,
             exact_match: None,
+            alert,
         });
         Ok(())
+    }
+
+    /// A loss above spike_factor × the window's mean, or a gradient norm
+    /// spike_zscore deviations above its mean, over the last non-skipped steps.
+    fn spike(&self, loss: f64, grad_norm: f64) -> Option<String> {
+        let r = &self.cfg.recovery;
+        let n = self.window.len();
+        if n < r.spike_window.min(10) || !loss.is_finite() || !grad_norm.is_finite() {
+            return None;
+        }
+        let mean_loss = self.window.iter().map(|w| w.0).sum::<f64>() / n as f64;
+        if r.spike_factor > 0.0 && loss > r.spike_factor * mean_loss {
+            return Some(format!("loss spike: {loss:.4} > {} × rolling mean {mean_loss:.4}", r.spike_factor));
+        }
+        if r.spike_zscore > 0.0 {
+            let mean = self.window.iter().map(|w| w.1).sum::<f64>() / n as f64;
+            let var = self.window.iter().map(|w| (w.1 - mean).powi(2)).sum::<f64>() / n as f64;
+            let z = (grad_norm - mean) / var.sqrt().max(1e-12);
+            if z > r.spike_zscore {
+                return Some(format!(
+                    "gradient-norm spike: {grad_norm:.4} is {z:.1} σ above the rolling mean {mean:.4}"
+                ));
+            }
+        }
+        None
     }
 
     fn step_applied(&mut self) -> Result<(), ActorProcessingErr> {
@@ -721,11 +801,55 @@ impl CoordinatorState {
         self.end_step()
     }
 
+    /// Too many skipped steps in a row: every stage reloads the latest
+    /// checkpoint and training continues from it with a reduced learning rate.
+    fn roll_back(&mut self) -> Result<(), ActorProcessingErr> {
+        if self.writes_pending > 0 {
+            // The newest checkpoint is still being written: roll back once it is on disk.
+            self.waiting = Waiting::RollbackAfterWrites;
+            return Ok(());
+        }
+        let root = crate::checkpoint::checkpoints_dir(&self.run_dir);
+        let (done, _) = crate::checkpoint::list(&root).map_err(|e| e.to_string())?;
+        let Some((ck_step, dir)) = done.last().cloned() else {
+            return Err(format!(
+                "{} consecutive steps skipped (last: step {}) and there is no checkpoint in {} to roll back to",
+                self.consecutive_skips,
+                self.step,
+                root.display()
+            )
+            .into());
+        };
+        let loaded = Arc::new(crate::checkpoint::load(&dir).map_err(|e| e.to_string())?);
+        eprintln!(
+            "{} consecutive steps skipped: rolling back to {} and scaling the learning rate by {} for {} steps",
+            self.consecutive_skips,
+            dir.display(),
+            self.cfg.recovery.lr_factor,
+            self.cfg.recovery.cooldown_steps
+        );
+        self.out.rollbacks += 1;
+        self.consecutive_skips = 0;
+        self.window.clear();
+        self.step = ck_step;
+        self.cooldown_until = ck_step + self.cfg.recovery.cooldown_steps as u64;
+        self.waiting = Waiting::Restored;
+        self.acks = 0;
+        for s in self.all_stages() {
+            s.send_message(StageMsg::Restore(loaded.clone()))?;
+        }
+        Ok(())
+    }
+
     fn end_step(&mut self) -> Result<(), ActorProcessingErr> {
         if let Some(m) = self.pending.take() {
             self.monitor.send_message(MonitorMsg::Step(m))?;
         }
         self.step += 1;
+        let max = self.cfg.recovery.max_skips;
+        if max > 0 && self.consecutive_skips >= max {
+            return self.roll_back();
+        }
         let every = self.cfg.checkpoint.every as u64;
         let due = (every > 0 && self.step.is_multiple_of(every)) || self.stop_requested;
         if due && self.cfg.backend.kind != "sim" {

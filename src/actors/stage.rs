@@ -96,6 +96,8 @@ pub enum StageMsg {
     Snapshot {
         step: u64,
     },
+    /// Reload parameters and moments from a checkpoint (a rollback).
+    Restore(Arc<crate::checkpoint::Loaded>),
     Stop,
 }
 
@@ -335,6 +337,20 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_else(|| "panic".into())
+}
+
+/// `PIPEWRIGHT_FAULT_NAN=3,4,5`: the loss of those (0-based) steps is NaN, once
+/// each per process — a poisoned batch, for the recovery tests.
+fn nan_fault(step: u64) -> bool {
+    static FIRED: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+    let Ok(v) = std::env::var("PIPEWRIGHT_FAULT_NAN") else { return false };
+    let listed = v.split(',').any(|s| s.trim().parse::<u64>().ok() == Some(step));
+    let mut fired = FIRED.lock().expect("fault log");
+    if listed && !fired.contains(&step) {
+        fired.push(step);
+        return true;
+    }
+    false
 }
 
 /// With `PIPEWRIGHT_FAULT_ONCE=1` the fault fires only once per process (a
@@ -620,6 +636,20 @@ impl Worker {
                 let adam_step = self.adam.first().map_or(0, |a| a.t);
                 self.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
             }
+            StageMsg::Restore(c) => {
+                for (part, st) in self.parts.iter_mut().zip(self.adam.iter_mut()) {
+                    if let Err(e) = c.weights.assign(part) {
+                        panic!("rollback to {}: {e}", c.dir.display());
+                    }
+                    st.t = c.state.adam_step;
+                    for (i, p) in part.params.iter().enumerate() {
+                        let (m, v) = &c.moments[&p.name];
+                        st.m[i].copy_from_slice(m);
+                        st.v[i].copy_from_slice(v);
+                    }
+                }
+                self.report(CoordinatorMsg::Restored { rank: self.rank, replica: self.replica });
+            }
             StageMsg::Stop => return Ok(false),
             _ => unreachable!("data messages are filed, not handled"),
         }
@@ -705,6 +735,9 @@ impl Worker {
             }
         }
         let holds_last = self.stages.contains(&last);
+        if holds_last && nan_fault(step) {
+            loss_sum = f64::NAN;
+        }
         self.report(CoordinatorMsg::StageDone(StageReport {
             rank: self.rank,
             replica: self.replica,

@@ -47,6 +47,9 @@ pub struct StepMetrics {
     pub val_loss: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exact_match: Option<f64>,
+    /// What the spike detector or the recovery logic saw at this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alert: Option<String>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -76,6 +79,8 @@ pub struct Summary {
     pub checkpoint_pause_ms: Option<f64>,
     /// Mean time to write a checkpoint in the background.
     pub checkpoint_write_ms: Option<f64>,
+    /// Rollbacks to a checkpoint after `recovery.max_skips` skipped steps in a row.
+    pub rollbacks: usize,
 }
 
 /// A run that started and then failed (an actor's error or panic), as opposed
@@ -353,6 +358,7 @@ pub fn train_with(
         stopped_early: out.stopped_early,
         checkpoint_pause_ms: mean(&out.checkpoint_pause_ms),
         checkpoint_write_ms: mean(&out.checkpoint_write_ms),
+        rollbacks: out.rollbacks,
     };
     let mut meta = HashMap::new();
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());
