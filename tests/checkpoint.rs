@@ -87,7 +87,10 @@ fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
 #[test]
 fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
     let want = full_run(dir.path(), "14");
+    // Kill moments are spread over the length of a whole run on this machine.
+    let whole = started.elapsed().as_millis().max(200) as u64;
     let out = dir.path().join("killed");
     let o = out.to_str().unwrap().to_string();
     let mut rng = 0x2545F4914F6CDD1Du64;
@@ -106,7 +109,7 @@ fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        let wait = Duration::from_millis(150 + rng % 700);
+        let wait = Duration::from_millis(whole / 10 + rng % (whole * 8 / 10));
         std::thread::sleep(wait);
         match child.try_wait().unwrap() {
             Some(status) => {
