@@ -427,7 +427,12 @@ impl Plan {
             "\nlayouts: {} tried, {} over memory; best per (tp, pp, schedule), fastest first:",
             self.layouts_tried, self.rejected_for_memory
         );
-        if self.candidates.is_empty() {
+        if self.layouts_tried == 0 {
+            let _ = writeln!(
+                o,
+                "  no layout divides evenly: tp must divide the heads, pp the layers, tp·pp the GPUs, and dp·m the global batch (--gpus, --global-batch)"
+            );
+        } else if self.candidates.is_empty() {
             let _ = writeln!(o, "  none fits: more GPUs, a larger GPU, or a smaller --micro-batch");
         } else {
             let _ = writeln!(
