@@ -13,6 +13,7 @@ pub mod inspect;
 pub mod kernels;
 pub mod model;
 pub mod optim;
+pub mod plan;
 pub mod rng;
 pub mod schedule;
 pub mod trace;

@@ -164,6 +164,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Plan a run: FLOPs, Chinchilla sizing, time and cost, memory per GPU, and the
+    /// fastest parallel layouts that fit (tp, pp, dp, microbatches, schedule).
+    Plan(pipewright::plan::PlanArgs),
 }
 
 fn main() {
@@ -321,6 +324,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Schedule { kind, stages, microbatches, chunks, json } => {
             print!("{}", pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?);
+            Ok(())
+        }
+        Command::Plan(args) => {
+            print!("{}", pipewright::plan::cli(&args)?);
             Ok(())
         }
     }

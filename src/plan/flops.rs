@@ -1,0 +1,179 @@
+//! Parameter counts, training FLOPs and Chinchilla-optimal sizing.
+//!
+//! FLOPs per token of training: 6·N (a multiply-add is 2 FLOPs; backward costs
+//! twice forward; Kaplan et al. 2020) plus the attention score and value products,
+//! which no parameter accounts for: 6·L·C·T per token, llm.c's count (forward
+//! QKᵀ and A·V are 2·2·T·C per token per layer over all positions, halved for the
+//! causal mask, times 3 for forward + backward). nanoGPT and PaLM count 12·L·C·T
+//! (no causal halving).
+
+use serde::Serialize;
+
+/// Shape of a GPT-2 style model.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct ModelShape {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    /// Sequence length T.
+    pub seq: usize,
+    pub vocab: usize,
+}
+
+/// Shapes from the GPT-3 paper's table 2.1 (and LLaMA for the larger sizes), used to
+/// guess a shape when only `--params` is given: (layers, hidden, heads).
+pub const KNOWN_SHAPES: [(usize, usize, usize); 12] = [
+    (12, 768, 12),
+    (24, 1024, 16),
+    (24, 1536, 16),
+    (24, 2048, 16),
+    (32, 2560, 32),
+    (32, 4096, 32),
+    (40, 5120, 40),
+    (60, 6656, 52),
+    (80, 8192, 64),
+    (96, 10240, 80),
+    (96, 12288, 96),
+    (128, 16384, 128),
+];
+
+impl ModelShape {
+    /// Parameters of one transformer block: attention 4C² + 4C, MLP 8C² + 5C, two
+    /// layernorms 4C.
+    pub fn layer_params(&self) -> f64 {
+        let c = self.hidden as f64;
+        12.0 * c * c + 13.0 * c
+    }
+
+    /// Token and position embeddings (the LM head is tied to the token embedding).
+    pub fn embedding_params(&self) -> f64 {
+        ((self.vocab + self.seq) * self.hidden) as f64
+    }
+
+    /// All parameters: 12·L·C² + 13·L·C + (V + T)·C + 2C (final layernorm), GPT-2's
+    /// count with tied embeddings, as llm.c has it.
+    pub fn params(&self) -> f64 {
+        self.layers as f64 * self.layer_params() + self.embedding_params() + 2.0 * self.hidden as f64
+    }
+
+    /// The table shape whose parameter count is nearest `params` (in log space),
+    /// with sequence length `seq` and vocabulary `vocab`.
+    pub fn guess(params: f64, seq: usize, vocab: usize) -> ModelShape {
+        let shape = |&(layers, hidden, heads): &(usize, usize, usize)| ModelShape {
+            layers,
+            hidden,
+            heads,
+            seq,
+            vocab,
+        };
+        KNOWN_SHAPES
+            .iter()
+            .map(shape)
+            .min_by(|a, b| {
+                let d = |s: &ModelShape| (s.params().ln() - params.ln()).abs();
+                d(a).total_cmp(&d(b))
+            })
+            .expect("table is not empty")
+    }
+
+    /// Attention FLOPs per token of training (llm.c): 6·L·C·T.
+    pub fn attention_flops_per_token(&self) -> f64 {
+        6.0 * (self.layers * self.hidden * self.seq) as f64
+    }
+}
+
+/// Training FLOPs, split into the parameter and attention parts.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TrainFlops {
+    /// 6·N·D.
+    pub six_nd: f64,
+    /// 6·L·C·T·D.
+    pub attention: f64,
+    /// The sum.
+    pub total: f64,
+}
+
+/// FLOPs to train `params` parameters on `tokens` tokens with the attention of `shape`.
+pub fn train_flops(params: f64, tokens: f64, shape: &ModelShape) -> TrainFlops {
+    let six_nd = 6.0 * params * tokens;
+    let attention = shape.attention_flops_per_token() * tokens;
+    TrainFlops { six_nd, attention, total: six_nd + attention }
+}
+
+/// Hoffmann et al. (2022), approach 3: L(N, D) = E + A/N^α + B/D^β.
+pub const CHINCHILLA_E: f64 = 1.69;
+pub const CHINCHILLA_A: f64 = 406.4;
+pub const CHINCHILLA_B: f64 = 410.7;
+pub const CHINCHILLA_ALPHA: f64 = 0.34;
+pub const CHINCHILLA_BETA: f64 = 0.28;
+
+/// The fitted loss of N parameters trained on D tokens.
+pub fn chinchilla_loss(n: f64, d: f64) -> f64 {
+    CHINCHILLA_E + CHINCHILLA_A / n.powf(CHINCHILLA_ALPHA) + CHINCHILLA_B / d.powf(CHINCHILLA_BETA)
+}
+
+/// A compute-optimal model size and token count.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Sizing {
+    pub params: f64,
+    pub tokens: f64,
+    /// The fitted law's loss at this (N, D).
+    pub loss: f64,
+}
+
+/// Both Chinchilla answers for one compute budget C = 6·N·D.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Chinchilla {
+    /// The budget, in FLOPs (6·N·D of the run being planned).
+    pub budget: f64,
+    /// D = 20·N, so N = √(C/120).
+    pub rule_20x: Sizing,
+    /// argmin over N of L(N, C/(6N)) (golden-section search in log N).
+    pub fitted: Sizing,
+}
+
+/// The compute-optimal sizes for `budget` FLOPs (counted as 6·N·D).
+pub fn chinchilla(budget: f64) -> Chinchilla {
+    let n = (budget / 120.0).sqrt();
+    let rule_20x = Sizing { params: n, tokens: 20.0 * n, loss: chinchilla_loss(n, 20.0 * n) };
+    let f = |log_n: f64| {
+        let n = log_n.exp();
+        chinchilla_loss(n, budget / (6.0 * n))
+    };
+    // L is convex in log N at fixed C: golden section over [1e3, C/6 / 1e3] parameters.
+    let (mut a, mut b) = (1e3f64.ln(), (budget / 6.0e3).max(1e4).ln());
+    let g = (5f64.sqrt() - 1.0) / 2.0;
+    for _ in 0..200 {
+        let (x1, x2) = (b - g * (b - a), a + g * (b - a));
+        if f(x1) < f(x2) {
+            b = x2;
+        } else {
+            a = x1;
+        }
+    }
+    let n = ((a + b) / 2.0).exp();
+    let d = budget / (6.0 * n);
+    Chinchilla { budget, rule_20x, fitted: Sizing { params: n, tokens: d, loss: chinchilla_loss(n, d) } }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_124m_has_llm_c_parameter_count() {
+        let s = ModelShape { layers: 12, hidden: 768, heads: 12, seq: 1024, vocab: 50257 };
+        assert_eq!(s.params(), 124_439_808.0);
+    }
+
+    #[test]
+    fn fitted_law_matches_closed_form() {
+        // ∂L/∂N = 0 at fixed C gives N = G·(C/6)^(β/(α+β)), G = (αA/(βB))^(1/(α+β)).
+        let c = 5.76e23;
+        let (a, b) = (CHINCHILLA_ALPHA, CHINCHILLA_BETA);
+        let g = (a * CHINCHILLA_A / (b * CHINCHILLA_B)).powf(1.0 / (a + b));
+        let n = g * (c / 6.0f64).powf(b / (a + b));
+        let got = chinchilla(c).fitted.params;
+        assert!((got / n - 1.0).abs() < 1e-6, "{got} vs {n}");
+    }
+}

@@ -1,0 +1,479 @@
+//! `pipewright plan`: plan a training run before spending on it.
+//!
+//! From a model (a config's `[model]`, shape flags, or just `--params`), a token
+//! budget and a GPU count, the planner gives:
+//! - training FLOPs, 6·N·D plus the attention term ([`flops`]);
+//! - the Chinchilla-optimal size for the same budget, by the 20-tokens-per-parameter
+//!   rule and by Hoffmann et al.'s fitted law;
+//! - time and cost at a given MFU and price ([`hardware`] holds the GPU table);
+//! - memory per GPU by component ([`memory`]);
+//! - a ranked search over tensor, pipeline and data parallel sizes, microbatches,
+//!   schedules, recompute and ZeRO stage, with bubbles from our schedule simulator
+//!   ([`search`]).
+//!
+//! Entry points: [`resolve`] (flags and config → [`PlanInput`]), [`plan`]
+//! (→ [`Plan`]), [`Plan::text`] and `serde_json::to_value(&plan)`; [`cli`] does all
+//! three for the command line.
+
+pub mod flops;
+pub mod hardware;
+pub mod memory;
+pub mod search;
+
+use crate::config::Config;
+use flops::{Chinchilla, ModelShape, TrainFlops};
+use hardware::Gpu;
+use memory::{Recompute, StateBytes};
+use search::{SearchInput, SearchResult};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+/// The `plan` command's options.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct PlanArgs {
+    /// TOML config: [model] gives the shape; [train] and [parallel] give the global
+    /// batch (dp · microbatches · micro_batch_size), tokens (× steps) and GPUs
+    /// (pp · dp). Flags override it.
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Parameters N, e.g. 7e9 (default: counted from the shape). Alone, the shape is
+    /// guessed from the GPT-3/LLaMA table.
+    #[arg(long)]
+    pub params: Option<f64>,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Sequence length T [default: 2048 without a config].
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Vocabulary size [default: 50257 without a config].
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// Training tokens D, e.g. 2e12.
+    #[arg(long)]
+    pub tokens: Option<f64>,
+    /// Number of GPUs G.
+    #[arg(long)]
+    pub gpus: Option<usize>,
+    /// a100, h100 or h200.
+    #[arg(long, default_value = "h100")]
+    pub gpu: String,
+    /// Model FLOPs utilisation the compute runs at.
+    #[arg(long, default_value_t = 0.4)]
+    pub mfu: f64,
+    /// Price in $ per GPU-hour (cost is left out without it).
+    #[arg(long)]
+    pub price: Option<f64>,
+    /// Fix the sequences per microbatch (default: the search chooses).
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
+    /// Sequences per optimizer step over all replicas [default: 1024, or the config's].
+    #[arg(long)]
+    pub global_batch: Option<usize>,
+    /// Fraction of the data-parallel gradient all-reduce hidden behind backward
+    /// (Megatron's --overlap-grad-reduce gets most of it; 0 is conservative).
+    #[arg(long, default_value_t = 0.0)]
+    pub dp_overlap: f64,
+    /// Print the plan as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A bad input; `flag` names the flag (or config field) at fault.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{flag}: {reason}")]
+pub struct PlanError {
+    pub flag: String,
+    pub reason: String,
+}
+
+fn err(flag: &str, reason: impl Into<String>) -> PlanError {
+    PlanError { flag: flag.into(), reason: reason.into() }
+}
+
+/// Everything the planner runs on, resolved from flags and config.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PlanInput {
+    pub shape: ModelShape,
+    /// True when the shape was guessed from `--params` alone.
+    pub shape_guessed: bool,
+    pub params: f64,
+    pub tokens: f64,
+    pub gpus: usize,
+    pub gpu: Gpu,
+    pub mfu: f64,
+    pub price: Option<f64>,
+    pub micro_batch: Option<usize>,
+    pub global_batch: usize,
+    pub dp_overlap: f64,
+}
+
+/// Flags over config over defaults. Errors name the flag.
+pub fn resolve(a: &PlanArgs) -> Result<PlanInput, PlanError> {
+    let cfg = match &a.config {
+        Some(path) => Some(Config::load(Some(path), &[]).map_err(|e| err("--config", e.to_string()))?),
+        None => None,
+    };
+    let positive = |flag: &str, x: Option<usize>| match x {
+        Some(0) => Err(err(flag, "must be at least 1")),
+        x => Ok(x),
+    };
+    let (layers, hidden, heads) =
+        (positive("--layers", a.layers)?, positive("--hidden", a.hidden)?, positive("--heads", a.heads)?);
+    let (seq, vocab) = (positive("--seq", a.seq)?, positive("--vocab", a.vocab)?);
+    if let Some(n) = a.params {
+        if !(n.is_finite() && n >= 1.0) {
+            return Err(err("--params", format!("must be a positive count, got {n}")));
+        }
+    }
+    let seq = seq.or(cfg.as_ref().map(|c| c.model.block_size)).unwrap_or(2048);
+    let vocab = vocab.or(cfg.as_ref().map(|c| c.model.vocab_size)).unwrap_or(50257);
+    let from_cfg = cfg.as_ref().map(|c| (c.model.n_layer, c.model.n_embd, c.model.n_head));
+    let any_shape = layers.is_some() || hidden.is_some() || heads.is_some();
+    let (shape, guessed) = match (from_cfg, any_shape, a.params) {
+        (None, false, Some(n)) => (ModelShape::guess(n, seq, vocab), true),
+        (None, false, None) => {
+            return Err(err("--params", "give --params, or --layers/--hidden/--heads, or --config"))
+        }
+        _ => {
+            let pick = |flag: &str, x: Option<usize>, c: Option<usize>| {
+                x.or(c).ok_or_else(|| err(flag, "required with the other shape flags (or use --config)"))
+            };
+            let shape = ModelShape {
+                layers: pick("--layers", layers, from_cfg.map(|c| c.0))?,
+                hidden: pick("--hidden", hidden, from_cfg.map(|c| c.1))?,
+                heads: pick("--heads", heads, from_cfg.map(|c| c.2))?,
+                seq,
+                vocab,
+            };
+            if !shape.hidden.is_multiple_of(shape.heads) {
+                return Err(err(
+                    "--heads",
+                    format!("{} heads do not divide hidden {}", shape.heads, shape.hidden),
+                ));
+            }
+            (shape, false)
+        }
+    };
+    let params = a.params.unwrap_or_else(|| shape.params());
+    let batch_cfg = cfg.as_ref().map(|c| c.parallel.dp * c.parallel.microbatches * c.train.micro_batch_size);
+    let global_batch = positive("--global-batch", a.global_batch)?.or(batch_cfg).unwrap_or(1024);
+    let tokens = match (a.tokens, &cfg) {
+        (Some(d), _) => d,
+        (None, Some(c)) => (c.train.steps * global_batch * seq) as f64,
+        (None, None) => return Err(err("--tokens", "required: training tokens, e.g. 2e12")),
+    };
+    if !(tokens.is_finite() && tokens >= 1.0) {
+        return Err(err("--tokens", format!("must be a positive count, got {tokens}")));
+    }
+    let gpus = match (positive("--gpus", a.gpus)?, &cfg) {
+        (Some(g), _) => g,
+        (None, Some(c)) => c.parallel.pp * c.parallel.dp,
+        (None, None) => return Err(err("--gpus", "required: how many GPUs")),
+    };
+    let gpu: Gpu = a.gpu.parse().map_err(|e: String| err("--gpu", e))?;
+    if !(a.mfu.is_finite() && a.mfu > 0.0 && a.mfu <= 1.0) {
+        return Err(err("--mfu", format!("must be in (0, 1], got {}", a.mfu)));
+    }
+    if let Some(p) = a.price {
+        if !(p.is_finite() && p >= 0.0) {
+            return Err(err("--price", format!("must be ≥ 0 $/GPU-hour, got {p}")));
+        }
+    }
+    let micro_batch = positive("--micro-batch", a.micro_batch)?;
+    if !(0.0..=1.0).contains(&a.dp_overlap) {
+        return Err(err("--dp-overlap", format!("must be in [0, 1], got {}", a.dp_overlap)));
+    }
+    Ok(PlanInput {
+        shape,
+        shape_guessed: guessed,
+        params,
+        tokens,
+        gpus,
+        gpu,
+        mfu: a.mfu,
+        price: a.price,
+        micro_batch,
+        global_batch,
+        dp_overlap: a.dp_overlap,
+    })
+}
+
+/// Time and cost of the whole run at the MFU, with no parallel overheads.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct IdealTime {
+    pub gpu_hours: f64,
+    pub days: f64,
+    pub cost_usd: Option<f64>,
+}
+
+/// The memory section: bytes per parameter, model states under each ZeRO stage
+/// with plain data parallel over all GPUs, and activations per layer per microbatch.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct MemorySummary {
+    pub bytes_per_param: StateBytes,
+    pub bytes_per_param_total: f64,
+    /// Unsharded model states (bytes).
+    pub model_states: f64,
+    /// Per GPU with tp = pp = 1, dp = G, ZeRO-0..3 (bytes).
+    pub zero_per_gpu: [f64; 4],
+    /// The microbatch size the activation figures are for.
+    pub micro_batch: usize,
+    /// Per layer per microbatch, tp = 1: s·b·h·(34 + 5as/h).
+    pub activation_per_layer_none: f64,
+    /// 34·s·b·h: selective recompute, or flash attention.
+    pub activation_per_layer_selective: f64,
+    /// 2·s·b·h: full recompute.
+    pub activation_per_layer_full: f64,
+    /// The top candidate's fullest GPU, if any layout fits.
+    pub best: Option<memory::RankMemory>,
+    pub usable_bytes: f64,
+}
+
+/// A complete plan.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    pub input: PlanInput,
+    pub train_flops: TrainFlops,
+    pub chinchilla: Chinchilla,
+    pub ideal: IdealTime,
+    pub memory: MemorySummary,
+    pub candidates: Vec<search::Candidate>,
+    pub layouts_tried: usize,
+    pub rejected_for_memory: usize,
+}
+
+/// Runs the planner.
+pub fn plan(inp: &PlanInput) -> Plan {
+    let s = &inp.shape;
+    let train_flops = flops::train_flops(inp.params, inp.tokens, s);
+    let chinchilla = flops::chinchilla(train_flops.six_nd);
+    let gpu_s = train_flops.total / (inp.gpu.peak_flops * inp.mfu);
+    let ideal = IdealTime {
+        gpu_hours: gpu_s / 3600.0,
+        days: gpu_s / inp.gpus as f64 / 86_400.0,
+        cost_usd: inp.price.map(|p| p * gpu_s / 3600.0),
+    };
+    let SearchResult { candidates, layouts_tried, rejected_for_memory, .. } = search::search(&SearchInput {
+        shape: *s,
+        params: inp.params,
+        tokens: inp.tokens,
+        gpus: inp.gpus,
+        gpu: inp.gpu,
+        mfu: inp.mfu,
+        global_batch: inp.global_batch,
+        micro_batch: inp.micro_batch,
+        price: inp.price,
+        dp_overlap: inp.dp_overlap,
+    });
+    let b = inp.micro_batch.unwrap_or(1);
+    let act = |r| memory::activation_bytes_per_layer(s, b, r, 1);
+    let memory = MemorySummary {
+        bytes_per_param: StateBytes::new(1.0, 1, 0),
+        bytes_per_param_total: memory::bytes_per_param(),
+        model_states: StateBytes::new(inp.params, 1, 0).total(),
+        zero_per_gpu: [0u8, 1, 2, 3].map(|z| StateBytes::new(inp.params, inp.gpus, z).total()),
+        micro_batch: b,
+        activation_per_layer_none: act(Recompute::None),
+        activation_per_layer_selective: act(Recompute::Selective),
+        activation_per_layer_full: act(Recompute::Full),
+        best: candidates.first().map(|c| c.memory),
+        usable_bytes: inp.gpu.usable_bytes(),
+    };
+    Plan {
+        input: inp.clone(),
+        train_flops,
+        chinchilla,
+        ideal,
+        memory,
+        candidates,
+        layouts_tried,
+        rejected_for_memory,
+    }
+}
+
+fn si(x: f64) -> String {
+    let (v, u) = match x.abs() {
+        x if x >= 1e12 => (1e-12, "T"),
+        x if x >= 1e9 => (1e-9, "B"),
+        x if x >= 1e6 => (1e-6, "M"),
+        x if x >= 1e3 => (1e-3, "K"),
+        _ => (1.0, ""),
+    };
+    format!("{:.2}{u}", x * v)
+}
+
+fn gb(x: f64) -> String {
+    format!("{:.2} GB", x / 1e9)
+}
+
+impl Plan {
+    /// The human-readable report.
+    pub fn text(&self) -> String {
+        let mut o = String::new();
+        let i = &self.input;
+        let s = &i.shape;
+        let _ = writeln!(
+            o,
+            "model: {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}{}",
+            si(i.params),
+            s.layers,
+            s.hidden,
+            s.heads,
+            s.seq,
+            s.vocab,
+            if i.shape_guessed { " (shape guessed from --params: nearest GPT-3/LLaMA size)" } else { "" }
+        );
+        let _ = writeln!(
+            o,
+            "run:   {} tokens on {} × {} ({:.0} TFLOP/s bf16 dense, {:.0} GB) at MFU {:.2}; global batch {} × {} tokens; DP overlap {:.0}%",
+            si(i.tokens),
+            i.gpus,
+            i.gpu.name,
+            i.gpu.peak_flops / 1e12,
+            i.gpu.memory_bytes / 1e9,
+            i.mfu,
+            i.global_batch,
+            s.seq,
+            100.0 * i.dp_overlap
+        );
+        let f = &self.train_flops;
+        let _ = writeln!(
+            o,
+            "\nFLOPs: 6ND = {:.3e} + attention 6·L·C·T·D = {:.3e} → {:.3e} total ({:.1}% attention)",
+            f.six_nd,
+            f.attention,
+            f.total,
+            100.0 * f.attention / f.total
+        );
+        let c = &self.chinchilla;
+        let _ = writeln!(o, "Chinchilla-optimal for C = 6ND = {:.3e}:", c.budget);
+        let _ = writeln!(
+            o,
+            "  20 tokens/param: N = {}, D = {} (fitted loss {:.3})",
+            si(c.rule_20x.params),
+            si(c.rule_20x.tokens),
+            c.rule_20x.loss
+        );
+        let _ = writeln!(
+            o,
+            "  fitted law (Hoffmann approach 3): N = {}, D = {} (loss {:.3}); this run: {:.1} tokens/param, loss {:.3}",
+            si(c.fitted.params),
+            si(c.fitted.tokens),
+            c.fitted.loss,
+            i.tokens / i.params,
+            flops::chinchilla_loss(i.params, i.tokens)
+        );
+        let _ = writeln!(
+            o,
+            "Time at MFU {:.2}: {:.3e} GPU-hours = {:.1} days on {} GPUs{}",
+            i.mfu,
+            self.ideal.gpu_hours,
+            self.ideal.days,
+            i.gpus,
+            self.ideal.cost_usd.map(|c| format!(", ${}", si(c))).unwrap_or_default()
+        );
+        let m = &self.memory;
+        let _ = writeln!(
+            o,
+            "\nmemory: {} B/param (bf16 weights 2, bf16 grads 2, f32 master 4, Adam m 4 + v 4) → {} of model states",
+            m.bytes_per_param_total,
+            gb(m.model_states)
+        );
+        let _ = writeln!(
+            o,
+            "  per GPU with dp = {} (tp = pp = 1): ZeRO-0 {}, ZeRO-1 {}, ZeRO-2 {}, ZeRO-3 {}",
+            i.gpus,
+            gb(m.zero_per_gpu[0]),
+            gb(m.zero_per_gpu[1]),
+            gb(m.zero_per_gpu[2]),
+            gb(m.zero_per_gpu[3])
+        );
+        let _ = writeln!(
+            o,
+            "  activations per layer per microbatch of {} (tp = 1): {} stored, {} with flash attention or selective recompute, {} with full recompute",
+            m.micro_batch,
+            gb(m.activation_per_layer_none),
+            gb(m.activation_per_layer_selective),
+            gb(m.activation_per_layer_full)
+        );
+        let _ = writeln!(
+            o,
+            "  alive under the schedule: 1F1B p − s microbatches on stage s (p on stage 0), GPipe m; usable {} per GPU",
+            gb(m.usable_bytes)
+        );
+        if let Some(b) = &m.best {
+            let st = &b.states;
+            let _ = writeln!(
+                o,
+                "  top candidate, fullest GPU (rank {}): weights {}, grads {}, master {}, Adam {}, activations {} ({} microbatch·chunks), workspace {} = {}",
+                b.rank,
+                gb(st.weights),
+                gb(st.grads),
+                gb(st.master),
+                gb(st.adam_m + st.adam_v),
+                gb(b.activations),
+                b.live_microbatches,
+                gb(b.workspace),
+                gb(b.total)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\nlayouts: {} tried, {} over memory; best per (tp, pp, schedule), fastest first:",
+            self.layouts_tried, self.rejected_for_memory
+        );
+        if self.layouts_tried == 0 {
+            let _ = writeln!(
+                o,
+                "  no layout divides evenly: tp must divide the heads, pp the layers, tp·pp the GPUs, and dp·m the global batch (--gpus, --global-batch)"
+            );
+        } else if self.candidates.is_empty() {
+            let _ = writeln!(o, "  none fits: more GPUs, a larger GPU, or a smaller --micro-batch");
+        } else {
+            let _ = writeln!(
+                o,
+                "  #  tp pp  dp    m  b schedule         recomp    ZeRO  mem GB  bubble  step s   MFU   days{}",
+                if i.price.is_some() { "  cost $" } else { "" }
+            );
+        }
+        for (k, c) in self.candidates.iter().take(5).enumerate() {
+            let _ = writeln!(
+                o,
+                "  {}  {:>2} {:>2} {:>3} {:>4} {:>2} {:<16} {:<9} {:>4} {:>7.1} {:>6.1}% {:>7.2} {:>5.1}% {:>6.1}{}",
+                k + 1,
+                c.tp,
+                c.pp,
+                c.dp,
+                c.microbatches,
+                c.micro_batch,
+                c.schedule,
+                c.recompute.name(),
+                c.zero,
+                c.memory_bytes / 1e9,
+                100.0 * c.bubble,
+                c.step_s,
+                100.0 * c.mfu,
+                c.train_days,
+                c.cost_usd.map(|x| format!("  {}", si(x))).unwrap_or_default()
+            );
+            let _ = writeln!(o, "     why: {}", c.why);
+        }
+        o
+    }
+}
+
+/// The `pipewright plan` command: resolve, plan, and render text or JSON.
+pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
+    let p = plan(&resolve(args)?);
+    Ok(if args.json {
+        let v = serde_json::to_value(&p).map_err(|e| err("--json", e.to_string()))?;
+        format!("{v}\n")
+    } else {
+        p.text()
+    })
+}
