@@ -105,7 +105,9 @@ fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<crate::checkpoin
         eprintln!("no complete checkpoint in {}: starting from step 0", root.display());
         return Ok(None);
     };
+    let t = std::time::Instant::now();
     let loaded = crate::checkpoint::load(path)?;
+    let load_ms = t.elapsed().as_secs_f64() * 1e3;
     let theirs = Config::parse(&loaded.state.config, &path.join("state.json").display().to_string(), &[])?;
     if theirs.model != cfg.model {
         bail!(
@@ -119,7 +121,7 @@ fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<crate::checkpoin
     if (*step as usize) > cfg.train.steps {
         bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
     }
-    eprintln!("resuming from {} (step {step})", path.display());
+    eprintln!("resuming from {} (step {step}; read and verified in {load_ms:.1} ms)", path.display());
     Ok(Some(loaded))
 }
 
