@@ -147,6 +147,15 @@ pub struct OptimSection {
     pub eps: f64,
     /// Global-norm clipping threshold; 0 disables clipping.
     pub grad_clip: f64,
+    /// "none" or "dynamic" (loss scaling for reduced precision; exact on f32).
+    pub loss_scale: String,
+    /// Initial scale (a power of two).
+    pub loss_scale_init: f64,
+    /// Clean steps before the scale doubles.
+    pub loss_scale_growth_interval: usize,
+    /// Overflowing steps tolerated before the scale halves.
+    pub loss_scale_hysteresis: usize,
+    pub loss_scale_min: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -247,6 +256,11 @@ impl Default for OptimSection {
             beta2: 0.95,
             eps: 1e-8,
             grad_clip: 1.0,
+            loss_scale: "none".into(),
+            loss_scale_init: 65536.0,
+            loss_scale_growth_interval: 1000,
+            loss_scale_hysteresis: 2,
+            loss_scale_min: 1.0,
         }
     }
 }
@@ -515,6 +529,27 @@ impl Config {
             format!("must be finite and >= sim.weight_ms ({}) >= 0", sim.weight_ms),
         );
         v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
+        v.one_of("optim.loss_scale", &o.loss_scale, &["none", "dynamic"]);
+        let pow2 = |x: f64| x > 0.0 && x.is_finite() && x.log2().fract() == 0.0;
+        v.check(
+            pow2(o.loss_scale_init),
+            "optim.loss_scale_init",
+            o.loss_scale_init,
+            "must be a power of two",
+        );
+        v.check(pow2(o.loss_scale_min), "optim.loss_scale_min", o.loss_scale_min, "must be a power of two");
+        v.check(
+            o.loss_scale_growth_interval >= 1,
+            "optim.loss_scale_growth_interval",
+            o.loss_scale_growth_interval,
+            "must be >= 1",
+        );
+        v.check(
+            o.loss_scale_hysteresis >= 1,
+            "optim.loss_scale_hysteresis",
+            o.loss_scale_hysteresis,
+            "must be >= 1",
+        );
         let r = &self.recovery;
         v.check(
             r.lr_factor > 0.0 && r.lr_factor <= 1.0,

@@ -183,3 +183,44 @@ fn impossible_layouts_are_refused_naming_the_field() {
     assert!(err.contains("parallel.layers_per_stage"), "{err}");
     assert!(!dir.path().join("r").exists(), "nothing is written for a refused layout");
 }
+
+#[test]
+fn dynamic_loss_scaling_changes_no_bits_on_f32() {
+    // Powers of two scale and unscale exactly, so until something overflows the
+    // scaled run is the unscaled one, bit for bit.
+    let plain = train(&config(&["parallel.pp=2"]), None);
+    let scaled = train(
+        &config(&["parallel.pp=2", "optim.loss_scale=\"dynamic\"", "optim.loss_scale_init=1024"]),
+        None,
+    );
+    assert_same_bits(&plain, &scaled, "loss scale 1024");
+}
+
+#[test]
+fn overflowing_gradients_skip_the_step_and_back_the_scale_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r");
+    // A separate process: the fault knob is an environment variable.
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["train", "--steps", "6", "--out", out.to_str().unwrap()])
+        .args(["--set", "parallel.pp=2", "--set", "optim.loss_scale=\"dynamic\""])
+        .args(["--set", "optim.loss_scale_init=1024", "--set", "optim.loss_scale_hysteresis=1"])
+        .args(["--set", "recovery.max_skips=1"])
+        .env("PIPEWRIGHT_FAULT_INF", "2")
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let scales: Vec<f64> = metrics.iter().map(|m| m["loss_scale"].as_f64().unwrap()).collect();
+    assert_eq!(metrics[2]["skipped"], true);
+    assert!(metrics[2]["alert"].as_str().unwrap().contains("overflowed"));
+    assert_eq!(scales, [1024.0, 1024.0, 1024.0, 512.0, 512.0, 512.0]);
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(s["rollbacks"], 0, "an overflow is the scaler's business, not a failure (max_skips = 1)");
+    assert_eq!(s["skipped_steps"], 1);
+}

@@ -280,6 +280,7 @@ pub struct CoordinatorState {
     consecutive_skips: usize,
     /// After a rollback, the LR is scaled until this step.
     cooldown_until: u64,
+    scaler: Option<crate::optim::scaler::LossScaler>,
 }
 
 impl Actor for Coordinator {
@@ -294,6 +295,10 @@ impl Actor for Coordinator {
     ) -> Result<CoordinatorState, ActorProcessingErr> {
         let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed } = inputs;
         let start_step = resume.as_ref().map_or(0, |r| r.state.step);
+        let scaler = match resume.as_ref().and_then(|r| r.state.loss_scaler.clone()) {
+            Some(s) if cfg.optim.loss_scale == "dynamic" => Some(s),
+            _ => crate::optim::scaler::LossScaler::from_config(&cfg.optim),
+        };
         let ck_args = super::checkpointer::CheckpointerArgs {
             run_dir: run_dir.clone(),
             keep: cfg.checkpoint.keep,
@@ -425,6 +430,7 @@ impl Actor for Coordinator {
             window: Default::default(),
             consecutive_skips: 0,
             cooldown_until: 0,
+            scaler,
         })
     }
 
@@ -608,6 +614,7 @@ impl CoordinatorState {
             config: self.cfg.to_toml_string(),
             config_hash: self.cfg.hash(),
             digests: Default::default(),
+            loss_scaler: self.scaler.clone(),
         };
         self.writes_pending += 1;
         self.checkpointer.send_message(super::checkpointer::CheckpointerMsg::Write { tensors, state })?;
@@ -648,7 +655,8 @@ impl CoordinatorState {
             l.send_message(LoaderMsg::Train { step: self.step })?;
         }
         for s in self.all_stages() {
-            s.send_message(StageMsg::RunStep { step: self.step })?;
+            let loss_scale = self.scaler.as_ref().map_or(1.0, |sc| sc.scale as f32);
+            s.send_message(StageMsg::RunStep { step: self.step, loss_scale })?;
         }
         Ok(())
     }
@@ -660,12 +668,19 @@ impl CoordinatorState {
         for r in &self.reports {
             self.norms.extend_from_slice(&r.grad_sumsq);
         }
-        let grad_norm = optim::global_norm(&mut self.norms);
+        // With loss scaling the gradients are `scale` times the true ones; the
+        // scale is a power of two, so dividing it out is exact.
+        let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let grad_norm = optim::global_norm(&mut self.norms) / scale;
         let loss_sum: f64 = self.reports.iter().filter_map(|r| r.loss_sum).sum();
         let loss = loss_sum / self.tokens_per_step as f64;
         let mut skip = !loss.is_finite() || !grad_norm.is_finite();
+        let overflow = self.scaler.is_some() && loss.is_finite() && !grad_norm.is_finite();
         let mut alert = None;
-        if skip {
+        if overflow {
+            alert =
+                Some(format!("gradients overflowed at loss scale {scale}: update skipped, scale backs off"));
+        } else if skip {
             alert = Some(format!("non-finite loss ({loss}) or gradient norm ({grad_norm}): update skipped"));
         } else if let Some(a) = self.spike(loss, grad_norm) {
             skip = self.cfg.recovery.spike_skip;
@@ -674,16 +689,20 @@ impl CoordinatorState {
         if let Some(a) = &alert {
             eprintln!("step {}: {a}", self.step + 1);
         }
-        if skip {
+        if let Some(sc) = &mut self.scaler {
+            sc.update(overflow);
+        }
+        if skip && !overflow {
             self.consecutive_skips += 1;
-        } else {
+        } else if !skip {
             self.consecutive_skips = 0;
             self.window.push_back((loss, grad_norm));
             if self.window.len() > self.cfg.recovery.spike_window {
                 self.window.pop_front();
             }
         }
-        let clip = optim::clip_coefficient(grad_norm, self.cfg.optim.grad_clip);
+        // AdamW multiplies each gradient by this: the clip factor, unscaled.
+        let clip = optim::clip_coefficient(grad_norm, self.cfg.optim.grad_clip) / scale as f32;
         self.waiting = Waiting::Applied;
         self.acks = 0;
         let (step, lr) = (self.step, self.lr);
@@ -702,6 +721,7 @@ impl CoordinatorState {
             val_loss: None,
             exact_match: None,
             alert,
+            loss_scale: self.scaler.is_some().then_some(scale),
         });
         Ok(())
     }

@@ -34,8 +34,10 @@ pub enum Phase {
 
 pub enum StageMsg {
     /// Walk the action list for optimizer step `step`.
+    /// `loss_scale` multiplies the loss gradient (dynamic loss scaling; 1 when off).
     RunStep {
         step: u64,
+        loss_scale: f32,
     },
     /// The coordinator's decision after the step's gradient norm.
     Apply {
@@ -342,12 +344,23 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 /// `PIPEWRIGHT_FAULT_NAN=3,4,5`: the loss of those (0-based) steps is NaN, once
 /// each per process — a poisoned batch, for the recovery tests.
 fn nan_fault(step: u64) -> bool {
-    static FIRED: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
-    let Ok(v) = std::env::var("PIPEWRIGHT_FAULT_NAN") else { return false };
+    listed_fault("PIPEWRIGHT_FAULT_NAN", step)
+}
+
+/// `PIPEWRIGHT_FAULT_INF=2,3`: a gradient of those steps overflows to +inf
+/// while the loss stays finite — what dynamic loss scaling must absorb.
+fn inf_fault(step: u64) -> bool {
+    listed_fault("PIPEWRIGHT_FAULT_INF", step)
+}
+
+fn listed_fault(var: &str, step: u64) -> bool {
+    static FIRED: std::sync::Mutex<Vec<(String, u64)>> = std::sync::Mutex::new(Vec::new());
+    let Ok(v) = std::env::var(var) else { return false };
     let listed = v.split(',').any(|s| s.trim().parse::<u64>().ok() == Some(step));
+    let key = (var.to_string(), step);
     let mut fired = FIRED.lock().expect("fault log");
-    if listed && !fired.contains(&step) {
-        fired.push(step);
+    if listed && !fired.contains(&key) {
+        fired.push(key);
         return true;
     }
     false
@@ -590,7 +603,7 @@ impl Worker {
     /// Returns false when the worker should exit.
     fn handle_control(&mut self, msg: StageMsg) -> Result<bool, Stopped> {
         match msg {
-            StageMsg::RunStep { step } => self.run_step(step)?,
+            StageMsg::RunStep { step, loss_scale } => self.run_step(step, loss_scale)?,
             StageMsg::Apply { step, lr, clip, skip } => {
                 assert_eq!(step, self.step);
                 let t = self.rec.now_us();
@@ -660,7 +673,7 @@ impl Worker {
         let _ = self.coordinator.send_message(msg);
     }
 
-    fn run_step(&mut self, step: u64) -> Result<(), Stopped> {
+    fn run_step(&mut self, step: u64, loss_scale: f32) -> Result<(), Stopped> {
         self.step = step;
         for p in &mut self.parts {
             p.zero_grads();
@@ -696,9 +709,13 @@ impl Worker {
             }
             match a.kind {
                 ActionKind::F => {
-                    if let Some(l) =
-                        self.forward(Phase::Train, a.stage, a.mb, Mode::Train { dloss: self.dloss }, None)?
-                    {
+                    if let Some(l) = self.forward(
+                        Phase::Train,
+                        a.stage,
+                        a.mb,
+                        Mode::Train { dloss: self.dloss * loss_scale },
+                        None,
+                    )? {
                         loss_sum += l;
                     }
                 }
@@ -725,6 +742,10 @@ impl Worker {
             let t = self.rec.now_us();
             self.reduce_over_replicas()?;
             self.trace_rank("reduce", t);
+        }
+        if self.stages.contains(&last) && self.sim.is_none() && inf_fault(step) {
+            let i = self.local(last);
+            self.parts[i].params[0].grad[0] = f32::INFINITY;
         }
         let mut sumsq = Vec::new();
         if self.replica == 0 {

@@ -46,6 +46,9 @@ pub struct StateFile {
     pub config_hash: String,
     /// blake3 of each file in the directory, by file name.
     pub digests: BTreeMap<String, String>,
+    /// Dynamic loss scaling's state, when it is on.
+    #[serde(default)]
+    pub loss_scaler: Option<crate::optim::scaler::LossScaler>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -4,6 +4,8 @@
 //! Global norms are summed per tensor in the model's canonical tensor order, so
 //! the result is the same bits however the model is split into parts.
 
+pub mod scaler;
+
 use crate::kernels::cpu::adamw::{adamw_update, sum_squares, AdamW};
 use crate::kernels::profile::{timed, Kernel};
 use crate::model::params::all_tensors;

@@ -50,6 +50,9 @@ pub struct StepMetrics {
     /// What the spike detector or the recovery logic saw at this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alert: Option<String>,
+    /// The dynamic loss scale used at this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
 }
 
 #[derive(Serialize, Debug, Clone)]
