@@ -153,10 +153,9 @@ pub fn svg(trace: &Trace, summary: &Summary, step: u64) -> String {
         let xx = x(t);
         let _ = writeln!(
             o,
-            r##"<line x1="{xx:.1}" y1="{:.1}" x2="{xx:.1}" y2="{axis_y:.1}" stroke="#e4e4e4"/><text x="{xx:.1}" y="{:.1}" text-anchor="middle" fill="#333">{}</text>"##,
+            r##"<line x1="{xx:.1}" y1="{:.1}" x2="{xx:.1}" y2="{axis_y:.1}" stroke="#e4e4e4"/><text x="{xx:.1}" y="{:.1}" text-anchor="middle" fill="#333">{t:.decimals$}</text>"##,
             top_measured - 4.0,
             axis_y + 16.0,
-            format!("{t:.decimals$}")
         );
     }
     let _ = writeln!(

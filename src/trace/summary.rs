@@ -15,9 +15,9 @@ use std::path::{Path, PathBuf};
 /// Why a trace cannot be read or summarised; always names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("{}: cannot read: {source}", path.display())]
+    #[error("{}: cannot read", path.display())]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("{}: cannot write: {source}", path.display())]
+    #[error("{}: cannot write", path.display())]
     Write { path: PathBuf, source: std::io::Error },
     #[error("{}: not a Chrome trace: {reason}", path.display())]
     Format { path: PathBuf, reason: String },
@@ -306,6 +306,8 @@ pub fn theory(trace: &Trace, costs: &Costs) -> Result<SimReport, String> {
 /// The actions the last-ending action of `spans` (one step of one replica) waited
 /// on, walked back: at each action, whichever finished later of the lane's previous
 /// action and the cross-stage producer (F(s−1, mb) for F, B/I(s+1, mb) for B/I).
+/// Each move goes to a dependency, so the walk ends; no timestamp order is assumed
+/// (a producer's span may end a few µs after its consumer's starts: it ends after its send).
 fn critical_path(spans: &[&Span]) -> Vec<Action> {
     let mut by_action: BTreeMap<Action, &Span> = BTreeMap::new();
     let mut per_rank: BTreeMap<usize, Vec<&Span>> = BTreeMap::new();
@@ -335,8 +337,7 @@ fn critical_path(spans: &[&Span]) -> Vec<Action> {
             }
             ActionKind::W => by_action.get(&Action::i(a.stage, a.mb)),
         }
-        .copied()
-        .filter(|p| p.end_us <= cur.start_us + 1e-6 || prev.is_none());
+        .copied();
         let next = match (prev, producer) {
             (Some(p), Some(q)) => Some(if q.end_us > p.end_us { q } else { p }),
             (p, q) => p.or(q),
@@ -623,7 +624,7 @@ pub(crate) fn lane_name(rank: usize, stages: &[usize]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::chrome_json;
+    use crate::trace::{chrome_json, Record};
 
     fn rec(stage: usize, name: &str, step: u64, mb: Option<usize>, start: f64, dur: f64) -> Record {
         Record {
