@@ -68,7 +68,7 @@ fn every_schedule_kind_written_as_a_trace_summarises_to_its_simulation() {
 fn real_trace() -> PathBuf {
     static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("pipewright-trace-test-{}", std::process::id()));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("trace-test-run");
         let (ok, _, err) = pipewright(&[
             "train",
             "--steps",
