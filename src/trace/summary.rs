@@ -165,6 +165,9 @@ pub struct LaneSummary {
     pub cooldown_ms: f64,
     /// Idle between its first and last action.
     pub wait_ms: f64,
+    /// Mean duration of each action kind on this lane, ms (the simulator gets one
+    /// factor per stage, so lanes whose B/F ratios differ are where theory drifts).
+    pub mean_ms: BTreeMap<char, f64>,
 }
 
 /// Idle time, per step, that one lane spent waiting for one thing.
@@ -351,6 +354,23 @@ fn critical_path(spans: &[&Span]) -> Vec<Action> {
     path
 }
 
+/// Mean duration (ms) per action kind over the counted steps' actions that `keep`.
+fn mean_action_ms(trace: &Trace, steps: &[u64], keep: impl Fn(&Span) -> bool) -> BTreeMap<char, f64> {
+    let mut out = BTreeMap::new();
+    for k in [ActionKind::F, ActionKind::B, ActionKind::I, ActionKind::W] {
+        let d: Vec<f64> = trace
+            .actions
+            .iter()
+            .filter(|a| a.kind == Some(k) && steps.contains(&a.step) && keep(a))
+            .map(Span::dur)
+            .collect();
+        if !d.is_empty() {
+            out.insert(k.letter(), d.iter().sum::<f64>() / d.len() as f64 / 1e3);
+        }
+    }
+    out
+}
+
 /// Summarises `trace` (see the module comment).
 pub fn summarize(trace: &Trace) -> Result<Summary, TraceError> {
     let steps_map = by_step(&trace.actions);
@@ -438,6 +458,7 @@ pub fn summarize(trace: &Trace) -> Result<Summary, TraceError> {
             warmup_ms: a.warmup / a.n / 1e3,
             cooldown_ms: a.cooldown / a.n / 1e3,
             wait_ms: a.wait / a.n / 1e3,
+            mean_ms: mean_action_ms(trace, &counted_steps, |s| s.rank == rank),
         })
         .collect();
     let bubble_frac = lanes.iter().map(|l| l.bubble_frac).sum::<f64>() / lanes.len() as f64;
@@ -452,18 +473,7 @@ pub fn summarize(trace: &Trace) -> Result<Summary, TraceError> {
         Ok(r) => (Some(r.mean_bubble_frac), Some(r.makespan / 1e3), None),
         Err(e) => (None, None, Some(e)),
     };
-    let mut mean_ms = BTreeMap::new();
-    for k in [ActionKind::F, ActionKind::B, ActionKind::I, ActionKind::W] {
-        let d: Vec<f64> = trace
-            .actions
-            .iter()
-            .filter(|a| a.kind == Some(k) && counted_steps.contains(&a.step))
-            .map(Span::dur)
-            .collect();
-        if !d.is_empty() {
-            mean_ms.insert(k.letter(), d.iter().sum::<f64>() / d.len() as f64 / 1e3);
-        }
-    }
+    let mean_ms = mean_action_ms(trace, &counted_steps, |_| true);
     let median_spans = steps_map.get(&(0, median_step)).cloned().unwrap_or_default();
     let critical_path = critical_path(&median_spans);
     let critical_path_busy_ms = critical_path
@@ -528,6 +538,7 @@ impl Summary {
                 "stage": l.stage, "rank": l.rank, "stages": l.stages,
                 "busy_frac": l.busy_frac, "bubble_frac": l.bubble_frac, "busy_ms": l.busy_ms,
                 "warmup_ms": l.warmup_ms, "cooldown_ms": l.cooldown_ms, "wait_ms": l.wait_ms,
+                "mean_action_ms": l.mean_ms.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
             })).collect::<Vec<_>>(),
             "critical_path": self.critical_path.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
             "critical_path_busy_ms": self.critical_path_busy_ms,
@@ -564,19 +575,20 @@ impl Summary {
         );
         let _ = writeln!(
             o,
-            "\n{:<22} {:>6} {:>7} {:>10} {:>11} {:>9}",
+            "\n{:<22} {:>6} {:>7} {:>10} {:>11} {:>9}  mean action ms",
             "lane", "busy", "bubble", "warmup ms", "cooldown ms", "wait ms"
         );
         for l in &self.lanes {
             let _ = writeln!(
                 o,
-                "{:<22} {:>5.1}% {:>6.1}% {:>10.2} {:>11.2} {:>9.2}",
+                "{:<22} {:>5.1}% {:>6.1}% {:>10.2} {:>11.2} {:>9.2}  {}",
                 self.lane_name(l),
                 100.0 * l.busy_frac,
                 100.0 * l.bubble_frac,
                 l.warmup_ms,
                 l.cooldown_ms,
-                l.wait_ms
+                l.wait_ms,
+                l.mean_ms.iter().map(|(k, v)| format!("{k} {v:.2}")).collect::<Vec<_>>().join(", ")
             );
         }
         let theory = match (self.theory_bubble_frac, &self.theory_note) {
