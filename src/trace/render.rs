@@ -191,12 +191,14 @@ pub fn svg(trace: &Trace, summary: &Summary, step: u64) -> String {
             let w = (x1 - x0).max(0.5);
             let _ = write!(
                 o,
-                r##"<g class="action" data-kind="{k}"><title>{s}{k}{mb}: {:.2}–{:.2} ms</title><rect x="{x0:.2}" y="{:.1}" width="{w:.2}" height="{:.1}" fill="{}" stroke="white" stroke-width="0.6"/>"##,
+                r##"<g class="action" data-kind="{k}"><title>{s}{k}{mb}: {:.2}–{:.2} ms</title><rect x="{x0:.2}" y="{:.1}" width="{w:.2}" height="{:.1}" fill="{}" fill-opacity="{}" stroke="white" stroke-width="0.6"/>"##,
                 it.t0,
                 it.t1,
                 y + 1.0,
                 LANE_H - 2.0,
                 colour(it.kind),
+                // Later model chunks of a rank (interleaved) are drawn lighter.
+                if (it.stage / m.pp.max(1)) % 2 == 1 { 0.6 } else { 1.0 },
                 s = it.stage,
                 k = it.kind.letter(),
                 mb = it.mb,
@@ -278,11 +280,12 @@ pub fn svg(trace: &Trace, summary: &Summary, step: u64) -> String {
         );
         lx += 40.0 + 7.0 * label.len() as f64;
     }
-    let _ = writeln!(
-        o,
-        "<text x=\"{:.1}\" y=\"{legend_y:.1}\" fill=\"#555\">numbers are microbatches</text>",
-        lx
-    );
+    let note = if m.chunks > 1 {
+        "numbers are microbatches; lighter: odd model chunks"
+    } else {
+        "numbers are microbatches"
+    };
+    let _ = writeln!(o, "<text x=\"{lx:.1}\" y=\"{legend_y:.1}\" fill=\"#555\">{note}</text>");
     let _ = writeln!(o, "</g>\n</svg>");
     o
 }
