@@ -163,6 +163,36 @@ enum Command {
         /// Print only the per-rank action lists: {"ranks": [["0F0", …], …]}.
         #[arg(long)]
         json: bool,
+        /// Also write the simulated timeline as a Chrome trace (the format of train --trace).
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
+        /// With --trace: action costs in ms, F,B or F,B,I,W [default: 1,2,1,1].
+        #[arg(long, value_delimiter = ',', value_name = "MS")]
+        costs: Vec<f64>,
+    },
+    /// Read a trace (from train --trace or schedule --trace): where the time went, or a picture.
+    #[command(subcommand)]
+    Trace(TraceCommand),
+}
+
+#[derive(Subcommand)]
+enum TraceCommand {
+    /// Busy time, warmup/cooldown bubbles and waits per stage, measured vs theory bubble,
+    /// the critical path of a step and the top causes of idle time.
+    Summary {
+        file: PathBuf,
+        /// Print the figures as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Draw one step's lanes, measured above theory, as HTML (inline SVG) or SVG (by -o's extension).
+    Render {
+        file: PathBuf,
+        #[arg(short, long, value_name = "timeline.html")]
+        out: PathBuf,
+        /// The step to draw [default: the step of median duration].
+        #[arg(long)]
+        step: Option<u64>,
     },
     /// Plan a run: FLOPs, Chinchilla sizing, time and cost, memory per GPU, and the
     /// fastest parallel layouts that fit (tp, pp, dp, microbatches, schedule).
@@ -322,8 +352,28 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Schedule { kind, stages, microbatches, chunks, json } => {
+        Command::Schedule { kind, stages, microbatches, chunks, json, trace, costs } => {
             print!("{}", pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?);
+            if let Some(path) = trace {
+                let v = pipewright::trace::simulated::cli_trace(&kind, stages, microbatches, chunks, &costs)?;
+                std::fs::write(&path, v.to_string())
+                    .with_context(|| format!("{}: cannot write", path.display()))?;
+                eprintln!("trace: {}", path.display());
+            }
+            Ok(())
+        }
+        Command::Trace(TraceCommand::Summary { file, json }) => {
+            let s = pipewright::trace::summary::summarize(&pipewright::trace::summary::load(&file)?)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s.to_json())?);
+            } else {
+                print!("{}", s.text());
+            }
+            Ok(())
+        }
+        Command::Trace(TraceCommand::Render { file, out, step }) => {
+            let step = pipewright::trace::render::write(&file, &out, step)?;
+            eprintln!("step {step} → {}", out.display());
             Ok(())
         }
         Command::Plan(args) => {

@@ -8,6 +8,10 @@
 //! one file. All timestamps are microseconds from one `Instant` shared by every
 //! actor of the run, so lanes line up without clock alignment.
 
+pub mod render;
+pub mod simulated;
+pub mod summary;
+
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
