@@ -173,6 +173,9 @@ enum Command {
     /// Read a trace (from train --trace or schedule --trace): where the time went, or a picture.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Plan a run: FLOPs, Chinchilla sizing, time and cost, memory per GPU, and the
+    /// fastest parallel layouts that fit (tp, pp, dp, microbatches, schedule).
+    Plan(pipewright::plan::PlanArgs),
 }
 
 #[derive(Subcommand)]
@@ -194,9 +197,6 @@ enum TraceCommand {
         #[arg(long)]
         step: Option<u64>,
     },
-    /// Plan a run: FLOPs, Chinchilla sizing, time and cost, memory per GPU, and the
-    /// fastest parallel layouts that fit (tp, pp, dp, microbatches, schedule).
-    Plan(pipewright::plan::PlanArgs),
 }
 
 fn main() {
