@@ -538,10 +538,10 @@ impl ModelPart {
                 self.recompute_block(&acts, l);
             }
             let ba = if self.recompute { self.recompute_acts.as_ref().unwrap() } else { &acts.blocks[l] };
-            // The input half then at once the weight half: the same kernel calls in
-            // the same order per tensor as I followed later by W, so B = I + W in bits.
+            // Weight gradients are taken as their inputs appear: per tensor the
+            // same kernel calls as an I followed later by a W, so B = I + W in bits.
             block_backward_input(
-                &self.params[base..base + 12],
+                &mut self.params[base..base + 12],
                 ba,
                 &acts.inputs[l],
                 &mut dres,
@@ -549,14 +549,7 @@ impl ModelPart {
                 &mut self.scratch,
                 self.b,
                 &self.cfg,
-            );
-            block_backward_weight(
-                &mut self.params[base..base + 12],
-                ba,
-                &acts.inputs[l],
-                &self.full_grads,
-                self.b,
-                &self.cfg,
+                true,
             );
         }
         let result = self.finish_input(&acts, dres, true);
@@ -587,7 +580,7 @@ impl ModelPart {
         for l in (0..self.n_blocks()).rev() {
             let base = self.block_base(l);
             block_backward_input(
-                &self.params[base..base + 12],
+                &mut self.params[base..base + 12],
                 &acts.blocks[l],
                 &acts.inputs[l],
                 &mut dres,
@@ -595,6 +588,7 @@ impl ModelPart {
                 &mut self.scratch,
                 self.b,
                 &self.cfg,
+                false,
             );
         }
         let extra: usize = grads.iter().map(BlockGrads::bytes).sum();
@@ -760,10 +754,13 @@ fn block_forward(
 
 /// The input half of one block's backward. `dres` holds the gradient of the
 /// block's output on entry and of its input on return; `g` receives the
-/// intermediate output gradients the weight half needs.
+/// intermediate output gradients. With `full` (a B), each weight gradient is
+/// accumulated as soon as its output gradient exists — the same kernel calls on
+/// the same inputs as the later W of a split backward, so the same bits — and
+/// the gradients that `dres` carries need no copies.
 #[allow(clippy::too_many_arguments)]
 fn block_backward_input(
-    p: &[Param],
+    p: &mut [Param],
     a: &BlockActs,
     x: &[f32],
     dres: &mut [f32],
@@ -771,17 +768,26 @@ fn block_backward_input(
     s: &mut Scratch,
     b: usize,
     cfg: &GptConfig,
+    full: bool,
 ) {
     let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
     let n = b * t;
-    g.dout.copy_from_slice(dres);
     // MLP: out = res2 + gelu(ln2(res2)·Wfc)·Wfcproj
-    s.dgelu.fill(0.0);
-    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut s.dgelu, dres, &p[FCPW].data, n, 4 * c, c));
-    g.dfch.fill(0.0);
-    timed(Kernel::Gelu, || gelu::gelu_backward(&mut g.dfch, &a.fch, &s.dgelu));
-    g.dln2.fill(0.0);
-    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut g.dln2, &g.dfch, &p[FCW].data, n, c, 4 * c));
+    if full {
+        weight_grad(p, FCPW, FCPB, dres, &a.fch_gelu, n, 4 * c, c);
+    } else {
+        g.dout.copy_from_slice(dres);
+    }
+    timed(Kernel::Matmul, || {
+        matmul::matmul_backward_input(&mut s.dgelu, dres, &p[FCPW].data, n, 4 * c, c, false)
+    });
+    timed(Kernel::Gelu, || gelu::gelu_backward_into(&mut g.dfch, &a.fch, &s.dgelu, false));
+    timed(Kernel::Matmul, || {
+        matmul::matmul_backward_input(&mut g.dln2, &g.dfch, &p[FCW].data, n, c, 4 * c, false)
+    });
+    if full {
+        weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * c);
+    }
     timed(Kernel::LayerNorm, || {
         layernorm::layernorm_backward_input(
             dres,
@@ -794,10 +800,19 @@ fn block_backward_input(
             c,
         )
     });
+    if full {
+        norm_grad(p, LN2W, LN2B, &g.dln2, &a.res2, &a.ln2_mean, &a.ln2_rstd, n, c);
+    }
     // dres is now ∂L/∂res2. Attention: res2 = x + attn(ln1(x))·Wproj.
-    g.dres2.copy_from_slice(dres);
-    s.datty.fill(0.0);
-    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut s.datty, dres, &p[PROJW].data, n, c, c));
+    if full {
+        weight_grad(p, PROJW, PROJB, dres, &a.atty, n, c, c);
+    } else {
+        g.dres2.copy_from_slice(dres);
+    }
+    timed(Kernel::Matmul, || {
+        matmul::matmul_backward_input(&mut s.datty, dres, &p[PROJW].data, n, c, c, false)
+    });
+    // dK and dV accumulate over query tiles, so this one starts from zero.
     g.dqkv.fill(0.0);
     timed(Kernel::Attention, || {
         attention::attention_backward(
@@ -813,15 +828,59 @@ fn block_backward_input(
             nh,
         )
     });
-    g.dln1.fill(0.0);
-    timed(Kernel::Matmul, || matmul::matmul_backward_input(&mut g.dln1, &g.dqkv, &p[QKVW].data, n, c, 3 * c));
+    timed(Kernel::Matmul, || {
+        matmul::matmul_backward_input(&mut g.dln1, &g.dqkv, &p[QKVW].data, n, c, 3 * c, false)
+    });
+    if full {
+        weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * c);
+    }
     timed(Kernel::LayerNorm, || {
         layernorm::layernorm_backward_input(dres, &g.dln1, x, &p[LN1W].data, &a.ln1_mean, &a.ln1_rstd, n, c)
     });
+    if full {
+        norm_grad(p, LN1W, LN1B, &g.dln1, x, &a.ln1_mean, &a.ln1_rstd, n, c);
+    }
 }
 
-/// The weight half of one block's backward: accumulates every weight gradient
-/// of the block from its activations and the output gradients of the input half.
+/// dW += inpᵀ · dout and db += Σ dout for the linear layer whose tensors are p[w], p[bias].
+#[allow(clippy::too_many_arguments)]
+fn weight_grad(
+    p: &mut [Param],
+    w: usize,
+    bias: usize,
+    dout: &[f32],
+    inp: &[f32],
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    let (w, bias) = pair(p, w, bias);
+    timed(Kernel::Matmul, || {
+        matmul::matmul_backward_weight(&mut w.grad, Some(&mut bias.grad), dout, inp, n, ic, oc)
+    });
+}
+
+/// The weight and bias gradients of the LayerNorm whose tensors are p[w], p[bias].
+#[allow(clippy::too_many_arguments)]
+fn norm_grad(
+    p: &mut [Param],
+    w: usize,
+    bias: usize,
+    dout: &[f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    let (w, bias) = pair(p, w, bias);
+    timed(Kernel::LayerNorm, || {
+        layernorm::layernorm_backward_weight(&mut w.grad, &mut bias.grad, dout, inp, mean, rstd, n, c)
+    });
+}
+
+/// The weight half of one block's backward (a W): accumulates every weight
+/// gradient of the block from its activations and the output gradients its I kept.
 fn block_backward_weight(
     p: &mut [Param],
     a: &BlockActs,
@@ -832,23 +891,10 @@ fn block_backward_weight(
 ) {
     let c = cfg.n_embd;
     let n = b * cfg.block_size;
-    let mm = |p: &mut [Param], w: usize, bias: usize, dout: &[f32], inp: &[f32], ic: usize, oc: usize| {
-        let (w, bias) = pair(p, w, bias);
-        timed(Kernel::Matmul, || {
-            matmul::matmul_backward_weight(&mut w.grad, Some(&mut bias.grad), dout, inp, n, ic, oc)
-        });
-    };
-    let ln =
-        |p: &mut [Param], w: usize, bias: usize, dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32]| {
-            let (w, bias) = pair(p, w, bias);
-            timed(Kernel::LayerNorm, || {
-                layernorm::layernorm_backward_weight(&mut w.grad, &mut bias.grad, dout, inp, mean, rstd, n, c)
-            });
-        };
-    mm(p, FCPW, FCPB, &g.dout, &a.fch_gelu, 4 * c, c);
-    mm(p, FCW, FCB, &g.dfch, &a.ln2, c, 4 * c);
-    ln(p, LN2W, LN2B, &g.dln2, &a.res2, &a.ln2_mean, &a.ln2_rstd);
-    mm(p, PROJW, PROJB, &g.dres2, &a.atty, c, c);
-    mm(p, QKVW, QKVB, &g.dqkv, &a.ln1, c, 3 * c);
-    ln(p, LN1W, LN1B, &g.dln1, x, &a.ln1_mean, &a.ln1_rstd);
+    weight_grad(p, FCPW, FCPB, &g.dout, &a.fch_gelu, n, 4 * c, c);
+    weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * c);
+    norm_grad(p, LN2W, LN2B, &g.dln2, &a.res2, &a.ln2_mean, &a.ln2_rstd, n, c);
+    weight_grad(p, PROJW, PROJB, &g.dres2, &a.atty, n, c, c);
+    weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * c);
+    norm_grad(p, LN1W, LN1B, &g.dln1, x, &a.ln1_mean, &a.ln1_rstd, n, c);
 }

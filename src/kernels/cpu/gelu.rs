@@ -23,6 +23,18 @@ simd_fn! {
 }
 
 simd_fn! {
+    fn backward_chunk_overwrite(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+        for ((dx, &x), &dy) in dinp.iter_mut().zip(inp).zip(dout) {
+            let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+            let th = tanh(u);
+            let sech2 = 1.0 - th * th;
+            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
+            *dx = (0.5 * (1.0 + th) + 0.5 * x * sech2 * du) * dy;
+        }
+    }
+}
+
+simd_fn! {
     fn backward_chunk(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
         for ((dx, &x), &dy) in dinp.iter_mut().zip(inp).zip(dout) {
             let u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
@@ -36,11 +48,21 @@ simd_fn! {
 
 /// dinp += GELU'(inp) · dout.
 pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+    gelu_backward_into(dinp, inp, dout, true)
+}
+
+/// dinp (+)= GELU'(inp) · dout; with `accumulate` false dinp is overwritten.
+pub fn gelu_backward_into(dinp: &mut [f32], inp: &[f32], dout: &[f32], accumulate: bool) {
     assert!(dinp.len() == inp.len() && dout.len() == inp.len());
-    dinp.par_chunks_mut(CHUNK)
-        .zip(inp.par_chunks(CHUNK))
-        .zip(dout.par_chunks(CHUNK))
-        .for_each(|((dx, x), dy)| backward_chunk(dx, x, dy));
+    dinp.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).zip(dout.par_chunks(CHUNK)).for_each(
+        |((dx, x), dy)| {
+            if accumulate {
+                backward_chunk(dx, x, dy)
+            } else {
+                backward_chunk_overwrite(dx, x, dy)
+            }
+        },
+    );
 }
 
 #[cfg(test)]
@@ -60,6 +82,16 @@ mod tests {
         with_threads(2, || gelu_forward(&mut out, &x));
         let want: Vec<f64> = x.iter().map(|&v| reference(v as f64)).collect();
         assert_close(&out, &want, 1e-6);
+    }
+
+    #[test]
+    fn overwriting_backward_equals_accumulating_into_zeros() {
+        let (x, g) = (randn(9000, 5), randn(9000, 6));
+        let mut acc = vec![0.0; 9000];
+        gelu_backward(&mut acc, &x, &g);
+        let mut over = vec![7.0; 9000];
+        gelu_backward_into(&mut over, &x, &g, false);
+        assert_eq!(acc, over);
     }
 
     #[test]

@@ -149,17 +149,26 @@ pub fn matmul_backward(
     oc: usize,
 ) {
     if let Some(dinp) = dinp {
-        matmul_backward_input(dinp, dout, weight, n, c, oc);
+        matmul_backward_input(dinp, dout, weight, n, c, oc, true);
     }
     matmul_backward_weight(dweight, dbias, dout, inp, n, c, oc);
 }
 
-/// The input half of the backward (zero-bubble schedules' I): dinp (N, C) += dout · weightᵀ.
-pub fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], weight: &[f32], n: usize, c: usize, oc: usize) {
+/// The input half of the backward (zero-bubble schedules' I): dinp (N, C) += dout · weightᵀ,
+/// or = when `accumulate` is false (a fresh buffer needs no zeroing first).
+pub fn matmul_backward_input(
+    dinp: &mut [f32],
+    dout: &[f32],
+    weight: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+    accumulate: bool,
+) {
     assert_eq!(dout.len(), n * oc);
     assert_eq!(weight.len(), c * oc);
     assert_eq!(dinp.len(), n * c);
-    gemm_checked(dinp, true, dout, (oc as isize, 1), weight, (1, oc as isize), n, c, oc, 1.0);
+    gemm_checked(dinp, accumulate, dout, (oc as isize, 1), weight, (1, oc as isize), n, c, oc, 1.0);
 }
 
 /// The weight half (zero-bubble schedules' W): dweight (C, OC) += inpᵀ · dout; dbias += Σ_rows dout.
