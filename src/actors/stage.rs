@@ -634,6 +634,7 @@ impl Worker {
                 });
             }
             StageMsg::Snapshot { step } => {
+                let t = self.rec.now_us();
                 let mut tensors = Vec::new();
                 for (part, st) in self.parts.iter().zip(&self.adam) {
                     for (i, p) in part.params.iter().enumerate() {
@@ -647,6 +648,7 @@ impl Worker {
                     }
                 }
                 let adam_step = self.adam.first().map_or(0, |a| a.t);
+                self.trace_rank("checkpoint", t);
                 self.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
             }
             StageMsg::Restore(c) => {
