@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every figure docs/benchmarks.md quotes, measured in one go on this machine:
+# CPU throughput and kernel shares, pipeline sizes and message latency, the
+# sim backend's bubble table, tracing and checkpoint costs, the default run.
+# Usage: scripts/bench-all.sh [OUT_DIR]   (PyTorch side by side: scripts/bench_vs_torch.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/bench-all}
+mkdir -p "$out"
+cargo build --release -q
+bin=target/release/pipewright
+echo "== commit $(git rev-parse --short HEAD), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+
+echo "== CPU bench (configs/bench-cpu.toml), pipeline sizes, message latency"
+$bin bench --config configs/bench-cpu.toml --steps 20 --pp 1,2,4 --json 2>/dev/null | tee "$out/bench.txt"
+
+echo "== sim backend: measured vs theoretical bubble and runtime overhead (1F1B, then GPipe)"
+$bin bench --sim --schedule 1f1b --plot "$out/sim-1f1b.svg" 2>/dev/null | tee "$out/sim-1f1b.txt"
+$bin bench --sim --schedule gpipe --plot "$out/sim-gpipe.svg" 2>/dev/null | tee "$out/sim-gpipe.txt"
+
+echo "== tracing cost: the default model, 200 steps, with and without --trace"
+for t in "" "--trace"; do
+    $bin train --steps 200 --out "$out/trace-cost$t" --force $t --set train.eval_every=0 --set checkpoint.every=0 2>&1 \
+        | grep -E "^done" | sed "s/^/  ${t:-no trace}: /"
+done
+
+echo "== checkpoint pause, write and load: bench-cpu model, a checkpoint every 5 steps"
+$bin train --config configs/bench-cpu.toml --steps 20 --out "$out/ckpt" --force --set checkpoint.every=5 2>&1 | grep -E "^done"
+grep -E '"checkpoint_(pause|write)_ms"' "$out/ckpt/summary.json"
+$bin train --config configs/bench-cpu.toml --steps 20 --resume "$out/ckpt" --set checkpoint.every=5 2>&1 | grep -E "resuming"
+
+echo "== the default run (embedded config)"
+/usr/bin/time -f "  wall %e s, max RSS %M KiB" $bin train --out "$out/default" --force 2>&1 | grep -E "^done|wall|exact" | tail -3
