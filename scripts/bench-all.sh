@@ -30,4 +30,6 @@ grep -E '"checkpoint_(pause|write)_ms"' "$out/ckpt/summary.json"
 $bin train --config configs/bench-cpu.toml --steps 20 --resume "$out/ckpt" --set checkpoint.every=5 2>&1 | grep -E "resuming"
 
 echo "== the default run (embedded config)"
-/usr/bin/time -f "  wall %e s, max RSS %M KiB" $bin train --out "$out/default" --force 2>&1 | grep -E "^done|wall|exact" | tail -3
+start=$SECONDS
+$bin train --out "$out/default" --force 2>&1 | grep -E "^done" || true
+echo "  wall $((SECONDS - start)) s (setup, training, evaluations and writing outputs)"
