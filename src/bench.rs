@@ -94,6 +94,25 @@ pub fn run(cfg: &Config, steps: usize, warmup: usize, mut progress: impl FnMut(u
     }
 }
 
+/// A training run into a scratch directory that is removed afterwards, with no
+/// progress output: what the benchmarks measure.
+fn run_quietly(
+    cfg: &Config,
+    tag: &str,
+) -> anyhow::Result<(crate::train::run::Summary, crate::actors::RunOutcome)> {
+    let dir = std::env::temp_dir().join(format!("pipewright-bench-{}-{tag}", std::process::id()));
+    let opts = crate::train::run::TrainOptions {
+        out_dir: dir.clone(),
+        init: None,
+        force: true,
+        progress: false,
+        resume: false,
+    };
+    let result = crate::train::run::train_with(cfg, &opts, None);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 /// One row of the pipeline comparison: the same model and batch at one layout.
 #[derive(Serialize, Debug, Clone)]
 pub struct PipelineRow {
@@ -131,16 +150,7 @@ pub fn pipeline_rows(
         c.data.builtin = "random".into();
         c.data.train.clear();
         c.data.val.clear();
-        let dir = std::env::temp_dir().join(format!("pipewright-bench-{}-pp{pp}", std::process::id()));
-        let opts = crate::train::run::TrainOptions {
-            out_dir: dir.clone(),
-            init: None,
-            force: true,
-            progress: false,
-            resume: false,
-        };
-        let (summary, out) = crate::train::run::train_with(&c, &opts, None)?;
-        let _ = std::fs::remove_dir_all(&dir);
+        let (summary, out) = run_quietly(&c, &format!("pp{pp}"))?;
         let mut lat = out.message_latency_us.clone();
         lat.sort_by(f64::total_cmp);
         let q = |f: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * f) as usize] };
@@ -309,16 +319,7 @@ pub fn sim_rows(
             "trace.enabled=true".into(),
         ];
         let cfg = Config::load(None, &overrides)?;
-        let dir = std::env::temp_dir().join(format!("pipewright-sim-{}-{pp}-{m}", std::process::id()));
-        let opts = crate::train::run::TrainOptions {
-            out_dir: dir.clone(),
-            init: None,
-            force: true,
-            progress: false,
-            resume: false,
-        };
-        let (_, out) = crate::train::run::train_with(&cfg, &opts, None)?;
-        let _ = std::fs::remove_dir_all(&dir);
+        let (_, out) = run_quietly(&cfg, &format!("sim-{pp}-{m}"))?;
         let kind: ScheduleKind = schedule.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
         let sched = build(kind, pp, m, 1).map_err(|e| anyhow::anyhow!("{e}"))?;
         let costs = Costs {
