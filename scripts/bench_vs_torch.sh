@@ -20,7 +20,7 @@ BIN=${CARGO_TARGET_DIR:-target}/release/pipewright
 
 results=$(mktemp); trap 'rm -f "$results"' EXIT
 echo "running pipewright bench ($STEPS steps)..." >&2
-"$BIN" bench --config configs/bench-cpu.toml --steps "$STEPS" --json | tail -n 1 \
+"$BIN" bench --config configs/bench-cpu.toml --steps "$STEPS" --pp 1 --json | tail -n 1 \
     | sed 's/^{/{"impl":"pipewright",/' >> "$results"
 echo "running torch eager..." >&2
 "$PYTHON" scripts/torch_bench.py --steps "$STEPS" | tail -n 1 >> "$results"
