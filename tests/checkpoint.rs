@@ -136,34 +136,41 @@ fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
 }
 
 #[test]
-fn sigint_saves_a_checkpoint_at_the_next_step_and_exits_cleanly() {
+fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let want = full_run(dir.path(), "40");
-    let out = dir.path().join("int");
-    let o = out.to_str().unwrap();
-    let child = cmd(
-        &["train", "--steps", "40", "--out", o],
-        &["--set", "parallel.pp=2", "--set", "checkpoint.every=0"],
-    )
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    // Wait until training is under way (metrics appear), then interrupt.
-    for _ in 0..200 {
-        if std::fs::read_to_string(out.join("metrics.jsonl")).map(|t| t.lines().count() >= 2).unwrap_or(false)
-        {
-            break;
+    for (name, signal) in [("int", libc::SIGINT), ("term", libc::SIGTERM)] {
+        let out = dir.path().join(name);
+        let o = out.to_str().unwrap();
+        let child = cmd(
+            &["train", "--steps", "40", "--out", o],
+            &["--set", "parallel.pp=2", "--set", "checkpoint.every=0"],
+        )
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+        // Wait until training is under way (metrics appear), then signal.
+        for _ in 0..200 {
+            if std::fs::read_to_string(out.join("metrics.jsonl"))
+                .map(|t| t.lines().count() >= 2)
+                .unwrap_or(false)
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
-        std::thread::sleep(Duration::from_millis(20));
+        unsafe { libc::kill(child.id() as i32, signal) };
+        let res = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(res.status.success(), "{name}: {err}");
+        assert!(err.contains("stopped by a signal"), "{name}: {err}");
+        let s: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+        assert_eq!(s["stopped_early"], true);
+        let (ok, err) = run(&["train", "--steps", "40", "--resume", o], &["--set", "parallel.pp=2"], &[]);
+        assert!(ok, "{name}: {err}");
+        assert_eq!(digest(&out), want, "{name}");
     }
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let res = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&res.stderr);
-    assert!(res.status.success(), "{err}");
-    assert!(err.contains("stopped by a signal"), "{err}");
-    let (ok, err) = run(&["train", "--steps", "40", "--resume", o], &["--set", "parallel.pp=2"], &[]);
-    assert!(ok, "{err}");
-    assert_eq!(digest(&out), want);
 }
 
 fn crashed_run(dir: &Path) -> std::path::PathBuf {
