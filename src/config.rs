@@ -25,6 +25,18 @@ pub struct Config {
     pub trace: TraceSection,
     pub checkpoint: CheckpointSection,
     pub recovery: RecoverySection,
+    pub replay: ReplaySection,
+}
+
+/// Replay logs (`RUN/replay/<actor>.log`): see `crate::replay`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReplaySection {
+    /// Record every actor's handled messages (digests of their tensors).
+    pub record: bool,
+    /// Actors whose tensor bytes are kept too, so they can be replayed alone:
+    /// names such as "stage-1", "loader-0", "reducer", "coordinator", or "all".
+    pub payloads: Vec<String>,
 }
 
 /// What happens when a step goes wrong: non-finite values always skip the
@@ -566,6 +578,14 @@ impl Config {
             self.checkpoint.keep,
             "must be >= 2, so a damaged newest checkpoint has a fallback",
         );
+        for a in &self.replay.payloads {
+            v.check(
+                self.actor_exists(a),
+                "replay.payloads",
+                quoted(a),
+                "an actor of this run (\"all\", \"coordinator\", \"reducer\", \"monitor\", \"checkpointer\", \"loader-R\", \"stage-S\" or \"stage-S.R\")",
+            );
+        }
         v.check(
             sim.stage_factors.iter().all(|f| *f > 0.0 && f.is_finite()),
             "sim.stage_factors",
@@ -574,6 +594,26 @@ impl Config {
         );
 
         v.finish()
+    }
+
+    /// Whether `name` is an actor of a run with this config (or "all").
+    pub fn actor_exists(&self, name: &str) -> bool {
+        let (pp, dp) = (self.parallel.pp, self.parallel.dp);
+        let index = |s: &str, n: usize| s.parse::<usize>().is_ok_and(|i| i < n) && !s.starts_with('+');
+        match name {
+            "all" | "coordinator" | "monitor" | "checkpointer" => true,
+            "reducer" => dp > 1,
+            _ => {
+                if let Some(r) = name.strip_prefix("loader-") {
+                    return index(r, dp);
+                }
+                let Some(rest) = name.strip_prefix("stage-") else { return false };
+                match rest.split_once('.') {
+                    Some((s, r)) => index(s, pp) && index(r, dp) && r != "0",
+                    None => index(rest, pp),
+                }
+            }
+        }
     }
 
     /// The resolved config as TOML: every field, defaults filled in and

@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod model;
 pub mod optim;
 pub mod plan;
+pub mod replay;
 pub mod rng;
 pub mod schedule;
 pub mod trace;

@@ -79,6 +79,39 @@ enum Command {
         /// order (results must not change: a check of determinism).
         #[arg(long, value_name = "SEED")]
         chaos_seed: Option<u64>,
+        /// Record every actor's handled messages into DIR/replay/<actor>.log
+        /// (digests of every tensor; see `pipewright replay`).
+        #[arg(long)]
+        record: bool,
+        /// Keep the tensors' bytes too for these actors (comma-separated names,
+        /// or "all"), so they can be replayed alone. Implies --record.
+        #[arg(long, value_name = "ACTORS", value_delimiter = ',')]
+        record_payloads: Vec<String>,
+    },
+    /// Replay a recorded run: one actor alone (--actor), checking every output
+    /// digest against the recording, or the whole run again (--all). Exit 0:
+    /// identical; 1: diverged (the first divergence is printed); 2: bad input.
+    Replay {
+        /// The run directory (it holds replay/<actor>.log).
+        dir: PathBuf,
+        /// The actor to replay: coordinator, loader-R, stage-S, stage-S.R or reducer.
+        #[arg(long, conflicts_with = "all", required_unless_present_any = ["all", "list"])]
+        actor: Option<String>,
+        /// Start at this step's checkpoint instead of the start of the run.
+        #[arg(long, value_name = "S")]
+        from_step: Option<u64>,
+        /// Re-run the whole system from the recorded config and compare every actor's log.
+        #[arg(long)]
+        all: bool,
+        /// With --all: deliver messages in a random order (consistent with causality).
+        #[arg(long, value_name = "SEED", requires = "all")]
+        chaos_seed: Option<u64>,
+        /// With --all: where the re-run goes [default: a temporary directory].
+        #[arg(long, requires = "all")]
+        out: Option<PathBuf>,
+        /// List the recorded actors and their entry counts.
+        #[arg(long)]
+        list: bool,
     },
     /// Mean loss of saved weights over the first N windows of a token file.
     Eval {
@@ -224,11 +257,98 @@ fn default_run_dir() -> PathBuf {
     PathBuf::from(format!("runs/{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60))
 }
 
+/// Ok(true): identical; Ok(false): diverged (already printed).
+fn replay_command(
+    dir: &std::path::Path,
+    actor: Option<String>,
+    from_step: Option<u64>,
+    all: bool,
+    chaos_seed: Option<u64>,
+    out: Option<PathBuf>,
+    list: bool,
+) -> Result<bool> {
+    use pipewright::replay::run::{recorded_actors, replay_actor, replay_all, Verdict};
+    if list {
+        for a in recorded_actors(dir)? {
+            let path = pipewright::replay::log_path(dir, &a);
+            let (h, entries) = pipewright::replay::LogReader::read_all(&path)?;
+            let payloads = if h.payloads { "with payloads" } else { "digests only" };
+            println!("{a:<14} {:>7} entries  {payloads}", entries.len());
+        }
+        return Ok(true);
+    }
+    if all {
+        let tmp;
+        let keep_out = out.is_some();
+        let out = match out {
+            Some(o) => o,
+            None => {
+                tmp = tempfile_dir()?;
+                tmp.clone()
+            }
+        };
+        eprintln!("re-running the recorded config into {}", out.display());
+        let result = replay_all(dir, &out, chaos_seed);
+        if !keep_out {
+            let _ = std::fs::remove_dir_all(&out);
+        }
+        let verdicts = result?;
+        let mut same = true;
+        for v in &verdicts {
+            same &= matches!(v, Verdict::Identical { .. });
+            println!("{v}");
+        }
+        println!(
+            "{}",
+            if same {
+                "the whole run replayed identically"
+            } else {
+                "the run diverged (first divergence per actor above)"
+            }
+        );
+        return Ok(same);
+    }
+    let actor = actor.expect("clap requires --actor without --all");
+    let v = replay_actor(dir, &actor, from_step)?;
+    println!("{v}");
+    Ok(matches!(v, Verdict::Identical { .. }))
+}
+
+/// A fresh directory under the system's temp dir for `replay --all`'s re-run.
+fn tempfile_dir() -> Result<PathBuf> {
+    let base = std::env::temp_dir();
+    for i in 0..1000u32 {
+        let p = base.join(format!("pipewright-replay-{}-{i}", std::process::id()));
+        if std::fs::create_dir(&p).is_ok() {
+            return Ok(p);
+        }
+    }
+    anyhow::bail!("{}: cannot create a directory for the re-run", base.display())
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, steps, out, init, force, resume, max_restarts, trace, chaos_seed } => {
+        Command::Train {
+            config,
+            steps,
+            out,
+            init,
+            force,
+            resume,
+            max_restarts,
+            trace,
+            chaos_seed,
+            record,
+            record_payloads,
+        } => {
             let mut cfg = config.load(steps)?;
             cfg.trace.enabled |= trace;
+            cfg.replay.record |= record || !record_payloads.is_empty();
+            for a in record_payloads {
+                if !cfg.replay.payloads.contains(&a) {
+                    cfg.replay.payloads.push(a);
+                }
+            }
             cfg.validate()?;
             let resuming = resume.is_some();
             let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
@@ -262,6 +382,16 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("weights digest {}", s.weights_digest);
             eprintln!("outputs in {}", out_dir.display());
             Ok(())
+        }
+        Command::Replay { dir, actor, from_step, all, chaos_seed, out, list } => {
+            match replay_command(&dir, actor, from_step, all, chaos_seed, out, list) {
+                Ok(true) => Ok(()),
+                Ok(false) => std::process::exit(1),
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    std::process::exit(2);
+                }
+            }
         }
         Command::Eval { config, weights, data, batches, json } => {
             let cfg = config.load(None)?;

@@ -17,6 +17,7 @@ use crate::config::Config;
 use crate::data::{EvalSet, Sampler};
 use crate::model::{io::LoadedWeights, Param};
 use crate::optim::{self, LrSchedule};
+use crate::replay::{self, ActorLog, Blob};
 use crate::train::run::{Progress, StepMetrics};
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message, SupervisionEvent};
 use std::sync::{Arc, OnceLock};
@@ -251,10 +252,11 @@ pub struct CoordinatorState {
     cfg: Config,
     layout: Layout,
     sched: LrSchedule,
+    /// The actors this one talks to; empty when replaying the coordinator alone.
     stages: Vec<Vec<ActorRef<StageMsg>>>,
     loaders: Vec<ActorRef<LoaderMsg>>,
     reducer: Option<ActorRef<ReducerMsg>>,
-    monitor: ActorRef<MonitorMsg>,
+    monitor: Option<ActorRef<MonitorMsg>>,
     eval_set: Option<Arc<EvalSet>>,
     has_val: bool,
     reply: Option<oneshot::Sender<Result<RunOutcome, String>>>,
@@ -270,7 +272,10 @@ pub struct CoordinatorState {
     tokens_per_step: u64,
     norms: Vec<(usize, f64)>,
     out: RunOutcome,
-    checkpointer: ActorRef<super::checkpointer::CheckpointerMsg>,
+    checkpointer: Option<ActorRef<super::checkpointer::CheckpointerMsg>>,
+    log: Option<ActorLog>,
+    /// Set when the run is over (the actor stops; a replay ends).
+    stopped: bool,
     snapshots: Vec<Option<(Vec<crate::checkpoint::TensorState>, u64)>>,
     snapshot_started: Instant,
     writes_pending: usize,
@@ -320,7 +325,8 @@ impl Actor for Coordinator {
             Actor::spawn_linked(Some(registered("monitor", id)), Monitor, monitor_args, me.get_cell())
                 .await?;
         let reducer = if dp > 1 {
-            let args = ReducerArgs { dp, stages: all.clone(), pp };
+            let log = replay::recorder(&cfg, &run_dir, "reducer", start_step)?;
+            let args = ReducerArgs { dp, stages: all.clone(), pp, n_stages: layout.n_stages(), log };
             Some(Actor::spawn_linked(Some(registered("reducer", id)), Reducer, args, me.get_cell()).await?.0)
         } else {
             None
@@ -348,9 +354,12 @@ impl Actor for Coordinator {
                     layout: layout.clone(),
                     init: init.clone(),
                     resume: resume.clone(),
-                    peers: peers.clone(),
-                    coordinator: me.clone(),
-                    reducer: reducer.clone(),
+                    links: super::stage::Links::Actors {
+                        peers: peers.clone(),
+                        coordinator: me.clone(),
+                        reducer: reducer.clone(),
+                    },
+                    log: replay::recorder(&cfg, &run_dir, &stage_name(rank, replica), start_step)?,
                     chaos_seed,
                     cores: mine,
                     latencies_us: Default::default(),
@@ -377,6 +386,8 @@ impl Actor for Coordinator {
                 eval_set = d.eval_set.clone();
                 has_val = d.val.is_some();
             }
+            let name = format!("loader-{replica}");
+            let log = replay::recorder(&cfg, &run_dir, &name, start_step)?;
             let args = LoaderArgs {
                 replica,
                 dp,
@@ -389,49 +400,28 @@ impl Actor for Coordinator {
                 stages: all.clone(),
                 first_rank: layout.rank_of(0),
                 last_rank: layout.rank_of(layout.last_stage()),
+                log,
             };
-            let name = format!("loader-{replica}");
             loaders.push(
                 Actor::spawn_linked(Some(registered(&name, id)), DataLoader, args, me.get_cell()).await?.0,
             );
         }
-        let tokens_per_step =
-            (dp * layout.microbatches * cfg.train.micro_batch_size * cfg.model.block_size) as u64;
+        let log = replay::recorder(&cfg, &run_dir, "coordinator", start_step)?;
         me.send_message(CoordinatorMsg::Start)?;
-        Ok(CoordinatorState {
-            sched: LrSchedule::from_config(&cfg),
-            steps: cfg.train.steps as u64,
-            weights: vec![None; pp],
+        let links =
+            Links { stages, loaders, reducer, monitor: Some(monitor), checkpointer: Some(checkpointer) };
+        Ok(CoordinatorState::new(
             run_dir,
             cfg,
             layout,
-            stages,
-            loaders,
-            reducer,
-            monitor,
+            start_step,
+            scaler,
             eval_set,
             has_val,
-            reply: Some(reply),
-            step: start_step,
-            waiting: Waiting::StageDone,
-            reports: Vec::new(),
-            acks: 0,
-            step_started: Instant::now(),
-            lr: 0.0,
-            pending: None,
-            tokens_per_step,
-            norms: Vec::new(),
-            out: RunOutcome::default(),
-            checkpointer,
-            snapshots: vec![None; pp],
-            snapshot_started: Instant::now(),
-            writes_pending: 0,
-            stop_requested: false,
-            window: Default::default(),
-            consecutive_skips: 0,
-            cooldown_until: 0,
-            scaler,
-        })
+            links,
+            log,
+            Some(reply),
+        ))
     }
 
     async fn handle(
@@ -440,82 +430,11 @@ impl Actor for Coordinator {
         msg: CoordinatorMsg,
         st: &mut CoordinatorState,
     ) -> Result<(), ActorProcessingErr> {
-        match msg {
-            CoordinatorMsg::Start => st.begin_step(),
-            CoordinatorMsg::StageDone(r) => {
-                check(matches!(st.waiting, Waiting::StageDone) && r.step == st.step, "unexpected StageDone")?;
-                st.reports.push(r);
-                if st.reports.len() == st.layout.pp * st.layout.dp {
-                    st.decide_update()?;
-                }
-                Ok(())
-            }
-            CoordinatorMsg::Applied { step, .. } => {
-                check(matches!(st.waiting, Waiting::Applied) && step == st.step, "unexpected Applied")?;
-                st.acks += 1;
-                if st.acks == st.layout.pp * st.layout.dp {
-                    st.step_applied()?;
-                }
-                Ok(())
-            }
-            CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens, predictions } => {
-                check(step == st.step, "evaluation of another step")?;
-                st.eval_done(kind, loss_sum, tokens, predictions)
-            }
-            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
-                st.out.trace.extend(trace);
-                check(replica == 0 && matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
-                st.weights[rank] = Some(params);
-                st.out.message_latency_us.extend(latencies_us);
-                st.out.peak_live_bytes.push(peak_live_bytes);
-                if st.weights.iter().all(Option::is_some) {
-                    st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
-                    st.waiting = Waiting::Flush;
-                    st.maybe_done(&me);
-                }
-                Ok(())
-            }
-            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step } => {
-                check(matches!(st.waiting, Waiting::Snapshots) && step == st.step, "unexpected Snapshot")?;
-                st.snapshots[rank] = Some((tensors, adam_step));
-                if st.snapshots.iter().all(Option::is_some) {
-                    st.snapshots_done()?;
-                }
-                Ok(())
-            }
-            CoordinatorMsg::Saved { ms, path, .. } => {
-                st.writes_pending -= 1;
-                st.out.checkpoint_write_ms.push(ms);
-                st.out.checkpoints.push(path);
-                if matches!(st.waiting, Waiting::RollbackAfterWrites) && st.writes_pending == 0 {
-                    return st.roll_back();
-                }
-                st.maybe_done(&me);
-                Ok(())
-            }
-            CoordinatorMsg::CheckpointFailed(e) => {
-                st.finish(Err(e));
-                me.stop(None);
-                Ok(())
-            }
-            CoordinatorMsg::Restored { .. } => {
-                check(matches!(st.waiting, Waiting::Restored), "unexpected Restored")?;
-                st.acks += 1;
-                if st.acks == st.layout.pp * st.layout.dp {
-                    st.begin_step()?;
-                }
-                Ok(())
-            }
-            CoordinatorMsg::StopRequested => {
-                st.stop_requested = true;
-                Ok(())
-            }
-            CoordinatorMsg::Failed(f) => {
-                st.finish(Err(f.to_string()));
-                me.stop(None);
-                Ok(())
-            }
+        st.on_message(msg)?;
+        if st.stopped {
+            me.stop(None);
         }
+        Ok(())
     }
 
     async fn handle_supervisor_evt(
@@ -558,11 +477,356 @@ impl Actor for Coordinator {
         if let Some(r) = &st.reducer {
             r.stop(None);
         }
-        st.monitor.stop(None);
-        st.checkpointer.stop(None);
+        if let Some(m) = &st.monitor {
+            m.stop(None);
+        }
+        if let Some(c) = &st.checkpointer {
+            c.stop(None);
+        }
+        if let Some(log) = &mut st.log {
+            if let Err(e) = log.finish() {
+                eprintln!("{e}");
+            }
+        }
         st.finish(Err("the run was stopped".into()));
         Ok(())
     }
+}
+
+/// The actors the coordinator sends to (all empty when replaying it alone).
+pub struct Links {
+    pub stages: Vec<Vec<ActorRef<StageMsg>>>,
+    pub loaders: Vec<ActorRef<LoaderMsg>>,
+    pub reducer: Option<ActorRef<ReducerMsg>>,
+    pub monitor: Option<ActorRef<MonitorMsg>>,
+    pub checkpointer: Option<ActorRef<super::checkpointer::CheckpointerMsg>>,
+}
+
+impl CoordinatorState {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        run_dir: std::path::PathBuf,
+        cfg: Config,
+        layout: Layout,
+        start_step: u64,
+        scaler: Option<crate::optim::scaler::LossScaler>,
+        eval_set: Option<Arc<EvalSet>>,
+        has_val: bool,
+        links: Links,
+        log: Option<ActorLog>,
+        reply: Option<oneshot::Sender<Result<RunOutcome, String>>>,
+    ) -> CoordinatorState {
+        let (pp, dp) = (layout.pp, layout.dp);
+        let tokens_per_step =
+            (dp * layout.microbatches * cfg.train.micro_batch_size * cfg.model.block_size) as u64;
+        CoordinatorState {
+            sched: LrSchedule::from_config(&cfg),
+            steps: cfg.train.steps as u64,
+            weights: vec![None; pp],
+            run_dir,
+            cfg,
+            layout,
+            stages: links.stages,
+            loaders: links.loaders,
+            reducer: links.reducer,
+            monitor: links.monitor,
+            checkpointer: links.checkpointer,
+            log,
+            stopped: false,
+            eval_set,
+            has_val,
+            reply,
+            step: start_step,
+            waiting: Waiting::StageDone,
+            reports: Vec::new(),
+            acks: 0,
+            step_started: Instant::now(),
+            lr: 0.0,
+            pending: None,
+            tokens_per_step,
+            norms: Vec::new(),
+            out: RunOutcome::default(),
+            snapshots: vec![None; pp],
+            snapshot_started: Instant::now(),
+            writes_pending: 0,
+            stop_requested: false,
+            window: Default::default(),
+            consecutive_skips: 0,
+            cooldown_until: 0,
+            scaler,
+        }
+    }
+
+    /// Logs a handled message: gathered messages (one per rank) are logged in
+    /// (replica, rank) order when their gather completes, so the log does not
+    /// depend on the order they arrived in.
+    fn log_handled(&mut self, msg: &CoordinatorMsg) {
+        let Some(log) = &mut self.log else { return };
+        let gathered = |kind: &str, rank: usize, replica: usize, step: u64, inputs: Vec<Blob>| {
+            replay::entry(&stage_name(rank, replica), kind, step, replica)
+                .with_stage(rank)
+                .with_inputs(inputs)
+        };
+        match msg {
+            CoordinatorMsg::Start => log.begin(replay::entry("coordinator", "Start", self.step, 0)),
+            CoordinatorMsg::StageDone(r) => log.gather(gathered(
+                "StageDone",
+                r.rank,
+                r.replica,
+                r.step,
+                super::stage::stage_done_blobs(r),
+            )),
+            CoordinatorMsg::Applied { rank, replica, step } => {
+                log.gather(gathered("Applied", *rank, *replica, *step, vec![]))
+            }
+            CoordinatorMsg::Restored { rank, replica } => {
+                log.gather(gathered("Restored", *rank, *replica, self.step, vec![]))
+            }
+            CoordinatorMsg::Weights { rank, replica, .. } => {
+                log.gather(gathered("Weights", *rank, *replica, self.step, vec![]))
+            }
+            CoordinatorMsg::Snapshot { rank, step, adam_step, .. } => log.gather(gathered(
+                "Snapshot",
+                *rank,
+                0,
+                *step,
+                vec![Blob::f64("adam_step", *adam_step as f64)],
+            )),
+            CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens, predictions } => {
+                let last = self.layout.rank_of(self.layout.last_stage());
+                let e = replay::entry(&stage_name(last, 0), "EvalDone", *step, 0)
+                    .with_eval(true)
+                    .with_inputs(vec![
+                        Blob::str("kind", super::stage::eval_kind_name(*kind)),
+                        Blob::f64("loss_sum", *loss_sum),
+                        Blob::f64("tokens", *tokens as f64),
+                        Blob::u32s("predictions", predictions, true),
+                    ]);
+                log.begin(e)
+            }
+            // Their timing is the point, not their content: left out (see crate::replay).
+            CoordinatorMsg::Saved { .. }
+            | CoordinatorMsg::CheckpointFailed(_)
+            | CoordinatorMsg::StopRequested
+            | CoordinatorMsg::Failed(_) => {}
+        }
+    }
+
+    fn gather_done(&mut self) {
+        if let Some(log) = &mut self.log {
+            log.gather_done();
+        }
+    }
+
+    /// Handles one message; sets `stopped` when the run is over.
+    pub fn on_message(&mut self, msg: CoordinatorMsg) -> Result<(), ActorProcessingErr> {
+        self.log_handled(&msg);
+        let st = self;
+        match msg {
+            CoordinatorMsg::Start => st.begin_step(),
+            CoordinatorMsg::StageDone(r) => {
+                check(matches!(st.waiting, Waiting::StageDone) && r.step == st.step, "unexpected StageDone")?;
+                st.reports.push(r);
+                if st.reports.len() == st.layout.pp * st.layout.dp {
+                    st.gather_done();
+                    st.decide_update()?;
+                }
+                Ok(())
+            }
+            CoordinatorMsg::Applied { step, .. } => {
+                check(matches!(st.waiting, Waiting::Applied) && step == st.step, "unexpected Applied")?;
+                st.acks += 1;
+                if st.acks == st.layout.pp * st.layout.dp {
+                    st.gather_done();
+                    st.step_applied()?;
+                }
+                Ok(())
+            }
+            CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens, predictions } => {
+                check(step == st.step, "evaluation of another step")?;
+                st.eval_done(kind, loss_sum, tokens, predictions)
+            }
+            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
+                st.out.trace.extend(trace);
+                check(replica == 0 && matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
+                st.weights[rank] = Some(params);
+                st.out.message_latency_us.extend(latencies_us);
+                st.out.peak_live_bytes.push(peak_live_bytes);
+                if st.weights.iter().all(Option::is_some) {
+                    st.gather_done();
+                    st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
+                    st.waiting = Waiting::Flush;
+                    st.maybe_done();
+                }
+                Ok(())
+            }
+            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step } => {
+                check(matches!(st.waiting, Waiting::Snapshots) && step == st.step, "unexpected Snapshot")?;
+                st.snapshots[rank] = Some((tensors, adam_step));
+                if st.snapshots.iter().all(Option::is_some) {
+                    st.gather_done();
+                    st.snapshots_done()?;
+                }
+                Ok(())
+            }
+            CoordinatorMsg::Saved { ms, path, .. } => {
+                st.writes_pending -= 1;
+                st.out.checkpoint_write_ms.push(ms);
+                st.out.checkpoints.push(path);
+                if matches!(st.waiting, Waiting::RollbackAfterWrites) && st.writes_pending == 0 {
+                    return st.roll_back();
+                }
+                st.maybe_done();
+                Ok(())
+            }
+            CoordinatorMsg::CheckpointFailed(e) => {
+                st.finish(Err(e));
+                st.stopped = true;
+                Ok(())
+            }
+            CoordinatorMsg::Restored { .. } => {
+                check(matches!(st.waiting, Waiting::Restored), "unexpected Restored")?;
+                st.acks += 1;
+                if st.acks == st.layout.pp * st.layout.dp {
+                    st.gather_done();
+                    st.begin_step()?;
+                }
+                Ok(())
+            }
+            CoordinatorMsg::StopRequested => {
+                st.stop_requested = true;
+                Ok(())
+            }
+            CoordinatorMsg::Failed(f) => {
+                st.finish(Err(f.to_string()));
+                st.stopped = true;
+                Ok(())
+            }
+        }
+    }
+
+    /// Begins the first step without logging it: a replay that starts from a
+    /// checkpoint skips the recorded entries before the step's first report.
+    pub fn start_unlogged(&mut self) -> Result<(), ActorProcessingErr> {
+        let log = self.log.take();
+        let r = self.begin_step();
+        self.log = log;
+        r
+    }
+
+    /// The replay log, closed (during a replay it holds the checker).
+    pub fn take_log(&mut self) -> Option<ActorLog> {
+        self.log.take()
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.stopped
+    }
+
+    fn log_sent(&mut self, to: &str, kind: &str, blobs: impl FnOnce() -> Vec<Blob>) {
+        if let Some(log) = &mut self.log {
+            log.sent(to, kind, None, blobs());
+        }
+    }
+
+    fn send_stage(&mut self, replica: usize, rank: usize, msg: StageMsg) -> Result<(), ActorProcessingErr> {
+        if self.log.is_some() {
+            let (kind, blobs) = stage_msg_blobs(&msg);
+            self.log_sent(&stage_name(rank, replica), kind, || blobs);
+        }
+        if let Some(r) = self.stages.get(replica).and_then(|v| v.get(rank)) {
+            r.send_message(msg)?;
+        }
+        Ok(())
+    }
+
+    /// Sends `msg()` to every stage of replicas `0..replicas`, in (replica, rank) order.
+    fn send_stages(&mut self, replicas: usize, msg: impl Fn() -> StageMsg) -> Result<(), ActorProcessingErr> {
+        for replica in 0..replicas {
+            for rank in 0..self.layout.pp {
+                self.send_stage(replica, rank, msg())?;
+            }
+        }
+        Ok(())
+    }
+
+    fn send_loader(&mut self, replica: usize, msg: LoaderMsg) -> Result<(), ActorProcessingErr> {
+        let (kind, blobs) = match &msg {
+            LoaderMsg::Train { .. } => ("Train", vec![]),
+            LoaderMsg::Eval { kind, batches, .. } => (
+                "Eval",
+                vec![
+                    Blob::str("kind", super::stage::eval_kind_name(*kind)),
+                    Blob::f64("batches", *batches as f64),
+                ],
+            ),
+        };
+        self.log_sent(&format!("loader-{replica}"), kind, || blobs);
+        if let Some(l) = self.loaders.get(replica) {
+            l.send_message(msg)?;
+        }
+        Ok(())
+    }
+
+    fn send_monitor(&mut self, msg: MonitorMsg) -> Result<(), ActorProcessingErr> {
+        if self.log.is_some() {
+            let (kind, blobs) = match &msg {
+                MonitorMsg::Step(m) => ("Step", metrics_blobs(m)),
+                MonitorMsg::Finish => ("Finish", vec![]),
+            };
+            self.log_sent("monitor", kind, || blobs);
+        }
+        if let Some(m) = &self.monitor {
+            m.send_message(msg)?;
+        }
+        Ok(())
+    }
+}
+
+/// A stage control message's kind and scalars, as the stage logs them too.
+fn stage_msg_blobs(msg: &StageMsg) -> (&'static str, Vec<Blob>) {
+    match msg {
+        StageMsg::RunStep { loss_scale, .. } => {
+            ("RunStep", vec![Blob::f64("loss_scale", *loss_scale as f64)])
+        }
+        StageMsg::Apply { lr, clip, skip, .. } => (
+            "Apply",
+            vec![
+                Blob::f64("lr", *lr),
+                Blob::f64("clip", *clip as f64),
+                Blob::f64("skip", *skip as u8 as f64),
+            ],
+        ),
+        StageMsg::RunEval { kind, batches, .. } => (
+            "RunEval",
+            vec![
+                Blob::str("kind", super::stage::eval_kind_name(*kind)),
+                Blob::f64("batches", *batches as f64),
+            ],
+        ),
+        StageMsg::SendWeights => ("SendWeights", vec![]),
+        StageMsg::Snapshot { .. } => ("Snapshot", vec![]),
+        StageMsg::Restore(c) => ("Restore", vec![Blob::str("checkpoint", &c.dir.display().to_string())]),
+        _ => ("Other", vec![]),
+    }
+}
+
+/// The deterministic fields of a step's metrics (no timings).
+fn metrics_blobs(m: &StepMetrics) -> Vec<Blob> {
+    let mut b = vec![
+        Blob::f64("step", m.step as f64),
+        Blob::f64("loss", m.loss),
+        Blob::f64("lr", m.lr),
+        Blob::f64("grad_norm", m.grad_norm),
+        Blob::f64("skipped", m.skipped as u8 as f64),
+    ];
+    for (name, v) in [("val_loss", m.val_loss), ("exact_match", m.exact_match), ("loss_scale", m.loss_scale)]
+    {
+        if let Some(v) = v {
+            b.push(Blob::f64(name, v));
+        }
+    }
+    b
 }
 
 fn check(ok: bool, what: &str) -> Result<(), ActorProcessingErr> {
@@ -575,13 +839,19 @@ fn check(ok: bool, what: &str) -> Result<(), ActorProcessingErr> {
 
 impl CoordinatorState {
     /// Ends the run once the weights are in and every checkpoint is on disk.
-    fn maybe_done(&mut self, me: &ActorRef<CoordinatorMsg>) {
+    fn maybe_done(&mut self) {
         if matches!(self.waiting, Waiting::Flush) && self.writes_pending == 0 {
             self.waiting = Waiting::Done;
             self.out.steps_done = self.step;
-            let _ = self.monitor.send_message(MonitorMsg::Finish);
+            let _ = self.send_monitor(MonitorMsg::Finish);
+            if let Some(log) = &mut self.log {
+                if let Err(e) = log.finish() {
+                    self.stopped = true;
+                    return self.finish(Err(e));
+                }
+            }
             self.finish(Ok(()));
-            me.stop(None);
+            self.stopped = true;
         }
     }
 
@@ -617,7 +887,21 @@ impl CoordinatorState {
             loss_scaler: self.scaler.clone(),
         };
         self.writes_pending += 1;
-        self.checkpointer.send_message(super::checkpointer::CheckpointerMsg::Write { tensors, state })?;
+        if self.log.is_some() {
+            let blobs = vec![
+                Blob::f64("step", state.step as f64),
+                Blob::f64("adam_step", state.adam_step as f64),
+                Blob::f64("tokens", state.tokens as f64),
+                Blob::f64("data_cursor", state.data_cursor as f64),
+                Blob::f64("next_lr", state.next_lr),
+            ];
+            self.log_sent("checkpointer", "Write", || blobs);
+        }
+        match &self.checkpointer {
+            Some(c) => c.send_message(super::checkpointer::CheckpointerMsg::Write { tensors, state })?,
+            // Replaying alone: nothing is written, and the write counts as done.
+            None => self.writes_pending -= 1,
+        }
         if self.stop_requested {
             self.out.stopped_early = self.step < self.steps;
             self.steps = self.step;
@@ -632,17 +916,10 @@ impl CoordinatorState {
         }
     }
 
-    fn all_stages(&self) -> impl Iterator<Item = &ActorRef<StageMsg>> {
-        self.stages.iter().flatten()
-    }
-
     fn begin_step(&mut self) -> Result<(), ActorProcessingErr> {
         if self.step == self.steps {
             self.waiting = Waiting::Weights;
-            for r in &self.stages[0] {
-                r.send_message(StageMsg::SendWeights)?;
-            }
-            return Ok(());
+            return self.send_stages(1, || StageMsg::SendWeights);
         }
         self.step_started = Instant::now();
         self.lr = self.sched.lr(self.step as usize);
@@ -651,14 +928,12 @@ impl CoordinatorState {
         }
         self.waiting = Waiting::StageDone;
         self.reports.clear();
-        for l in &self.loaders {
-            l.send_message(LoaderMsg::Train { step: self.step })?;
+        let step = self.step;
+        for r in 0..self.layout.dp {
+            self.send_loader(r, LoaderMsg::Train { step })?;
         }
-        for s in self.all_stages() {
-            let loss_scale = self.scaler.as_ref().map_or(1.0, |sc| sc.scale as f32);
-            s.send_message(StageMsg::RunStep { step: self.step, loss_scale })?;
-        }
-        Ok(())
+        let loss_scale = self.scaler.as_ref().map_or(1.0, |sc| sc.scale as f32);
+        self.send_stages(self.layout.dp, || StageMsg::RunStep { step, loss_scale })
     }
 
     /// Global norm in canonical tensor order, loss in replica order; clip or skip.
@@ -706,9 +981,7 @@ impl CoordinatorState {
         self.waiting = Waiting::Applied;
         self.acks = 0;
         let (step, lr) = (self.step, self.lr);
-        for s in self.all_stages() {
-            s.send_message(StageMsg::Apply { step, lr, clip, skip })?;
-        }
+        self.send_stages(self.layout.dp, || StageMsg::Apply { step, lr, clip, skip })?;
         self.pending = Some(StepMetrics {
             step: step as usize + 1,
             loss,
@@ -784,11 +1057,8 @@ impl CoordinatorState {
         };
         self.waiting = Waiting::Eval(kind);
         let step = self.step;
-        self.loaders[0].send_message(LoaderMsg::Eval { step, kind, batches })?;
-        for s in &self.stages[0] {
-            s.send_message(StageMsg::RunEval { step, kind, batches })?;
-        }
-        Ok(())
+        self.send_loader(0, LoaderMsg::Eval { step, kind, batches })?;
+        self.send_stages(1, || StageMsg::RunEval { step, kind, batches })
     }
 
     fn eval_done(
@@ -855,15 +1125,12 @@ impl CoordinatorState {
         self.cooldown_until = ck_step + self.cfg.recovery.cooldown_steps as u64;
         self.waiting = Waiting::Restored;
         self.acks = 0;
-        for s in self.all_stages() {
-            s.send_message(StageMsg::Restore(loaded.clone()))?;
-        }
-        Ok(())
+        self.send_stages(self.layout.dp, || StageMsg::Restore(loaded.clone()))
     }
 
     fn end_step(&mut self) -> Result<(), ActorProcessingErr> {
         if let Some(m) = self.pending.take() {
-            self.monitor.send_message(MonitorMsg::Step(m))?;
+            self.send_monitor(MonitorMsg::Step(m))?;
         }
         self.step += 1;
         let max = self.cfg.recovery.max_skips;
@@ -875,10 +1142,8 @@ impl CoordinatorState {
         if due && self.cfg.backend.kind != "sim" {
             self.waiting = Waiting::Snapshots;
             self.snapshot_started = Instant::now();
-            for s in &self.stages[0] {
-                s.send_message(StageMsg::Snapshot { step: self.step })?;
-            }
-            return Ok(());
+            let step = self.step;
+            return self.send_stages(1, || StageMsg::Snapshot { step });
         }
         if self.stop_requested {
             self.out.stopped_early = self.step < self.steps;

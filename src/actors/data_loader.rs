@@ -8,6 +8,7 @@
 use super::coordinator::EvalKind;
 use super::stage::{Phase, StageMsg};
 use crate::data::{EvalSet, Sampler};
+use crate::replay::{self, ActorLog, Blob};
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
 use std::sync::{Arc, OnceLock};
 
@@ -31,6 +32,7 @@ pub struct LoaderArgs {
     pub stages: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>>,
     pub first_rank: usize,
     pub last_rank: usize,
+    pub log: Option<ActorLog>,
 }
 
 pub struct DataLoader;
@@ -54,21 +56,47 @@ impl Actor for DataLoader {
         msg: LoaderMsg,
         st: &mut LoaderArgs,
     ) -> Result<(), ActorProcessingErr> {
-        let n = st.micro_batch_size * st.block_size;
-        let stages = st.stages.get().ok_or("loader: stage actors not known yet")?;
-        let first = stages[st.replica][st.first_rank].clone();
-        let last = stages[st.replica][st.last_rank].clone();
-        let send = |phase: Phase, step: u64, mb: usize, tokens: Vec<u32>, targets: Vec<u32>| {
-            first.send_message(StageMsg::Tokens { phase, step, mb, tokens })?;
-            last.send_message(StageMsg::Targets { phase, step, mb, targets })
-        };
+        Ok(st.on_message(msg)?)
+    }
+
+    async fn post_stop(
+        &self,
+        _me: ActorRef<LoaderMsg>,
+        st: &mut LoaderArgs,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(log) = &mut st.log {
+            log.finish()?;
+        }
+        Ok(())
+    }
+}
+
+impl LoaderArgs {
+    /// Handles one message. With no stage actors (replaying the loader alone)
+    /// what it would send is only logged.
+    pub fn on_message(&mut self, msg: LoaderMsg) -> Result<(), String> {
+        let n = self.micro_batch_size * self.block_size;
+        if let Some(log) = &mut self.log {
+            let e = match &msg {
+                LoaderMsg::Train { step } => replay::entry("coordinator", "Train", *step, self.replica),
+                LoaderMsg::Eval { step, kind, batches } => {
+                    replay::entry("coordinator", "Eval", *step, self.replica).with_eval(true).with_inputs(
+                        vec![
+                            Blob::str("kind", super::stage::eval_kind_name(*kind)),
+                            Blob::f64("batches", *batches as f64),
+                        ],
+                    )
+                }
+            };
+            log.begin(e);
+        }
         match msg {
             LoaderMsg::Train { step } => {
-                for mb in 0..st.microbatches {
+                for mb in 0..self.microbatches {
                     let (mut inp, mut tgt) = (vec![0u32; n], vec![0u32; n]);
-                    let global_mb = (step as usize * st.dp + st.replica) * st.microbatches + mb;
-                    st.train.fill((global_mb * st.micro_batch_size) as u64, &mut inp, &mut tgt);
-                    send(Phase::Train, step, mb, inp, tgt)?;
+                    let global_mb = (step as usize * self.dp + self.replica) * self.microbatches + mb;
+                    self.train.fill((global_mb * self.micro_batch_size) as u64, &mut inp, &mut tgt);
+                    self.send(Phase::Train, step, mb, inp, tgt)?;
                 }
             }
             LoaderMsg::Eval { step, kind, batches } => {
@@ -76,19 +104,44 @@ impl Actor for DataLoader {
                     let (mut inp, mut tgt) = (vec![0u32; n], vec![0u32; n]);
                     match kind {
                         EvalKind::Val => {
-                            let val = st.val.as_mut().ok_or("loader: no validation data")?;
-                            val.fill((mb * st.micro_batch_size) as u64, &mut inp, &mut tgt);
+                            let val = self.val.as_mut().ok_or("loader: no validation data")?;
+                            val.fill((mb * self.micro_batch_size) as u64, &mut inp, &mut tgt);
                         }
                         EvalKind::ExactMatch => {
-                            let set = st.eval_set.as_ref().ok_or("loader: no held-out problems")?;
+                            let set = self.eval_set.as_ref().ok_or("loader: no held-out problems")?;
                             inp.copy_from_slice(&set.inputs()[mb * n..(mb + 1) * n]);
                             tgt.copy_from_slice(&set.targets()[mb * n..(mb + 1) * n]);
                         }
                     }
-                    send(Phase::Eval, step, mb, inp, tgt)?;
+                    self.send(Phase::Eval, step, mb, inp, tgt)?;
                 }
             }
         }
+        if let Some(log) = &mut self.log {
+            log.end();
+        }
         Ok(())
+    }
+
+    fn send(
+        &mut self,
+        phase: Phase,
+        step: u64,
+        mb: usize,
+        tokens: Vec<u32>,
+        targets: Vec<u32>,
+    ) -> Result<(), String> {
+        if let Some(log) = &mut self.log {
+            let keep = log.payloads();
+            let first = super::coordinator::stage_name(self.first_rank, self.replica);
+            let last = super::coordinator::stage_name(self.last_rank, self.replica);
+            log.sent(&first, "Tokens", Some(mb as u64), vec![Blob::u32s("tokens", &tokens, keep)]);
+            log.sent(&last, "Targets", Some(mb as u64), vec![Blob::u32s("targets", &targets, keep)]);
+        }
+        let Some(stages) = self.stages.get() else { return Ok(()) };
+        let ranks = &stages[self.replica];
+        let failed = |e| format!("loader-{}: {e}", self.replica);
+        ranks[self.first_rank].send_message(StageMsg::Tokens { phase, step, mb, tokens }).map_err(failed)?;
+        ranks[self.last_rank].send_message(StageMsg::Targets { phase, step, mb, targets }).map_err(failed)
     }
 }

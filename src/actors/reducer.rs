@@ -3,6 +3,7 @@
 //! to every replica, so all replicas apply the same update and stay identical.
 
 use super::stage::StageMsg;
+use crate::replay::{self, ActorLog, Blob, Entry};
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
@@ -18,6 +19,9 @@ pub struct ReducerArgs {
     /// Stage actors by (replica, rank).
     pub stages: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>>,
     pub pp: usize,
+    /// Pipeline stages (chunks included): gathers per step.
+    pub n_stages: usize,
+    pub log: Option<ActorLog>,
 }
 
 pub struct Reducer;
@@ -29,6 +33,10 @@ pub struct ReducerState {
     args: ReducerArgs,
     /// (step, stage) → gradients by replica.
     pending: BTreeMap<(u64, usize), Vec<Option<Grads>>>,
+    /// Log entries waiting for their step's gathers to complete, by (step, stage, replica).
+    held: BTreeMap<(u64, usize, usize), Entry>,
+    /// Completed gathers of steps still open.
+    done: BTreeMap<u64, usize>,
 }
 
 impl Actor for Reducer {
@@ -41,7 +49,7 @@ impl Actor for Reducer {
         _me: ActorRef<ReducerMsg>,
         args: ReducerArgs,
     ) -> Result<ReducerState, ActorProcessingErr> {
-        Ok(ReducerState { args, pending: BTreeMap::new() })
+        Ok(ReducerState::new(args))
     }
 
     async fn handle(
@@ -50,17 +58,54 @@ impl Actor for Reducer {
         msg: ReducerMsg,
         st: &mut ReducerState,
     ) -> Result<(), ActorProcessingErr> {
+        Ok(st.on_message(msg)?)
+    }
+
+    async fn post_stop(
+        &self,
+        _me: ActorRef<ReducerMsg>,
+        st: &mut ReducerState,
+    ) -> Result<(), ActorProcessingErr> {
+        st.flush_log();
+        if let Some(log) = &mut st.args.log {
+            log.finish()?;
+        }
+        Ok(())
+    }
+}
+
+impl ReducerState {
+    pub fn new(args: ReducerArgs) -> ReducerState {
+        ReducerState { args, pending: BTreeMap::new(), held: BTreeMap::new(), done: BTreeMap::new() }
+    }
+
+    /// Handles one message; with no stage actors (replaying the reducer alone)
+    /// the sums are only logged.
+    pub fn on_message(&mut self, msg: ReducerMsg) -> Result<(), String> {
         let ReducerMsg::Reduce { step, stage, replica, grads } = msg;
-        let dp = st.args.dp;
-        let slot = st.pending.entry((step, stage)).or_insert_with(|| (0..dp).map(|_| None).collect());
+        let dp = self.args.dp;
+        let rank = stage % self.args.pp;
+        if replica >= dp {
+            return Err(format!("reducer: replica {replica} of {dp}"));
+        }
+        if let Some(log) = &self.args.log {
+            let keep = log.payloads();
+            let inputs =
+                grads.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)).collect();
+            let e = replay::entry(&super::coordinator::stage_name(rank, replica), "Reduce", step, replica)
+                .with_stage(stage)
+                .with_inputs(inputs);
+            self.held.insert((step, stage, replica), e);
+        }
+        let slot = self.pending.entry((step, stage)).or_insert_with(|| (0..dp).map(|_| None).collect());
         if slot[replica].replace(grads).is_some() {
-            return Err(format!("reducer: replica {replica} sent stage {stage} of step {step} twice").into());
+            return Err(format!("reducer: replica {replica} sent stage {stage} of step {step} twice"));
         }
         if slot.iter().any(Option::is_none) {
             return Ok(());
         }
         let mut parts: Vec<Vec<Vec<f32>>> =
-            st.pending.remove(&(step, stage)).unwrap().into_iter().map(|g| g.unwrap()).collect();
+            self.pending.remove(&(step, stage)).unwrap().into_iter().map(|g| g.unwrap()).collect();
         // Sum in replica order into replica 0's buffers. This is heavy arithmetic in
         // a handler, but it is a single streaming add and keeps the order fixed.
         let (first, rest) = parts.split_at_mut(1);
@@ -72,12 +117,56 @@ impl Actor for Reducer {
             }
         }
         let sum = parts.swap_remove(0);
-        let stages = st.args.stages.get().ok_or("reducer: stage actors not known yet")?;
-        let rank = stage % st.args.pp;
-        for replica in stages.iter().take(dp).skip(1) {
-            replica[rank].send_message(StageMsg::Reduced { step, stage, grads: sum.clone() })?;
+        if let Some(e) = self.held.get_mut(&(step, stage, dp - 1)) {
+            let keep = self.args.log.as_ref().is_some_and(|l| l.payloads());
+            let blobs: Vec<Blob> =
+                sum.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)).collect();
+            for r in 0..dp {
+                let to = super::coordinator::stage_name(rank, r);
+                e.sent.push(replay::Sent { to, kind: "Reduced".into(), mb: None, blobs: blobs.clone() });
+            }
+            let n = self.done.entry(step).or_insert(0);
+            *n += 1;
+            if *n == self.args.n_stages {
+                self.done.remove(&step);
+                self.flush_log();
+            }
         }
-        stages[0][rank].send_message(StageMsg::Reduced { step, stage, grads: sum })?;
-        Ok(())
+        let Some(stages) = self.args.stages.get() else { return Ok(()) };
+        let failed = |e| format!("reducer: {e}");
+        for replica in stages.iter().take(dp).skip(1) {
+            replica[rank]
+                .send_message(StageMsg::Reduced { step, stage, grads: sum.clone() })
+                .map_err(failed)?;
+        }
+        stages[0][rank].send_message(StageMsg::Reduced { step, stage, grads: sum }).map_err(failed)
+    }
+
+    /// Flushes and closes the log; returns how far a replay got.
+    pub fn close_log(&mut self) -> Result<usize, String> {
+        self.flush_log();
+        match &mut self.args.log {
+            Some(log) => {
+                log.finish()?;
+                Ok(log.position())
+            }
+            None => Ok(0),
+        }
+    }
+
+    /// Logs the held entries of completed steps in (step, stage, replica) order:
+    /// the order the sums are formed in, whatever order the replicas arrived in.
+    fn flush_log(&mut self) {
+        let Some(log) = &mut self.args.log else { return };
+        let open: Vec<u64> = self.pending.keys().map(|k| k.0).collect();
+        let held = std::mem::take(&mut self.held);
+        for (key, e) in held {
+            if open.contains(&key.0) || self.done.contains_key(&key.0) {
+                self.held.insert(key, e);
+            } else {
+                log.begin(e);
+            }
+        }
+        log.end();
     }
 }

@@ -13,16 +13,18 @@
 use super::coordinator::{CoordinatorMsg, EvalKind, Failure, StageReport};
 use super::layout::Layout;
 use super::reducer::ReducerMsg;
+use crate::kernels::cpu::matmul::with_random_order;
 use crate::model::part::{MicroActs, Mode, PartInput};
 use crate::model::{GptConfig, ModelPart, Param};
 use crate::optim::{self, AdamState, Hyper};
+use crate::replay::{self, ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
 use crate::schedule::{Action, ActionKind};
 use crate::trace::Recorder;
 use crossbeam_channel::{Receiver, Sender};
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// Whether a message belongs to training or to a forward-only evaluation.
@@ -122,6 +124,18 @@ enum Payload {
     Grads(Vec<Vec<f32>>),
 }
 
+/// Where a stage's messages go.
+pub enum Links {
+    Actors {
+        peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>>,
+        coordinator: ActorRef<CoordinatorMsg>,
+        reducer: Option<ActorRef<ReducerMsg>>,
+    },
+    /// Replaying this stage alone: what it sends to others is only logged, and
+    /// a failure lands here.
+    Detached { failure: Arc<Mutex<Option<Failure>>> },
+}
+
 pub struct StageArgs {
     pub rank: usize,
     pub replica: usize,
@@ -130,9 +144,9 @@ pub struct StageArgs {
     pub init: Option<Arc<crate::model::io::LoadedWeights>>,
     /// A checkpoint to resume from: weights and AdamW moments by tensor name.
     pub resume: Option<Arc<crate::checkpoint::Loaded>>,
-    pub peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>>,
-    pub coordinator: ActorRef<CoordinatorMsg>,
-    pub reducer: Option<ActorRef<ReducerMsg>>,
+    pub links: Links,
+    /// The replay log (recording, or checking a replay).
+    pub log: Option<ActorLog>,
     pub chaos_seed: Option<u64>,
     /// Cores this rank's threads are pinned to (empty: not pinned).
     pub cores: Vec<core_affinity::CoreId>,
@@ -238,9 +252,10 @@ struct Worker {
     inbox: BTreeMap<Key, Payload>,
     control: VecDeque<StageMsg>,
     saved: BTreeMap<(usize, usize), MicroActs>,
-    peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>>,
-    coordinator: ActorRef<CoordinatorMsg>,
-    reducer: Option<ActorRef<ReducerMsg>>,
+    links: Links,
+    log: Option<ActorLog>,
+    /// `PIPEWRIGHT_NONDET` names this stage: bias gradients summed in random order.
+    nondet: bool,
     pool: rayon::ThreadPool,
     step: u64,
     /// The action being executed, for failure reports.
@@ -294,44 +309,40 @@ fn sleep_until(deadline: Instant) {
     }
 }
 
-fn worker_main(args: StageArgs, rx: Receiver<StageMsg>) {
-    let coordinator = args.coordinator.clone();
-    let (rank, replica) = (args.rank, args.replica);
-    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Worker::new(args, rx)));
-    let mut w = match built {
-        Ok(Ok(w)) => w,
-        Ok(Err(e)) => {
-            let _ = coordinator.send_message(CoordinatorMsg::Failed(Failure::new(rank, replica, 0, None, e)));
-            return;
-        }
-        Err(p) => {
-            let _ = coordinator.send_message(CoordinatorMsg::Failed(Failure::new(
-                rank,
-                replica,
-                0,
-                None,
-                panic_text(&p),
-            )));
-            return;
-        }
-    };
-    loop {
-        let msg = match w.next_control() {
-            Ok(m) => m,
-            Err(Stopped) => return,
-        };
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.handle_control(msg)));
-        match result {
-            Ok(Ok(true)) => {}
-            Ok(Ok(false)) | Ok(Err(Stopped)) => return,
-            Err(p) => {
-                let f =
-                    Failure::new(w.rank, w.replica, w.step, w.current.map(|a| a.to_string()), panic_text(&p));
-                let _ = w.coordinator.send_message(CoordinatorMsg::Failed(f));
-                return;
+impl Links {
+    fn fail(&self, f: Failure) {
+        match self {
+            Links::Actors { coordinator, .. } => {
+                let _ = coordinator.send_message(CoordinatorMsg::Failed(f));
             }
+            Links::Detached { failure } => *failure.lock().expect("failure slot") = Some(f),
         }
     }
+}
+
+fn worker_main(mut args: StageArgs, rx: Receiver<StageMsg>) {
+    let (rank, replica) = (args.rank, args.replica);
+    let links = std::mem::replace(&mut args.links, Links::Detached { failure: Default::default() });
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Worker::new(args, rx, links)));
+    match built {
+        Ok(Ok(mut w)) => w.run(),
+        Ok(Err((e, links))) => links.fail(Failure::new(rank, replica, 0, None, e)),
+        Err(p) => eprintln!("stage-{rank}.{replica} could not start: {}", panic_text(&p)),
+    }
+}
+
+/// Replays one stage alone on this thread: `rx` carries its recorded inputs,
+/// `args.log` checks what it does against the recording.
+pub fn replay_stage(args: StageArgs, rx: Receiver<StageMsg>) -> Result<Option<ActorLog>, String> {
+    let links = Links::Detached { failure: Default::default() };
+    let mut w = Worker::new(args, rx, links).map_err(|(e, _)| e)?;
+    w.run();
+    if let Links::Detached { failure } = &w.links {
+        if let Some(f) = failure.lock().expect("failure slot").take() {
+            return Err(f.to_string());
+        }
+    }
+    Ok(w.log.take())
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
@@ -392,7 +403,84 @@ fn fault_from_env() -> Option<(usize, u64, usize)> {
 }
 
 impl Worker {
-    fn new(args: StageArgs, rx: Receiver<StageMsg>) -> Result<Worker, String> {
+    /// Handles control messages until `Stop` (or a closed channel); a panic is
+    /// reported as a failure naming this rank, step and action.
+    fn run(&mut self) {
+        while let Ok(msg) = self.next_control() {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle_control(msg)));
+            match result {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) | Ok(Err(Stopped)) => break,
+                Err(p) => {
+                    let action = self.current.map(|a| a.to_string());
+                    let f = Failure::new(self.rank, self.replica, self.step, action, panic_text(&p));
+                    self.links.fail(f);
+                    return;
+                }
+            }
+        }
+        if let Some(log) = &mut self.log {
+            if let Err(e) = log.finish() {
+                let f = Failure::new(self.rank, self.replica, self.step, None, e);
+                self.links.fail(f);
+            }
+        }
+    }
+
+    fn new(args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Worker, (String, Links)> {
+        let (parts, adam, pool) = match Worker::prepare(&args) {
+            Ok(x) => x,
+            Err(e) => return Err((e, links)),
+        };
+        let cfg = &args.cfg;
+        let gpt = GptConfig::from_config(cfg);
+        let stages = args.layout.stages_of(args.rank);
+        let b = cfg.train.micro_batch_size;
+        let simulated = cfg.backend.kind == "sim";
+        let actions = args.layout.schedule.actions[args.rank].clone();
+        let l = &args.layout;
+        let dloss = 1.0 / (l.dp * l.microbatches * b * gpt.block_size) as f32;
+        let name = super::coordinator::stage_name(args.rank, args.replica);
+        let nondet = std::env::var("PIPEWRIGHT_NONDET").is_ok_and(|v| v.split(',').any(|a| a.trim() == name));
+        Ok(Worker {
+            rank: args.rank,
+            replica: args.replica,
+            layout: args.layout,
+            gpt,
+            stages,
+            parts,
+            adam,
+            hyper: Hyper::from_config(cfg),
+            actions,
+            rx,
+            inbox: BTreeMap::new(),
+            control: VecDeque::new(),
+            saved: BTreeMap::new(),
+            links,
+            log: args.log,
+            nondet,
+            pool,
+            step: 0,
+            current: None,
+            latencies_us: args.latencies_us.clone(),
+            norms: Vec::new(),
+            fault: fault_from_env(),
+            dloss,
+            rec: Recorder::new(args.trace_epoch.is_some(), args.trace_epoch.unwrap_or_else(Instant::now)),
+            compute_start: 0.0,
+            sim: simulated.then(|| SimCosts {
+                forward: cfg.sim.forward_ms,
+                backward: cfg.sim.backward_ms,
+                weight: cfg.sim.weight_ms,
+                factors: cfg.sim.stage_factors.clone(),
+                jitter: cfg.sim.jitter,
+                rng: Rng::new(cfg.train.seed, Purpose::Test, &[args.rank as u64, args.replica as u64, 0x51]),
+            }),
+        })
+    }
+
+    /// The fallible part of starting: model parts, optimizer state, thread pool.
+    fn prepare(args: &StageArgs) -> Result<(Vec<ModelPart>, Vec<AdamState>, rayon::ThreadPool), String> {
         let cfg = &args.cfg;
         let gpt = GptConfig::from_config(cfg);
         let stages = args.layout.stages_of(args.rank);
@@ -430,10 +518,11 @@ impl Worker {
         if let Some(&core) = cores.first() {
             core_affinity::set_for_current(core);
         }
+        let (rank, replica) = (args.rank, args.replica);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(args.layout.threads_per_rank)
             .use_current_thread()
-            .thread_name(move |i| format!("stage-{}.{}-compute-{i}", args.rank, args.replica))
+            .thread_name(move |i| format!("stage-{rank}.{replica}-compute-{i}"))
             .start_handler(move |i| {
                 if !cores.is_empty() {
                     core_affinity::set_for_current(cores[i % cores.len()]);
@@ -441,44 +530,7 @@ impl Worker {
             })
             .build()
             .map_err(|e| e.to_string())?;
-        let actions = args.layout.schedule.actions[args.rank].clone();
-        let l = &args.layout;
-        let dloss = 1.0 / (l.dp * l.microbatches * b * gpt.block_size) as f32;
-        Ok(Worker {
-            rank: args.rank,
-            replica: args.replica,
-            layout: args.layout,
-            gpt,
-            stages,
-            parts,
-            adam,
-            hyper: Hyper::from_config(cfg),
-            actions,
-            rx,
-            inbox: BTreeMap::new(),
-            control: VecDeque::new(),
-            saved: BTreeMap::new(),
-            peers: args.peers,
-            coordinator: args.coordinator,
-            reducer: args.reducer,
-            pool,
-            step: 0,
-            current: None,
-            latencies_us: args.latencies_us.clone(),
-            norms: Vec::new(),
-            fault: fault_from_env(),
-            dloss,
-            rec: Recorder::new(args.trace_epoch.is_some(), args.trace_epoch.unwrap_or_else(Instant::now)),
-            compute_start: 0.0,
-            sim: simulated.then(|| SimCosts {
-                forward: cfg.sim.forward_ms,
-                backward: cfg.sim.backward_ms,
-                weight: cfg.sim.weight_ms,
-                factors: cfg.sim.stage_factors.clone(),
-                jitter: cfg.sim.jitter,
-                rng: Rng::new(cfg.train.seed, Purpose::Test, &[args.rank as u64, args.replica as u64, 0x51]),
-            }),
-        })
+        Ok((parts, adam, pool))
     }
 
     fn local(&self, stage: usize) -> usize {
@@ -524,6 +576,66 @@ impl Worker {
     }
 
     fn wait_for(&mut self, key: Key) -> Result<Payload, Stopped> {
+        let p = self.wait_for_unlogged(key)?;
+        if self.log.is_some() {
+            let e = self.data_entry(key, &p);
+            if let Some(log) = &mut self.log {
+                log.begin(e);
+            }
+        }
+        Ok(p)
+    }
+
+    /// The log entry of a data message taken from the inbox.
+    fn data_entry(&self, key: Key, p: &Payload) -> Entry {
+        let keep = self.log.as_ref().is_some_and(|l| l.payloads());
+        let loader = format!("loader-{}", self.replica);
+        let name_of = |stage: usize| super::coordinator::stage_name(self.layout.rank_of(stage), self.replica);
+        let (from, kind, phase, stage, mb) = match key {
+            Key::Tokens(ph, mb) => (loader, "Tokens", ph, None, Some(mb)),
+            Key::Targets(ph, mb) => (loader, "Targets", ph, None, Some(mb)),
+            Key::Act(ph, s, mb) => (name_of(s - 1), "Activation", ph, Some(s), Some(mb)),
+            Key::Grad(s, mb) => (name_of(s + 1), "Gradient", Phase::Train, Some(s), Some(mb)),
+            Key::Tied => {
+                let last = self.layout.last_stage();
+                let other = if self.stages.contains(&0) { last } else { 0 };
+                (name_of(other), "TiedShare", Phase::Train, None, None)
+            }
+            Key::Reduced(s) => ("reducer".to_string(), "Reduced", Phase::Train, Some(s), None),
+        };
+        let inputs = match p {
+            Payload::U32(v) => vec![Blob::u32s(if kind == "Tokens" { "tokens" } else { "targets" }, v, keep)],
+            Payload::F32(v) => vec![Blob::f32s("data", v, keep)],
+            Payload::Grads(g) => self.grad_blobs(stage.expect("Reduced names its stage"), g, keep),
+        };
+        let mut e = replay::entry(&from, kind, self.step, self.replica).with_eval(phase == Phase::Eval);
+        e.stage = stage.map(|s| s as u64);
+        e.mb = mb.map(|m| m as u64);
+        e.with_inputs(inputs)
+    }
+
+    /// A stage's gradients (in parameter order) as blobs named by parameter.
+    fn grad_blobs(&self, stage: usize, grads: &[Vec<f32>], keep: bool) -> Vec<Blob> {
+        let i = self.local(stage);
+        grads.iter().enumerate().map(|(k, g)| self.param_blob(i, k, g, keep)).collect()
+    }
+
+    fn param_blob(&self, part: usize, k: usize, data: &[f32], keep: bool) -> Blob {
+        match self.parts.get(part).and_then(|p| p.params.get(k)) {
+            Some(p) => Blob::f32s(&p.name, data, keep),
+            None => Blob::f32s(&format!("tensor.{k}"), data, keep),
+        }
+    }
+
+    /// Logs a message this stage sends (digests computed only when recording).
+    fn log_sent(&mut self, to: &str, kind: &str, mb: Option<usize>, blobs: impl FnOnce(bool) -> Vec<Blob>) {
+        if let Some(log) = &mut self.log {
+            let b = blobs(log.payloads());
+            log.sent(to, kind, mb.map(|m| m as u64), b);
+        }
+    }
+
+    fn wait_for_unlogged(&mut self, key: Key) -> Result<Payload, Stopped> {
         if let Some(p) = self.inbox.remove(&key) {
             return Ok(p);
         }
@@ -593,15 +705,40 @@ impl Worker {
     /// Delivers to the rank holding `stage` (directly into our own inbox when that is us).
     fn send_to_stage(&mut self, stage: usize, msg: StageMsg) -> Result<(), Stopped> {
         let rank = self.layout.rank_of(stage);
+        self.send_to_rank(rank, msg)
+    }
+
+    fn send_to_rank(&mut self, rank: usize, msg: StageMsg) -> Result<(), Stopped> {
+        if self.log.is_some() {
+            let to = super::coordinator::stage_name(rank, self.replica);
+            let (kind, mb, data) = match &msg {
+                StageMsg::Activation { mb, data, .. } => ("Activation", Some(*mb), data),
+                StageMsg::Gradient { mb, data, .. } => ("Gradient", Some(*mb), data),
+                StageMsg::TiedShare { data, .. } => ("TiedShare", None, data),
+                _ => unreachable!("stages send each other tensors only"),
+            };
+            self.log_sent(&to, kind, mb, |keep| vec![Blob::f32s("data", data, keep)]);
+        }
         if rank == self.rank {
             return self.file(msg);
         }
-        let peers = self.peers.get().expect("peers are set before the first step");
-        peers[rank].send_message(msg).map_err(|_| Stopped)
+        match &self.links {
+            Links::Actors { peers, .. } => {
+                let peers = peers.get().expect("peers are set before the first step");
+                peers[rank].send_message(msg).map_err(|_| Stopped)
+            }
+            Links::Detached { .. } => Ok(()),
+        }
     }
 
     /// Returns false when the worker should exit.
     fn handle_control(&mut self, msg: StageMsg) -> Result<bool, Stopped> {
+        if self.log.is_some() && !matches!(msg, StageMsg::Stop) {
+            let e = self.control_entry(&msg);
+            if let Some(log) = &mut self.log {
+                log.begin(e);
+            }
+        }
         match msg {
             StageMsg::RunStep { step, loss_scale } => self.run_step(step, loss_scale)?,
             StageMsg::Apply { step, lr, clip, skip } => {
@@ -616,6 +753,7 @@ impl Worker {
                     });
                 }
                 self.trace_rank("optimizer", t);
+                self.log_params();
                 self.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
             }
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
@@ -624,14 +762,23 @@ impl Worker {
                 let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
                 let peak_live_bytes = self.parts.iter().map(|p| p.peak_live_bytes).sum();
                 let trace = std::mem::take(&mut self.rec.records);
-                self.report(CoordinatorMsg::Weights {
+                let msg = CoordinatorMsg::Weights {
                     rank: self.rank,
                     replica: self.replica,
                     params,
                     latencies_us: latencies,
                     peak_live_bytes,
                     trace,
-                });
+                };
+                // The run's last message here: the log is complete before the
+                // coordinator can end the run.
+                self.log_report(&msg);
+                if let Some(log) = &mut self.log {
+                    if let Err(e) = log.finish() {
+                        panic!("{e}");
+                    }
+                }
+                self.send_report(msg);
             }
             StageMsg::Snapshot { step } => {
                 let t = self.rec.now_us();
@@ -663,6 +810,7 @@ impl Worker {
                         st.v[i].copy_from_slice(v);
                     }
                 }
+                self.log_params();
                 self.report(CoordinatorMsg::Restored { rank: self.rank, replica: self.replica });
             }
             StageMsg::Stop => return Ok(false),
@@ -671,8 +819,84 @@ impl Worker {
         Ok(true)
     }
 
-    fn report(&self, msg: CoordinatorMsg) {
-        let _ = self.coordinator.send_message(msg);
+    fn report(&mut self, msg: CoordinatorMsg) {
+        self.log_report(&msg);
+        self.send_report(msg);
+    }
+
+    fn log_report(&mut self, msg: &CoordinatorMsg) {
+        if let Some(log) = &mut self.log {
+            let keep = log.payloads();
+            let (kind, blobs) = match msg {
+                CoordinatorMsg::StageDone(r) => ("StageDone", stage_done_blobs(r)),
+                CoordinatorMsg::Applied { .. } => ("Applied", vec![]),
+                CoordinatorMsg::Restored { .. } => ("Restored", vec![]),
+                CoordinatorMsg::EvalDone { kind, loss_sum, tokens, predictions, .. } => (
+                    "EvalDone",
+                    vec![
+                        Blob::str("kind", eval_kind_name(*kind)),
+                        Blob::f64("loss_sum", *loss_sum),
+                        Blob::f64("tokens", *tokens as f64),
+                        Blob::u32s("predictions", predictions, true),
+                    ],
+                ),
+                CoordinatorMsg::Weights { params, .. } => {
+                    ("Weights", params.iter().map(|p| Blob::f32s(&p.name, &p.data, keep)).collect())
+                }
+                CoordinatorMsg::Snapshot { tensors, adam_step, .. } => {
+                    let mut b = vec![Blob::f64("adam_step", *adam_step as f64)];
+                    for t in tensors {
+                        b.push(Blob::f32s(&t.name, &t.data, keep));
+                        b.push(Blob::f32s(&format!("{}.exp_avg", t.name), &t.exp_avg, keep));
+                        b.push(Blob::f32s(&format!("{}.exp_avg_sq", t.name), &t.exp_avg_sq, keep));
+                    }
+                    ("Snapshot", b)
+                }
+                _ => ("Other", vec![]),
+            };
+            log.sent("coordinator", kind, None, blobs);
+        }
+    }
+
+    fn send_report(&mut self, msg: CoordinatorMsg) {
+        if let Links::Actors { coordinator, .. } = &self.links {
+            let _ = coordinator.send_message(msg);
+        }
+    }
+
+    /// The log entry of a control message from the coordinator.
+    fn control_entry(&self, msg: &StageMsg) -> Entry {
+        let e = |kind: &str, step: u64| replay::entry("coordinator", kind, step, self.replica);
+        match msg {
+            StageMsg::RunStep { step, loss_scale } => {
+                e("RunStep", *step).with_inputs(vec![Blob::f64("loss_scale", *loss_scale as f64)])
+            }
+            StageMsg::Apply { step, lr, clip, skip } => e("Apply", *step).with_inputs(vec![
+                Blob::f64("lr", *lr),
+                Blob::f64("clip", *clip as f64),
+                Blob::f64("skip", *skip as u8 as f64),
+            ]),
+            StageMsg::RunEval { step, kind, batches } => {
+                e("RunEval", *step).with_eval(true).with_inputs(vec![
+                    Blob::str("kind", eval_kind_name(*kind)),
+                    Blob::f64("batches", *batches as f64),
+                ])
+            }
+            StageMsg::SendWeights => e("SendWeights", self.step),
+            StageMsg::Snapshot { step } => e("Snapshot", *step),
+            StageMsg::Restore(c) => e("Restore", c.state.step)
+                .with_inputs(vec![Blob::str("checkpoint", &c.dir.display().to_string())]),
+            _ => e("Other", self.step),
+        }
+    }
+
+    /// Digests of the parameters after an optimizer step (or a rollback).
+    fn log_params(&mut self) {
+        if let Some(log) = &mut self.log {
+            let keep = log.payloads();
+            let blobs = self.parts.iter().flat_map(|p| &p.params).map(|p| Blob::f32s(&p.name, &p.data, keep));
+            log.state(blobs.collect());
+        }
     }
 
     fn run_step(&mut self, step: u64, loss_scale: f32) -> Result<(), Stopped> {
@@ -870,19 +1094,22 @@ impl Worker {
         let last = self.layout.last_stage();
         let i = self.local(stage);
         self.compute_start = self.rec.now_us();
+        let nondet = self.nondet;
         if which == BackwardPart::Weight {
             let part = &mut self.parts[i];
-            self.pool.install(|| part.backward_weight(mb));
+            self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
             return Ok(());
         }
         let dout = if stage < last { Some(self.wait_f32(Key::Grad(stage, mb))?) } else { None };
         self.compute_start = self.rec.now_us();
         let acts = self.saved.remove(&(stage, mb)).expect("F ran before B");
         let part = &mut self.parts[i];
-        let dinp = self.pool.install(|| match which {
-            BackwardPart::Full => part.backward(acts, dout),
-            BackwardPart::Input => part.backward_input(acts, dout, mb),
-            BackwardPart::Weight => unreachable!(),
+        let dinp = self.pool.install(|| {
+            with_random_order(nondet, || match which {
+                BackwardPart::Full => part.backward(acts, dout),
+                BackwardPart::Input => part.backward_input(acts, dout, mb),
+                BackwardPart::Weight => unreachable!(),
+            })
         });
         if let Some(g) = dinp {
             let msg =
@@ -912,9 +1139,7 @@ impl Worker {
         if first_here {
             let share = self.parts[self.local(0)].params[0].grad.clone();
             let to = self.layout.rank_of(last);
-            self.peers.get().expect("peers")[to]
-                .send_message(StageMsg::TiedShare { step: self.step, data: share })
-                .map_err(|_| Stopped)?;
+            self.send_to_rank(to, StageMsg::TiedShare { step: self.step, data: share })?;
             let head = self.wait_f32(Key::Tied)?;
             let i = self.local(0);
             self.parts[i].combine_tied_grads(Some(&head));
@@ -922,9 +1147,7 @@ impl Worker {
         if last_here {
             let share = self.parts[self.local(last)].wte_head_grad.clone();
             let to = self.layout.rank_of(0);
-            self.peers.get().expect("peers")[to]
-                .send_message(StageMsg::TiedShare { step: self.step, data: share })
-                .map_err(|_| Stopped)?;
+            self.send_to_rank(to, StageMsg::TiedShare { step: self.step, data: share })?;
             let embed = self.wait_f32(Key::Tied)?;
             let i = self.local(last);
             self.parts[i].combine_tied_grads(Some(&embed));
@@ -934,13 +1157,24 @@ impl Worker {
 
     /// Sends each part's gradients to the reducer and takes back their sum over replicas.
     fn reduce_over_replicas(&mut self) -> Result<(), Stopped> {
-        let reducer = self.reducer.clone().expect("dp > 1 has a reducer");
-        for (i, &stage) in self.stages.iter().enumerate() {
+        for i in 0..self.stages.len() {
+            let stage = self.stages[i];
             let grads: Vec<Vec<f32>> =
                 self.parts[i].params.iter_mut().map(|p| std::mem::take(&mut p.grad)).collect();
-            reducer
-                .send_message(ReducerMsg::Reduce { step: self.step, stage, replica: self.replica, grads })
-                .map_err(|_| Stopped)?;
+            if self.log.is_some() {
+                let keep = self.log.as_ref().is_some_and(|l| l.payloads());
+                let b = self.grad_blobs(stage, &grads, keep);
+                if let Some(log) = &mut self.log {
+                    log.sent("reducer", "Reduce", None, b);
+                }
+            }
+            let msg = ReducerMsg::Reduce { step: self.step, stage, replica: self.replica, grads };
+            match &self.links {
+                Links::Actors { reducer, .. } => {
+                    reducer.as_ref().expect("dp > 1 has a reducer").send_message(msg).map_err(|_| Stopped)?
+                }
+                Links::Detached { .. } => {}
+            }
         }
         for i in 0..self.stages.len() {
             let stage = self.stages[i];
@@ -985,6 +1219,23 @@ impl Worker {
             self.report(CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens: batches * n, predictions });
         }
         Ok(())
+    }
+}
+
+pub fn stage_done_blobs(r: &StageReport) -> Vec<Blob> {
+    let index: Vec<u32> = r.grad_sumsq.iter().map(|x| x.0 as u32).collect();
+    let sumsq: Vec<f64> = r.grad_sumsq.iter().map(|x| x.1).collect();
+    let mut b = vec![Blob::u32s("grad_sumsq.index", &index, true), Blob::f64s("grad_sumsq", &sumsq, true)];
+    if let Some(l) = r.loss_sum {
+        b.push(Blob::f64("loss_sum", l));
+    }
+    b
+}
+
+pub fn eval_kind_name(k: EvalKind) -> &'static str {
+    match k {
+        EvalKind::Val => "val",
+        EvalKind::ExactMatch => "exact_match",
     }
 }
 

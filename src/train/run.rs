@@ -228,8 +228,8 @@ impl Sources {
 }
 
 /// Outputs of a run; an out dir holding any of them belongs to an earlier run.
-const OUTPUTS: [&str; 6] =
-    ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json"];
+const OUTPUTS: [&str; 7] =
+    ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json", "replay"];
 
 /// Runs training on the actor runtime; `chaos_seed` scrambles message delivery (tests).
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
@@ -275,6 +275,24 @@ pub fn train_with(
     }
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
+    let replay_dir = crate::replay::replay_dir(&opts.out_dir);
+    if cfg.replay.record && replay_dir.exists() {
+        if let Some(r) = &resume {
+            // The logs of the run before this resume stay, under their own name.
+            let mut kept = opts.out_dir.join(format!("replay.before-step-{}", r.state.step));
+            let mut n = 1;
+            while kept.exists() {
+                n += 1;
+                kept = opts.out_dir.join(format!("replay.before-step-{}.{n}", r.state.step));
+            }
+            std::fs::rename(&replay_dir, &kept).with_context(|| {
+                format!("{}: cannot move aside to {}", replay_dir.display(), kept.display())
+            })?;
+        } else {
+            std::fs::remove_dir_all(&replay_dir)
+                .with_context(|| format!("{}: cannot replace (--force)", replay_dir.display()))?;
+        }
+    }
     let metrics_path = opts.out_dir.join("metrics.jsonl");
     // On resume, the metrics of steps up to the checkpoint stay and later ones
     // (from the interrupted run, past its last checkpoint) are dropped.

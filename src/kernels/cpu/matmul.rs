@@ -193,6 +193,9 @@ pub fn matmul_backward_weight(
 
 /// acc (OC) += Σ over the N rows of x (N, OC), each column summed in row order.
 pub fn column_sum_accumulate(acc: &mut [f32], x: &[f32], n: usize, oc: usize) {
+    if RANDOM_ORDER.with(|r| r.get()) {
+        return column_sum_random_order(acc, x, n, oc);
+    }
     acc.par_chunks_mut(COLS_PER_TASK).enumerate().for_each(|(task, cols)| {
         let c0 = task * COLS_PER_TASK;
         for r in 0..n {
@@ -202,6 +205,38 @@ pub fn column_sum_accumulate(acc: &mut [f32], x: &[f32], n: usize, oc: usize) {
             }
         }
     });
+}
+
+thread_local! {
+    static RANDOM_ORDER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with bias-gradient sums taken in a random row order on this thread:
+/// a deliberately non-deterministic kernel (what an atomics-based GPU reduction
+/// does), switched on by `PIPEWRIGHT_NONDET` so the replay tests can show that
+/// such a bug is caught and pinned to its actor and message.
+pub fn with_random_order<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    let before = RANDOM_ORDER.with(|r| r.replace(on));
+    let out = f();
+    RANDOM_ORDER.with(|r| r.set(before));
+    out
+}
+
+fn column_sum_random_order(acc: &mut [f32], x: &[f32], n: usize, oc: usize) {
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let mut rng = crate::rng::Rng::new(seed as u64, crate::rng::Purpose::Test, &[0x4e0d]);
+    let mut rows: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        rows.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    for (o, a) in acc.iter_mut().enumerate() {
+        // Sum the column on its own, then add: the order of the rows is what varies.
+        let mut s = 0.0f32;
+        for &r in &rows {
+            s += x[r * oc + o];
+        }
+        *a += s;
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,477 @@
+//! The replay log of one actor: `RUN/replay/<actor>.log`.
+//!
+//! Layout: the magic `PWREPLAY`, a little-endian u32 format version, then a
+//! length-prefixed [`Header`] and length-prefixed [`Entry`] frames, each frame
+//! followed by a 32-byte chain digest, blake3(previous chain digest ‖ frame),
+//! seeded by the digest of the magic, version and header. The chain is what
+//! tells a log that was altered after recording (any byte of any earlier frame
+//! changes every later digest) from one whose run really diverged. Frames are
+//! bincode 2 (serde); tensors are raw little-endian bytes.
+
+use serde::{Deserialize, Serialize};
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+pub const MAGIC: &[u8; 8] = b"PWREPLAY";
+pub const VERSION: u32 = 1;
+/// No frame is larger: a corrupt length is refused before anything is allocated.
+const MAX_FRAME: u64 = 1 << 30;
+
+pub type Digest = [u8; 32];
+
+pub fn bincode_config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<{ MAX_FRAME as usize }>()
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    U32,
+    F64,
+    /// Text (a path, a kind), UTF-8.
+    Str,
+}
+
+/// One tensor or scalar of a message: its digest, and its bytes when the log
+/// keeps payloads (scalars and short values are always kept).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Blob {
+    pub name: String,
+    pub dtype: DType,
+    pub len: u64,
+    pub digest: Digest,
+    pub data: Option<Vec<u8>>,
+}
+
+/// Values up to this many bytes are stored even in digest-only logs: the
+/// control messages' scalars, so every actor's inputs can be rebuilt.
+const ALWAYS_KEEP: usize = 4096;
+
+fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
+    // f32/u32/f64 have no padding and every bit pattern is valid as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+#[cfg(target_endian = "big")]
+compile_error!("replay logs store tensors as raw little-endian bytes");
+
+impl Blob {
+    fn new(name: &str, dtype: DType, len: usize, bytes: &[u8], keep: bool) -> Blob {
+        let digest = if bytes.len() > 1 << 20 {
+            *blake3::Hasher::new().update_rayon(bytes).finalize().as_bytes()
+        } else {
+            *blake3::hash(bytes).as_bytes()
+        };
+        let data = (keep || bytes.len() <= ALWAYS_KEEP).then(|| bytes.to_vec());
+        Blob { name: name.to_string(), dtype, len: len as u64, digest, data }
+    }
+
+    pub fn f32s(name: &str, v: &[f32], keep: bool) -> Blob {
+        Blob::new(name, DType::F32, v.len(), bytes_of(v), keep)
+    }
+
+    pub fn u32s(name: &str, v: &[u32], keep: bool) -> Blob {
+        Blob::new(name, DType::U32, v.len(), bytes_of(v), keep)
+    }
+
+    pub fn f64s(name: &str, v: &[f64], keep: bool) -> Blob {
+        Blob::new(name, DType::F64, v.len(), bytes_of(v), keep)
+    }
+
+    pub fn f64(name: &str, x: f64) -> Blob {
+        Blob::f64s(name, &[x], true)
+    }
+
+    pub fn str(name: &str, s: &str) -> Blob {
+        Blob::new(name, DType::Str, s.len(), s.as_bytes(), true)
+    }
+
+    pub fn has_data(&self) -> bool {
+        self.data.is_some()
+    }
+
+    fn data_or_err(&self) -> Result<&[u8], String> {
+        self.data.as_deref().ok_or_else(|| format!("{}: only its digest was recorded", self.name))
+    }
+
+    fn elems<const N: usize>(&self, want: DType) -> Result<impl Iterator<Item = [u8; N]> + '_, String> {
+        if self.dtype != want {
+            return Err(format!("{}: recorded as {:?}, expected {want:?}", self.name, self.dtype));
+        }
+        let d = self.data_or_err()?;
+        if d.len() as u64 != self.len * N as u64 {
+            return Err(format!("{}: {} bytes for {} values", self.name, d.len(), self.len));
+        }
+        Ok(d.chunks_exact(N).map(|c| c.try_into().expect("chunk of N")))
+    }
+
+    pub fn to_f32s(&self) -> Result<Vec<f32>, String> {
+        Ok(self.elems::<4>(DType::F32)?.map(f32::from_le_bytes).collect())
+    }
+
+    pub fn to_u32s(&self) -> Result<Vec<u32>, String> {
+        Ok(self.elems::<4>(DType::U32)?.map(u32::from_le_bytes).collect())
+    }
+
+    pub fn to_f64s(&self) -> Result<Vec<f64>, String> {
+        Ok(self.elems::<8>(DType::F64)?.map(f64::from_le_bytes).collect())
+    }
+
+    pub fn to_f64(&self) -> Result<f64, String> {
+        let v = self.to_f64s()?;
+        v.first().copied().filter(|_| v.len() == 1).ok_or_else(|| format!("{}: not one value", self.name))
+    }
+
+    pub fn to_str(&self) -> Result<String, String> {
+        String::from_utf8(self.data_or_err()?.to_vec()).map_err(|_| format!("{}: not UTF-8", self.name))
+    }
+}
+
+/// A message the actor sent while handling an entry's message.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Sent {
+    pub to: String,
+    pub kind: String,
+    pub mb: Option<u64>,
+    pub blobs: Vec<Blob>,
+}
+
+/// One handled message, what the actor sent in reply, and its state changes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Entry {
+    pub seq: u64,
+    pub from: String,
+    pub kind: String,
+    pub step: u64,
+    /// Evaluation (forward-only) traffic rather than training.
+    pub eval: bool,
+    /// The global pipeline stage the message is for, where it names one.
+    pub stage: Option<u64>,
+    pub mb: Option<u64>,
+    pub replica: u64,
+    pub inputs: Vec<Blob>,
+    pub sent: Vec<Sent>,
+    /// State after handling (a stage: its parameters after an optimizer step).
+    pub state: Vec<Blob>,
+}
+
+impl Entry {
+    pub fn input(&self, name: &str) -> Result<&Blob, String> {
+        self.inputs.iter().find(|b| b.name == name).ok_or_else(|| format!("no input `{name}`"))
+    }
+
+    /// What a person would call this entry: `seq 41 (step 3, Activation mb 2)`.
+    pub fn describe(&self) -> String {
+        let mut s = format!("seq {} (step {}, {}", self.seq, self.step, self.kind);
+        if self.eval {
+            s += " [eval]";
+        }
+        if let Some(st) = self.stage {
+            s += &format!(" for stage {st}");
+        }
+        if let Some(mb) = self.mb {
+            s += &format!(" mb {mb}");
+        }
+        s += &format!(" from {})", self.from);
+        s
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Header {
+    pub actor: String,
+    /// The run's resolved config (TOML) and its hash.
+    pub config: String,
+    pub config_hash: String,
+    /// Tensor payloads are stored, not only their digests.
+    pub payloads: bool,
+    /// The first optimizer step of the run (non-zero after a resume).
+    pub start_step: u64,
+}
+
+/// What can be wrong with a log file; every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: not a pipewright replay log (expected the magic `PWREPLAY`)")]
+    NotALog { path: PathBuf },
+    #[error("{path}: replay log format {found}, this build reads format {VERSION}")]
+    Version { path: PathBuf, found: u32 },
+    #[error("{path}: truncated inside entry {index} (byte {offset} of {size}): the recording was cut off")]
+    Truncated { path: PathBuf, index: u64, offset: u64, size: u64 },
+    #[error("{path}: entry {index} at byte {offset} claims {len} bytes, more than a frame may hold: the file is corrupt")]
+    BadLength { path: PathBuf, index: u64, offset: u64, len: u64 },
+    #[error(
+        "{path}: entry {index} (byte {offset}) was altered after recording: its chain digest does not match"
+    )]
+    Tampered { path: PathBuf, index: u64, offset: u64 },
+    #[error("{path}: entry {index} (byte {offset}) cannot be decoded: {reason}")]
+    Corrupt { path: PathBuf, index: u64, offset: u64, reason: String },
+    #[error("{path}: entry {index} has sequence number {seq}: the entries are out of order")]
+    Sequence { path: PathBuf, index: u64, seq: u64 },
+}
+
+fn chain_seed(header: &[u8]) -> Digest {
+    let mut h = blake3::Hasher::new();
+    h.update(MAGIC).update(&VERSION.to_le_bytes()).update(header);
+    *h.finalize().as_bytes()
+}
+
+fn chain_next(prev: &Digest, frame: &[u8]) -> Digest {
+    *blake3::Hasher::new().update(prev).update(frame).finalize().as_bytes()
+}
+
+pub struct LogWriter {
+    path: PathBuf,
+    out: BufWriter<std::fs::File>,
+    chain: Digest,
+    next_seq: u64,
+}
+
+impl LogWriter {
+    pub fn create(path: &Path, header: &Header) -> Result<LogWriter, LogError> {
+        let io = |source| LogError::Io { path: path.to_path_buf(), source };
+        let file = std::fs::File::create(path).map_err(io)?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        let hb = bincode::serde::encode_to_vec(header, bincode_config()).expect("a header encodes");
+        out.write_all(MAGIC).map_err(io)?;
+        out.write_all(&VERSION.to_le_bytes()).map_err(io)?;
+        out.write_all(&(hb.len() as u32).to_le_bytes()).map_err(io)?;
+        out.write_all(&hb).map_err(io)?;
+        Ok(LogWriter { path: path.to_path_buf(), out, chain: chain_seed(&hb), next_seq: 0 })
+    }
+
+    /// Appends `e`, whose `seq` this writer assigns.
+    pub fn append(&mut self, mut e: Entry) -> Result<(), LogError> {
+        e.seq = self.next_seq;
+        self.next_seq += 1;
+        let io = |source| LogError::Io { path: self.path.clone(), source };
+        let bytes = bincode::serde::encode_to_vec(&e, bincode_config()).map_err(|err| LogError::Corrupt {
+            path: self.path.clone(),
+            index: e.seq,
+            offset: 0,
+            reason: format!("cannot encode: {err}"),
+        })?;
+        self.chain = chain_next(&self.chain, &bytes);
+        self.out.write_all(&(bytes.len() as u64).to_le_bytes()).map_err(io)?;
+        self.out.write_all(&bytes).map_err(io)?;
+        self.out.write_all(&self.chain).map_err(io)?;
+        Ok(())
+    }
+
+    pub fn flush(&mut self) -> Result<(), LogError> {
+        let path = self.path.clone();
+        self.out.flush().map_err(|source| LogError::Io { path, source })
+    }
+
+    pub fn finish(mut self) -> Result<(), LogError> {
+        let path = self.path.clone();
+        self.out.flush().map_err(|source| LogError::Io { path, source })
+    }
+}
+
+/// Reads a log frame by frame, checking lengths, the chain and the order.
+pub struct LogReader {
+    path: PathBuf,
+    input: std::io::BufReader<std::fs::File>,
+    pub header: Header,
+    chain: Digest,
+    offset: u64,
+    size: u64,
+    index: u64,
+}
+
+impl LogReader {
+    pub fn open(path: &Path) -> Result<LogReader, LogError> {
+        let p = path.to_path_buf();
+        let io = |source| LogError::Io { path: p.clone(), source };
+        let file = std::fs::File::open(path).map_err(io)?;
+        let size = file.metadata().map_err(io)?.len();
+        let mut input = std::io::BufReader::with_capacity(1 << 20, file);
+        let mut head = [0u8; 16];
+        let got = read_upto(&mut input, &mut head).map_err(io)?;
+        if got < 8 || &head[..8] != MAGIC {
+            return Err(LogError::NotALog { path: p });
+        }
+        if got < 16 {
+            return Err(LogError::Truncated { path: p, index: 0, offset: got as u64, size });
+        }
+        let version = u32::from_le_bytes(head[8..12].try_into().unwrap());
+        if version != VERSION {
+            return Err(LogError::Version { path: p, found: version });
+        }
+        let hlen = u32::from_le_bytes(head[12..16].try_into().unwrap()) as u64;
+        if hlen > size - 16 {
+            return Err(LogError::Truncated { path: p, index: 0, offset: 16, size });
+        }
+        let mut hb = vec![0u8; hlen as usize];
+        input.read_exact(&mut hb).map_err(io)?;
+        let header: Header = bincode::serde::decode_from_slice(&hb, bincode_config())
+            .map_err(|e| LogError::Corrupt {
+                path: p.clone(),
+                index: 0,
+                offset: 16,
+                reason: format!("header: {e}"),
+            })?
+            .0;
+        Ok(LogReader { path: p, input, header, chain: chain_seed(&hb), offset: 16 + hlen, size, index: 0 })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The next entry, or None at a clean end of file.
+    pub fn next_entry(&mut self) -> Result<Option<Entry>, LogError> {
+        if self.offset == self.size {
+            return Ok(None);
+        }
+        let (path, index, offset, size) = (self.path.clone(), self.index, self.offset, self.size);
+        let truncated = || LogError::Truncated { path: path.clone(), index, offset, size };
+        if size - offset < 8 {
+            return Err(truncated());
+        }
+        let mut lb = [0u8; 8];
+        self.input.read_exact(&mut lb).map_err(|source| LogError::Io { path: path.clone(), source })?;
+        let len = u64::from_le_bytes(lb);
+        if len > MAX_FRAME {
+            return Err(LogError::BadLength { path, index, offset, len });
+        }
+        if size - offset - 8 < len + 32 {
+            return Err(truncated());
+        }
+        let mut bytes = vec![0u8; len as usize];
+        let mut digest = [0u8; 32];
+        let io = |source| LogError::Io { path: path.clone(), source };
+        self.input.read_exact(&mut bytes).map_err(io)?;
+        self.input.read_exact(&mut digest).map_err(io)?;
+        let chain = chain_next(&self.chain, &bytes);
+        if chain != digest {
+            return Err(LogError::Tampered { path, index, offset });
+        }
+        let (e, used): (Entry, usize) =
+            bincode::serde::decode_from_slice(&bytes, bincode_config()).map_err(|err| LogError::Corrupt {
+                path: path.clone(),
+                index,
+                offset,
+                reason: err.to_string(),
+            })?;
+        if used != bytes.len() {
+            return Err(LogError::Corrupt {
+                path,
+                index,
+                offset,
+                reason: "trailing bytes in the frame".into(),
+            });
+        }
+        if e.seq != index {
+            return Err(LogError::Sequence { path, index, seq: e.seq });
+        }
+        self.chain = chain;
+        self.offset += 8 + len + 32;
+        self.index += 1;
+        Ok(Some(e))
+    }
+
+    /// Every entry (the whole log in memory).
+    pub fn read_all(path: &Path) -> Result<(Header, Vec<Entry>), LogError> {
+        let mut r = LogReader::open(path)?;
+        let mut v = Vec::new();
+        while let Some(e) = r.next_entry()? {
+            v.push(e);
+        }
+        Ok((r.header, v))
+    }
+}
+
+fn read_upto(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header {
+            actor: "stage-0".into(),
+            config: "x".into(),
+            config_hash: "h".into(),
+            payloads: true,
+            start_step: 0,
+        }
+    }
+
+    fn entry(step: u64) -> Entry {
+        Entry {
+            seq: 0,
+            from: "coordinator".into(),
+            kind: "RunStep".into(),
+            step,
+            eval: false,
+            stage: None,
+            mb: None,
+            replica: 0,
+            inputs: vec![Blob::f64("loss_scale", 1.0), Blob::f32s("x", &[1.0, 2.0], true)],
+            sent: vec![Sent { to: "stage-1".into(), kind: "Activation".into(), mb: Some(0), blobs: vec![] }],
+            state: vec![],
+        }
+    }
+
+    fn write(path: &Path, n: u64) {
+        let mut w = LogWriter::create(path, &header()).unwrap();
+        for s in 0..n {
+            w.append(entry(s)).unwrap();
+        }
+        w.finish().unwrap();
+    }
+
+    #[test]
+    fn round_trip_and_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.log");
+        write(&p, 3);
+        let (h, es) = LogReader::read_all(&p).unwrap();
+        assert_eq!(h, header());
+        assert_eq!(es.len(), 3);
+        assert_eq!(es[2].seq, 2);
+        assert_eq!(es[1].input("x").unwrap().to_f32s().unwrap(), vec![1.0, 2.0]);
+        assert_eq!(es[1].input("loss_scale").unwrap().to_f64().unwrap(), 1.0);
+        assert!(es[1].input("x").unwrap().to_u32s().is_err());
+    }
+
+    #[test]
+    fn truncation_tampering_and_garbage_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.log");
+        write(&p, 3);
+        let full = std::fs::read(&p).unwrap();
+        for cut in [full.len() - 1, full.len() - 40, 20] {
+            std::fs::write(&p, &full[..cut]).unwrap();
+            let e = LogReader::read_all(&p).unwrap_err();
+            assert!(matches!(e, LogError::Truncated { .. }), "{cut}: {e}");
+            assert!(e.to_string().contains("a.log"), "{e}");
+        }
+        let mut t = full.clone();
+        let n = t.len();
+        t[n - 60] ^= 1; // inside the last frame
+        std::fs::write(&p, &t).unwrap();
+        let e = LogReader::read_all(&p).unwrap_err();
+        assert!(matches!(e, LogError::Tampered { index: 2, .. }), "{e}");
+        std::fs::write(&p, b"hello world, not a log").unwrap();
+        assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::NotALog { .. }));
+        let mut huge = full[..full.len()].to_vec();
+        let first_frame = 16 + u32::from_le_bytes(full[12..16].try_into().unwrap()) as usize;
+        huge[first_frame..first_frame + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        std::fs::write(&p, &huge).unwrap();
+        assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::BadLength { .. }));
+    }
+}

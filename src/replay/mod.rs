@@ -1,0 +1,451 @@
+//! Actor-level deterministic replay.
+//!
+//! With `replay.record` on, every actor writes `RUN/replay/<actor>.log`: an
+//! [`Entry`] per handled message with the digests of its payload tensors,
+//! of what the actor sent while handling it, and of its state changes (a
+//! stage's parameters after each optimizer step). `replay.payloads` names the
+//! actors whose tensor bytes are kept too, so they can be replayed alone.
+//!
+//! Handling order is the order in which an actor *uses* its messages, which is
+//! what makes a log independent of delivery order: a stage's compute thread
+//! takes its inputs in schedule order whatever order they arrived in, and the
+//! actors that gather (the coordinator's per-step reports, the reducer's
+//! replicas) log a gather's messages in the order they are combined —
+//! (replica, rank) — when it completes. Messages whose timing is the point and
+//! whose content is not computed (`Saved`, `StopRequested`, `Failed`) and
+//! timing fields (ms, tokens/s, latencies) are left out.
+//!
+//! [`ActorLog`] writes a log, or — during a replay — checks what the actor
+//! does now against the recorded log, entry by entry, and keeps the first
+//! divergence. The drivers in [`run`] rebuild one actor alone and feed it its
+//! recorded inputs.
+
+pub mod log;
+pub mod run;
+
+pub use log::{Blob, DType, Digest, Entry, Header, LogError, LogReader, LogWriter, Sent};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+pub fn replay_dir(run_dir: &Path) -> PathBuf {
+    run_dir.join("replay")
+}
+
+pub fn log_path(run_dir: &Path, actor: &str) -> PathBuf {
+    replay_dir(run_dir).join(format!("{actor}.log"))
+}
+
+/// Whether `actor` keeps payloads under `replay.payloads` (names, or "all").
+pub fn keeps_payloads(list: &[String], actor: &str) -> bool {
+    list.iter().any(|a| a == "all" || a == actor)
+}
+
+/// The first place where a replay differs from its recording.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Divergence {
+    pub actor: String,
+    pub seq: u64,
+    pub step: u64,
+    pub mb: Option<u64>,
+    pub kind: String,
+    /// What differs, in words: "output `data` of Activation mb 2 to stage-2".
+    pub what: String,
+    pub recorded: String,
+    pub replayed: String,
+    /// Max abs and rel difference (and where), when both sides' bytes are known.
+    pub diff: Option<NumDiff>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct NumDiff {
+    pub max_abs: f64,
+    pub max_rel: f64,
+    pub index: usize,
+    pub differing: usize,
+    pub len: usize,
+}
+
+impl fmt::Display for Divergence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} diverges at seq {}, step {}", self.actor, self.seq, self.step)?;
+        if let Some(mb) = self.mb {
+            write!(f, ", microbatch {mb}")?;
+        }
+        write!(
+            f,
+            ", message {}: {} differs (recorded {}, replayed {})",
+            self.kind, self.what, self.recorded, self.replayed
+        )?;
+        if let Some(d) = &self.diff {
+            write!(
+                f,
+                "; max abs diff {:.3e}, max rel diff {:.3e} (at element {}; {} of {} elements differ)",
+                d.max_abs, d.max_rel, d.index, d.differing, d.len
+            )?;
+        }
+        Ok(())
+    }
+}
+
+fn short(d: &Digest) -> String {
+    d[..6].iter().map(|b| format!("{b:02x}")).collect::<String>() + "…"
+}
+
+fn num_diff(a: &Blob, b: &Blob) -> Option<NumDiff> {
+    let (x, y): (Vec<f64>, Vec<f64>) = match (a.dtype, b.dtype) {
+        (DType::F32, DType::F32) => (
+            a.to_f32s().ok()?.into_iter().map(f64::from).collect(),
+            b.to_f32s().ok()?.into_iter().map(f64::from).collect(),
+        ),
+        (DType::F64, DType::F64) => (a.to_f64s().ok()?, b.to_f64s().ok()?),
+        (DType::U32, DType::U32) => (
+            a.to_u32s().ok()?.into_iter().map(f64::from).collect(),
+            b.to_u32s().ok()?.into_iter().map(f64::from).collect(),
+        ),
+        _ => return None,
+    };
+    if x.len() != y.len() {
+        return None;
+    }
+    let mut d = NumDiff { max_abs: 0.0, max_rel: 0.0, index: 0, differing: 0, len: x.len() };
+    for (i, (&p, &q)) in x.iter().zip(&y).enumerate() {
+        if p.to_bits() == q.to_bits() {
+            continue;
+        }
+        d.differing += 1;
+        let abs = (p - q).abs();
+        let rel = abs / p.abs().max(q.abs()).max(f64::MIN_POSITIVE);
+        if abs > d.max_abs || abs.is_nan() {
+            d.max_abs = abs;
+            d.index = i;
+        }
+        d.max_rel = d.max_rel.max(rel);
+    }
+    Some(d)
+}
+
+fn compare_blobs(
+    what: &str,
+    rec: &[Blob],
+    now: &[Blob],
+) -> Option<(String, String, String, Option<NumDiff>)> {
+    let names = |v: &[Blob]| v.iter().map(|b| b.name.clone()).collect::<Vec<_>>().join(", ");
+    if rec.len() != now.len() || rec.iter().zip(now).any(|(a, b)| a.name != b.name) {
+        return Some((format!("{what}: the tensors"), names(rec), names(now), None));
+    }
+    for (a, b) in rec.iter().zip(now) {
+        if a.digest != b.digest || a.len != b.len || a.dtype != b.dtype {
+            let rs = format!("{} {:?}[{}]", short(&a.digest), a.dtype, a.len);
+            let ns = format!("{} {:?}[{}]", short(&b.digest), b.dtype, b.len);
+            return Some((format!("{what} `{}`", a.name), rs, ns, num_diff(a, b)));
+        }
+    }
+    None
+}
+
+/// The first difference between a recorded entry and its replay.
+pub fn compare(actor: &str, rec: &Entry, now: &Entry) -> Option<Divergence> {
+    let div = |what: String, recorded: String, replayed: String, diff| Divergence {
+        actor: actor.to_string(),
+        seq: rec.seq,
+        step: rec.step,
+        mb: rec.mb,
+        kind: rec.kind.clone(),
+        what,
+        recorded,
+        replayed,
+        diff,
+    };
+    let head = |e: &Entry| {
+        format!(
+            "{} from {} (step {}, stage {:?}, mb {:?}, eval {})",
+            e.kind, e.from, e.step, e.stage, e.mb, e.eval
+        )
+    };
+    if (&rec.kind, &rec.from, rec.step, rec.stage, rec.mb, rec.eval, rec.replica)
+        != (&now.kind, &now.from, now.step, now.stage, now.mb, now.eval, now.replica)
+    {
+        return Some(div("the message handled".into(), head(rec), head(now), None));
+    }
+    if let Some((w, r, n, d)) = compare_blobs("input", &rec.inputs, &now.inputs) {
+        return Some(div(w, r, n, d));
+    }
+    let sends = |e: &Entry| {
+        e.sent.iter().map(|s| format!("{} mb {:?} to {}", s.kind, s.mb, s.to)).collect::<Vec<_>>().join("; ")
+    };
+    if rec.sent.len() != now.sent.len()
+        || rec.sent.iter().zip(&now.sent).any(|(a, b)| (&a.to, &a.kind, a.mb) != (&b.to, &b.kind, b.mb))
+    {
+        return Some(div(
+            "the messages sent".into(),
+            format!("[{}]", sends(rec)),
+            format!("[{}]", sends(now)),
+            None,
+        ));
+    }
+    for (a, b) in rec.sent.iter().zip(&now.sent) {
+        let what = match a.mb {
+            Some(mb) => format!("output of {} mb {mb} to {}:", a.kind, a.to),
+            None => format!("output of {} to {}:", a.kind, a.to),
+        };
+        if let Some((w, r, n, d)) = compare_blobs(&what, &a.blobs, &b.blobs) {
+            return Some(div(w, r, n, d));
+        }
+    }
+    if let Some((w, r, n, d)) = compare_blobs("state", &rec.state, &now.state) {
+        return Some(div(w, r, n, d));
+    }
+    None
+}
+
+/// Checks a replay against the recorded entries as they are produced.
+pub struct Checker {
+    expected: Arc<Vec<Entry>>,
+    next: usize,
+    divergence: Arc<Mutex<Option<Divergence>>>,
+}
+
+impl Checker {
+    pub fn new(
+        expected: Arc<Vec<Entry>>,
+        skip: usize,
+        divergence: Arc<Mutex<Option<Divergence>>>,
+    ) -> Checker {
+        Checker { expected, next: skip, divergence }
+    }
+
+    fn check(&mut self, actor: &str, mut e: Entry) {
+        let mut slot = self.divergence.lock().expect("divergence slot");
+        if slot.is_some() {
+            return;
+        }
+        let Some(rec) = self.expected.get(self.next) else {
+            *slot = Some(Divergence {
+                actor: actor.to_string(),
+                seq: self.next as u64,
+                step: e.step,
+                mb: e.mb,
+                kind: e.kind.clone(),
+                what: "the number of messages handled".into(),
+                recorded: format!("{} entries", self.expected.len()),
+                replayed: format!("more: {}", e.describe()),
+                diff: None,
+            });
+            return;
+        };
+        e.seq = rec.seq;
+        *slot = compare(actor, rec, &e);
+        self.next += 1;
+    }
+
+    pub fn position(&self) -> usize {
+        self.next
+    }
+}
+
+enum Sink {
+    Write(Option<LogWriter>),
+    Check(Checker),
+}
+
+/// An actor's recorder: writes its log, or checks a replay against it.
+pub struct ActorLog {
+    pub actor: String,
+    payloads: bool,
+    current: Option<Entry>,
+    /// Entries of a gather, emitted in combination order when it completes.
+    gathered: Vec<Entry>,
+    sink: Sink,
+    /// The first write error; recording stops there and the run reports it.
+    pub error: Option<String>,
+}
+
+impl ActorLog {
+    pub fn record(run_dir: &Path, actor: &str, header: Header) -> Result<ActorLog, LogError> {
+        let dir = replay_dir(run_dir);
+        std::fs::create_dir_all(&dir).map_err(|source| LogError::Io { path: dir.clone(), source })?;
+        let payloads = header.payloads;
+        let w = LogWriter::create(&log_path(run_dir, actor), &header)?;
+        Ok(ActorLog {
+            actor: actor.to_string(),
+            payloads,
+            current: None,
+            gathered: Vec::new(),
+            sink: Sink::Write(Some(w)),
+            error: None,
+        })
+    }
+
+    /// A log that compares against `checker` instead of writing; it keeps every
+    /// payload so a divergence can show by how much values differ.
+    pub fn check(actor: &str, checker: Checker) -> ActorLog {
+        ActorLog {
+            actor: actor.to_string(),
+            payloads: true,
+            current: None,
+            gathered: Vec::new(),
+            sink: Sink::Check(checker),
+            error: None,
+        }
+    }
+
+    /// Entries checked so far, counting those skipped at the start (a replay).
+    pub fn position(&self) -> usize {
+        match &self.sink {
+            Sink::Check(c) => c.position(),
+            Sink::Write(_) => 0,
+        }
+    }
+
+    /// Tensors keep their bytes in this log.
+    pub fn payloads(&self) -> bool {
+        self.payloads
+    }
+
+    fn emit(&mut self, e: Entry) {
+        match &mut self.sink {
+            Sink::Write(Some(w)) => {
+                if self.error.is_none() {
+                    if let Err(err) = w.append(e) {
+                        self.error = Some(err.to_string());
+                    }
+                }
+            }
+            Sink::Write(None) => self.error = Some("written after the log was closed".into()),
+            Sink::Check(c) => c.check(&self.actor, e),
+        }
+    }
+
+    /// A message is being handled: the previous entry is complete.
+    pub fn begin(&mut self, e: Entry) {
+        if let Some(prev) = self.current.take() {
+            self.emit(prev);
+        }
+        self.current = Some(e);
+    }
+
+    /// A message that is part of a gather; it is logged when the gather completes.
+    pub fn gather(&mut self, e: Entry) {
+        if let Some(prev) = self.current.take() {
+            self.emit(prev);
+        }
+        self.gathered.push(e);
+    }
+
+    /// The gather is complete: its entries in (replica, stage) order; what is
+    /// sent from now on belongs to the last of them.
+    pub fn gather_done(&mut self) {
+        let mut g = std::mem::take(&mut self.gathered);
+        g.sort_by_key(|e| (e.replica, e.stage, e.mb));
+        let last = g.pop();
+        for e in g {
+            self.emit(e);
+        }
+        self.current = last;
+    }
+
+    pub fn sent(&mut self, to: &str, kind: &str, mb: Option<u64>, blobs: Vec<Blob>) {
+        if let Some(e) = &mut self.current {
+            e.sent.push(Sent { to: to.to_string(), kind: kind.to_string(), mb, blobs });
+        }
+    }
+
+    pub fn state(&mut self, blobs: Vec<Blob>) {
+        if let Some(e) = &mut self.current {
+            e.state.extend(blobs);
+        }
+    }
+
+    /// The current entry is complete: write it and flush the file, so the log
+    /// is whole even if the process ends before this actor is stopped.
+    pub fn end(&mut self) {
+        if let Some(prev) = self.current.take() {
+            self.emit(prev);
+        }
+        if let Sink::Write(Some(w)) = &mut self.sink {
+            if let Err(e) = w.flush() {
+                self.error.get_or_insert(e.to_string());
+            }
+        }
+    }
+
+    /// Emits what is pending and flushes the file.
+    pub fn finish(&mut self) -> Result<(), String> {
+        if let Some(prev) = self.current.take() {
+            self.emit(prev);
+        }
+        let g = std::mem::take(&mut self.gathered);
+        for e in g {
+            self.emit(e);
+        }
+        if let Some(e) = &self.error {
+            return Err(format!("replay log of {}: {e}", self.actor));
+        }
+        if let Sink::Write(w) = &mut self.sink {
+            if let Some(w) = w.take() {
+                w.finish().map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The recorder of `actor` when `replay.record` is on.
+pub fn recorder(
+    cfg: &crate::config::Config,
+    run_dir: &Path,
+    actor: &str,
+    start_step: u64,
+) -> Result<Option<ActorLog>, LogError> {
+    if !cfg.replay.record {
+        return Ok(None);
+    }
+    let header = Header {
+        actor: actor.to_string(),
+        config: cfg.to_toml_string(),
+        config_hash: cfg.hash(),
+        payloads: keeps_payloads(&cfg.replay.payloads, actor),
+        start_step,
+    };
+    ActorLog::record(run_dir, actor, header).map(Some)
+}
+
+/// A fresh entry (seq is assigned when written).
+pub fn entry(from: &str, kind: &str, step: u64, replica: usize) -> Entry {
+    Entry {
+        seq: 0,
+        from: from.to_string(),
+        kind: kind.to_string(),
+        step,
+        eval: false,
+        stage: None,
+        mb: None,
+        replica: replica as u64,
+        inputs: Vec::new(),
+        sent: Vec::new(),
+        state: Vec::new(),
+    }
+}
+
+impl Entry {
+    pub fn with_mb(mut self, mb: usize) -> Entry {
+        self.mb = Some(mb as u64);
+        self
+    }
+
+    pub fn with_stage(mut self, stage: usize) -> Entry {
+        self.stage = Some(stage as u64);
+        self
+    }
+
+    pub fn with_eval(mut self, eval: bool) -> Entry {
+        self.eval = eval;
+        self
+    }
+
+    pub fn with_inputs(mut self, inputs: Vec<Blob>) -> Entry {
+        self.inputs = inputs;
+        self
+    }
+}
