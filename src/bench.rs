@@ -125,6 +125,12 @@ pub struct PipelineRow {
     pub msg_median_us: f64,
     pub msg_p99_us: f64,
     pub messages: usize,
+    /// The CPU planner's step time for this layout, at the model rate measured at
+    /// pp = 1 (`plan::cpu::step_ms`); none without a pp = 1 row.
+    pub planned_ms_per_step: Option<f64>,
+    /// Activation bytes the fullest rank held at its peak, and the planner's figure.
+    pub peak_activation_bytes: usize,
+    pub planned_activation_bytes: f64,
 }
 
 /// Trains `steps` steps of `cfg` (random tokens) through the actor runtime at
@@ -151,6 +157,18 @@ pub fn pipeline_rows(
         c.data.train.clear();
         c.data.val.clear();
         let (summary, out) = run_quietly(&c, &format!("pp{pp}"))?;
+        let plan = crate::plan::cpu::plan(&c)?;
+        let fullest = (0..pp).max_by_key(|&r| out.peak_live_bytes.get(r).copied().unwrap_or(0)).unwrap_or(0);
+        // The rate the planner is given: the whole machine on the model, as pp = 1 measured it.
+        let base = rows
+            .first()
+            .filter(|r: &&PipelineRow| r.pp == 1)
+            .map(|r| r.gflops)
+            .or((pp == 1).then_some(summary.model_gflops));
+        let planned_ms_per_step = match base {
+            Some(g) => Some(crate::plan::cpu::step_ms(&c, g, thread_count(c.backend.threads))?),
+            None => None,
+        };
         let mut lat = out.message_latency_us.clone();
         lat.sort_by(f64::total_cmp);
         let q = |f: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * f) as usize] };
@@ -163,6 +181,9 @@ pub fn pipeline_rows(
             msg_median_us: q(0.5),
             msg_p99_us: q(0.99),
             messages: lat.len(),
+            planned_ms_per_step,
+            peak_activation_bytes: out.peak_live_bytes.get(fullest).copied().unwrap_or(0),
+            planned_activation_bytes: plan.ranks[fullest].activation_bytes,
         });
     }
     Ok(rows)
@@ -171,20 +192,35 @@ pub fn pipeline_rows(
 pub fn pipeline_table(rows: &[PipelineRow]) -> String {
     let mut s = String::from("\nthe same model through the actor runtime (1F1B), per pipeline size\n");
     s += &format!(
-        "  {:>3} {:>10} {:>9} {:>9} {:>8} {:>13} {:>10}\n",
-        "pp", "tokens/s", "ms/step", "GFLOP/s", "vs pp=1", "msg median µs", "msg p99 µs"
+        "  {:>3} {:>10} {:>9} {:>9} {:>8} {:>13} {:>10} {:>11} {:>9} {:>10} {:>12}\n",
+        "pp",
+        "tokens/s",
+        "ms/step",
+        "GFLOP/s",
+        "vs pp=1",
+        "msg median µs",
+        "msg p99 µs",
+        "planned ms",
+        "measured/",
+        "act. MB",
+        "planned MB"
     );
     let base = rows.first().map(|r| r.tokens_per_s).unwrap_or(1.0);
+    s += "  (planned: the CPU planner's step time at the model rate pp = 1 measured, and its activation\n   memory of the fullest rank; measured/planned within 0.8–1.2 is the planner's target)\n";
     for r in rows {
         s += &format!(
-            "  {:>3} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>13.1} {:>10.1}\n",
+            "  {:>3} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>13.1} {:>10.1} {:>11} {:>9} {:>10.1} {:>12.1}\n",
             r.pp,
             r.tokens_per_s,
             r.ms_per_step,
             r.gflops,
             r.tokens_per_s / base,
             r.msg_median_us,
-            r.msg_p99_us
+            r.msg_p99_us,
+            r.planned_ms_per_step.map_or("–".into(), |p| format!("{p:.1}")),
+            r.planned_ms_per_step.map_or("–".into(), |p| format!("{:.2}", r.ms_per_step / p)),
+            r.peak_activation_bytes as f64 / 1e6,
+            r.planned_activation_bytes / 1e6
         );
     }
     s

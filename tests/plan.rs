@@ -175,3 +175,62 @@ fn cli_plan_json_has_the_fields() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--gpu"));
 }
+
+/// Trains the bench model one step at a layout and plans the same config: the
+/// planner's activation bytes per rank must match what the stages held, and its
+/// whole-process figure the process's peak resident memory, each within 20%.
+#[test]
+fn planned_memory_matches_runs_of_the_bench_model_within_20_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    let base =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/bench-cpu.toml")).unwrap();
+    let layouts =
+        [(1, 2, "1f1b", false), (2, 4, "1f1b", false), (2, 4, "gpipe", false), (4, 4, "1f1b", true)];
+    for (pp, m, schedule, recompute) in layouts {
+        let what = format!("pp={pp} m={m} {schedule} recompute={recompute}");
+        let text = base
+            .replace("pp = 1", &format!("pp = {pp}"))
+            .replace("microbatches = 1", &format!("microbatches = {m}"))
+            .replace("schedule = \"1f1b\"", &format!("schedule = \"{schedule}\""))
+            .replace("eval_every = 0", &format!("eval_every = 0\nrecompute = {recompute}"));
+        let config = dir.path().join(format!("pp{pp}-{schedule}.toml"));
+        std::fs::write(&config, text).unwrap();
+        let out = dir.path().join(format!("run-pp{pp}-{schedule}"));
+        let run = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args([
+                "train",
+                "--steps",
+                "1",
+                "--config",
+                config.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{what}: {}", String::from_utf8_lossy(&run.stderr));
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+        let cfg = pipewright::config::Config::load(Some(&config), &[]).unwrap();
+        let planned = pipewright::plan::cpu::plan(&cfg).unwrap();
+        let measured = summary["peak_activation_bytes"].as_array().unwrap();
+        assert_eq!(measured.len(), pp, "{what}: one figure per rank");
+        for (r, m) in planned.ranks.iter().zip(measured) {
+            let m = m.as_f64().unwrap();
+            assert!(
+                close(m, r.activation_bytes, 0.2),
+                "{what} rank {}: held {m} B, planned {}",
+                r.rank,
+                r.activation_bytes
+            );
+        }
+        if let Some(rss) = summary["peak_rss_bytes"].as_f64() {
+            assert!(
+                close(rss, planned.process_bytes, 0.2),
+                "{what}: peak resident {:.1} MB, planned {:.1} MB",
+                rss / 1e6,
+                planned.process_bytes / 1e6
+            );
+        }
+    }
+}

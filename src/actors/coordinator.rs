@@ -651,7 +651,10 @@ impl CoordinatorState {
                 check(replica == 0 && matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
                 st.weights[rank] = Some(params);
                 st.out.message_latency_us.extend(latencies_us);
-                st.out.peak_live_bytes.push(peak_live_bytes);
+                if st.out.peak_live_bytes.len() <= rank {
+                    st.out.peak_live_bytes.resize(rank + 1, 0);
+                }
+                st.out.peak_live_bytes[rank] = peak_live_bytes;
                 if st.weights.iter().all(Option::is_some) {
                     st.gather_done();
                     st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();

@@ -15,6 +15,7 @@
 //! (→ [`Plan`]), [`Plan::text`] and `serde_json::to_value(&plan)`; [`cli`] does all
 //! three for the command line.
 
+pub mod cpu;
 pub mod flops;
 pub mod hardware;
 pub mod memory;
@@ -468,12 +469,31 @@ impl Plan {
 }
 
 /// The `pipewright plan` command: resolve, plan, and render text or JSON.
+/// With a CPU config, the plan also holds `cpu`: the config's own layout on
+/// pipewright's CPU backend (memory per rank, the schedule's bubble).
 pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
     let p = plan(&resolve(args)?);
+    let cpu = match &args.config {
+        Some(path) => {
+            let cfg = Config::load(Some(path), &[]).map_err(|e| err("--config", e.to_string()))?;
+            match cfg.backend.kind.as_str() {
+                "cpu" => Some(cpu::plan(&cfg).map_err(|e| err("--config", format!("{e:#}")))?),
+                _ => None,
+            }
+        }
+        None => None,
+    };
     Ok(if args.json {
-        let v = serde_json::to_value(&p).map_err(|e| err("--json", e.to_string()))?;
+        let mut v = serde_json::to_value(&p).map_err(|e| err("--json", e.to_string()))?;
+        if let (Some(c), Some(o)) = (&cpu, v.as_object_mut()) {
+            o.insert("cpu".into(), serde_json::to_value(c).map_err(|e| err("--json", e.to_string()))?);
+        }
         format!("{v}\n")
     } else {
-        p.text()
+        let mut t = p.text();
+        if let Some(c) = &cpu {
+            t += &c.text();
+        }
+        t
     })
 }

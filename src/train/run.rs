@@ -84,6 +84,19 @@ pub struct Summary {
     pub checkpoint_write_ms: Option<f64>,
     /// Rollbacks to a checkpoint after `recovery.max_skips` skipped steps in a row.
     pub rollbacks: usize,
+    /// Per pipeline rank (replica 0): the most activation bytes its stages held
+    /// at once for microbatches awaiting backward.
+    pub peak_activation_bytes: Vec<usize>,
+    /// The process's resident-memory high-water mark (Linux's VmHWM), bytes.
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// The process's resident-memory high-water mark, where the OS reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.trim_start_matches("VmHWM:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// A run that started and then failed (an actor's error or panic), as opposed
@@ -382,6 +395,8 @@ pub fn train_with(
         checkpoint_pause_ms: mean(&out.checkpoint_pause_ms),
         checkpoint_write_ms: mean(&out.checkpoint_write_ms),
         rollbacks: out.rollbacks,
+        peak_activation_bytes: out.peak_live_bytes.clone(),
+        peak_rss_bytes: peak_rss_bytes(),
     };
     let mut meta = HashMap::new();
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());

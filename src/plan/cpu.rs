@@ -1,0 +1,286 @@
+//! The planner pointed at pipewright's own CPU backend, so that its models can be
+//! checked against runs on this machine: memory per pipeline rank (f32 weights,
+//! gradients and AdamW moments; f32 activations of an attention that never stores
+//! its T×T scores; the working set of a backward pass) and the step time of a
+//! layout (the schedule simulator fed with per-stage costs from FLOPs at a rate).
+//!
+//! It shares the GPU planner's parameter and FLOP counts and its simulator; only
+//! the number formats and the buffers differ. It must never read a run's
+//! measurements: they are what it is checked against (`tests/plan.rs`,
+//! `pipewright bench --pp`).
+
+use super::flops::ModelShape;
+use crate::actors::Layout;
+use crate::config::Config;
+use crate::model::GptConfig;
+use crate::schedule::Costs;
+use anyhow::Result;
+use serde::Serialize;
+
+/// f32 weights, gradients and both AdamW moments: 4 B each, no separate master copy.
+pub const STATE_BYTES_PER_PARAM: f64 = 16.0;
+
+/// One pipeline rank of one replica.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CpuRank {
+    pub rank: usize,
+    pub params: f64,
+    pub state_bytes: f64,
+    /// Most microbatches alive at once on this rank's stages (from the simulator).
+    pub live_microbatches: usize,
+    /// Bytes those microbatches keep for their backward.
+    pub activation_bytes: f64,
+    /// Buffers a stage holds whatever is alive: backward scratch, attention tiles,
+    /// the head's logits and its share of the tied embedding's gradient.
+    pub workspace_bytes: f64,
+    pub total_bytes: f64,
+    /// FLOPs of one microbatch's forward over this rank's stages.
+    pub forward_flops: f64,
+}
+
+/// A config's layout on the CPU backend.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CpuPlan {
+    /// Replica 0's ranks (every replica is the same).
+    pub ranks: Vec<CpuRank>,
+    /// Everything one process holds: all ranks of all replicas.
+    pub process_bytes: f64,
+    /// Model FLOPs of one optimizer step (6·N + 6·L·C·T per token, over all replicas).
+    pub step_flops: f64,
+    /// The simulator's bubble for this schedule at these per-stage costs.
+    pub bubble: f64,
+}
+
+/// Bytes one block keeps per microbatch of `n` tokens: its input, ln1, qkv (3C),
+/// the attention output, the residual after attention, ln2, the MLP product and its
+/// GELU (4C each) — 16 floats per token and channel — plus mean and rstd of both
+/// LayerNorms and the attention's log-sum-exp per head. With recompute, the input alone.
+pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: bool) -> f64 {
+    let (n, c, a) = (n as f64, shape.hidden as f64, shape.heads as f64);
+    if recompute {
+        4.0 * n * c
+    } else {
+        4.0 * n * (16.0 * c + 4.0 + a)
+    }
+}
+
+fn shape_of(gpt: &GptConfig) -> ModelShape {
+    ModelShape {
+        layers: gpt.n_layer,
+        hidden: gpt.n_embd,
+        heads: gpt.n_head,
+        seq: gpt.block_size,
+        vocab: gpt.vocab_size,
+    }
+}
+
+/// Memory and FLOPs per rank, and the schedule's bubble, for `cfg` as configured.
+pub fn plan(cfg: &Config) -> Result<CpuPlan> {
+    let layout = Layout::from_config(cfg)?;
+    let gpt = GptConfig::from_config(cfg);
+    let shape = shape_of(&gpt);
+    let (c, t, v) = (gpt.n_embd as f64, gpt.block_size as f64, gpt.vocab_size as f64);
+    let b = cfg.train.micro_batch_size;
+    let n = b * gpt.block_size;
+    let nf = n as f64;
+    let report = layout.schedule.simulate(&stage_costs(&layout, &shape, gpt.vocab_size, n).0)?;
+    let per_layer = block_activation_bytes(&shape, n, cfg.train.recompute);
+    let ranks = (0..layout.pp)
+        .map(|rank| {
+            let (mut params, mut activations, mut workspace, mut flops) = (0.0, 0.0, 0.0, 0.0);
+            let mut live_total = 0;
+            for s in layout.stages_of(rank) {
+                let spec = &layout.stages[s];
+                let layers = spec.layers.len() as f64;
+                let live = report.peak_live[s] as f64;
+                live_total += report.peak_live[s];
+                params += layers * shape.layer_params();
+                let mut per_mb = layers * per_layer;
+                // Backward scratch: the gradients of one block's intermediates
+                // (11 floats per token and channel) and of its LayerNorm, attention
+                // and MLP inputs (6), and the attention's query tiles.
+                workspace += 4.0 * nf * 17.0 * c
+                    + 4.0 * crate::kernels::cpu::attention::scratch_len(b, gpt.n_head, gpt.block_size) as f64;
+                if cfg.train.recompute {
+                    // The one block being recomputed holds its full set.
+                    workspace += block_activation_bytes(&shape, n, false) - per_layer;
+                }
+                flops += stage_forward_flops(
+                    &shape,
+                    spec.layers.len(),
+                    spec.embedding,
+                    spec.head,
+                    gpt.vocab_size,
+                    n,
+                );
+                if spec.embedding {
+                    params += (v + t) * c;
+                    per_mb += 4.0 * nf; // the tokens, for the embedding's backward
+                }
+                if spec.head {
+                    params += 2.0 * c;
+                    if !spec.embedding {
+                        params += v * c; // the tied head's own copy of wte
+                    }
+                    per_mb += 4.0 * nf * c; // the head's input gradient, made in forward
+                                            // Final LayerNorm output, logits and the head's wte gradient share.
+                    workspace += 4.0 * (nf * c + nf * v + v * c);
+                }
+                activations += live * per_mb;
+            }
+            let state_bytes = STATE_BYTES_PER_PARAM * params;
+            CpuRank {
+                rank,
+                params,
+                state_bytes,
+                live_microbatches: live_total,
+                activation_bytes: activations,
+                workspace_bytes: workspace,
+                total_bytes: state_bytes + activations + workspace,
+                forward_flops: flops,
+            }
+        })
+        .collect::<Vec<_>>();
+    let process_bytes = layout.dp as f64 * ranks.iter().map(|r| r.total_bytes).sum::<f64>();
+    let tokens_step = (layout.dp * layout.microbatches * n) as f64;
+    Ok(CpuPlan {
+        ranks,
+        process_bytes,
+        step_flops: gpt.flops_per_token() * tokens_step,
+        bubble: report.mean_bubble_frac,
+    })
+}
+
+/// FLOPs of one microbatch's forward on a stage: 2 per parameter per token for its
+/// blocks (and the tied head's product on the last stage), plus the causal attention
+/// products, 2·C·T per token per layer — a third of llm.c's 6·L·C·T training count.
+fn stage_forward_flops(
+    shape: &ModelShape,
+    layers: usize,
+    first: bool,
+    head: bool,
+    vocab: usize,
+    n: usize,
+) -> f64 {
+    let (c, t) = (shape.hidden as f64, shape.seq as f64);
+    let mut per_token = layers as f64 * (2.0 * shape.layer_params() + 2.0 * c * t);
+    if first {
+        per_token += 2.0 * t * c; // position embedding parameters, as 6·N counts them
+    }
+    if head {
+        per_token += 2.0 * (vocab as f64 * c + 2.0 * c);
+    }
+    per_token * n as f64
+}
+
+/// Forward FLOPs of one microbatch on each global stage.
+fn stages_forward_flops(layout: &Layout, shape: &ModelShape, vocab: usize, n: usize) -> Vec<f64> {
+    layout
+        .stages
+        .iter()
+        .map(|s| stage_forward_flops(shape, s.layers.len(), s.embedding, s.head, vocab, n))
+        .collect()
+}
+
+/// Simulator costs in units of the mean stage's forward: a stage's factor is its
+/// share of the mean stage's FLOPs; B = 2·F, I = W = F. Returns the unit in FLOPs too.
+fn stage_costs(layout: &Layout, shape: &ModelShape, vocab: usize, n: usize) -> (Costs, f64) {
+    let f = stages_forward_flops(layout, shape, vocab, n);
+    let mean = f.iter().sum::<f64>() / f.len() as f64;
+    (Costs { per_stage_factor: f.iter().map(|x| x / mean).collect(), ..Costs::unit() }, mean)
+}
+
+/// Predicted milliseconds per optimizer step when the whole machine computes the
+/// model at `gflops` (model FLOP/s with every core busy; measure it at pp = 1) on
+/// `cores` cores. Each rank gets `cores / ranks` cores' worth, and at most one
+/// core's when ranks outnumber cores; the schedule simulator turns per-stage
+/// costs into a makespan, and no layout beats the machine doing all the work with
+/// no bubble (ranks sharing a core fill each other's bubbles).
+pub fn step_ms(cfg: &Config, gflops: f64, cores: usize) -> Result<f64> {
+    let layout = Layout::from_config(cfg)?;
+    let gpt = GptConfig::from_config(cfg);
+    let shape = shape_of(&gpt);
+    let n = cfg.train.micro_batch_size * gpt.block_size;
+    let ranks = layout.pp * layout.dp;
+    let rank_rate = gflops * 1e9 / ranks.min(cores).max(1) as f64;
+    let (costs, mean_f) = stage_costs(&layout, &shape, gpt.vocab_size, n);
+    // The simulator's unit forward is the mean stage's forward; scale to seconds.
+    let makespan = layout.schedule.simulate(&costs)?.makespan * mean_f / rank_rate;
+    let tokens_step = (layout.dp * layout.microbatches * n) as f64;
+    let all_work = gpt.flops_per_token() * tokens_step / (gflops * 1e9);
+    Ok(1e3 * makespan.max(all_work))
+}
+
+impl CpuPlan {
+    /// The report section `pipewright plan --config` adds for a CPU config.
+    pub fn text(&self) -> String {
+        let mb = |x: f64| x / 1e6;
+        let mut s = String::from(
+            "\nthis config on pipewright's CPU backend (f32 states 16 B/param; activations kept for backward)\n",
+        );
+        s += &format!(
+            "  {:>4} {:>10} {:>11} {:>5} {:>14} {:>13} {:>10}\n",
+            "rank", "params", "states MB", "live", "activations MB", "workspace MB", "total MB"
+        );
+        for r in &self.ranks {
+            s += &format!(
+                "  {:>4} {:>10.0} {:>11.1} {:>5} {:>14.1} {:>13.1} {:>10.1}\n",
+                r.rank,
+                r.params,
+                mb(r.state_bytes),
+                r.live_microbatches,
+                mb(r.activation_bytes),
+                mb(r.workspace_bytes),
+                mb(r.total_bytes)
+            );
+        }
+        s += &format!(
+            "  one process holds {:.1} MB of model memory; step {:.3} GFLOP; schedule bubble {:.1}%\n",
+            mb(self.process_bytes),
+            self.step_flops / 1e9,
+            100.0 * self.bubble
+        );
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bench_config(pp: usize, m: usize) -> Config {
+        let sets = [format!("parallel.pp={pp}"), format!("parallel.microbatches={m}")];
+        let path = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/bench-cpu.toml"));
+        Config::load(Some(path), &sets).unwrap()
+    }
+
+    #[test]
+    fn one_rank_takes_the_step_flops_at_the_given_rate() {
+        let cfg = bench_config(1, 4);
+        let p = plan(&cfg).unwrap();
+        let ms = step_ms(&cfg, 100.0, 2).unwrap();
+        assert!((ms - p.step_flops / 100e9 * 1e3).abs() < 1e-9 * ms, "{ms}");
+        assert_eq!(p.bubble, 0.0);
+    }
+
+    #[test]
+    fn two_ranks_on_two_cores_pay_the_bubble_and_four_fill_each_other() {
+        let one = step_ms(&bench_config(1, 8), 100.0, 2).unwrap();
+        let two = step_ms(&bench_config(2, 8), 100.0, 2).unwrap();
+        // (m + p − 1) / m = 9/8 with equal stages; the head makes stages unequal.
+        assert!(two > one * 1.1 && two < one * 1.3, "{one} {two}");
+        assert_eq!(step_ms(&bench_config(4, 8), 100.0, 2).unwrap(), one);
+    }
+
+    #[test]
+    fn states_are_sixteen_bytes_per_parameter_and_every_parameter_is_counted_once() {
+        let cfg = bench_config(2, 4);
+        let p = plan(&cfg).unwrap();
+        let gpt = GptConfig::from_config(&cfg);
+        let counted: f64 = p.ranks.iter().map(|r| r.params).sum();
+        // The last rank also holds the tied head's copy of wte.
+        let wte = (gpt.vocab_size * gpt.n_embd) as f64;
+        assert_eq!(counted, gpt.num_params() as f64 + wte);
+        assert!(p.ranks.iter().all(|r| r.state_bytes == 16.0 * r.params));
+    }
+}
