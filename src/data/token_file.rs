@@ -260,7 +260,7 @@ fn layout(path: &Path, bytes: &[u8]) -> Result<(TokenFormat, usize, usize), Data
         }
         (format, LLMC_HEADER_BYTES, header_tokens as usize)
     } else {
-        if size % 2 != 0 {
+        if !size.is_multiple_of(2) {
             return Err(DataError::OddRawSize { path: p(), size });
         }
         (TokenFormat::RawU16, 0, (size / 2) as usize)
