@@ -9,6 +9,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod fuzz;
 pub mod inspect;
 pub mod kernels;
 pub mod model;

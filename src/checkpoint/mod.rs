@@ -193,9 +193,19 @@ pub struct Loaded {
 /// Reads and verifies one checkpoint directory: every file present, digests
 /// as recorded, tensors complete. Never modifies anything.
 pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
+    load_with(dir, |path| std::fs::read(path))
+}
+
+/// [`load`] with the caller reading the files (`read` gets each file's full
+/// path), so every check can run on bytes held in memory: the fuzz target's way
+/// in. Each file is read once, and digested and parsed from the same bytes.
+pub fn load_with(
+    dir: &Path,
+    mut read: impl FnMut(&Path) -> std::io::Result<Vec<u8>>,
+) -> Result<Loaded, CheckpointError> {
     let sp = dir.join("state.json");
-    let text = std::fs::read_to_string(&sp).map_err(io_err(&sp))?;
-    let state: StateFile = serde_json::from_str(&text).map_err(|e| CheckpointError::Invalid {
+    let text = read(&sp).map_err(io_err(&sp))?;
+    let state: StateFile = serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
         path: sp.clone(),
         reason: format!("not a checkpoint state: {e}"),
     })?;
@@ -205,13 +215,14 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
             reason: format!("format_version {} (this build reads {FORMAT_VERSION})", state.format_version),
         });
     }
-    for file in ["model.safetensors", "optimizer.safetensors"] {
+    let mut verified = |file: &str| -> Result<LoadedWeights, CheckpointError> {
         let p = dir.join(file);
         let want = state.digests.get(file).ok_or_else(|| CheckpointError::Invalid {
             path: sp.clone(),
             reason: format!("no digest recorded for {file}"),
         })?;
-        let got = digest_file(&p)?;
+        let bytes = read(&p).map_err(io_err(&p))?;
+        let got = blake3::hash(&bytes).to_hex().to_string();
         if &got != want {
             return Err(CheckpointError::Invalid {
                 path: p,
@@ -220,9 +231,10 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
                 ),
             });
         }
-    }
-    let weights = io::load(&dir.join("model.safetensors"))?;
-    let optim = io::load(&dir.join("optimizer.safetensors"))?;
+        Ok(io::parse(&p, &bytes)?)
+    };
+    let weights = verified("model.safetensors")?;
+    let optim = verified("optimizer.safetensors")?;
     let mut moments = HashMap::new();
     for (name, (shape, _)) in &weights.tensors {
         let get = |suffix: &str| -> Result<Vec<f32>, CheckpointError> {

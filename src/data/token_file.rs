@@ -156,72 +156,9 @@ impl TokenFile {
         // modified while a run reads them.
         let map = unsafe { Mmap::map(&file) }.map_err(io_err(path, "mmap"))?;
 
-        let has_magic = map.len() >= 4 && read_i32(&map, 0) == LLMC_MAGIC;
-        let (format, offset, len) = if has_magic {
-            if map.len() < LLMC_HEADER_BYTES {
-                return Err(DataError::TruncatedHeader { path: p(), size });
-            }
-            let version = read_i32(&map, 1);
-            let format = match version {
-                LLMC_VERSION_U16 => TokenFormat::LlmcU16,
-                LLMC_VERSION_U32 => TokenFormat::LlmcU32,
-                _ => return Err(DataError::BadVersion { path: p(), version }),
-            };
-            let width = format.width();
-            let header_tokens = read_i32(&map, 2) as i64;
-            let actual = size - LLMC_HEADER_BYTES as u64;
-            let expected = header_tokens.max(0) as u64 * width as u64;
-            if header_tokens < 0 || expected != actual {
-                let what = if header_tokens < 0 {
-                    "negative token count"
-                } else if actual < expected {
-                    "truncated"
-                } else {
-                    "oversized"
-                };
-                return Err(DataError::SizeMismatch {
-                    path: p(),
-                    header_tokens,
-                    width,
-                    expected,
-                    actual,
-                    what,
-                });
-            }
-            (format, LLMC_HEADER_BYTES, header_tokens as usize)
-        } else {
-            if size % 2 != 0 {
-                return Err(DataError::OddRawSize { path: p(), size });
-            }
-            (TokenFormat::RawU16, 0, (size / 2) as usize)
-        };
-        if len == 0 {
-            return Err(DataError::Empty { path: p() });
-        }
-
-        let tf = TokenFile { path: p(), map, format, offset, len };
-        tf.check_range(vocab_size)?;
-        Ok(tf)
-    }
-
-    fn check_range(&self, vocab_size: usize) -> Result<(), DataError> {
-        let data = &self.map[self.offset..self.offset + self.len * self.format.width()];
-        let bad = match self.format.width() {
-            2 => data.chunks_exact(2).position(|c| u16::from_le_bytes([c[0], c[1]]) as usize >= vocab_size),
-            _ => data
-                .chunks_exact(4)
-                .position(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize >= vocab_size),
-        };
-        match bad {
-            None => Ok(()),
-            Some(index) => Err(DataError::TokenOutOfRange {
-                path: self.path.clone(),
-                index: index as u64,
-                offset: (self.offset + index * self.format.width()) as u64,
-                token: self.get(index),
-                vocab_size,
-            }),
-        }
+        let (format, offset, len) = layout(path, &map)?;
+        check_range(path, &map, format, offset, len, vocab_size)?;
+        Ok(TokenFile { path: p(), map, format, offset, len })
     }
 
     pub fn path(&self) -> &Path {
@@ -273,6 +210,91 @@ impl TokenFile {
                 }
             }
         }
+    }
+}
+
+/// The checks [`TokenFile::open`] makes, on bytes already in memory: the
+/// format, then every token against `vocab_size`. Returns the format and the
+/// token count; `path` only names the bytes in errors. The fuzz target reaches
+/// the header logic through this, without a file.
+pub fn check_token_bytes(
+    path: &Path,
+    bytes: &[u8],
+    vocab_size: usize,
+) -> Result<(TokenFormat, usize), DataError> {
+    let (format, offset, len) = layout(path, bytes)?;
+    check_range(path, bytes, format, offset, len, vocab_size)?;
+    Ok((format, len))
+}
+
+/// Where the tokens lie in a token file's bytes: its format, the byte offset
+/// of the first token and the token count (never zero). A file that starts
+/// with llm.c's magic must be a valid llm.c file; any other is raw uint16.
+fn layout(path: &Path, bytes: &[u8]) -> Result<(TokenFormat, usize, usize), DataError> {
+    let p = || path.to_path_buf();
+    let size = bytes.len() as u64;
+    let has_magic = bytes.len() >= 4 && read_i32(bytes, 0) == LLMC_MAGIC;
+    let (format, offset, len) = if has_magic {
+        if bytes.len() < LLMC_HEADER_BYTES {
+            return Err(DataError::TruncatedHeader { path: p(), size });
+        }
+        let version = read_i32(bytes, 1);
+        let format = match version {
+            LLMC_VERSION_U16 => TokenFormat::LlmcU16,
+            LLMC_VERSION_U32 => TokenFormat::LlmcU32,
+            _ => return Err(DataError::BadVersion { path: p(), version }),
+        };
+        let width = format.width();
+        let header_tokens = read_i32(bytes, 2) as i64;
+        let actual = size - LLMC_HEADER_BYTES as u64;
+        let expected = header_tokens.max(0) as u64 * width as u64;
+        if header_tokens < 0 || expected != actual {
+            let what = if header_tokens < 0 {
+                "negative token count"
+            } else if actual < expected {
+                "truncated"
+            } else {
+                "oversized"
+            };
+            return Err(DataError::SizeMismatch { path: p(), header_tokens, width, expected, actual, what });
+        }
+        (format, LLMC_HEADER_BYTES, header_tokens as usize)
+    } else {
+        if !size.is_multiple_of(2) {
+            return Err(DataError::OddRawSize { path: p(), size });
+        }
+        (TokenFormat::RawU16, 0, (size / 2) as usize)
+    };
+    if len == 0 {
+        return Err(DataError::Empty { path: p() });
+    }
+    Ok((format, offset, len))
+}
+
+/// Every token of `bytes` (laid out as [`layout`] found) below `vocab_size`.
+fn check_range(
+    path: &Path,
+    bytes: &[u8],
+    format: TokenFormat,
+    offset: usize,
+    len: usize,
+    vocab_size: usize,
+) -> Result<(), DataError> {
+    let width = format.width();
+    let data = &bytes[offset..offset + len * width];
+    let token = |c: &[u8]| match width {
+        2 => u16::from_le_bytes([c[0], c[1]]) as u32,
+        _ => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+    };
+    match data.chunks_exact(width).position(|c| token(c) as usize >= vocab_size) {
+        None => Ok(()),
+        Some(index) => Err(DataError::TokenOutOfRange {
+            path: path.to_path_buf(),
+            index: index as u64,
+            offset: (offset + index * width) as u64,
+            token: token(&data[index * width..]),
+            vocab_size,
+        }),
     }
 }
 

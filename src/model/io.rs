@@ -118,9 +118,14 @@ pub struct LoadedWeights {
 /// which is tied to wte, and the attention mask buffers).
 pub fn load(path: &Path) -> Result<LoadedWeights, WeightsError> {
     let buf = std::fs::read(path).map_err(|source| WeightsError::Io { path: path.to_path_buf(), source })?;
+    parse(path, &buf)
+}
+
+/// [`load`] for a file's bytes already in memory; `path` names them in errors.
+pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
     let fmt = |msg: String| WeightsError::Format { path: path.to_path_buf(), msg };
-    let st = SafeTensors::deserialize(&buf).map_err(|e| fmt(e.to_string()))?;
-    let (_, meta) = SafeTensors::read_metadata(&buf).map_err(|e| fmt(e.to_string()))?;
+    let st = SafeTensors::deserialize(buf).map_err(|e| fmt(e.to_string()))?;
+    let (_, meta) = SafeTensors::read_metadata(buf).map_err(|e| fmt(e.to_string()))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
     let mut tensors = HashMap::new();
     for (name, view) in st.tensors() {
