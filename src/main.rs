@@ -149,6 +149,13 @@ enum Command {
     },
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
     Inspect { path: PathBuf },
+    /// Every CUDA kernel against its CPU twin on one GPU (f32 and bf16), and
+    /// bit-identical repeats. Needs a build with --features cuda and a GPU.
+    GpuCheck {
+        /// GPU ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
     /// Training throughput on random tokens: tokens/s, ms/step, GFLOP/s and time per kernel.
     Bench {
         #[command(flatten)]
@@ -238,6 +245,24 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_check(device: usize) -> anyhow::Result<()> {
+    use pipewright::kernels::cuda::{check, Gpu};
+    let gpu = Gpu::new(device)?;
+    println!("pipewright gpu-check: GPU {device}, {} (sm_{})", gpu.name, gpu.arch);
+    let checks = check::run_all(&gpu)?;
+    print!("{}", check::table(&checks));
+    let failed = checks.iter().filter(|c| !c.passed()).count();
+    anyhow::ensure!(failed == 0, "{failed} of {} GPU checks failed", checks.len());
+    println!("all {} GPU checks passed", checks.len());
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_check(_device: usize) -> anyhow::Result<()> {
+    Err(pipewright::kernels::BackendError::NotBuilt.into())
 }
 
 fn default_run_dir() -> PathBuf {
@@ -417,6 +442,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", pipewright::inspect::inspect(&path)?);
             Ok(())
         }
+        Command::GpuCheck { device } => gpu_check(device),
         Command::Bench { sim: true, schedule, plot, json, .. } => {
             let mut cells = vec![];
             for p in [2, 4, 8, 16, 32] {
