@@ -144,6 +144,19 @@ impl Gpu {
         Ok(host)
     }
 
+    /// buf → host (same length), finished before returning; allocates nothing.
+    pub fn download_into<T: Copy>(&self, buf: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
+        ensure(host.len() == buf.len, || format!("download of {} elements into {}", buf.len, host.len()))?;
+        if !host.is_empty() {
+            // SAFETY: sizes match; synchronized before `host` is read.
+            unsafe {
+                result::memcpy_dtoh_async(host, buf.ptr, self.stream())?;
+                result::stream::synchronize(self.stream())?;
+            }
+        }
+        Ok(())
+    }
+
     /// Device memory as f32 on the host, whatever the storage type.
     pub fn download_f32<X: Elem>(&self, buf: &DeviceBuffer<X>) -> Result<Vec<f32>> {
         Ok(self.download(buf)?.into_iter().map(Elem::to_f32).collect())

@@ -17,6 +17,7 @@ pub mod embedding;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
+pub mod model;
 pub mod nvrtc;
 pub mod residual;
 
