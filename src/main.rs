@@ -149,8 +149,9 @@ enum Command {
     },
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
     Inspect { path: PathBuf },
-    /// Every CUDA kernel against its CPU twin on one GPU (f32 and bf16), and
-    /// bit-identical repeats. Needs a build with --features cuda and a GPU.
+    /// Every CUDA kernel against its CPU twin on one GPU (f32 and bf16), whole
+    /// training steps GPU against CPU, and bit-identical repeats. Needs a build
+    /// with --features cuda and a GPU.
     GpuCheck {
         /// GPU ordinal.
         #[arg(long, default_value_t = 0)]
@@ -252,8 +253,12 @@ fn gpu_check(device: usize) -> anyhow::Result<()> {
     use pipewright::kernels::cuda::{check, Gpu};
     let gpu = Gpu::new(device)?;
     println!("pipewright gpu-check: GPU {device}, {} (sm_{})", gpu.name, gpu.arch);
-    let checks = check::run_all(&gpu)?;
+    let mut checks = check::run_all(&gpu)?;
     print!("{}", check::table(&checks));
+    println!("whole-model training steps, GPU against CPU:");
+    let steps = check::step_checks(&gpu)?;
+    print!("{}", check::table(&steps));
+    checks.extend(steps);
     let failed = checks.iter().filter(|c| !c.passed()).count();
     anyhow::ensure!(failed == 0, "{failed} of {} GPU checks failed", checks.len());
     println!("all {} GPU checks passed", checks.len());

@@ -1,5 +1,6 @@
 //! The CUDA kernels on a real GPU: each against its CPU twin (f32 < 1e-5,
-//! bf16 < 1e-2 relative error) and bit-identical repeats. Without a GPU the
+//! bf16 < 1e-2 relative error), whole training steps against the CPU model's
+//! (loss within 1e-2) and bit-identical repeats. Without a GPU the
 //! tests say so and pass, unless PIPEWRIGHT_REQUIRE_GPU=1 (scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
@@ -21,6 +22,15 @@ fn gpu() -> Option<Gpu> {
 fn every_cuda_kernel_matches_its_cpu_twin_and_repeats_bit_for_bit() {
     let Some(gpu) = gpu() else { return };
     let checks = check::run_all(&gpu).expect("the checks run");
+    let table = check::table(&checks);
+    eprintln!("{table}");
+    assert!(checks.iter().all(check::Check::passed), "{table}");
+}
+
+#[test]
+fn a_whole_training_step_matches_the_cpu_and_repeats_bit_for_bit() {
+    let Some(gpu) = gpu() else { return };
+    let checks = check::step_checks(&gpu).expect("the step checks run");
     let table = check::table(&checks);
     eprintln!("{table}");
     assert!(checks.iter().all(check::Check::passed), "{table}");
