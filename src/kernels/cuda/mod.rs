@@ -9,6 +9,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod bench;
 pub mod cast;
 pub mod check;
 pub mod crossentropy;
