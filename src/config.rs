@@ -190,10 +190,14 @@ pub struct ParallelSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct BackendSection {
-    /// "cpu", or "sim": stages sleep for the `[sim]` costs instead of computing.
+    /// "cpu"; "sim": stages sleep for the `[sim]` costs instead of computing;
+    /// "cuda": stages on GPUs (a build with the `cuda` feature and a GPU at run time).
     pub kind: String,
     /// Compute threads; 0 means one per available core.
     pub threads: usize,
+    /// With kind = "cuda": the GPU ordinal of each pipeline stage, in stage
+    /// order (several stages may share one GPU); empty means all on GPU 0.
+    pub devices: Vec<usize>,
 }
 
 /// The simulated backend: each action takes a set time and moves a tiny
@@ -292,7 +296,7 @@ impl Default for ParallelSection {
 
 impl Default for BackendSection {
     fn default() -> Self {
-        BackendSection { kind: "cpu".into(), threads: 0 }
+        BackendSection { kind: "cpu".into(), threads: 0, devices: vec![] }
     }
 }
 
@@ -521,11 +525,16 @@ impl Config {
              recompute is not supported with it",
         );
 
+        v.one_of("backend.kind", &self.backend.kind, &["cpu", "sim", "cuda"]);
+        let devices = &self.backend.devices;
         v.check(
-            self.backend.kind == "cpu" || self.backend.kind == "sim",
-            "backend.kind",
-            quoted(&self.backend.kind),
-            "only \"cpu\" and \"sim\" are available in this build",
+            devices.is_empty() || (self.backend.kind == "cuda" && devices.len() == p.pp),
+            "backend.devices",
+            format!("{devices:?}"),
+            format!(
+                "one GPU ordinal per pipeline stage (parallel.pp = {}), and only with backend.kind = \"cuda\"",
+                p.pp
+            ),
         );
         let sim = &self.sim;
         v.check(
@@ -1074,11 +1083,21 @@ mod tests {
     }
 
     #[test]
-    fn only_the_cpu_backend_is_available() {
+    fn cuda_devices_map_every_stage_and_need_the_cuda_backend() {
         let mut c = valid();
         c.backend.kind = "cuda".into();
-        let err = refused(&c, "backend.kind");
-        assert_eq!(err, "backend.kind: \"cuda\": only \"cpu\" and \"sim\" are available in this build");
+        c.parallel.pp = 2;
+        c.backend.devices = vec![0, 0];
+        c.validate().unwrap();
+        c.backend.devices = vec![0];
+        let err = refused(&c, "backend.devices");
+        assert!(
+            err.starts_with("backend.devices: [0]: one GPU ordinal per pipeline stage (parallel.pp = 2)"),
+            "{err}"
+        );
+        c.backend.kind = "cpu".into();
+        c.backend.devices = vec![0, 1];
+        refused(&c, "backend.devices");
     }
 
     #[test]

@@ -149,6 +149,47 @@ enum Command {
     },
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
     Inspect { path: PathBuf },
+    /// Every CUDA kernel against its CPU twin on one GPU (f32 and bf16), whole
+    /// training steps GPU against CPU, and bit-identical repeats. Needs a build
+    /// with --features cuda and a GPU.
+    GpuCheck {
+        /// GPU ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
+    /// GPT-2 training throughput on one GPU (bf16, random tokens): tokens/s, ms/step and
+    /// MFU against 989 TFLOP/s (H100 SXM bf16) and against cuBLASLt's rate measured here.
+    GpuBench {
+        #[arg(long, default_value_t = 12)]
+        layers: usize,
+        #[arg(long, default_value_t = 768)]
+        embd: usize,
+        #[arg(long, default_value_t = 12)]
+        heads: usize,
+        #[arg(long, default_value_t = 50257)]
+        vocab: usize,
+        /// Sequence length T.
+        #[arg(long, default_value_t = 1024)]
+        seq: usize,
+        /// Sequences per step [default: the largest of 64, 32, 16, … that fits].
+        #[arg(long)]
+        micro_batch: Option<usize>,
+        /// Timed steps.
+        #[arg(long, default_value_t = 20)]
+        steps: usize,
+        /// Untimed steps first (the first compiles the kernels and plans the products).
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// Side of the square bf16 product that measures cuBLASLt's rate.
+        #[arg(long, default_value_t = 8192)]
+        matmul_size: usize,
+        /// GPU ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+        /// End with one JSON line holding the figures.
+        #[arg(long)]
+        json: bool,
+    },
     /// Training throughput on random tokens: tokens/s, ms/step, GFLOP/s and time per kernel.
     Bench {
         #[command(flatten)]
@@ -238,6 +279,80 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_check(device: usize) -> anyhow::Result<()> {
+    use pipewright::kernels::cuda::{check, Gpu};
+    let gpu = Gpu::new(device)?;
+    println!("pipewright gpu-check: GPU {device}, {} (sm_{})", gpu.name, gpu.arch);
+    let mut checks = check::run_all(&gpu)?;
+    print!("{}", check::table(&checks));
+    println!("whole-model training steps, GPU against CPU:");
+    let steps = check::step_checks(&gpu)?;
+    print!("{}", check::table(&steps));
+    checks.extend(steps);
+    let failed = checks.iter().filter(|c| !c.passed()).count();
+    anyhow::ensure!(failed == 0, "{failed} of {} GPU checks failed", checks.len());
+    println!("all {} GPU checks passed", checks.len());
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_check(_device: usize) -> anyhow::Result<()> {
+    Err(pipewright::kernels::BackendError::NotBuilt.into())
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
+    use pipewright::kernels::cuda::{bench, Gpu};
+    use pipewright::model::GptConfig;
+    anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
+    anyhow::ensure!(args.micro_batch != Some(0), "--micro-batch must be at least 1");
+    anyhow::ensure!(args.matmul_size > 0, "--matmul-size must be at least 1");
+    let gpu = Gpu::new(args.device)?;
+    eprintln!("pipewright gpu-bench: GPU {}, {} (sm_{})", args.device, gpu.name, gpu.arch);
+    let cfg = GptConfig {
+        n_layer: args.layers,
+        n_head: args.heads,
+        n_embd: args.embd,
+        vocab_size: args.vocab,
+        block_size: args.seq,
+    };
+    let bargs = bench::BenchArgs {
+        cfg,
+        micro_batch: args.micro_batch,
+        steps: args.steps,
+        warmup: args.warmup,
+        matmul_size: args.matmul_size,
+    };
+    let report = bench::run(&gpu, &bargs, |line| eprintln!("{line}"))?;
+    print!("{}", bench::table(&report));
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_bench(_args: GpuBenchArgs) -> anyhow::Result<()> {
+    Err(pipewright::kernels::BackendError::NotBuilt.into())
+}
+
+/// The flags of `gpu-bench`, handed over whole.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct GpuBenchArgs {
+    layers: usize,
+    embd: usize,
+    heads: usize,
+    vocab: usize,
+    seq: usize,
+    micro_batch: Option<usize>,
+    steps: usize,
+    warmup: usize,
+    matmul_size: usize,
+    device: usize,
+    json: bool,
 }
 
 fn default_run_dir() -> PathBuf {
@@ -417,6 +532,32 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", pipewright::inspect::inspect(&path)?);
             Ok(())
         }
+        Command::GpuCheck { device } => gpu_check(device),
+        Command::GpuBench {
+            layers,
+            embd,
+            heads,
+            vocab,
+            seq,
+            micro_batch,
+            steps,
+            warmup,
+            matmul_size,
+            device,
+            json,
+        } => gpu_bench(GpuBenchArgs {
+            layers,
+            embd,
+            heads,
+            vocab,
+            seq,
+            micro_batch,
+            steps,
+            warmup,
+            matmul_size,
+            device,
+            json,
+        }),
         Command::Bench { sim: true, schedule, plot, json, .. } => {
             let mut cells = vec![];
             for p in [2, 4, 8, 16, 32] {

@@ -255,6 +255,7 @@ pub fn train_with(
     chaos_seed: Option<u64>,
 ) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
+    crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;

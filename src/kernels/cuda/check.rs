@@ -1,0 +1,548 @@
+//! Every CUDA kernel against its CPU twin on random inputs, for the f32 path
+//! (relative error < 1e-5) and bf16 (< 1e-2), plus bit-identical repeats.
+//! Used by `tests/cuda_gpu.rs` and by `pipewright gpu-check`, so a GPU machine
+//! without Rust runs the same checks from the release binary.
+//!
+//! Relative error is max |gpu − cpu| / max |cpu| over a tensor. bf16 inputs are
+//! rounded before the CPU twin sees them, so only the GPU's storage rounding
+//! and its summation order differ.
+
+use super::model::GpuModel;
+use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
+use super::{Bf16, DeviceBuffer, Elem, Gpu, Result};
+use crate::kernels::cpu;
+use crate::model::part::{Mode, PartInput};
+use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::optim::{self, AdamState, Hyper};
+use crate::rng::{Purpose, Rng};
+use crate::train::engine::StepStats;
+
+/// One comparison's outcome.
+#[derive(Clone, Debug)]
+pub struct Check {
+    pub name: String,
+    pub rel_err: f64,
+    pub tol: f64,
+}
+
+impl Check {
+    pub fn passed(&self) -> bool {
+        self.rel_err.is_finite() && self.rel_err < self.tol
+    }
+}
+
+pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let scale = want.iter().fold(0.0f64, |m, &w| m.max((w as f64).abs())).max(1e-30);
+    let diff = got.iter().zip(want).fold(0.0f64, |m, (&g, &w)| {
+        let d = (g as f64 - w as f64).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d)
+        }
+    });
+    diff / scale
+}
+
+fn randn(n: usize, seed: u64, std: f64) -> Vec<f32> {
+    let mut r = Rng::new(seed, Purpose::Test, &[n as u64]);
+    (0..n).map(|_| (r.normal() * std) as f32).collect()
+}
+
+/// Rounds through X, so the CPU sees what the GPU stores.
+fn rounded<X: Elem>(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| X::from_f32(x).to_f32()).collect()
+}
+
+struct Ctx<'a, X: Elem> {
+    gpu: &'a Gpu,
+    tag: &'static str,
+    tol: f64,
+    out: Vec<Check>,
+    _x: std::marker::PhantomData<X>,
+}
+
+impl<X: Elem> Ctx<'_, X> {
+    fn up(&self, v: &[f32]) -> Result<DeviceBuffer<X>> {
+        self.gpu.upload_from_f32::<X>(v)
+    }
+    fn down(&self, b: &DeviceBuffer<X>) -> Result<Vec<f32>> {
+        self.gpu.download_f32(b)
+    }
+    fn push(&mut self, name: &str, got: &[f32], want: &[f32]) {
+        self.out.push(Check {
+            name: format!("{name} ({})", self.tag),
+            rel_err: rel_err(got, want),
+            tol: self.tol,
+        });
+    }
+}
+
+// Shapes small enough to check in a second, large enough to cross every tile edge.
+const B: usize = 2;
+const T: usize = 160;
+const NH: usize = 2;
+const C: usize = NH * attention::HEAD_SIZE;
+const N: usize = B * T;
+const V: usize = 1000;
+const VP: usize = 1024;
+
+fn layernorm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let x = rounded::<X>(&randn(N * C, 1, 1.0));
+    let w = rounded::<X>(&randn(C, 2, 1.0));
+    let bias = rounded::<X>(&randn(C, 3, 1.0));
+    let (mut out, mut mean, mut rstd) = (vec![0.0; N * C], vec![0.0; N], vec![0.0; N]);
+    cpu::layernorm::layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &bias, N, C);
+    let (dx, dw, db) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bias)?);
+    let (gout, gmean, grstd) = (gpu.alloc::<X>(N * C)?, gpu.alloc::<f32>(N)?, gpu.alloc::<f32>(N)?);
+    layernorm::layernorm_forward(gpu, &gout, &gmean, &grstd, &dx, dw.ptr(), db.ptr(), N, C)?;
+    cx.push("layernorm_forward out", &cx.down(&gout)?, &out);
+    cx.push("layernorm_forward rstd", &gpu.download(&grstd)?, &rstd);
+
+    let dout = rounded::<X>(&randn(N * C, 4, 1.0));
+    let dinp0 = rounded::<X>(&randn(N * C, 5, 1.0));
+    let (mut dinp, mut dweight, mut dbias) = (dinp0.clone(), vec![0.0; C], vec![0.0; C]);
+    cpu::layernorm::layernorm_backward(
+        &mut dinp,
+        &mut dweight,
+        &mut dbias,
+        &dout,
+        &x,
+        &w,
+        &mean,
+        &rstd,
+        N,
+        C,
+    );
+    let (gdout, gdinp) = (cx.up(&dout)?, cx.up(&dinp0)?);
+    let (gdw, gdb) = (gpu.alloc::<f32>(C)?, gpu.alloc::<f32>(C)?);
+    let partial = gpu.alloc::<f32>(layernorm::partial_len(N, C))?;
+    layernorm::layernorm_backward_input(gpu, &gdinp, &gdout, &dx, dw.ptr(), &gmean, &grstd, N, C)?;
+    layernorm::layernorm_backward_weight(
+        gpu,
+        gdw.ptr(),
+        gdb.ptr(),
+        &partial,
+        &gdout,
+        &dx,
+        &gmean,
+        &grstd,
+        N,
+        C,
+    )?;
+    cx.push("layernorm_backward dinp", &cx.down(&gdinp)?, &dinp);
+    cx.push("layernorm_backward dweight", &gpu.download(&gdw)?, &dweight);
+    cx.push("layernorm_backward dbias", &gpu.download(&gdb)?, &dbias);
+    Ok(())
+}
+
+fn matmul_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let (ic, oc) = (C, 3 * C);
+    let inp = rounded::<X>(&randn(N * ic, 10, 1.0));
+    let w = rounded::<X>(&randn(ic * oc, 11, 0.1));
+    let bias = rounded::<X>(&randn(oc, 12, 1.0));
+    let mut out = vec![0.0; N * oc];
+    cpu::matmul::matmul_forward(&mut out, &inp, &w, Some(&bias), N, ic, oc);
+    let (ginp, gw, gb, gout) = (cx.up(&inp)?, cx.up(&w)?, cx.up(&bias)?, gpu.alloc::<X>(N * oc)?);
+    matmul::matmul_forward(gpu, &gout, &ginp, gw.ptr(), Some(gb.ptr()), N, ic, oc)?;
+    cx.push("matmul_forward", &cx.down(&gout)?, &out);
+
+    let dout = rounded::<X>(&randn(N * oc, 13, 1.0));
+    let mut dinp = vec![0.0; N * ic];
+    cpu::matmul::matmul_backward_input(&mut dinp, &dout, &w, N, ic, oc, false);
+    let (gdout, gdinp) = (cx.up(&dout)?, gpu.alloc::<X>(N * ic)?);
+    matmul::matmul_backward_input(gpu, &gdinp, &gdout, gw.ptr(), N, ic, oc)?;
+    cx.push("matmul_backward_input", &cx.down(&gdinp)?, &dinp);
+
+    let dw0 = randn(ic * oc, 14, 1.0);
+    let (mut dw, mut db) = (dw0.clone(), vec![0.5; oc]);
+    cpu::matmul::matmul_backward_weight(&mut dw, Some(&mut db), &dout, &inp, N, ic, oc);
+    let (gdw, gdb) = (gpu.upload(&dw0)?, gpu.upload(&vec![0.5f32; oc])?);
+    let partial = gpu.alloc::<f32>(matmul::bias_partial_len(N, oc))?;
+    matmul::matmul_backward_weight(gpu, gdw.ptr(), Some(gdb.ptr()), &partial, &gdout, &ginp, N, ic, oc)?;
+    cx.push("matmul_backward_weight dweight", &gpu.download(&gdw)?, &dw);
+    cx.push("matmul_backward_weight dbias", &gpu.download(&gdb)?, &db);
+    Ok(())
+}
+
+fn attention_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let qkv = rounded::<X>(&randn(N * 3 * C, 20, 1.0));
+    let (mut out, mut lse) = (vec![0.0; N * C], vec![0.0; B * NH * T]);
+    let mut scratch = vec![0.0; cpu::attention::scratch_len(B, NH, T)];
+    cpu::attention::attention_forward(&mut out, &mut lse, &mut scratch, &qkv, B, T, C, NH);
+    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(N * C)?, gpu.alloc::<f32>(B * NH * T)?);
+    attention::attention_forward(gpu, &gout, &glse, &gqkv, B, T, C, NH)?;
+    cx.push("attention_forward out", &cx.down(&gout)?, &out);
+    cx.push("attention_forward lse", &gpu.download(&glse)?, &lse);
+
+    let dout = rounded::<X>(&randn(N * C, 21, 1.0));
+    // The CPU backward gets the GPU's forward results, as the model would hand them over.
+    let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
+    let mut dqkv = vec![0.0; N * 3 * C];
+    cpu::attention::attention_backward(&mut dqkv, &mut scratch, &dout, &qkv, &gpu_out, &gpu_lse, B, T, C, NH);
+    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(N * 3 * C)?, gpu.alloc::<f32>(B * NH * T)?);
+    attention::attention_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, C, NH)?;
+    let got = cx.down(&gdqkv)?;
+    // Compare q, k and v gradients separately: each has its own scale.
+    for (part, name) in ["dq", "dk", "dv"].iter().enumerate() {
+        let pick = |v: &[f32]| -> Vec<f32> {
+            v.chunks(3 * C).flat_map(|row| row[part * C..(part + 1) * C].to_vec()).collect()
+        };
+        cx.push(&format!("attention_backward {name}"), &pick(&got), &pick(&dqkv));
+    }
+    Ok(())
+}
+
+fn elementwise_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let n = N * 4 * C;
+    let x = rounded::<X>(&randn(n, 30, 2.0));
+    let mut y = vec![0.0; n];
+    cpu::gelu::gelu_forward(&mut y, &x);
+    let (gx, gy) = (cx.up(&x)?, gpu.alloc::<X>(n)?);
+    gelu::gelu_forward(gpu, &gy, &gx, n)?;
+    cx.push("gelu_forward", &cx.down(&gy)?, &y);
+    let dy = rounded::<X>(&randn(n, 31, 1.0));
+    let mut dx = vec![0.0; n];
+    cpu::gelu::gelu_backward_into(&mut dx, &x, &dy, false);
+    let gdy = cx.up(&dy)?;
+    gelu::gelu_backward(gpu, &gdy, &gx, &gdy, n)?;
+    cx.push("gelu_backward", &cx.down(&gdy)?, &dx);
+
+    let a = rounded::<X>(&randn(N * C, 32, 1.0));
+    let b = rounded::<X>(&randn(N * C, 33, 1.0));
+    let mut s = vec![0.0; N * C];
+    cpu::residual::residual_forward(&mut s, &a, &b);
+    let (ga, gb) = (cx.up(&a)?, cx.up(&b)?);
+    residual::residual_forward(gpu, ga.ptr(), ga.ptr(), &gb, N * C)?;
+    cx.push("residual_forward", &cx.down(&ga)?, &s);
+    Ok(())
+}
+
+fn crossentropy_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let logits = rounded::<X>(&randn(N * V, 40, 3.0));
+    let mut r = Rng::new(41, Purpose::Test, &[]);
+    let targets: Vec<u32> = (0..N).map(|_| r.below(V as u64) as u32).collect();
+    let dloss = 1.0 / N as f32;
+    let (mut grad, mut losses) = (logits.clone(), vec![0.0; N]);
+    cpu::crossentropy::crossentropy_forward_backward(&mut grad, &mut losses, &targets, dloss, N, V);
+    // Padding columns hold garbage on purpose: they must neither count nor get a gradient.
+    let mut padded = vec![50.0f32; N * VP];
+    for (row, src) in padded.chunks_mut(VP).zip(logits.chunks(V)) {
+        row[..V].copy_from_slice(src);
+    }
+    let (gl, glosses, gt) = (cx.up(&padded)?, gpu.alloc::<f32>(N)?, gpu.upload(&targets)?);
+    crossentropy::crossentropy_forward_backward(gpu, &gl, &glosses, &gt, dloss, N, V, VP)?;
+    cx.push("crossentropy losses", &gpu.download(&glosses)?, &losses);
+    let got = cx.down(&gl)?;
+    let real: Vec<f32> = got.chunks(VP).flat_map(|r| r[..V].to_vec()).collect();
+    cx.push("crossentropy dlogits", &real, &grad);
+    let pad: Vec<f32> = got.chunks(VP).flat_map(|r| r[V..].to_vec()).collect();
+    cx.push("crossentropy padding gradient is zero", &pad, &vec![0.0; pad.len()]);
+    Ok(())
+}
+
+fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let wte = rounded::<X>(&randn(V * C, 50, 1.0));
+    let wpe = rounded::<X>(&randn(T * C, 51, 1.0));
+    let mut r = Rng::new(52, Purpose::Test, &[]);
+    // A small id range, so ids repeat and the ownership lists matter.
+    let tokens: Vec<u32> = (0..N).map(|_| r.below(37) as u32 * 7).collect();
+    let mut out = vec![0.0; N * C];
+    cpu::embedding::embedding_forward(&mut out, &tokens, &wte, &wpe, T, C);
+    let (gwte, gwpe, gtok, gout) = (cx.up(&wte)?, cx.up(&wpe)?, gpu.upload(&tokens)?, gpu.alloc::<X>(N * C)?);
+    embedding::embedding_forward(gpu, &gout, &gtok, gwte.ptr(), gwpe.ptr(), N, T, C)?;
+    cx.push("embedding_forward", &cx.down(&gout)?, &out);
+    let dout = rounded::<X>(&randn(N * C, 53, 1.0));
+    let (mut dwte, mut dwpe) = (vec![0.0; V * C], vec![0.0; T * C]);
+    cpu::embedding::embedding_backward(&mut dwte, &mut dwpe, &dout, &tokens, T, C);
+    let owners = embedding::DeviceOwners::upload(gpu, &embedding::TokenOwners::new(&tokens))?;
+    let (gdwte, gdwpe, gdout) = (gpu.alloc::<f32>(V * C)?, gpu.alloc::<f32>(T * C)?, cx.up(&dout)?);
+    embedding::embedding_backward(gpu, gdwte.ptr(), gdwpe.ptr(), &gdout, &owners, B, T, C)?;
+    cx.push("embedding_backward dwte", &gpu.download(&gdwte)?, &dwte);
+    cx.push("embedding_backward dwpe", &gpu.download(&gdwpe)?, &dwpe);
+    Ok(())
+}
+
+fn adamw_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let n = 10_000;
+    let mut p = randn(n, 60, 1.0);
+    let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+    let (gm, gp, gmm, gv) = (gpu.upload(&p)?, cx.up(&p)?, gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
+    for step in 1..=3u64 {
+        let g = randn(n, 60 + step, 1.0);
+        let hp = cpu::adamw::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step };
+        cpu::adamw::adamw_update(&mut p, &g, &mut m, &mut v, &hp, true, 0.5);
+        let gg = gpu.upload(&g)?;
+        adamw::adamw_update(gpu, &gm, &gp, &gg, &gmm, &gv, 0, n, &hp, true, 0.5)?;
+    }
+    cx.push("adamw_update master", &gpu.download(&gm)?, &p);
+    cx.push("adamw_update m", &gpu.download(&gmm)?, &m);
+    cx.push("adamw_update v", &gpu.download(&gv)?, &v);
+    let copy = cx.down(&gp)?;
+    let want: Vec<f32> = gpu.download(&gm)?.iter().map(|&x| X::from_f32(x).to_f32()).collect();
+    cx.push("adamw_update param copy", &copy, &want);
+    Ok(())
+}
+
+fn run_precision<X: Elem>(gpu: &Gpu, tag: &'static str, tol: f64) -> Result<Vec<Check>> {
+    let mut cx = Ctx::<X> { gpu, tag, tol, out: vec![], _x: std::marker::PhantomData };
+    layernorm_checks(&mut cx)?;
+    matmul_checks(&mut cx)?;
+    attention_checks(&mut cx)?;
+    elementwise_checks(&mut cx)?;
+    crossentropy_checks(&mut cx)?;
+    embedding_checks(&mut cx)?;
+    adamw_checks(&mut cx)?;
+    Ok(cx.out)
+}
+
+/// The global norm, the casts, and bit-identical repeats of the kernels whose
+/// reductions could drift between runs if they used atomics.
+fn exactness_checks(gpu: &Gpu) -> Result<Vec<Check>> {
+    let mut out = vec![];
+    let x = randn(3_000_001, 70, 1.0);
+    let (gx, partial, sum) = (gpu.upload(&x)?, gpu.alloc::<f32>(adamw::NORM_BLOCKS)?, gpu.alloc::<f32>(1)?);
+    let got = adamw::sum_squares(gpu, &gx, &partial, &sum)?;
+    let want = cpu::adamw::sum_squares(&x);
+    out.push(Check {
+        name: "global norm (sum of squares)".into(),
+        rel_err: (got as f64 - want).abs() / want,
+        tol: 1e-5,
+    });
+    let again = adamw::sum_squares(gpu, &gx, &partial, &sum)?;
+    out.push(Check {
+        name: "global norm repeats bit for bit".into(),
+        rel_err: bits_differ(&[got], &[again]),
+        tol: 0.5,
+    });
+
+    let gb = gpu.alloc::<Bf16>(x.len())?;
+    super::cast::cast_f32_to_bf16(gpu, &gb, &gx)?;
+    let host: Vec<u16> = x.iter().map(|&v| Bf16::from_f32(v).0).collect();
+    let dev: Vec<u16> = gpu.download(&gb)?.iter().map(|b| b.0).collect();
+    let mismatches = host.iter().zip(&dev).filter(|(a, b)| a != b).count();
+    out.push(Check {
+        name: "cast f32 → bf16 equals the host's rounding".into(),
+        rel_err: mismatches as f64,
+        tol: 0.5,
+    });
+    let back = gpu.alloc::<f32>(x.len())?;
+    super::cast::cast_bf16_to_f32(gpu, &back, &gb)?;
+    let host_back: Vec<f32> = host.iter().map(|&h| Bf16(h).to_f32()).collect();
+    out.push(Check {
+        name: "cast bf16 → f32 is exact".into(),
+        rel_err: bits_differ(&gpu.download(&back)?, &host_back),
+        tol: 0.5,
+    });
+
+    // Attention backward and LayerNorm weight gradients twice on the same inputs.
+    let qkv = gpu.upload_from_f32::<Bf16>(&randn(N * 3 * C, 80, 1.0))?;
+    let dout = gpu.upload_from_f32::<Bf16>(&randn(N * C, 81, 1.0))?;
+    let (o, lse, delta) =
+        (gpu.alloc::<Bf16>(N * C)?, gpu.alloc::<f32>(B * NH * T)?, gpu.alloc::<f32>(B * NH * T)?);
+    attention::attention_forward(gpu, &o, &lse, &qkv, B, T, C, NH)?;
+    let mut runs = vec![];
+    for _ in 0..2 {
+        let d = gpu.alloc::<Bf16>(N * 3 * C)?;
+        attention::attention_backward(gpu, &d, &delta, &dout, &qkv, &o, &lse, B, T, C, NH)?;
+        runs.push(gpu.download_f32(&d)?);
+    }
+    out.push(Check {
+        name: "attention_backward repeats bit for bit".into(),
+        rel_err: bits_differ(&runs[0], &runs[1]),
+        tol: 0.5,
+    });
+    let partial = gpu.alloc::<f32>(layernorm::partial_len(N, C))?;
+    let (mean, rstd) = (gpu.upload(&vec![0.1f32; N])?, gpu.upload(&vec![1.3f32; N])?);
+    let mut runs = vec![];
+    for _ in 0..2 {
+        let (dw, db) = (gpu.alloc::<f32>(C)?, gpu.alloc::<f32>(C)?);
+        layernorm::layernorm_backward_weight(
+            gpu,
+            dw.ptr(),
+            db.ptr(),
+            &partial,
+            &dout,
+            &o,
+            &mean,
+            &rstd,
+            N,
+            C,
+        )?;
+        let mut v = gpu.download(&dw)?;
+        v.extend(gpu.download(&db)?);
+        runs.push(v);
+    }
+    out.push(Check {
+        name: "layernorm weight gradient repeats bit for bit".into(),
+        rel_err: bits_differ(&runs[0], &runs[1]),
+        tol: 0.5,
+    });
+    Ok(out)
+}
+
+/// 1.0 when any element's bits differ, else 0.0 (checked against tolerance 0.5).
+fn bits_differ(a: &[f32], b: &[f32]) -> f64 {
+    let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    if same {
+        0.0
+    } else {
+        1.0
+    }
+}
+
+/// Every check, f32 path then bf16, then the exactness checks.
+pub fn run_all(gpu: &Gpu) -> Result<Vec<Check>> {
+    let mut all = run_precision::<f32>(gpu, "f32", 1e-5)?;
+    all.extend(run_precision::<Bf16>(gpu, "bf16", 1e-2)?);
+    all.extend(exactness_checks(gpu)?);
+    Ok(all)
+}
+
+/// A table of the checks, one per line.
+pub fn table(checks: &[Check]) -> String {
+    let mut s = String::new();
+    for c in checks {
+        let verdict = if c.passed() { "ok  " } else { "FAIL" };
+        s.push_str(&format!("{verdict} {:<52} {:>10.3e}  (< {:.0e})\n", c.name, c.rel_err, c.tol));
+    }
+    s
+}
+
+// The whole-model step check: a model small enough for the CPU to step in a
+// moment, with every part of GPT-2 (two blocks, a padded vocabulary, two
+// microbatches of gradient accumulation, clipping on).
+const STEP_CFG: GptConfig =
+    GptConfig { n_layer: 2, n_head: 2, n_embd: 128, vocab_size: 1000, block_size: 64 };
+const STEP_B: usize = 2;
+const STEP_MICROBATCHES: usize = 2;
+const STEP_SEED: u64 = 7;
+const STEP_LR: f64 = 1e-3;
+const STEP_HYPER: Hyper = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+const STEP_CLIP: f64 = 1.0;
+
+/// Microbatch `mb` of step `step`: random tokens, keyed so the CPU and the GPU see the same.
+fn step_batch(step: u64, mb: usize, inputs: &mut [u32], targets: &mut [u32]) {
+    let mut r = Rng::new(STEP_SEED, Purpose::Test, &[step, mb as u64]);
+    let v = STEP_CFG.vocab_size as u64;
+    for (i, t) in inputs.iter_mut().zip(targets.iter_mut()) {
+        *i = r.below(v) as u32;
+        *t = r.below(v) as u32;
+    }
+}
+
+/// One step of the CPU model, as train::engine::Engine::step does it.
+fn cpu_step(part: &mut ModelPart, adam: &mut AdamState, step: u64) -> StepStats {
+    let n = part.b * part.cfg.block_size;
+    let dloss = 1.0 / (STEP_MICROBATCHES * n) as f32;
+    let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);
+    part.zero_grads();
+    let mut loss_sum = 0.0;
+    for mb in 0..STEP_MICROBATCHES {
+        step_batch(step, mb, &mut inputs, &mut targets);
+        let out = part.forward(PartInput::Tokens(&inputs), Some(&targets), Mode::Train { dloss });
+        loss_sum += out.loss_sum.unwrap_or(f64::NAN);
+        if let Some(acts) = out.acts {
+            part.backward(acts, None);
+        }
+    }
+    part.combine_tied_grads(None);
+    let mut norms = vec![];
+    optim::grad_sum_squares(part, &mut norms);
+    let grad_norm = optim::global_norm(&mut norms);
+    adam.step(part, STEP_HYPER, STEP_LR, optim::clip_coefficient(grad_norm, STEP_CLIP));
+    StepStats { loss: loss_sum * dloss as f64, grad_norm, lr: STEP_LR, skipped: false }
+}
+
+fn gpu_step<X: Elem>(model: &mut GpuModel<X>, step: u64) -> Result<StepStats> {
+    model.step(STEP_LR, &STEP_HYPER, STEP_CLIP, STEP_MICROBATCHES, |mb, i, t| step_batch(step, mb, i, t))
+}
+
+fn gpu_model<'g, X: Elem>(gpu: &'g Gpu, part: &ModelPart) -> Result<GpuModel<'g, X>> {
+    let weights: Vec<&[f32]> = part.params.iter().map(|p| p.data.as_slice()).collect();
+    GpuModel::new(gpu, part.cfg, part.b, &weights)
+}
+
+/// Two steps of the GPU model in storage type X from the CPU model's initial
+/// weights: the losses against the CPU's (absolute difference < 1e-2), and in
+/// f32 the gradient norm and every gradient of the first step (relative < 1e-3).
+fn step_vs_cpu<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let mut part = ModelPart::new(STEP_CFG, PartSpec::whole(&STEP_CFG), STEP_B, STEP_SEED, false);
+    let mut adam = AdamState::new(&part);
+    let mut model = gpu_model::<X>(gpu, &part)?;
+    let abs = |a: f64, b: f64| if (a - b).is_nan() { f64::INFINITY } else { (a - b).abs() };
+    for step in 1..=2u64 {
+        let cpu = cpu_step(&mut part, &mut adam, step);
+        let got = gpu_step(&mut model, step)?;
+        out.push(Check {
+            name: format!("train step {step} loss, |gpu − cpu| ({tag}, cpu {:.4})", cpu.loss),
+            rel_err: abs(got.loss, cpu.loss),
+            tol: 1e-2,
+        });
+        if step == 1 && X::IS_F32 {
+            out.push(Check {
+                name: format!("train step 1 gradient norm ({tag})"),
+                rel_err: abs(got.grad_norm, cpu.grad_norm) / cpu.grad_norm,
+                tol: 1e-3,
+            });
+            let grads = model.gradients()?;
+            let (mut worst, mut which) = (0.0f64, String::new());
+            for (p, g) in part.params.iter().zip(&grads) {
+                let e = rel_err(g, &p.grad);
+                if e > worst || which.is_empty() {
+                    (worst, which) = (e, p.name.clone());
+                }
+            }
+            out.push(Check {
+                name: format!("train step 1 gradients, worst {which} ({tag})"),
+                rel_err: worst,
+                tol: 1e-3,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The same two GPU steps twice from the same weights: losses, norms and
+/// master weights must repeat bit for bit.
+fn step_repeats<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let part = ModelPart::new(STEP_CFG, PartSpec::whole(&STEP_CFG), STEP_B, STEP_SEED, false);
+    let mut runs = vec![];
+    for _ in 0..2 {
+        let mut model = gpu_model::<X>(gpu, &part)?;
+        let mut figures = vec![];
+        for step in 1..=2u64 {
+            let s = gpu_step(&mut model, step)?;
+            figures.extend([s.loss as f32, s.grad_norm as f32]);
+        }
+        figures.extend(model.master_weights()?.concat());
+        runs.push(figures);
+    }
+    out.push(Check {
+        name: format!("two train steps repeat bit for bit ({tag})"),
+        rel_err: bits_differ(&runs[0], &runs[1]),
+        tol: 0.5,
+    });
+    Ok(())
+}
+
+/// The whole-model checks: GPU training steps against the CPU model's (f32
+/// and bf16) and bit-identical repeats.
+pub fn step_checks(gpu: &Gpu) -> Result<Vec<Check>> {
+    let mut out = vec![];
+    step_vs_cpu::<f32>(gpu, "f32", &mut out)?;
+    step_vs_cpu::<Bf16>(gpu, "bf16", &mut out)?;
+    step_repeats::<f32>(gpu, "f32", &mut out)?;
+    step_repeats::<Bf16>(gpu, "bf16", &mut out)?;
+    Ok(out)
+}

@@ -1,0 +1,244 @@
+//! One GPU as a stage's thread sees it: its context (bound to the thread that
+//! made it), one stream, the compiled kernel modules and the cuBLASLt state.
+//! Device memory is `DeviceBuffer`, freed on drop. A `Gpu` is not `Send`:
+//! each stage thread owns its own, as the design asks.
+
+use super::matmul::Blas;
+use super::nvrtc;
+use super::{ensure, CudaError, Elem, Result};
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// A typed device allocation of `len` elements.
+pub struct DeviceBuffer<T> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+    _t: PhantomData<T>,
+}
+
+impl<T> DeviceBuffer<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The device address of element `i` (for views into one big buffer).
+    pub fn ptr_at(&self, i: usize) -> u64 {
+        debug_assert!(i <= self.len);
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if self.ptr != 0 && self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync in this context, freed once.
+            unsafe {
+                let _ = result::free_sync(self.ptr);
+            }
+        }
+    }
+}
+
+/// A loaded module: its functions by name.
+struct Module {
+    _module: sys::CUmodule,
+    functions: HashMap<&'static str, sys::CUfunction>,
+}
+
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    /// Compute capability as one number (90 for sm_90).
+    pub arch: u32,
+    pub name: String,
+    modules: RefCell<HashMap<(&'static str, bool), Module>>,
+    pub(crate) blas: RefCell<Option<Blas>>,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, failing with `NoDriver` (not a panic) on a machine
+    /// without the CUDA driver.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        if !super::driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        result::init()?;
+        let count = result::device::get_count()? as usize;
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        ctx.bind_to_thread()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        let stream = ctx.new_stream()?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch: (major * 10 + minor) as u32,
+            name,
+            modules: RefCell::new(HashMap::new()),
+            blas: RefCell::new(None),
+        })
+    }
+
+    pub fn stream(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Device memory, zeroed.
+    pub fn alloc<T>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        self.ctx.bind_to_thread()?;
+        let bytes = (len * std::mem::size_of::<T>()).max(1);
+        // SAFETY: a fresh allocation in the bound context, zeroed before use.
+        let ptr = unsafe { result::malloc_sync(bytes)? };
+        let buf = DeviceBuffer { ptr, len, ctx: self.ctx.clone(), _t: PhantomData };
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream())? };
+        Ok(buf)
+    }
+
+    pub fn upload<T: Copy>(&self, host: &[T]) -> Result<DeviceBuffer<T>> {
+        let buf = self.alloc::<T>(host.len())?;
+        self.copy_to(&buf, 0, host)?;
+        Ok(buf)
+    }
+
+    /// host → buf[offset..offset + host.len()], finished before returning.
+    pub fn copy_to<T: Copy>(&self, buf: &DeviceBuffer<T>, offset: usize, host: &[T]) -> Result<()> {
+        ensure(offset + host.len() <= buf.len, || {
+            format!("upload of {} elements at {offset} into a buffer of {}", host.len(), buf.len)
+        })?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: bounds checked; the copy completes before `host` can move.
+        unsafe {
+            result::memcpy_htod_async(buf.ptr_at(offset), host, self.stream())?;
+            result::stream::synchronize(self.stream())?;
+        }
+        Ok(())
+    }
+
+    pub fn download<T: Copy + Default>(&self, buf: &DeviceBuffer<T>) -> Result<Vec<T>> {
+        let mut host = vec![T::default(); buf.len];
+        if !host.is_empty() {
+            // SAFETY: sizes match; synchronized before `host` is read.
+            unsafe {
+                result::memcpy_dtoh_async(&mut host, buf.ptr, self.stream())?;
+                result::stream::synchronize(self.stream())?;
+            }
+        }
+        Ok(host)
+    }
+
+    /// buf → host (same length), finished before returning; allocates nothing.
+    pub fn download_into<T: Copy>(&self, buf: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
+        ensure(host.len() == buf.len, || format!("download of {} elements into {}", buf.len, host.len()))?;
+        if !host.is_empty() {
+            // SAFETY: sizes match; synchronized before `host` is read.
+            unsafe {
+                result::memcpy_dtoh_async(host, buf.ptr, self.stream())?;
+                result::stream::synchronize(self.stream())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Device memory as f32 on the host, whatever the storage type.
+    pub fn download_f32<X: Elem>(&self, buf: &DeviceBuffer<X>) -> Result<Vec<f32>> {
+        Ok(self.download(buf)?.into_iter().map(Elem::to_f32).collect())
+    }
+
+    pub fn upload_from_f32<X: Elem>(&self, host: &[f32]) -> Result<DeviceBuffer<X>> {
+        let v: Vec<X> = host.iter().map(|&x| X::from_f32(x)).collect();
+        self.upload(&v)
+    }
+
+    pub fn zero<T>(&self, buf: &DeviceBuffer<T>) -> Result<()> {
+        // SAFETY: the whole allocation, on this GPU's stream.
+        unsafe { result::memset_d8_async(buf.ptr, 0, buf.bytes(), self.stream())? };
+        Ok(())
+    }
+
+    pub fn copy_device<T>(&self, dst: &DeviceBuffer<T>, src: &DeviceBuffer<T>) -> Result<()> {
+        ensure(dst.len == src.len, || format!("device copy of {} into {} elements", src.len, dst.len))?;
+        // SAFETY: equal sizes, same context.
+        unsafe { result::memcpy_dtod_async(dst.ptr, src.ptr, src.bytes(), self.stream())? };
+        Ok(())
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: our own stream.
+        unsafe { result::stream::synchronize(self.stream())? };
+        Ok(())
+    }
+
+    /// The kernel `function` of kernels/`file`.cu compiled for storage type X
+    /// (compiled on first use, from the disk cache when it holds it).
+    pub(crate) fn function<X: Elem>(
+        &self,
+        file: &'static str,
+        function: &'static str,
+    ) -> Result<sys::CUfunction> {
+        let key = (file, X::IS_F32);
+        let mut modules = self.modules.borrow_mut();
+        if let std::collections::hash_map::Entry::Vacant(e) = modules.entry(key) {
+            let cubin = nvrtc::cubin_cached(file, self.arch, X::IS_F32)?;
+            // SAFETY: a complete CUBIN image from NVRTC, loaded in the bound context.
+            let module = unsafe { result::module::load_data(cubin.as_ptr() as *const c_void)? };
+            e.insert(Module { _module: module, functions: HashMap::new() });
+        }
+        let m = modules.get_mut(&key).expect("inserted above");
+        if let Some(f) = m.functions.get(function) {
+            return Ok(*f);
+        }
+        let name =
+            CString::new(function).map_err(|_| CudaError::Shape(format!("kernel name {function:?}")))?;
+        // SAFETY: the module is loaded and outlives the Gpu.
+        let f = unsafe { result::module::get_function(m._module, name)? };
+        m.functions.insert(function, f);
+        Ok(f)
+    }
+
+    /// Launches `f` on this GPU's stream. `args` point at the kernel's
+    /// arguments in order, each of the type the kernel declares.
+    pub(crate) fn launch(
+        &self,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: callers pass arguments matching the kernel's signature, and
+        // device pointers of buffers that outlive the stream's work on them
+        // (every buffer is freed only after a synchronize or on the same stream).
+        unsafe { result::launch_kernel(f, grid, block, 0, self.stream(), args)? };
+        Ok(())
+    }
+}
+
+/// Pointers to kernel arguments, in order: `args![a, b, c]` for locals a, b, c.
+macro_rules! args {
+    ($($a:expr),* $(,)?) => {
+        [$(&$a as *const _ as *mut ::std::ffi::c_void),*]
+    };
+}
+pub(crate) use args;
+
+/// Blocks of `threads` covering `n` items.
+pub(crate) fn blocks(n: usize, threads: usize) -> u32 {
+    n.div_ceil(threads) as u32
+}

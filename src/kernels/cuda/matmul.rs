@@ -1,0 +1,331 @@
+//! Matrix products through cuBLASLt, row-major like the CPU twin
+//! (kernels/cpu/matmul.rs): inp (N, IC), weight (IC, OC) in Hugging Face's
+//! Conv1D layout, out (N, OC). Weight gradients are f32, accumulated (beta 1).
+//!
+//! cuBLASLt is column-major, so a row-major X is its transpose there. Each
+//! distinct (shape, transposes, types, bias) gets its descriptors and the
+//! heuristic's algorithm once; later calls reuse them (cudarc's safe `matmul`
+//! would run the heuristic on every call). The bias gradient is our own
+//! two-pass column sum (kernels/matmul.cu), deterministic.
+
+use super::device::{args, blocks, DeviceBuffer, Gpu};
+use super::{ensure, CudaError, Elem, Result};
+use cudarc::cublaslt::{result, sys};
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+const WORKSPACE_BYTES: usize = 32 << 20;
+/// Rows per chunk of the bias gradient's first pass.
+const BIAS_ROWS: usize = 64;
+
+/// One product D = alpha·op(A)·op(B) + beta·C (C = D), column-major, as cuBLASLt sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+    /// A and B are f32 (else bf16).
+    pub ab_f32: bool,
+    /// C and D are f32 (else bf16).
+    pub c_f32: bool,
+    pub bias: bool,
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    layouts: [sys::cublasLtMatrixLayout_t; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: created once in `plan`, destroyed once here.
+        unsafe {
+            for l in self.layouts {
+                let _ = result::destroy_matrix_layout(l);
+            }
+            let _ = result::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// cuBLASLt's handle, workspace and the plans made so far.
+pub struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: DeviceBuffer<u8>,
+    plans: HashMap<GemmShape, Plan>,
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created in `Blas::new`, destroyed once.
+        unsafe {
+            let _ = result::destroy_handle(self.handle);
+        }
+    }
+}
+
+fn dtype(f32: bool) -> sys::cudaDataType {
+    if f32 {
+        sys::cudaDataType::CUDA_R_32F
+    } else {
+        sys::cudaDataType::CUDA_R_16BF
+    }
+}
+
+impl Blas {
+    fn new(gpu: &Gpu) -> Result<Blas> {
+        if !super::cublaslt_present() {
+            return Err(CudaError::NoCublasLt);
+        }
+        Ok(Blas {
+            handle: result::create_handle()?,
+            workspace: gpu.alloc(WORKSPACE_BYTES)?,
+            plans: HashMap::new(),
+        })
+    }
+
+    /// How many distinct products have been planned (the heuristic ran once for each).
+    pub fn plans(&self) -> usize {
+        self.plans.len()
+    }
+
+    fn plan(&mut self, s: &GemmShape) -> Result<&Plan> {
+        if !self.plans.contains_key(s) {
+            let p = make_plan(self.handle, s)?;
+            self.plans.insert(*s, p);
+        }
+        Ok(self.plans.get(s).expect("inserted above"))
+    }
+}
+
+fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<()> {
+    // SAFETY: `v` is the attribute's documented type and lives through the call.
+    unsafe {
+        result::set_matmul_desc_attribute(
+            desc,
+            attr,
+            v as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )?
+    };
+    Ok(())
+}
+
+fn make_plan(handle: sys::cublasLtHandle_t, s: &GemmShape) -> Result<Plan> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let desc = result::create_matmul_desc(
+        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        sys::cudaDataType::CUDA_R_32F,
+    )?;
+    let (ta, tb) = (s.trans_a as i32, s.trans_b as i32); // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
+    set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &ta)?;
+    set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &tb)?;
+    if s.bias {
+        let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dtype(s.c_f32))?;
+    }
+    let (ar, ac) = if s.trans_a { (s.k, s.m) } else { (s.m, s.k) };
+    let (br, bc) = if s.trans_b { (s.n, s.k) } else { (s.k, s.n) };
+    let a = result::create_matrix_layout(dtype(s.ab_f32), ar as u64, ac as u64, s.lda as i64)?;
+    let b = result::create_matrix_layout(dtype(s.ab_f32), br as u64, bc as u64, s.ldb as i64)?;
+    let c = result::create_matrix_layout(dtype(s.c_f32), s.m as u64, s.n as u64, s.ldc as i64)?;
+    let pref = result::create_matmul_pref()?;
+    let ws = WORKSPACE_BYTES as u64;
+    // SAFETY: a u64 for MAX_WORKSPACE_BYTES, as documented; pref destroyed below.
+    let heuristic = unsafe {
+        result::set_matmul_pref_attribute(
+            pref,
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws as *const u64 as *const c_void,
+            8,
+        )?;
+        let h = result::get_matmul_algo_heuristic(handle, desc, a, b, c, c, pref);
+        let _ = result::destroy_matmul_pref(pref);
+        h
+    };
+    let plan = Plan { desc, layouts: [a, b, c], algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] } };
+    let h = heuristic.map_err(|e| CudaError::Shape(format!("cuBLASLt has no algorithm for {s:?}: {e:?}")))?;
+    Ok(Plan { algo: h.algo, ..plan })
+}
+
+/// D = op(A)·op(B) + beta·D (column-major), with the bias added per row of D
+/// when `bias` is given. Pointers are device addresses of the right types.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(gpu: &Gpu, s: &GemmShape, a: u64, b: u64, d: u64, bias: Option<u64>, beta: f32) -> Result<()> {
+    ensure(s.bias == bias.is_some(), || "bias pointer and shape disagree".into())?;
+    let mut guard = gpu.blas.borrow_mut();
+    if guard.is_none() {
+        *guard = Some(Blas::new(gpu)?);
+    }
+    let blas = guard.as_mut().expect("set above");
+    let (handle, ws, ws_len) = (blas.handle, blas.workspace.ptr(), blas.workspace.bytes());
+    let plan = blas.plan(s)?;
+    if let Some(bias) = bias {
+        set_desc(plan.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+    }
+    let alpha = 1.0f32;
+    // SAFETY: layouts describe the buffers the callers checked; scalars are
+    // f32 (the scale type); the workspace belongs to this handle.
+    unsafe {
+        result::matmul(
+            handle,
+            plan.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            a as *const c_void,
+            plan.layouts[0],
+            b as *const c_void,
+            plan.layouts[1],
+            d as *const c_void,
+            plan.layouts[2],
+            d as *mut c_void,
+            plan.layouts[2],
+            &plan.algo,
+            ws as *mut c_void,
+            ws_len,
+            gpu.stream() as sys::cudaStream_t,
+        )?;
+    }
+    Ok(())
+}
+
+/// How many products have been planned on this GPU.
+pub fn planned(gpu: &Gpu) -> usize {
+    gpu.blas.borrow().as_ref().map_or(0, Blas::plans)
+}
+
+/// out (N, OC) = inp (N, IC) · weight (IC, OC) + bias (OC).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_forward<X: Elem>(
+    gpu: &Gpu,
+    out: &DeviceBuffer<X>,
+    inp: &DeviceBuffer<X>,
+    weight: u64,
+    bias: Option<u64>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) -> Result<()> {
+    ensure(out.len() >= n * oc && inp.len() >= n * ic, || {
+        format!("matmul_forward: buffers for N={n} IC={ic} OC={oc}")
+    })?;
+    let s = GemmShape {
+        m: oc,
+        n,
+        k: ic,
+        trans_a: false,
+        trans_b: false,
+        lda: oc,
+        ldb: ic,
+        ldc: oc,
+        ab_f32: X::IS_F32,
+        c_f32: X::IS_F32,
+        bias: bias.is_some(),
+    };
+    gemm(gpu, &s, weight, inp.ptr(), out.ptr(), bias, 0.0)
+}
+
+/// dinp (N, IC) = dout (N, OC) · weightᵀ, overwritten.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_input<X: Elem>(
+    gpu: &Gpu,
+    dinp: &DeviceBuffer<X>,
+    dout: &DeviceBuffer<X>,
+    weight: u64,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) -> Result<()> {
+    ensure(dinp.len() >= n * ic && dout.len() >= n * oc, || {
+        format!("matmul_backward_input: buffers for N={n} IC={ic} OC={oc}")
+    })?;
+    let s = GemmShape {
+        m: ic,
+        n,
+        k: oc,
+        trans_a: true,
+        trans_b: false,
+        lda: oc,
+        ldb: oc,
+        ldc: ic,
+        ab_f32: X::IS_F32,
+        c_f32: X::IS_F32,
+        bias: false,
+    };
+    gemm(gpu, &s, weight, dout.ptr(), dinp.ptr(), None, 0.0)
+}
+
+/// dweight (IC, OC) f32 += inpᵀ · dout; dbias (OC) f32 += Σ_rows dout.
+/// `partial` is scratch of at least `bias_partial_len(n, oc)` floats.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_weight<X: Elem>(
+    gpu: &Gpu,
+    dweight: u64,
+    dbias: Option<u64>,
+    partial: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<X>,
+    inp: &DeviceBuffer<X>,
+    n: usize,
+    ic: usize,
+    oc: usize,
+) -> Result<()> {
+    ensure(dout.len() >= n * oc && inp.len() >= n * ic, || {
+        format!("matmul_backward_weight: buffers for N={n} IC={ic} OC={oc}")
+    })?;
+    let s = GemmShape {
+        m: oc,
+        n: ic,
+        k: n,
+        trans_a: false,
+        trans_b: true,
+        lda: oc,
+        ldb: ic,
+        ldc: oc,
+        ab_f32: X::IS_F32,
+        c_f32: true,
+        bias: false,
+    };
+    gemm(gpu, &s, dout.ptr(), inp.ptr(), dweight, None, 1.0)?;
+    if let Some(dbias) = dbias {
+        bias_backward(gpu, dbias, partial, dout, n, oc)?;
+    }
+    Ok(())
+}
+
+/// Scratch floats the bias gradient needs.
+pub fn bias_partial_len(n: usize, oc: usize) -> usize {
+    n.div_ceil(BIAS_ROWS) * oc
+}
+
+/// dbias (OC) f32 += Σ_rows dout (N, OC), chunks summed in order.
+pub fn bias_backward<X: Elem>(
+    gpu: &Gpu,
+    dbias: u64,
+    partial: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<X>,
+    n: usize,
+    oc: usize,
+) -> Result<()> {
+    let chunks = n.div_ceil(BIAS_ROWS);
+    ensure(partial.len() >= chunks * oc && dout.len() >= n * oc, || {
+        "bias_backward: scratch too small".into()
+    })?;
+    let f = gpu.function::<X>("matmul", "bias_backward_partial")?;
+    let (p, d, ni, oci, rows) = (partial.ptr(), dout.ptr(), n as i32, oc as i32, BIAS_ROWS as i32);
+    gpu.launch(f, (blocks(oc, 256), chunks as u32, 1), (256, 1, 1), &mut args![p, d, ni, oci, rows])?;
+    let f = gpu.function::<X>("matmul", "bias_backward_finish")?;
+    let ch = chunks as i32;
+    gpu.launch(f, (blocks(oc, 256), 1, 1), (256, 1, 1), &mut args![dbias, p, ch, oci])
+}

@@ -1,0 +1,70 @@
+//! Every kernels/*.cu compiles with NVRTC for sm_80 and sm_90, f32 and bf16
+//! storage, without a warning. Needs no GPU, only NVRTC (found on
+//! LD_LIBRARY_PATH); without it the test says so and passes, unless
+//! PIPEWRIGHT_REQUIRE_NVRTC=1 (as in CI), where a skip is a failure.
+#![cfg(feature = "cuda")]
+
+use pipewright::kernels::cuda::{nvrtc, nvrtc_present};
+
+#[test]
+fn every_kernel_file_compiles_for_sm80_and_sm90_without_warnings() {
+    if !nvrtc_present() {
+        let required = std::env::var("PIPEWRIGHT_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        assert!(!required, "PIPEWRIGHT_REQUIRE_NVRTC=1 but NVRTC could not be loaded: put libnvrtc's directory on LD_LIBRARY_PATH");
+        eprintln!("skipped: NVRTC could not be loaded (set LD_LIBRARY_PATH to libnvrtc's directory to run this test)");
+        return;
+    }
+    let (major, minor) = nvrtc::version().expect("NVRTC version");
+    eprintln!("NVRTC {major}.{minor}");
+    let mut problems = vec![];
+    for (file, _) in nvrtc::SOURCES {
+        for arch in [80, 90] {
+            for f32 in [false, true] {
+                match nvrtc::compile(file, arch, f32) {
+                    Ok(c) if c.cubin.is_empty() => {
+                        problems.push(format!("{file} sm_{arch} f32={f32}: empty CUBIN"))
+                    }
+                    Ok(c) if !c.log.is_empty() => {
+                        problems.push(format!("{file} sm_{arch} f32={f32}: {}", c.log))
+                    }
+                    Ok(_) => {}
+                    Err(e) => problems.push(e.to_string()),
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn every_kernel_file_is_listed() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|n| n.strip_suffix(".cu").map(str::to_string))
+        .collect();
+    on_disk.sort();
+    let listed: Vec<String> = nvrtc::SOURCES.iter().map(|(n, _)| n.to_string()).collect();
+    assert_eq!(on_disk, listed);
+}
+
+#[test]
+fn a_kernel_error_names_the_file_and_architecture() {
+    // sm_20 is long gone from every NVRTC this project supports.
+    if !nvrtc_present() {
+        eprintln!("skipped: NVRTC could not be loaded");
+        return;
+    }
+    let err = nvrtc::compile("gelu", 20, false).err().expect("sm_20 is refused").to_string();
+    assert!(err.contains("gelu") || err.contains("NVRTC"), "{err}");
+}
+
+#[test]
+fn the_cache_key_changes_with_architecture_precision_and_nvrtc_version() {
+    let a = nvrtc::cache_key("attention", 90, false, (13, 0)).unwrap();
+    assert_ne!(a, nvrtc::cache_key("attention", 80, false, (13, 0)).unwrap());
+    assert_ne!(a, nvrtc::cache_key("attention", 90, true, (13, 0)).unwrap());
+    assert_ne!(a, nvrtc::cache_key("attention", 90, false, (12, 8)).unwrap());
+    assert!(nvrtc::cache_key("no-such-kernel", 90, false, (13, 0)).is_err());
+}
