@@ -159,37 +159,7 @@ enum Command {
     },
     /// GPT-2 training throughput on one GPU (bf16, random tokens): tokens/s, ms/step and
     /// MFU against 989 TFLOP/s (H100 SXM bf16) and against cuBLASLt's rate measured here.
-    GpuBench {
-        #[arg(long, default_value_t = 12)]
-        layers: usize,
-        #[arg(long, default_value_t = 768)]
-        embd: usize,
-        #[arg(long, default_value_t = 12)]
-        heads: usize,
-        #[arg(long, default_value_t = 50257)]
-        vocab: usize,
-        /// Sequence length T.
-        #[arg(long, default_value_t = 1024)]
-        seq: usize,
-        /// Sequences per step [default: the largest of 64, 32, 16, … that fits].
-        #[arg(long)]
-        micro_batch: Option<usize>,
-        /// Timed steps.
-        #[arg(long, default_value_t = 20)]
-        steps: usize,
-        /// Untimed steps first (the first compiles the kernels and plans the products).
-        #[arg(long, default_value_t = 3)]
-        warmup: usize,
-        /// Side of the square bf16 product that measures cuBLASLt's rate.
-        #[arg(long, default_value_t = 8192)]
-        matmul_size: usize,
-        /// GPU ordinal.
-        #[arg(long, default_value_t = 0)]
-        device: usize,
-        /// End with one JSON line holding the figures.
-        #[arg(long)]
-        json: bool,
-    },
+    GpuBench(GpuBenchArgs),
     /// Training throughput on random tokens: tokens/s, ms/step, GFLOP/s and time per kernel.
     Bench {
         #[command(flatten)]
@@ -339,19 +309,38 @@ fn gpu_bench(_args: GpuBenchArgs) -> anyhow::Result<()> {
     Err(pipewright::kernels::BackendError::NotBuilt.into())
 }
 
-/// The flags of `gpu-bench`, handed over whole.
+/// The flags of `gpu-bench`.
+#[derive(clap::Args)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct GpuBenchArgs {
+    #[arg(long, default_value_t = 12)]
     layers: usize,
+    #[arg(long, default_value_t = 768)]
     embd: usize,
+    #[arg(long, default_value_t = 12)]
     heads: usize,
+    #[arg(long, default_value_t = 50257)]
     vocab: usize,
+    /// Sequence length T.
+    #[arg(long, default_value_t = 1024)]
     seq: usize,
+    /// Sequences per step [default: the largest of 64, 32, 16, … that fits].
+    #[arg(long)]
     micro_batch: Option<usize>,
+    /// Timed steps.
+    #[arg(long, default_value_t = 20)]
     steps: usize,
+    /// Untimed steps first (the first compiles the kernels and plans the products).
+    #[arg(long, default_value_t = 3)]
     warmup: usize,
+    /// Side of the square bf16 product that measures cuBLASLt's rate.
+    #[arg(long, default_value_t = 8192)]
     matmul_size: usize,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
     device: usize,
+    /// End with one JSON line holding the figures.
+    #[arg(long)]
     json: bool,
 }
 
@@ -533,31 +522,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::GpuCheck { device } => gpu_check(device),
-        Command::GpuBench {
-            layers,
-            embd,
-            heads,
-            vocab,
-            seq,
-            micro_batch,
-            steps,
-            warmup,
-            matmul_size,
-            device,
-            json,
-        } => gpu_bench(GpuBenchArgs {
-            layers,
-            embd,
-            heads,
-            vocab,
-            seq,
-            micro_batch,
-            steps,
-            warmup,
-            matmul_size,
-            device,
-            json,
-        }),
+        Command::GpuBench(args) => gpu_bench(args),
         Command::Bench { sim: true, schedule, plot, json, .. } => {
             let mut cells = vec![];
             for p in [2, 4, 8, 16, 32] {

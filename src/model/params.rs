@@ -172,3 +172,19 @@ mod tests {
         assert_eq!(canonical_index(&cfg, "lm_head.weight"), None);
     }
 }
+
+/// Indices of a block's 12 tensors, in [`block_tensors`] order.
+pub mod block {
+    pub const LN1W: usize = 0;
+    pub const LN1B: usize = 1;
+    pub const QKVW: usize = 2;
+    pub const QKVB: usize = 3;
+    pub const PROJW: usize = 4;
+    pub const PROJB: usize = 5;
+    pub const LN2W: usize = 6;
+    pub const LN2B: usize = 7;
+    pub const FCW: usize = 8;
+    pub const FCB: usize = 9;
+    pub const FCPW: usize = 10;
+    pub const FCPB: usize = 11;
+}

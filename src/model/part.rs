@@ -185,19 +185,7 @@ struct Scratch {
     losses: Vec<f32>, // (N)
 }
 
-// Indices of a block's tensors within its 12 (see params::block_tensors).
-const LN1W: usize = 0;
-const LN1B: usize = 1;
-const QKVW: usize = 2;
-const QKVB: usize = 3;
-const PROJW: usize = 4;
-const PROJB: usize = 5;
-const LN2W: usize = 6;
-const LN2B: usize = 7;
-const FCW: usize = 8;
-const FCB: usize = 9;
-const FCPW: usize = 10;
-const FCPB: usize = 11;
+use super::params::block::*;
 
 pub struct ModelPart {
     pub cfg: GptConfig,

@@ -127,6 +127,18 @@ pub struct Hyper {
 }
 
 impl Hyper {
+    /// The AdamW kernel's arguments for one update at `lr`, bias-corrected for `step`.
+    pub fn adamw(&self, lr: f64, step: u64) -> AdamW {
+        AdamW {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            step,
+        }
+    }
+
     pub fn from_config(c: &crate::config::Config) -> Self {
         Hyper {
             beta1: c.optim.beta1,
@@ -149,14 +161,7 @@ impl AdamState {
     /// One AdamW step over the part's parameters with their (combined) gradients.
     pub fn step(&mut self, part: &mut ModelPart, hp: Hyper, lr: f64, clip: f32) {
         self.t += 1;
-        let h = AdamW {
-            lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            weight_decay: hp.weight_decay,
-            step: self.t,
-        };
+        let h = hp.adamw(lr, self.t);
         for (i, p) in part.params.iter_mut().enumerate() {
             let decay = p.decays();
             timed(Kernel::AdamW, || {

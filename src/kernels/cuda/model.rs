@@ -14,7 +14,6 @@
 use super::embedding::{DeviceOwners, TokenOwners};
 use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
 use super::{ensure, CudaError, DeviceBuffer, Elem, Gpu, Result};
-use crate::kernels::cpu::adamw::AdamW;
 use crate::model::params::{all_tensors, GptConfig};
 use crate::optim::{self, Hyper};
 use crate::train::engine::StepStats;
@@ -28,19 +27,7 @@ pub fn padded_vocab(v: usize) -> usize {
     v.div_ceil(128) * 128
 }
 
-// A block's tensors, in params::block_tensors order.
-const LN1W: usize = 0;
-const LN1B: usize = 1;
-const QKVW: usize = 2;
-const QKVB: usize = 3;
-const PROJW: usize = 4;
-const PROJB: usize = 5;
-const LN2W: usize = 6;
-const LN2B: usize = 7;
-const FCW: usize = 8;
-const FCB: usize = 9;
-const FCPW: usize = 10;
-const FCPB: usize = 11;
+use crate::model::params::block::*;
 
 /// Where one tensor lives in the flat buffers.
 #[derive(Clone, Debug)]
@@ -548,14 +535,7 @@ impl<'g, X: Elem> GpuModel<'g, X> {
 
     fn adamw(&mut self, lr: f64, hp: &Hyper, clip: f32) -> Result<()> {
         self.adam_t += 1;
-        let h = AdamW {
-            lr,
-            beta1: hp.beta1,
-            beta2: hp.beta2,
-            eps: hp.eps,
-            weight_decay: hp.weight_decay,
-            step: self.adam_t,
-        };
+        let h = hp.adamw(lr, self.adam_t);
         for s in &self.tensors {
             adamw::adamw_update(
                 self.gpu,
