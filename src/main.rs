@@ -162,6 +162,10 @@ enum Command {
         /// and runtime overhead for pp ∈ {2,4,8,16,32} × m ∈ {p,2p,4p,8p}.
         #[arg(long)]
         sim: bool,
+        /// Instead: the CPU data plane on loopback (frame round-trip latency,
+        /// bandwidth of large frames), through the real codec and sockets.
+        #[arg(long, conflicts_with = "sim")]
+        transport: bool,
         /// With --sim: the schedule to measure.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
@@ -498,6 +502,20 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect { path } => {
             print!("{}", pipewright::inspect::inspect(&path)?);
+            Ok(())
+        }
+        Command::Bench { transport: true, json, .. } => {
+            let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0])?;
+            println!(
+                "frame round trip ({} floats, {} trips): median {:.1} µs, p99 {:.1} µs",
+                b.small_floats, b.round_trips, b.rtt_median_us, b.rtt_p99_us
+            );
+            for (mib, mbs) in &b.bandwidth {
+                println!("{mib:>5.0} MiB frames: {mbs:.0} MB/s (one way, decoded)");
+            }
+            if json {
+                println!("{}", serde_json::to_string(&b)?);
+            }
             Ok(())
         }
         Command::Bench { sim: true, schedule, plot, json, .. } => {

@@ -112,13 +112,25 @@ pub fn write_frame(w: &mut impl Write, frame: &Frame, scratch: &mut Vec<u8>) -> 
     prefix[8..].copy_from_slice(&payload.to_le_bytes());
     w.write_all(&prefix)?;
     w.write_all(&head)?;
+    // Converted a block at a time, so the bytes being written stay in cache.
+    const BLOCK: usize = 1 << 14;
     for a in &frame.arrays {
-        scratch.clear();
         match a {
-            Array::F32(v) => v.iter().for_each(|x| scratch.extend_from_slice(&x.to_le_bytes())),
-            Array::U32(v) => v.iter().for_each(|x| scratch.extend_from_slice(&x.to_le_bytes())),
+            Array::F32(v) => {
+                for block in v.chunks(BLOCK) {
+                    scratch.clear();
+                    block.iter().for_each(|x| scratch.extend_from_slice(&x.to_le_bytes()));
+                    w.write_all(scratch)?;
+                }
+            }
+            Array::U32(v) => {
+                for block in v.chunks(BLOCK) {
+                    scratch.clear();
+                    block.iter().for_each(|x| scratch.extend_from_slice(&x.to_le_bytes()));
+                    w.write_all(scratch)?;
+                }
+            }
         }
-        w.write_all(scratch)?;
     }
     Ok(())
 }
@@ -181,17 +193,32 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, FrameError> {
     if need != payload_len {
         return Err(FrameError::Lengths { need, have: payload_len });
     }
-    let mut payload = Vec::new();
-    read_bounded(r, payload_len, &mut payload)?;
-    let mut arrays = Vec::with_capacity(header.arrays.len());
-    let mut at = 0usize;
+    // Each array is read a chunk at a time straight into its tensor: memory
+    // grows only as bytes arrive, and no second copy of the payload exists.
+    let mut arrays = Vec::with_capacity(header.arrays.len().min(1 << 16));
+    let mut buf = Vec::new();
     for (elem, n) in header.arrays {
-        let bytes = &payload[at..at + 4 * n as usize];
-        at += bytes.len();
-        let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+        // Reserve up front only what a modest frame needs; a larger claimed
+        // length must be backed by bytes before memory follows it.
+        let reserve = (n as usize).min(1 << 24);
+        let (mut f, mut u) = match elem {
+            Elem::F32 => (Vec::with_capacity(reserve), Vec::new()),
+            Elem::U32 => (Vec::new(), Vec::with_capacity(reserve)),
+        };
+        let mut left = 4 * n;
+        while left > 0 {
+            let take = left.min(CHUNK as u64);
+            read_bounded(r, take, &mut buf)?;
+            let words = buf.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+            match elem {
+                Elem::F32 => f.extend(words.map(f32::from_le_bytes)),
+                Elem::U32 => u.extend(words.map(u32::from_le_bytes)),
+            }
+            left -= take;
+        }
         arrays.push(match elem {
-            Elem::F32 => Array::F32(words.map(f32::from_le_bytes).collect()),
-            Elem::U32 => Array::U32(words.map(u32::from_le_bytes).collect()),
+            Elem::F32 => Array::F32(f),
+            Elem::U32 => Array::U32(u),
         });
     }
     Ok(Some(Frame { kind: header.kind, arrays }))

@@ -106,6 +106,8 @@ pub struct Fabric {
     events: Sender<Event>,
     /// The run is over (or failing on purpose): links closing are expected.
     done: AtomicBool,
+    /// The roster is out: from here on every link is part of the run.
+    started: AtomicBool,
     /// The latest step seen in a frame, for failure reports.
     step: AtomicU64,
     /// The run's trace clock; workers offset theirs to rank 0's at the roster.
@@ -124,6 +126,7 @@ impl Fabric {
             routes: OnceLock::new(),
             events,
             done: AtomicBool::new(false),
+            started: AtomicBool::new(false),
             step: AtomicU64::new(0),
             epoch: Mutex::new(Instant::now()),
             placement: OnceLock::new(),
@@ -137,8 +140,11 @@ impl Fabric {
         stream: std::net::TcpStream,
         listen: String,
     ) -> std::io::Result<()> {
-        let link = Link::start(peer, stream, self.clone())?;
-        self.links.lock().expect("links")[peer] = Some(link);
+        // Held across the start so a link that dies at once (its reader
+        // removing it) cannot be put back after its removal.
+        let mut links = self.links.lock().expect("links");
+        links[peer] = Some(Link::start(peer, stream, self.clone())?);
+        drop(links);
         self.listen.lock().expect("listen")[peer] = listen;
         Ok(())
     }
@@ -186,8 +192,18 @@ impl Fabric {
         }
     }
 
+    /// The latest step seen in a frame.
+    pub fn step(&self) -> u64 {
+        self.step.load(Ordering::Relaxed)
+    }
+
     pub fn is_done(&self) -> bool {
         self.done.load(Ordering::SeqCst)
+    }
+
+    /// The run has begun: a link closing from now on is a lost process.
+    pub fn set_started(&self) {
+        self.started.store(true, Ordering::SeqCst);
     }
 
     /// From now on links closing are expected, not failures.
@@ -315,6 +331,13 @@ impl Sink for Fabric {
 
     fn closed(&self, peer: usize, why: Option<String>) {
         let why = why.unwrap_or_else(|| "the connection closed".into());
+        if self.me == 0 && !self.started.load(Ordering::SeqCst) && !self.is_done() {
+            // Before the roster nothing depends on the link: drop it, and the
+            // rank may join again (a bad peer cannot block the real one).
+            eprintln!("dropped the data link from {}: {why}", self.describe(peer));
+            self.links.lock().expect("links")[peer] = None;
+            return;
+        }
         if !self.is_done() {
             eprintln!("error: data link to {} ended: {why}", self.describe(peer));
         }

@@ -266,6 +266,13 @@ impl Driver {
     ) -> Result<Arc<Fabric>, ClusterError> {
         let _ = &self.cookie;
         *self.fabric.epoch.lock().expect("epoch") = Instant::now();
+        self.fabric.set_started();
+        let missing = self.fabric.missing();
+        if !missing.is_empty() {
+            return Err(ClusterError::Lost(format!(
+                "ranks {missing:?} dropped their data links before the run started"
+            )));
+        }
         self.fabric.broadcast(Kind::Roster {
             config: cfg.to_toml_string(),
             config_hash: cfg.hash(),
@@ -341,6 +348,15 @@ fn retry<T, E: std::fmt::Display>(
 pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
     let cookie = Cookie::from_env()?;
     let rt = runtime()?;
+    // Ctrl-C reaches every process of a launch: rank 0 answers it (a
+    // checkpoint, then a clean stop it passes on); a worker dying first
+    // would turn that into a failure.
+    rt.spawn(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut int) = signal(SignalKind::interrupt()) {
+            while int.recv().await.is_some() {}
+        }
+    });
     let ip = local_ip_towards(spec.master)?;
     let node = rt.block_on(Node::start(spec.rank, &cookie, ip, 0))?;
     let connect_wait = spec.timeout.min(Duration::from_secs(60));
@@ -372,7 +388,7 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
         // Rank 0 hears why, if it is still there.
         let f = Failure {
             actor: format!("process rank {}", spec.rank),
-            step: 0,
+            step: fabric.step(),
             action: None,
             error: e.to_string(),
         };
@@ -430,6 +446,7 @@ fn serve(
     let layout = Layout::from_config(&cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
     let placement = Placement::new(layout.pp, layout.dp, spec.world)?;
     let _ = fabric.placement.set(placement.clone());
+    fabric.set_started();
     *fabric.epoch.lock().expect("epoch") = Instant::now();
     // Links between workers: each connects to the ranks below it.
     for (q, addr) in addrs.iter().enumerate().take(spec.rank).skip(1) {
@@ -467,7 +484,30 @@ fn serve(
             Ok(Event::Shutdown) => break Ok(()),
             Ok(Event::Abort(r)) => break Err(ClusterError::Aborted(r)),
             Ok(Event::Lost { peer, why }) => {
-                break Err(ClusterError::Lost(format!("lost {}: {why}", fabric.describe(peer))))
+                let lost = format!("lost {}: {why}", fabric.describe(peer));
+                if peer == 0 {
+                    break Err(ClusterError::Lost(lost));
+                }
+                // Tell rank 0, then give its abort (which names the first
+                // failure, not this echo of it) a moment to arrive.
+                let f = Failure {
+                    actor: format!("process rank {}", spec.rank),
+                    step: fabric.step(),
+                    action: None,
+                    error: lost.clone(),
+                };
+                if let Some(frame) = wire::coordinator_frame(CoordinatorMsg::Failed(f)) {
+                    fabric.send(0, frame);
+                }
+                let until = Instant::now() + Duration::from_secs(3);
+                let mut result = Err(ClusterError::Lost(lost));
+                while let Ok(e) = events.recv_deadline(until) {
+                    if let Event::Abort(r) = e {
+                        result = Err(ClusterError::Aborted(r));
+                        break;
+                    }
+                }
+                break result;
             }
             Ok(_) => {}
             Err(_) => break Err(ClusterError::Lost("the event channel closed".into())),
