@@ -107,13 +107,10 @@ impl Node {
             .await
             .map_err(|e| NodeError::Connect { addr: master, why: e.to_string() })?;
         let events = self.events.clone();
-        let wait = tokio::task::spawn_blocking(move || loop {
-            match events.recv_timeout(timeout) {
-                Ok(NodeEvent::Joined { .. }) => return Ok(()),
-                Ok(NodeEvent::Refused { .. }) => return Err(NodeError::Refused(master)),
-                Ok(NodeEvent::Left { .. }) => return Err(NodeError::Refused(master)),
-                Err(_) => return Err(NodeError::Timeout(master, timeout)),
-            }
+        let wait = tokio::task::spawn_blocking(move || match events.recv_timeout(timeout) {
+            Ok(NodeEvent::Joined { .. }) => Ok(()),
+            Ok(NodeEvent::Refused { .. } | NodeEvent::Left { .. }) => Err(NodeError::Refused(master)),
+            Err(_) => Err(NodeError::Timeout(master, timeout)),
         });
         wait.await.map_err(|e| NodeError::Connect { addr: master, why: e.to_string() })?
     }
