@@ -83,6 +83,28 @@ fn pp2_dp2_over_4_processes_gives_the_bits_of_one_process() {
     assert_eq!(launched(dir.path(), 4, &args), one_process(dir.path(), &args));
 }
 
+#[test]
+fn a_run_across_processes_resumes_with_the_bits_of_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = model(&["parallel.pp=4", "checkpoint.every=2"]);
+    let steps = |n: &str| vec!["--steps".to_string(), n.to_string()];
+    let (single, split) = (dir.path().join("single"), dir.path().join("split"));
+    for (run, launch) in [(&single, false), (&split, true)] {
+        for (n, flag) in [("4", "--out"), ("6", "--resume")] {
+            let mut c = Command::new(BIN);
+            if launch {
+                c.args(["launch", "--nodes", "2"]);
+            } else {
+                c.arg("train");
+            }
+            c.args(&base).args(steps(n)).arg(flag).arg(run);
+            let o = run_to_end(c, Duration::from_secs(60));
+            assert!(o.status.success(), "{flag} {}: {}", run.display(), text(&o));
+        }
+    }
+    assert_eq!(digest(&split), digest(&single));
+}
+
 /// A port P on 127.0.0.1 with P + 1 free too.
 fn free_ports() -> u16 {
     loop {
