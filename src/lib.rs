@@ -7,6 +7,7 @@
 pub mod actors;
 pub mod bench;
 pub mod checkpoint;
+pub mod cluster;
 pub mod config;
 pub mod data;
 pub mod fuzz;

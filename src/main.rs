@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
-use pipewright::train::run::{train_with, RunFailed, TrainOptions};
+use pipewright::train::run::{train_on, RunFailed, TrainOptions};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -49,44 +49,37 @@ enum Command {
     /// Writes into --out: metrics.jsonl (one JSON object per step), summary.json,
     /// model.safetensors (Hugging Face GPT-2 names), config.toml (the resolved
     /// config) and loss.svg (train and validation loss).
-    Train {
+    Train(TrainArgs),
+    /// Train across N processes on this machine (one rank each; see `worker`),
+    /// with train's options. Outputs land in one run directory, as with `train`.
+    Launch {
+        /// Processes to start (the config's pp × dp ranks are split evenly over them).
+        #[arg(long)]
+        nodes: usize,
+        /// Rank 0's cluster port (its data link uses the next one) [default: a free one].
+        #[arg(long)]
+        port: Option<u16>,
         #[command(flatten)]
-        config: ConfigArgs,
-        /// Optimizer steps (overrides train.steps).
+        train: TrainArgs,
+    },
+    /// Join a run that spans processes or machines as one rank. Rank 0 takes
+    /// train's options and writes the outputs; other ranks get the config from
+    /// it. The cookie comes from PIPEWRIGHT_COOKIE_FILE or PIPEWRIGHT_COOKIE.
+    Worker {
+        /// Rank 0's cluster node, HOST:PORT (or MASTER_ADDR and MASTER_PORT).
+        #[arg(long, value_name = "HOST:PORT")]
+        join: Option<String>,
+        /// This process's rank (or RANK).
         #[arg(long)]
-        steps: Option<usize>,
-        /// Run directory [default: runs/<date>-<time>].
+        rank: Option<usize>,
+        /// Processes in the run (or WORLD_SIZE).
         #[arg(long)]
-        out: Option<PathBuf>,
-        /// Start from these weights (safetensors with GPT-2 names) instead of a fresh init.
-        #[arg(long, value_name = "W.safetensors")]
-        init: Option<PathBuf>,
-        /// Replace the outputs of an earlier run in --out.
-        #[arg(long)]
-        force: bool,
-        /// Continue the run in DIR from its latest complete checkpoint (same
-        /// config and overrides; the pipeline layout may differ).
-        #[arg(long, value_name = "DIR", conflicts_with = "out")]
-        resume: Option<PathBuf>,
-        /// When the run fails after starting (a stage errors or panics), resume it
-        /// from its latest checkpoint, up to N times.
-        #[arg(long, value_name = "N", default_value_t = 0)]
-        max_restarts: usize,
-        /// Write trace.json (Chrome Trace Event format; open it in Perfetto).
-        #[arg(long)]
-        trace: bool,
-        /// Deliver messages between actors after random delays, in a scrambled
-        /// order (results must not change: a check of determinism).
-        #[arg(long, value_name = "SEED")]
-        chaos_seed: Option<u64>,
-        /// Record every actor's handled messages into DIR/replay/<actor>.log
-        /// (digests of every tensor; see `pipewright replay`).
-        #[arg(long)]
-        record: bool,
-        /// Keep the tensors' bytes too for these actors (comma-separated names,
-        /// or "all"), so they can be replayed alone. Implies --record.
-        #[arg(long, value_name = "ACTORS", value_delimiter = ',')]
-        record_payloads: Vec<String>,
+        world: Option<usize>,
+        /// Seconds to wait for every rank to join.
+        #[arg(long, default_value_t = 120)]
+        join_timeout: u64,
+        #[command(flatten)]
+        train: TrainArgs,
     },
     /// Replay a recorded run: one actor alone (--actor), checking every output
     /// digest against the recording, or the whole run again (--all). Exit 0:
@@ -180,6 +173,10 @@ enum Command {
         /// and runtime overhead for pp ∈ {2,4,8,16,32} × m ∈ {p,2p,4p,8p}.
         #[arg(long)]
         sim: bool,
+        /// Instead: the CPU data plane on loopback (frame round-trip latency,
+        /// bandwidth of large frames), through the real codec and sockets.
+        #[arg(long, conflicts_with = "sim")]
+        transport: bool,
         /// With --sim: the schedule to measure.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
@@ -220,6 +217,48 @@ enum Command {
     /// Plan a run: FLOPs, Chinchilla sizing, time and cost, memory per GPU, and the
     /// fastest parallel layouts that fit (tp, pp, dp, microbatches, schedule).
     Plan(pipewright::plan::PlanArgs),
+}
+
+/// Train's options (also taken by `launch` and `worker`).
+#[derive(clap::Args, Clone)]
+struct TrainArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Optimizer steps (overrides train.steps).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Run directory [default: runs/<date>-<time>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Start from these weights (safetensors with GPT-2 names) instead of a fresh init.
+    #[arg(long, value_name = "W.safetensors")]
+    init: Option<PathBuf>,
+    /// Replace the outputs of an earlier run in --out.
+    #[arg(long)]
+    force: bool,
+    /// Continue the run in DIR from its latest complete checkpoint (same
+    /// config and overrides; the pipeline layout may differ).
+    #[arg(long, value_name = "DIR", conflicts_with = "out")]
+    resume: Option<PathBuf>,
+    /// When the run fails after starting (a stage errors or panics), resume it
+    /// from its latest checkpoint, up to N times.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    max_restarts: usize,
+    /// Write trace.json (Chrome Trace Event format; open it in Perfetto).
+    #[arg(long)]
+    trace: bool,
+    /// Deliver messages between actors after random delays, in a scrambled
+    /// order (results must not change: a check of determinism).
+    #[arg(long, value_name = "SEED")]
+    chaos_seed: Option<u64>,
+    /// Record every actor's handled messages into DIR/replay/<actor>.log
+    /// (digests of every tensor; see `pipewright replay`).
+    #[arg(long)]
+    record: bool,
+    /// Keep the tensors' bytes too for these actors (comma-separated names,
+    /// or "all"), so they can be replayed alone. Implies --record.
+    #[arg(long, value_name = "ACTORS", value_delimiter = ',')]
+    record_payloads: Vec<String>,
 }
 
 #[derive(Subcommand)]
@@ -361,6 +400,80 @@ fn default_run_dir() -> PathBuf {
     PathBuf::from(format!("runs/{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60))
 }
 
+fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::Driver>) -> Result<()> {
+    let TrainArgs {
+        config,
+        steps,
+        out,
+        init,
+        force,
+        resume,
+        max_restarts,
+        trace,
+        chaos_seed,
+        record,
+        record_payloads,
+    } = args;
+    {
+        let mut cfg = config.load(steps)?;
+        cfg.trace.enabled |= trace;
+        cfg.replay.record |= record || !record_payloads.is_empty();
+        for a in record_payloads {
+            if !cfg.replay.payloads.contains(&a) {
+                cfg.replay.payloads.push(a);
+            }
+        }
+        cfg.validate()?;
+        let resuming = resume.is_some();
+        let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
+        eprintln!("pipewright train → {}", out_dir.display());
+        let mut opts =
+            TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
+        let mut restarts = 0;
+        let (s, _) = loop {
+            match train_on(&cfg, &opts, chaos_seed, cluster.as_deref_mut()) {
+                Ok(r) => break r,
+                Err(e) if restarts < max_restarts && e.downcast_ref::<RunFailed>().is_some() => {
+                    restarts += 1;
+                    eprintln!("error: {e:#}");
+                    eprintln!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
+                    opts.resume = true;
+                    opts.init = None;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        eprintln!(
+                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
+                s.steps,
+                s.final_loss,
+                s.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
+                s.exact_match.map(|e| format!(", held-out exact match {:.1}%", 100.0 * e)).unwrap_or_default(),
+                s.tokens_per_s,
+                s.model_gflops,
+                100.0 * s.mfu
+            );
+        eprintln!("weights digest {}", s.weights_digest);
+        eprintln!("outputs in {}", out_dir.display());
+        Ok(())
+    }
+}
+
+/// `launch`'s own arguments left out: what each `worker` gets.
+fn launch_args() -> Vec<std::ffi::OsString> {
+    let mut out = Vec::new();
+    let mut it = std::env::args_os().skip_while(|a| a != "launch").skip(1);
+    while let Some(a) = it.next() {
+        let text = a.to_string_lossy();
+        if text == "--nodes" || text == "--port" {
+            it.next();
+        } else if !(text.starts_with("--nodes=") || text.starts_with("--port=")) {
+            out.push(a);
+        }
+    }
+    out
+}
+
 /// Ok(true): identical; Ok(false): diverged (already printed).
 fn replay_command(
     dir: &std::path::Path,
@@ -432,60 +545,34 @@ fn tempfile_dir() -> Result<PathBuf> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train {
-            config,
-            steps,
-            out,
-            init,
-            force,
-            resume,
-            max_restarts,
-            trace,
-            chaos_seed,
-            record,
-            record_payloads,
-        } => {
-            let mut cfg = config.load(steps)?;
-            cfg.trace.enabled |= trace;
-            cfg.replay.record |= record || !record_payloads.is_empty();
-            for a in record_payloads {
-                if !cfg.replay.payloads.contains(&a) {
-                    cfg.replay.payloads.push(a);
-                }
-            }
-            cfg.validate()?;
-            let resuming = resume.is_some();
-            let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
-            eprintln!("pipewright train → {}", out_dir.display());
-            let mut opts =
-                TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
-            let mut restarts = 0;
-            let (s, _) = loop {
-                match train_with(&cfg, &opts, chaos_seed) {
-                    Ok(r) => break r,
-                    Err(e) if restarts < max_restarts && e.downcast_ref::<RunFailed>().is_some() => {
-                        restarts += 1;
-                        eprintln!("error: {e:#}");
-                        eprintln!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
-                        opts.resume = true;
-                        opts.init = None;
-                    }
-                    Err(e) => return Err(e),
-                }
-            };
-            eprintln!(
-                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
-                s.steps,
-                s.final_loss,
-                s.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
-                s.exact_match.map(|e| format!(", held-out exact match {:.1}%", 100.0 * e)).unwrap_or_default(),
-                s.tokens_per_s,
-                s.model_gflops,
-                100.0 * s.mfu
-            );
-            eprintln!("weights digest {}", s.weights_digest);
-            eprintln!("outputs in {}", out_dir.display());
+        Command::Train(args) => train_command(args, None),
+        Command::Launch { nodes, port, train: _ } => {
+            let args = launch_args();
+            pipewright::cluster::launch(nodes, port, &args, std::time::Duration::from_secs(30))?;
             Ok(())
+        }
+        Command::Worker { join, rank, world, join_timeout, train } => {
+            let spec = pipewright::cluster::JoinSpec::resolve(
+                join.as_deref(),
+                rank,
+                world,
+                std::time::Duration::from_secs(join_timeout),
+            )?;
+            if spec.rank > 0 {
+                pipewright::cluster::run_worker(&spec)?;
+                eprintln!("rank {}: done", spec.rank);
+                return Ok(());
+            }
+            if train.max_restarts > 0 {
+                anyhow::bail!("--max-restarts: not supported for runs that span processes");
+            }
+            let cfg = train.config.load(train.steps)?;
+            let layout = pipewright::actors::Layout::from_config(&cfg)?;
+            let placement = pipewright::cluster::Placement::new(layout.pp, layout.dp, spec.world)?;
+            let mut driver = pipewright::cluster::Driver::rendezvous(&spec, placement)?;
+            let result = train_command(train, Some(&mut driver));
+            driver.finish(result.as_ref().err().map(|e| format!("{e:#}")));
+            result
         }
         Command::Replay { dir, actor, from_step, all, chaos_seed, out, list } => {
             match replay_command(&dir, actor, from_step, all, chaos_seed, out, list) {
@@ -523,6 +610,20 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GpuCheck { device } => gpu_check(device),
         Command::GpuBench(args) => gpu_bench(args),
+        Command::Bench { transport: true, json, .. } => {
+            let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0])?;
+            println!(
+                "frame round trip ({} floats, {} trips): median {:.1} µs, p99 {:.1} µs",
+                b.small_floats, b.round_trips, b.rtt_median_us, b.rtt_p99_us
+            );
+            for (mib, mbs) in &b.bandwidth {
+                println!("{mib:>5.0} MiB frames: {mbs:.0} MB/s (one way, decoded)");
+            }
+            if json {
+                println!("{}", serde_json::to_string(&b)?);
+            }
+            Ok(())
+        }
         Command::Bench { sim: true, schedule, plot, json, .. } => {
             let mut cells = vec![];
             for p in [2, 4, 8, 16, 32] {

@@ -166,6 +166,9 @@ pub struct RunInputs {
     pub metrics: Option<std::io::BufWriter<std::fs::File>>,
     pub progress: bool,
     pub chaos_seed: Option<u64>,
+    /// Set when the run spans processes: stages owned elsewhere are reached
+    /// through it, and the trace clock is the fabric's.
+    pub cluster: Option<Arc<crate::cluster::Fabric>>,
 }
 
 #[derive(Debug, Default)]
@@ -298,7 +301,8 @@ impl Actor for Coordinator {
         me: ActorRef<CoordinatorMsg>,
         (inputs, reply, id): Self::Arguments,
     ) -> Result<CoordinatorState, ActorProcessingErr> {
-        let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed } = inputs;
+        let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed, cluster } =
+            inputs;
         let start_step = resume.as_ref().map_or(0, |r| r.state.step);
         let scaler = match resume.as_ref().and_then(|r| r.state.loss_scaler.clone()) {
             Some(s) if cfg.optim.loss_scale == "dynamic" => Some(s),
@@ -318,7 +322,7 @@ impl Actor for Coordinator {
         )
         .await?;
         let (pp, dp) = (layout.pp, layout.dp);
-        let epoch = Instant::now();
+        let epoch = cluster.as_ref().map_or_else(Instant::now, |f| *f.epoch.lock().expect("epoch"));
         let all: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>> = Arc::new(OnceLock::new());
         let monitor_args = MonitorArgs { metrics, progress: Progress::new(cfg.train.steps, progress) };
         let (monitor, _) =
@@ -340,6 +344,20 @@ impl Actor for Coordinator {
             let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
             let mut refs = Vec::new();
             for rank in 0..pp {
+                if let Some(f) = cluster.as_ref().filter(|f| f.owner(replica, rank) != f.me) {
+                    let args = crate::cluster::RemoteStageArgs {
+                        fabric: f.clone(),
+                        replica,
+                        rank,
+                        owner: f.owner(replica, rank),
+                    };
+                    let name = registered(&format!("remote-{}", stage_name(rank, replica)), id);
+                    let (r, _) =
+                        Actor::spawn_linked(Some(name), crate::cluster::RemoteStage, args, me.get_cell())
+                            .await?;
+                    refs.push(r);
+                    continue;
+                }
                 let k = replica * pp + rank;
                 let t = layout.threads_per_rank;
                 let mine = if cores.is_empty() {
@@ -405,6 +423,23 @@ impl Actor for Coordinator {
             loaders.push(
                 Actor::spawn_linked(Some(registered(&name, id)), DataLoader, args, me.get_cell()).await?.0,
             );
+        }
+        if let Some(f) = &cluster {
+            let local = stages
+                .iter()
+                .enumerate()
+                .map(|(replica, refs)| {
+                    refs.iter()
+                        .enumerate()
+                        .map(|(rank, r)| (f.owner(replica, rank) == f.me).then(|| r.clone()))
+                        .collect()
+                })
+                .collect();
+            f.set_routes(crate::cluster::Routes {
+                stages: local,
+                coordinator: Some(me.clone()),
+                reducer: reducer.clone(),
+            });
         }
         let log = replay::recorder(&cfg, &run_dir, "coordinator", start_step)?;
         me.send_message(CoordinatorMsg::Start)?;

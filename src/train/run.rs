@@ -254,6 +254,17 @@ pub fn train_with(
     opts: &TrainOptions,
     chaos_seed: Option<u64>,
 ) -> Result<(Summary, RunOutcome)> {
+    train_on(cfg, opts, chaos_seed, None)
+}
+
+/// `train_with`, on rank 0 of a run that spans processes when `cluster` is set:
+/// the workers get the resolved config just before the step loop starts.
+pub fn train_on(
+    cfg: &Config,
+    opts: &TrainOptions,
+    chaos_seed: Option<u64>,
+    cluster: Option<&mut crate::cluster::Driver>,
+) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
     crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
     let gpt = GptConfig::from_config(cfg);
@@ -341,7 +352,17 @@ pub fn train_with(
     });
     let resumed_from = resume.as_ref().map(|r| r.state.step);
     let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
+    let fabric = match cluster {
+        Some(d) => Some(d.start(
+            cfg,
+            &opts.out_dir,
+            resume.as_ref().map(|r| r.dir.as_path()),
+            opts.init.as_deref(),
+        )?),
+        None => None,
+    };
     let inputs = RunInputs {
+        cluster: fabric,
         run_dir: opts.out_dir.clone(),
         resume: resume.map(Arc::new),
         cfg: cfg.clone(),

@@ -1,0 +1,307 @@
+//! One data link: a TCP stream between two processes of a run, opened with a
+//! mutual cookie proof, then read by one thread and written by another.
+//!
+//! The handshake proves both ends hold the cookie without sending it: each
+//! side answers the other's random nonce with a keyed BLAKE3 MAC. Handshake
+//! reads time out, so a silent or garbage-speaking peer costs a thread a few
+//! seconds, never the run. After the handshake, a frame that fails to decode
+//! closes the link and is reported with the peer's address.
+
+use super::frame::{read_frame, write_frame, Frame, FrameError};
+use super::wire::Kind;
+use crossbeam_channel::{Receiver, Sender};
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("{peer}: {source}")]
+    Frame { peer: SocketAddr, source: FrameError },
+    #[error("{peer}: refused: {reason}")]
+    Refused { peer: SocketAddr, reason: String },
+    #[error("{peer}: handshake: {what}")]
+    Protocol { peer: SocketAddr, what: String },
+    #[error("{peer}: {source}")]
+    Io { peer: SocketAddr, source: std::io::Error },
+}
+
+/// The shared secret. Never printed: `Debug` shows nothing of it.
+#[derive(Clone)]
+pub struct Cookie {
+    text: String,
+    key: [u8; 32],
+}
+
+impl std::fmt::Debug for Cookie {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Cookie(<hidden>)")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CookieError {
+    #[error("no cookie: set PIPEWRIGHT_COOKIE_FILE (a file only you can read) or PIPEWRIGHT_COOKIE")]
+    Missing,
+    #[error("PIPEWRIGHT_COOKIE_FILE={path}: {source}")]
+    File { path: String, source: std::io::Error },
+    #[error("PIPEWRIGHT_COOKIE_FILE={0}: readable by group or others (chmod 600 it)")]
+    Permissions(String),
+    #[error("the cookie is empty")]
+    Empty,
+}
+
+impl Cookie {
+    pub fn new(text: &str) -> Result<Cookie, CookieError> {
+        let text = text.trim().to_string();
+        if text.is_empty() {
+            return Err(CookieError::Empty);
+        }
+        let key = blake3::derive_key("pipewright 2026 data link cookie", text.as_bytes());
+        Ok(Cookie { text, key })
+    }
+
+    /// From `PIPEWRIGHT_COOKIE_FILE` (preferred: it stays out of `ps` and the
+    /// environment of children) or `PIPEWRIGHT_COOKIE`.
+    pub fn from_env() -> Result<Cookie, CookieError> {
+        if let Some(path) = std::env::var_os("PIPEWRIGHT_COOKIE_FILE") {
+            let shown = path.to_string_lossy().to_string();
+            let meta = std::fs::metadata(&path)
+                .map_err(|source| CookieError::File { path: shown.clone(), source })?;
+            use std::os::unix::fs::PermissionsExt;
+            if meta.permissions().mode() & 0o077 != 0 {
+                return Err(CookieError::Permissions(shown));
+            }
+            let text =
+                std::fs::read_to_string(&path).map_err(|source| CookieError::File { path: shown, source })?;
+            return Cookie::new(&text);
+        }
+        match std::env::var("PIPEWRIGHT_COOKIE") {
+            Ok(t) => Cookie::new(&t),
+            Err(_) => Err(CookieError::Missing),
+        }
+    }
+
+    /// A fresh random cookie (hex), for `launch`.
+    pub fn generate() -> std::io::Result<String> {
+        let bytes = random_bytes()?;
+        Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// What ractor_cluster's own challenge uses.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    fn proof(&self, nonce: &[u8; 32], rank: u32) -> [u8; 32] {
+        let mut msg = Vec::with_capacity(36);
+        msg.extend_from_slice(nonce);
+        msg.extend_from_slice(&rank.to_le_bytes());
+        *blake3::keyed_hash(&self.key, &msg).as_bytes()
+    }
+
+    fn check(&self, nonce: &[u8; 32], rank: u32, proof: &[u8; 32]) -> bool {
+        // blake3::Hash compares in constant time.
+        blake3::Hash::from(self.proof(nonce, rank)) == blake3::Hash::from(*proof)
+    }
+}
+
+pub fn random_bytes() -> std::io::Result<[u8; 32]> {
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b)
+}
+
+fn io(peer: SocketAddr) -> impl Fn(std::io::Error) -> LinkError {
+    move |source| LinkError::Io { peer, source }
+}
+
+fn send(stream: &mut TcpStream, peer: SocketAddr, kind: Kind) -> Result<(), LinkError> {
+    write_frame(stream, &Frame::new(kind), &mut Vec::new())
+        .map_err(|source| LinkError::Frame { peer, source })
+}
+
+fn recv(stream: &mut TcpStream, peer: SocketAddr) -> Result<Kind, LinkError> {
+    match read_frame(stream) {
+        Ok(Some(f)) if f.arrays.is_empty() => Ok(f.kind),
+        Ok(Some(_)) => Err(LinkError::Protocol { peer, what: "tensors during the handshake".into() }),
+        Ok(None) => Err(LinkError::Protocol { peer, what: "closed during the handshake".into() }),
+        Err(source) => Err(LinkError::Frame { peer, source }),
+    }
+}
+
+/// Opens a link to `addr` as process `me`; returns the stream and the peer's rank.
+pub fn connect(
+    addr: SocketAddr,
+    me: u32,
+    world: u32,
+    listen: &str,
+    cookie: &Cookie,
+) -> Result<(TcpStream, u32), LinkError> {
+    let mut s = TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT).map_err(io(addr))?;
+    s.set_nodelay(true).map_err(io(addr))?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io(addr))?;
+    let nonce = random_bytes().map_err(io(addr))?;
+    send(&mut s, addr, Kind::Hello { rank: me, world, listen: listen.to_string(), nonce })?;
+    let (peer_rank, their_nonce) = match recv(&mut s, addr)? {
+        Kind::Challenge { rank, proof, nonce: theirs } => {
+            if !cookie.check(&nonce, rank, &proof) {
+                return Err(LinkError::Refused { peer: addr, reason: "it does not hold our cookie".into() });
+            }
+            (rank, theirs)
+        }
+        Kind::Refused { reason } => return Err(LinkError::Refused { peer: addr, reason }),
+        other => {
+            return Err(LinkError::Protocol {
+                peer: addr,
+                what: format!("expected Challenge, got {other:?}"),
+            })
+        }
+    };
+    send(&mut s, addr, Kind::Proof { proof: cookie.proof(&their_nonce, me) })?;
+    match recv(&mut s, addr)? {
+        Kind::Welcome => {}
+        Kind::Refused { reason } => return Err(LinkError::Refused { peer: addr, reason }),
+        other => {
+            return Err(LinkError::Protocol { peer: addr, what: format!("expected Welcome, got {other:?}") })
+        }
+    }
+    s.set_read_timeout(None).map_err(io(addr))?;
+    Ok((s, peer_rank))
+}
+
+/// Who connected, once proven.
+pub struct Joined {
+    pub stream: TcpStream,
+    pub rank: u32,
+    pub listen: String,
+}
+
+/// Runs the acceptor's half of the handshake. `admit` may refuse a proven
+/// peer (a rank out of range, or one already joined) with a reason.
+pub fn accept(
+    mut s: TcpStream,
+    me: u32,
+    world: u32,
+    cookie: &Cookie,
+    admit: impl Fn(u32) -> Result<(), String>,
+) -> Result<Joined, LinkError> {
+    let peer = s.peer_addr().map_err(io(SocketAddr::from(([0, 0, 0, 0], 0))))?;
+    s.set_nodelay(true).map_err(io(peer))?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io(peer))?;
+    let (rank, listen, nonce) = match recv(&mut s, peer)? {
+        Kind::Hello { rank, world: w, listen, nonce } => {
+            if w != world {
+                let reason = format!("this run has {world} processes, the peer says {w}");
+                let _ = send(&mut s, peer, Kind::Refused { reason: reason.clone() });
+                return Err(LinkError::Refused { peer, reason });
+            }
+            (rank, listen, nonce)
+        }
+        other => return Err(LinkError::Protocol { peer, what: format!("expected Hello, got {other:?}") }),
+    };
+    let mine = random_bytes().map_err(io(peer))?;
+    send(&mut s, peer, Kind::Challenge { rank: me, proof: cookie.proof(&nonce, me), nonce: mine })?;
+    match recv(&mut s, peer)? {
+        Kind::Proof { proof } if cookie.check(&mine, rank, &proof) => {}
+        Kind::Proof { .. } => {
+            let reason = "wrong cookie".to_string();
+            let _ = send(&mut s, peer, Kind::Refused { reason: reason.clone() });
+            return Err(LinkError::Refused { peer, reason });
+        }
+        other => return Err(LinkError::Protocol { peer, what: format!("expected Proof, got {other:?}") }),
+    }
+    if let Err(reason) = admit(rank) {
+        let _ = send(&mut s, peer, Kind::Refused { reason: reason.clone() });
+        return Err(LinkError::Refused { peer, reason });
+    }
+    send(&mut s, peer, Kind::Welcome)?;
+    s.set_read_timeout(None).map_err(io(peer))?;
+    Ok(Joined { stream: s, rank, listen })
+}
+
+/// What a link's reader does with what arrives. An `Err` from `frame` closes
+/// the link; `closed` hears why a link ended (`None`: the peer closed it).
+pub trait Sink: Send + Sync + 'static {
+    fn frame(&self, peer: usize, frame: Frame) -> Result<(), String>;
+    fn closed(&self, peer: usize, why: Option<String>);
+}
+
+/// An open link: frames queued here are written by the link's writer thread,
+/// so no sender (an actor, a compute thread) ever blocks on the network.
+pub struct Link {
+    pub peer: usize,
+    pub addr: SocketAddr,
+    tx: Mutex<Option<Sender<Frame>>>,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    stream: TcpStream,
+}
+
+impl Link {
+    pub fn start(peer: usize, stream: TcpStream, sink: Arc<dyn Sink>) -> std::io::Result<Arc<Link>> {
+        let addr = stream.peer_addr()?;
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let out = stream.try_clone()?;
+        let writer =
+            std::thread::Builder::new().name(format!("link-w-{peer}")).spawn(move || writer_main(out, rx))?;
+        let input = stream.try_clone()?;
+        std::thread::Builder::new().name(format!("link-r-{peer}")).spawn(move || {
+            let mut r = BufReader::with_capacity(1 << 16, input);
+            let why = loop {
+                match read_frame(&mut r) {
+                    Ok(Some(f)) => {
+                        if let Err(e) = sink.frame(peer, f) {
+                            break Some(e);
+                        }
+                    }
+                    Ok(None) => break None,
+                    Err(e) => break Some(e.to_string()),
+                }
+            };
+            // A bad frame leaves the stream out of step: close both directions.
+            let _ = r.get_ref().shutdown(std::net::Shutdown::Both);
+            sink.closed(peer, why);
+        })?;
+        Ok(Arc::new(Link { peer, addr, tx: Mutex::new(Some(tx)), writer: Mutex::new(Some(writer)), stream }))
+    }
+
+    /// Queues a frame; false when the link is closed.
+    pub fn send(&self, f: Frame) -> bool {
+        match &*self.tx.lock().expect("link sender") {
+            Some(tx) => tx.send(f).is_ok(),
+            None => false,
+        }
+    }
+
+    /// Writes what is queued, then closes the stream.
+    pub fn close(&self) {
+        drop(self.tx.lock().expect("link sender").take());
+        if let Some(w) = self.writer.lock().expect("link writer").take() {
+            let _ = w.join();
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn writer_main(stream: TcpStream, rx: Receiver<Frame>) {
+    let mut w = BufWriter::with_capacity(1 << 16, stream);
+    let mut scratch = Vec::new();
+    while let Ok(f) = rx.recv() {
+        if write_frame(&mut w, &f, &mut scratch).is_err() {
+            return;
+        }
+        // Batch what is already queued into one flush.
+        while let Ok(f) = rx.try_recv() {
+            if write_frame(&mut w, &f, &mut scratch).is_err() {
+                return;
+            }
+        }
+        if w.flush().is_err() {
+            return;
+        }
+    }
+    let _ = w.flush();
+}

@@ -1,0 +1,510 @@
+//! The links of one process to every other process of a run, where each
+//! (replica, pipeline rank) lives, and the stand-in actors that make a remote
+//! actor look local.
+//!
+//! A `RemoteStage` is an `ActorRef<StageMsg>` like any stage: the coordinator,
+//! loaders, reducer and neighbouring stages send to it unchanged, and it turns
+//! each message into a frame for the process that owns the stage. There, the
+//! link's reader turns the frame back into the same `StageMsg` for the real
+//! stage actor, so stage compute — and every bit of its result — is the same
+//! as in one process. `RemoteCoordinator` and `RemoteReducer` do the same for
+//! what workers send to rank 0.
+
+use super::frame::Frame;
+use super::link::{Link, Sink};
+use super::wire::{self, Kind};
+use crate::actors::coordinator::{CoordinatorMsg, Failure};
+use crate::actors::reducer::ReducerMsg;
+use crate::actors::stage::StageMsg;
+use crossbeam_channel::{Receiver, Sender};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlacementError {
+    #[error("--nodes / WORLD_SIZE: {0}: a run needs at least one process")]
+    Empty(usize),
+    #[error(
+        "--nodes / WORLD_SIZE: {world}: parallel.pp × parallel.dp = {pp} × {dp} = {slots} pipeline ranks cannot be split evenly over {world} processes"
+    )]
+    Uneven { world: usize, pp: usize, dp: usize, slots: usize },
+}
+
+/// Which process runs each (replica, pipeline rank): slots in replica-major
+/// order (replica 0's ranks 0..pp, then replica 1's, …), cut into `world`
+/// contiguous equal shares. So pp = 4 over 2 processes puts ranks 0–1 on
+/// process 0 and 2–3 on process 1, and pp = 2 × dp = 2 over 2 processes gives
+/// each replica a process of its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub world: usize,
+    pub pp: usize,
+    pub dp: usize,
+}
+
+impl Placement {
+    pub fn new(pp: usize, dp: usize, world: usize) -> Result<Placement, PlacementError> {
+        if world == 0 {
+            return Err(PlacementError::Empty(world));
+        }
+        let slots = pp * dp;
+        if !slots.is_multiple_of(world) {
+            return Err(PlacementError::Uneven { world, pp, dp, slots });
+        }
+        Ok(Placement { world, pp, dp })
+    }
+
+    pub fn owner(&self, replica: usize, rank: usize) -> usize {
+        (replica * self.pp + rank) / (self.pp * self.dp / self.world)
+    }
+
+    /// (replica, rank) slots of process `p`, in replica-major order.
+    pub fn slots(&self, p: usize) -> Vec<(usize, usize)> {
+        let per = self.pp * self.dp / self.world;
+        (p * per..(p + 1) * per).map(|k| (k / self.pp, k % self.pp)).collect()
+    }
+}
+
+/// What a process's main loop hears from its links.
+#[derive(Debug)]
+pub enum Event {
+    Roster {
+        config: String,
+        config_hash: String,
+        listen: Vec<String>,
+        run_dir: String,
+        resume: Option<String>,
+        init: Option<String>,
+    },
+    Ready(usize),
+    Abort(String),
+    Shutdown,
+    /// A link ended while the run was live.
+    Lost {
+        peer: usize,
+        why: String,
+    },
+}
+
+/// Where frames for this process's actors are delivered.
+#[derive(Default)]
+pub struct Routes {
+    /// By (replica, rank); `None` for stages that live elsewhere.
+    pub stages: Vec<Vec<Option<ActorRef<StageMsg>>>>,
+    pub coordinator: Option<ActorRef<CoordinatorMsg>>,
+    pub reducer: Option<ActorRef<ReducerMsg>>,
+}
+
+pub struct Fabric {
+    pub me: usize,
+    pub world: usize,
+    links: Mutex<Vec<Option<Arc<Link>>>>,
+    listen: Mutex<Vec<String>>,
+    routes: OnceLock<Routes>,
+    events: Sender<Event>,
+    /// The run is over (or failing on purpose): links closing are expected.
+    done: AtomicBool,
+    /// The roster is out: from here on every link is part of the run.
+    started: AtomicBool,
+    /// The latest step seen in a frame, for failure reports.
+    step: AtomicU64,
+    /// The run's trace clock; workers offset theirs to rank 0's at the roster.
+    pub epoch: Mutex<Instant>,
+    pub placement: OnceLock<Placement>,
+}
+
+impl Fabric {
+    pub fn new(me: usize, world: usize) -> (Arc<Fabric>, Receiver<Event>) {
+        let (events, rx) = crossbeam_channel::unbounded();
+        let f = Fabric {
+            me,
+            world,
+            links: Mutex::new(vec![None; world]),
+            listen: Mutex::new(vec![String::new(); world]),
+            routes: OnceLock::new(),
+            events,
+            done: AtomicBool::new(false),
+            started: AtomicBool::new(false),
+            step: AtomicU64::new(0),
+            epoch: Mutex::new(Instant::now()),
+            placement: OnceLock::new(),
+        };
+        (Arc::new(f), rx)
+    }
+
+    pub fn add_link(
+        self: &Arc<Self>,
+        peer: usize,
+        stream: std::net::TcpStream,
+        listen: String,
+    ) -> std::io::Result<()> {
+        // Held across the start so a link that dies at once (its reader
+        // removing it) cannot be put back after its removal.
+        let mut links = self.links.lock().expect("links");
+        links[peer] = Some(Link::start(peer, stream, self.clone())?);
+        drop(links);
+        self.listen.lock().expect("listen")[peer] = listen;
+        Ok(())
+    }
+
+    /// The process that runs (replica, rank); this one before a placement is set.
+    pub fn owner(&self, replica: usize, rank: usize) -> usize {
+        self.placement.get().map_or(self.me, |p| p.owner(replica, rank))
+    }
+
+    pub fn has_link(&self, peer: usize) -> bool {
+        self.links.lock().expect("links")[peer].is_some()
+    }
+
+    /// Ranks (other than this one) with no link yet.
+    pub fn missing(&self) -> Vec<usize> {
+        let links = self.links.lock().expect("links");
+        (0..self.world).filter(|&p| p != self.me && links[p].is_none()).collect()
+    }
+
+    pub fn listen_addrs(&self) -> Vec<String> {
+        self.listen.lock().expect("listen").clone()
+    }
+
+    pub fn describe(&self, peer: usize) -> String {
+        match self.links.lock().expect("links").get(peer).and_then(|l| l.clone()) {
+            Some(l) => format!("process rank {peer} ({})", l.addr),
+            None => format!("process rank {peer}"),
+        }
+    }
+
+    pub fn set_routes(&self, routes: Routes) {
+        let _ = self.routes.set(routes);
+    }
+
+    pub fn send(&self, peer: usize, f: Frame) -> bool {
+        let link = self.links.lock().expect("links").get(peer).and_then(|l| l.clone());
+        link.is_some_and(|l| l.send(f))
+    }
+
+    pub fn broadcast(&self, kind: Kind) {
+        for p in 0..self.world {
+            if p != self.me {
+                self.send(p, Frame::new(kind.clone()));
+            }
+        }
+    }
+
+    /// The latest step seen in a frame.
+    pub fn step(&self) -> u64 {
+        self.step.load(Ordering::Relaxed)
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done.load(Ordering::SeqCst)
+    }
+
+    /// The run has begun: a link closing from now on is a lost process.
+    pub fn set_started(&self) {
+        self.started.store(true, Ordering::SeqCst);
+    }
+
+    /// From now on links closing are expected, not failures.
+    pub fn set_done(&self) {
+        self.done.store(true, Ordering::SeqCst);
+    }
+
+    /// Flushes and closes every link.
+    pub fn close_all(&self) {
+        self.set_done();
+        let links: Vec<_> = self.links.lock().expect("links").iter().flatten().cloned().collect();
+        for l in links {
+            l.close();
+        }
+    }
+
+    /// A peer is gone: the coordinator (on rank 0) fails the run naming it, and
+    /// the main loop hears of it.
+    pub fn lost(&self, peer: usize, why: &str) {
+        if self.is_done() {
+            return;
+        }
+        let who = self.describe(peer);
+        if let Some(c) = self.routes.get().and_then(|r| r.coordinator.clone()) {
+            let f = Failure {
+                actor: who,
+                step: self.step.load(Ordering::Relaxed),
+                action: None,
+                error: why.to_string(),
+            };
+            let _ = c.send_message(CoordinatorMsg::Failed(f));
+        }
+        let _ = self.events.send(Event::Lost { peer, why: why.to_string() });
+    }
+
+    fn deliver(&self, peer: usize, f: Frame) -> Result<(), String> {
+        let who = || self.describe(peer);
+        match f.kind {
+            Kind::Stage { replica, rank, msg } => {
+                let dest = self
+                    .routes
+                    .get()
+                    .and_then(|r| r.stages.get(replica as usize)?.get(rank as usize)?.clone())
+                    .ok_or_else(|| {
+                        format!(
+                            "{} sent a message for stage {rank}.{replica}, which does not live here",
+                            who()
+                        )
+                    })?;
+                if let Some(step) = step_of(&msg) {
+                    self.step.fetch_max(step, Ordering::Relaxed);
+                }
+                let msg = wire::stage_msg(msg, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
+                dest.send_message(msg).map_err(|_| format!("stage {rank}.{replica} has stopped"))
+            }
+            Kind::Coordinator(c) => {
+                let dest = self.routes.get().and_then(|r| r.coordinator.clone()).ok_or_else(|| {
+                    format!("{} sent a coordinator message to a process without one", who())
+                })?;
+                let msg = wire::coordinator_msg(c, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
+                dest.send_message(msg).map_err(|_| "the coordinator has stopped".to_string())
+            }
+            Kind::Reduce { step, stage, replica } => {
+                let dest = self
+                    .routes
+                    .get()
+                    .and_then(|r| r.reducer.clone())
+                    .ok_or_else(|| format!("{} sent gradients to a process without a reducer", who()))?;
+                let msg = wire::reducer_msg(step, stage, replica, f.arrays)
+                    .map_err(|e| format!("{}: {e}", who()))?;
+                dest.send_message(msg).map_err(|_| "the reducer has stopped".to_string())
+            }
+            Kind::Roster { config, config_hash, listen, run_dir, resume, init } => {
+                let _ =
+                    self.events.send(Event::Roster { config, config_hash, listen, run_dir, resume, init });
+                Ok(())
+            }
+            Kind::Ready { rank } => {
+                let _ = self.events.send(Event::Ready(rank as usize));
+                Ok(())
+            }
+            Kind::Abort { reason } => {
+                // The sender is stopping: its link closing next is part of the abort.
+                self.set_done();
+                let _ = self.events.send(Event::Abort(reason));
+                Ok(())
+            }
+            Kind::Shutdown => {
+                self.set_done();
+                let _ = self.events.send(Event::Shutdown);
+                Ok(())
+            }
+            other => Err(format!("{} sent an unexpected {} frame", who(), kind_name(&other))),
+        }
+    }
+}
+
+fn step_of(k: &wire::StageKind) -> Option<u64> {
+    use wire::StageKind::*;
+    match k {
+        RunStep { step, .. } | Apply { step, .. } | Tokens { step, .. } | Activation { step, .. } => {
+            Some(*step)
+        }
+        Gradient { step, .. } | TiedShare { step } | Reduced { step, .. } => Some(*step),
+        _ => None,
+    }
+}
+
+fn kind_name(k: &Kind) -> &'static str {
+    match k {
+        Kind::Hello { .. } => "Hello",
+        Kind::Challenge { .. } => "Challenge",
+        Kind::Proof { .. } => "Proof",
+        Kind::Welcome => "Welcome",
+        Kind::Refused { .. } => "Refused",
+        Kind::Ping { .. } => "Ping",
+        _ => "run",
+    }
+}
+
+impl Sink for Fabric {
+    fn frame(&self, peer: usize, frame: Frame) -> Result<(), String> {
+        self.deliver(peer, frame)
+    }
+
+    fn closed(&self, peer: usize, why: Option<String>) {
+        let why = why.unwrap_or_else(|| "the connection closed".into());
+        if self.me == 0 && !self.started.load(Ordering::SeqCst) && !self.is_done() {
+            // Before the roster nothing depends on the link: drop it, and the
+            // rank may join again (a bad peer cannot block the real one).
+            eprintln!("dropped the data link from {}: {why}", self.describe(peer));
+            self.links.lock().expect("links")[peer] = None;
+            return;
+        }
+        if !self.is_done() {
+            eprintln!("error: data link to {} ended: {why}", self.describe(peer));
+        }
+        self.lost(peer, &why);
+    }
+}
+
+/// Polls `cond` until it holds or `deadline` has passed.
+pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let until = Instant::now() + deadline;
+    while Instant::now() < until {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    cond()
+}
+
+/// Stands in for a stage that lives in process `owner`.
+pub struct RemoteStage;
+
+pub struct RemoteStageArgs {
+    pub fabric: Arc<Fabric>,
+    pub replica: usize,
+    pub rank: usize,
+    pub owner: usize,
+}
+
+impl Actor for RemoteStage {
+    type Msg = StageMsg;
+    type State = RemoteStageArgs;
+    type Arguments = RemoteStageArgs;
+
+    async fn pre_start(
+        &self,
+        _me: ActorRef<StageMsg>,
+        args: RemoteStageArgs,
+    ) -> Result<RemoteStageArgs, ActorProcessingErr> {
+        Ok(args)
+    }
+
+    async fn handle(
+        &self,
+        _me: ActorRef<StageMsg>,
+        msg: StageMsg,
+        st: &mut RemoteStageArgs,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(f) = wire::stage_frame(st.replica, st.rank, msg) {
+            // A closed link has already been reported as the failure.
+            st.fabric.send(st.owner, f);
+        }
+        Ok(())
+    }
+}
+
+/// Stands in, on a worker, for rank 0's coordinator; also supervises the
+/// worker's stage actors and reports their failures to rank 0.
+pub struct RemoteCoordinator;
+
+impl Actor for RemoteCoordinator {
+    type Msg = CoordinatorMsg;
+    type State = Arc<Fabric>;
+    type Arguments = Arc<Fabric>;
+
+    async fn pre_start(
+        &self,
+        _me: ActorRef<CoordinatorMsg>,
+        f: Arc<Fabric>,
+    ) -> Result<Arc<Fabric>, ActorProcessingErr> {
+        Ok(f)
+    }
+
+    async fn handle(
+        &self,
+        _me: ActorRef<CoordinatorMsg>,
+        msg: CoordinatorMsg,
+        f: &mut Arc<Fabric>,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(frame) = wire::coordinator_frame(msg) {
+            f.send(0, frame);
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _me: ActorRef<CoordinatorMsg>,
+        evt: SupervisionEvent,
+        f: &mut Arc<Fabric>,
+    ) -> Result<(), ActorProcessingErr> {
+        if f.is_done() {
+            return Ok(());
+        }
+        let (cell, why) = match evt {
+            SupervisionEvent::ActorFailed(cell, err) => (cell, err.to_string()),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, reason.unwrap_or_else(|| "stopped unexpectedly".into()))
+            }
+            _ => return Ok(()),
+        };
+        let actor = cell.get_name().unwrap_or_else(|| "an actor".into());
+        let failure = Failure {
+            actor: format!("{actor} on process rank {}", f.me),
+            step: f.step.load(Ordering::Relaxed),
+            action: None,
+            error: why,
+        };
+        if let Some(frame) = wire::coordinator_frame(CoordinatorMsg::Failed(failure)) {
+            f.send(0, frame);
+        }
+        Ok(())
+    }
+}
+
+/// Stands in, on a worker, for rank 0's reducer.
+pub struct RemoteReducer;
+
+impl Actor for RemoteReducer {
+    type Msg = ReducerMsg;
+    type State = Arc<Fabric>;
+    type Arguments = Arc<Fabric>;
+
+    async fn pre_start(
+        &self,
+        _me: ActorRef<ReducerMsg>,
+        f: Arc<Fabric>,
+    ) -> Result<Arc<Fabric>, ActorProcessingErr> {
+        Ok(f)
+    }
+
+    async fn handle(
+        &self,
+        _me: ActorRef<ReducerMsg>,
+        msg: ReducerMsg,
+        f: &mut Arc<Fabric>,
+    ) -> Result<(), ActorProcessingErr> {
+        f.send(0, wire::reducer_frame(msg));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pp4_over_2_processes_is_contiguous() {
+        let p = Placement::new(4, 1, 2).unwrap();
+        assert_eq!(p.slots(0), vec![(0, 0), (0, 1)]);
+        assert_eq!(p.slots(1), vec![(0, 2), (0, 3)]);
+        assert_eq!(p.owner(0, 3), 1);
+    }
+
+    #[test]
+    fn pp2_dp2_over_4_processes_gives_one_slot_each() {
+        let p = Placement::new(2, 2, 4).unwrap();
+        assert_eq!(
+            (0..4).map(|k| p.slots(k)).collect::<Vec<_>>(),
+            vec![vec![(0, 0)], vec![(0, 1)], vec![(1, 0)], vec![(1, 1)]]
+        );
+        assert_eq!(p.owner(1, 0), 2);
+    }
+
+    #[test]
+    fn uneven_split_is_refused_naming_the_fields() {
+        let e = Placement::new(4, 1, 3).unwrap_err().to_string();
+        assert!(e.contains("parallel.pp × parallel.dp") && e.contains("3 processes"), "{e}");
+    }
+}

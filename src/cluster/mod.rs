@@ -1,0 +1,714 @@
+//! Runs that span processes (CPU): a `ractor_cluster` node per process for
+//! authenticated membership and failure detection, a framed TCP data link per
+//! process pair for tensors and the actors' messages, and a launcher.
+//!
+//! Rank 0 is the run as one process knows it — coordinator, loaders, reducer,
+//! checkpointer, monitor, and its share of the stages — and writes every
+//! output. Other ranks (workers) host stages only: they get the resolved
+//! config from rank 0's roster, so a worker needs nothing but the address and
+//! the cookie. Where a stage lives is `Placement`'s rule; everything else is
+//! the single-process runtime, unchanged. NCCL (GPUs) is not built here.
+
+pub mod bench;
+pub mod frame;
+pub mod link;
+pub mod mesh;
+pub mod node;
+pub mod wire;
+
+pub use mesh::{Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
+
+use crate::actors::coordinator::{stage_name, CoordinatorMsg, Failure};
+use crate::actors::stage::{Links, StageActor, StageArgs, StageMsg};
+use crate::actors::Layout;
+use crate::config::Config;
+use link::Cookie;
+use mesh::{Event, RemoteCoordinator, RemoteReducer};
+use node::{Node, NodeEvent};
+use ractor::{Actor, ActorRef};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use wire::Kind;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error(transparent)]
+    Cookie(#[from] link::CookieError),
+    #[error(transparent)]
+    Node(#[from] node::NodeError),
+    #[error("data link {0}")]
+    Link(#[from] link::LinkError),
+    #[error(transparent)]
+    Placement(#[from] mesh::PlacementError),
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
+    #[error("{0}")]
+    Join(String),
+    #[error("{0}")]
+    Setup(String),
+    #[error("{0}")]
+    Lost(String),
+    #[error("run aborted by rank 0: {0}")]
+    Aborted(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
+    let what = what.into();
+    move |source| ClusterError::Io { what, source }
+}
+
+/// Where this process finds the run: rank 0's cluster node (its data link
+/// listens on the next port) and this process's place in the run.
+#[derive(Clone, Debug)]
+pub struct JoinSpec {
+    pub master: SocketAddr,
+    pub rank: usize,
+    pub world: usize,
+    /// How long to wait for everyone to join (and rank 0's roster).
+    pub timeout: Duration,
+}
+
+impl JoinSpec {
+    /// Flags first, then torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+    pub fn resolve(
+        join: Option<&str>,
+        rank: Option<usize>,
+        world: Option<usize>,
+        timeout: Duration,
+    ) -> Result<JoinSpec, ClusterError> {
+        fn env<T: std::str::FromStr>(name: &str) -> Result<Option<T>, ClusterError> {
+            match std::env::var(name) {
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| ClusterError::Setup(format!("{name}={v}: not valid"))),
+                Err(_) => Ok(None),
+            }
+        }
+        let join = match join {
+            Some(j) => j.to_string(),
+            None => match (std::env::var("MASTER_ADDR"), std::env::var("MASTER_PORT")) {
+                (Ok(a), Ok(p)) => format!("{a}:{p}"),
+                _ => {
+                    return Err(ClusterError::Setup(
+                        "--join HOST:PORT (or MASTER_ADDR and MASTER_PORT) is required".into(),
+                    ))
+                }
+            },
+        };
+        let master = join
+            .to_socket_addrs()
+            .map_err(|e| ClusterError::Setup(format!("--join {join}: {e}")))?
+            .find(|a| a.is_ipv4())
+            .ok_or_else(|| ClusterError::Setup(format!("--join {join}: no IPv4 address")))?;
+        if master.port() == u16::MAX {
+            return Err(ClusterError::Setup(format!(
+                "--join {join}: the data link needs the next port free"
+            )));
+        }
+        let rank = match rank {
+            Some(r) => r,
+            None => env("RANK")?.ok_or_else(|| ClusterError::Setup("--rank (or RANK) is required".into()))?,
+        };
+        let world = match world {
+            Some(w) => w,
+            None => env("WORLD_SIZE")?
+                .ok_or_else(|| ClusterError::Setup("--world (or WORLD_SIZE) is required".into()))?,
+        };
+        if world == 0 || rank >= world {
+            return Err(ClusterError::Setup(format!("--rank {rank}: must be below --world {world}")));
+        }
+        Ok(JoinSpec { master, rank, world, timeout })
+    }
+
+    pub fn data_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.master.ip(), self.master.port() + 1)
+    }
+}
+
+/// A runtime for the node server and the actors of a worker.
+fn runtime() -> Result<tokio::runtime::Runtime, ClusterError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("cluster")
+        .enable_all()
+        .build()
+        .map_err(io_err("cannot start the async runtime"))
+}
+
+/// Accepts data links on `listener` for as long as the process lives; peers
+/// that fail the handshake are refused and logged, and the run goes on.
+fn accept_links(listener: TcpListener, fabric: Arc<Fabric>, cookie: Cookie, admit_above: usize) {
+    let world = fabric.world;
+    std::thread::Builder::new()
+        .name("link-accept".into())
+        .spawn(move || {
+            for s in listener.incoming() {
+                let Ok(s) = s else { continue };
+                let (fabric, cookie) = (fabric.clone(), cookie.clone());
+                // One thread per handshake: a silent peer must not hold up the next.
+                let _ = std::thread::Builder::new().name("link-handshake".into()).spawn(move || {
+                    let me = fabric.me;
+                    let admit = |r: u32| {
+                        let r = r as usize;
+                        if r <= admit_above || r >= world {
+                            Err(format!("rank {r} does not connect to rank {me} here"))
+                        } else if fabric.has_link(r) {
+                            Err(format!("rank {r} has already joined"))
+                        } else {
+                            Ok(())
+                        }
+                    };
+                    match link::accept(s, me as u32, world as u32, &cookie, admit) {
+                        Ok(j) => {
+                            if let Err(e) = fabric.add_link(j.rank as usize, j.stream, j.listen) {
+                                eprintln!("error: cannot start the data link to rank {}: {e}", j.rank);
+                            }
+                        }
+                        Err(e) => eprintln!("refused data link {e}"),
+                    }
+                });
+            }
+        })
+        .expect("spawn the link acceptor");
+}
+
+/// Turns node-server events into membership and failures.
+fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<Vec<bool>>>) {
+    let events = node.events.clone();
+    std::thread::Builder::new()
+        .name("node-events".into())
+        .spawn(move || {
+            while let Ok(e) = events.recv() {
+                match e {
+                    NodeEvent::Joined { name, .. } => {
+                        if let Some(r) = node::rank_of(&name).filter(|&r| r < fabric.world) {
+                            members.lock().expect("members")[r] = true;
+                        }
+                    }
+                    NodeEvent::Refused { addr } => {
+                        eprintln!("refused cluster node {addr}: authentication failed (wrong cookie?)")
+                    }
+                    NodeEvent::Left { name, addr } => {
+                        if let Some(r) = node::rank_of(&name).filter(|&r| r < fabric.world) {
+                            members.lock().expect("members")[r] = false;
+                            fabric.lost(
+                                r,
+                                &format!("left the cluster ({name} at {addr}: node session closed)"),
+                            );
+                        }
+                    }
+                }
+            }
+        })
+        .expect("spawn the node event pump");
+}
+
+/// Rank 0's side of a run that spans processes.
+pub struct Driver {
+    cookie: Cookie,
+    // Kept for their lifetime: the node server runs on this runtime.
+    _rt: tokio::runtime::Runtime,
+    _node: Node,
+    fabric: Arc<Fabric>,
+    events: crossbeam_channel::Receiver<Event>,
+    timeout: Duration,
+}
+
+impl Driver {
+    /// Starts rank 0's node and data listener and waits until every worker has
+    /// joined both.
+    pub fn rendezvous(spec: &JoinSpec, placement: Placement) -> Result<Driver, ClusterError> {
+        let cookie = Cookie::from_env()?;
+        let rt = runtime()?;
+        let node = rt.block_on(Node::start(0, &cookie, spec.master.ip(), spec.master.port()))?;
+        let (fabric, events) = Fabric::new(0, spec.world);
+        let _ = fabric.placement.set(placement);
+        let members = Arc::new(Mutex::new(vec![false; spec.world]));
+        members.lock().expect("members")[0] = true;
+        pump_node_events(&node, fabric.clone(), members.clone());
+        let listener = TcpListener::bind(spec.data_addr())
+            .map_err(io_err(format!("cannot listen on {}", spec.data_addr())))?;
+        accept_links(listener, fabric.clone(), cookie.clone(), 0);
+        eprintln!(
+            "rank 0: waiting for {} worker(s) at {} (cluster) / {} (data)",
+            spec.world - 1,
+            spec.master,
+            spec.data_addr()
+        );
+        let joined = |f: &Fabric| {
+            let m = members.lock().expect("members");
+            f.missing().is_empty() && m.iter().all(|&x| x)
+        };
+        if !mesh::wait_until(spec.timeout, || joined(&fabric)) {
+            let m = members.lock().expect("members").clone();
+            let missing: Vec<usize> = (1..spec.world).filter(|&r| !m[r] || !fabric.has_link(r)).collect();
+            return Err(ClusterError::Join(format!(
+                "ranks {missing:?} did not join within {:?} (cluster node {}, data link {})",
+                spec.timeout,
+                spec.master,
+                spec.data_addr()
+            )));
+        }
+        Ok(Driver { cookie, _rt: rt, _node: node, fabric, events, timeout: spec.timeout })
+    }
+
+    /// Sends every worker the resolved config and waits until their stages are up.
+    pub fn start(
+        &mut self,
+        cfg: &Config,
+        run_dir: &Path,
+        resume: Option<&Path>,
+        init: Option<&Path>,
+    ) -> Result<Arc<Fabric>, ClusterError> {
+        let _ = &self.cookie;
+        *self.fabric.epoch.lock().expect("epoch") = Instant::now();
+        self.fabric.set_started();
+        let missing = self.fabric.missing();
+        if !missing.is_empty() {
+            return Err(ClusterError::Lost(format!(
+                "ranks {missing:?} dropped their data links before the run started"
+            )));
+        }
+        self.fabric.broadcast(Kind::Roster {
+            config: cfg.to_toml_string(),
+            config_hash: cfg.hash(),
+            listen: self.fabric.listen_addrs(),
+            run_dir: run_dir.display().to_string(),
+            resume: resume.map(|p| p.display().to_string()),
+            init: init.map(|p| p.display().to_string()),
+        });
+        let mut ready = vec![false; self.fabric.world];
+        ready[0] = true;
+        let until = Instant::now() + self.timeout;
+        while !ready.iter().all(|&r| r) {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(left) {
+                Ok(Event::Ready(r)) if r < ready.len() => ready[r] = true,
+                Ok(Event::Lost { peer, why }) => {
+                    return Err(ClusterError::Lost(format!(
+                        "{} before the run started: {why}",
+                        self.fabric.describe(peer)
+                    )))
+                }
+                Ok(Event::Abort(r)) => return Err(ClusterError::Aborted(r)),
+                Ok(_) => {}
+                Err(_) => {
+                    let missing: Vec<usize> = (0..ready.len()).filter(|&r| !ready[r]).collect();
+                    return Err(ClusterError::Join(format!(
+                        "ranks {missing:?} did not start their stages within {:?}",
+                        self.timeout
+                    )));
+                }
+            }
+        }
+        Ok(self.fabric.clone())
+    }
+
+    /// Tells the workers how the run ended and closes the links.
+    pub fn finish(self, failure: Option<String>) {
+        self.fabric.set_done();
+        match failure {
+            None => self.fabric.broadcast(Kind::Shutdown),
+            Some(reason) => self.fabric.broadcast(Kind::Abort { reason }),
+        }
+        self.fabric.close_all();
+    }
+}
+
+/// The address this machine uses to reach `to` (no packet is sent).
+fn local_ip_towards(to: SocketAddr) -> Result<IpAddr, ClusterError> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").map_err(io_err("cannot open a UDP socket"))?;
+    s.connect(to).map_err(io_err(format!("no route to {to}")))?;
+    Ok(s.local_addr().map_err(io_err("local address"))?.ip())
+}
+
+/// Retries `f` until it succeeds or `timeout` passes: workers may start before rank 0.
+fn retry<T, E: std::fmt::Display>(
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<T, E>,
+    refused: impl Fn(&E) -> bool,
+) -> Result<T, E> {
+    let until = Instant::now() + timeout;
+    loop {
+        match f() {
+            Ok(x) => return Ok(x),
+            Err(e) if !refused(&e) && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Runs a worker (rank ≥ 1) until rank 0 ends the run.
+pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
+    let cookie = Cookie::from_env()?;
+    let rt = runtime()?;
+    // Ctrl-C reaches every process of a launch: rank 0 answers it (a
+    // checkpoint, then a clean stop it passes on); a worker dying first
+    // would turn that into a failure.
+    rt.spawn(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut int) = signal(SignalKind::interrupt()) {
+            while int.recv().await.is_some() {}
+        }
+    });
+    let ip = local_ip_towards(spec.master)?;
+    let node = rt.block_on(Node::start(spec.rank, &cookie, ip, 0))?;
+    let connect_wait = spec.timeout.min(Duration::from_secs(60));
+    retry(
+        connect_wait,
+        || rt.block_on(node.join(spec.master, Duration::from_secs(10))),
+        |e| matches!(e, node::NodeError::Refused(_)),
+    )?;
+    let (fabric, events) = Fabric::new(spec.rank, spec.world);
+    let members = Arc::new(Mutex::new(vec![true; spec.world]));
+    pump_node_events(&node, fabric.clone(), members);
+    let listener = TcpListener::bind((ip, 0)).map_err(io_err(format!("cannot listen on {ip}")))?;
+    let listen = listener.local_addr().map_err(io_err("listener address"))?.to_string();
+    accept_links(listener, fabric.clone(), cookie.clone(), spec.rank);
+    let (w, rank) = (spec.world as u32, spec.rank as u32);
+    let (stream, peer) = retry(
+        connect_wait,
+        || link::connect(spec.data_addr(), rank, w, &listen, &cookie),
+        |e| matches!(e, link::LinkError::Refused { .. }),
+    )?;
+    if peer != 0 {
+        return Err(ClusterError::Setup(format!("{} answers as rank {peer}, not rank 0", spec.data_addr())));
+    }
+    fabric.add_link(0, stream, spec.data_addr().to_string()).map_err(io_err("data link to rank 0"))?;
+    eprintln!("rank {}: joined {} as {listen}", spec.rank, spec.master);
+    let result = serve(spec, &rt, &fabric, &events, &cookie, &listen);
+    fabric.set_done();
+    if let Err(e) = &result {
+        // Rank 0 hears why, if it is still there.
+        let f = Failure {
+            actor: format!("process rank {}", spec.rank),
+            step: fabric.step(),
+            action: None,
+            error: e.to_string(),
+        };
+        if !matches!(e, ClusterError::Aborted(_)) {
+            if let Some(frame) = wire::coordinator_frame(CoordinatorMsg::Failed(f)) {
+                fabric.send(0, frame);
+            }
+        }
+    }
+    fabric.close_all();
+    rt.shutdown_timeout(Duration::from_secs(1));
+    result
+}
+
+fn wait_event(
+    events: &crossbeam_channel::Receiver<Event>,
+    fabric: &Fabric,
+    timeout: Duration,
+) -> Result<Event, ClusterError> {
+    match events.recv_timeout(timeout) {
+        Ok(Event::Lost { peer, why }) => {
+            Err(ClusterError::Lost(format!("lost {}: {why}", fabric.describe(peer))))
+        }
+        Ok(Event::Abort(r)) => Err(ClusterError::Aborted(r)),
+        Ok(e) => Ok(e),
+        Err(_) => Err(ClusterError::Join(format!("nothing from rank 0 within {timeout:?}"))),
+    }
+}
+
+fn serve(
+    spec: &JoinSpec,
+    rt: &tokio::runtime::Runtime,
+    fabric: &Arc<Fabric>,
+    events: &crossbeam_channel::Receiver<Event>,
+    cookie: &Cookie,
+    listen: &str,
+) -> Result<(), ClusterError> {
+    let (config, hash, addrs, run_dir, resume, init) = loop {
+        match wait_event(events, fabric, spec.timeout)? {
+            Event::Roster { config, config_hash, listen, run_dir, resume, init } => {
+                break (config, config_hash, listen, run_dir, resume, init)
+            }
+            Event::Shutdown => return Ok(()),
+            _ => {}
+        }
+    };
+    let cfg =
+        Config::parse(&config, "rank 0's roster", &[]).map_err(|e| ClusterError::Setup(e.to_string()))?;
+    if cfg.hash() != hash {
+        return Err(ClusterError::Setup(format!(
+            "the config from rank 0 hashes to {} here but {hash} there (different pipewright versions?)",
+            cfg.hash()
+        )));
+    }
+    let layout = Layout::from_config(&cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
+    let placement = Placement::new(layout.pp, layout.dp, spec.world)?;
+    let _ = fabric.placement.set(placement.clone());
+    fabric.set_started();
+    *fabric.epoch.lock().expect("epoch") = Instant::now();
+    // Links between workers: each connects to the ranks below it.
+    for (q, addr) in addrs.iter().enumerate().take(spec.rank).skip(1) {
+        let a: SocketAddr =
+            addr.parse().map_err(|_| ClusterError::Setup(format!("rank {q}'s address {addr:?}")))?;
+        let (s, r) = link::connect(a, spec.rank as u32, spec.world as u32, listen, cookie)?;
+        if r as usize != q {
+            return Err(ClusterError::Setup(format!("{a} answers as rank {r}, not rank {q}")));
+        }
+        fabric.add_link(q, s, addr.clone()).map_err(io_err(format!("data link to rank {q}")))?;
+    }
+    if !mesh::wait_until(spec.timeout, || fabric.missing().is_empty()) {
+        return Err(ClusterError::Join(format!(
+            "ranks {:?} did not open a data link to this one",
+            fabric.missing()
+        )));
+    }
+    let init = match init {
+        Some(p) => Some(Arc::new(
+            crate::model::io::load(Path::new(&p)).map_err(|e| ClusterError::Setup(format!("{e:#}")))?,
+        )),
+        None => None,
+    };
+    let resume = match resume {
+        Some(p) => Some(Arc::new(
+            crate::checkpoint::load(Path::new(&p)).map_err(|e| ClusterError::Setup(e.to_string()))?,
+        )),
+        None => None,
+    };
+    let local = StageSet { fabric: fabric.clone(), cfg, layout, run_dir: run_dir.into(), init, resume };
+    let (coordinator, stages) = rt.block_on(local.spawn()).map_err(ClusterError::Setup)?;
+    fabric.send(0, frame::Frame::new(Kind::Ready { rank: spec.rank as u32 }));
+    let outcome = loop {
+        match events.recv() {
+            Ok(Event::Shutdown) => break Ok(()),
+            Ok(Event::Abort(r)) => break Err(ClusterError::Aborted(r)),
+            Ok(Event::Lost { peer, why }) => {
+                let lost = format!("lost {}: {why}", fabric.describe(peer));
+                if peer == 0 {
+                    break Err(ClusterError::Lost(lost));
+                }
+                // Tell rank 0, then give its abort (which names the first
+                // failure, not this echo of it) a moment to arrive.
+                let f = Failure {
+                    actor: format!("process rank {}", spec.rank),
+                    step: fabric.step(),
+                    action: None,
+                    error: lost.clone(),
+                };
+                if let Some(frame) = wire::coordinator_frame(CoordinatorMsg::Failed(f)) {
+                    fabric.send(0, frame);
+                }
+                let until = Instant::now() + Duration::from_secs(3);
+                let mut result = Err(ClusterError::Lost(lost));
+                while let Ok(e) = events.recv_deadline(until) {
+                    if let Event::Abort(r) = e {
+                        result = Err(ClusterError::Aborted(r));
+                        break;
+                    }
+                }
+                break result;
+            }
+            Ok(_) => {}
+            Err(_) => break Err(ClusterError::Lost("the event channel closed".into())),
+        }
+    };
+    fabric.set_done();
+    for s in stages {
+        s.stop(None);
+    }
+    coordinator.stop(None);
+    outcome
+}
+
+/// The stages one worker hosts, with stand-ins for everything they talk to elsewhere.
+struct StageSet {
+    fabric: Arc<Fabric>,
+    cfg: Config,
+    layout: Layout,
+    run_dir: std::path::PathBuf,
+    init: Option<Arc<crate::model::io::LoadedWeights>>,
+    resume: Option<Arc<crate::checkpoint::Loaded>>,
+}
+
+impl StageSet {
+    async fn spawn(self) -> Result<(ActorRef<CoordinatorMsg>, Vec<ActorRef<StageMsg>>), String> {
+        let StageSet { fabric, cfg, layout, run_dir, init, resume } = self;
+        let e = |e: ractor::SpawnErr| e.to_string();
+        let (coordinator, _) = Actor::spawn(None, RemoteCoordinator, fabric.clone()).await.map_err(e)?;
+        let reducer = if layout.dp > 1 {
+            Some(Actor::spawn(None, RemoteReducer, fabric.clone()).await.map_err(e)?.0)
+        } else {
+            None
+        };
+        let start_step = resume.as_ref().map_or(0, |r| r.state.step);
+        let epoch = *fabric.epoch.lock().expect("epoch");
+        let (pp, dp) = (layout.pp, layout.dp);
+        // The same pinning rule as one process: a core per compute thread or none.
+        let cores = core_affinity::get_core_ids().unwrap_or_default();
+        let cores = if layout.threads_per_rank * pp * dp <= cores.len() { cores } else { vec![] };
+        let mut routes = vec![vec![None; pp]; dp];
+        let mut local = Vec::new();
+        for (replica, route) in routes.iter_mut().enumerate() {
+            let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
+            let mut refs = Vec::new();
+            for (rank, slot) in route.iter_mut().enumerate() {
+                let owner = fabric.owner(replica, rank);
+                if owner != fabric.me {
+                    let args = RemoteStageArgs { fabric: fabric.clone(), replica, rank, owner };
+                    let (r, _) = Actor::spawn_linked(None, RemoteStage, args, coordinator.get_cell())
+                        .await
+                        .map_err(e)?;
+                    refs.push(r);
+                    continue;
+                }
+                let k = replica * pp + rank;
+                let t = layout.threads_per_rank;
+                let mine = if cores.is_empty() {
+                    vec![]
+                } else {
+                    (0..t).map(|i| cores[(k * t + i) % cores.len()]).collect()
+                };
+                let name = stage_name(rank, replica);
+                let args = StageArgs {
+                    rank,
+                    replica,
+                    cfg: cfg.clone(),
+                    layout: layout.clone(),
+                    init: init.clone(),
+                    resume: resume.clone(),
+                    links: Links::Actors {
+                        peers: peers.clone(),
+                        coordinator: coordinator.clone(),
+                        reducer: reducer.clone(),
+                    },
+                    log: crate::replay::recorder(&cfg, &run_dir, &name, start_step)
+                        .map_err(|e| e.to_string())?,
+                    chaos_seed: None,
+                    cores: mine,
+                    latencies_us: Default::default(),
+                    trace_epoch: cfg.trace.enabled.then_some(epoch),
+                };
+                let (r, _) = Actor::spawn_linked(Some(name), StageActor, args, coordinator.get_cell())
+                    .await
+                    .map_err(e)?;
+                *slot = Some(r.clone());
+                local.push(r.clone());
+                refs.push(r);
+            }
+            let _ = peers.set(refs);
+        }
+        fabric.set_routes(Routes { stages: routes, coordinator: None, reducer: None });
+        Ok((coordinator, local))
+    }
+}
+
+/// Picks a port P on 127.0.0.1 with P + 1 also free (cluster node, data link).
+fn free_port_pair() -> Result<u16, ClusterError> {
+    for _ in 0..100 {
+        let a = TcpListener::bind("127.0.0.1:0").map_err(io_err("cannot find a free port"))?;
+        let p = a.local_addr().map_err(io_err("local address"))?.port();
+        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return Ok(p);
+        }
+    }
+    Err(ClusterError::Setup("no free pair of ports on 127.0.0.1".into()))
+}
+
+/// Starts `nodes` processes of this binary on this machine (`worker` with
+/// `args`, ranks 0..nodes) under a fresh cookie, and waits for them. When one
+/// fails, the others get `grace` to stop on their own before they are killed.
+pub fn launch(
+    nodes: usize,
+    port: Option<u16>,
+    args: &[std::ffi::OsString],
+    grace: Duration,
+) -> Result<(), ClusterError> {
+    if nodes == 0 {
+        return Err(ClusterError::Setup("--nodes: at least 1".into()));
+    }
+    let port = match port {
+        Some(p) => p,
+        None => free_port_pair()?,
+    };
+    let cookie = Cookie::generate().map_err(io_err("cannot read /dev/urandom"))?;
+    let path = std::env::temp_dir().join(format!("pipewright-cookie-{}-{port}", std::process::id()));
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io_err(format!("{}: cannot create", path.display())))?;
+        f.write_all(cookie.as_bytes()).map_err(io_err(format!("{}: cannot write", path.display())))?;
+    }
+    let exe = std::env::current_exe().map_err(io_err("cannot find this executable"))?;
+    let mut children = Vec::new();
+    for rank in 0..nodes {
+        let child = std::process::Command::new(&exe)
+            .arg("worker")
+            .args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", nodes.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("PIPEWRIGHT_COOKIE_FILE", &path)
+            .env_remove("PIPEWRIGHT_COOKIE")
+            .spawn()
+            .map_err(io_err(format!("cannot start rank {rank}")));
+        match child {
+            Ok(c) => children.push(Some(c)),
+            Err(e) => {
+                for c in children.iter_mut().flatten() {
+                    let _ = c.kill();
+                }
+                let _ = std::fs::remove_file(&path);
+                return Err(e);
+            }
+        }
+    }
+    let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; nodes];
+    let mut deadline: Option<Instant> = None;
+    while status.iter().any(|s| s.is_none()) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if let Some(child) = c {
+                if let Ok(Some(s)) = child.try_wait() {
+                    status[r] = Some(s);
+                    *c = None;
+                    if !s.success() && deadline.is_none() {
+                        deadline = Some(Instant::now() + grace);
+                    }
+                }
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() > d) {
+            for (r, c) in children.iter_mut().enumerate() {
+                if let Some(child) = c.take() {
+                    eprintln!("launch: rank {r} did not stop within {grace:?} of a failure; killing it");
+                    let mut child = child;
+                    let _ = child.kill();
+                    status[r] = child.wait().ok();
+                }
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_file(&path);
+    let failed: Vec<String> = status
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.is_some_and(|s| s.success()))
+        .map(|(r, s)| match s {
+            Some(s) => format!("rank {r} ({s})"),
+            None => format!("rank {r} (killed)"),
+        })
+        .collect();
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(ClusterError::Lost(format!("launch: {} failed", failed.join(", "))))
+    }
+}

@@ -1,0 +1,259 @@
+//! Runs that span processes, on loopback: the same bits as one process, a
+//! killed worker stops the rest with an error naming it, a wrong cookie is
+//! refused, and garbage on a data port costs the run nothing.
+
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_pipewright");
+
+/// The small model of tests/pipeline.rs (4 layers, so pp = 4 has one each).
+fn model(extra: &[&str]) -> Vec<String> {
+    let mut sets = vec![
+        "model.n_layer=4",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=16",
+        "train.micro_batch_size=2",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "parallel.microbatches=8",
+        "optim.warmup_steps=1",
+    ];
+    sets.extend_from_slice(extra);
+    sets.iter().flat_map(|s| ["--set".to_string(), s.to_string()]).collect()
+}
+
+fn digest(run: &Path) -> String {
+    let text = std::fs::read_to_string(run.join("summary.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["weights_digest"].as_str().unwrap().to_string()
+}
+
+fn run_to_end(mut cmd: Command, limit: Duration) -> Output {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let until = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("still running after {limit:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+fn one_process(dir: &Path, args: &[String]) -> String {
+    let run = dir.join("one");
+    let mut c = Command::new(BIN);
+    c.arg("train").args(args).arg("--out").arg(&run);
+    let o = run_to_end(c, Duration::from_secs(60));
+    assert!(o.status.success(), "train: {}", text(&o));
+    digest(&run)
+}
+
+fn launched(dir: &Path, nodes: usize, args: &[String]) -> String {
+    let run = dir.join(format!("launch{nodes}"));
+    let mut c = Command::new(BIN);
+    c.arg("launch").arg("--nodes").arg(nodes.to_string()).args(args).arg("--out").arg(&run);
+    let o = run_to_end(c, Duration::from_secs(60));
+    assert!(o.status.success(), "launch --nodes {nodes}: {}", text(&o));
+    digest(&run)
+}
+
+#[test]
+fn pp4_over_2_processes_gives_the_bits_of_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [model(&["parallel.pp=4"]), vec!["--steps".into(), "3".into()]].concat();
+    assert_eq!(launched(dir.path(), 2, &args), one_process(dir.path(), &args));
+}
+
+#[test]
+fn pp2_dp2_over_4_processes_gives_the_bits_of_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [model(&["parallel.pp=2", "parallel.dp=2"]), vec!["--steps".into(), "3".into()]].concat();
+    assert_eq!(launched(dir.path(), 4, &args), one_process(dir.path(), &args));
+}
+
+#[test]
+fn a_run_across_processes_resumes_with_the_bits_of_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = model(&["parallel.pp=4", "checkpoint.every=2"]);
+    let steps = |n: &str| vec!["--steps".to_string(), n.to_string()];
+    let (single, split) = (dir.path().join("single"), dir.path().join("split"));
+    for (run, launch) in [(&single, false), (&split, true)] {
+        for (n, flag) in [("4", "--out"), ("6", "--resume")] {
+            let mut c = Command::new(BIN);
+            if launch {
+                c.args(["launch", "--nodes", "2"]);
+            } else {
+                c.arg("train");
+            }
+            c.args(&base).args(steps(n)).arg(flag).arg(run);
+            let o = run_to_end(c, Duration::from_secs(60));
+            assert!(o.status.success(), "{flag} {}: {}", run.display(), text(&o));
+        }
+    }
+    assert_eq!(digest(&split), digest(&single));
+}
+
+/// A port P on 127.0.0.1 with P + 1 free too.
+fn free_ports() -> u16 {
+    loop {
+        let a = TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// `worker` as rank `rank` of `world`, with torchrun's variables.
+fn worker(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Child {
+    Command::new(BIN)
+        .arg("worker")
+        .args(args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("PIPEWRIGHT_COOKIE", cookie)
+        .env_remove("PIPEWRIGHT_COOKIE_FILE")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for `child` at most `limit`; kills it and fails the test past that.
+fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
+    let until = Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+            let o = child.wait_with_output().unwrap();
+            panic!("{what} still running after {limit:?}: {}", text(&o));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let port = free_ports();
+    let args = [
+        model(&["parallel.pp=2", "parallel.dp=2", "checkpoint.every=2", "checkpoint.keep=2"]),
+        vec!["--steps".into(), "2000".into(), "--out".into(), run.display().to_string()],
+    ]
+    .concat();
+    let mut ranks: Vec<Option<Child>> = (0..4).map(|r| Some(worker(port, r, 4, "k1ll", &args))).collect();
+    let checkpoints = run.join("checkpoints");
+    let until = Instant::now() + Duration::from_secs(60);
+    while pipewright::checkpoint::list(&checkpoints).unwrap().0.len() < 2 {
+        assert!(Instant::now() < until, "no checkpoint within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut victim = ranks[2].take().unwrap();
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed = Instant::now();
+    for (r, c) in ranks.into_iter().enumerate() {
+        let Some(c) = c else { continue };
+        let o = finish(c, Duration::from_secs(20), &format!("rank {r}"));
+        let err = text(&o);
+        assert!(!o.status.success(), "rank {r} exited cleanly after rank 2 was killed: {err}");
+        assert!(err.contains("rank 2"), "rank {r}'s error does not name rank 2: {err}");
+    }
+    assert!(killed.elapsed() < Duration::from_secs(20));
+    // The newest complete checkpoint still reads and verifies.
+    let (done, _) = pipewright::checkpoint::list(&checkpoints).unwrap();
+    let (_, last) = done.last().expect("a checkpoint");
+    pipewright::checkpoint::load(last).unwrap();
+}
+
+#[test]
+fn a_wrong_cookie_is_refused_and_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_ports();
+    let args = [
+        model(&["parallel.pp=2"]),
+        vec!["--steps".into(), "2".into(), "--join-timeout".into(), "5".into()],
+        vec!["--out".into(), dir.path().join("run").display().to_string()],
+    ]
+    .concat();
+    let rank0 = worker(port, 0, 2, "right", &args);
+    let intruder = finish(worker(port, 1, 2, "wrong", &args), Duration::from_secs(30), "intruder");
+    assert!(!intruder.status.success());
+    assert!(text(&intruder).contains("authentication failed"), "{}", text(&intruder));
+    let o = finish(rank0, Duration::from_secs(30), "rank 0");
+    let err = text(&o);
+    assert!(!o.status.success(), "rank 0 ran without its worker: {err}");
+    assert!(err.contains("refused cluster node 127.0.0.1:"), "rank 0 did not log the refusal: {err}");
+    assert!(err.contains("ranks [1] did not join"), "{err}");
+}
+
+#[test]
+fn garbage_on_a_data_port_is_refused_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let steps = vec!["--steps".into(), "3".into()];
+    let base = [model(&["parallel.pp=2"]), steps].concat();
+    let reference = one_process(dir.path(), &base);
+    let run = dir.path().join("run");
+    let args = [base, vec!["--out".into(), run.display().to_string()]].concat();
+    let port = free_ports();
+    let rank0 = worker(port, 0, 2, "s3cret", &args);
+    let data = ("127.0.0.1", port + 1);
+    let until = Instant::now() + Duration::from_secs(30);
+    let connect = || loop {
+        match TcpStream::connect(data) {
+            Ok(s) => return s,
+            Err(_) if Instant::now() < until => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("rank 0's data port: {e}"),
+        }
+    };
+    // Bytes that are no handshake at all.
+    let mut raw = connect();
+    raw.write_all(b"GET / HTTP/1.1\r\n\r\n\xff\xff\xff\xff garbage").unwrap();
+    drop(raw);
+    // A peer that holds the cookie and then sends a malformed frame: its link
+    // is closed, and the real rank 1 still joins.
+    let cookie = pipewright::cluster::link::Cookie::new("s3cret").unwrap();
+    let (mut s, r) =
+        pipewright::cluster::link::connect(data.into_addr(), 1, 2, "127.0.0.1:9", &cookie).unwrap();
+    assert_eq!(r, 0);
+    s.write_all(b"PWF1\xff\xff\xff\x7f\x00\x00\x00\x00\x00\x00\x00\x00junk").unwrap();
+    let mut buf = [0u8; 1];
+    // Rank 0 closes the link.
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(std::io::Read::read(&mut s, &mut buf).unwrap_or(0), 0);
+    let rank1 = worker(port, 1, 2, "s3cret", &args);
+    let o1 = finish(rank1, Duration::from_secs(60), "rank 1");
+    let o0 = finish(rank0, Duration::from_secs(60), "rank 0");
+    let err = text(&o0);
+    assert!(o0.status.success() && o1.status.success(), "rank 0: {err}\nrank 1: {}", text(&o1));
+    assert!(err.contains("refused data link 127.0.0.1:"), "the raw garbage was not reported: {err}");
+    assert!(err.contains("dropped the data link from process rank 1 (127.0.0.1:"), "{err}");
+    assert!(err.contains("header of"), "the malformed frame was not named: {err}");
+    assert_eq!(digest(&run), reference);
+}
+
+trait IntoAddr {
+    fn into_addr(self) -> std::net::SocketAddr;
+}
+
+impl IntoAddr for (&str, u16) {
+    fn into_addr(self) -> std::net::SocketAddr {
+        std::net::SocketAddr::new(self.0.parse().unwrap(), self.1)
+    }
+}
