@@ -24,6 +24,14 @@ for t in "" "--trace"; do
         | grep -E "^done" | sed "s/^/  ${t:-no trace}: /"
 done
 
+echo "== replay recording cost: the default model, 200 steps, with and without --record, alternated"
+for i in 1 2 3; do
+    for r in "" "--record"; do
+        $bin train --steps 200 --out "$out/record-cost$r" --force $r --set train.eval_every=0 --set checkpoint.every=0 2>&1 \
+            | grep -E "^done" | sed "s/^/  ${r:-no record}: /"
+    done
+done
+
 echo "== checkpoint pause, write and load: bench-cpu model, a checkpoint every 5 steps"
 $bin train --config configs/bench-cpu.toml --steps 20 --out "$out/ckpt" --force --set checkpoint.every=5 2>&1 | grep -E "^done"
 grep -E '"checkpoint_(pause|write)_ms"' "$out/ckpt/summary.json"
