@@ -162,19 +162,22 @@ impl Schedule {
     /// I = W = 1, no comm), where known: GPipe and 1F1B (p−1)/(m+p−1) (exact);
     /// interleaved ≈ (p−1)/(v·m) (Megatron-LM's figure: bubble over ideal time).
     ///
-    /// ZB-H1 (m ≥ p): 2(p−1)/(3m+2(p−1)), the best any schedule can do while stage
-    /// s keeps at most p − s microbatches alive until their W (1F1B's memory): the
-    /// last stage must then run F I W back to back, so its last I ends at
-    /// (p−1) + 3m − 1 and the gradient still has p − 1 hops and a W to go. The ZB
-    /// paper's (p−1)/(3m+p−1) (a third of 1F1B's bubble time) lets W-pending
-    /// microbatches exceed p − s, counting them at the smaller memory W needs.
+    /// ZB-H1: makespan max(3m + p − 1, 2m + 2p − 1), each rank busy 3m. For m ≥ p
+    /// that is the zero-bubble paper's (p−1)/(3m+p−1): bubble time (p−1)(F+I−W) =
+    /// p − 1, a third of 1F1B's (p−1)(F+B) = 3(p−1), at 1F1B's peak memory (p live
+    /// microbatches, which 1F1B holds on stage 0 and ZB-H1 on every stage). Both
+    /// terms are lower bounds: the last stage cannot start before p − 1 and has 3m
+    /// to do; stage 0's first I cannot start before 2p − 1 (p F's down, p − 1 I's
+    /// up) and 2m I's and W's remain from there.
     pub fn theory_bubble(&self) -> Option<f64> {
         let (p, m, v) = (self.ranks as f64, self.microbatches as f64, self.chunks as f64);
         match self.kind {
             ScheduleKind::GPipe | ScheduleKind::OneFOneB => Some((p - 1.0) / (m + p - 1.0)),
             ScheduleKind::Interleaved1F1B => Some((p - 1.0) / (v * m)),
-            ScheduleKind::ZbH1 if m >= p => Some(2.0 * (p - 1.0) / (3.0 * m + 2.0 * (p - 1.0))),
-            ScheduleKind::ZbH1 => None,
+            ScheduleKind::ZbH1 => {
+                let makespan = (3.0 * m + p - 1.0).max(2.0 * m + 2.0 * p - 1.0);
+                Some((makespan - 3.0 * m) / makespan)
+            }
             ScheduleKind::Custom => None,
         }
     }

@@ -74,7 +74,7 @@ impl Schedule {
             let formula = match self.kind {
                 ScheduleKind::GPipe | ScheduleKind::OneFOneB => "(p−1)/(m+p−1)",
                 ScheduleKind::Interleaved1F1B => "≈ (p−1)/(v·m), bubble over ideal time",
-                ScheduleKind::ZbH1 => "2(p−1)/(3m+2(p−1)), the best at 1F1B's memory",
+                ScheduleKind::ZbH1 => "(p−1)/(3m+p−1) for m ≥ p: a third of 1F1B's bubble time",
                 ScheduleKind::Custom => "",
             };
             write!(out, " (theory with unit costs: {t:.4}, {formula})").unwrap();

@@ -76,25 +76,52 @@ fn peak_live_is_m_for_gpipe_and_p_minus_s_for_1f1b() {
     }
 }
 
-/// ZB-H1 at 1F1B's memory (p − s microbatches alive until W on stage s) reaches the
-/// lower bound 2(p−1)/(3m+2(p−1)): two thirds of 1F1B's bubble time, not the ZB
-/// paper's third (see `Schedule::theory_bubble`).
+/// Idle time of each rank (makespan − busy): what the zero-bubble paper calls the
+/// bubble. As a fraction of a shorter makespan it would look bigger than a third.
+fn bubble_time(r: &SimReport) -> Vec<f64> {
+    r.busy.iter().map(|b| r.makespan - b).collect()
+}
+
+/// The paper's claim, for the shapes it is made for (m ≥ p): each rank idles at
+/// most a third of what it idles under 1F1B (the slack is rounding: it is exactly a
+/// third with unit costs), and no stage holds more microbatches alive (F done, W
+/// not) than 1F1B's fullest stage, p on stage 0.
 #[test]
-fn zb_h1_reaches_the_bound_at_1f1b_memory() {
+fn zb_h1_bubble_is_a_third_of_1f1b_at_1f1b_peak_memory() {
+    for p in [2, 4, 8] {
+        for m in [p, 2 * p, 4 * p] {
+            let zb = sim(&built(ScheduleKind::ZbH1, p, m, 1));
+            let one = sim(&built(ScheduleKind::OneFOneB, p, m, 1));
+            for (rank, (z, o)) in bubble_time(&zb).iter().zip(bubble_time(&one)).enumerate() {
+                assert!(*z <= o / 3.0 + 1e-9, "p={p} m={m} rank {rank}: idle {z} vs 1f1b {o}");
+            }
+            let peak_1f1b = *one.peak_live.iter().max().unwrap();
+            assert_eq!(peak_1f1b, p);
+            for (stage, &z) in zb.peak_live.iter().enumerate() {
+                assert!(z <= peak_1f1b, "p={p} m={m} stage {stage}: {z} alive, 1f1b's peak is {peak_1f1b}");
+            }
+        }
+    }
+}
+
+/// Every shape: the makespan is the bound in `Schedule::theory_bubble` (so nothing
+/// shorter exists at unit costs), memory never exceeds 1F1B's peak, and the
+/// backward is always split, in microbatch order.
+#[test]
+fn zb_h1_meets_its_lower_bound_for_every_shape() {
     for (s, r) in all_single_chunk(ScheduleKind::ZbH1) {
         let (p, m) = (s.ranks, s.microbatches);
+        let (pf, mf) = (p as f64, m as f64);
+        let bound = (3.0 * mf + pf - 1.0).max(2.0 * mf + 2.0 * pf - 1.0);
+        assert_eq!(r.makespan, bound, "p={p} m={m}");
+        let theory = s.theory_bubble().unwrap();
+        assert!(
+            (r.mean_bubble_frac - theory).abs() < 1e-12,
+            "p={p} m={m}: {} vs {theory}",
+            r.mean_bubble_frac
+        );
+        assert!(r.peak_live.iter().all(|&z| z <= p.min(m)), "p={p} m={m}: {:?}", r.peak_live);
         let base = sim(&built(ScheduleKind::OneFOneB, p, m, 1));
-        for (st, (z, o)) in r.peak_live.iter().zip(&base.peak_live).enumerate() {
-            assert!(z <= o, "p={p} m={m} stage {st}: zb-h1 keeps {z} alive, 1f1b {o}");
-        }
-        if let Some(bound) = s.theory_bubble() {
-            let (pf, mf) = (p as f64, m as f64);
-            assert_eq!(r.makespan, 3.0 * mf + 2.0 * (pf - 1.0), "p={p} m={m}");
-            assert!((r.mean_bubble_frac - bound).abs() < 1e-12, "p={p} m={m}: {}", r.mean_bubble_frac);
-            // Bubble time 2(p−1) against 1F1B's 3(p−1).
-            let (zb, one) = (r.makespan - 3.0 * mf, base.makespan - 3.0 * mf);
-            assert!((zb - one * 2.0 / 3.0).abs() < 1e-9, "p={p} m={m}: {zb} vs {one}");
-        }
         assert!(r.mean_bubble_frac <= base.mean_bubble_frac + 1e-12, "p={p} m={m}");
         assert!(s.actions.iter().flatten().all(|a| a.kind != ActionKind::B));
         assert_ascending(&s);
