@@ -333,10 +333,12 @@ pub fn sim_rows(
     steps: usize,
 ) -> anyhow::Result<Vec<SimRow>> {
     use crate::schedule::{build, Costs, ScheduleKind};
+    let kind: ScheduleKind = schedule.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let v = kind.default_chunks();
     let mut rows = Vec::new();
     for &(pp, m) in cells {
         let overrides: Vec<String> = vec![
-            format!("model.n_layer={pp}"),
+            format!("model.n_layer={}", pp * v),
             "model.n_embd=8".into(),
             "model.n_head=1".into(),
             "model.block_size=4".into(),
@@ -356,8 +358,7 @@ pub fn sim_rows(
         ];
         let cfg = Config::load(None, &overrides)?;
         let (_, out) = run_quietly(&cfg, &format!("sim-{pp}-{m}"))?;
-        let kind: ScheduleKind = schedule.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
-        let sched = build(kind, pp, m, 1).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let sched = build(kind, pp, m, v).map_err(|e| anyhow::anyhow!("{e}"))?;
         let costs = Costs {
             forward: forward_ms,
             backward: backward_ms,
@@ -383,7 +384,7 @@ pub fn sim_rows(
 }
 
 /// (mean bubble, mean step window in ms) over the steps after the first.
-pub fn measured_bubble(trace: &[crate::trace::Record], stages: usize, steps: usize) -> (f64, f64) {
+pub fn measured_bubble(trace: &[crate::trace::Record], ranks: usize, steps: usize) -> (f64, f64) {
     let actions = |step: u64| {
         trace.iter().filter(move |r| r.step == step && matches!(r.name.as_str(), "F" | "B" | "I" | "W"))
     };
@@ -393,14 +394,15 @@ pub fn measured_bubble(trace: &[crate::trace::Record], stages: usize, steps: usi
         let start = actions(step).map(|r| r.start_us).fold(f64::INFINITY, f64::min);
         let end = actions(step).map(|r| r.start_us + r.dur_us).fold(f64::NEG_INFINITY, f64::max);
         let w = end - start;
-        for s in 0..stages {
-            let busy: f64 = actions(step).filter(|r| r.stage == s).map(|r| r.dur_us).sum();
+        // Per rank: with several chunks a rank's stages share its time.
+        for rank in 0..ranks {
+            let busy: f64 = actions(step).filter(|r| r.rank == rank).map(|r| r.dur_us).sum();
             bubble += 1.0 - busy / w;
         }
         window += w;
         n += 1.0;
     }
-    (bubble / (n * stages as f64), window / n / 1e3)
+    (bubble / (n * ranks as f64), window / n / 1e3)
 }
 
 pub fn sim_table(rows: &[SimRow]) -> String {

@@ -179,7 +179,7 @@ pub struct ParallelSection {
     pub dp: usize,
     /// Microbatches per optimizer step (per replica): the gradient-accumulation count.
     pub microbatches: usize,
-    /// Pipeline schedule: "1f1b", "gpipe", "interleaved" or "zb-h1".
+    /// Pipeline schedule: "1f1b", "gpipe", "interleaved", "zb-h1" or "zb-v".
     pub schedule: String,
     /// Model chunks per rank (interleaved 1F1B's v); stages = pp · chunks.
     pub chunks: usize,
@@ -510,19 +510,19 @@ impl Config {
             p.pp,
             format!("must be <= model.n_layer ({}): every stage needs at least one block", m.n_layer),
         );
-        v.one_of("parallel.schedule", &p.schedule, &["1f1b", "gpipe", "interleaved", "zb-h1"]);
+        v.one_of("parallel.schedule", &p.schedule, &["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"]);
         v.check(
-            p.chunks >= 1 && (p.chunks == 1 || p.schedule == "interleaved"),
+            p.chunks >= 1 && (p.chunks == 1 || p.schedule == "interleaved" || (p.chunks == 2 && p.schedule == "zb-v")),
             "parallel.chunks",
             p.chunks,
-            "must be >= 1, and more than 1 only with parallel.schedule = \"interleaved\"",
+            "must be >= 1, and more than 1 only with parallel.schedule = \"interleaved\" (or 2 with \"zb-v\")",
         );
         v.check(
-            !(p.schedule == "zb-h1" && self.train.recompute),
+            !(p.schedule.starts_with("zb-") && self.train.recompute),
             "train.recompute",
             self.train.recompute,
-            "the split backward of parallel.schedule = \"zb-h1\" keeps activations until W; \
-             recompute is not supported with it",
+            "the split backward of the zero-bubble schedules (zb-h1, zb-v) keeps activations until W; \
+             recompute is not supported with them",
         );
 
         v.one_of("backend.kind", &self.backend.kind, &["cpu", "sim", "cuda"]);

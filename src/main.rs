@@ -189,7 +189,7 @@ enum Command {
     },
     /// Build a pipeline schedule, check it, and draw its simulated timeline (unit costs).
     Schedule {
-        /// gpipe, 1f1b, interleaved or zb-h1.
+        /// gpipe, 1f1b, interleaved, zb-h1 or zb-v.
         #[arg(long)]
         kind: String,
         /// Pipeline ranks (p).
@@ -198,7 +198,7 @@ enum Command {
         /// Microbatches per step (m).
         #[arg(long)]
         microbatches: usize,
-        /// Model chunks per rank (v) [default: 2 for interleaved, else 1].
+        /// Model chunks per rank (v) [default: 2 for interleaved and zb-v, else 1].
         #[arg(long)]
         chunks: Option<usize>,
         /// Print only the per-rank action lists: {"ranks": [["0F0", …], …]}.

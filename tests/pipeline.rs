@@ -70,24 +70,25 @@ fn interleaved_and_zero_bubble_schedules_give_identical_bits_too() {
         let zb = config(&[&format!("parallel.pp={pp}"), "parallel.schedule=\"zb-h1\""]);
         assert_same_bits(&reference, &train(&zb, None), &format!("zb-h1 pp={pp}"));
     }
+    // ZB-V places rank r's stages at r and 2p − 1 − r: rank 0 holds the embedding
+    // and the head, rank 1 turns the V. Under chaos too, as the placement changes
+    // who sends what to whom.
+    let zb_v = config(&["parallel.pp=2", "parallel.schedule=\"zb-v\""]);
+    assert_same_bits(&reference, &train(&zb_v, None), "zb-v pp=2");
+    assert_same_bits(&reference, &train(&zb_v, Some(7)), "zb-v pp=2 under chaos");
     let uneven = config(&["parallel.pp=2", "parallel.layers_per_stage=[3, 1]"]);
     assert_same_bits(&reference, &train(&uneven, Some(9)), "uneven split under chaos");
 }
 
 #[test]
 fn a_deadlocking_schedule_is_refused_before_anything_runs() {
-    use pipewright::schedule::{Action, Schedule, ScheduleKind};
+    use pipewright::schedule::{Action, Schedule};
     // Rank 0 waits for 0B0 (needing 1B0) before sending 0F1; rank 1 wants 1F1 first.
-    let s = Schedule {
-        kind: ScheduleKind::Custom,
-        ranks: 2,
-        chunks: 1,
-        microbatches: 2,
-        actions: vec![
-            ["0F0", "0B0", "0F1", "0B1"].iter().map(|a| a.parse::<Action>().unwrap()).collect(),
-            ["1F1", "1F0", "1B0", "1B1"].iter().map(|a| a.parse::<Action>().unwrap()).collect(),
-        ],
-    };
+    let s = Schedule::from_lists(vec![
+        ["0F0", "0B0", "0F1", "0B1"].iter().map(|a| a.parse::<Action>().unwrap()).collect(),
+        ["1F1", "1F0", "1B0", "1B1"].iter().map(|a| a.parse::<Action>().unwrap()).collect(),
+    ])
+    .unwrap();
     let err = pipewright::actors::layout::check_schedule(&s, "parallel.schedule").unwrap_err().to_string();
     assert!(err.contains("parallel.schedule") && err.contains("rank 0") && err.contains("rank 1"), "{err}");
 }

@@ -13,7 +13,7 @@ fn run(args: &[&str]) -> (bool, String, String) {
 
 #[test]
 fn json_has_one_list_per_rank() {
-    for kind in ["gpipe", "1f1b", "interleaved", "zb-h1"] {
+    for kind in ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] {
         let (ok, out, err) = run(&["--kind", kind, "--stages", "4", "--microbatches", "8", "--json"]);
         assert!(ok, "{kind}: {err}");
         let v: serde_json::Value =
@@ -31,6 +31,26 @@ fn text_has_the_grid_and_the_figures() {
     assert!(ok, "{err}");
     assert_eq!(out.lines().filter(|l| l.starts_with("rank ")).count(), 4, "{out}");
     assert!(out.contains("bubble fraction mean: 0.2727"), "{out}");
+    assert!(out.contains("buffered sends (the actor runtime): deadlock-free"), "{out}");
+    assert!(
+        out.contains("rendezvous sends (blocking, unpaired, NCCL-style): deadlocks at rank 0 step "),
+        "{out}"
+    );
+    let (ok, out, err) = run(&["--kind", "gpipe", "--stages", "4", "--microbatches", "8"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("rendezvous sends (blocking, unpaired, NCCL-style): deadlock-free"), "{out}");
+}
+
+#[test]
+fn zb_v_is_drawn_on_its_v() {
+    let (ok, out, err) = run(&["--kind", "zb-v", "--stages", "4", "--microbatches", "8"]);
+    assert!(ok, "{err}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("rank ")).collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    // Rank 0 holds the first and the last stage, rank 3 the turn.
+    assert!(rows[0].contains("7F0") && rows[3].contains("4F0"), "{out}");
+    assert!(out.contains("zb-v: 4 rank(s) × 2 chunk(s) = 8 stage(s)"), "{out}");
+    assert!(out.contains("makespan: 51"), "{out}");
 }
 
 #[test]

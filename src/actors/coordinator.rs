@@ -330,7 +330,8 @@ impl Actor for Coordinator {
                 .await?;
         let reducer = if dp > 1 {
             let log = replay::recorder(&cfg, &run_dir, "reducer", start_step)?;
-            let args = ReducerArgs { dp, stages: all.clone(), pp, n_stages: layout.n_stages(), log };
+            let stage_rank = layout.schedule.stage_rank.clone();
+            let args = ReducerArgs { dp, stages: all.clone(), stage_rank, log };
             Some(Actor::spawn_linked(Some(registered("reducer", id)), Reducer, args, me.get_cell()).await?.0)
         } else {
             None

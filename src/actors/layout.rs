@@ -36,9 +36,13 @@ impl Layout {
         let gpt = GptConfig::from_config(cfg);
         let p = &cfg.parallel;
         let kind: ScheduleKind = p.schedule.parse().map_err(|e| anyhow::anyhow!("parallel.schedule: {e}"))?;
-        let chunks = if kind == ScheduleKind::Interleaved1F1B { p.chunks.max(2) } else { p.chunks.max(1) };
-        if chunks > 1 && kind != ScheduleKind::Interleaved1F1B {
-            bail!("parallel.chunks: {chunks}: more than one chunk per rank needs parallel.schedule = \"interleaved\"");
+        let chunks = match kind {
+            ScheduleKind::Interleaved1F1B => p.chunks.max(2),
+            ScheduleKind::ZbV if p.chunks <= 2 => 2,
+            _ => p.chunks.max(1),
+        };
+        if chunks > 1 && kind.default_chunks() == 1 {
+            bail!("parallel.chunks: {chunks}: more than one chunk per rank needs parallel.schedule = \"interleaved\" or \"zb-v\"");
         }
         let n_stages = p.pp * chunks;
         let layers = if p.layers_per_stage.is_empty() {
@@ -94,13 +98,14 @@ impl Layout {
         self.stages.len()
     }
 
+    /// Where the schedule placed `stage`.
     pub fn rank_of(&self, stage: usize) -> usize {
-        stage % self.pp
+        self.schedule.rank_of(stage)
     }
 
     /// Global stages held by `rank`, ascending.
     pub fn stages_of(&self, rank: usize) -> Vec<usize> {
-        (0..self.n_stages()).filter(|&s| self.rank_of(s) == rank).collect()
+        self.schedule.stages_of(rank)
     }
 
     pub fn last_stage(&self) -> usize {

@@ -18,9 +18,9 @@ pub struct ReducerArgs {
     pub dp: usize,
     /// Stage actors by (replica, rank).
     pub stages: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>>,
-    pub pp: usize,
-    /// Pipeline stages (chunks included): gathers per step.
-    pub n_stages: usize,
+    /// The schedule's placement: the rank holding each stage (chunks included), so
+    /// also the number of gathers per step.
+    pub stage_rank: Vec<usize>,
     pub log: Option<ActorLog>,
 }
 
@@ -84,7 +84,9 @@ impl ReducerState {
     pub fn on_message(&mut self, msg: ReducerMsg) -> Result<(), String> {
         let ReducerMsg::Reduce { step, stage, replica, grads } = msg;
         let dp = self.args.dp;
-        let rank = stage % self.args.pp;
+        let Some(&rank) = self.args.stage_rank.get(stage) else {
+            return Err(format!("reducer: stage {stage} of {}", self.args.stage_rank.len()));
+        };
         if replica >= dp {
             return Err(format!("reducer: replica {replica} of {dp}"));
         }
@@ -127,7 +129,7 @@ impl ReducerState {
             }
             let n = self.done.entry(step).or_insert(0);
             *n += 1;
-            if *n == self.args.n_stages {
+            if *n == self.args.stage_rank.len() {
                 self.done.remove(&step);
                 self.flush_log();
             }

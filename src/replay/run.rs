@@ -383,8 +383,7 @@ fn replay_reducer(cfg: &Config, entries: &[Entry], log: ActorLog) -> Result<usiz
     let args = ReducerArgs {
         dp: layout.dp,
         stages: Arc::new(OnceLock::new()),
-        pp: layout.pp,
-        n_stages: layout.n_stages(),
+        stage_rank: layout.schedule.stage_rank.clone(),
         log: Some(log),
     };
     let mut st = ReducerState::new(args);

@@ -1,12 +1,12 @@
 //! One function per schedule kind, each returning the per-rank action lists.
 //!
-//! A new kind (ZB-V, DualPipeV, …) is a variant of `ScheduleKind`, a function here and
-//! an arm in [`build_actions`]. Every builder keeps each stage's backwards (B, or I
+//! A new kind (DualPipeV, …) is a variant of `ScheduleKind`, a function here and an
+//! arm in [`build_actions`], which also names the kind's placement (looped, or a V). Every builder keeps each stage's backwards (B, or I
 //! and W) in ascending microbatch order: gradient accumulation then runs in
 //! microbatch order on every stage, which is what makes a pipeline bit-identical to a
 //! single stage.
 
-use super::{Action, ScheduleError, ScheduleKind};
+use super::{looped_placement, v_placement, Action, ActionKind, ScheduleError, ScheduleKind};
 
 type Lists = Vec<Vec<Action>>;
 
@@ -14,13 +14,14 @@ fn unsupported(field: &str, reason: String) -> ScheduleError {
     ScheduleError::Unsupported { field: field.into(), reason }
 }
 
-/// Checks the shape, then dispatches to the kind's builder.
+/// Checks the shape, then dispatches to the kind's builder: the action lists and the
+/// placement (`stage_rank`) they were built for.
 pub(super) fn build_actions(
     kind: ScheduleKind,
     p: usize,
     m: usize,
     v: usize,
-) -> Result<Lists, ScheduleError> {
+) -> Result<(Lists, Vec<usize>), ScheduleError> {
     if p == 0 {
         return Err(unsupported("parallel.pp", "a pipeline needs at least 1 rank".into()));
     }
@@ -40,11 +41,17 @@ pub(super) fn build_actions(
             ))
         }
     };
+    let looped = |lists: Lists| (lists, looped_placement(p, v));
     match kind {
-        ScheduleKind::GPipe => one_chunk("gpipe").map(|_| gpipe(p, m)),
-        ScheduleKind::OneFOneB => one_chunk("1f1b").map(|_| one_f_one_b(p, m)),
-        ScheduleKind::Interleaved1F1B => interleaved(p, m, v),
-        ScheduleKind::ZbH1 => one_chunk("zb-h1").map(|_| zb_h1(p, m)),
+        ScheduleKind::GPipe => one_chunk("gpipe").map(|_| looped(gpipe(p, m))),
+        ScheduleKind::OneFOneB => one_chunk("1f1b").map(|_| looped(one_f_one_b(p, m))),
+        ScheduleKind::Interleaved1F1B => interleaved(p, m, v).map(looped),
+        ScheduleKind::ZbH1 => one_chunk("zb-h1").map(|_| looped(zb_h1(p, m))),
+        ScheduleKind::ZbV if v != 2 => Err(unsupported(
+            "parallel.chunks",
+            format!("zb-v runs exactly 2 model chunks per rank (a V), not {v}"),
+        )),
+        ScheduleKind::ZbV => Ok((zb_v(p, m)?, v_placement(p))),
         ScheduleKind::Custom => {
             Err(unsupported("parallel.schedule", "a custom schedule is loaded from JSON, not built".into()))
         }
@@ -148,4 +155,94 @@ fn zb_h1(p: usize, m: usize) -> Lists {
             list
         })
         .collect()
+}
+
+/// ZB-V (Qi et al. 2023, §6): 2p stages in a V, rank r holding stages r and
+/// 2p − 1 − r, so rank 0 holds both ends and the turn (stages p − 1, p) stays on rank
+/// p − 1; backward split into I and W. Built by list scheduling with unit costs
+/// (F = I = W = 1 per stage, no comm): at each time step every idle rank takes, in
+/// this order of preference,
+///
+/// 1. an I whose output gradient is in (its down-leg stage r before its up-leg stage
+///    2p − 1 − r): I is the critical path;
+/// 2. an F whose input is in, while the rank holds fewer than 2p stage-microbatches
+///    alive (F done, W not) — each stage is half a 1F1B stage, so that is 1F1B's
+///    peak of p microbatches — the up-leg stage first, as it leads to an I sooner;
+/// 3. its oldest pending W (down-leg first): W fills what would be a bubble.
+///
+/// The order in which each rank ran its actions is the schedule; every stage's F, I
+/// and W run in ascending microbatch order. For m a multiple of p and p ≤ 8 (and
+/// any m ≥ p when p ≤ 4) this reaches the unit-cost lower bound 6m + p − 1 (rank
+/// p − 1 waits p − 1 for its first input, then has 6m to do); otherwise it can land
+/// a few units above (p = 8, m = 9: 4; p = 16: up to 12), still under ZB-H1. The
+/// paper's own builder likewise tries heuristics rather than solving for the optimum.
+fn zb_v(p: usize, m: usize) -> Result<Lists, ScheduleError> {
+    let s_count = 2 * p;
+    // Time steps at which F / I of (stage, mb) finished; None = not yet.
+    let mut f_done = vec![vec![None::<usize>; m]; s_count];
+    let mut i_done = vec![vec![None::<usize>; m]; s_count];
+    let (mut next_f, mut next_i, mut next_w) = (vec![0; s_count], vec![0; s_count], vec![0; s_count]);
+    let mut lists: Lists = vec![Vec::with_capacity(6 * m); p];
+    let arrived = |t: Option<usize>, now: usize| t.is_some_and(|t| t <= now);
+    let mut now = 0;
+    while next_w.iter().any(|&w| w < m) {
+        // Decide for every rank from what finished by `now`, then commit, so no rank
+        // sees a result produced in the same time step.
+        let mut chosen = Vec::with_capacity(p);
+        for r in 0..p {
+            let (down, up) = (r, s_count - 1 - r);
+            let live = next_f[down] - next_w[down] + next_f[up] - next_w[up];
+            let i_ready = |s: usize| {
+                let j = next_i[s];
+                j < m && arrived(f_done[s][j], now) && (s + 1 == s_count || arrived(i_done[s + 1][j], now))
+            };
+            let f_ready = |s: usize| {
+                let j = next_f[s];
+                j < m && live < 2 * p && (s == 0 || arrived(f_done[s - 1][j], now))
+            };
+            let w_ready = |s: usize| next_w[s] < next_i[s];
+            let pick = [(down, ActionKind::I), (up, ActionKind::I)]
+                .into_iter()
+                .find(|&(s, _)| i_ready(s))
+                .or_else(|| {
+                    [(up, ActionKind::F), (down, ActionKind::F)].into_iter().find(|&(s, _)| f_ready(s))
+                })
+                .or_else(|| {
+                    [(down, ActionKind::W), (up, ActionKind::W)].into_iter().find(|&(s, _)| w_ready(s))
+                });
+            chosen.push(pick.map(|(s, kind)| {
+                let mb = match kind {
+                    ActionKind::F => next_f[s],
+                    ActionKind::I => next_i[s],
+                    _ => next_w[s],
+                };
+                Action::new(s, kind, mb)
+            }));
+        }
+        if chosen.iter().all(Option::is_none) {
+            // Nothing is running either (unit costs: all of it ended by `now`), so
+            // nothing would ever change.
+            return Err(unsupported(
+                "parallel.schedule",
+                format!("zb-v: no schedule found for p = {p}, m = {m}"),
+            ));
+        }
+        for (r, a) in chosen.into_iter().enumerate() {
+            let Some(a) = a else { continue };
+            match a.kind {
+                ActionKind::F => {
+                    f_done[a.stage][a.mb] = Some(now + 1);
+                    next_f[a.stage] += 1;
+                }
+                ActionKind::I => {
+                    i_done[a.stage][a.mb] = Some(now + 1);
+                    next_i[a.stage] += 1;
+                }
+                _ => next_w[a.stage] += 1,
+            }
+            lists[r].push(a);
+        }
+        now += 1;
+    }
+    Ok(lists)
 }

@@ -1,16 +1,20 @@
 //! Pipeline schedules as data: one list of [`Action`]s per rank, built once, checked,
 //! then only executed.
 //!
-//! p ranks each own v model chunks, so there are S = p·v stages and stage s lives on
-//! rank s % p. Each rank's list says, in execution order, which (stage, kind,
-//! microbatch) it computes; the actor runtime walks the lists and holds no schedule
+//! p ranks each own v model chunks, so there are S = p·v stages. Which rank holds
+//! which stage (the placement, [`Schedule::stage_rank`]) is part of the schedule,
+//! chosen by its builder: looped (stage s on rank s % p) for most kinds, V-shaped
+//! (rank r holds stages r and 2p − 1 − r) for ZB-V. Each rank's list says, in
+//! execution order, which (stage, kind, microbatch) it computes; the actor runtime
+//! walks the lists, asks the schedule where a stage lives, and holds no schedule
 //! logic of its own. This module is pure: it builds ([`build`], one function per kind
 //! in `builders.rs`), checks ([`Schedule::validate`]), dry-runs
 //! ([`Schedule::simulate`]) and draws ([`Schedule::grid`]) schedules, and never
 //! touches threads or files.
 //!
-//! Kinds: GPipe, 1F1B, interleaved 1F1B (Megatron-LM's rule) and ZB-H1 (backward
-//! split into I and W, W deferred into the bubbles).
+//! Kinds: GPipe, 1F1B, interleaved 1F1B (Megatron-LM's rule), ZB-H1 (backward
+//! split into I and W, W deferred into the bubbles) and ZB-V (the same split over two
+//! chunks per rank in a V).
 
 mod action;
 mod builders;
@@ -19,7 +23,7 @@ mod simulate;
 mod validate;
 
 pub use action::{Action, ActionKind, ParseActionError};
-pub use simulate::{Costs, SimReport};
+pub use simulate::{Costs, SimReport, Transport};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -36,14 +40,29 @@ pub enum ScheduleKind {
     Interleaved1F1B,
     /// Zero-bubble H1: backward split into I (input) and W (weights), W deferred.
     ZbH1,
+    /// Zero-bubble V: two chunks per rank placed in a V, split backward.
+    ZbV,
     /// Loaded from JSON and not equal to any built schedule.
     Custom,
 }
 
 impl ScheduleKind {
     /// The kinds [`build`] can make.
-    pub const BUILT: [ScheduleKind; 4] =
-        [ScheduleKind::GPipe, ScheduleKind::OneFOneB, ScheduleKind::Interleaved1F1B, ScheduleKind::ZbH1];
+    pub const BUILT: [ScheduleKind; 5] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::ZbH1,
+        ScheduleKind::ZbV,
+    ];
+
+    /// v when not given: 2 for interleaved and ZB-V, else 1.
+    pub fn default_chunks(self) -> usize {
+        match self {
+            ScheduleKind::Interleaved1F1B | ScheduleKind::ZbV => 2,
+            _ => 1,
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -51,6 +70,7 @@ impl ScheduleKind {
             ScheduleKind::OneFOneB => "1f1b",
             ScheduleKind::Interleaved1F1B => "interleaved",
             ScheduleKind::ZbH1 => "zb-h1",
+            ScheduleKind::ZbV => "zb-v",
             ScheduleKind::Custom => "custom",
         }
     }
@@ -68,7 +88,7 @@ impl FromStr for ScheduleKind {
     fn from_str(s: &str) -> Result<ScheduleKind, ScheduleError> {
         ScheduleKind::BUILT.into_iter().find(|k| k.name() == s).ok_or_else(|| ScheduleError::Unsupported {
             field: "parallel.schedule".into(),
-            reason: format!("unknown schedule {s:?}; expected one of gpipe, 1f1b, interleaved, zb-h1"),
+            reason: format!("unknown schedule {s:?}; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v"),
         })
     }
 }
@@ -80,13 +100,21 @@ pub struct Stuck {
     /// Position of `action` in the rank's list.
     pub index: usize,
     pub action: Action,
-    /// The first input of `action` that never arrives.
+    /// The first input of `action` that never arrives or, when `sending`, the
+    /// action on another rank that never posts the receive for `action`'s output.
     pub waits_for: Action,
+    /// `action` ran and is blocked handing its output over (rendezvous sends only).
+    pub sending: bool,
 }
 
 impl fmt::Display for Stuck {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} at index {} ({}) waits for {}", self.rank, self.index, self.action, self.waits_for)
+        let (r, i, a, w) = (self.rank, self.index, self.action, self.waits_for);
+        if self.sending {
+            write!(f, "rank {r} at index {i} ({a}) is blocked sending to {w}, whose receive is never posted")
+        } else {
+            write!(f, "rank {r} at index {i} ({a}) waits for {w}")
+        }
     }
 }
 
@@ -118,8 +146,22 @@ pub struct Schedule {
     pub chunks: usize,
     /// m, microbatches per step.
     pub microbatches: usize,
+    /// The placement: `stage_rank[s]` is the rank that holds stage s (S entries,
+    /// each rank holding v of them).
+    pub stage_rank: Vec<usize>,
     /// One list per rank, in execution order.
     pub actions: Vec<Vec<Action>>,
+}
+
+/// Stage s on rank s % p: Megatron-LM's interleaving, and the plain pipeline for v = 1.
+pub fn looped_placement(ranks: usize, chunks: usize) -> Vec<usize> {
+    (0..ranks * chunks).map(|s| s % ranks).collect()
+}
+
+/// Rank r holds stages r and 2p − 1 − r: the zero-bubble paper's V, where the first
+/// and last stages share rank 0 and the turn (stages p − 1 and p) sits on rank p − 1.
+pub fn v_placement(ranks: usize) -> Vec<usize> {
+    (0..2 * ranks).map(|s| if s < ranks { s } else { 2 * ranks - 1 - s }).collect()
 }
 
 /// Builds the schedule `kind` for `ranks` (p) ranks, `microbatches` (m) microbatches
@@ -132,8 +174,8 @@ pub fn build(
     microbatches: usize,
     chunks: usize,
 ) -> Result<Schedule, ScheduleError> {
-    let actions = builders::build_actions(kind, ranks, microbatches, chunks)?;
-    Ok(Schedule { kind, ranks, chunks, microbatches, actions })
+    let (actions, stage_rank) = builders::build_actions(kind, ranks, microbatches, chunks)?;
+    Ok(Schedule { kind, ranks, chunks, microbatches, stage_rank, actions })
 }
 
 #[derive(Serialize, Deserialize)]
@@ -150,12 +192,50 @@ impl Schedule {
 
     /// The rank that owns `stage`.
     pub fn rank_of(&self, stage: usize) -> usize {
-        stage % self.ranks
+        self.stage_rank[stage]
     }
 
-    /// The stages rank `rank` owns, in order: rank, rank + p, …
+    /// The stages rank `rank` owns, ascending.
     pub fn stages_of(&self, rank: usize) -> Vec<usize> {
-        (0..self.chunks).map(|c| c * self.ranks + rank).collect()
+        (0..self.stage_rank.len()).filter(|&s| self.stage_rank[s] == rank).collect()
+    }
+
+    /// A schedule from per-rank lists alone, of kind `Custom`. The shape is inferred:
+    /// p = number of lists, S = highest stage + 1 (a multiple of p), m = highest
+    /// microbatch + 1, and each stage is placed on the rank whose list holds its
+    /// first action. Not validated: call [`Schedule::validate`].
+    pub fn from_lists(lists: Vec<Vec<Action>>) -> Result<Schedule, ScheduleError> {
+        let ranks = lists.len();
+        if ranks == 0 {
+            return Err(ScheduleError::Json("\"ranks\" holds no lists".into()));
+        }
+        let all = || lists.iter().flatten();
+        let stages = all().map(|a| a.stage + 1).max().unwrap_or(ranks).max(ranks);
+        if !stages.is_multiple_of(ranks) {
+            return Err(ScheduleError::Unsupported {
+                field: "ranks".into(),
+                reason: format!("{stages} stages cannot be shared evenly by {ranks} ranks"),
+            });
+        }
+        let mut stage_rank = vec![None; stages];
+        for (r, list) in lists.iter().enumerate() {
+            for a in list {
+                stage_rank[a.stage].get_or_insert(r);
+            }
+        }
+        // A stage no list mentions: where the looped placement would put it, so the
+        // validator reports it as missing on that rank.
+        let stage_rank: Vec<usize> =
+            stage_rank.iter().enumerate().map(|(s, r)| r.unwrap_or(s % ranks)).collect();
+        let microbatches = all().map(|a| a.mb + 1).max().unwrap_or(0);
+        Ok(Schedule {
+            kind: ScheduleKind::Custom,
+            ranks,
+            chunks: stages / ranks,
+            microbatches,
+            stage_rank,
+            actions: lists,
+        })
     }
 
     /// The bubble fraction theory predicts with unit costs (F = 1, B = 2,
@@ -169,6 +249,12 @@ impl Schedule {
     /// terms are lower bounds: the last stage cannot start before p − 1 and has 3m
     /// to do; stage 0's first I cannot start before 2p − 1 (p F's down, p − 1 I's
     /// up) and 2m I's and W's remain from there.
+    ///
+    /// ZB-V (m ≥ p): (p−1)/(6m+p−1), a lower bound — rank p − 1 waits p − 1 for its
+    /// first input and then has 6m to do (2 stages × F, I, W) — which the builder
+    /// reaches when m is a multiple of p (p ≤ 8; see `zb_v` for the rest). In bubble
+    /// time that is a sixth of 1F1B's over the same layers (1F1B's stages are twice
+    /// as long: 6(p−1)), at 1F1B's peak memory.
     pub fn theory_bubble(&self) -> Option<f64> {
         let (p, m, v) = (self.ranks as f64, self.microbatches as f64, self.chunks as f64);
         match self.kind {
@@ -178,7 +264,8 @@ impl Schedule {
                 let makespan = (3.0 * m + p - 1.0).max(2.0 * m + 2.0 * p - 1.0);
                 Some((makespan - 3.0 * m) / makespan)
             }
-            ScheduleKind::Custom => None,
+            ScheduleKind::ZbV if m >= p => Some((p - 1.0) / (6.0 * m + p - 1.0)),
+            ScheduleKind::ZbV | ScheduleKind::Custom => None,
         }
     }
 
@@ -192,36 +279,25 @@ impl Schedule {
         format!("{{\"ranks\": [{}]}}", lists.join(", "))
     }
 
-    /// Reads [`Schedule::to_json`]'s form. The shape is inferred: p = number of lists,
-    /// S = highest stage + 1 (must be a multiple of p), m = highest microbatch + 1.
-    /// `kind` is the built kind with the same lists, else `Custom`. Not validated:
-    /// call [`Schedule::validate`].
+    /// Reads [`Schedule::to_json`]'s form, as [`Schedule::from_lists`] does; `kind`
+    /// is the built kind with the same lists and placement, else `Custom`.
     pub fn from_json(text: &str) -> Result<Schedule, ScheduleError> {
         let form: JsonForm = serde_json::from_str(text).map_err(|e| ScheduleError::Json(e.to_string()))?;
-        let ranks = form.ranks.len();
-        if ranks == 0 {
-            return Err(ScheduleError::Json("\"ranks\" holds no lists".into()));
-        }
-        let all = || form.ranks.iter().flatten();
-        let stages = all().map(|a| a.stage + 1).max().unwrap_or(ranks).max(ranks);
-        if !stages.is_multiple_of(ranks) {
-            return Err(ScheduleError::Unsupported {
-                field: "ranks".into(),
-                reason: format!("{stages} stages cannot be shared evenly by {ranks} ranks"),
-            });
-        }
-        let chunks = stages / ranks;
-        let microbatches = all().map(|a| a.mb + 1).max().unwrap_or(0);
-        let kind = ScheduleKind::BUILT
+        let mut s = Schedule::from_lists(form.ranks)?;
+        s.kind = ScheduleKind::BUILT
             .into_iter()
-            .find(|&k| build(k, ranks, microbatches, chunks).is_ok_and(|s| s.actions == form.ranks))
+            .find(|&k| {
+                build(k, s.ranks, s.microbatches, s.chunks)
+                    .is_ok_and(|b| b.actions == s.actions && b.stage_rank == s.stage_rank)
+            })
             .unwrap_or(ScheduleKind::Custom);
-        Ok(Schedule { kind, ranks, chunks, microbatches, actions: form.ranks })
+        Ok(s)
     }
 }
 
 /// The `pipewright schedule` command: builds, validates and simulates with unit
-/// costs, and returns the grid and figures, or with `json` the action lists only.
+/// costs, and returns the grid, the figures and whether it runs with buffered and
+/// with rendezvous sends, or with `json` the action lists only.
 /// Errors name the command-line flag.
 pub fn cli_text(
     kind: &str,
@@ -244,14 +320,14 @@ pub fn cli_text(
         e => e,
     };
     let kind: ScheduleKind = kind.parse().map_err(to_flag)?;
-    let chunks = chunks.unwrap_or(if kind == ScheduleKind::Interleaved1F1B { 2 } else { 1 });
+    let chunks = chunks.unwrap_or(kind.default_chunks());
     let schedule = build(kind, stages, microbatches, chunks).map_err(to_flag)?;
     schedule.validate()?;
     if json {
         return Ok(schedule.to_json() + "\n");
     }
     let report = schedule.simulate(&Costs::unit())?;
-    Ok(schedule.grid(&report))
+    Ok(schedule.grid(&report) + &schedule.transports(&Costs::unit()))
 }
 
 #[cfg(test)]

@@ -6,9 +6,10 @@
 //! A column is the shortest action's duration (one time unit with unit costs); an
 //! action longer than that spans several columns (`B0 --`); `.` is a bubble. With
 //! v > 1 the stage is written too (`4F0`). A summary follows: makespan, bubble
-//! fraction per rank and mean, the theory where known, peak live per stage.
+//! fraction per rank and mean, the theory where known, peak live per stage, and
+//! whether the schedule runs with each transport ([`Schedule::transports`]).
 
-use super::{Schedule, ScheduleKind, SimReport};
+use super::{Costs, Schedule, ScheduleError, ScheduleKind, SimReport, Transport};
 use std::fmt::Write;
 
 /// Columns beyond this are merged into coarser slots.
@@ -75,6 +76,7 @@ impl Schedule {
                 ScheduleKind::GPipe | ScheduleKind::OneFOneB => "(p−1)/(m+p−1)",
                 ScheduleKind::Interleaved1F1B => "≈ (p−1)/(v·m), bubble over ideal time",
                 ScheduleKind::ZbH1 => "(p−1)/(3m+p−1) for m ≥ p: a third of 1F1B's bubble time",
+                ScheduleKind::ZbV => "(p−1)/(6m+p−1), the lower bound: a sixth of 1F1B's bubble time",
                 ScheduleKind::Custom => "",
             };
             write!(out, " (theory with unit costs: {t:.4}, {formula})").unwrap();
@@ -83,6 +85,49 @@ impl Schedule {
         let peaks: Vec<String> =
             report.peak_live.iter().enumerate().map(|(s, n)| format!("{s}: {n}")).collect();
         writeln!(out, "peak live microbatches per stage: {}", peaks.join(", ")).unwrap();
+        if self.chunks > 1 {
+            let peaks: Vec<String> =
+                report.peak_live_rank.iter().enumerate().map(|(r, n)| format!("{r}: {n}")).collect();
+            writeln!(
+                out,
+                "peak live stage-microbatches per rank (each 1/{} of a rank's layers): {}",
+                self.chunks,
+                peaks.join(", ")
+            )
+            .unwrap();
+        }
+        out
+    }
+
+    /// One line per transport: whether the schedule runs with buffered sends (the
+    /// actor runtime's) and with rendezvous sends (a send completes only when the
+    /// receiver posts its receive: NCCL-style send/recv issued one at a time), and
+    /// where it deadlocks if not.
+    pub fn transports(&self, costs: &Costs) -> String {
+        let line = |t: Transport| match self.simulate_with(costs, t) {
+            Ok(_) => "deadlock-free".to_string(),
+            Err(ScheduleError::Deadlock { waiting }) => {
+                let first = &waiting[0];
+                let all: Vec<String> = waiting.iter().map(|w| w.to_string()).collect();
+                format!(
+                    "deadlocks at rank {} step {} ({}): {}",
+                    first.rank,
+                    first.index,
+                    first.action,
+                    all.join("; ")
+                )
+            }
+            Err(e) => format!("refused: {e}"),
+        };
+        let mut out = format!("buffered sends (the actor runtime): {}\n", line(Transport::Buffered));
+        let rendezvous = line(Transport::Rendezvous);
+        let hint = if rendezvous.starts_with("deadlocks") {
+            " — on such a transport, pair each send with the receive it waits on \
+             (Megatron-LM's send_forward_recv_backward) or post sends asynchronously"
+        } else {
+            ""
+        };
+        out += &format!("rendezvous sends (blocking, unpaired, NCCL-style): {rendezvous}{hint}\n");
         out
     }
 }

@@ -1,13 +1,20 @@
 //! Dry run: every rank executes its list in order with given costs, and the result
 //! is a timeline, the makespan, bubbles and peak live activations, or the deadlock.
 //!
-//! Model of the runtime: an action starts at max(its rank is free, its inputs have
-//! arrived). An input from the same rank is there when its producer ends; one from
-//! another rank arrives `comm` later. Sends are buffered: a rank never blocks on a
-//! send, it hands the message off and goes on (the actor runtime does the same, a
-//! stage's mailbox holds early messages keyed by (kind, mb)). So a rank only ever
-//! waits for a receive, and a deadlock is a cycle of ranks each waiting for a
-//! receive whose sender is itself stuck.
+//! Model of a rank: for each action in its list it receives the inputs it needs, runs
+//! for the action's cost, then sends its output. An input from the same rank is there
+//! when its producer ends; one from another rank travels `comm`. Two transports:
+//!
+//! - [`Transport::Buffered`] (what the actor runtime does, and what [`Schedule::simulate`]
+//!   uses): a send never blocks; the message waits in the receiver's buffer, keyed by
+//!   (kind, mb), until its action comes. A rank only ever waits for a receive.
+//! - [`Transport::Rendezvous`] (NCCL-style blocking send/recv, each posted alone): a
+//!   send completes only when the receiver posts the matching receive, which it does
+//!   when it reaches the action that needs it; until then the sender can do nothing
+//!   else. 1F1B deadlocks under it for p ≥ 2 and m ≥ 2 (rank 0 sends F(1) while rank
+//!   1 sends B(0) back, each waiting for the other to receive): Megatron-LM pairs
+//!   `send_forward_recv_backward` into one batched exchange for this reason. A
+//!   schedule meant for such a transport must pass here, or pair its exchanges.
 //!
 //! Inputs: F(s, mb) needs F(s−1, mb) for s > 0; B or I(s, mb) needs F(s, mb) and,
 //! for s < S−1, the B or I of (s+1, mb); W(s, mb) needs I(s, mb).
@@ -97,23 +104,54 @@ pub struct SimReport {
     /// Per stage: the most microbatches alive at once, i.e. whose F is done and whose
     /// B (or W, for a split backward) is not: the activations the stage must hold.
     pub peak_live: Vec<usize>,
+    /// Per rank: the most (stage, microbatch) pairs alive at once over all its
+    /// stages. With v chunks a stage holds 1/v of a rank's layers, so this over v is
+    /// comparable with a one-chunk schedule's `peak_live`.
+    pub peak_live_rank: Vec<usize>,
     /// Per rank: (action, start, end) in execution order.
     pub timeline: Vec<Vec<(Action, f64, f64)>>,
 }
 
-/// End times of what has run, per (stage, mb).
+/// How a send completes; see the module comment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Buffered,
+    Rendezvous,
+}
+
+/// Where a rank is in its current action.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the action's inputs (its receive is posted).
+    Receive,
+    /// The action ran; its output waits for the receiver (rendezvous only).
+    Send,
+}
+
+/// End times of what has run, and arrival times of what was sent, per (stage, mb).
 struct Done {
     f: Vec<Vec<Option<f64>>>,
     /// B or I: the gradient stage − 1 waits for.
     grad: Vec<Vec<Option<f64>>>,
     i: Vec<Vec<Option<f64>>>,
+    /// The activation F(s, mb) takes, when it came from another rank.
+    act_in: Vec<Vec<Option<f64>>>,
+    /// The gradient B/I(s, mb) takes, when it came from another rank.
+    grad_in: Vec<Vec<Option<f64>>>,
 }
 
 impl Schedule {
-    /// Validates, then runs every rank's list in order under `costs` (see the module
-    /// comment for the model). A deadlock is reported with each unfinished rank, the
-    /// index and action it is stuck at, and the input it waits for.
+    /// Validates, then runs every rank's list in order under `costs` with buffered
+    /// sends (as the actor runtime delivers). See [`Schedule::simulate_with`].
     pub fn simulate(&self, costs: &Costs) -> Result<SimReport, ScheduleError> {
+        self.simulate_with(costs, Transport::Buffered)
+    }
+
+    /// Validates, then runs every rank's list in order under `costs` and `transport`
+    /// (see the module comment for the model). A deadlock is reported with each
+    /// unfinished rank, the index and action it is stuck at, and the input it waits
+    /// for or, blocked in a send, the action that has not posted its receive.
+    pub fn simulate_with(&self, costs: &Costs, transport: Transport) -> Result<SimReport, ScheduleError> {
         self.validate()?;
         let (p, s_count, m) = (self.ranks, self.stages(), self.microbatches);
         costs.check(s_count)?;
@@ -129,43 +167,83 @@ impl Schedule {
                 Action::b(stage, mb)
             }
         };
+        // The action on another rank that takes `a`'s output, if any.
+        let consumer = |a: Action| -> Option<Action> {
+            let to = match a.kind {
+                ActionKind::F if a.stage + 1 < s_count => Action::f(a.stage + 1, a.mb),
+                ActionKind::B | ActionKind::I if a.stage > 0 => grad_action(a.stage - 1, a.mb),
+                _ => return None,
+            };
+            (self.rank_of(to.stage) != self.rank_of(a.stage)).then_some(to)
+        };
 
         let none = vec![vec![None; m]; s_count];
-        let mut done = Done { f: none.clone(), grad: none.clone(), i: none };
+        let mut done = Done {
+            f: none.clone(),
+            grad: none.clone(),
+            i: none.clone(),
+            act_in: none.clone(),
+            grad_in: none,
+        };
         let mut next = vec![0usize; p];
+        let mut phase = vec![Phase::Receive; p];
         let mut free = vec![0.0f64; p];
         let mut timeline: Vec<Vec<(Action, f64, f64)>> =
             self.actions.iter().map(|l| Vec::with_capacity(l.len())).collect();
 
-        // An input of `a` on `rank`: Ok(arrival time) or Err(the action it waits for).
+        // The inputs of `a` on `rank`: Ok(when all are in hand) or Err(what is missing).
         let input = |done: &Done, a: Action, rank: usize| -> Result<f64, Action> {
-            let from = |t: Option<f64>, producer: Action| {
-                let t = t.ok_or(producer)?;
-                Ok(if self.rank_of(producer.stage) == rank { t } else { t + costs.comm })
-            };
             let (s, mb) = (a.stage, a.mb);
+            // A producer on this rank hands over when it ends; one elsewhere sends.
+            let from = |producer: Action, local: Option<f64>, sent: Option<f64>| {
+                if self.rank_of(producer.stage) == rank {
+                    local.ok_or(producer)
+                } else {
+                    sent.ok_or(producer)
+                }
+            };
             let mut ready = 0.0f64;
             match a.kind {
                 ActionKind::F => {
                     if s > 0 {
-                        ready = ready.max(from(done.f[s - 1][mb], Action::f(s - 1, mb))?);
+                        ready = ready.max(from(Action::f(s - 1, mb), done.f[s - 1][mb], done.act_in[s][mb])?);
                     }
                 }
                 ActionKind::B | ActionKind::I => {
-                    ready = ready.max(from(done.f[s][mb], Action::f(s, mb))?);
+                    ready = ready.max(done.f[s][mb].ok_or(Action::f(s, mb))?);
                     if s + 1 < s_count {
-                        ready = ready.max(from(done.grad[s + 1][mb], grad_action(s + 1, mb))?);
+                        let g = from(grad_action(s + 1, mb), done.grad[s + 1][mb], done.grad_in[s][mb])?;
+                        ready = ready.max(g);
                     }
                 }
-                ActionKind::W => ready = ready.max(from(done.i[s][mb], Action::i(s, mb))?),
+                ActionKind::W => ready = ready.max(done.i[s][mb].ok_or(Action::i(s, mb))?),
             }
             Ok(ready)
+        };
+        let deliver = |done: &mut Done, to: Action, at: f64| match to.kind {
+            ActionKind::F => done.act_in[to.stage][to.mb] = Some(at),
+            _ => done.grad_in[to.stage][to.mb] = Some(at),
         };
 
         loop {
             let mut progressed = false;
             for r in 0..p {
                 while let Some(&a) = self.actions[r].get(next[r]) {
+                    if phase[r] == Phase::Send {
+                        // Rendezvous: the receiver must be at `to`, its receive posted.
+                        let to = consumer(a).expect("only a sending action waits in Send");
+                        let q = self.rank_of(to.stage);
+                        if self.actions[q].get(next[q]) != Some(&to) || phase[q] != Phase::Receive {
+                            break;
+                        }
+                        let at = free[r].max(free[q]) + costs.comm;
+                        deliver(&mut done, to, at);
+                        free[r] = at;
+                        phase[r] = Phase::Receive;
+                        next[r] += 1;
+                        progressed = true;
+                        continue;
+                    }
                     let Ok(ready) = input(&done, a, r) else { break };
                     let start = free[r].max(ready);
                     let end = start + costs.of(&a);
@@ -180,8 +258,16 @@ impl Schedule {
                     }
                     timeline[r].push((a, start, end));
                     free[r] = end;
-                    next[r] += 1;
                     progressed = true;
+                    match (consumer(a), transport) {
+                        (Some(to), Transport::Buffered) => deliver(&mut done, to, end + costs.comm),
+                        (Some(_), Transport::Rendezvous) => {
+                            phase[r] = Phase::Send;
+                            continue;
+                        }
+                        (None, _) => {}
+                    }
+                    next[r] += 1;
                 }
             }
             if (0..p).all(|r| next[r] == self.actions[r].len()) {
@@ -191,8 +277,13 @@ impl Schedule {
                 let waiting = (0..p)
                     .filter_map(|r| {
                         let &action = self.actions[r].get(next[r])?;
-                        let waits_for = input(&done, action, r).expect_err("a stuck rank waits for an input");
-                        Some(Stuck { rank: r, index: next[r], action, waits_for })
+                        let (waits_for, sending) = match phase[r] {
+                            Phase::Send => (consumer(action).expect("a sending action has a receiver"), true),
+                            Phase::Receive => {
+                                (input(&done, action, r).expect_err("a stuck rank waits for an input"), false)
+                            }
+                        };
+                        Some(Stuck { rank: r, index: next[r], action, waits_for, sending })
                     })
                     .collect();
                 return Err(ScheduleError::Deadlock { waiting });
@@ -205,19 +296,27 @@ impl Schedule {
             busy.iter().map(|b| if makespan > 0.0 { (makespan - b) / makespan } else { 0.0 }).collect();
         let mean_bubble_frac = bubble_frac.iter().sum::<f64>() / p as f64;
 
-        // A stage runs only on its own rank, so its list order is its time order.
-        let mut live = vec![0usize; s_count];
+        // A rank's list order is its time order, and a stage runs only on its rank.
         let mut peak_live = vec![0usize; s_count];
-        for a in self.actions.iter().flatten() {
-            match a.kind {
-                ActionKind::F => {
-                    live[a.stage] += 1;
-                    peak_live[a.stage] = peak_live[a.stage].max(live[a.stage]);
+        let mut peak_live_rank = vec![0usize; p];
+        for (r, list) in self.actions.iter().enumerate() {
+            let (mut live, mut rank_live) = (vec![0usize; s_count], 0usize);
+            for a in list {
+                match a.kind {
+                    ActionKind::F => {
+                        live[a.stage] += 1;
+                        rank_live += 1;
+                        peak_live[a.stage] = peak_live[a.stage].max(live[a.stage]);
+                        peak_live_rank[r] = peak_live_rank[r].max(rank_live);
+                    }
+                    ActionKind::B | ActionKind::W => {
+                        live[a.stage] -= 1;
+                        rank_live -= 1;
+                    }
+                    ActionKind::I => {}
                 }
-                ActionKind::B | ActionKind::W => live[a.stage] -= 1,
-                ActionKind::I => {}
             }
         }
-        Ok(SimReport { makespan, busy, bubble_frac, mean_bubble_frac, peak_live, timeline })
+        Ok(SimReport { makespan, busy, bubble_frac, mean_bubble_frac, peak_live, peak_live_rank, timeline })
     }
 }

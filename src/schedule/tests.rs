@@ -184,7 +184,7 @@ fn kinds_parse_from_their_names() {
 #[test]
 fn json_round_trips_and_recognises_the_kind() {
     for kind in ScheduleKind::BUILT {
-        let v = if kind == ScheduleKind::Interleaved1F1B { 2 } else { 1 };
+        let v = kind.default_chunks();
         let s = built(kind, 4, 8, v);
         let text = s.to_json();
         assert!(text.starts_with("{\"ranks\": [[\"0F0\","), "{text}");
@@ -212,6 +212,7 @@ fn two_ranks(r0: &[&str], r1: &[&str]) -> Schedule {
         ranks: 2,
         chunks: 1,
         microbatches: 2,
+        stage_rank: vec![0, 1],
         actions: vec![parse(r0), parse(r1)],
     }
 }
@@ -225,8 +226,8 @@ fn deadlock_names_each_stuck_rank_index_and_input() {
     assert_eq!(
         waiting,
         &vec![
-            Stuck { rank: 0, index: 1, action: Action::b(0, 0), waits_for: Action::b(1, 0) },
-            Stuck { rank: 1, index: 0, action: Action::f(1, 1), waits_for: Action::f(0, 1) },
+            Stuck { rank: 0, index: 1, action: Action::b(0, 0), waits_for: Action::b(1, 0), sending: false },
+            Stuck { rank: 1, index: 0, action: Action::f(1, 1), waits_for: Action::f(0, 1), sending: false },
         ]
     );
     let text = e.to_string();
@@ -304,7 +305,7 @@ fn comm_latency_and_stage_factors_stretch_the_makespan() {
 fn timeline_respects_every_dependency() {
     let costs = Costs { comm: 0.25, ..Costs::unit() };
     for kind in ScheduleKind::BUILT {
-        let v = if kind == ScheduleKind::Interleaved1F1B { 2 } else { 1 };
+        let v = kind.default_chunks();
         let s = built(kind, 4, 8, v);
         let r = s.simulate(&costs).unwrap();
         let mut end = std::collections::BTreeMap::new();
@@ -349,4 +350,150 @@ fn grid_draws_every_rank_and_the_figures() {
     let s = built(ScheduleKind::Interleaved1F1B, 2, 4, 2);
     let g = s.grid(&sim(&s));
     assert!(g.contains("rank 1 | .   1F0 1F1 3F0 3B0 --- 3F1"), "{g}");
+}
+
+#[test]
+fn v_placement_puts_both_ends_on_rank_0_and_the_turn_on_the_last_rank() {
+    assert_eq!(v_placement(4), vec![0, 1, 2, 3, 3, 2, 1, 0]);
+    let s = built(ScheduleKind::ZbV, 4, 8, 2);
+    assert_eq!(s.stage_rank, v_placement(4));
+    assert_eq!(s.stages_of(0), vec![0, 7]);
+    assert_eq!(s.stages_of(3), vec![3, 4]);
+    assert_eq!((s.rank_of(0), s.rank_of(7), s.rank_of(4)), (0, 0, 3));
+    // The looped kinds keep stage s on rank s % p.
+    let s = built(ScheduleKind::Interleaved1F1B, 4, 8, 2);
+    assert_eq!(s.stage_rank, looped_placement(4, 2));
+    assert_eq!(s.stages_of(1), vec![1, 5]);
+}
+
+/// ZB-V against the zero-bubble paper, at 1F1B's peak memory (2p stage-microbatches
+/// per rank, each stage half a 1F1B stage: p microbatches' worth). For the shapes
+/// the paper draws (m a multiple of p, p ≤ 8) it reaches the unit-cost lower bound
+/// 6m + p − 1: a sixth of 1F1B's bubble time over the same layers and half of
+/// ZB-H1's. For other shapes the list scheduler can land a few units above the
+/// bound (p = 8, m = 9: 4), never above ZB-H1.
+#[test]
+fn zb_v_reaches_its_lower_bound_at_1f1b_peak_memory() {
+    for p in [1, 2, 3, 4, 8] {
+        for m in 1..=4 * p {
+            let s = built(ScheduleKind::ZbV, p, m, 2);
+            let r = sim(&s);
+            assert_ascending(&s);
+            assert!(s.actions.iter().flatten().all(|a| a.kind != ActionKind::B));
+            assert!(r.peak_live_rank.iter().all(|&n| n <= 2 * p), "p={p} m={m}: {:?}", r.peak_live_rank);
+            if m < p {
+                continue;
+            }
+            let (pf, mf) = (p as f64, m as f64);
+            let bound = 6.0 * mf + pf - 1.0;
+            if m % p == 0 {
+                assert_eq!(r.makespan, bound, "p={p} m={m}");
+                assert!((r.mean_bubble_frac - s.theory_bubble().unwrap()).abs() < 1e-12);
+            }
+            // 1F1B and ZB-H1 over the same layers: p stages of twice the work.
+            let one = sim(&built(ScheduleKind::OneFOneB, p, m, 1));
+            let zb_h1 = sim(&built(ScheduleKind::ZbH1, p, m, 1));
+            for rank in 0..p {
+                let idle = r.makespan - r.busy[rank];
+                let idle_1f1b = 2.0 * (one.makespan - one.busy[rank]);
+                let idle_h1 = 2.0 * (zb_h1.makespan - zb_h1.busy[rank]);
+                assert!(idle <= idle_h1 + 1e-9, "p={p} m={m} rank {rank}: {idle} vs zb-h1 {idle_h1}");
+                if m % p == 0 {
+                    assert!(idle <= idle_1f1b / 6.0 + 1e-9, "p={p} m={m} rank {rank}: {idle} vs {idle_1f1b}");
+                    assert!(idle <= idle_h1 / 2.0 + 1e-9, "p={p} m={m} rank {rank}: {idle} vs {idle_h1}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn zb_v_needs_two_chunks() {
+    for v in [1, 3] {
+        let e = build(ScheduleKind::ZbV, 4, 8, v).unwrap_err();
+        assert!(e.to_string().contains("parallel.chunks") && e.to_string().contains("exactly 2"), "{e}");
+    }
+}
+
+#[test]
+fn validator_and_simulator_follow_the_placement_not_stage_mod_p() {
+    // A hand-built V with full backwards, GPipe-like: F down the V, B back up.
+    let lists: Vec<Vec<Action>> = [
+        ["0F0", "0F1", "3F0", "3F1", "3B0", "3B1", "0B0", "0B1"],
+        ["1F0", "1F1", "2F0", "2F1", "2B0", "2B1", "1B0", "1B1"],
+    ]
+    .iter()
+    .map(|l| l.iter().map(|a| a.parse().unwrap()).collect())
+    .collect();
+    let s = Schedule::from_lists(lists.clone()).unwrap();
+    assert_eq!((s.ranks, s.chunks, s.microbatches), (2, 2, 2));
+    assert_eq!(s.stage_rank, v_placement(2));
+    s.validate().unwrap();
+    let r = sim(&s);
+    // Rank 1 turns the V itself: 2F0 takes 1F0's output with no message.
+    assert_eq!(r.peak_live_rank, vec![4, 4]);
+    assert!(r.timeline[1].iter().any(|(a, ..)| *a == Action::f(2, 0)));
+    // Under the looped placement the same lists are invalid: stage 3 lives on rank 1.
+    let looped = Schedule { stage_rank: looped_placement(2, 2), ..s.clone() };
+    let (r, i, a, why) = invalid(&looped);
+    assert_eq!((r, i, a), (0, 2, Action::f(3, 0)));
+    assert!(why.contains("lives on rank 1"), "{why}");
+    // A placement that gives a rank the wrong share is refused as a shape error.
+    let lopsided = Schedule { stage_rank: vec![0, 0, 0, 1], ..s };
+    assert!(lopsided.validate().unwrap_err().to_string().contains("every rank must hold v = 2"));
+}
+
+#[test]
+fn zb_v_json_round_trips_with_its_placement() {
+    let s = built(ScheduleKind::ZbV, 3, 6, 2);
+    let back = Schedule::from_json(&s.to_json()).unwrap();
+    assert_eq!(back, s);
+    assert_eq!(back.kind, ScheduleKind::ZbV);
+}
+
+/// Rendezvous sends: a send completes only when the receiver posts its receive.
+/// GPipe runs (every send meets a rank already waiting for it); 1F1B deadlocks in
+/// its first steady step, each neighbour blocked sending to the other — which is why
+/// Megatron-LM pairs send_forward with recv_backward.
+#[test]
+fn rendezvous_sends_deadlock_1f1b_but_not_gpipe() {
+    for p in [2, 4] {
+        let g = built(ScheduleKind::GPipe, p, 2 * p, 1);
+        let buffered = g.simulate(&Costs::unit()).unwrap();
+        let rendezvous = g.simulate_with(&Costs::unit(), Transport::Rendezvous).unwrap();
+        assert_eq!(rendezvous.makespan, buffered.makespan, "p={p}: nobody waits on a send in GPipe");
+        for kind in [ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+            let s = built(kind, p, 2 * p, 1);
+            s.simulate(&Costs::unit()).unwrap();
+            let e = s.simulate_with(&Costs::unit(), Transport::Rendezvous).unwrap_err();
+            let ScheduleError::Deadlock { waiting } = &e else { panic!("{e}") };
+            assert!(waiting.iter().any(|w| w.sending), "{kind} p={p}: {e}");
+        }
+    }
+    let s = built(ScheduleKind::OneFOneB, 2, 2, 1);
+    let e = s.simulate_with(&Costs::unit(), Transport::Rendezvous).unwrap_err();
+    let ScheduleError::Deadlock { waiting } = &e else { panic!("{e}") };
+    assert_eq!(
+        waiting,
+        &vec![
+            Stuck { rank: 0, index: 1, action: Action::f(0, 1), waits_for: Action::f(1, 1), sending: true },
+            Stuck { rank: 1, index: 1, action: Action::b(1, 0), waits_for: Action::b(0, 0), sending: true },
+        ]
+    );
+    assert!(e.to_string().contains("rank 0 at index 1 (0F1) is blocked sending to 1F1"), "{e}");
+}
+
+#[test]
+fn rendezvous_sends_cost_the_wait_for_the_receiver() {
+    // GPipe over a slow stage 1 (F takes 3): buffered, rank 0 runs its forwards back
+    // to back; rendezvous, each send waits until rank 1 reaches the matching F.
+    let s = built(ScheduleKind::GPipe, 2, 3, 1);
+    let costs = Costs { per_stage_factor: vec![1.0, 3.0], ..Costs::unit() };
+    let b = s.simulate(&costs).unwrap();
+    let r = s.simulate_with(&costs, Transport::Rendezvous).unwrap();
+    assert_eq!(b.timeline[0][2], (Action::f(0, 2), 2.0, 3.0));
+    // 0F1's send completes at 4 (1F0 runs 1..4), 0F2's at 7 (1F1 runs 4..7).
+    assert_eq!(r.timeline[0][2], (Action::f(0, 2), 4.0, 5.0));
+    assert_eq!(r.busy, b.busy);
+    assert!(r.makespan >= b.makespan);
 }

@@ -1,6 +1,7 @@
 //! The rules every schedule obeys, checked before anything runs it.
 //!
 //! - shape: one list per rank, p, v, m ≥ 1;
+//! - placement: every one of the S stages on a rank < p, each rank holding v;
 //! - every action's stage < S and microbatch < m, on the rank that owns the stage;
 //! - each (stage, mb) has exactly one F and either exactly one B, or exactly one I
 //!   and exactly one W;
@@ -34,6 +35,28 @@ impl Schedule {
         }
         if self.actions.len() != p {
             return Err(shape("ranks", format!("{} action lists for {p} ranks", self.actions.len())));
+        }
+        if self.stage_rank.len() != s_count {
+            return Err(shape(
+                "stage_rank",
+                format!("{} stages placed, but p·v = {s_count}", self.stage_rank.len()),
+            ));
+        }
+        if let Some((stage, &r)) = self.stage_rank.iter().enumerate().find(|(_, &r)| r >= p) {
+            return Err(shape(
+                "stage_rank",
+                format!("stage {stage} placed on rank {r}, but there are {p} ranks"),
+            ));
+        }
+        // Equal shares: a rank's memory and threads are sized for v stages.
+        for rank in 0..p {
+            let held = self.stages_of(rank);
+            if held.len() != self.chunks {
+                return Err(shape(
+                    "stage_rank",
+                    format!("rank {rank} holds stages {held:?}; every rank must hold v = {}", self.chunks),
+                ));
+            }
         }
         let mut seen = vec![vec![Seen::default(); m]; s_count];
         for (rank, list) in self.actions.iter().enumerate() {

@@ -66,7 +66,7 @@ pub fn cli_trace(
     costs_ms: &[f64],
 ) -> Result<Value, ScheduleError> {
     let kind: ScheduleKind = kind.parse()?;
-    let chunks = chunks.unwrap_or(if kind == ScheduleKind::Interleaved1F1B { 2 } else { 1 });
+    let chunks = chunks.unwrap_or(kind.default_chunks());
     let mut costs = Costs::unit();
     match *costs_ms {
         [] => {}
