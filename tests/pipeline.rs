@@ -114,12 +114,21 @@ fn the_actor_runtime_equals_the_one_process_engine() {
     assert_eq!(pipewright::model::io::weights_digest(&[&e.part]), run.0.weights_digest);
 }
 
+/// The chaos transport delays every message the runtime files by key instead of
+/// handling in order: tokens, targets, activations, gradients, the tied
+/// embedding's shares, reduced gradients, and the replicas' gradients on their way
+/// into the reducer.
 #[test]
 fn scrambled_message_delivery_changes_no_bits() {
     let cfg = config(&["parallel.pp=4"]);
     let calm = train(&cfg, None);
     for seed in [1, 2, 3] {
         assert_same_bits(&calm, &train(&cfg, Some(seed)), &format!("chaos seed {seed}"));
+    }
+    let cfg = config(&["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4"]);
+    let calm = train(&cfg, None);
+    for seed in [4, 5] {
+        assert_same_bits(&calm, &train(&cfg, Some(seed)), &format!("dp=2, chaos seed {seed}"));
     }
 }
 

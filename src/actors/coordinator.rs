@@ -331,7 +331,7 @@ impl Actor for Coordinator {
         let reducer = if dp > 1 {
             let log = replay::recorder(&cfg, &run_dir, "reducer", start_step)?;
             let stage_rank = layout.schedule.stage_rank.clone();
-            let args = ReducerArgs { dp, stages: all.clone(), stage_rank, log };
+            let args = ReducerArgs { dp, stages: all.clone(), stage_rank, log, chaos_seed };
             Some(Actor::spawn_linked(Some(registered("reducer", id)), Reducer, args, me.get_cell()).await?.0)
         } else {
             None

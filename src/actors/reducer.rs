@@ -1,12 +1,21 @@
 //! Data-parallel gradient reduction: for each stage, the gradients of every
 //! replica are summed in replica order (0 + 1 + 2 …) and the sum is sent back
 //! to every replica, so all replicas apply the same update and stay identical.
+//!
+//! As with a stage, the actor only owns the mailbox and supervision: its handler
+//! forwards each message (through the chaos shim when testing) to a thread that
+//! owns [`ReducerState`] — the pending gathers, the sums and the replay log. An
+//! error or panic there stops the actor with the reason, which the coordinator
+//! reports as it does any actor that stops during a run.
 
 use super::stage::StageMsg;
 use crate::replay::{self, ActorLog, Blob, Entry};
+use crate::rng::{Purpose, Rng};
+use crossbeam_channel::Sender;
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 pub enum ReducerMsg {
     Reduce { step: u64, stage: usize, replica: usize, grads: Vec<Vec<f32>> },
@@ -22,6 +31,9 @@ pub struct ReducerArgs {
     /// also the number of gathers per step.
     pub stage_rank: Vec<usize>,
     pub log: Option<ActorLog>,
+    /// Test transport: deliver each gradient after a random delay, so replicas'
+    /// contributions reach the sum in a scrambled order.
+    pub chaos_seed: Option<u64>,
 }
 
 pub struct Reducer;
@@ -39,36 +51,72 @@ pub struct ReducerState {
     done: BTreeMap<u64, usize>,
 }
 
+/// The actor's side: where messages go, and the thread to wait for at the end.
+pub struct ReducerHandle {
+    tx: Option<Sender<ReducerMsg>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    chaos: Option<Rng>,
+}
+
 impl Actor for Reducer {
     type Msg = ReducerMsg;
-    type State = ReducerState;
+    type State = ReducerHandle;
     type Arguments = ReducerArgs;
 
     async fn pre_start(
         &self,
-        _me: ActorRef<ReducerMsg>,
+        me: ActorRef<ReducerMsg>,
         args: ReducerArgs,
-    ) -> Result<ReducerState, ActorProcessingErr> {
-        Ok(ReducerState::new(args))
+    ) -> Result<ReducerHandle, ActorProcessingErr> {
+        let chaos = args.chaos_seed.map(|s| Rng::new(s, Purpose::Test, &[0x7ed]));
+        let (tx, rx) = crossbeam_channel::unbounded::<ReducerMsg>();
+        let thread = std::thread::Builder::new().name("reducer".into()).spawn(move || {
+            let mut st = ReducerState::new(args);
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                rx.iter().try_for_each(|msg| st.on_message(msg))
+            }));
+            let failed = match result {
+                Ok(r) => r.err(),
+                Err(p) => Some(super::stage::panic_text(&p)),
+            };
+            let finished = st.close_log().err();
+            if let Some(why) = failed.or(finished) {
+                me.stop(Some(why));
+            }
+        })?;
+        Ok(ReducerHandle { tx: Some(tx), thread: Some(thread), chaos })
     }
 
     async fn handle(
         &self,
         _me: ActorRef<ReducerMsg>,
         msg: ReducerMsg,
-        st: &mut ReducerState,
+        st: &mut ReducerHandle,
     ) -> Result<(), ActorProcessingErr> {
-        Ok(st.on_message(msg)?)
+        let tx = st.tx.clone().ok_or("reducer thread has exited")?;
+        match &mut st.chaos {
+            Some(rng) => {
+                let delay = Duration::from_micros(rng.below(2000));
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    let _ = tx.send(msg);
+                });
+            }
+            None => tx.send(msg).map_err(|_| "reducer thread has exited")?,
+        }
+        Ok(())
     }
 
     async fn post_stop(
         &self,
         _me: ActorRef<ReducerMsg>,
-        st: &mut ReducerState,
+        st: &mut ReducerHandle,
     ) -> Result<(), ActorProcessingErr> {
-        st.flush_log();
-        if let Some(log) = &mut st.args.log {
-            log.finish()?;
+        // Closing the channel ends the thread once delayed deliveries are in; it then
+        // finishes the log, which the run's caller may read next.
+        st.tx.take();
+        if let Some(t) = st.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
         Ok(())
     }
@@ -108,8 +156,8 @@ impl ReducerState {
         }
         let mut parts: Vec<Vec<Vec<f32>>> =
             self.pending.remove(&(step, stage)).unwrap().into_iter().map(|g| g.unwrap()).collect();
-        // Sum in replica order into replica 0's buffers. This is heavy arithmetic in
-        // a handler, but it is a single streaming add and keeps the order fixed.
+        // Sum in replica order into replica 0's buffers: the fixed order is what
+        // makes every run's sum the same bits.
         let (first, rest) = parts.split_at_mut(1);
         for other in rest.iter() {
             for (acc, g) in first[0].iter_mut().zip(other) {

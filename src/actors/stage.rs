@@ -195,12 +195,15 @@ impl Actor for StageActor {
             let us = sent.elapsed().as_secs_f64() * 1e6;
             st.latencies_us.lock().expect("latency log").push(us);
         }
+        // Every message the compute thread files by key rather than handles in order.
         let data = matches!(
             msg,
             StageMsg::Tokens { .. }
                 | StageMsg::Targets { .. }
                 | StageMsg::Activation { .. }
                 | StageMsg::Gradient { .. }
+                | StageMsg::TiedShare { .. }
+                | StageMsg::Reduced { .. }
         );
         match (&mut st.chaos, data) {
             (Some(rng), true) => {
@@ -345,7 +348,7 @@ pub fn replay_stage(args: StageArgs, rx: Receiver<StageMsg>) -> Result<Option<Ac
     Ok(w.log.take())
 }
 
-fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+pub(super) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))

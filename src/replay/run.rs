@@ -385,6 +385,7 @@ fn replay_reducer(cfg: &Config, entries: &[Entry], log: ActorLog) -> Result<usiz
         stages: Arc::new(OnceLock::new()),
         stage_rank: layout.schedule.stage_rank.clone(),
         log: Some(log),
+        chaos_seed: None,
     };
     let mut st = ReducerState::new(args);
     for e in entries {
