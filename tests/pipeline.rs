@@ -206,6 +206,54 @@ fn dynamic_loss_scaling_changes_no_bits_on_f32() {
     assert_same_bits(&plain, &scaled, "loss scale 1024");
 }
 
+/// Runs the binary to its end, killing it (and failing) after `limit`.
+fn run_with_deadline(cmd: &mut std::process::Command, limit: std::time::Duration) -> (bool, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let err_path = dir.path().join("stderr");
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            panic!("still running after {limit:?}: {}", std::fs::read_to_string(&err_path).unwrap());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    (status.success(), std::fs::read_to_string(&err_path).unwrap())
+}
+
+#[test]
+fn a_stage_that_fails_to_start_is_reported_and_nothing_hangs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, err) = run_with_deadline(
+        std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args(["train", "--steps", "3", "--out", dir.path().join("r").to_str().unwrap()])
+            .args(["--set", "parallel.pp=2", "--set", "parallel.microbatches=4", "--set", "model.n_layer=2"])
+            .args([
+                "--set",
+                "model.n_embd=32",
+                "--set",
+                "model.n_head=2",
+                "--set",
+                "train.micro_batch_size=2",
+            ])
+            .env("PIPEWRIGHT_FAULT_START", "stage-1"),
+        std::time::Duration::from_secs(60),
+    );
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("stage-1 failed at step 0: could not start: injected fault (PIPEWRIGHT_FAULT_START)"),
+        "{err}"
+    );
+}
+
 #[test]
 fn overflowing_gradients_skip_the_step_and_back_the_scale_off() {
     let dir = tempfile::tempdir().unwrap();

@@ -325,12 +325,26 @@ impl Links {
 
 fn worker_main(mut args: StageArgs, rx: Receiver<StageMsg>) {
     let (rank, replica) = (args.rank, args.replica);
+    let step = args.resume.as_ref().map_or(0, |c| c.state.step);
     let links = std::mem::replace(&mut args.links, Links::Detached { failure: Default::default() });
+    // Worker::new consumes the links; a panic there must still reach the coordinator.
+    let coordinator = match &links {
+        Links::Actors { coordinator, .. } => Some(coordinator.clone()),
+        Links::Detached { .. } => None,
+    };
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Worker::new(args, rx, links)));
+    let could_not_start =
+        |e: String| Failure::new(rank, replica, step, None, format!("could not start: {e}"));
     match built {
         Ok(Ok(mut w)) => w.run(),
-        Ok(Err((e, links))) => links.fail(Failure::new(rank, replica, 0, None, e)),
-        Err(p) => eprintln!("stage-{rank}.{replica} could not start: {}", panic_text(&p)),
+        Ok(Err((e, links))) => links.fail(could_not_start(e)),
+        Err(p) => {
+            let f = could_not_start(panic_text(&p));
+            match coordinator {
+                Some(c) => drop(c.send_message(CoordinatorMsg::Failed(f))),
+                None => eprintln!("{f}"),
+            }
+        }
     }
 }
 
@@ -484,6 +498,12 @@ impl Worker {
 
     /// The fallible part of starting: model parts, optimizer state, thread pool.
     fn prepare(args: &StageArgs) -> Result<(Vec<ModelPart>, Vec<AdamState>, rayon::ThreadPool), String> {
+        // `PIPEWRIGHT_FAULT_START=stage-1`: that stage fails to start with an error,
+        // for the test that a stage which never starts is reported and nothing hangs.
+        let name = super::coordinator::stage_name(args.rank, args.replica);
+        if std::env::var("PIPEWRIGHT_FAULT_START").is_ok_and(|v| v.split(',').any(|a| a.trim() == name)) {
+            return Err("injected fault (PIPEWRIGHT_FAULT_START)".into());
+        }
         let cfg = &args.cfg;
         let gpt = GptConfig::from_config(cfg);
         let stages = args.layout.stages_of(args.rank);
