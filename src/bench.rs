@@ -190,26 +190,28 @@ pub fn pipeline_rows(
 }
 
 pub fn pipeline_table(rows: &[PipelineRow]) -> String {
-    let mut s = String::from("\nthe same model through the actor runtime (1F1B), per pipeline size\n");
+    let schedule = rows.first().map_or("1f1b", |r| r.schedule.as_str());
+    let mut s = format!("\nthe same model through the actor runtime ({schedule}), per pipeline size\n");
     s += &format!(
-        "  {:>3} {:>10} {:>9} {:>9} {:>8} {:>13} {:>10} {:>11} {:>9} {:>10} {:>12}\n",
+        "  {:>3} {:>10} {:>9} {:>9} {:>8} {:>15} {:>15} {:>11} {:>9} {:>10} {:>12}\n",
         "pp",
         "tokens/s",
         "ms/step",
         "GFLOP/s",
         "vs pp=1",
-        "msg median µs",
-        "msg p99 µs",
+        "busy msg med µs",
+        "busy msg p99 µs",
         "planned ms",
         "measured/",
         "act. MB",
         "planned MB"
     );
     let base = rows.first().map(|r| r.tokens_per_s).unwrap_or(1.0);
+    s += "  (busy msg: send → handle of the run's activation and gradient messages, while the compute\n   threads occupy the cores, so it includes waiting for a core; the runtime's own cost on an idle\n   actor is measured separately below)\n";
     s += "  (planned: the CPU planner's step time at the model rate pp = 1 measured, and its activation\n   memory of the fullest rank; measured/planned within 0.8–1.2 is the planner's target)\n";
     for r in rows {
         s += &format!(
-            "  {:>3} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>13.1} {:>10.1} {:>11} {:>9} {:>10.1} {:>12.1}\n",
+            "  {:>3} {:>10.0} {:>9.1} {:>9.1} {:>8.2} {:>15.1} {:>15.1} {:>11} {:>9} {:>10.1} {:>12.1}\n",
             r.pp,
             r.tokens_per_s,
             r.ms_per_step,
