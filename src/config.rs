@@ -195,9 +195,15 @@ pub struct BackendSection {
     pub kind: String,
     /// Compute threads; 0 means one per available core.
     pub threads: usize,
-    /// With kind = "cuda": the GPU ordinal of each pipeline stage, in stage
-    /// order (several stages may share one GPU); empty means all on GPU 0.
+    /// With kind = "cuda": the GPU ordinal of each pipeline rank, in rank
+    /// order (several ranks may share one GPU, each on its own stream), or of
+    /// each (replica, rank) replica-major when it has pp · dp entries; empty
+    /// means all on GPU 0.
     pub devices: Vec<usize>,
+    /// With kind = "cuda": the storage type of weights and activations,
+    /// "bf16" (training) or "f32" (the path the CPU twin checks use).
+    /// Master weights, gradients and AdamW moments are f32 either way.
+    pub dtype: String,
 }
 
 /// The simulated backend: each action takes a set time and moves a tiny
@@ -296,7 +302,7 @@ impl Default for ParallelSection {
 
 impl Default for BackendSection {
     fn default() -> Self {
-        BackendSection { kind: "cpu".into(), threads: 0, devices: vec![] }
+        BackendSection { kind: "cpu".into(), threads: 0, devices: vec![], dtype: "bf16".into() }
     }
 }
 
@@ -528,13 +534,24 @@ impl Config {
         v.one_of("backend.kind", &self.backend.kind, &["cpu", "sim", "cuda"]);
         let devices = &self.backend.devices;
         v.check(
-            devices.is_empty() || (self.backend.kind == "cuda" && devices.len() == p.pp),
+            devices.is_empty()
+                || (self.backend.kind == "cuda" && (devices.len() == p.pp || devices.len() == p.pp * p.dp)),
             "backend.devices",
             format!("{devices:?}"),
             format!(
-                "one GPU ordinal per pipeline stage (parallel.pp = {}), and only with backend.kind = \"cuda\"",
-                p.pp
+                "one GPU ordinal per pipeline rank (parallel.pp = {}) or per rank and replica ({} entries), \
+                 and only with backend.kind = \"cuda\"",
+                p.pp,
+                p.pp * p.dp
             ),
+        );
+        v.one_of("backend.dtype", &self.backend.dtype, &["bf16", "f32"]);
+        v.check(
+            self.backend.kind != "cuda" || !p.schedule.starts_with("zb"),
+            "parallel.schedule",
+            &p.schedule,
+            "the split backward (I and W) of zero-bubble schedules is built for the CPU backend only; \
+             with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
         );
         let sim = &self.sim;
         v.check(

@@ -169,7 +169,12 @@ impl LoadedWeights {
 
     /// Copies the weights into a part (after `check`).
     pub fn assign(&self, part: &mut ModelPart) -> Result<(), WeightsError> {
-        for p in &mut part.params {
+        self.assign_params(&mut part.params)
+    }
+
+    /// Copies the weights into parameters (after `check`), by name.
+    pub fn assign_params(&self, params: &mut [Param]) -> Result<(), WeightsError> {
+        for p in params {
             let (shape, data) = self.tensors.get(&p.name).ok_or_else(|| WeightsError::Missing {
                 path: self.path.clone(),
                 name: p.name.clone(),

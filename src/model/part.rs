@@ -215,6 +215,31 @@ pub struct ModelPart {
     pub peak_live_bytes: usize,
 }
 
+/// The tensors a part holds, in its order, with their initial values: [wte,
+/// wpe] if first, 12 per block, [ln_f.w, ln_f.b] if last, then a copy of wte
+/// if last but not first (the tied head). Every backend builds its parts from these.
+pub fn part_params(cfg: &GptConfig, spec: &PartSpec, seed: u64) -> Vec<Param> {
+    let mut params = Vec::new();
+    let mut add = |list: Vec<(String, Vec<usize>)>| {
+        for (name, shape) in list {
+            params.push(params::new_param(cfg, name, shape, seed));
+        }
+    };
+    if spec.embedding {
+        add(params::embedding_tensors(cfg));
+    }
+    for l in spec.layers.clone() {
+        add(params::block_tensors(cfg, l));
+    }
+    if spec.head {
+        add(params::final_norm_tensors(cfg));
+        if !spec.embedding {
+            add(vec![params::embedding_tensors(cfg).remove(0)]);
+        }
+    }
+    params
+}
+
 fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Param) {
     assert!(i < j);
     let (a, b) = p.split_at_mut(j);
@@ -223,24 +248,7 @@ fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Param) {
 
 impl ModelPart {
     pub fn new(cfg: GptConfig, spec: PartSpec, b: usize, seed: u64, recompute: bool) -> Self {
-        let mut params = Vec::new();
-        let mut add = |list: Vec<(String, Vec<usize>)>| {
-            for (name, shape) in list {
-                params.push(params::new_param(&cfg, name, shape, seed));
-            }
-        };
-        if spec.embedding {
-            add(params::embedding_tensors(&cfg));
-        }
-        for l in spec.layers.clone() {
-            add(params::block_tensors(&cfg, l));
-        }
-        if spec.head {
-            add(params::final_norm_tensors(&cfg));
-            if !spec.embedding {
-                add(vec![params::embedding_tensors(&cfg).remove(0)]);
-            }
-        }
+        let params = part_params(&cfg, &spec, seed);
         let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         let head = spec.head;

@@ -157,6 +157,21 @@ impl Gpu {
         Ok(())
     }
 
+    /// buf[offset..offset + host.len()] → host, finished before returning.
+    pub fn download_at<T: Copy>(&self, buf: &DeviceBuffer<T>, offset: usize, host: &mut [T]) -> Result<()> {
+        ensure(offset + host.len() <= buf.len, || {
+            format!("download of {} elements at {offset} from a buffer of {}", host.len(), buf.len)
+        })?;
+        if !host.is_empty() {
+            // SAFETY: bounds checked; synchronized before `host` is read.
+            unsafe {
+                result::memcpy_dtoh_async(host, buf.ptr_at(offset), self.stream())?;
+                result::stream::synchronize(self.stream())?;
+            }
+        }
+        Ok(())
+    }
+
     /// Device memory as f32 on the host, whatever the storage type.
     pub fn download_f32<X: Elem>(&self, buf: &DeviceBuffer<X>) -> Result<Vec<f32>> {
         Ok(self.download(buf)?.into_iter().map(Elem::to_f32).collect())

@@ -20,6 +20,7 @@ pub mod layernorm;
 pub mod matmul;
 pub mod model;
 pub mod nvrtc;
+pub mod part;
 pub mod residual;
 
 pub use device::{DeviceBuffer, Gpu};
