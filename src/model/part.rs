@@ -249,6 +249,12 @@ fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Param) {
 impl ModelPart {
     pub fn new(cfg: GptConfig, spec: PartSpec, b: usize, seed: u64, recompute: bool) -> Self {
         let params = part_params(&cfg, &spec, seed);
+        ModelPart::from_params(cfg, spec, b, recompute, params)
+    }
+
+    /// The part holding `params` (`part_params`' tensors, in its order, with
+    /// any values: initial, loaded or resumed).
+    pub fn from_params(cfg: GptConfig, spec: PartSpec, b: usize, recompute: bool, params: Vec<Param>) -> Self {
         let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         let head = spec.head;
