@@ -2,7 +2,7 @@
 //! killed worker stops the rest with an error naming it, a wrong cookie is
 //! refused, and garbage on a data port costs the run nothing.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -230,13 +230,13 @@ fn garbage_on_a_data_port_is_refused_and_the_run_goes_on() {
     // is closed, and the real rank 1 still joins.
     let cookie = pipewright::cluster::link::Cookie::new("s3cret").unwrap();
     let (mut s, r) =
-        pipewright::cluster::link::connect(data.into_addr(), 1, 2, "127.0.0.1:9", &cookie).unwrap();
+        pipewright::cluster::link::connect(data.into_addr(), 1, 2, "127.0.0.1:9", &cookie, None).unwrap();
     assert_eq!(r, 0);
-    s.write_all(b"PWF1\xff\xff\xff\x7f\x00\x00\x00\x00\x00\x00\x00\x00junk").unwrap();
+    s.writer.write_all(b"PWF1\xff\xff\xff\x7f\x00\x00\x00\x00\x00\x00\x00\x00junk").unwrap();
     let mut buf = [0u8; 1];
     // Rank 0 closes the link.
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    assert_eq!(std::io::Read::read(&mut s, &mut buf).unwrap_or(0), 0);
+    s.socket.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(s.reader.read(&mut buf).unwrap_or(0), 0);
     let rank1 = worker(port, 1, 2, "s3cret", &args);
     let o1 = finish(rank1, Duration::from_secs(60), "rank 1");
     let o0 = finish(rank0, Duration::from_secs(60), "rank 0");
