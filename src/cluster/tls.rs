@@ -178,10 +178,6 @@ impl Tls {
         Ok(Tls { server: Arc::new(server), client: Arc::new(client), files: files.clone() })
     }
 
-    pub fn files(&self) -> &TlsFiles {
-        &self.files
-    }
-
     /// For the cluster node's listener.
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.server.clone())
