@@ -41,6 +41,32 @@ impl ConfigArgs {
     }
 }
 
+/// Mutual TLS on every link between the processes of a run: all three files
+/// or none, on every process.
+#[derive(clap::Args, Clone, Debug, Default)]
+struct TlsArgs {
+    /// This process's certificate (PEM, signed by --tls-ca) [env: PIPEWRIGHT_TLS_CERT].
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM) [env: PIPEWRIGHT_TLS_KEY].
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// The CA that signs every process's certificate (PEM) [env: PIPEWRIGHT_TLS_CA].
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The loaded certificates, or None for a run without TLS.
+    fn load(self) -> Result<Option<pipewright::cluster::tls::Tls>> {
+        use pipewright::cluster::tls::{Tls, TlsFiles};
+        match TlsFiles::resolve(self.tls_cert, self.tls_key, self.tls_ca)? {
+            Some(files) => Ok(Some(Tls::load(&files)?)),
+            None => Ok(None),
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Train a model. With no options, trains the embedded default: a small GPT
@@ -60,6 +86,8 @@ enum Command {
         #[arg(long)]
         port: Option<u16>,
         #[command(flatten)]
+        tls: TlsArgs,
+        #[command(flatten)]
         train: TrainArgs,
     },
     /// Join a run that spans processes or machines as one rank. Rank 0 takes
@@ -78,6 +106,8 @@ enum Command {
         /// Seconds to wait for every rank to join.
         #[arg(long, default_value_t = 120)]
         join_timeout: u64,
+        #[command(flatten)]
+        tls: TlsArgs,
         #[command(flatten)]
         train: TrainArgs,
     },
@@ -174,9 +204,12 @@ enum Command {
         #[arg(long)]
         sim: bool,
         /// Instead: the CPU data plane on loopback (frame round-trip latency,
-        /// bandwidth of large frames), through the real codec and sockets.
+        /// bandwidth of large frames), through the real codec and sockets
+        /// (and TLS sessions, given --tls-*).
         #[arg(long, conflicts_with = "sim")]
         transport: bool,
+        #[command(flatten)]
+        tls: TlsArgs,
         /// With --sim: the schedule to measure.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
@@ -546,18 +579,22 @@ fn tempfile_dir() -> Result<PathBuf> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train_command(args, None),
-        Command::Launch { nodes, port, train: _ } => {
+        Command::Launch { nodes, port, tls, train: _ } => {
+            // Checked here so a bad file is one error, not one per process;
+            // the workers get the same flags (or inherit the variables).
+            tls.load()?;
             let args = launch_args();
             pipewright::cluster::launch(nodes, port, &args, std::time::Duration::from_secs(30))?;
             Ok(())
         }
-        Command::Worker { join, rank, world, join_timeout, train } => {
+        Command::Worker { join, rank, world, join_timeout, tls, train } => {
             let spec = pipewright::cluster::JoinSpec::resolve(
                 join.as_deref(),
                 rank,
                 world,
                 std::time::Duration::from_secs(join_timeout),
-            )?;
+            )?
+            .with_tls(tls.load()?);
             if spec.rank > 0 {
                 pipewright::cluster::run_worker(&spec)?;
                 eprintln!("rank {}: done", spec.rank);
@@ -610,11 +647,16 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GpuCheck { device } => gpu_check(device),
         Command::GpuBench(args) => gpu_bench(args),
-        Command::Bench { transport: true, json, .. } => {
-            let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0])?;
+        Command::Bench { transport: true, tls, json, .. } => {
+            let tls = tls.load()?;
+            let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0], tls.as_ref())?;
             println!(
-                "frame round trip ({} floats, {} trips): median {:.1} µs, p99 {:.1} µs",
-                b.small_floats, b.round_trips, b.rtt_median_us, b.rtt_p99_us
+                "frame round trip ({} floats, {} trips{}): median {:.1} µs, p99 {:.1} µs",
+                b.small_floats,
+                b.round_trips,
+                if b.tls { ", TLS" } else { "" },
+                b.rtt_median_us,
+                b.rtt_p99_us
             );
             for (mib, mbs) in &b.bandwidth {
                 println!("{mib:>5.0} MiB frames: {mbs:.0} MB/s (one way, decoded)");

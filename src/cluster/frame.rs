@@ -160,6 +160,11 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, FrameError> {
     while got < PREFIX {
         match r.read(&mut prefix[got..]) {
             Ok(0) if got == 0 => return Ok(None),
+            // A short answer that is not ours (a TLS alert, say) says more by
+            // its first bytes than by being short.
+            Ok(0) if got >= 4 && prefix[..4] != MAGIC => {
+                return Err(FrameError::Magic(prefix[..4].try_into().expect("4 bytes")))
+            }
             Ok(0) => return Err(FrameError::Truncated),
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

@@ -137,7 +137,7 @@ impl Fabric {
     pub fn add_link(
         self: &Arc<Self>,
         peer: usize,
-        stream: std::net::TcpStream,
+        stream: super::link::LinkStream,
         listen: String,
     ) -> std::io::Result<()> {
         // Held across the start so a link that dies at once (its reader

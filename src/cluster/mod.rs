@@ -1,6 +1,7 @@
 //! Runs that span processes (CPU): a `ractor_cluster` node per process for
 //! authenticated membership and failure detection, a framed TCP data link per
-//! process pair for tensors and the actors' messages, and a launcher.
+//! process pair for tensors and the actors' messages, and a launcher. Both
+//! links may run under mutual TLS (`tls`), with the cookie proof inside it.
 //!
 //! Rank 0 is the run as one process knows it — coordinator, loaders, reducer,
 //! checkpointer, monitor, and its share of the stages — and writes every
@@ -14,6 +15,7 @@ pub mod frame;
 pub mod link;
 pub mod mesh;
 pub mod node;
+pub mod tls;
 pub mod wire;
 
 pub use mesh::{Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
@@ -38,6 +40,8 @@ pub enum ClusterError {
     Cookie(#[from] link::CookieError),
     #[error(transparent)]
     Node(#[from] node::NodeError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
     #[error("data link {0}")]
     Link(#[from] link::LinkError),
     #[error(transparent)]
@@ -68,6 +72,8 @@ pub struct JoinSpec {
     pub world: usize,
     /// How long to wait for everyone to join (and rank 0's roster).
     pub timeout: Duration,
+    /// Mutual TLS on both links; every process of a run has it or none does.
+    pub tls: Option<tls::Tls>,
 }
 
 impl JoinSpec {
@@ -121,7 +127,11 @@ impl JoinSpec {
         if world == 0 || rank >= world {
             return Err(ClusterError::Setup(format!("--rank {rank}: must be below --world {world}")));
         }
-        Ok(JoinSpec { master, rank, world, timeout })
+        Ok(JoinSpec { master, rank, world, timeout, tls: None })
+    }
+
+    pub fn with_tls(self, tls: Option<tls::Tls>) -> JoinSpec {
+        JoinSpec { tls, ..self }
     }
 
     pub fn data_addr(&self) -> SocketAddr {
@@ -141,14 +151,20 @@ fn runtime() -> Result<tokio::runtime::Runtime, ClusterError> {
 
 /// Accepts data links on `listener` for as long as the process lives; peers
 /// that fail the handshake are refused and logged, and the run goes on.
-fn accept_links(listener: TcpListener, fabric: Arc<Fabric>, cookie: Cookie, admit_above: usize) {
+fn accept_links(
+    listener: TcpListener,
+    fabric: Arc<Fabric>,
+    cookie: Cookie,
+    tls: Option<tls::Tls>,
+    admit_above: usize,
+) {
     let world = fabric.world;
     std::thread::Builder::new()
         .name("link-accept".into())
         .spawn(move || {
             for s in listener.incoming() {
                 let Ok(s) = s else { continue };
-                let (fabric, cookie) = (fabric.clone(), cookie.clone());
+                let (fabric, cookie, tls) = (fabric.clone(), cookie.clone(), tls.clone());
                 // One thread per handshake: a silent peer must not hold up the next.
                 let _ = std::thread::Builder::new().name("link-handshake".into()).spawn(move || {
                     let me = fabric.me;
@@ -162,7 +178,7 @@ fn accept_links(listener: TcpListener, fabric: Arc<Fabric>, cookie: Cookie, admi
                             Ok(())
                         }
                     };
-                    match link::accept(s, me as u32, world as u32, &cookie, admit) {
+                    match link::accept(s, me as u32, world as u32, &cookie, tls.as_ref(), admit) {
                         Ok(j) => {
                             if let Err(e) = fabric.add_link(j.rank as usize, j.stream, j.listen) {
                                 eprintln!("error: cannot start the data link to rank {}: {e}", j.rank);
@@ -189,9 +205,7 @@ fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<Vec<boo
                             members.lock().expect("members")[r] = true;
                         }
                     }
-                    NodeEvent::Refused { addr } => {
-                        eprintln!("refused cluster node {addr}: authentication failed (wrong cookie?)")
-                    }
+                    NodeEvent::Refused { addr, why } => eprintln!("refused cluster node {addr}: {why}"),
                     NodeEvent::Left { name, addr } => {
                         if let Some(r) = node::rank_of(&name).filter(|&r| r < fabric.world) {
                             members.lock().expect("members")[r] = false;
@@ -224,7 +238,8 @@ impl Driver {
     pub fn rendezvous(spec: &JoinSpec, placement: Placement) -> Result<Driver, ClusterError> {
         let cookie = Cookie::from_env()?;
         let rt = runtime()?;
-        let node = rt.block_on(Node::start(0, &cookie, spec.master.ip(), spec.master.port()))?;
+        let node =
+            rt.block_on(Node::start(0, &cookie, spec.master.ip(), spec.master.port(), spec.tls.as_ref()))?;
         let (fabric, events) = Fabric::new(0, spec.world);
         let _ = fabric.placement.set(placement);
         let members = Arc::new(Mutex::new(vec![false; spec.world]));
@@ -232,12 +247,13 @@ impl Driver {
         pump_node_events(&node, fabric.clone(), members.clone());
         let listener = TcpListener::bind(spec.data_addr())
             .map_err(io_err(format!("cannot listen on {}", spec.data_addr())))?;
-        accept_links(listener, fabric.clone(), cookie.clone(), 0);
+        accept_links(listener, fabric.clone(), cookie.clone(), spec.tls.clone(), 0);
         eprintln!(
-            "rank 0: waiting for {} worker(s) at {} (cluster) / {} (data)",
+            "rank 0: waiting for {} worker(s) at {} (cluster) / {} (data){}",
             spec.world - 1,
             spec.master,
-            spec.data_addr()
+            spec.data_addr(),
+            if spec.tls.is_some() { ", mutual TLS" } else { "" }
         );
         let joined = |f: &Fabric| {
             let m = members.lock().expect("members");
@@ -358,24 +374,24 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
         }
     });
     let ip = local_ip_towards(spec.master)?;
-    let node = rt.block_on(Node::start(spec.rank, &cookie, ip, 0))?;
+    let node = rt.block_on(Node::start(spec.rank, &cookie, ip, 0, spec.tls.as_ref()))?;
     let connect_wait = spec.timeout.min(Duration::from_secs(60));
     retry(
         connect_wait,
         || rt.block_on(node.join(spec.master, Duration::from_secs(10))),
-        |e| matches!(e, node::NodeError::Refused(_)),
+        |e| matches!(e, node::NodeError::Refused { .. } | node::NodeError::Tls { .. }),
     )?;
     let (fabric, events) = Fabric::new(spec.rank, spec.world);
     let members = Arc::new(Mutex::new(vec![true; spec.world]));
     pump_node_events(&node, fabric.clone(), members);
     let listener = TcpListener::bind((ip, 0)).map_err(io_err(format!("cannot listen on {ip}")))?;
     let listen = listener.local_addr().map_err(io_err("listener address"))?.to_string();
-    accept_links(listener, fabric.clone(), cookie.clone(), spec.rank);
+    accept_links(listener, fabric.clone(), cookie.clone(), spec.tls.clone(), spec.rank);
     let (w, rank) = (spec.world as u32, spec.rank as u32);
     let (stream, peer) = retry(
         connect_wait,
-        || link::connect(spec.data_addr(), rank, w, &listen, &cookie),
-        |e| matches!(e, link::LinkError::Refused { .. }),
+        || link::connect(spec.data_addr(), rank, w, &listen, &cookie, spec.tls.as_ref()),
+        |e| matches!(e, link::LinkError::Refused { .. } | link::LinkError::Tls { .. }),
     )?;
     if peer != 0 {
         return Err(ClusterError::Setup(format!("{} answers as rank {peer}, not rank 0", spec.data_addr())));
@@ -452,7 +468,8 @@ fn serve(
     for (q, addr) in addrs.iter().enumerate().take(spec.rank).skip(1) {
         let a: SocketAddr =
             addr.parse().map_err(|_| ClusterError::Setup(format!("rank {q}'s address {addr:?}")))?;
-        let (s, r) = link::connect(a, spec.rank as u32, spec.world as u32, listen, cookie)?;
+        let (s, r) =
+            link::connect(a, spec.rank as u32, spec.world as u32, listen, cookie, spec.tls.as_ref())?;
         if r as usize != q {
             return Err(ClusterError::Setup(format!("{a} answers as rank {r}, not rank {q}")));
         }
