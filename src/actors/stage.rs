@@ -10,10 +10,10 @@
 //! on arrival order. Tensors move between ranks by moving their `Vec`s: no copy
 //! in one process, and a rank passing to itself skips the mailbox.
 
+use super::compute::{BackwardPart, ChunkInput, CpuCompute, StageCompute};
 use super::coordinator::{CoordinatorMsg, EvalKind, Failure, StageReport};
 use super::layout::Layout;
 use super::reducer::ReducerMsg;
-use super::compute::{BackwardPart, ChunkInput, CpuCompute, StageCompute};
 use crate::model::part::Mode;
 use crate::model::{GptConfig, ModelPart};
 use crate::optim::{AdamState, Hyper};
@@ -534,8 +534,8 @@ impl Worker {
         args: &StageArgs,
         chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
     ) -> Result<Box<dyn StageCompute>, String> {
-        use crate::kernels::cuda::{Bf16, Gpu};
         use super::compute::GpuCompute;
+        use crate::kernels::cuda::{Bf16, Gpu};
         let cfg = &args.cfg;
         let devices = &cfg.backend.devices;
         let pp = args.layout.pp;

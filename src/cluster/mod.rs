@@ -399,6 +399,14 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
     fabric.add_link(0, stream, spec.data_addr().to_string()).map_err(io_err("data link to rank 0"))?;
     eprintln!("rank {}: joined {} as {listen}", spec.rank, spec.master);
     let result = serve(spec, &rt, &fabric, &events, &cookie, &listen);
+    if result.is_ok() {
+        // Say goodbye on every link between workers before closing it: a peer
+        // that has not yet read rank 0's Shutdown must see the run end here,
+        // not a link to a live worker closing, which it would take for a crash.
+        for p in (1..spec.world).filter(|&p| p != spec.rank) {
+            fabric.send(p, frame::Frame::new(Kind::Shutdown));
+        }
+    }
     fabric.set_done();
     if let Err(e) = &result {
         // Rank 0 hears why, if it is still there.

@@ -254,7 +254,13 @@ impl ModelPart {
 
     /// The part holding `params` (`part_params`' tensors, in its order, with
     /// any values: initial, loaded or resumed).
-    pub fn from_params(cfg: GptConfig, spec: PartSpec, b: usize, recompute: bool, params: Vec<Param>) -> Self {
+    pub fn from_params(
+        cfg: GptConfig,
+        spec: PartSpec,
+        b: usize,
+        recompute: bool,
+        params: Vec<Param>,
+    ) -> Self {
         let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         let head = spec.head;
