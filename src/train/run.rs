@@ -266,7 +266,7 @@ pub fn train_on(
     cluster: Option<&mut crate::cluster::Driver>,
 ) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
-    crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
+    let gpus = crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
@@ -340,7 +340,8 @@ pub fn train_on(
     // The machine's f32 matrix-product rate, the yardstick for MFU; measured
     // before and after training and the better figure kept.
     let simulated = cfg.backend.kind == "sim";
-    let peak_before = if simulated { 0.0 } else { gemm_peak(threads) };
+    let on_cpu = cfg.backend.kind == "cpu";
+    let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
     let trace_meta = serde_json::json!({
         "schedule": cfg.parallel.schedule,
         "pp": layout.pp,
@@ -393,7 +394,17 @@ pub fn train_on(
     let tokens_this_run = (out.steps_done - resumed_from.unwrap_or(0)) as f64 * out.tokens as f64
         / out.steps_done.max(1) as f64;
     let tokens_per_s = tokens_this_run / out.train_seconds.max(1e-9);
-    let peak = if simulated { f64::NAN } else { gemm_peak(threads).max(peak_before) };
+    let (peak, peak_source) = match cfg.backend.kind.as_str() {
+        "cpu" => (
+            gemm_peak(threads).max(peak_before),
+            format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
+        ),
+        "cuda" => {
+            let (flops, source) = crate::kernels::gpu_peak_flops(&gpus);
+            (flops / 1e9, source)
+        }
+        _ => (f64::NAN, "sim backend: nothing is computed".to_string()),
+    };
     let model_gflops = tokens_per_s * gpt.flops_per_token() / 1e9;
     let tensors = io::gather_params(&out.params);
     let summary = Summary {
@@ -407,7 +418,7 @@ pub fn train_on(
         mfu: model_gflops / peak,
         model_gflops,
         peak_gflops: peak,
-        peak_source: format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
+        peak_source,
         skipped_steps: out.skipped,
         params: gpt.num_params(),
         weights_digest: io::digest_of(&tensors),
