@@ -95,6 +95,13 @@ impl Gpu {
         })
     }
 
+    /// Makes this GPU's context current on the calling thread (for calls,
+    /// such as NCCL's, that act on the current context).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        Ok(())
+    }
+
     pub fn stream(&self) -> sys::CUstream {
         self.stream.cu_stream()
     }

@@ -19,6 +19,7 @@ pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
 pub mod model;
+pub mod nccl;
 pub mod nvrtc;
 pub mod part;
 pub mod residual;
@@ -44,6 +45,10 @@ pub enum CudaError {
     Nvrtc(cudarc::nvrtc::result::NvrtcError),
     #[error("NVRTC compiling kernels/{file}.cu for {arch}:\n{log}")]
     Compile { file: String, arch: String, log: String },
+    #[error("NCCL could not be loaded (libnccl.so.2): install NCCL (PyPI's nvidia-nccl-cu12 or cu13 carries it) and put its lib directory on LD_LIBRARY_PATH")]
+    NoNccl,
+    #[error("NCCL: {0}")]
+    Nccl(String),
     #[error("cuBLASLt: {0:?}")]
     Blas(cudarc::cublaslt::result::CublasError),
     #[error("{0}")]
