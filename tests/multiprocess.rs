@@ -11,6 +11,14 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_pipewright");
 
+/// One multi-process run at a time: each starts up to four processes with
+/// timeouts of their own, and on a 2-core box several at once starve each
+/// other into spurious timeouts (and race for the loopback ports they pick).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static RUNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    RUNS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The small model of tests/pipeline.rs (4 layers, so pp = 4 has one each).
 fn model(extra: &[&str]) -> Vec<String> {
     let mut sets = vec![
@@ -72,6 +80,7 @@ fn launched(dir: &Path, nodes: usize, args: &[String]) -> String {
 
 #[test]
 fn pp4_over_2_processes_gives_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let args = [model(&["parallel.pp=4"]), vec!["--steps".into(), "3".into()]].concat();
     assert_eq!(launched(dir.path(), 2, &args), one_process(dir.path(), &args));
@@ -79,6 +88,7 @@ fn pp4_over_2_processes_gives_the_bits_of_one_process() {
 
 #[test]
 fn pp2_dp2_over_4_processes_gives_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let args = [model(&["parallel.pp=2", "parallel.dp=2"]), vec!["--steps".into(), "3".into()]].concat();
     assert_eq!(launched(dir.path(), 4, &args), one_process(dir.path(), &args));
@@ -86,6 +96,7 @@ fn pp2_dp2_over_4_processes_gives_the_bits_of_one_process() {
 
 #[test]
 fn a_run_across_processes_resumes_with_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let base = model(&["parallel.pp=4", "checkpoint.every=2"]);
     let steps = |n: &str| vec!["--steps".to_string(), n.to_string()];
@@ -150,6 +161,7 @@ fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
 
 #[test]
 fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let port = free_ports();
@@ -185,6 +197,7 @@ fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
 
 #[test]
 fn a_wrong_cookie_is_refused_and_logged() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let port = free_ports();
     let args = [
@@ -206,6 +219,7 @@ fn a_wrong_cookie_is_refused_and_logged() {
 
 #[test]
 fn garbage_on_a_data_port_is_refused_and_the_run_goes_on() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let steps = vec!["--steps".into(), "3".into()];
     let base = [model(&["parallel.pp=2"]), steps].concat();
@@ -297,6 +311,7 @@ fn tls_worker(port: u16, rank: usize, cookie: &str, cert: Option<(&str, &str)>, 
 
 #[test]
 fn pp4_over_4_processes_under_tls_gives_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let args = [model(&["parallel.pp=4"]), vec!["--steps".into(), "3".into()]].concat();
     let reference = one_process(dir.path(), &args);
@@ -316,6 +331,7 @@ fn pp4_over_4_processes_under_tls_gives_the_bits_of_one_process() {
 
 #[test]
 fn a_certificate_from_another_ca_or_no_tls_is_refused_and_logged() {
+    let _serial = one_at_a_time();
     use pipewright::cluster::link;
     use pipewright::cluster::tls::{Tls, TlsFiles};
     let dir = tempfile::tempdir().unwrap();
@@ -369,6 +385,7 @@ fn a_certificate_from_another_ca_or_no_tls_is_refused_and_logged() {
 
 #[test]
 fn a_bad_tls_file_is_an_error_naming_it() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-such-cert.pem").display().to_string();
     let not_pem = format!("{}/Cargo.toml", env!("CARGO_MANIFEST_DIR"));

@@ -41,6 +41,121 @@ pub struct ChunkOutput {
     pub loss_sum: Option<f64>,
 }
 
+/// One NCCL communicator a GPU run needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub enum NcclKey {
+    /// Replica `replica`'s activations (or gradients) from pipeline rank
+    /// `from` to rank `to`, where the two live in different processes.
+    Link { replica: usize, from: usize, to: usize, gradient: bool },
+    /// Pipeline rank `rank`'s all-reduce across data-parallel replicas.
+    Replicas { rank: usize },
+}
+
+/// What the GPU stages of a run share: which ranks live in this process
+/// (their tensors move device to device), the NCCL ids for the rest, and
+/// this process's device exchange.
+pub struct GpuPlan {
+    /// Whether (replica, rank) lives here, at replica · pp + rank.
+    pub local: Vec<bool>,
+    pub nccl: std::collections::BTreeMap<NcclKey, Vec<u8>>,
+    #[cfg(feature = "cuda")]
+    pub exchange: std::sync::Arc<crate::kernels::cuda::transfer::Exchange>,
+}
+
+impl GpuPlan {
+    /// `owner(replica, rank)` is the process a rank lives in; `me` this one.
+    /// The NCCL ids are made here: call it once, on rank 0's process, and
+    /// send the ids to the others (`from_ids`).
+    pub fn make(
+        layout: &super::Layout,
+        owner: impl Fn(usize, usize) -> usize,
+        me: usize,
+    ) -> Result<GpuPlan, String> {
+        let keys = GpuPlan::needed(layout, &owner);
+        let mut nccl = std::collections::BTreeMap::new();
+        for k in keys {
+            nccl.insert(k, new_nccl_id()?);
+        }
+        Ok(GpuPlan::from_ids(layout, owner, me, nccl))
+    }
+
+    /// The plan of process `me`, with ids made elsewhere.
+    pub fn from_ids(
+        layout: &super::Layout,
+        owner: impl Fn(usize, usize) -> usize,
+        me: usize,
+        nccl: std::collections::BTreeMap<NcclKey, Vec<u8>>,
+    ) -> GpuPlan {
+        let (pp, dp) = (layout.pp, layout.dp);
+        let local = (0..dp * pp).map(|k| owner(k / pp, k % pp) == me).collect();
+        GpuPlan {
+            local,
+            nccl,
+            #[cfg(feature = "cuda")]
+            exchange: crate::kernels::cuda::transfer::Exchange::new(),
+        }
+    }
+
+    /// The communicators a layout needs: a link per (replica, from, to, kind)
+    /// that crosses processes, and an all-reduce per rank when dp > 1.
+    pub fn needed(layout: &super::Layout, owner: impl Fn(usize, usize) -> usize) -> Vec<NcclKey> {
+        let mut keys = std::collections::BTreeSet::new();
+        let last = layout.last_stage();
+        for replica in 0..layout.dp {
+            for s in 0..last {
+                let (a, b) = (layout.rank_of(s), layout.rank_of(s + 1));
+                if owner(replica, a) != owner(replica, b) {
+                    keys.insert(NcclKey::Link { replica, from: a, to: b, gradient: false });
+                    keys.insert(NcclKey::Link { replica, from: b, to: a, gradient: true });
+                }
+            }
+        }
+        if layout.dp > 1 {
+            keys.extend((0..layout.pp).map(|rank| NcclKey::Replicas { rank }));
+        }
+        keys.into_iter().collect()
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn new_nccl_id() -> Result<Vec<u8>, String> {
+    crate::kernels::cuda::nccl::NcclId::new().map(|i| i.0).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn new_nccl_id() -> Result<Vec<u8>, String> {
+    Err(crate::kernels::BackendError::NotBuilt.to_string())
+}
+
+/// A link's tensors as (consuming stage, microbatch), in order.
+pub type LinkOrder = Vec<(usize, usize)>;
+
+/// The order in which a link's tensors are sent and the order in which its
+/// receiver takes them, as (consuming stage, microbatch): NCCL matches a
+/// link's sends and receives by order alone, so the two must agree.
+pub fn link_orders(layout: &super::Layout, from: usize, to: usize, gradient: bool) -> (LinkOrder, LinkOrder) {
+    use crate::schedule::ActionKind::{B, F, I};
+    let last = layout.last_stage();
+    let acts = &layout.schedule.actions;
+    let sent = acts[from]
+        .iter()
+        .filter_map(|a| match (a.kind, gradient) {
+            (F, false) if a.stage < last && layout.rank_of(a.stage + 1) == to => Some((a.stage + 1, a.mb)),
+            (B | I, true) if a.stage > 0 && layout.rank_of(a.stage - 1) == to => Some((a.stage - 1, a.mb)),
+            _ => None,
+        })
+        .collect();
+    let taken = acts[to]
+        .iter()
+        .filter_map(|a| match (a.kind, gradient) {
+            (F, false) if a.stage > 0 && layout.rank_of(a.stage - 1) == from => Some((a.stage, a.mb)),
+            (B | I, true) if a.stage < last && layout.rank_of(a.stage + 1) == from => Some((a.stage, a.mb)),
+            _ => None,
+        })
+        .collect();
+    (sent, taken)
+}
+
 pub trait StageCompute {
     /// Sequences per microbatch.
     fn micro_batch(&self) -> usize;
@@ -96,6 +211,11 @@ pub trait StageCompute {
     fn snapshot(&self) -> (Vec<TensorState>, u64);
     /// Loads parameters and moments from a checkpoint (a rollback).
     fn restore(&mut self, c: &Loaded) -> Result<(), String>;
+    /// Sums every chunk's gradients over the data-parallel replicas itself
+    /// (NCCL on GPUs). False when the reducer actor must do it.
+    fn reduce_replicas(&mut self) -> bool {
+        false
+    }
 }
 
 /// Chunks on the CPU: model parts computing on the rank's thread pool.
@@ -283,30 +403,67 @@ impl StageCompute for CpuCompute {
 }
 
 #[cfg(feature = "cuda")]
-pub use gpu::GpuCompute;
+pub use gpu::{GpuCompute, GpuPlace};
 
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use crate::kernels::cuda::part::{GpuInput, GpuPart};
-    use crate::kernels::cuda::{Elem, Gpu};
+    use crate::kernels::cuda::nccl::{Comm, NcclId, NcclType};
+    use crate::kernels::cuda::part::{GpuGrad, GpuInput, GpuPart};
+    use crate::kernels::cuda::transfer::{NcclLink, Outbox, ParcelKey};
+    use crate::kernels::cuda::{CudaError, DeviceBuffer, Elem, Gpu};
+    use std::sync::Arc;
+
+    type CudaResult<T> = crate::kernels::cuda::Result<T>;
 
     /// Chunks on one GPU, which this rank's thread owns (its context and stream).
     pub struct GpuCompute<X: Elem> {
         gpu: Gpu,
         parts: Vec<GpuPart<X>>,
         b: usize,
+        /// Global stage of each chunk.
+        stages: Vec<usize>,
+        replica: usize,
+        layout: super::super::Layout,
+        /// Device routes (None: every tensor in host memory). A cell: the
+        /// receive and the send of one action borrow it one after the other.
+        routes: Option<std::cell::RefCell<Routes<X>>>,
+    }
+
+    /// Where this rank's tensors go and come from on the device.
+    struct Routes<X: Elem> {
+        plan: Arc<GpuPlan>,
+        /// Parcels for ranks in this process; empty while recording replay
+        /// logs, which must hold what messages carry.
+        outbox: Outbox<X>,
+        /// NCCL links by (other rank, gradient).
+        sends: BTreeMap<(usize, bool), NcclLink<X>>,
+        recvs: BTreeMap<(usize, bool), NcclLink<X>>,
+        /// The all-reduce across replicas (dp > 1).
+        replicas: Option<Comm>,
     }
 
     /// A GPU error ends the stage: the worker reports the panic as its failure.
-    fn ok<T>(r: crate::kernels::cuda::Result<T>, what: &str) -> T {
+    fn ok<T>(r: CudaResult<T>, what: &str) -> T {
         r.unwrap_or_else(|e| panic!("GPU {what}: {e}"))
     }
 
-    impl<X: Elem> GpuCompute<X> {
-        /// Moves `cpu_parts`' tensors (initial, `--init` or resumed values)
+    /// How a GPU rank is placed in its run.
+    pub struct GpuPlace<'a> {
+        pub layout: &'a super::super::Layout,
+        pub rank: usize,
+        pub replica: usize,
+        pub plan: Option<Arc<GpuPlan>>,
+        /// Every tensor through messages in host memory (replay recording, run-wide).
+        pub host_only: bool,
+    }
+
+    impl<X: Elem + NcclType> GpuCompute<X> {
+        /// Moves the chunks' tensors (initial, `--init` or resumed values)
         /// onto `gpu`, with `live[i]` activation slots for chunk i, and the
-        /// AdamW state of `adam` (zero moments when starting).
+        /// AdamW state of `resume` (zero moments when starting); joins the
+        /// NCCL communicators of the plan this rank belongs to.
+        #[allow(clippy::too_many_arguments)]
         pub fn new(
             gpu: Gpu,
             chunks: Vec<(crate::model::PartSpec, Vec<Param>)>,
@@ -315,14 +472,14 @@ mod gpu {
             recompute: bool,
             live: &[usize],
             resume: Option<&Loaded>,
+            place: GpuPlace,
         ) -> Result<Self, String> {
             let mut parts = Vec::new();
             for ((spec, params), &slots) in chunks.into_iter().zip(live) {
                 let mut part = GpuPart::<X>::new(&gpu, cfg, spec, b, recompute, slots.max(1), &params)
                     .map_err(|e| format!("GPU {} ({}): {e}", gpu.name, gpu_memory_hint(&e)))?;
                 if let Some(c) = resume {
-                    let mut m = Vec::new();
-                    let mut v = Vec::new();
+                    let (mut m, mut v) = (Vec::new(), Vec::new());
                     for p in &params {
                         let (pm, pv) = c
                             .moments
@@ -335,11 +492,128 @@ mod gpu {
                 }
                 parts.push(part);
             }
-            Ok(GpuCompute { gpu, parts, b })
+            let layout = place.layout.clone();
+            let n = b * cfg.block_size * cfg.n_embd;
+            let routes = match place.plan {
+                Some(plan) => Some(std::cell::RefCell::new(Routes::new(
+                    &gpu,
+                    plan,
+                    &layout,
+                    place.rank,
+                    place.replica,
+                    n,
+                    place.host_only,
+                )?)),
+                None => None,
+            };
+            Ok(GpuCompute {
+                gpu,
+                parts,
+                b,
+                stages: layout.stages_of(place.rank),
+                replica: place.replica,
+                layout,
+                routes,
+            })
         }
     }
 
-    fn gpu_memory_hint(e: &crate::kernels::cuda::CudaError) -> &'static str {
+    impl<X: Elem + NcclType> Routes<X> {
+        fn new(
+            gpu: &Gpu,
+            plan: Arc<GpuPlan>,
+            layout: &super::super::Layout,
+            rank: usize,
+            replica: usize,
+            n: usize,
+            host_only: bool,
+        ) -> Result<Routes<X>, String> {
+            let depth = layout.microbatches + 2;
+            let outbox = Outbox::new(gpu, if host_only { 0 } else { depth }, n).map_err(|e| e.to_string())?;
+            let (mut sends, mut recvs, mut replicas) = (BTreeMap::new(), BTreeMap::new(), None);
+            // Ascending key order on every member: no two ranks wait on each
+            // other's communicators in opposite orders while joining. Link
+            // keys are skipped on every rank alike when recording (host_only
+            // is run-wide), so no member waits for one that never comes.
+            for (key, id) in &plan.nccl {
+                let id = NcclId(id.clone());
+                match *key {
+                    NcclKey::Link { replica: r, from, to, gradient }
+                        if !host_only && r == replica && (from == rank || to == rank) =>
+                    {
+                        let (sent, taken) = link_orders(layout, from, to, gradient);
+                        if sent != taken {
+                            return Err(format!(
+                                "NCCL matches a link's sends and receives by order, but this schedule sends \
+                                 rank {from} → rank {to} {} in the order {sent:?} and consumes them in the order \
+                                 {taken:?}: run these ranks in one process, or use gpipe or 1f1b",
+                                if gradient { "gradients" } else { "activations" }
+                            ));
+                        }
+                        let me = usize::from(to == rank);
+                        let comm =
+                            Comm::init(gpu, &id, 2, me).map_err(|e| format!("NCCL link {key:?}: {e}"))?;
+                        if from == rank {
+                            let link = NcclLink::sender(gpu, comm, depth, n).map_err(|e| e.to_string())?;
+                            sends.insert((to, gradient), link);
+                        } else {
+                            recvs.insert((from, gradient), NcclLink::receiver(comm));
+                        }
+                    }
+                    NcclKey::Replicas { rank: k } if k == rank => {
+                        let comm = Comm::init(gpu, &id, layout.dp, replica)
+                            .map_err(|e| format!("NCCL all-reduce of rank {k}: {e}"))?;
+                        replicas = Some(comm);
+                    }
+                    _ => {}
+                }
+            }
+            Ok(Routes { plan, outbox, sends, recvs, replicas })
+        }
+
+        /// Sends the tensor for (`stage`, `mb`) held in `src` on the device:
+        /// a parcel for a rank in this process, an NCCL send for one elsewhere.
+        /// False when it must go in host memory instead.
+        #[allow(clippy::too_many_arguments)]
+        fn send(
+            &mut self,
+            gpu: &Gpu,
+            src: &DeviceBuffer<X>,
+            to: usize,
+            pp: usize,
+            key: ParcelKey,
+        ) -> CudaResult<bool> {
+            if self.plan.local[key.replica * pp + to] {
+                return self.outbox.post(gpu, src, &self.plan.exchange, key);
+            }
+            match self.sends.get_mut(&(to, key.gradient)) {
+                Some(link) => link.send(gpu, src).map(|_| true),
+                None => Ok(false),
+            }
+        }
+
+        /// Writes the tensor for (`stage`, `mb`), whose message arrived
+        /// empty, into `dst`: from this process's exchange, or from the NCCL
+        /// link of the rank `from` that made it.
+        fn receive(
+            &self,
+            gpu: &Gpu,
+            dst: &DeviceBuffer<X>,
+            from: usize,
+            pp: usize,
+            key: ParcelKey,
+        ) -> CudaResult<()> {
+            if self.plan.local[key.replica * pp + from] {
+                return self.plan.exchange.take(key)?.deliver(gpu, dst);
+            }
+            let link = self.recvs.get(&(from, key.gradient)).ok_or_else(|| {
+                CudaError::Shape(format!("an empty tensor from rank {from}, with no NCCL link from it"))
+            })?;
+            link.recv(gpu, dst, dst.len())
+        }
+    }
+
+    fn gpu_memory_hint(e: &CudaError) -> &'static str {
         if crate::kernels::cuda::model::is_out_of_memory(e) {
             "out of device memory: fewer microbatches alive (schedule), a smaller train.micro_batch_size, or train.recompute"
         } else {
@@ -347,7 +621,33 @@ mod gpu {
         }
     }
 
-    impl<X: Elem> StageCompute for GpuCompute<X> {
+    impl<X: Elem + NcclType> GpuCompute<X> {
+        /// The closures that take a tensor for (`stage`, `mb`) from the device
+        /// (its message arrived empty) and send one on the device (false: it
+        /// goes in host memory); `from`/`to` are the ranks at the other end.
+        #[allow(clippy::type_complexity)]
+        fn device_io<'a>(
+            routes: &'a Option<std::cell::RefCell<Routes<X>>>,
+            pp: usize,
+            input: (usize, ParcelKey),
+            output: Option<(usize, ParcelKey)>,
+        ) -> (
+            impl FnMut(&Gpu, &DeviceBuffer<X>) -> CudaResult<()> + 'a,
+            impl FnMut(&Gpu, &DeviceBuffer<X>) -> CudaResult<bool> + 'a,
+        ) {
+            let fill = move |gpu: &Gpu, dst: &DeviceBuffer<X>| match routes {
+                Some(r) => r.borrow().receive(gpu, dst, input.0, pp, input.1),
+                None => Err(CudaError::Shape("an empty tensor, but no device routes here".into())),
+            };
+            let sink = move |gpu: &Gpu, src: &DeviceBuffer<X>| match (routes, output) {
+                (Some(r), Some((to, key))) => r.borrow_mut().send(gpu, src, to, pp, key),
+                _ => Ok(false),
+            };
+            (fill, sink)
+        }
+    }
+
+    impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
         fn micro_batch(&self) -> usize {
             self.b
         }
@@ -367,11 +667,20 @@ mod gpu {
             mode: Mode,
             argmax: Option<&mut [u32]>,
         ) -> ChunkOutput {
+            let (stage, replica, pp, last) =
+                (self.stages[i], self.replica, self.layout.pp, self.layout.last_stage());
+            let eval = matches!(mode, Mode::Eval);
+            let key = |stage| ParcelKey { replica, eval, gradient: false, stage, mb };
+            let from = if stage > 0 { self.layout.rank_of(stage - 1) } else { 0 };
+            let to = (stage < last).then(|| (self.layout.rank_of(stage + 1), key(stage + 1)));
+            let (mut fill, mut sink) = Self::device_io(&self.routes, pp, (from, key(stage)), to);
             let input = match &input {
                 ChunkInput::Tokens(t) => GpuInput::Tokens(t),
-                ChunkInput::Activation(a) => GpuInput::Activation(a),
+                ChunkInput::Activation(a) if !a.is_empty() => GpuInput::Activation(a),
+                ChunkInput::Activation(_) => GpuInput::Device(&mut fill),
             };
-            let out = ok(self.parts[i].forward(&self.gpu, mb, input, targets, mode, argmax), "forward");
+            let out = self.parts[i].forward(&self.gpu, mb, input, targets, mode, argmax, Some(&mut sink));
+            let out = ok(out, "forward");
             ChunkOutput { output: out.output, loss_sum: out.loss_sum }
         }
 
@@ -384,7 +693,18 @@ mod gpu {
         ) -> Option<Vec<f32>> {
             // The config refuses split-backward schedules on GPUs (not built there).
             assert_eq!(which, BackwardPart::Full, "split backward on a GPU part");
-            ok(self.parts[i].backward(&self.gpu, mb, dout.as_deref()), "backward")
+            let (stage, replica, pp, last) =
+                (self.stages[i], self.replica, self.layout.pp, self.layout.last_stage());
+            let key = |stage| ParcelKey { replica, eval: false, gradient: true, stage, mb };
+            let from = if stage < last { self.layout.rank_of(stage + 1) } else { 0 };
+            let to = (stage > 0).then(|| (self.layout.rank_of(stage - 1), key(stage - 1)));
+            let (mut fill, mut sink) = Self::device_io(&self.routes, pp, (from, key(stage)), to);
+            let grad = match &dout {
+                None => GpuGrad::FromLoss,
+                Some(g) if !g.is_empty() => GpuGrad::Host(g),
+                Some(_) => GpuGrad::Device(&mut fill),
+            };
+            ok(self.parts[i].backward(&self.gpu, mb, grad, Some(&mut sink)), "backward")
         }
 
         fn live(&self, i: usize) -> (usize, usize) {
@@ -423,6 +743,16 @@ mod gpu {
             for p in &mut self.parts {
                 ok(p.adamw(&self.gpu, &hyper, lr, clip), "AdamW");
             }
+        }
+
+        fn reduce_replicas(&mut self) -> bool {
+            let Some(routes) = &self.routes else { return false };
+            let routes = routes.borrow();
+            let Some(comm) = &routes.replicas else { return false };
+            for p in &self.parts {
+                ok(p.all_reduce_gradients(&self.gpu, comm), "all-reduce across replicas");
+            }
+            true
         }
 
         fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {

@@ -339,6 +339,15 @@ impl Actor for Coordinator {
         // ranks pinned to one core cannot borrow an idle neighbour.
         let cores = core_affinity::get_core_ids().unwrap_or_default();
         let cores = if layout.threads_per_rank * pp * dp <= cores.len() { cores } else { vec![] };
+        // GPU runs: in one process every rank is local; across processes the
+        // driver made the plan (and its NCCL ids) when it sent the roster.
+        let gpu_plan = match (&cluster, cfg.backend.kind.as_str()) {
+            (_, kind) if kind != "cuda" => None,
+            (Some(f), _) => f.gpu_plan.get().cloned(),
+            (None, _) => Some(Arc::new(
+                super::compute::GpuPlan::make(&layout, |_, _| 0, 0).map_err(|e| format!("NCCL: {e}"))?,
+            )),
+        };
         let mut stages = Vec::new();
         for replica in 0..dp {
             let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
@@ -382,6 +391,7 @@ impl Actor for Coordinator {
                     cores: mine,
                     latencies_us: Default::default(),
                     trace_epoch: cfg.trace.enabled.then_some(epoch),
+                    gpu_plan: gpu_plan.clone(),
                 };
                 let (r, _) = Actor::spawn_linked(
                     Some(registered(&stage_name(rank, replica), id)),

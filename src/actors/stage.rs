@@ -153,6 +153,8 @@ pub struct StageArgs {
     pub latencies_us: Arc<std::sync::Mutex<Vec<f64>>>,
     /// The run's clock for trace timestamps; `None` when not tracing.
     pub trace_epoch: Option<Instant>,
+    /// GPU runs: which ranks share this process and the NCCL ids of the rest.
+    pub gpu_plan: Option<Arc<super::compute::GpuPlan>>,
 }
 
 pub struct StageActor;
@@ -534,7 +536,7 @@ impl Worker {
         args: &StageArgs,
         chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
     ) -> Result<Box<dyn StageCompute>, String> {
-        use super::compute::GpuCompute;
+        use super::compute::{GpuCompute, GpuPlace};
         use crate::kernels::cuda::{Bf16, Gpu};
         let cfg = &args.cfg;
         let devices = &cfg.backend.devices;
@@ -554,10 +556,17 @@ impl Worker {
         let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
         let (gpt, b, rc) = (GptConfig::from_config(cfg), cfg.train.micro_batch_size, cfg.train.recompute);
         let resume = args.resume.as_deref();
+        let place = || GpuPlace {
+            layout: &args.layout,
+            rank: args.rank,
+            replica: args.replica,
+            plan: args.gpu_plan.clone(),
+            host_only: args.log.is_some(),
+        };
         Ok(if cfg.backend.dtype == "f32" {
-            Box::new(GpuCompute::<f32>::new(gpu, chunks, gpt, b, rc, &live, resume)?)
+            Box::new(GpuCompute::<f32>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
         } else {
-            Box::new(GpuCompute::<Bf16>::new(gpu, chunks, gpt, b, rc, &live, resume)?)
+            Box::new(GpuCompute::<Bf16>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
         })
     }
 

@@ -77,6 +77,7 @@ pub enum Event {
         run_dir: String,
         resume: Option<String>,
         init: Option<String>,
+        nccl: Vec<(crate::actors::compute::NcclKey, Vec<u8>)>,
     },
     Ready(usize),
     Abort(String),
@@ -113,6 +114,9 @@ pub struct Fabric {
     /// The run's trace clock; workers offset theirs to rank 0's at the roster.
     pub epoch: Mutex<Instant>,
     pub placement: OnceLock<Placement>,
+    /// GPU runs: which ranks share this process, and the NCCL ids of the links
+    /// and all-reduces that cross processes (made on rank 0, sent in the roster).
+    pub gpu_plan: OnceLock<Arc<crate::actors::compute::GpuPlan>>,
 }
 
 impl Fabric {
@@ -130,6 +134,7 @@ impl Fabric {
             step: AtomicU64::new(0),
             epoch: Mutex::new(Instant::now()),
             placement: OnceLock::new(),
+            gpu_plan: OnceLock::new(),
         };
         (Arc::new(f), rx)
     }
@@ -276,9 +281,16 @@ impl Fabric {
                     .map_err(|e| format!("{}: {e}", who()))?;
                 dest.send_message(msg).map_err(|_| "the reducer has stopped".to_string())
             }
-            Kind::Roster { config, config_hash, listen, run_dir, resume, init } => {
-                let _ =
-                    self.events.send(Event::Roster { config, config_hash, listen, run_dir, resume, init });
+            Kind::Roster { config, config_hash, listen, run_dir, resume, init, nccl } => {
+                let _ = self.events.send(Event::Roster {
+                    config,
+                    config_hash,
+                    listen,
+                    run_dir,
+                    resume,
+                    init,
+                    nccl,
+                });
                 Ok(())
             }
             Kind::Ready { rank } => {

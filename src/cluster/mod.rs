@@ -289,7 +289,17 @@ impl Driver {
                 "ranks {missing:?} dropped their data links before the run started"
             )));
         }
+        let mut nccl = vec![];
+        if cfg.backend.kind == "cuda" {
+            let layout = Layout::from_config(cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
+            let f = self.fabric.clone();
+            let plan = crate::actors::compute::GpuPlan::make(&layout, |r, k| f.owner(r, k), 0)
+                .map_err(|e| ClusterError::Setup(format!("NCCL: {e}")))?;
+            nccl = plan.nccl.iter().map(|(k, id)| (*k, id.clone())).collect();
+            let _ = self.fabric.gpu_plan.set(Arc::new(plan));
+        }
         self.fabric.broadcast(Kind::Roster {
+            nccl,
             config: cfg.to_toml_string(),
             config_hash: cfg.hash(),
             listen: self.fabric.listen_addrs(),
@@ -450,10 +460,10 @@ fn serve(
     cookie: &Cookie,
     listen: &str,
 ) -> Result<(), ClusterError> {
-    let (config, hash, addrs, run_dir, resume, init) = loop {
+    let (config, hash, addrs, run_dir, resume, init, nccl) = loop {
         match wait_event(events, fabric, spec.timeout)? {
-            Event::Roster { config, config_hash, listen, run_dir, resume, init } => {
-                break (config, config_hash, listen, run_dir, resume, init)
+            Event::Roster { config, config_hash, listen, run_dir, resume, init, nccl } => {
+                break (config, config_hash, listen, run_dir, resume, init, nccl)
             }
             Event::Shutdown => return Ok(()),
             _ => {}
@@ -470,6 +480,12 @@ fn serve(
     let layout = Layout::from_config(&cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
     let placement = Placement::new(layout.pp, layout.dp, spec.world)?;
     let _ = fabric.placement.set(placement.clone());
+    if cfg.backend.kind == "cuda" {
+        let ids = nccl.into_iter().collect();
+        let plan =
+            crate::actors::compute::GpuPlan::from_ids(&layout, |r, k| placement.owner(r, k), spec.rank, ids);
+        let _ = fabric.gpu_plan.set(Arc::new(plan));
+    }
     fabric.set_started();
     *fabric.epoch.lock().expect("epoch") = Instant::now();
     // Links between workers: each connects to the ranks below it.
@@ -613,6 +629,7 @@ impl StageSet {
                     cores: mine,
                     latencies_us: Default::default(),
                     trace_epoch: cfg.trace.enabled.then_some(epoch),
+                    gpu_plan: fabric.gpu_plan.get().cloned(),
                 };
                 let (r, _) = Actor::spawn_linked(Some(name), StageActor, args, coordinator.get_cell())
                     .await

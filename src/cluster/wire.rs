@@ -54,6 +54,8 @@ pub enum Kind {
         run_dir: String,
         resume: Option<String>,
         init: Option<String>,
+        /// GPU runs: the NCCL ids of the communicators that cross processes.
+        nccl: Vec<(crate::actors::compute::NcclKey, Vec<u8>)>,
     },
     /// A worker's stages are up and its links to every peer are open.
     Ready {

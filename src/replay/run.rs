@@ -309,6 +309,8 @@ fn replay_one_stage(
         })
     };
     let args = StageArgs {
+        // Replaying one stage alone: its tensors come from the log, in host memory.
+        gpu_plan: None,
         rank,
         replica,
         cfg: cfg.clone(),

@@ -8,7 +8,7 @@
 //! and its summation order differ.
 
 use super::model::GpuModel;
-use super::part::{GpuInput, GpuPart};
+use super::part::{GpuGrad, GpuInput, GpuPart};
 use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
 use super::{Bf16, DeviceBuffer, Elem, Gpu, Result};
 use crate::kernels::cpu;
@@ -599,13 +599,17 @@ fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f
                 Some(a) => GpuInput::Activation(a),
             };
             let t = (k == last).then_some(targets.as_slice());
-            let out = p.forward(gpu, mb, input, t, Mode::Train { dloss }, None)?;
+            let out = p.forward(gpu, mb, input, t, Mode::Train { dloss }, None, None)?;
             loss += out.loss_sum.unwrap_or(0.0);
             act = out.output;
         }
         let mut grad: Option<Vec<f32>> = None;
         for p in parts.iter_mut().rev() {
-            grad = p.backward(gpu, mb, grad.as_deref())?;
+            let dout = match &grad {
+                None => GpuGrad::FromLoss,
+                Some(g) => GpuGrad::Host(g),
+            };
+            grad = p.backward(gpu, mb, dout, None)?;
         }
     }
     if parts.len() == 1 {

@@ -23,6 +23,7 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod part;
 pub mod residual;
+pub mod transfer;
 
 pub use device::{DeviceBuffer, Gpu};
 

@@ -5,7 +5,7 @@
 //! pipeline stage on a GPU runs — driven the way one stage with every layer
 //! would be: what `gpu-bench` times and `gpu-check` compares.
 
-use super::part::{GpuInput, GpuPart};
+use super::part::{GpuGrad, GpuInput, GpuPart};
 use super::{ensure, CudaError, Elem, Gpu, Result};
 use crate::model::params::{all_tensors, GptConfig, Param};
 use crate::model::part::{Mode, PartSpec};
@@ -85,10 +85,10 @@ impl<'g, X: Elem> GpuModel<'g, X> {
         for mb in 0..microbatches {
             fill(mb, &mut self.host_inputs, &mut self.host_targets);
             let input = GpuInput::Tokens(&self.host_inputs);
-            let out =
-                self.part.forward(gpu, mb, input, Some(&self.host_targets), Mode::Train { dloss }, None)?;
+            let targets = Some(self.host_targets.as_slice());
+            let out = self.part.forward(gpu, mb, input, targets, Mode::Train { dloss }, None, None)?;
             loss_sum += out.loss_sum.unwrap_or(f64::NAN);
-            self.part.backward(gpu, mb, None)?;
+            self.part.backward(gpu, mb, GpuGrad::FromLoss, None)?;
         }
         self.part.combine_tied(gpu, None)?;
         let loss = loss_sum * dloss as f64;

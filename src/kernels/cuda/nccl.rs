@@ -8,7 +8,7 @@
 //! stage's compute thread, or its receive side), and point-to-point traffic
 //! on one communicator flows one way, so the order of operations on it is
 //! the sender's order on both ends — what NCCL needs to match them. See
-//! `src/actors/gpu_link.rs` for how stages use them.
+//! `transfer.rs` for how stages use them.
 
 use super::{CudaError, DeviceBuffer, Gpu, Result};
 use cudarc::nccl::{result as nccl, sys};
@@ -82,23 +82,41 @@ impl Comm {
     }
 
     /// Sends `count` elements of `buf` from element `offset` to member
-    /// `peer`, queued on `gpu`'s stream (the buffer must stay untouched
-    /// until the stream passes this point).
-    pub fn send<T: NcclType>(&self, gpu: &Gpu, buf: &DeviceBuffer<T>, offset: usize, count: usize, peer: usize) -> Result<()> {
+    /// `peer`, queued on `gpu`'s comm stream, so a send waiting for its
+    /// receiver never stalls compute (the buffer must stay untouched until
+    /// the comm stream passes this point: see `Gpu::comm_mark`).
+    pub fn send<T: NcclType>(
+        &self,
+        gpu: &Gpu,
+        buf: &DeviceBuffer<T>,
+        offset: usize,
+        count: usize,
+        peer: usize,
+    ) -> Result<()> {
         super::ensure(offset + count <= buf.len(), || "NCCL send past the buffer's end".into())?;
         let p = buf.ptr_at(offset) as *const c_void;
         // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
-        unsafe { nccl::send(p, count, T::KIND, peer as i32, self.comm, Self::stream(gpu)) }.map_err(nccl_err)?;
+        let stream = gpu.comm_stream() as sys::cudaStream_t;
+        unsafe { nccl::send(p, count, T::KIND, peer as i32, self.comm, stream) }.map_err(nccl_err)?;
         Ok(())
     }
 
     /// Receives `count` elements from member `peer` into `buf` at element
-    /// `offset`, queued on `gpu`'s stream.
-    pub fn recv<T: NcclType>(&self, gpu: &Gpu, buf: &DeviceBuffer<T>, offset: usize, count: usize, peer: usize) -> Result<()> {
+    /// `offset`, queued on `gpu`'s compute stream (what reads the buffer next
+    /// runs there, after it).
+    pub fn recv<T: NcclType>(
+        &self,
+        gpu: &Gpu,
+        buf: &DeviceBuffer<T>,
+        offset: usize,
+        count: usize,
+        peer: usize,
+    ) -> Result<()> {
         super::ensure(offset + count <= buf.len(), || "NCCL receive past the buffer's end".into())?;
         let p = buf.ptr_at(offset) as *mut c_void;
         // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
-        unsafe { nccl::recv(p, count, T::KIND, peer as i32, self.comm, Self::stream(gpu)) }.map_err(nccl_err)?;
+        unsafe { nccl::recv(p, count, T::KIND, peer as i32, self.comm, Self::stream(gpu)) }
+            .map_err(nccl_err)?;
         Ok(())
     }
 

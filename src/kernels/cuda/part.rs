@@ -190,10 +190,27 @@ pub struct GpuPart<X: Elem> {
     pub peak_live_bytes: usize,
 }
 
+/// Writes a tensor straight into a device buffer (a parcel from another
+/// stage in this process, or an NCCL receive).
+pub type Fill<'a, X> = &'a mut dyn FnMut(&Gpu, &DeviceBuffer<X>) -> Result<()>;
+
+/// Takes a tensor from a device buffer, to send it on without host memory;
+/// false when it cannot now (the part then hands it over in host memory).
+pub type Sink<'a, X> = &'a mut dyn FnMut(&Gpu, &DeviceBuffer<X>) -> Result<bool>;
+
 /// The input of a part's forward.
-pub enum GpuInput<'a> {
+pub enum GpuInput<'a, X: Elem> {
     Tokens(&'a [u32]),
     Activation(&'a [f32]),
+    Device(Fill<'a, X>),
+}
+
+/// The gradient of a part's output, for its backward.
+pub enum GpuGrad<'a, X: Elem> {
+    /// The last part: its loss gradient was formed in forward.
+    FromLoss,
+    Host(&'a [f32]),
+    Device(Fill<'a, X>),
 }
 
 /// What a forward hands back.
@@ -400,14 +417,18 @@ impl<X: Elem> GpuPart<X> {
     /// device until `backward(mb)`; on the last part the loss gradient
     /// (`Mode::Train { dloss }`) is formed and the head's backward runs here.
     /// In evaluation on the last part, `argmax` (N) receives predictions.
+    /// The output goes to the host (`output`), or to `sink` when given
+    /// (`output` is then empty).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
         gpu: &Gpu,
         mb: usize,
-        input: GpuInput,
+        input: GpuInput<X>,
         targets: Option<&[u32]>,
         mode: Mode,
         argmax: Option<&mut [u32]>,
+        sink: Option<Sink<X>>,
     ) -> Result<GpuForward> {
         let train = matches!(mode, Mode::Train { .. });
         ensure(!train || !self.saved.contains_key(&mb), || format!("microbatch {mb} ran forward twice"))?;
@@ -417,7 +438,7 @@ impl<X: Elem> GpuPart<X> {
                 self.slots.len()
             ))
         })?;
-        let result = self.forward_in(gpu, k, input, targets, mode, argmax);
+        let result = self.forward_in(gpu, k, input, targets, mode, argmax, sink);
         if train && result.is_ok() {
             self.saved.insert(mb, k);
             self.live_bytes += self.slot_bytes;
@@ -428,14 +449,16 @@ impl<X: Elem> GpuPart<X> {
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn forward_in(
         &mut self,
         gpu: &Gpu,
         k: usize,
-        input: GpuInput,
+        input: GpuInput<X>,
         targets: Option<&[u32]>,
         mode: Mode,
         argmax: Option<&mut [u32]>,
+        sink: Option<Sink<X>>,
     ) -> Result<GpuForward> {
         let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.n();
@@ -468,12 +491,21 @@ impl<X: Elem> GpuPart<X> {
                 }
                 gpu.copy_to(&self.slots[k].stream[0], 0, &self.s.host_x)?;
             }
+            GpuInput::Device(fill) => {
+                ensure(!self.spec.embedding, || "an activation given to the first part".into())?;
+                fill(gpu, &self.slots[k].stream[0])?;
+            }
         }
         for l in 0..self.n_blocks() {
             self.block_forward(gpu, k, l, false)?;
         }
         if !self.spec.head {
             let out = &self.slots[k].stream[self.n_blocks()];
+            if let Some(sink) = sink {
+                if sink(gpu, out)? {
+                    return Ok(GpuForward { output: Some(vec![]), loss_sum: None });
+                }
+            }
             gpu.download_into(out, &mut self.s.host_x)?;
             let y = self.s.host_x.iter().map(|x| x.to_f32()).collect();
             return Ok(GpuForward { output: Some(y), loss_sum: None });
@@ -580,24 +612,39 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// Backward of microbatch `mb` (a full B). `dout` is the gradient of the
-    /// part's output (None on the last part, whose loss gradient was formed
-    /// in forward). Returns the gradient of the part's input (None on the first part).
-    pub fn backward(&mut self, gpu: &Gpu, mb: usize, dout: Option<&[f32]>) -> Result<Option<Vec<f32>>> {
+    /// part's output. Returns the gradient of the part's input (None on the
+    /// first part; empty when it went to `sink`).
+    pub fn backward(
+        &mut self,
+        gpu: &Gpu,
+        mb: usize,
+        dout: GpuGrad<X>,
+        sink: Option<Sink<X>>,
+    ) -> Result<Option<Vec<f32>>> {
         let k = self.saved.remove(&mb).ok_or_else(|| {
             super::CudaError::Shape(format!("backward of microbatch {mb} before its forward"))
         })?;
         self.live_bytes -= self.slot_bytes;
-        let result = self.backward_in(gpu, k, dout);
+        let result = self.backward_in(gpu, k, dout, sink);
         self.free.push(k);
         result
     }
 
-    fn backward_in(&mut self, gpu: &Gpu, k: usize, dout: Option<&[f32]>) -> Result<Option<Vec<f32>>> {
+    fn backward_in(
+        &mut self,
+        gpu: &Gpu,
+        k: usize,
+        dout: GpuGrad<X>,
+        sink: Option<Sink<X>>,
+    ) -> Result<Option<Vec<f32>>> {
         let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
         let n = self.n();
         match (self.spec.head, dout) {
-            (true, None) => gpu.copy_device(&self.s.dres, self.slots[k].dhead.as_ref().expect("dhead"))?,
-            (false, Some(d)) => {
+            (true, GpuGrad::FromLoss) => {
+                gpu.copy_device(&self.s.dres, self.slots[k].dhead.as_ref().expect("dhead"))?
+            }
+            (false, GpuGrad::Device(fill)) => fill(gpu, &self.s.dres)?,
+            (false, GpuGrad::Host(d)) => {
                 ensure(d.len() == n * c, || {
                     format!("an output gradient of {} values, expected {}", d.len(), n * c)
                 })?;
@@ -623,6 +670,11 @@ impl<X: Elem> GpuPart<X> {
             let (_, owners) = self.slots[k].tokens.as_ref().expect("first part keeps tokens");
             embedding::embedding_backward(gpu, dwte, dwpe, &self.s.dres, owners, self.b, t, c)?;
             return Ok(None);
+        }
+        if let Some(sink) = sink {
+            if sink(gpu, &self.s.dres)? {
+                return Ok(Some(vec![]));
+            }
         }
         gpu.download_into(&self.s.dres, &mut self.s.host_x)?;
         Ok(Some(self.s.host_x.iter().map(|x| x.to_f32()).collect()))
@@ -848,6 +900,13 @@ impl<X: Elem> GpuPart<X> {
             gpu.copy_to(buf(self), s.offset, x)?;
         }
         Ok(())
+    }
+
+    /// Sums the gradients over the members of `comm` (the data-parallel
+    /// replicas of this stage), in place, finished on return.
+    pub fn all_reduce_gradients(&self, gpu: &Gpu, comm: &super::nccl::Comm) -> Result<()> {
+        comm.all_reduce_sum(gpu, self.grads.ptr(), self.grads.len())?;
+        gpu.synchronize()
     }
 
     /// Overwrites one gradient element of tensor `i` (the overflow fault knob).
