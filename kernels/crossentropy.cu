@@ -35,6 +35,19 @@ extern "C" __global__ void crossentropy_forward_backward(floatX* logits, float* 
     }
 }
 
+// (value, column) pairs reduced over a warp in a fixed tree; equal values keep
+// the lower column, so every lane ends with the first column of the maximum.
+__device__ __forceinline__ void warp_argmax(float& v, int& at) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, at, o);
+        if (ov > v || (ov == v && oi < at)) {
+            v = ov;
+            at = oi;
+        }
+    }
+}
+
 // Forward only (evaluation): losses (N) and, when argmax is not null, each
 // row's prediction — the first column holding the row's maximum, the CPU
 // twin's tie rule. Padding columns never take part.
@@ -56,15 +69,7 @@ extern "C" __global__ void crossentropy_forward(const floatX* logits, float* los
             at = i;
         }
     }
-    // (value, column) pairs reduced in a fixed tree; equal values keep the lower column.
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, mx, o);
-        int oi = __shfl_xor_sync(0xffffffffu, at, o);
-        if (ov > mx || (ov == mx && oi < at)) {
-            mx = ov;
-            at = oi;
-        }
-    }
+    warp_argmax(mx, at);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     if (lane == 0) {
         best_v[warp] = mx;
@@ -73,14 +78,7 @@ extern "C" __global__ void crossentropy_forward(const floatX* logits, float* los
     __syncthreads();
     mx = lane < nwarps ? best_v[lane] : NEG_INF;
     at = lane < nwarps ? best_i[lane] : 0x7fffffff;
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, mx, o);
-        int oi = __shfl_xor_sync(0xffffffffu, at, o);
-        if (ov > mx || (ov == mx && oi < at)) {
-            mx = ov;
-            at = oi;
-        }
-    }
+    warp_argmax(mx, at);
     float s = 0.0f;
     for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(ldx(x[i]) - mx);
     s = block_sum(s, shared);

@@ -29,6 +29,26 @@ impl PartSpec {
     pub fn whole(cfg: &GptConfig) -> Self {
         PartSpec { layers: 0..cfg.n_layer, embedding: true, head: true }
     }
+
+    /// Index of local block `l`'s first tensor in `part_params` order.
+    pub fn block_base(&self, l: usize) -> usize {
+        (if self.embedding { 2 } else { 0 }) + 12 * l
+    }
+
+    /// Index of ln_f.weight (the head's first tensor).
+    pub fn head_base(&self) -> usize {
+        self.block_base(self.layers.len())
+    }
+
+    /// Index of the wte the head reads: the embedding's own when the part
+    /// holds both, else its tied copy after ln_f.
+    pub fn head_wte(&self) -> usize {
+        if self.embedding {
+            0
+        } else {
+            self.head_base() + 2
+        }
+    }
 }
 
 /// The input of a part's forward: token ids (first part) or the previous part's activation.
@@ -302,23 +322,6 @@ impl ModelPart {
         self.spec.layers.len()
     }
 
-    fn block_base(&self, l: usize) -> usize {
-        (if self.spec.embedding { 2 } else { 0 }) + 12 * l
-    }
-
-    fn head_base(&self) -> usize {
-        self.block_base(self.n_blocks())
-    }
-
-    /// Index of the wte tensor the head reads (the embedding's own when this part has both).
-    fn head_wte(&self) -> usize {
-        if self.spec.embedding {
-            0
-        } else {
-            self.head_base() + 2
-        }
-    }
-
     /// An (N, C) buffer from the pool; its contents are arbitrary.
     pub fn take_nc(&mut self) -> Vec<f32> {
         let len = self.n() * self.cfg.n_embd;
@@ -390,7 +393,7 @@ impl ModelPart {
         let nb = self.n_blocks();
         for l in 0..nb {
             let mut out = self.take_nc();
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             let ba = if self.recompute { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
             block_forward(
                 &self.params[base..base + 12],
@@ -448,8 +451,8 @@ impl ModelPart {
     ) -> (f64, Option<Vec<f32>>) {
         let (c, v) = (self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.n();
-        let hb = self.head_base();
-        let wte_i = self.head_wte();
+        let hb = self.spec.head_base();
+        let wte_i = self.spec.head_wte();
         let s = &mut self.scratch;
         {
             let (w, b) = (&self.params[hb].data, &self.params[hb + 1].data);
@@ -541,7 +544,7 @@ impl ModelPart {
         self.live_bytes -= acts.bytes();
         let mut dres = self.output_grad(&mut acts, dout);
         for l in (0..self.n_blocks()).rev() {
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             if self.recompute {
                 self.recompute_block(&acts, l);
             }
@@ -586,7 +589,7 @@ impl ModelPart {
             grads.push(BlockGrads::new(n, self.cfg.n_embd));
         }
         for l in (0..self.n_blocks()).rev() {
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             block_backward_input(
                 &mut self.params[base..base + 12],
                 &acts.blocks[l],
@@ -612,7 +615,7 @@ impl ModelPart {
         let PendingWeight { acts, grads, dembed } = self.pending_w.remove(&mb).expect("I ran before W");
         self.live_bytes -= acts.bytes() + grads.iter().map(BlockGrads::bytes).sum::<usize>();
         for l in (0..self.n_blocks()).rev() {
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             block_backward_weight(
                 &mut self.params[base..base + 12],
                 &acts.blocks[l],
@@ -640,7 +643,7 @@ impl ModelPart {
     }
 
     fn recompute_block(&mut self, acts: &MicroActs, l: usize) {
-        let base = self.block_base(l);
+        let base = self.spec.block_base(l);
         let ba = self.recompute_acts.as_mut().unwrap();
         let mut out =
             self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * self.cfg.block_size * self.cfg.n_embd]);
@@ -687,7 +690,7 @@ impl ModelPart {
                 return;
             }
         };
-        let i = self.head_wte();
+        let i = self.spec.head_wte();
         let own_is_embedding = self.spec.embedding;
         let g = &mut self.params[i].grad;
         if own_is_embedding {

@@ -354,23 +354,6 @@ impl<X: Elem> GpuPart<X> {
         self.spec.layers.len()
     }
 
-    fn block_base(&self, l: usize) -> usize {
-        (if self.spec.embedding { 2 } else { 0 }) + 12 * l
-    }
-
-    fn head_base(&self) -> usize {
-        self.block_base(self.n_blocks())
-    }
-
-    /// The wte the head reads: the embedding's own when this part holds both.
-    fn head_wte(&self) -> usize {
-        if self.spec.embedding {
-            0
-        } else {
-            self.head_base() + 2
-        }
-    }
-
     /// Device address of tensor `i`'s X copy.
     fn w(&self, i: usize) -> u64 {
         self.params.ptr_at(self.tensors[i].offset)
@@ -523,7 +506,7 @@ impl<X: Elem> GpuPart<X> {
     fn block_forward(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
-        let base = self.block_base(l);
+        let base = self.spec.block_base(l);
         let w = |i: usize| self.w(base + i);
         let slot = &self.slots[k];
         let x = &slot.stream[l];
@@ -556,7 +539,7 @@ impl<X: Elem> GpuPart<X> {
         argmax: Option<&mut [u32]>,
     ) -> Result<f64> {
         let (c, v, vp, n) = (self.cfg.n_embd, self.cfg.vocab_size, self.vp, self.n());
-        let (hb, wte) = (self.head_base(), self.head_wte());
+        let (hb, wte) = (self.spec.head_base(), self.spec.head_wte());
         let (lnw, lnb, wte_w) = (self.w(hb), self.w(hb + 1), self.w(wte));
         let (glnw, glnb) = (self.g(hb), self.g(hb + 1));
         let s = &mut self.s;
@@ -686,7 +669,7 @@ impl<X: Elem> GpuPart<X> {
     fn block_backward(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
-        let base = self.block_base(l);
+        let base = self.spec.block_base(l);
         let (w, g) = (|i: usize| self.w(base + i), |i: usize| self.g(base + i));
         let slot = &self.slots[k];
         let x = &slot.stream[l];
@@ -793,7 +776,7 @@ impl<X: Elem> GpuPart<X> {
                     let g0 = self.g(0);
                     adamw::add_f32(gpu, g0, g0, self.s.tied.ptr(), vc)
                 } else {
-                    let gw = self.g(self.head_wte());
+                    let gw = self.g(self.spec.head_wte());
                     adamw::add_f32(gpu, gw, self.s.tied.ptr(), self.head_grad.ptr(), vc)
                 }
             }
