@@ -8,6 +8,18 @@ use pipewright::plan::{plan, resolve, PlanArgs};
 use pipewright::schedule::{self, Costs, ScheduleKind};
 use std::process::Command;
 
+/// The tests that time or size real runs take this, so they never share the cores.
+static RUNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// CPU seconds used by this process's finished children so far.
+fn children_cpu_s() -> f64 {
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
 fn close(got: f64, want: f64, tol: f64) -> bool {
     (got / want - 1.0).abs() <= tol
 }
@@ -252,6 +264,7 @@ fn cli_plan_json_has_the_fields() {
 /// whole-process figure the process's peak resident memory, each within 20%.
 #[test]
 fn planned_memory_matches_runs_of_the_bench_model_within_20_percent() {
+    let _one_at_a_time = RUNS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let base =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/bench-cpu.toml")).unwrap();
@@ -322,8 +335,15 @@ fn median_step_ms(run: &std::path::Path) -> f64 {
 /// CPU planner's step time against the measured median step, as ratios to
 /// pp = 1 so the machine's speed (and much of a shared box's load) cancels.
 /// Each within 20%. The figures are printed for docs/benchmarks.md.
+///
+/// Ratios cancel a machine's speed, not other jobs taking its cores: a run
+/// with four compute threads then gets twice the CPU share of one with two,
+/// which says nothing about the planner. So each run's CPU use is read back,
+/// and where the machine did not give a run at least 3/4 of its cores the
+/// comparison is skipped, saying so and why.
 #[test]
 fn planned_step_times_match_runs_of_the_bench_model_within_20_percent() {
+    let _one_at_a_time = RUNS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/bench-cpu.toml");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -340,25 +360,42 @@ fn planned_step_times_match_runs_of_the_bench_model_within_20_percent() {
         for s in &sets {
             cmd.args(["--set", s]);
         }
+        let (cpu0, wall0) = (children_cpu_s(), std::time::Instant::now());
         let run = cmd.output().unwrap();
+        let used = (children_cpu_s() - cpu0) / (wall0.elapsed().as_secs_f64() * cores as f64);
         assert!(run.status.success(), "pp {pp}: {}", String::from_utf8_lossy(&run.stderr));
         let cfg = pipewright::config::Config::load(Some(std::path::Path::new(config)), &sets).unwrap();
         // Any rate will do: it cancels in the ratios.
         let planned = pipewright::plan::cpu::step_ms(&cfg, 100.0, cores).unwrap();
-        rows.push((pp, median_step_ms(&out), planned));
+        rows.push((pp, median_step_ms(&out), planned, used));
     }
     let (m1, p1) = (rows[0].1, rows[0].2);
     let mut report = String::new();
-    for &(pp, m, p) in &rows {
+    for &(pp, m, p, used) in &rows {
         report += &format!(
-            "pp {pp}: measured {m:.1} ms ({:.3} of pp 1), planned {:.3} of pp 1, measured/planned {:.3}\n",
+            "pp {pp}: measured {m:.1} ms ({:.3} of pp 1), planned {:.3} of pp 1, measured/planned {:.3}; \
+             the run had {:.0}% of the {cores} cores\n",
             m / m1,
             p / p1,
-            (m / m1) / (p / p1)
+            (m / m1) / (p / p1),
+            100.0 * used
         );
     }
     println!("{report}");
-    for &(pp, m, p) in &rows[1..] {
+    if let Some(r) = rows.iter().find(|r| r.3 < 0.75) {
+        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        let msg = format!(
+            "SKIPPED the step-time comparison of planned_step_times_match_runs_of_the_bench_model_within_20_percent: \
+             the pp = {} run got {:.0}% of the cores (load average {}), so its time measures other jobs\n{report}",
+            r.0,
+            100.0 * r.3,
+            load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        );
+        println!("{msg}");
+        eprintln!("{msg}");
+        return;
+    }
+    for &(pp, m, p, _) in &rows[1..] {
         assert!(close(m / m1, p / p1, 0.2), "pp {pp}:\n{report}");
     }
 }

@@ -1,7 +1,7 @@
 //! The simulated backend runs the real actors, messages and schedules with
 //! sleeping stages; what it measures must match what the schedule simulator
-//! and the planner (which uses it) predict. In its own binary, so no other test
-//! competes for the cores while it measures.
+//! and the planner (which uses it) predict. In its own binary, and its tests
+//! take turns (`ONE_AT_A_TIME`), so no other run competes while one measures.
 
 use pipewright::bench::sim_rows;
 use pipewright::config::Config;
@@ -14,8 +14,15 @@ use std::path::Path;
 /// runtime that really adds waits misses on every attempt.
 const ATTEMPTS: usize = 3;
 
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn measured_bubbles_match_the_simulator_and_the_planner() {
+    let _turn = turn();
     for schedule in ["1f1b", "gpipe"] {
         for cell in [(2, 4), (4, 8), (4, 16)] {
             let mut seen = Vec::new();
@@ -91,6 +98,7 @@ fn stage_factors_of_the_wrong_length_are_refused_naming_the_field() {
 /// factors (the planner's too).
 #[test]
 fn a_slow_stage_is_the_bottleneck_and_the_bubble_follows_the_factors() {
+    let _turn = turn();
     let dir = tempfile::tempdir().unwrap();
     let sets = sim_config(4, 8, &["sim.stage_factors=[1.0, 1.0, 2.0, 1.0]".into()]);
     let cfg = Config::load(None, &sets).unwrap();
@@ -125,6 +133,7 @@ fn a_slow_stage_is_the_bottleneck_and_the_bubble_follows_the_factors() {
 /// simulated at the measured mean costs still predicts the bubble measured.
 #[test]
 fn jitter_varies_action_times_and_theory_from_measured_costs_holds() {
+    let _turn = turn();
     let dir = tempfile::tempdir().unwrap();
     let sets = sim_config(4, 8, &["sim.jitter=0.3".into()]);
     let mut seen = vec![];
