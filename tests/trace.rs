@@ -119,17 +119,22 @@ fn real_run_trace_summarises_with_one_lane_per_stage() {
 }
 
 /// Renders the real trace and returns (HTML path, number of lanes, number of actions drawn).
+/// Once per test binary: tests that read the page must not see another's half-written one.
 fn rendered() -> (PathBuf, usize, usize) {
-    let trace = real_trace();
-    let out = trace.with_file_name("timeline.html");
-    let (ok, _, err) = pipewright(&["trace", "render", path_str(&trace), "-o", path_str(&out)]);
-    assert!(ok, "{err}");
-    let t = summary::load(&trace).unwrap();
-    let s = summary::summarize(&t).unwrap();
-    let step = render::chosen_step(&t, &s, None).unwrap();
-    let measured = t.actions.iter().filter(|a| a.step == step && a.replica == 0).count();
-    // Measured plus theory: the same actions twice.
-    (out, s.lanes.len(), 2 * measured)
+    static PAGE: std::sync::OnceLock<(PathBuf, usize, usize)> = std::sync::OnceLock::new();
+    PAGE.get_or_init(|| {
+        let trace = real_trace();
+        let out = trace.with_file_name("timeline.html");
+        let (ok, _, err) = pipewright(&["trace", "render", path_str(&trace), "-o", path_str(&out)]);
+        assert!(ok, "{err}");
+        let t = summary::load(&trace).unwrap();
+        let s = summary::summarize(&t).unwrap();
+        let step = render::chosen_step(&t, &s, None).unwrap();
+        let measured = t.actions.iter().filter(|a| a.step == step && a.replica == 0).count();
+        // Measured plus theory: the same actions twice.
+        (out, s.lanes.len(), 2 * measured)
+    })
+    .clone()
 }
 
 #[test]
@@ -491,7 +496,11 @@ fn a_trace_across_two_processes_is_on_one_clock() {
             .filter(|e| e["cat"] == "send" && e["args"]["stage"] == from && e["args"]["to_stage"] == to)
         {
             let recv = ph(&ev, "i")
-                .find(|r| r["cat"] == "recv" && key(r) == (key(send).0, key(send).1, Some(to)))
+                .find(|r| {
+                    r["cat"] == "recv"
+                        && r["args"]["from_stage"] == from
+                        && key(r) == (key(send).0, key(send).1, Some(to))
+                })
                 .unwrap_or_else(|| panic!("no receive of {send}"));
             let (sent, got) = (send["ts"].as_f64().unwrap(), recv["ts"].as_f64().unwrap());
             assert!(
