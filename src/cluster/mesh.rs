@@ -381,6 +381,11 @@ impl Sink for Fabric {
             self.links.lock().expect("links")[peer] = None;
             return;
         }
+        if self.me != 0 && peer != 0 && !self.is_done() {
+            // A worker that read rank 0's Shutdown first closes its links to the
+            // others; rank 0's frame to this one may still be on its way.
+            wait_until(Duration::from_millis(500), || self.is_done());
+        }
         if !self.is_done() {
             eprintln!("error: data link to {} ended: {why}", self.describe(peer));
         }
