@@ -618,6 +618,13 @@ impl Config {
             format!("{:?}", sim.stage_factors),
             "every factor must be finite and > 0",
         );
+        let stages = p.pp * p.chunks;
+        v.check(
+            sim.stage_factors.is_empty() || sim.stage_factors.len() == stages,
+            "sim.stage_factors",
+            format!("{:?}", sim.stage_factors),
+            format!("one factor per stage: parallel.pp × parallel.chunks = {stages} (or none)"),
+        );
 
         v.finish()
     }

@@ -476,7 +476,19 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                 Err(e) => return Err(e),
             }
         };
-        eprintln!(
+        if cfg.backend.kind == "sim" {
+            // Nothing is computed: what the sim measures is the runtime against the schedule.
+            let ideal = pipewright::plan::cpu::sim_step_ms(&cfg)?;
+            let step_ms = s.train_seconds * 1e3 / s.steps.max(1) as f64;
+            eprintln!(
+                "done: {} steps of the simulated backend (no compute, no loss): {step_ms:.1} ms per step \
+                 (coordinator round trip), the schedule's makespan at the [sim] costs is {ideal:.1} ms \
+                 ({:+.1}%); per-action bubbles and overhead: pipewright trace summary on a --trace run",
+                s.steps,
+                100.0 * (step_ms / ideal - 1.0)
+            );
+        } else {
+            eprintln!(
                 "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
                 s.steps,
                 s.final_loss,
@@ -486,7 +498,8 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                 s.model_gflops,
                 100.0 * s.mfu
             );
-        eprintln!("weights digest {}", s.weights_digest);
+            eprintln!("weights digest {}", s.weights_digest);
+        }
         eprintln!("outputs in {}", out_dir.display());
         Ok(())
     }
@@ -674,9 +687,9 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
             eprintln!(
-                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 3 steps per cell"
+                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 4 steps per cell, the last 3 timed"
             );
-            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 3)?;
+            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 4)?;
             print!("{}", pipewright::bench::sim_table(&rows));
             std::fs::write(&plot, pipewright::bench::sim_plot(&rows))
                 .with_context(|| format!("{}: cannot write", plot.display()))?;
@@ -732,7 +745,16 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Schedule { kind, stages, microbatches, chunks, json, trace, costs } => {
-            print!("{}", pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?);
+            // cli_text first: its errors name the flags. --costs draws the grid at those costs.
+            let text = pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?;
+            if costs.is_empty() || json {
+                print!("{text}");
+            } else {
+                print!(
+                    "{}",
+                    pipewright::trace::simulated::cli_grid(&kind, stages, microbatches, chunks, &costs)?
+                );
+            }
             if let Some(path) = trace {
                 let v = pipewright::trace::simulated::cli_trace(&kind, stages, microbatches, chunks, &costs)?;
                 std::fs::write(&path, v.to_string())

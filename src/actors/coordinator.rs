@@ -187,7 +187,7 @@ pub struct RunOutcome {
     pub message_latency_us: Vec<f64>,
     /// Peak activation bytes held per rank (replica 0).
     pub peak_live_bytes: Vec<usize>,
-    /// Trace records of replica 0's stages (empty unless tracing).
+    /// Trace records of every replica's stages and of the checkpointer (empty unless tracing).
     pub trace: Vec<crate::trace::Record>,
     /// Training paused while stages copied their state, per checkpoint, ms.
     pub checkpoint_pause_ms: Vec<f64>,
@@ -289,6 +289,8 @@ pub struct CoordinatorState {
     /// After a rollback, the LR is scaled until this step.
     cooldown_until: u64,
     scaler: Option<crate::optim::scaler::LossScaler>,
+    /// The run's trace clock, when tracing: the checkpointer's writes get a track.
+    trace_epoch: Option<Instant>,
 }
 
 impl Actor for Coordinator {
@@ -455,7 +457,8 @@ impl Actor for Coordinator {
         me.send_message(CoordinatorMsg::Start)?;
         let links =
             Links { stages, loaders, reducer, monitor: Some(monitor), checkpointer: Some(checkpointer) };
-        Ok(CoordinatorState::new(
+        let trace_epoch = cfg.trace.enabled.then_some(epoch);
+        let mut st = CoordinatorState::new(
             run_dir,
             cfg,
             layout,
@@ -466,7 +469,9 @@ impl Actor for Coordinator {
             links,
             log,
             Some(reply),
-        ))
+        );
+        st.trace_epoch = trace_epoch;
+        Ok(st)
     }
 
     async fn handle(
@@ -599,6 +604,7 @@ impl CoordinatorState {
             consecutive_skips: 0,
             cooldown_until: 0,
             scaler,
+            trace_epoch: None,
         }
     }
 
@@ -692,15 +698,19 @@ impl CoordinatorState {
                 st.eval_done(kind, loss_sum, tokens, predictions)
             }
             CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
+                check(matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
+                // Every replica reports (its trace records); replica 0's weights stand for all.
                 st.out.trace.extend(trace);
-                check(replica == 0 && matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
-                st.weights[rank] = Some(params);
                 st.out.message_latency_us.extend(latencies_us);
-                if st.out.peak_live_bytes.len() <= rank {
-                    st.out.peak_live_bytes.resize(rank + 1, 0);
+                if replica == 0 {
+                    st.weights[rank] = Some(params);
+                    if st.out.peak_live_bytes.len() <= rank {
+                        st.out.peak_live_bytes.resize(rank + 1, 0);
+                    }
+                    st.out.peak_live_bytes[rank] = peak_live_bytes;
                 }
-                st.out.peak_live_bytes[rank] = peak_live_bytes;
-                if st.weights.iter().all(Option::is_some) {
+                st.acks += 1;
+                if st.acks == st.layout.pp * st.layout.dp {
                     st.gather_done();
                     st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
                     st.waiting = Waiting::Flush;
@@ -717,7 +727,8 @@ impl CoordinatorState {
                 }
                 Ok(())
             }
-            CoordinatorMsg::Saved { ms, path, .. } => {
+            CoordinatorMsg::Saved { step, ms, path } => {
+                st.trace_write(step, ms, &path);
                 st.writes_pending -= 1;
                 st.out.checkpoint_write_ms.push(ms);
                 st.out.checkpoints.push(path);
@@ -886,6 +897,22 @@ fn check(ok: bool, what: &str) -> Result<(), ActorProcessingErr> {
 }
 
 impl CoordinatorState {
+    /// The checkpointer's background write of `step`, which just took `ms`, as a
+    /// span on a track of its own.
+    fn trace_write(&mut self, step: u64, ms: f64, path: &std::path::Path) {
+        let Some(epoch) = self.trace_epoch else { return };
+        let end = epoch.elapsed().as_secs_f64() * 1e6;
+        self.out.trace.push(crate::trace::Record {
+            name: "checkpoint write".into(),
+            step,
+            start_us: end - ms * 1e3,
+            dur_us: ms * 1e3,
+            detail: Some(path.display().to_string()),
+            actor: Some("checkpointer".into()),
+            ..Default::default()
+        });
+    }
+
     /// Ends the run once the weights are in and every checkpoint is on disk.
     fn maybe_done(&mut self) {
         if matches!(self.waiting, Waiting::Flush) && self.writes_pending == 0 {
@@ -967,7 +994,8 @@ impl CoordinatorState {
     fn begin_step(&mut self) -> Result<(), ActorProcessingErr> {
         if self.step == self.steps {
             self.waiting = Waiting::Weights;
-            return self.send_stages(1, || StageMsg::SendWeights);
+            self.acks = 0;
+            return self.send_stages(self.layout.dp, || StageMsg::SendWeights);
         }
         self.step_started = Instant::now();
         self.lr = self.sched.lr(self.step as usize);

@@ -66,7 +66,8 @@ pub enum StageMsg {
         mb: usize,
         targets: Vec<u32>,
     },
-    /// The input of F on `stage`.
+    /// The input of F on `stage`. `sent`: when it was sent, then (restamped by
+    /// the receiving stage's actor) when it arrived.
     Activation {
         phase: Phase,
         step: u64,
@@ -75,7 +76,7 @@ pub enum StageMsg {
         data: Vec<f32>,
         sent: Instant,
     },
-    /// The gradient of `stage`'s output, for its B or I.
+    /// The gradient of `stage`'s output, for its B or I (`sent` as for `Activation`).
     Gradient {
         step: u64,
         stage: usize,
@@ -193,9 +194,13 @@ impl Actor for StageActor {
         msg: StageMsg,
         st: &mut StageState,
     ) -> Result<(), ActorProcessingErr> {
-        if let StageMsg::Activation { sent, .. } | StageMsg::Gradient { sent, .. } = &msg {
+        let mut msg = msg;
+        if let StageMsg::Activation { sent, .. } | StageMsg::Gradient { sent, .. } = &mut msg {
             let us = sent.elapsed().as_secs_f64() * 1e6;
             st.latencies_us.lock().expect("latency log").push(us);
+            // From here on `sent` is when the message reached this stage: the
+            // trace's receive instant, however long it then waits in the inbox.
+            *sent = Instant::now();
         }
         let data = matches!(
             msg,
@@ -278,7 +283,15 @@ struct SimCosts {
     factors: Vec<f64>,
     jitter: f64,
     rng: Rng,
+    /// Microbatches between F and the end of their backward, per local stage:
+    /// the sim holds no activations, but the schedule's memory shape is still
+    /// what the trace's counters should show.
+    live: Vec<usize>,
 }
+
+/// Bytes of the stand-in payload the sim passes per microbatch (4 f32s): the
+/// "bytes held" its counters report, so a sim trace reads like a real one.
+const SIM_PAYLOAD_BYTES: usize = 16;
 
 impl SimCosts {
     fn duration(&mut self, kind: ActionKind, stage: usize) -> Duration {
@@ -341,6 +354,15 @@ pub fn replay_stage(args: StageArgs, rx: Receiver<StageMsg>) -> Result<Option<Ac
         }
     }
     Ok(w.log.take())
+}
+
+/// (sending stage, receiving stage, microbatch, what) of a message between stages.
+fn send_of(msg: &StageMsg) -> (Option<usize>, Option<usize>, Option<usize>, &'static str) {
+    match msg {
+        StageMsg::Activation { stage, mb, .. } => (Some(stage - 1), Some(*stage), Some(*mb), "activation"),
+        StageMsg::Gradient { stage, mb, .. } => (Some(stage + 1), Some(*stage), Some(*mb), "gradient"),
+        _ => (None, None, None, "tied embedding gradient share"),
+    }
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
@@ -438,6 +460,7 @@ impl Worker {
         let actions = args.layout.schedule.actions[args.rank].clone();
         let l = &args.layout;
         let dloss = 1.0 / (l.dp * l.microbatches * b * gpt.block_size) as f32;
+        let local_stages = stages.len();
         Ok(Worker {
             rank: args.rank,
             replica: args.replica,
@@ -467,6 +490,7 @@ impl Worker {
                 factors: cfg.sim.stage_factors.clone(),
                 jitter: cfg.sim.jitter,
                 rng: Rng::new(cfg.train.seed, Purpose::Test, &[args.rank as u64, args.replica as u64, 0x51]),
+                live: vec![0; local_stages],
             }),
         })
     }
@@ -587,10 +611,16 @@ impl Worker {
         let (key, payload) = match msg {
             StageMsg::Tokens { phase, mb, tokens, .. } => (Key::Tokens(phase, mb), Payload::U32(tokens)),
             StageMsg::Targets { phase, mb, targets, .. } => (Key::Targets(phase, mb), Payload::U32(targets)),
-            StageMsg::Activation { phase, stage, mb, data, .. } => {
+            StageMsg::Activation { phase, step, stage, mb, data, sent } => {
+                if phase == Phase::Train {
+                    self.trace_recv(step, stage, stage - 1, mb, sent, "activation");
+                }
                 (Key::Act(phase, stage, mb), Payload::F32(data))
             }
-            StageMsg::Gradient { stage, mb, data, .. } => (Key::Grad(stage, mb), Payload::F32(data)),
+            StageMsg::Gradient { step, stage, mb, data, sent } => {
+                self.trace_recv(step, stage, stage + 1, mb, sent, "gradient");
+                (Key::Grad(stage, mb), Payload::F32(data))
+            }
             StageMsg::TiedShare { data, .. } => (Key::Tied, Payload::F32(data)),
             StageMsg::Reduced { stage, grads, .. } => (Key::Reduced(stage), Payload::Grads(grads)),
             StageMsg::Stop => return Err(Stopped),
@@ -731,6 +761,27 @@ impl Worker {
         }
     }
 
+    /// A receive instant on `stage`: when `what` of microbatch `mb` from `from`
+    /// reached this stage, whether or not anything was waiting for it yet.
+    fn trace_recv(&mut self, step: u64, stage: usize, from: usize, mb: usize, arrived: Instant, what: &str) {
+        if !self.rec.enabled {
+            return;
+        }
+        let r = crate::trace::Record {
+            replica: self.replica,
+            stage,
+            rank: self.rank,
+            name: "recv".into(),
+            step,
+            mb: Some(mb),
+            start_us: self.rec.us_of(arrived),
+            detail: Some(format!("{what} from stage {from}")),
+            peer: Some(from),
+            ..Default::default()
+        };
+        self.rec.push(r);
+    }
+
     fn wait_f32(&mut self, key: Key) -> Result<Vec<f32>, Stopped> {
         match self.wait_for(key)? {
             Payload::F32(v) => Ok(v),
@@ -762,16 +813,41 @@ impl Worker {
             };
             self.log_sent(&to, kind, mb, |keep| vec![Blob::f32s("data", data, keep)]);
         }
-        if rank == self.rank {
-            return self.file(msg);
-        }
-        match &self.links {
-            Links::Actors { peers, .. } => {
-                let peers = peers.get().expect("peers are set before the first step");
-                peers[rank].send_message(msg).map_err(|_| Stopped)
+        // Evaluation traffic has its "eval" spans; sends and receives are the step's.
+        let eval = matches!(msg, StageMsg::Activation { phase: Phase::Eval, .. });
+        let traced = (self.rec.enabled && !eval).then(|| (self.rec.now_us(), send_of(&msg)));
+        let sent = if rank == self.rank {
+            self.file(msg)
+        } else {
+            match &self.links {
+                Links::Actors { peers, .. } => {
+                    let peers = peers.get().expect("peers are set before the first step");
+                    peers[rank].send_message(msg).map_err(|_| Stopped)
+                }
+                Links::Detached { .. } => Ok(()),
             }
-            Links::Detached { .. } => Ok(()),
+        };
+        if let Some((start, (from, to, mb, what))) = traced {
+            let from = from.unwrap_or(self.stages[0]);
+            let end = self.rec.now_us();
+            self.rec.push(crate::trace::Record {
+                replica: self.replica,
+                stage: from,
+                rank: self.rank,
+                name: "send".into(),
+                step: self.step,
+                mb,
+                start_us: start,
+                dur_us: end - start,
+                detail: Some(match to {
+                    Some(t) => format!("{what} to stage {t}"),
+                    None => format!("{what} to rank {rank}"),
+                }),
+                peer: to,
+                ..Default::default()
+            });
         }
+        sent
     }
 
     /// Returns false when the worker should exit.
@@ -796,7 +872,11 @@ impl Worker {
             }
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
             StageMsg::SendWeights => {
-                let params = self.compute.params();
+                // Replica 0's weights stand for all: the others only report their trace.
+                let params = match self.replica {
+                    0 => self.compute.params(),
+                    _ => vec![],
+                };
                 let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
                 let peak_live_bytes = self.compute.peak_live_bytes();
                 let trace = std::mem::take(&mut self.rec.records);
@@ -934,6 +1014,14 @@ impl Worker {
                     ActionKind::I => "I",
                     ActionKind::W => "W",
                 };
+                let i = self.local(a.stage);
+                let sim = self.sim.as_mut().expect("sim backend");
+                match a.kind {
+                    ActionKind::F => sim.live[i] += 1,
+                    ActionKind::B | ActionKind::W => sim.live[i] -= 1,
+                    ActionKind::I => {}
+                }
+                let live = Some((sim.live[i], sim.live[i] * SIM_PAYLOAD_BYTES));
                 if self.rec.enabled {
                     let start = self.compute_start;
                     self.rec.span(
@@ -945,7 +1033,7 @@ impl Worker {
                         Some(a.mb),
                         start,
                         None,
-                        None,
+                        live,
                     );
                 }
                 continue;

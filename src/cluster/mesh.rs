@@ -87,6 +87,23 @@ pub enum Event {
         peer: usize,
         why: String,
     },
+    /// Rank 0's answer to a clock probe, and when it arrived here.
+    ClockReply {
+        seq: u64,
+        remote_us: f64,
+        at: Instant,
+    },
+}
+
+/// How a worker's trace clock was put onto rank 0's: the offset added to its
+/// readings, and the round trip of the probe it came from (the offset is right
+/// to within half of that).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct ClockEstimate {
+    pub rank: usize,
+    pub offset_us: f64,
+    pub rtt_us: f64,
+    pub probes: u32,
 }
 
 /// Where frames for this process's actors are delivered.
@@ -117,6 +134,8 @@ pub struct Fabric {
     /// GPU runs: which ranks share this process, and the NCCL ids of the links
     /// and all-reduces that cross processes (made on rank 0, sent in the roster).
     pub gpu_plan: OnceLock<Arc<crate::actors::compute::GpuPlan>>,
+    /// On rank 0: each worker's clock alignment, as it reported it.
+    clocks: Mutex<Vec<ClockEstimate>>,
 }
 
 impl Fabric {
@@ -135,6 +154,7 @@ impl Fabric {
             epoch: Mutex::new(Instant::now()),
             placement: OnceLock::new(),
             gpu_plan: OnceLock::new(),
+            clocks: Mutex::new(Vec::new()),
         };
         (Arc::new(f), rx)
     }
@@ -195,6 +215,13 @@ impl Fabric {
                 self.send(p, Frame::new(kind.clone()));
             }
         }
+    }
+
+    /// The workers' clock alignments (rank 0), by rank.
+    pub fn clock_estimates(&self) -> Vec<ClockEstimate> {
+        let mut v = self.clocks.lock().expect("clocks").clone();
+        v.sort_by_key(|c| c.rank);
+        v
     }
 
     /// The latest step seen in a frame.
@@ -308,6 +335,22 @@ impl Fabric {
                 let _ = self.events.send(Event::Shutdown);
                 Ok(())
             }
+            Kind::ClockProbe { seq } => {
+                // Answered here on the link's reader, not queued behind the main loop:
+                // the round trip is the alignment's error bound.
+                let t_us = self.epoch.lock().expect("epoch").elapsed().as_secs_f64() * 1e6;
+                self.send(peer, Frame::new(Kind::ClockReply { seq, t_us }));
+                Ok(())
+            }
+            Kind::ClockReply { seq, t_us } => {
+                let _ = self.events.send(Event::ClockReply { seq, remote_us: t_us, at: Instant::now() });
+                Ok(())
+            }
+            Kind::ClockReport { rank, offset_us, rtt_us, probes } => {
+                let c = ClockEstimate { rank: rank as usize, offset_us, rtt_us, probes };
+                self.clocks.lock().expect("clocks").push(c);
+                Ok(())
+            }
             other => Err(format!("{} sent an unexpected {} frame", who(), kind_name(&other))),
         }
     }
@@ -349,6 +392,11 @@ impl Sink for Fabric {
             eprintln!("dropped the data link from {}: {why}", self.describe(peer));
             self.links.lock().expect("links")[peer] = None;
             return;
+        }
+        if self.me != 0 && peer != 0 && !self.is_done() {
+            // A worker that read rank 0's Shutdown first closes its links to the
+            // others; rank 0's frame to this one may still be on its way.
+            wait_until(Duration::from_millis(500), || self.is_done());
         }
         if !self.is_done() {
             eprintln!("error: data link to {} ended: {why}", self.describe(peer));
@@ -429,6 +477,13 @@ impl Actor for RemoteCoordinator {
         msg: CoordinatorMsg,
         f: &mut Arc<Fabric>,
     ) -> Result<(), ActorProcessingErr> {
+        let mut msg = msg;
+        if let CoordinatorMsg::Weights { trace, .. } = &mut msg {
+            // Rank 0 draws a process per (replica, node): say which node this is.
+            for r in trace.iter_mut() {
+                r.node = f.me;
+            }
+        }
         if let Some(frame) = wire::coordinator_frame(msg) {
             f.send(0, frame);
         }

@@ -18,7 +18,7 @@ pub mod node;
 pub mod tls;
 pub mod wire;
 
-pub use mesh::{Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
+pub use mesh::{ClockEstimate, Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
 
 use crate::actors::coordinator::{stage_name, CoordinatorMsg, Failure};
 use crate::actors::stage::{Links, StageActor, StageArgs, StageMsg};
@@ -209,6 +209,10 @@ fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<Vec<boo
                     NodeEvent::Left { name, addr } => {
                         if let Some(r) = node::rank_of(&name).filter(|&r| r < fabric.world) {
                             members.lock().expect("members")[r] = false;
+                            // A peer that ends the run sends Shutdown on the data link and
+                            // then exits; its node session can close before that frame is
+                            // read here (a separate socket). Give it a moment first.
+                            mesh::wait_until(Duration::from_millis(500), || fabric.is_done());
                             fabric.lost(
                                 r,
                                 &format!("left the cluster ({name} at {addr}: node session closed)"),
@@ -505,6 +509,11 @@ fn serve(
             fabric.missing()
         )));
     }
+    let clock = align_clock(spec.rank, fabric, events, CLOCK_PROBES, spec.timeout)?;
+    eprintln!(
+        "rank {}: trace clock {:+.1} µs from rank 0's (best of {} probes: round trip {:.1} µs)",
+        spec.rank, clock.offset_us, clock.probes, clock.rtt_us
+    );
     let init = match init {
         Some(p) => Some(Arc::new(
             crate::model::io::load(Path::new(&p)).map_err(|e| ClusterError::Setup(format!("{e:#}")))?,
@@ -560,6 +569,51 @@ fn serve(
     }
     coordinator.stop(None);
     outcome
+}
+
+/// Probes per clock alignment: the shortest round trip of these bounds the error.
+const CLOCK_PROBES: u32 = 16;
+
+/// Puts this worker's trace clock on rank 0's before any stage starts: each
+/// probe reads rank 0's clock, the probe with the shortest round trip is kept
+/// (queueing only ever adds delay), and rank 0's reading is taken to fall at
+/// its midpoint. The epoch moves by the offset, so every record this process
+/// makes is on rank 0's clock, to within half that round trip.
+fn align_clock(
+    rank: usize,
+    fabric: &Fabric,
+    events: &crossbeam_channel::Receiver<Event>,
+    probes: u32,
+    timeout: Duration,
+) -> Result<ClockEstimate, ClusterError> {
+    let epoch = *fabric.epoch.lock().expect("epoch");
+    let local = |t: Instant| t.saturating_duration_since(epoch).as_secs_f64() * 1e6;
+    let mut best: Option<(f64, f64)> = None;
+    for seq in 0..probes as u64 {
+        let sent = Instant::now();
+        fabric.send(0, frame::Frame::new(Kind::ClockProbe { seq }));
+        let (remote_us, at) = loop {
+            match wait_event(events, fabric, timeout)? {
+                Event::ClockReply { seq: s, remote_us, at } if s == seq => break (remote_us, at),
+                Event::Shutdown => {
+                    return Err(ClusterError::Setup("rank 0 ended the run during clock alignment".into()))
+                }
+                _ => {}
+            }
+        };
+        let (t1, t2) = (local(sent), local(at));
+        let (rtt, offset) = (t2 - t1, remote_us - (t1 + t2) / 2.0);
+        if best.is_none_or(|(r, _)| rtt < r) {
+            best = Some((rtt, offset));
+        }
+    }
+    let (rtt_us, offset_us) = best.unwrap_or((0.0, 0.0));
+    let shift = Duration::from_secs_f64(offset_us.abs() / 1e6);
+    let moved = if offset_us >= 0.0 { epoch.checked_sub(shift) } else { epoch.checked_add(shift) };
+    *fabric.epoch.lock().expect("epoch") = moved.unwrap_or(epoch);
+    let c = ClockEstimate { rank, offset_us, rtt_us, probes };
+    fabric.send(0, frame::Frame::new(Kind::ClockReport { rank: rank as u32, offset_us, rtt_us, probes }));
+    Ok(c)
 }
 
 /// The stages one worker hosts, with stand-ins for everything they talk to elsewhere.

@@ -82,6 +82,22 @@ pub enum Kind {
     Ping {
         seq: u64,
     },
+    /// Worker → rank 0: what does your trace clock read? (one of several probes)
+    ClockProbe {
+        seq: u64,
+    },
+    /// Rank 0 → worker: its trace clock, µs, when the probe arrived.
+    ClockReply {
+        seq: u64,
+        t_us: f64,
+    },
+    /// Worker → rank 0: how its clock was aligned, for the trace's metadata.
+    ClockReport {
+        rank: u32,
+        offset_us: f64,
+        rtt_us: f64,
+        probes: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -342,7 +342,7 @@ pub fn train_on(
     let simulated = cfg.backend.kind == "sim";
     let on_cpu = cfg.backend.kind == "cpu";
     let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
-    let trace_meta = serde_json::json!({
+    let mut trace_meta = serde_json::json!({
         "schedule": cfg.parallel.schedule,
         "pp": layout.pp,
         "dp": layout.dp,
@@ -350,6 +350,10 @@ pub fn train_on(
         "microbatches": layout.microbatches,
         "steps": cfg.train.steps,
         "stages": layout.n_stages(),
+        "backend": cfg.backend.kind,
+        // Ranks outnumbering cores make every measured cost a time-shared one.
+        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "compute_threads": layout.threads_per_rank * layout.pp * layout.dp,
     });
     let resumed_from = resume.as_ref().map(|r| r.state.step);
     let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
@@ -362,6 +366,7 @@ pub fn train_on(
         )?),
         None => None,
     };
+    let cluster_fabric = fabric.clone();
     let inputs = RunInputs {
         cluster: fabric,
         run_dir: opts.out_dir.clone(),
@@ -445,6 +450,9 @@ pub fn train_on(
     write("summary.json", &serde_json::to_string_pretty(&summary)?)?;
     write("loss.svg", &loss_svg(&train_curve, &val_curve, "pipewright: loss"))?;
     if cfg.trace.enabled {
+        if let Some(f) = &cluster_fabric {
+            trace_meta["clock_alignment"] = serde_json::to_value(f.clock_estimates())?;
+        }
         let json = crate::trace::chrome_json(&out.trace, trace_meta);
         write("trace.json", &serde_json::to_string(&json)?)?;
     }
