@@ -1116,9 +1116,21 @@ mod tests {
         c.backend.devices = vec![0];
         let err = refused(&c, "backend.devices");
         assert!(
-            err.starts_with("backend.devices: [0]: one GPU ordinal per pipeline stage (parallel.pp = 2)"),
+            err.starts_with("backend.devices: [0]: one GPU ordinal per pipeline rank (parallel.pp = 2)"),
             "{err}"
         );
+        // Per rank and replica.
+        c.parallel.dp = 2;
+        c.backend.devices = vec![0, 1, 2, 3];
+        c.validate().unwrap();
+        c.parallel.dp = 1;
+        c.backend.devices = vec![0, 0];
+        c.backend.dtype = "fp8".into();
+        refused(&c, "backend.dtype");
+        c.backend.dtype = "f32".into();
+        c.parallel.schedule = "zb-h1".into();
+        refused(&c, "parallel.schedule");
+        c.parallel.schedule = "1f1b".into();
         c.backend.kind = "cpu".into();
         c.backend.devices = vec![0, 1];
         refused(&c, "backend.devices");
