@@ -331,12 +331,8 @@ impl fmt::Display for Problem {
 /// Everything that can be wrong with a config, each naming where.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{origin}: cannot read config file: {source}")]
-    Read {
-        origin: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{origin}: cannot read config file: {error}")]
+    Read { origin: String, error: std::io::Error },
     /// Not TOML at all; `message` carries TOML's line, column and excerpt.
     #[error("{origin}: {message}")]
     Syntax { origin: String, message: String },
@@ -376,7 +372,7 @@ impl Config {
             Some(path) => {
                 let origin = path.display().to_string();
                 let text = std::fs::read_to_string(path)
-                    .map_err(|source| ConfigError::Read { origin: origin.clone(), source })?;
+                    .map_err(|error| ConfigError::Read { origin: origin.clone(), error })?;
                 Config::parse(&text, &origin, overrides)
             }
         }

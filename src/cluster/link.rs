@@ -19,14 +19,14 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
-    #[error("{peer}: {source}")]
-    Frame { peer: SocketAddr, source: FrameError },
+    #[error("{peer}: {error}")]
+    Frame { peer: SocketAddr, error: FrameError },
     #[error("{peer}: refused: {reason}")]
     Refused { peer: SocketAddr, reason: String },
     #[error("{peer}: handshake: {what}")]
     Protocol { peer: SocketAddr, what: String },
-    #[error("{peer}: {source}")]
-    Io { peer: SocketAddr, source: std::io::Error },
+    #[error("{peer}: {error}")]
+    Io { peer: SocketAddr, error: std::io::Error },
 }
 
 /// The shared secret. Never printed: `Debug` shows nothing of it.
@@ -46,8 +46,8 @@ impl std::fmt::Debug for Cookie {
 pub enum CookieError {
     #[error("no cookie: set PIPEWRIGHT_COOKIE_FILE (a file only you can read) or PIPEWRIGHT_COOKIE")]
     Missing,
-    #[error("PIPEWRIGHT_COOKIE_FILE={path}: {source}")]
-    File { path: String, source: std::io::Error },
+    #[error("PIPEWRIGHT_COOKIE_FILE={path}: {error}")]
+    File { path: String, error: std::io::Error },
     #[error("PIPEWRIGHT_COOKIE_FILE={0}: readable by group or others (chmod 600 it)")]
     Permissions(String),
     #[error("the cookie is empty")]
@@ -69,14 +69,14 @@ impl Cookie {
     pub fn from_env() -> Result<Cookie, CookieError> {
         if let Some(path) = std::env::var_os("PIPEWRIGHT_COOKIE_FILE") {
             let shown = path.to_string_lossy().to_string();
-            let meta = std::fs::metadata(&path)
-                .map_err(|source| CookieError::File { path: shown.clone(), source })?;
+            let meta =
+                std::fs::metadata(&path).map_err(|error| CookieError::File { path: shown.clone(), error })?;
             use std::os::unix::fs::PermissionsExt;
             if meta.permissions().mode() & 0o077 != 0 {
                 return Err(CookieError::Permissions(shown));
             }
             let text =
-                std::fs::read_to_string(&path).map_err(|source| CookieError::File { path: shown, source })?;
+                std::fs::read_to_string(&path).map_err(|error| CookieError::File { path: shown, error })?;
             return Cookie::new(&text);
         }
         match std::env::var("PIPEWRIGHT_COOKIE") {
@@ -116,12 +116,11 @@ pub fn random_bytes() -> std::io::Result<[u8; 32]> {
 }
 
 fn io(peer: SocketAddr) -> impl Fn(std::io::Error) -> LinkError {
-    move |source| LinkError::Io { peer, source }
+    move |error| LinkError::Io { peer, error }
 }
 
 fn send(stream: &mut TcpStream, peer: SocketAddr, kind: Kind) -> Result<(), LinkError> {
-    write_frame(stream, &Frame::new(kind), &mut Vec::new())
-        .map_err(|source| LinkError::Frame { peer, source })
+    write_frame(stream, &Frame::new(kind), &mut Vec::new()).map_err(|error| LinkError::Frame { peer, error })
 }
 
 fn recv(stream: &mut TcpStream, peer: SocketAddr) -> Result<Kind, LinkError> {
@@ -129,7 +128,7 @@ fn recv(stream: &mut TcpStream, peer: SocketAddr) -> Result<Kind, LinkError> {
         Ok(Some(f)) if f.arrays.is_empty() => Ok(f.kind),
         Ok(Some(_)) => Err(LinkError::Protocol { peer, what: "tensors during the handshake".into() }),
         Ok(None) => Err(LinkError::Protocol { peer, what: "closed during the handshake".into() }),
-        Err(source) => Err(LinkError::Frame { peer, source }),
+        Err(error) => Err(LinkError::Frame { peer, error }),
     }
 }
 

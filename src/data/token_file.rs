@@ -28,8 +28,8 @@ pub enum DataError {
     #[error("token file {path}: no such file (expected an llm.c .bin or a raw uint16 token file)")]
     Missing { path: PathBuf },
 
-    #[error("{path}: {action} failed: {source}")]
-    Io { path: PathBuf, action: &'static str, source: io::Error },
+    #[error("{path}: {action} failed: {error}")]
+    Io { path: PathBuf, action: &'static str, error: io::Error },
 
     #[error(
         "token file {path}: llm.c header (magic {LLMC_MAGIC}) has version {version}; \
@@ -130,11 +130,11 @@ pub struct TokenFile {
 }
 
 fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> DataError + 'a {
-    move |source| {
-        if source.kind() == io::ErrorKind::NotFound && action == "open" {
+    move |error| {
+        if error.kind() == io::ErrorKind::NotFound && action == "open" {
             DataError::Missing { path: path.to_path_buf() }
         } else {
-            DataError::Io { path: path.to_path_buf(), action, source }
+            DataError::Io { path: path.to_path_buf(), action, error }
         }
     }
 }
@@ -395,10 +395,10 @@ pub fn write_llmc(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<(), 
     })?;
     let tmp = path.with_file_name(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
     let result = write_llmc_to(&tmp, tokens, version).and_then(|()| {
-        fs::rename(&tmp, path).map_err(|source| DataError::Io {
+        fs::rename(&tmp, path).map_err(|error| DataError::Io {
             path: path.to_path_buf(),
             action: "rename temporary file",
-            source,
+            error,
         })
     });
     if result.is_err() {
@@ -438,7 +438,7 @@ fn write_llmc_to(tmp: &Path, tokens: &[u32], version: i32) -> Result<(), DataErr
     let file = w.into_inner().map_err(|e| DataError::Io {
         path: tmp.to_path_buf(),
         action: "write",
-        source: e.into_error(),
+        error: e.into_error(),
     })?;
     file.sync_all().map_err(io_err(tmp, "fsync"))?;
     Ok(())

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: not a valid safetensors file: {msg}")]
     Format { path: PathBuf, msg: String },
     #[error("{path}: tensor `{name}` is missing (expected shape {expected:?})")]
@@ -74,7 +74,7 @@ pub fn save(
     tensors: &BTreeMap<String, (&[usize], &[f32])>,
     metadata: HashMap<String, String>,
 ) -> Result<(), WeightsError> {
-    let io = |source| WeightsError::Io { path: path.to_path_buf(), source };
+    let io = |error| WeightsError::Io { path: path.to_path_buf(), error };
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
         tensors.iter().map(|(n, (s, d))| (n.clone(), s.to_vec(), to_le_bytes(d))).collect();
     let views = bytes.iter().map(|(n, s, b)| {
@@ -117,7 +117,7 @@ pub struct LoadedWeights {
 /// ignores what GPT-2 checkpoints carry beside the weights (`lm_head.weight`,
 /// which is tied to wte, and the attention mask buffers).
 pub fn load(path: &Path) -> Result<LoadedWeights, WeightsError> {
-    let buf = std::fs::read(path).map_err(|source| WeightsError::Io { path: path.to_path_buf(), source })?;
+    let buf = std::fs::read(path).map_err(|error| WeightsError::Io { path: path.to_path_buf(), error })?;
     parse(path, &buf)
 }
 
