@@ -11,7 +11,7 @@ use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
 use crate::bench::gemm_peak;
 use crate::config::Config;
-use crate::data::{ArithmeticCorpus, EvalSet, Sampler, SamplerKind, TokenFile, TokenSource};
+use crate::data::{ArithmeticCorpus, EvalSet, FileFormat, Sampler, SamplerKind, TokenFile, TokenSource};
 use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{io, GptConfig};
 use crate::rng::{Purpose, Rng};
@@ -206,12 +206,11 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
             })
         }
         _ => {
-            let train = TokenSource::from(TokenFile::open(Path::new(&cfg.data.train), vocab)?);
-            let val = if cfg.data.val.is_empty() {
-                None
-            } else {
-                Some(Arc::new(TokenSource::from(TokenFile::open(Path::new(&cfg.data.val), vocab)?)))
-            };
+            let format: FileFormat =
+                cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
+            let open = |p: &str| TokenFile::open_as(Path::new(p), vocab, format).map(TokenSource::from);
+            let train = open(&cfg.data.train)?;
+            let val = if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val)?)) };
             Ok(Sources { train: Arc::new(train), val, eval_set: None })
         }
     }
