@@ -106,7 +106,9 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
-    /// Mean loss of saved weights over the first N windows of a token file.
+    /// Mean loss of saved weights over the first N windows of a token file. The
+    /// model's shape comes from --config if given, else from the config a run
+    /// stored in the weights, else from the embedded default; --set applies on top.
     Eval {
         #[command(flatten)]
         config: ConfigArgs,
@@ -585,8 +587,13 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Eval { config, weights, data, batches, json } => {
-            let cfg = config.load(None)?;
-            let loss = pipewright::train::eval::eval_file(&cfg, &weights, &data, batches)?;
+            let loss = pipewright::train::eval::eval_file(
+                config.config.as_deref(),
+                &config.set,
+                &weights,
+                &data,
+                batches,
+            )?;
             if json {
                 println!("{}", serde_json::json!({ "loss": loss }));
             } else {
