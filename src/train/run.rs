@@ -243,6 +243,15 @@ impl Sources {
 const OUTPUTS: [&str; 7] =
     ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json", "replay"];
 
+/// Sets the config field at `path` to the value the run will use, saying so
+/// when it differs from the one given.
+fn resolve(field: &mut usize, path: &str, value: usize, why: &str) {
+    if *field != value {
+        eprintln!("{path}: {} → {value} ({why}); config.toml records {value}", *field);
+        *field = value;
+    }
+}
+
 /// Runs training on the actor runtime; `chaos_seed` scrambles message delivery (tests).
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
     train_with(cfg, opts, None).map(|(s, _)| s)
@@ -269,11 +278,17 @@ pub fn train_on(
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
-    // The eval sampler caps validation batches at what the data holds.
+    // Values the run decides are written back into the config, so config.toml
+    // (and the copies in checkpoints, replay logs and the weights) is the
+    // config that ran: reloaded, it gives the same layout and the same run.
     let mut cfg = cfg.clone();
+    let why = "interleaved 1F1B needs at least 2 chunks per rank";
+    resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
     if let Some(v) = &sources.val {
         let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
-        cfg.train.eval_batches = cfg.train.eval_batches.min(windows.max(1));
+        let held = cfg.train.eval_batches.min(windows.max(1));
+        let why = format!("all that {} holds", v.name());
+        resolve(&mut cfg.train.eval_batches, "train.eval_batches", held, &why);
     }
     let cfg = &cfg;
     let data = (0..layout.dp).map(|_| sources.replica_data(cfg)).collect::<Result<Vec<_>>>()?;
