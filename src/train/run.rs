@@ -252,6 +252,32 @@ fn resolve(field: &mut usize, path: &str, value: usize, why: &str) {
     }
 }
 
+/// `--force`, once every input has been accepted: removes what an earlier run
+/// wrote into `dir` (and only that), so a run that fails midway never leaves its
+/// partial outputs beside the earlier run's final ones.
+fn remove_earlier_outputs(dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("{}: cannot list", dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let p = entry.path();
+        let ours = OUTPUTS.contains(&name.as_str())
+            || p == crate::checkpoint::checkpoints_dir(dir)
+            || name.starts_with("replay.before-step-");
+        if !ours {
+            continue;
+        }
+        let removed = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
+        removed
+            .with_context(|| format!("{}: cannot remove an earlier run's output (--force)", p.display()))?;
+    }
+    Ok(())
+}
+
 /// Runs training on the actor runtime; `chaos_seed` scrambles message delivery (tests).
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
     train_with(cfg, opts, None).map(|(s, _)| s)
@@ -311,6 +337,9 @@ pub fn train_on(
                 );
             }
         }
+    }
+    if opts.force && !opts.resume {
+        remove_earlier_outputs(&opts.out_dir)?;
     }
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
