@@ -496,6 +496,11 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
 /// A progress bar on a terminal, plain log lines otherwise, or nothing when disabled.
 pub struct Progress {
     bar: Option<indicatif::ProgressBar>,
+    /// The bar's loss and rate text, read when the bar draws. indicatif draws
+    /// on every `set_message` and `set_position`, so a step that set both
+    /// drew twice, once with the previous step's loss; this text is set first,
+    /// without drawing, and the position change then draws once.
+    stats: Arc<std::sync::Mutex<String>>,
     steps: usize,
     every: usize,
     /// Neither bar nor lines (benchmarks and tests).
@@ -504,17 +509,30 @@ pub struct Progress {
 
 impl Progress {
     pub fn new(steps: usize, enabled: bool) -> Self {
-        let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
-            let b = indicatif::ProgressBar::new(steps as u64);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} step {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
-                )
-                .expect("valid template"),
+        let target = (enabled && std::io::stderr().is_terminal()).then(indicatif::ProgressDrawTarget::stderr);
+        Progress::with_target(steps, enabled, target)
+    }
+
+    /// A bar drawn to `target`, or plain lines when there is none.
+    fn with_target(steps: usize, enabled: bool, target: Option<indicatif::ProgressDrawTarget>) -> Self {
+        let stats = Arc::new(std::sync::Mutex::new(String::new()));
+        let bar = target.map(|target| {
+            let b = indicatif::ProgressBar::with_draw_target(Some(steps as u64), target);
+            let shown = stats.clone();
+            let style = indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} step {pos}/{len} {stats} [{elapsed_precise} < {eta_precise}]",
+            )
+            .expect("valid template")
+            .with_key(
+                "stats",
+                move |_: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = w.write_str(&shown.lock().unwrap_or_else(|e| e.into_inner()));
+                },
             );
+            b.set_style(style);
             b
         });
-        Progress { bar, steps, every: (steps / 20).max(1), quiet: !enabled }
+        Progress { bar, stats, steps, every: (steps / 20).max(1), quiet: !enabled }
     }
 
     pub fn update(&self, m: &StepMetrics) {
@@ -530,8 +548,8 @@ impl Progress {
         }
         match &self.bar {
             Some(b) => {
+                *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = msg;
                 b.set_position(m.step as u64);
-                b.set_message(msg);
             }
             None => {
                 if m.step.is_multiple_of(self.every) || m.step == self.steps || m.val_loss.is_some() {
@@ -545,6 +563,82 @@ impl Progress {
     pub fn finish(&self) {
         if let Some(b) = &self.bar {
             b.finish();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A terminal that keeps every line drawn to it.
+    #[derive(Clone, Debug, Default)]
+    struct Screen(Arc<Mutex<Vec<String>>>);
+
+    impl indicatif::TermLike for Screen {
+        fn width(&self) -> u16 {
+            160
+        }
+        fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_line(&self, s: &str) -> std::io::Result<()> {
+            self.write_str(s)
+        }
+        fn write_str(&self, s: &str) -> std::io::Result<()> {
+            if !s.trim().is_empty() {
+                self.0.lock().unwrap().push(s.to_string());
+            }
+            Ok(())
+        }
+        fn clear_line(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn metrics(step: usize, loss: f64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens: 100 * step as u64,
+            tokens_per_s: 1000.0,
+            ms: 100.0,
+            skipped: false,
+            val_loss: None,
+            exact_match: None,
+            alert: None,
+            loss_scale: None,
+        }
+    }
+
+    #[test]
+    fn progress_bar_draws_each_step_once_with_its_own_loss() {
+        let screen = Screen::default();
+        let target = indicatif::ProgressDrawTarget::term_like_with_hz(Box::new(screen.clone()), 200);
+        let p = Progress::with_target(3, true, Some(target));
+        for (step, loss) in [(1, 5.25), (2, 4.5), (3, 3.75)] {
+            // Far apart in time, as steps are, so no draw is rate-limited away.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let before = screen.0.lock().unwrap().len();
+            p.update(&metrics(step, loss));
+            let lines = screen.0.lock().unwrap()[before..].to_vec();
+            assert_eq!(lines.len(), 1, "step {step} drew {lines:?}");
+            assert!(lines[0].contains(&format!("step {step}/3 loss {loss:.4}")), "{lines:?}");
         }
     }
 }
