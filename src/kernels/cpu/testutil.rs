@@ -46,3 +46,18 @@ pub fn check_grads(params: &[Vec<f32>], grads: &[Vec<f32>], loss: impl Fn(&[Vec<
         assert!(e < tol, "tensor {ti}: relative error {e:e} >= {tol:e}");
     }
 }
+
+/// The bits of `x`, so results compare exactly (NaN equal to itself, −0 ≠ +0).
+pub fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs `f` on pools of 1, 2 and 3 threads and asserts every result equals the
+/// one-thread result: kernels split work into fixed tasks, never by thread.
+pub fn assert_thread_count_independent<T: PartialEq + std::fmt::Debug + Send>(f: impl Fn() -> T + Sync) {
+    let one = with_threads(1, &f);
+    for t in [2, 3] {
+        let other = with_threads(t, &f);
+        assert!(other == one, "{t} threads give other bits than 1 thread");
+    }
+}
