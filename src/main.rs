@@ -143,7 +143,13 @@ enum Command {
         force: bool,
     },
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
-    Inspect { path: PathBuf },
+    ///
+    /// Reads only the file's header, so it is instant on large files. Works on
+    /// our weights, a checkpoint's and Hugging Face GPT-2 files alike.
+    Inspect {
+        /// A .safetensors file, or a run or checkpoint directory (its model.safetensors).
+        path: PathBuf,
+    },
     /// Every CUDA kernel against its CPU twin on one GPU (f32 and bf16), whole
     /// training steps GPU against CPU, and bit-identical repeats. Needs a build
     /// with --features cuda and a GPU.
@@ -165,8 +171,8 @@ enum Command {
         /// Untimed steps first.
         #[arg(long, default_value_t = 3)]
         warmup: usize,
-        /// Pipeline sizes to compare through the actor runtime (empty: none).
-        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        /// Pipeline sizes to compare through the actor runtime (`--pp` alone: none).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4", num_args = 0..)]
         pp: Vec<usize>,
         /// Microbatches per step in the pipeline comparison.
         #[arg(long, default_value_t = 8)]
