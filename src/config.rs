@@ -125,6 +125,9 @@ pub struct DataSection {
     pub val: String,
     /// "shuffled" (a seeded permutation of windows per epoch) or "sequential".
     pub sampler: String,
+    /// Token file layout: "auto" (llm.c by its magic, else raw uint16; a
+    /// header with another magic is refused), "llmc" (llm.c only) or "raw".
+    pub format: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -248,6 +251,7 @@ impl Default for DataSection {
             train: String::new(),
             val: String::new(),
             sampler: "shuffled".into(),
+            format: "auto".into(),
         }
     }
 }
@@ -337,12 +341,8 @@ impl fmt::Display for Problem {
 /// Everything that can be wrong with a config, each naming where.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{origin}: cannot read config file: {source}")]
-    Read {
-        origin: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{origin}: cannot read config file: {error}")]
+    Read { origin: String, error: std::io::Error },
     /// Not TOML at all; `message` carries TOML's line, column and excerpt.
     #[error("{origin}: {message}")]
     Syntax { origin: String, message: String },
@@ -382,7 +382,7 @@ impl Config {
             Some(path) => {
                 let origin = path.display().to_string();
                 let text = std::fs::read_to_string(path)
-                    .map_err(|source| ConfigError::Read { origin: origin.clone(), source })?;
+                    .map_err(|error| ConfigError::Read { origin: origin.clone(), error })?;
                 Config::parse(&text, &origin, overrides)
             }
         }
@@ -416,30 +416,15 @@ impl Config {
     /// `field path: value given: what was expected`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut v = Validator::default();
+        self.check_model(&mut v);
         let m = &self.model;
         for (path, value) in [
-            ("model.n_layer", m.n_layer),
-            ("model.n_head", m.n_head),
-            ("model.n_embd", m.n_embd),
-            ("model.vocab_size", m.vocab_size),
             ("train.steps", self.train.steps),
             ("train.micro_batch_size", self.train.micro_batch_size),
             ("train.eval_batches", self.train.eval_batches),
         ] {
             v.check(value > 0, path, value, "must be > 0");
         }
-        if m.n_head > 0 {
-            v.check(
-                m.n_embd.is_multiple_of(m.n_head),
-                "model.n_embd",
-                m.n_embd,
-                format!("must be divisible by model.n_head ({})", m.n_head),
-            );
-        }
-        // Token ids travel as i32 (llm.c's format, the kernels' indices).
-        v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
-        // One position predicts the next: a window of one token has no target.
-        v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
 
         let d = &self.data;
         v.one_of("data.sampler", &d.sampler, &["shuffled", "sequential"]);
@@ -627,6 +612,40 @@ impl Config {
         );
 
         v.finish()
+    }
+
+    /// Checks only what evaluating saved weights on a token file uses: the
+    /// model's shape and the token file format. Pipeline, optimizer and
+    /// training settings are left alone: `eval` never reads them.
+    pub fn validate_for_eval(&self) -> Result<(), ConfigError> {
+        let mut v = Validator::default();
+        self.check_model(&mut v);
+        v.finish()
+    }
+
+    fn check_model(&self, v: &mut Validator) {
+        let m = &self.model;
+        for (path, value) in [
+            ("model.n_layer", m.n_layer),
+            ("model.n_head", m.n_head),
+            ("model.n_embd", m.n_embd),
+            ("model.vocab_size", m.vocab_size),
+        ] {
+            v.check(value > 0, path, value, "must be > 0");
+        }
+        if m.n_head > 0 {
+            v.check(
+                m.n_embd.is_multiple_of(m.n_head),
+                "model.n_embd",
+                m.n_embd,
+                format!("must be divisible by model.n_head ({})", m.n_head),
+            );
+        }
+        // Token ids travel as i32 (llm.c's format, the kernels' indices).
+        v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
+        // One position predicts the next: a window of one token has no target.
+        v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
+        v.one_of("data.format", &self.data.format, &["auto", "llmc", "raw"]);
     }
 
     /// Whether `name` is an actor of a run with this config (or "all").
@@ -974,6 +993,15 @@ mod tests {
         c.data.sampler = "random".into();
         let err = refused(&c, "data.sampler");
         assert!(err.contains("\"shuffled\", \"sequential\""), "{err}");
+    }
+
+    #[test]
+    fn token_file_format_must_be_known() {
+        assert_eq!(valid().data.format, "auto");
+        let mut c = valid();
+        c.data.format = "bin".into();
+        let err = refused(&c, "data.format");
+        assert!(err.contains("\"auto\", \"llmc\", \"raw\""), "{err}");
     }
 
     #[test]

@@ -136,7 +136,9 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
-    /// Mean loss of saved weights over the first N windows of a token file.
+    /// Mean loss of saved weights over the first N windows of a token file. The
+    /// model's shape comes from --config if given, else from the config a run
+    /// stored in the weights, else from the embedded default; --set applies on top.
     Eval {
         #[command(flatten)]
         config: ConfigArgs,
@@ -171,7 +173,13 @@ enum Command {
         force: bool,
     },
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
-    Inspect { path: PathBuf },
+    ///
+    /// Reads only the file's header, so it is instant on large files. Works on
+    /// our weights, a checkpoint's and Hugging Face GPT-2 files alike.
+    Inspect {
+        /// A .safetensors file, or a run or checkpoint directory (its model.safetensors).
+        path: PathBuf,
+    },
     /// Every CUDA kernel against its CPU twin on one GPU (f32 and bf16), whole
     /// training steps GPU against CPU, and bit-identical repeats. Needs a build
     /// with --features cuda and a GPU.
@@ -193,8 +201,8 @@ enum Command {
         /// Untimed steps first.
         #[arg(long, default_value_t = 3)]
         warmup: usize,
-        /// Pipeline sizes to compare through the actor runtime (empty: none).
-        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        /// Pipeline sizes to compare through the actor runtime (`--pp` alone: none).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4", num_args = 0..)]
         pp: Vec<usize>,
         /// Microbatches per step in the pipeline comparison.
         #[arg(long, default_value_t = 8)]
@@ -635,8 +643,13 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Eval { config, weights, data, batches, json } => {
-            let cfg = config.load(None)?;
-            let loss = pipewright::train::eval::eval_file(&cfg, &weights, &data, batches)?;
+            let loss = pipewright::train::eval::eval_file(
+                config.config.as_deref(),
+                &config.set,
+                &weights,
+                &data,
+                batches,
+            )?;
             if json {
                 println!("{}", serde_json::json!({ "loss": loss }));
             } else {

@@ -53,8 +53,8 @@ pub struct StateFile {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: {reason}")]
     Invalid { path: PathBuf, reason: String },
     #[error(transparent)]
@@ -62,7 +62,7 @@ pub enum CheckpointError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |error| CheckpointError::Io { path: path.to_path_buf(), error }
 }
 
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
@@ -108,7 +108,7 @@ pub fn save(
     }
     if fault_disk_full(state.step) {
         let p = tmp.join("model.safetensors");
-        return Err(CheckpointError::Io { path: p, source: std::io::Error::from_raw_os_error(28) });
+        return Err(CheckpointError::Io { path: p, error: std::io::Error::from_raw_os_error(28) });
     }
     let mut meta = HashMap::new();
     meta.insert(crate::inspect::CONFIG_METADATA_KEY.to_string(), state.config.clone());

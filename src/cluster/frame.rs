@@ -26,8 +26,10 @@ const CHUNK: usize = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
+    // No #[from]: it would make the io::Error this error's source as well, and
+    // `{:#}` would print the OS message twice.
     #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     #[error("bad magic {0:02x?} (not a pipewright data link, or out of step)")]
     Magic([u8; 4]),
     #[error("header of {0} bytes exceeds the cap of {MAX_HEADER}")]
@@ -42,6 +44,12 @@ pub enum FrameError {
     Lengths { need: u64, have: u64 },
     #[error("the stream ended inside a frame")]
     Truncated,
+}
+
+impl From<std::io::Error> for FrameError {
+    fn from(e: std::io::Error) -> Self {
+        FrameError::Io(e)
+    }
 }
 
 /// Element type of one array in the payload.

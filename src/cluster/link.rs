@@ -21,14 +21,14 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
-    #[error("{peer}: {source}")]
-    Frame { peer: SocketAddr, source: FrameError },
+    #[error("{peer}: {error}")]
+    Frame { peer: SocketAddr, error: FrameError },
     #[error("{peer}: refused: {reason}")]
     Refused { peer: SocketAddr, reason: String },
     #[error("{peer}: handshake: {what}")]
     Protocol { peer: SocketAddr, what: String },
-    #[error("{peer}: {source}")]
-    Io { peer: SocketAddr, source: std::io::Error },
+    #[error("{peer}: {error}")]
+    Io { peer: SocketAddr, error: std::io::Error },
     #[error("{peer}: TLS: {why}")]
     Tls { peer: SocketAddr, why: String },
 }
@@ -50,8 +50,8 @@ impl std::fmt::Debug for Cookie {
 pub enum CookieError {
     #[error("no cookie: set PIPEWRIGHT_COOKIE_FILE (a file only you can read) or PIPEWRIGHT_COOKIE")]
     Missing,
-    #[error("PIPEWRIGHT_COOKIE_FILE={path}: {source}")]
-    File { path: String, source: std::io::Error },
+    #[error("PIPEWRIGHT_COOKIE_FILE={path}: {error}")]
+    File { path: String, error: std::io::Error },
     #[error("PIPEWRIGHT_COOKIE_FILE={0}: readable by group or others (chmod 600 it)")]
     Permissions(String),
     #[error("the cookie is empty")]
@@ -73,14 +73,14 @@ impl Cookie {
     pub fn from_env() -> Result<Cookie, CookieError> {
         if let Some(path) = std::env::var_os("PIPEWRIGHT_COOKIE_FILE") {
             let shown = path.to_string_lossy().to_string();
-            let meta = std::fs::metadata(&path)
-                .map_err(|source| CookieError::File { path: shown.clone(), source })?;
+            let meta =
+                std::fs::metadata(&path).map_err(|error| CookieError::File { path: shown.clone(), error })?;
             use std::os::unix::fs::PermissionsExt;
             if meta.permissions().mode() & 0o077 != 0 {
                 return Err(CookieError::Permissions(shown));
             }
             let text =
-                std::fs::read_to_string(&path).map_err(|source| CookieError::File { path: shown, source })?;
+                std::fs::read_to_string(&path).map_err(|error| CookieError::File { path: shown, error })?;
             return Cookie::new(&text);
         }
         match std::env::var("PIPEWRIGHT_COOKIE") {
@@ -120,7 +120,7 @@ pub fn random_bytes() -> std::io::Result<[u8; 32]> {
 }
 
 fn io(peer: SocketAddr) -> impl Fn(std::io::Error) -> LinkError {
-    move |source| LinkError::Io { peer, source }
+    move |error| LinkError::Io { peer, error }
 }
 
 /// A TLS failure (an alert from the peer, a record that does not decrypt)
@@ -134,7 +134,7 @@ fn frame_error(peer: SocketAddr, source: FrameError) -> LinkError {
             peer,
             reason: "it speaks TLS, but this process runs without (--tls-cert, --tls-key, --tls-ca)".into(),
         },
-        _ => LinkError::Frame { peer, source },
+        _ => LinkError::Frame { peer, error: source },
     }
 }
 

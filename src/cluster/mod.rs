@@ -42,12 +42,13 @@ pub enum ClusterError {
     Node(#[from] node::NodeError),
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
+    // No #[from] (it would also make the link error the source, printed twice).
     #[error("data link {0}")]
-    Link(#[from] link::LinkError),
+    Link(link::LinkError),
     #[error(transparent)]
     Placement(#[from] mesh::PlacementError),
-    #[error("{what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    #[error("{what}: {error}")]
+    Io { what: String, error: std::io::Error },
     #[error("{0}")]
     Join(String),
     #[error("{0}")]
@@ -58,9 +59,15 @@ pub enum ClusterError {
     Aborted(String),
 }
 
+impl From<link::LinkError> for ClusterError {
+    fn from(e: link::LinkError) -> Self {
+        ClusterError::Link(e)
+    }
+}
+
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
     let what = what.into();
-    move |source| ClusterError::Io { what, source }
+    move |error| ClusterError::Io { what, error }
 }
 
 /// Where this process finds the run: rank 0's cluster node (its data link

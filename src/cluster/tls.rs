@@ -30,8 +30,8 @@ pub enum TlsError {
         "TLS needs all three of --tls-cert, --tls-key and --tls-ca (or PIPEWRIGHT_TLS_CERT, _KEY and _CA); {given} given, {missing} missing"
     )]
     Partial { given: String, missing: String },
-    #[error("{what} {}: cannot read: {source}", path.display())]
-    Read { what: String, path: PathBuf, source: io::Error },
+    #[error("{what} {}: cannot read: {error}", path.display())]
+    Read { what: String, path: PathBuf, error: io::Error },
     #[error("{what} {}: {why} (expected {expected})", path.display())]
     Pem { what: String, path: PathBuf, why: String, expected: &'static str },
     #[error("{what} {}: {why}", path.display())]
@@ -78,7 +78,7 @@ impl TlsFiles {
 }
 
 fn read(what: &str, path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|source| TlsError::Read { what: what.into(), path: path.into(), source })
+    std::fs::read(path).map_err(|error| TlsError::Read { what: what.into(), path: path.into(), error })
 }
 
 const CERT_PEM: &str = "PEM blocks \"-----BEGIN CERTIFICATE-----\"";

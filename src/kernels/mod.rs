@@ -14,9 +14,17 @@ pub mod profile;
 pub enum BackendError {
     #[error("backend.kind = \"cuda\": built without the cuda feature: rebuild with --features cuda")]
     NotBuilt,
+    // No #[from]: it would also make the CUDA error the source, printed twice.
     #[cfg(feature = "cuda")]
     #[error("backend.kind = \"cuda\": {0}")]
-    Cuda(#[from] cuda::CudaError),
+    Cuda(cuda::CudaError),
+}
+
+#[cfg(feature = "cuda")]
+impl From<cuda::CudaError> for BackendError {
+    fn from(e: cuda::CudaError) -> Self {
+        BackendError::Cuda(e)
+    }
 }
 
 /// Checks, before anything else runs, that the configured backend can start:

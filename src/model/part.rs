@@ -10,7 +10,11 @@
 //! last part runs the head's backward right inside forward (llm.c's fused
 //! classifier): the (N, V) logits then never outlive one microbatch.
 //! Buffers are recycled through pools, so after the first step of a schedule
-//! nothing is allocated.
+//! this code allocates nothing: forward, backward (whole, or split into I and
+//! W), the optimizer step and evaluation reuse their buffers (tested in
+//! `train::engine`). The `gemm` crate still allocates its packing buffers on
+//! every product, which no API lets us hand it; glibc serves those from its
+//! heap without system calls (docs/benchmarks.md measures the cost).
 
 use super::params::{self, GptConfig, Param};
 use crate::kernels::cpu::{attention, crossentropy, embedding, gelu, layernorm, matmul, residual};

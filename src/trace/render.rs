@@ -327,6 +327,6 @@ pub fn write(trace: &std::path::Path, out: &std::path::Path, step: Option<u64>) 
     let s = super::summary::summarize(&t)?;
     let step = chosen_step(&t, &s, step)?;
     let text = if svg_out { svg(&t, &s, step) } else { html(&t, &s, step) };
-    std::fs::write(out, text).map_err(|source| TraceError::Write { path: out.into(), source })?;
+    std::fs::write(out, text).map_err(|error| TraceError::Write { path: out.into(), error })?;
     Ok(step)
 }

@@ -15,10 +15,10 @@ use std::path::{Path, PathBuf};
 /// Why a trace cannot be read or summarised; always names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("{}: cannot read", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("{}: cannot write", path.display())]
-    Write { path: PathBuf, source: std::io::Error },
+    #[error("{}: cannot read: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
+    #[error("{}: cannot write: {error}", path.display())]
+    Write { path: PathBuf, error: std::io::Error },
     #[error("{}: not a Chrome trace: {reason}", path.display())]
     Format { path: PathBuf, reason: String },
     #[error("{}: {reason}", path.display())]
@@ -80,8 +80,7 @@ pub struct Trace {
 
 /// Reads and parses `path`.
 pub fn load(path: &Path) -> Result<Trace, TraceError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|source| TraceError::Io { path: path.into(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|error| TraceError::Io { path: path.into(), error })?;
     parse(&text, path)
 }
 

@@ -11,7 +11,7 @@ use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
 use crate::bench::gemm_peak;
 use crate::config::Config;
-use crate::data::{ArithmeticCorpus, EvalSet, Sampler, SamplerKind, TokenFile, TokenSource};
+use crate::data::{ArithmeticCorpus, EvalSet, FileFormat, Sampler, SamplerKind, TokenFile, TokenSource};
 use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{io, GptConfig};
 use crate::rng::{Purpose, Rng};
@@ -206,12 +206,11 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
             })
         }
         _ => {
-            let train = TokenSource::from(TokenFile::open(Path::new(&cfg.data.train), vocab)?);
-            let val = if cfg.data.val.is_empty() {
-                None
-            } else {
-                Some(Arc::new(TokenSource::from(TokenFile::open(Path::new(&cfg.data.val), vocab)?)))
-            };
+            let format: FileFormat =
+                cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
+            let open = |p: &str| TokenFile::open_as(Path::new(p), vocab, format).map(TokenSource::from);
+            let train = open(&cfg.data.train)?;
+            let val = if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val)?)) };
             Ok(Sources { train: Arc::new(train), val, eval_set: None })
         }
     }
@@ -244,6 +243,41 @@ impl Sources {
 const OUTPUTS: [&str; 7] =
     ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json", "replay"];
 
+/// Sets the config field at `path` to the value the run will use, saying so
+/// when it differs from the one given.
+fn resolve(field: &mut usize, path: &str, value: usize, why: &str) {
+    if *field != value {
+        eprintln!("{path}: {} → {value} ({why}); config.toml records {value}", *field);
+        *field = value;
+    }
+}
+
+/// `--force`, once every input has been accepted: removes what an earlier run
+/// wrote into `dir` (and only that), so a run that fails midway never leaves its
+/// partial outputs beside the earlier run's final ones.
+fn remove_earlier_outputs(dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("{}: cannot list", dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let p = entry.path();
+        let ours = OUTPUTS.contains(&name.as_str())
+            || p == crate::checkpoint::checkpoints_dir(dir)
+            || name.starts_with("replay.before-step-");
+        if !ours {
+            continue;
+        }
+        let removed = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
+        removed
+            .with_context(|| format!("{}: cannot remove an earlier run's output (--force)", p.display()))?;
+    }
+    Ok(())
+}
+
 /// Runs training on the actor runtime; `chaos_seed` scrambles message delivery (tests).
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
     train_with(cfg, opts, None).map(|(s, _)| s)
@@ -270,11 +304,17 @@ pub fn train_on(
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
-    // The eval sampler caps validation batches at what the data holds.
+    // Values the run decides are written back into the config, so config.toml
+    // (and the copies in checkpoints, replay logs and the weights) is the
+    // config that ran: reloaded, it gives the same layout and the same run.
     let mut cfg = cfg.clone();
+    let why = "interleaved 1F1B needs at least 2 chunks per rank";
+    resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
     if let Some(v) = &sources.val {
         let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
-        cfg.train.eval_batches = cfg.train.eval_batches.min(windows.max(1));
+        let held = cfg.train.eval_batches.min(windows.max(1));
+        let why = format!("all that {} holds", v.name());
+        resolve(&mut cfg.train.eval_batches, "train.eval_batches", held, &why);
     }
     let cfg = &cfg;
     let data = (0..layout.dp).map(|_| sources.replica_data(cfg)).collect::<Result<Vec<_>>>()?;
@@ -297,6 +337,9 @@ pub fn train_on(
                 );
             }
         }
+    }
+    if opts.force && !opts.resume {
+        remove_earlier_outputs(&opts.out_dir)?;
     }
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
@@ -472,6 +515,11 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
 /// A progress bar on a terminal, plain log lines otherwise, or nothing when disabled.
 pub struct Progress {
     bar: Option<indicatif::ProgressBar>,
+    /// The bar's loss and rate text, read when the bar draws. indicatif draws
+    /// on every `set_message` and `set_position`, so a step that set both
+    /// drew twice, once with the previous step's loss; this text is set first,
+    /// without drawing, and the position change then draws once.
+    stats: Arc<std::sync::Mutex<String>>,
     steps: usize,
     every: usize,
     /// Neither bar nor lines (benchmarks and tests).
@@ -480,17 +528,30 @@ pub struct Progress {
 
 impl Progress {
     pub fn new(steps: usize, enabled: bool) -> Self {
-        let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
-            let b = indicatif::ProgressBar::new(steps as u64);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} step {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
-                )
-                .expect("valid template"),
+        let target = (enabled && std::io::stderr().is_terminal()).then(indicatif::ProgressDrawTarget::stderr);
+        Progress::with_target(steps, enabled, target)
+    }
+
+    /// A bar drawn to `target`, or plain lines when there is none.
+    fn with_target(steps: usize, enabled: bool, target: Option<indicatif::ProgressDrawTarget>) -> Self {
+        let stats = Arc::new(std::sync::Mutex::new(String::new()));
+        let bar = target.map(|target| {
+            let b = indicatif::ProgressBar::with_draw_target(Some(steps as u64), target);
+            let shown = stats.clone();
+            let style = indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} step {pos}/{len} {stats} [{elapsed_precise} < {eta_precise}]",
+            )
+            .expect("valid template")
+            .with_key(
+                "stats",
+                move |_: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = w.write_str(&shown.lock().unwrap_or_else(|e| e.into_inner()));
+                },
             );
+            b.set_style(style);
             b
         });
-        Progress { bar, steps, every: (steps / 20).max(1), quiet: !enabled }
+        Progress { bar, stats, steps, every: (steps / 20).max(1), quiet: !enabled }
     }
 
     pub fn update(&self, m: &StepMetrics) {
@@ -506,8 +567,8 @@ impl Progress {
         }
         match &self.bar {
             Some(b) => {
+                *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = msg;
                 b.set_position(m.step as u64);
-                b.set_message(msg);
             }
             None => {
                 if m.step.is_multiple_of(self.every) || m.step == self.steps || m.val_loss.is_some() {
@@ -521,6 +582,82 @@ impl Progress {
     pub fn finish(&self) {
         if let Some(b) = &self.bar {
             b.finish();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A terminal that keeps every line drawn to it.
+    #[derive(Clone, Debug, Default)]
+    struct Screen(Arc<Mutex<Vec<String>>>);
+
+    impl indicatif::TermLike for Screen {
+        fn width(&self) -> u16 {
+            160
+        }
+        fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_line(&self, s: &str) -> std::io::Result<()> {
+            self.write_str(s)
+        }
+        fn write_str(&self, s: &str) -> std::io::Result<()> {
+            if !s.trim().is_empty() {
+                self.0.lock().unwrap().push(s.to_string());
+            }
+            Ok(())
+        }
+        fn clear_line(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn metrics(step: usize, loss: f64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens: 100 * step as u64,
+            tokens_per_s: 1000.0,
+            ms: 100.0,
+            skipped: false,
+            val_loss: None,
+            exact_match: None,
+            alert: None,
+            loss_scale: None,
+        }
+    }
+
+    #[test]
+    fn progress_bar_draws_each_step_once_with_its_own_loss() {
+        let screen = Screen::default();
+        let target = indicatif::ProgressDrawTarget::term_like_with_hz(Box::new(screen.clone()), 200);
+        let p = Progress::with_target(3, true, Some(target));
+        for (step, loss) in [(1, 5.25), (2, 4.5), (3, 3.75)] {
+            // Far apart in time, as steps are, so no draw is rate-limited away.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let before = screen.0.lock().unwrap().len();
+            p.update(&metrics(step, loss));
+            let lines = screen.0.lock().unwrap()[before..].to_vec();
+            assert_eq!(lines.len(), 1, "step {step} drew {lines:?}");
+            assert!(lines[0].contains(&format!("step {step}/3 loss {loss:.4}")), "{lines:?}");
         }
     }
 }

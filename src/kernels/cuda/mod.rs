@@ -40,8 +40,9 @@ pub enum CudaError {
         "cuBLASLt could not be loaded (libcublasLt.so.13 or .so.12): put its directory on LD_LIBRARY_PATH"
     )]
     NoCublasLt,
+    // No #[from]: it would also make the driver error the source, printed twice.
     #[error("CUDA driver: {0}")]
-    Driver(#[from] cudarc::driver::DriverError),
+    Driver(cudarc::driver::DriverError),
     #[error("NVRTC: {0:?}")]
     Nvrtc(cudarc::nvrtc::result::NvrtcError),
     #[error("NVRTC compiling kernels/{file}.cu for {arch}:\n{log}")]
@@ -54,6 +55,12 @@ pub enum CudaError {
     Blas(cudarc::cublaslt::result::CublasError),
     #[error("{0}")]
     Shape(String),
+}
+
+impl From<cudarc::driver::DriverError> for CudaError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        CudaError::Driver(e)
+    }
 }
 
 impl From<cudarc::nvrtc::result::NvrtcError> for CudaError {
