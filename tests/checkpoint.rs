@@ -5,7 +5,7 @@
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const TINY: [&str; 18] = [
     "--set",
@@ -84,24 +84,53 @@ fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
     }
 }
 
+/// The checkpoints being written (or cut short) in `root`, by name and inode:
+/// a write that starts over under the same name is another directory.
+fn tmps(root: &Path) -> Vec<(String, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(d) = std::fs::read_dir(root) else { return vec![] };
+    d.flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .filter_map(|e| Some((e.file_name().to_string_lossy().into(), e.metadata().ok()?.ino())))
+        .collect()
+}
+
 #[test]
-fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
+fn sigkill_at_random_moments_mid_write_included_never_costs_a_complete_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let started = std::time::Instant::now();
+    let started = Instant::now();
     let want = full_run(dir.path(), "14");
     // Kill moments are spread over the length of a whole run on this machine.
     let whole = started.elapsed().as_millis().max(200) as u64;
     let out = dir.path().join("killed");
+    let root = out.join("checkpoints");
     let o = out.to_str().unwrap().to_string();
+    // A slow disk: a kill that waits for a `.tmp` lands mid-write.
+    let slow = ("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "25");
     let mut rng = 0x2545F4914F6CDD1Du64;
-    let mut kills = 0;
-    for attempt in 0..60 {
-        let args = if attempt == 0 {
-            vec!["train", "--steps", "14", "--out", &o]
-        } else {
+    let (mut kills, mut mid_write, mut resumes_checked) = (0, 0, 0);
+    for attempt in 0..80 {
+        if kills >= 12 && mid_write >= 4 && resumes_checked >= 5 {
+            break;
+        }
+        // Every name a resume may pick must be a whole checkpoint, and the newest is the one to pick.
+        let (done, _) = pipewright::checkpoint::list(&root).unwrap();
+        for (step, path) in &done {
+            let l = pipewright::checkpoint::load(path);
+            assert!(l.is_ok(), "step {step} at {} does not verify: {}", path.display(), l.err().unwrap());
+        }
+        let expect = done.last().map(|d| d.0);
+        let resuming = out.exists();
+        let args = if resuming {
             vec!["train", "--steps", "14", "--resume", &o]
+        } else {
+            vec!["train", "--steps", "14", "--out", &o]
         };
+        // `.tmp`s left by earlier kills, told apart from this process's own writes.
+        let stale = tmps(&root);
+        let writing = || tmps(&root).iter().any(|t| !stale.contains(t));
         let mut child = cmd(&args, &["--set", "parallel.pp=2", "--set", "checkpoint.every=1"])
+            .env(slow.0, slow.1)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -109,30 +138,48 @@ fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        let wait = Duration::from_millis(whole / 10 + rng % (whole * 8 / 10));
-        std::thread::sleep(wait);
-        match child.try_wait().unwrap() {
-            Some(status) => {
-                let mut err = String::new();
-                std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
-                assert!(status.success(), "a resume failed: {err}");
-                if kills >= 10 {
-                    break;
-                }
-                // Finished before the kill: start over to get more kills in.
-                let _ = std::fs::remove_dir_all(&out);
+        let t = Instant::now();
+        if attempt % 2 == 0 {
+            // Wait for a checkpoint write of this process to begin, then kill within it.
+            while !writing() && child.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(1));
             }
-            None => {
-                child.kill().unwrap();
-                child.wait().unwrap();
-                kills += 1;
+            std::thread::sleep(Duration::from_millis(rng % 20));
+        } else {
+            std::thread::sleep(Duration::from_millis(whole / 10 + rng % (whole * 8 / 10)));
+        }
+        let finished = child.try_wait().unwrap();
+        if finished.is_none() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            kills += 1;
+            mid_write += writing() as usize;
+        }
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(!err.contains("warning: checkpoint"), "a checkpoint was found damaged: {err}");
+        if resuming {
+            if let Some(at) = err.find("resuming from ") {
+                let step: u64 =
+                    err[at..].split("(step ").nth(1).unwrap().split(';').next().unwrap().parse().unwrap();
+                assert_eq!(Some(step), expect, "resumed from the newest complete checkpoint: {err}");
+                resumes_checked += 1;
+            } else if err.contains("starting from step 0") {
+                assert_eq!(expect, None, "{err}");
             }
         }
+        if let Some(status) = finished {
+            assert!(status.success(), "a resume failed: {err}");
+            // Finished before the kill: start over to get more kills in.
+            let _ = std::fs::remove_dir_all(&out);
+        }
     }
-    assert!(kills >= 10, "only {kills} kills landed");
+    assert!(kills >= 10 && mid_write >= 3, "only {kills} kills landed, {mid_write} of them mid-write");
+    assert!(resumes_checked >= 5, "only {resumes_checked} resumes were checked");
+    eprintln!("{kills} kills, {mid_write} mid-write, {resumes_checked} resume points checked");
     let (ok, err) = run(&["train", "--steps", "14", "--resume", &o], &["--set", "parallel.pp=2"], &[]);
     assert!(ok, "{err}");
-    assert_eq!(digest(&out), want, "after {kills} kills");
+    assert_eq!(digest(&out), want, "after {kills} kills ({mid_write} mid-write)");
 }
 
 #[test]
