@@ -3,7 +3,7 @@
 //! it resumes with; damaged checkpoints are refused by name; nothing saved
 //! before is ever lost.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -44,18 +44,40 @@ fn run(args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     (out.status.success(), err)
 }
 
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
 fn digest(dir: &Path) -> String {
-    let s: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
-    s["weights_digest"].as_str().unwrap().to_string()
+    summary(dir)["weights_digest"].as_str().unwrap().to_string()
+}
+
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// (loss, grad_norm) of every step as f64 bits; a skipped step's are null.
+fn loss_bits(dir: &Path) -> Vec<(Option<u64>, Option<u64>)> {
+    let bits = |v: &serde_json::Value| v.as_f64().map(f64::to_bits);
+    metrics(dir).iter().map(|m| (bits(&m["loss"]), bits(&m["grad_norm"]))).collect()
+}
+
+/// An uninterrupted run at pp = 2, in `dir/name`.
+fn full_run_with(dir: &Path, name: &str, steps: &str, extra: &[&str], env: &[(&str, &str)]) -> PathBuf {
+    let out = dir.join(name);
+    let mut args = vec!["--set", "parallel.pp=2"];
+    args.extend_from_slice(extra);
+    let (ok, err) = run(&["train", "--steps", steps, "--out", out.to_str().unwrap()], &args, env);
+    assert!(ok, "{err}");
+    out
 }
 
 fn full_run(dir: &Path, steps: &str) -> String {
-    let out = dir.join("full");
-    let (ok, err) =
-        run(&["train", "--steps", steps, "--out", out.to_str().unwrap()], &["--set", "parallel.pp=2"], &[]);
-    assert!(ok, "{err}");
-    digest(&out)
+    digest(&full_run_with(dir, "full", steps, &[], &[]))
 }
 
 #[test]
@@ -82,6 +104,37 @@ fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
         let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().count();
         assert_eq!(lines, 9, "metrics hold each step once");
     }
+}
+
+#[test]
+fn a_run_with_a_skipped_step_resumes_and_restarts_to_the_uninterrupted_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let nan = [("PIPEWRIGHT_FAULT_NAN", "1")];
+    let full = full_run_with(dir.path(), "full", "9", &[], &nan);
+    let want = digest(&full);
+    assert_eq!(metrics(&full)[1]["loss"], serde_json::Value::Null, "a NaN loss is written as null");
+    let out = dir.path().join("crash");
+    let o = out.to_str().unwrap();
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", o],
+        &["--set", "parallel.pp=2"],
+        &[nan[0], ("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1")],
+    );
+    assert!(!ok && err.contains("step 7"), "{err}");
+    let (ok, err) = run(&["train", "--steps", "9", "--resume", o], &["--set", "parallel.pp=2"], &[]);
+    assert!(ok, "metrics.jsonl with a skipped step reads back: {err}");
+    assert_eq!(digest(&out), want);
+    assert_eq!(loss_bits(&out), loss_bits(&full));
+    assert_eq!(summary(&out)["skipped_steps"], 1);
+
+    let out = dir.path().join("restart");
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", out.to_str().unwrap(), "--max-restarts", "1"],
+        &["--set", "parallel.pp=2"],
+        &[nan[0], ("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1"), ("PIPEWRIGHT_FAULT_ONCE", "1")],
+    );
+    assert!(ok && err.contains("restarting from the latest checkpoint"), "{err}");
+    assert_eq!(digest(&out), want);
 }
 
 /// The checkpoints being written (or cut short) in `root`, by name and inode:
@@ -323,18 +376,6 @@ fn max_restarts_resumes_a_failed_run_by_itself() {
         "{err}"
     );
     assert_eq!(digest(&out), want);
-}
-
-fn metrics(dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn summary(dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
 
 #[test]

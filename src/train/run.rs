@@ -33,11 +33,15 @@ pub struct TrainOptions {
     pub resume: bool,
 }
 
+/// One line of metrics.jsonl. JSON has no NaN or infinity: a non-finite loss
+/// or gradient norm (a skipped step) is written as `null` and read back as NaN.
 #[derive(Serialize, serde::Deserialize, Debug, Clone)]
 pub struct StepMetrics {
     pub step: usize,
+    #[serde(deserialize_with = "null_is_nan")]
     pub loss: f64,
     pub lr: f64,
+    #[serde(deserialize_with = "null_is_nan")]
     pub grad_norm: f64,
     pub tokens: u64,
     pub tokens_per_s: f64,
@@ -53,6 +57,10 @@ pub struct StepMetrics {
     /// The dynamic loss scale used at this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+}
+
+fn null_is_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(<Option<f64> as serde::Deserialize>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 #[derive(Serialize, Debug, Clone)]
