@@ -273,8 +273,9 @@ fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
     }
 }
 
-fn crashed_run(dir: &Path) -> std::path::PathBuf {
-    let out = dir.join("run");
+/// A pp = 2 run of 8 steps that fails in step 5 (checkpoints of steps 2 and 4).
+fn crashed_run(dir: &Path, name: &str) -> PathBuf {
+    let out = dir.join(name);
     let (ok, _) = run(
         &["train", "--steps", "8", "--out", out.to_str().unwrap()],
         &["--set", "parallel.pp=2"],
@@ -289,40 +290,95 @@ fn resume(out: &Path, extra: &[&str]) -> (bool, String) {
 }
 
 #[test]
-fn damaged_checkpoints_are_refused_by_name_and_kept() {
+fn a_damaged_newest_checkpoint_is_named_and_kept_and_the_run_resumes_from_an_older_one() {
     let dir = tempfile::tempdir().unwrap();
-    let out = crashed_run(dir.path());
+    let want = full_run(dir.path(), "8");
+    let out = crashed_run(dir.path(), "flipped");
     let ck = out.join("checkpoints/step_00000004");
     // A flipped byte: the digest no longer matches.
     let model = ck.join("model.safetensors");
-    let original = std::fs::read(&model).unwrap();
-    let mut bytes = original.clone();
+    let mut bytes = std::fs::read(&model).unwrap();
     let n = bytes.len();
     bytes[n - 3] ^= 0x40;
     std::fs::write(&model, &bytes).unwrap();
     let (ok, err) = resume(&out, &[]);
-    assert!(!ok && err.contains("model.safetensors") && err.contains("digest"), "{err}");
-    // Truncated.
-    std::fs::write(&model, &bytes[..n / 2]).unwrap();
-    let (ok, err) = resume(&out, &[]);
-    assert!(!ok && err.contains("model.safetensors"), "{err}");
-    // A missing file (the model file whole again).
-    std::fs::write(&model, &original).unwrap();
-    std::fs::remove_file(ck.join("optimizer.safetensors")).unwrap();
-    let (ok, err) = resume(&out, &[]);
-    assert!(!ok && err.contains("optimizer.safetensors"), "{err}");
+    assert!(ok, "{err}");
     assert!(
-        ck.join("state.json").exists() && out.join("checkpoints/step_00000002").exists(),
-        "nothing deleted"
+        err.contains("warning: checkpoint")
+            && err.contains("step_00000004/model.safetensors")
+            && err.contains("digest"),
+        "{err}"
+    );
+    assert!(err.contains("resuming from") && err.contains("step_00000002 (step 2"), "{err}");
+    let kept = out.join("checkpoints/step_00000004.damaged/model.safetensors");
+    assert_eq!(std::fs::read(kept).unwrap(), bytes, "the damaged checkpoint is kept as it was");
+    assert_eq!(digest(&out), want);
+
+    // Damaged every way there is: a truncated file, a missing one. None verifies.
+    let out = crashed_run(dir.path(), "ruined");
+    let root = out.join("checkpoints");
+    let model = root.join("step_00000004/model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::remove_file(root.join("step_00000002/optimizer.safetensors")).unwrap();
+    let (ok, err) = resume(&out, &[]);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("no checkpoint")
+            && err.contains("verifies")
+            && err.contains("step_00000004/model.safetensors")
+            && err.contains("step_00000002/optimizer.safetensors"),
+        "{err}"
+    );
+    assert!(
+        root.join("step_00000004/state.json").exists() && root.join("step_00000002/state.json").exists(),
+        "nothing moved or deleted"
     );
 }
 
 #[test]
 fn a_different_model_shape_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let out = crashed_run(dir.path());
+    let out = crashed_run(dir.path(), "run");
     let (ok, err) = resume(&out, &["--set", "model.n_embd=64"]);
     assert!(!ok && err.contains("state.json") && err.contains("[model]"), "{err}");
+}
+
+#[test]
+fn resuming_with_changed_settings_lists_each_change_and_warns_that_bits_will_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crashed_run(dir.path(), "changed");
+    let (ok, err) = resume(
+        &out,
+        &[
+            "--set",
+            "optim.lr=0.001",
+            "--set",
+            "train.seed=7",
+            "--set",
+            "parallel.microbatches=2",
+            "--set",
+            "parallel.pp=1",
+        ],
+    );
+    assert!(ok, "{err}");
+    for want in [
+        "warning: resuming with settings that differ",
+        "optim.lr: 0.003 → 0.001",
+        "train.seed: 1337 → 7",
+        "the global batch changes: 8 → 4 sequences per step",
+        "reads from sequence 16 while the checkpoint's cursor is 32",
+        "will not match the bits of an uninterrupted run",
+        "parallel.pp: 2 → 1",
+    ] {
+        assert!(err.contains(want), "no `{want}` in: {err}");
+    }
+
+    let out = crashed_run(dir.path(), "relaid");
+    let (ok, err) = resume(&out, &["--set", "parallel.pp=4", "--set", "checkpoint.keep=3"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("layout changes only") && err.contains("parallel.pp: 2 → 4"), "{err}");
+    assert!(!err.contains("warning"), "{err}");
 }
 
 #[test]

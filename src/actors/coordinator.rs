@@ -1138,17 +1138,26 @@ impl CoordinatorState {
             return Ok(());
         }
         let root = crate::checkpoint::checkpoints_dir(&self.run_dir);
-        let (done, _) = crate::checkpoint::list(&root).map_err(|e| e.to_string())?;
-        let Some((ck_step, dir)) = done.last().cloned() else {
+        let (loaded, damaged) = crate::checkpoint::newest_verified(&root).map_err(|e| e.to_string())?;
+        for (dir, e) in &damaged {
+            eprintln!("warning: checkpoint {} is damaged ({e}); rolling back past it", dir.display());
+            // A replay only reads the run directory.
+            if self.checkpointer.is_some() {
+                let kept = crate::checkpoint::set_aside(dir).map_err(|e| e.to_string())?;
+                eprintln!("the damaged checkpoint is kept as {} (never deleted)", kept.display());
+            }
+        }
+        let Some(loaded) = loaded else {
             return Err(format!(
-                "{} consecutive steps skipped (last: step {}) and there is no checkpoint in {} to roll back to",
+                "{} consecutive steps skipped (last: step {}) and no checkpoint in {} verifies to roll back to",
                 self.consecutive_skips,
                 self.step,
                 root.display()
             )
             .into());
         };
-        let loaded = Arc::new(crate::checkpoint::load(&dir).map_err(|e| e.to_string())?);
+        let (ck_step, dir) = (loaded.state.step, loaded.dir.clone());
+        let loaded = Arc::new(loaded);
         eprintln!(
             "{} consecutive steps skipped: rolling back to {} and scaling the learning rate by {} for {} steps",
             self.consecutive_skips,

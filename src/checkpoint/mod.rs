@@ -253,6 +253,38 @@ fn retain(root: &Path, keep: usize, keep_every: u64) -> Result<(), CheckpointErr
     Ok(())
 }
 
+/// Checkpoints that failed to verify, each with the reason.
+pub type Damaged = Vec<(PathBuf, CheckpointError)>;
+
+/// The newest complete checkpoint under `root` that verifies, and each newer
+/// one that did not. Nothing is modified.
+pub fn newest_verified(root: &Path) -> Result<(Option<Loaded>, Damaged), CheckpointError> {
+    let (done, _) = list(root)?;
+    let mut damaged = Vec::new();
+    for (_, dir) in done.iter().rev() {
+        match load(dir) {
+            Ok(l) => return Ok((Some(l), damaged)),
+            Err(e) => damaged.push((dir.clone(), e)),
+        }
+    }
+    Ok((None, damaged))
+}
+
+/// Renames a damaged checkpoint to `….damaged` so no later save of its step
+/// replaces it: it stays for inspection, never deleted. Returns the new name.
+pub fn set_aside(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    let mut to = dir.as_os_str().to_owned();
+    to.push(".damaged");
+    let mut to = PathBuf::from(to);
+    let mut n = 1;
+    while to.exists() {
+        n += 1;
+        to = PathBuf::from(format!("{}.damaged.{n}", dir.display()));
+    }
+    std::fs::rename(dir, &to).map_err(io_err(dir))?;
+    Ok(to)
+}
+
 /// A checkpoint read back and verified.
 pub struct Loaded {
     pub dir: PathBuf,
@@ -426,5 +458,24 @@ mod tests {
         save(dir.path(), &tensors(2.0), state(4), 2, 0).unwrap();
         assert_eq!(names(&root), ["step_00000004"]);
         assert_eq!(load(&root.join("step_00000004")).unwrap().weights.tensors["wpe.weight"].1, vec![2.0; 6]);
+    }
+
+    #[test]
+    fn a_damaged_newest_checkpoint_falls_back_to_the_older_one_and_is_set_aside_not_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = checkpoints_dir(dir.path());
+        save(dir.path(), &tensors(1.0), state(2), 2, 0).unwrap();
+        save(dir.path(), &tensors(2.0), state(4), 2, 0).unwrap();
+        std::fs::write(root.join("step_00000004/model.safetensors"), b"junk").unwrap();
+        let (loaded, damaged) = newest_verified(&root).unwrap();
+        assert_eq!(loaded.unwrap().state.step, 2);
+        assert_eq!(damaged.len(), 1);
+        assert!(damaged[0].1.to_string().contains("step_00000004/model.safetensors"), "{}", damaged[0].1);
+        let kept = set_aside(&damaged[0].0).unwrap();
+        assert_eq!(kept, root.join("step_00000004.damaged"));
+        // A later save of step 4 leaves the damaged copy alone.
+        save(dir.path(), &tensors(3.0), state(4), 2, 0).unwrap();
+        assert!(kept.join("model.safetensors").exists());
+        assert_eq!(steps(&root), [2, 4]);
     }
 }

@@ -117,38 +117,6 @@ fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
-/// The latest complete checkpoint of the run in `dir`, verified; incomplete
-/// ones are reported and left alone. None (said aloud) when there is none.
-fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<crate::checkpoint::Loaded>> {
-    let root = crate::checkpoint::checkpoints_dir(dir);
-    let (done, incomplete) = crate::checkpoint::list(&root)?;
-    for p in &incomplete {
-        eprintln!("ignoring incomplete checkpoint {}", p.display());
-    }
-    let Some((step, path)) = done.last() else {
-        eprintln!("no complete checkpoint in {}: starting from step 0", root.display());
-        return Ok(None);
-    };
-    let t = std::time::Instant::now();
-    let loaded = crate::checkpoint::load(path)?;
-    let load_ms = t.elapsed().as_secs_f64() * 1e3;
-    let theirs = Config::parse(&loaded.state.config, &path.join("state.json").display().to_string(), &[])?;
-    if theirs.model != cfg.model {
-        bail!(
-            "{}: the checkpoint's [model] ({:?}) differs from this config's ({:?})",
-            path.join("state.json").display(),
-            theirs.model,
-            cfg.model
-        );
-    }
-    loaded.weights.check(&GptConfig::from_config(cfg))?;
-    if (*step as usize) > cfg.train.steps {
-        bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
-    }
-    eprintln!("resuming from {} (step {step}; read and verified in {load_ms:.1} ms)", path.display());
-    Ok(Some(loaded))
-}
-
 /// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
 fn prior_metrics(path: &Path, upto: usize) -> Result<Vec<StepMetrics>> {
     let Ok(text) = std::fs::read_to_string(path) else { return Ok(Vec::new()) };
@@ -294,7 +262,7 @@ pub fn train_on(
         }
         None => None,
     };
-    let resume = if opts.resume { find_resume_point(&opts.out_dir, cfg)? } else { None };
+    let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
     if !opts.force && !opts.resume {
         for f in OUTPUTS {
             let p = opts.out_dir.join(f);
