@@ -66,6 +66,10 @@ fn loss_bits(dir: &Path) -> Vec<(Option<u64>, Option<u64>)> {
     metrics(dir).iter().map(|m| (bits(&m["loss"]), bits(&m["grad_norm"]))).collect()
 }
 
+fn state(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap()
+}
+
 /// An uninterrupted run at pp = 2, in `dir/name`.
 fn full_run_with(dir: &Path, name: &str, steps: &str, extra: &[&str], env: &[(&str, &str)]) -> PathBuf {
     let out = dir.join(name);
@@ -379,6 +383,39 @@ fn resuming_with_changed_settings_lists_each_change_and_warns_that_bits_will_dif
     assert!(ok, "{err}");
     assert!(err.contains("layout changes only") && err.contains("parallel.pp: 2 → 4"), "{err}");
     assert!(!err.contains("warning"), "{err}");
+}
+
+#[test]
+fn state_json_records_cursors_rng_and_lr_position_and_tokens_add_up_across_batch_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crashed_run(dir.path(), "tokens");
+    // Up to step 4: 4 steps × 4 microbatches × 2 sequences × 16 tokens.
+    let s4 = state(&out.join("checkpoints/step_00000004"));
+    assert_eq!(s4["tokens"], 512);
+    assert_eq!(s4["data_cursors"], serde_json::json!([32]));
+    assert_eq!(s4["rng"]["seed"], 1337);
+    assert_eq!(s4["rng"]["step"], 4);
+    assert!(s4["rng"]["note"].as_str().unwrap().contains("(seed, purpose, ids)"));
+    let lr = &s4["lr_schedule"];
+    assert_eq!(
+        (lr["kind"].as_str(), lr["step"].as_u64(), lr["warmup_steps"].as_u64()),
+        (Some("cosine"), Some(4), Some(100))
+    );
+    assert_eq!((lr["decay_start"].as_u64(), lr["decay_end"].as_u64()), (Some(100), Some(100)));
+    // Resumed with half the global batch, at dp = 2: 2 × 2 × 1 × 16 = 64 tokens per step.
+    let (ok, err) = resume(
+        &out,
+        &["--set", "train.micro_batch_size=1", "--set", "parallel.dp=2", "--set", "parallel.microbatches=2"],
+    );
+    assert!(ok, "{err}");
+    let s6 = state(&out.join("checkpoints/step_00000006"));
+    assert_eq!(s6["tokens"], 512 + 2 * 64);
+    assert_eq!(s6["data_cursor"], 24);
+    assert_eq!(s6["data_cursors"], serde_json::json!([24, 26]), "replica r reads from (6·2 + r)·2·1");
+    let m = metrics(&out);
+    assert_eq!(s6["lr_schedule"]["next_lr"], m[6]["lr"], "the rate of the step the checkpoint precedes");
+    assert_eq!(summary(&out)["tokens"], 512 + 4 * 64);
+    assert_eq!(m[7]["tokens"], 512 + 4 * 64);
 }
 
 #[test]

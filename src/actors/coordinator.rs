@@ -182,7 +182,10 @@ pub struct RunOutcome {
     pub last_exact_match: Option<f64>,
     pub skipped: usize,
     pub train_seconds: f64,
+    /// Tokens trained on, summed over every segment of a resumed run.
     pub tokens: u64,
+    /// Tokens processed by this process (rolled-back steps count twice).
+    pub tokens_this_run: u64,
     /// Send → actor handle time of every activation and gradient message, µs.
     pub message_latency_us: Vec<f64>,
     /// Peak activation bytes held per rank (replica 0).
@@ -273,6 +276,9 @@ pub struct CoordinatorState {
     pending: Option<StepMetrics>,
     weights: Vec<Option<Vec<Param>>>,
     tokens_per_step: u64,
+    /// (step, tokens trained on by then): where the token count continues
+    /// from, so segments resumed with another batch size add up.
+    tokens_base: (u64, u64),
     norms: Vec<(usize, f64)>,
     out: RunOutcome,
     checkpointer: Option<ActorRef<super::checkpointer::CheckpointerMsg>>,
@@ -445,7 +451,7 @@ impl Actor for Coordinator {
         me.send_message(CoordinatorMsg::Start)?;
         let links =
             Links { stages, loaders, reducer, monitor: Some(monitor), checkpointer: Some(checkpointer) };
-        Ok(CoordinatorState::new(
+        let mut st = CoordinatorState::new(
             run_dir,
             cfg,
             layout,
@@ -456,7 +462,11 @@ impl Actor for Coordinator {
             links,
             log,
             Some(reply),
-        ))
+        );
+        if let Some(r) = &resume {
+            st.continue_from(&r.state);
+        }
+        Ok(st)
     }
 
     async fn handle(
@@ -579,6 +589,7 @@ impl CoordinatorState {
             lr: 0.0,
             pending: None,
             tokens_per_step,
+            tokens_base: (start_step, start_step * tokens_per_step),
             norms: Vec::new(),
             out: RunOutcome::default(),
             snapshots: vec![None; pp],
@@ -909,16 +920,23 @@ impl CoordinatorState {
             }
         }
         self.out.checkpoint_pause_ms.push(self.snapshot_started.elapsed().as_secs_f64() * 1e3);
+        // Replica r of step s reads from global microbatch (s·dp + r)·m (see data_loader).
+        let (dp, m) = (self.layout.dp as u64, self.layout.microbatches as u64);
         let b = self.cfg.train.micro_batch_size as u64;
         let state = crate::checkpoint::StateFile {
             format_version: crate::checkpoint::FORMAT_VERSION,
             step: self.step,
             adam_step,
-            tokens: self.step * self.tokens_per_step,
+            tokens: self.tokens_seen(),
             skipped_steps: self.out.skipped,
-            data_cursor: self.step * (self.layout.dp * self.layout.microbatches) as u64 * b,
-            seed: self.cfg.train.seed,
-            next_lr: self.sched.lr(self.step as usize),
+            data_cursor: self.step * dp * m * b,
+            data_cursors: (0..dp).map(|r| (self.step * dp + r) * m * b).collect(),
+            rng: crate::checkpoint::RngState {
+                seed: self.cfg.train.seed,
+                step: self.step,
+                note: crate::checkpoint::RNG_NOTE.into(),
+            },
+            lr_schedule: self.lr_position(),
             config: self.cfg.to_toml_string(),
             config_hash: self.cfg.hash(),
             digests: Default::default(),
@@ -931,7 +949,7 @@ impl CoordinatorState {
                 Blob::f64("adam_step", state.adam_step as f64),
                 Blob::f64("tokens", state.tokens as f64),
                 Blob::f64("data_cursor", state.data_cursor as f64),
-                Blob::f64("next_lr", state.next_lr),
+                Blob::f64("next_lr", state.lr_schedule.next_lr),
             ];
             self.log_sent("checkpointer", "Write", || blobs);
         }
@@ -947,6 +965,43 @@ impl CoordinatorState {
         self.begin_step()
     }
 
+    /// Takes up a resumed run's counters where its checkpoint left them.
+    pub fn continue_from(&mut self, state: &crate::checkpoint::StateFile) {
+        self.tokens_base = (state.step, state.tokens);
+        self.cooldown_until = state.lr_schedule.cooldown_until;
+    }
+
+    /// Tokens trained on before the current step.
+    fn tokens_seen(&self) -> u64 {
+        self.tokens_base.1 + (self.step - self.tokens_base.0) * self.tokens_per_step
+    }
+
+    /// The learning rate of 0-based `step`, a rollback's cooldown included.
+    fn lr_of(&self, step: u64) -> f64 {
+        let lr = self.sched.lr(step as usize);
+        if step < self.cooldown_until {
+            lr * self.cfg.recovery.lr_factor
+        } else {
+            lr
+        }
+    }
+
+    fn lr_position(&self) -> crate::checkpoint::LrPosition {
+        let (decay_start, decay_end) = self.sched.decay_bounds();
+        crate::checkpoint::LrPosition {
+            kind: self.cfg.optim.schedule.clone(),
+            step: self.step,
+            warmup_steps: self.sched.warmup_steps as u64,
+            decay_start: decay_start as u64,
+            decay_end: decay_end as u64,
+            lr: self.sched.lr,
+            min_lr: self.sched.min_lr,
+            next_lr: self.lr_of(self.step),
+            cooldown_until: self.cooldown_until,
+            cooldown_factor: self.cfg.recovery.lr_factor,
+        }
+    }
+
     fn finish(&mut self, result: Result<(), String>) {
         if let Some(reply) = self.reply.take() {
             let out = std::mem::take(&mut self.out);
@@ -960,10 +1015,7 @@ impl CoordinatorState {
             return self.send_stages(1, || StageMsg::SendWeights);
         }
         self.step_started = Instant::now();
-        self.lr = self.sched.lr(self.step as usize);
-        if self.step < self.cooldown_until {
-            self.lr *= self.cfg.recovery.lr_factor;
-        }
+        self.lr = self.lr_of(self.step);
         self.waiting = Waiting::StageDone;
         self.reports.clear();
         let step = self.step;
@@ -1066,11 +1118,12 @@ impl CoordinatorState {
         let dt = self.step_started.elapsed().as_secs_f64();
         self.out.train_seconds += dt;
         let done = self.step + 1;
-        self.out.tokens = done * self.tokens_per_step;
+        self.out.tokens = self.tokens_seen() + self.tokens_per_step;
+        self.out.tokens_this_run += self.tokens_per_step;
         let m = self.pending.as_mut().expect("metrics of this step");
         m.ms = dt * 1e3;
         m.tokens = self.out.tokens;
-        m.tokens_per_s = self.out.tokens as f64 / self.out.train_seconds;
+        m.tokens_per_s = self.out.tokens_this_run as f64 / self.out.train_seconds;
         self.out.skipped += m.skipped as usize;
         self.out.losses.push(m.loss);
         self.out.train_curve.push((done as usize, m.loss));
@@ -1157,6 +1210,7 @@ impl CoordinatorState {
             .into());
         };
         let (ck_step, dir) = (loaded.state.step, loaded.dir.clone());
+        self.tokens_base = (ck_step, loaded.state.tokens);
         let loaded = Arc::new(loaded);
         eprintln!(
             "{} consecutive steps skipped: rolling back to {} and scaling the learning rate by {} for {} steps",

@@ -5,13 +5,12 @@
 //! `DIR/checkpoints/step_00000100/` holds `model.safetensors` (Hugging Face
 //! GPT-2 names), `optimizer.safetensors` (each tensor's AdamW moments as
 //! `NAME.exp_avg` and `NAME.exp_avg_sq`, PyTorch's names) and `state.json`
-//! (step, tokens, AdamW step count, the resolved config and its hash, and a
-//! blake3 digest of each file). It is written as `step_….tmp/`, every file
-//! fsync'd, then renamed and the parent fsync'd. Replacing a checkpoint of the
-//! same step goes through `step_….old/`, so a complete copy exists under one of
-//! the two names at every moment; [`list`] knows both. The data position and
-//! every random stream are functions of (seed, step), so the step is the whole
-//! cursor.
+//! ([`StateFile`]: step, tokens, data cursors, RNG, LR-schedule position, loss
+//! scaler, the resolved config and its hash, and a blake3 digest of each file).
+//! It is written as `step_….tmp/`, every file fsync'd, then renamed and the
+//! parent fsync'd. Replacing a checkpoint of the same step goes through
+//! `step_….old/`, so a complete copy exists under one of the two names at
+//! every moment; [`list`] knows both.
 
 use crate::model::io::{self, LoadedWeights, WeightsError};
 use serde::{Deserialize, Serialize};
@@ -31,6 +30,8 @@ pub struct TensorState {
     pub exp_avg_sq: Vec<f32>,
 }
 
+/// `state.json`. Fields added after format 1 first shipped default when
+/// absent, so older checkpoints still load.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct StateFile {
     pub format_version: u32,
@@ -38,14 +39,20 @@ pub struct StateFile {
     pub step: u64,
     /// AdamW's bias-correction count (steps whose update was not skipped).
     pub adam_step: u64,
+    /// Tokens trained on so far, summed over every segment of the run (a
+    /// segment resumed with another global batch adds its own per step).
     pub tokens: u64,
     pub skipped_steps: usize,
-    /// Next global sequence number each replica's sampler reads, for inspection
-    /// (it is a function of step and the layout's batch size).
+    /// Training sequences the replicas have consumed together: the global
+    /// sampler position the next step starts from.
     pub data_cursor: u64,
-    pub seed: u64,
-    /// Learning rate of the next step.
-    pub next_lr: f64,
+    /// The sampler sequence number each replica reads next, by replica.
+    #[serde(default)]
+    pub data_cursors: Vec<u64>,
+    #[serde(default)]
+    pub rng: RngState,
+    #[serde(default)]
+    pub lr_schedule: LrPosition,
     pub config: String,
     pub config_hash: String,
     /// blake3 of each file in the directory, by file name.
@@ -53,6 +60,41 @@ pub struct StateFile {
     /// Dynamic loss scaling's state, when it is on.
     #[serde(default)]
     pub loss_scaler: Option<crate::optim::scaler::LossScaler>,
+}
+
+/// The random generator's state. Generators are counter-based: every stream is
+/// a pure function of (seed, purpose, ids) and a position derived from the step
+/// (see `crate::rng`), so the seed and the step are all there is to restore.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RngState {
+    pub seed: u64,
+    /// The step the next draws are keyed by.
+    pub step: u64,
+    pub note: String,
+}
+
+pub const RNG_NOTE: &str = "counter-based: every stream is a function of (seed, purpose, ids) \
+     — init by tensor name, shuffle by epoch, data by window — so (seed, step) is the whole state";
+
+/// Where the learning-rate schedule stands.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct LrPosition {
+    /// "cosine", "wsd" or "constant".
+    pub kind: String,
+    /// The 0-based step whose learning rate comes next.
+    pub step: u64,
+    pub warmup_steps: u64,
+    /// The rate decays from `lr` to `min_lr` over steps `decay_start..=decay_end`
+    /// (equal for "constant": no decay).
+    pub decay_start: u64,
+    pub decay_end: u64,
+    pub lr: f64,
+    pub min_lr: f64,
+    /// The learning rate of `step`, cooldown included.
+    pub next_lr: f64,
+    /// After a rollback the rate is scaled by `cooldown_factor` before this step.
+    pub cooldown_until: u64,
+    pub cooldown_factor: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -382,8 +424,9 @@ mod tests {
             tokens: 64 * step,
             skipped_steps: 0,
             data_cursor: 4 * step,
-            seed: 1,
-            next_lr: 1e-3,
+            data_cursors: vec![4 * step],
+            rng: RngState { seed: 1, step, note: RNG_NOTE.into() },
+            lr_schedule: LrPosition::default(),
             config: String::new(),
             config_hash: String::new(),
             digests: BTreeMap::new(),

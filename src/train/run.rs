@@ -366,9 +366,7 @@ pub fn train_on(
     out.last_val = out.last_val.or(val_curve.last().map(|v| v.1));
     out.skipped += prior_skipped;
     let steps = out.steps_done as usize;
-    let tokens_this_run = (out.steps_done - resumed_from.unwrap_or(0)) as f64 * out.tokens as f64
-        / out.steps_done.max(1) as f64;
-    let tokens_per_s = tokens_this_run / out.train_seconds.max(1e-9);
+    let tokens_per_s = out.tokens_this_run as f64 / out.train_seconds.max(1e-9);
     let peak = if simulated { f64::NAN } else { gemm_peak(threads).max(peak_before) };
     let model_gflops = tokens_per_s * gpt.flops_per_token() / 1e9;
     let tensors = io::gather_params(&out.params);
