@@ -253,28 +253,71 @@ fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-        // Wait until training is under way (metrics appear), then signal.
-        for _ in 0..200 {
-            if std::fs::read_to_string(out.join("metrics.jsonl"))
-                .map(|t| t.lines().count() >= 2)
-                .unwrap_or(false)
-            {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_steps(&out, 2);
         unsafe { libc::kill(child.id() as i32, signal) };
         let res = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&res.stderr);
         assert!(res.status.success(), "{name}: {err}");
         assert!(err.contains("stopped by a signal"), "{name}: {err}");
-        let s: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-        assert_eq!(s["stopped_early"], true);
+        assert_eq!(summary(&out)["stopped_early"], true);
         let (ok, err) = run(&["train", "--steps", "40", "--resume", o], &["--set", "parallel.pp=2"], &[]);
         assert!(ok, "{name}: {err}");
         assert_eq!(digest(&out), want, "{name}");
     }
+}
+
+/// Waits until training is under way (`n` metrics lines).
+fn wait_for_steps(out: &Path, n: usize) {
+    for _ in 0..1000 {
+        if std::fs::read_to_string(out.join("metrics.jsonl")).map(|t| t.lines().count() >= n).unwrap_or(false)
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("{}: training never got under way", out.display());
+}
+
+#[test]
+fn a_signal_during_start_up_exits_cleanly_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("early");
+    let child = cmd(&["train", "--steps", "40", "--out", out.to_str().unwrap()], &[])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    if err.contains("before the first step") {
+        assert!(err.contains("nothing to save"), "{err}");
+        assert!(!out.exists(), "nothing written");
+    } else {
+        // A slow start-up got past its last check: the first step's checkpoint, as after any step.
+        assert!(err.contains("stopped by a signal after step"), "{err}");
+    }
+}
+
+#[test]
+fn a_second_interrupt_exits_at_once_with_130_saying_what_was_not_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("twice");
+    let child =
+        cmd(&["train", "--steps", "400", "--out", out.to_str().unwrap()], &["--set", "checkpoint.every=0"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+    wait_for_steps(&out, 1);
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    std::thread::sleep(Duration::from_millis(5));
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(130), "{err}");
+    assert!(err.contains("second interrupt") && err.contains("Not saved"), "{err}");
+    assert!(err.contains(&format!("--resume {}", out.display())), "{err}");
 }
 
 /// A pp = 2 run of 8 steps that fails in step 5 (checkpoints of steps 2 and 4).

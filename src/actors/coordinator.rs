@@ -213,20 +213,17 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
     let (coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
-    // SIGINT / SIGTERM: a checkpoint at the next step boundary, then a clean exit.
+    // SIGINT / SIGTERM (crate::train::signals): a checkpoint at the next step
+    // boundary, then a clean exit.
     let signals = {
         let coord = coord.clone();
         tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut int), Ok(mut term)) =
-                (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-            else {
-                return;
-            };
-            tokio::select! {
-                _ = int.recv() => {}
-                _ = term.recv() => {}
+            while !crate::train::signals::requested() {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
+            eprintln!(
+                "signal: saving a checkpoint at the next step boundary, then stopping (again: exit at once)"
+            );
             let _ = coord.send_message(CoordinatorMsg::StopRequested);
         })
     };

@@ -6,3 +6,4 @@ pub mod eval;
 pub mod plot;
 pub mod resume;
 pub mod run;
+pub mod signals;

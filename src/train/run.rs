@@ -113,6 +113,15 @@ pub fn peak_rss_bytes() -> Option<u64> {
 #[error("{0}")]
 pub struct RunFailed(pub String);
 
+/// SIGINT or SIGTERM arrived before the first step: nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "stopped by a signal during start-up, before the first step: nothing to save, and nothing in {} was \
+     written or changed",
+    .0.display()
+)]
+pub struct StoppedBeforeStart(pub PathBuf);
+
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
@@ -263,6 +272,15 @@ pub fn train_on(
         None => None,
     };
     let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
+    let threads = layout.threads_per_rank * layout.pp * layout.dp;
+    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
+    // before and after training and the better figure kept.
+    let simulated = cfg.backend.kind == "sim";
+    let peak_before = if simulated { 0.0 } else { gemm_peak(threads) };
+    // Start-up ends here: a signal until now leaves nothing to save or undo.
+    if super::signals::requested() {
+        return Err(StoppedBeforeStart(opts.out_dir.clone()).into());
+    }
     if !opts.force && !opts.resume {
         for f in OUTPUTS {
             let p = opts.out_dir.join(f);
@@ -312,11 +330,6 @@ pub fn train_on(
             .open(&metrics_path)
             .with_context(|| format!("{}: cannot open", metrics_path.display()))?,
     );
-    let threads = layout.threads_per_rank * layout.pp * layout.dp;
-    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
-    // before and after training and the better figure kept.
-    let simulated = cfg.backend.kind == "sim";
-    let peak_before = if simulated { 0.0 } else { gemm_peak(threads) };
     let trace_meta = serde_json::json!({
         "schedule": cfg.parallel.schedule,
         "pp": layout.pp,
