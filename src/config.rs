@@ -58,6 +58,9 @@ pub struct RecoverySection {
     pub spike_zscore: f64,
     /// Skip the update of a step whose loss or gradient norm spiked.
     pub spike_skip: bool,
+    /// After a failure, seconds the other actors get to stop before the
+    /// process exits anyway, naming those that did not.
+    pub shutdown_timeout_s: f64,
 }
 
 impl Default for RecoverySection {
@@ -70,6 +73,7 @@ impl Default for RecoverySection {
             spike_factor: 3.0,
             spike_zscore: 0.0,
             spike_skip: false,
+            shutdown_timeout_s: 10.0,
         }
     }
 }
@@ -572,6 +576,12 @@ impl Config {
             "must be >= 1",
         );
         let r = &self.recovery;
+        v.check(
+            r.shutdown_timeout_s > 0.0 && r.shutdown_timeout_s.is_finite(),
+            "recovery.shutdown_timeout_s",
+            r.shutdown_timeout_s,
+            "must be a finite number of seconds > 0",
+        );
         v.check(
             r.lr_factor > 0.0 && r.lr_factor <= 1.0,
             "recovery.lr_factor",

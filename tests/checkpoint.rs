@@ -320,6 +320,30 @@ fn a_second_interrupt_exits_at_once_with_130_saying_what_was_not_saved() {
     assert!(err.contains(&format!("--resume {}", out.display())), "{err}");
 }
 
+#[test]
+fn a_stage_error_ends_the_run_within_the_shutdown_timeout_naming_who_did_not_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("stuck");
+    let t = Instant::now();
+    // The checkpointer is stuck on a write that takes a minute when stage 1 fails.
+    let (ok, err) = run(
+        &["train", "--steps", "8", "--out", out.to_str().unwrap()],
+        &["--set", "parallel.pp=2", "--set", "checkpoint.every=1", "--set", "recovery.shutdown_timeout_s=1"],
+        &[
+            ("PIPEWRIGHT_FAULT", "stage=1,step=3,mb=1,kind=error"),
+            ("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "60000"),
+        ],
+    );
+    let took = t.elapsed();
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("stage-1 failed at step 3 during 1F1 (stage 1, microbatch 1): injected error"),
+        "{err}"
+    );
+    assert!(err.contains("checkpointer (writing the checkpoint of step 1) did not stop within 1 s"), "{err}");
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+}
+
 /// A pp = 2 run of 8 steps that fails in step 5 (checkpoints of steps 2 and 4).
 fn crashed_run(dir: &Path, name: &str) -> PathBuf {
     let out = dir.join(name);

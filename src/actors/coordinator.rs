@@ -210,9 +210,11 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
     static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
+    let shutdown = std::time::Duration::from_secs_f64(inputs.cfg.recovery.shutdown_timeout_s);
     let (coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
+    let actors = coord.get_children();
     // SIGINT / SIGTERM (crate::train::signals): a checkpoint at the next step
     // boundary, then a clean exit.
     let signals = {
@@ -229,8 +231,40 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
     };
     let result = rx.await.map_err(|_| anyhow::anyhow!("the coordinator stopped without a result"))?;
     signals.abort();
-    let _ = handle.await;
-    result.map_err(|f| anyhow::anyhow!("{f}"))
+    let Err(failure) = result else {
+        let _ = handle.await;
+        return result.map_err(|f| anyhow::anyhow!("{f}"));
+    };
+    // The coordinator's stop kills its children; a checkpoint write already
+    // under way finishes on its own thread, and is waited for: a whole
+    // checkpoint is worth it, a hung disk is not.
+    let stopped = |a: &ractor::ActorCell| a.get_status() == ractor::ActorStatus::Stopped;
+    let all_stopped = async {
+        let _ = handle.await;
+        while !actors.iter().all(stopped) || !crate::checkpoint::writes_in_flight().is_empty() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    };
+    if tokio::time::timeout(shutdown, all_stopped).await.is_err() {
+        let mut stuck: Vec<String> = actors
+            .iter()
+            .chain(std::iter::once(&coord.get_cell()))
+            .filter(|a| !stopped(a))
+            .map(|a| {
+                a.get_name().map_or_else(|| format!("actor {}", a.get_id()), |n| plain_name(&n).to_string())
+            })
+            .collect();
+        stuck.sort();
+        for step in crate::checkpoint::writes_in_flight() {
+            stuck.push(format!("checkpointer (writing the checkpoint of step {step})"));
+        }
+        anyhow::bail!(
+            "{failure}\n{} did not stop within {} s of the failure (recovery.shutdown_timeout_s); exiting anyway",
+            stuck.join(", "),
+            shutdown.as_secs_f64()
+        );
+    }
+    anyhow::bail!("{failure}")
 }
 
 pub struct Coordinator;

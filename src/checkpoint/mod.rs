@@ -119,6 +119,36 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step_{step:08}")
 }
 
+/// Steps whose checkpoint this process is writing: a failing run waits for
+/// them (a whole checkpoint is worth the wait) and names them if they hang.
+static WRITING: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+
+pub fn writes_in_flight() -> Vec<u64> {
+    WRITING.lock().map(|w| w.clone()).unwrap_or_default()
+}
+
+/// Marks the write of one step as in flight until dropped.
+struct Writing(u64);
+
+impl Writing {
+    fn start(step: u64) -> Writing {
+        if let Ok(mut w) = WRITING.lock() {
+            w.push(step);
+        }
+        Writing(step)
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        if let Ok(mut w) = WRITING.lock() {
+            if let Some(i) = w.iter().position(|&s| s == self.0) {
+                w.swap_remove(i);
+            }
+        }
+    }
+}
+
 fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
 }
@@ -133,6 +163,7 @@ pub fn save(
     keep: usize,
     keep_every: u64,
 ) -> Result<PathBuf, CheckpointError> {
+    let _writing = Writing::start(state.step);
     let root = checkpoints_dir(run_dir);
     std::fs::create_dir_all(&root).map_err(io_err(&root))?;
     let name = step_dir_name(state.step);

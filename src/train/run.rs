@@ -362,7 +362,14 @@ pub fn train_on(
         progress: opts.progress,
         chaos_seed,
     };
-    let mut out = runtime()?.block_on(crate::actors::run(inputs)).map_err(|e| RunFailed(format!("{e:#}")))?;
+    let rt = runtime()?;
+    let result = rt.block_on(crate::actors::run(inputs));
+    if result.is_err() {
+        // What did not stop after a failure (the error names it, see
+        // recovery.shutdown_timeout_s) must not hold the process.
+        rt.shutdown_background();
+    }
+    let mut out = result.map_err(|e| RunFailed(format!("{e:#}")))?;
     if out.stopped_early {
         eprintln!(
             "stopped by a signal after step {}; resume with --resume {}",
