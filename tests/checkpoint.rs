@@ -611,3 +611,45 @@ fn a_loss_spike_raises_an_alert_and_can_skip() {
     assert!(!spikes.is_empty(), "no spike flagged");
     assert!(spikes.iter().all(|x| x["skipped"] == true));
 }
+
+#[test]
+fn loss_scaler_state_survives_a_crash_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let scaling = [
+        "--set",
+        "optim.loss_scale=dynamic",
+        "--set",
+        "optim.loss_scale_init=1024",
+        "--set",
+        "optim.loss_scale_growth_interval=2",
+        "--set",
+        "optim.loss_scale_growth_factor=4",
+        "--set",
+        "optim.loss_scale_backoff_factor=0.25",
+        "--set",
+        "optim.loss_scale_hysteresis=1",
+    ];
+    let overflow = ("PIPEWRIGHT_FAULT_INF", "1,4");
+    let full = full_run_with(dir.path(), "full", "9", &scaling, &[overflow]);
+    let scales =
+        |d: &Path| -> Vec<f64> { metrics(d).iter().map(|m| m["loss_scale"].as_f64().unwrap()).collect() };
+    assert_eq!(
+        scales(&full),
+        [1024.0, 1024.0, 256.0, 256.0, 1024.0, 256.0, 256.0, 1024.0, 1024.0],
+        "growth ×4 after two clean steps, backoff ×0.25 on each overflow"
+    );
+    let out = dir.path().join("crash");
+    let o = out.to_str().unwrap();
+    let mut extra = vec!["--set", "parallel.pp=2"];
+    extra.extend_from_slice(&scaling);
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", o],
+        &extra,
+        &[overflow, ("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1")],
+    );
+    assert!(!ok, "{err}");
+    let (ok, err) = run(&["train", "--steps", "9", "--resume", o], &extra, &[]);
+    assert!(ok, "{err}");
+    assert_eq!(scales(&out), scales(&full));
+    assert_eq!(digest(&out), digest(&full));
+}
