@@ -1,7 +1,7 @@
 //! Checkpoints as a user depends on them: a resumed run ends with the same
 //! bits as one never interrupted, whatever killed it and whatever the layout
-//! it resumes with; damaged checkpoints are refused by name; nothing saved
-//! before is ever lost.
+//! it resumes with; a damaged checkpoint is named and an older one used;
+//! nothing saved before is ever lost; signals and failures end a run cleanly.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -87,7 +87,8 @@ fn full_run(dir: &Path, steps: &str) -> String {
 #[test]
 fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let want = full_run(dir.path(), "9");
+    let full = full_run_with(dir.path(), "full", "9", &[], &[]);
+    let (want, want_losses) = (digest(&full), loss_bits(&full));
     for (pp, resume_pp) in [("1", "1"), ("4", "4"), ("4", "2")] {
         let out = dir.path().join(format!("crash-{pp}-{resume_pp}"));
         let o = out.to_str().unwrap();
@@ -105,8 +106,7 @@ fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
         assert!(ok, "{err}");
         assert!(err.contains("step 6"), "resumes from the checkpoint of step 6: {err}");
         assert_eq!(digest(&out), want, "crash at pp={pp}, resume at pp={resume_pp}");
-        let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().count();
-        assert_eq!(lines, 9, "metrics hold each step once");
+        assert_eq!(loss_bits(&out), want_losses, "every step's loss and gradient norm, to the bit");
     }
 }
 
@@ -486,6 +486,45 @@ fn state_json_records_cursors_rng_and_lr_position_and_tokens_add_up_across_batch
 }
 
 #[test]
+fn a_pp4_checkpoint_resumed_at_dp2_agrees_with_the_uninterrupted_run_to_rounding() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = full_run_with(dir.path(), "full", "9", &[], &[]);
+    let out = dir.path().join("pp4-dp2");
+    let o = out.to_str().unwrap();
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", o],
+        &["--set", "parallel.pp=4"],
+        &[("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1")],
+    );
+    assert!(!ok, "{err}");
+    // The same global batch (dp·microbatches·B = 2·2·2 = 1·4·2): the same data.
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--resume", o],
+        &["--set", "parallel.pp=1", "--set", "parallel.dp=2", "--set", "parallel.microbatches=2"],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("agree with an uninterrupted run only to rounding"), "{err}");
+    // Steps before the checkpoint are the pp = 4 run's own: bit for bit.
+    assert_eq!(loss_bits(&out)[..6], loss_bits(&full)[..6]);
+    // After it, each replica sums its microbatches' gradients and the reducer
+    // adds the two sums: another order of float additions than one replica
+    // accumulating all four, so only rounding-level agreement.
+    let (a, b) = (metrics(&out), metrics(&full));
+    for step in 6..9 {
+        let (x, y) = (a[step]["loss"].as_f64().unwrap(), b[step]["loss"].as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "step {}: {x} against {y}", step + 1);
+    }
+    let load = |d: &Path| pipewright::model::io::load(&d.join("model.safetensors")).unwrap().tensors;
+    let (wa, wb) = (load(&out), load(&full));
+    for (name, (_, x)) in &wa {
+        let y = &wb[name].1;
+        let worst = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "{name}: weights differ by {worst}");
+    }
+}
+
+#[test]
 fn a_full_disk_mid_write_fails_by_name_removes_the_partial_write_and_keeps_earlier_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
@@ -557,6 +596,26 @@ fn a_nan_step_is_skipped_logged_and_counted() {
 }
 
 #[test]
+fn an_infinite_gradient_without_loss_scaling_is_skipped_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("inf");
+    let (ok, err) = run(
+        &["train", "--steps", "6", "--out", out.to_str().unwrap()],
+        &["--set", "optim.loss_scale=none"],
+        &[("PIPEWRIGHT_FAULT_INF", "2")],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("step 3: non-finite loss") && err.contains("gradient norm (inf)"), "{err}");
+    let m = metrics(&out);
+    assert_eq!((m[2]["skipped"].as_bool(), m[2]["grad_norm"].is_null()), (Some(true), true));
+    assert!(m[2]["loss"].as_f64().unwrap().is_finite(), "the loss itself was finite");
+    assert!(m[2].get("loss_scale").is_none());
+    assert_eq!(m.iter().filter(|x| x["skipped"] == true).count(), 1);
+    assert_eq!(summary(&out)["skipped_steps"], 1);
+    assert!(summary(&out)["final_loss"].as_f64().unwrap().is_finite(), "the weights were not touched by inf");
+}
+
+#[test]
 fn repeated_nan_steps_roll_back_to_the_last_checkpoint_with_a_lower_learning_rate() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("rollback");
@@ -587,29 +646,53 @@ fn repeated_nan_steps_roll_back_to_the_last_checkpoint_with_a_lower_learning_rat
     assert!((lr(seventh[1]) - 0.5 * lr(seventh[0])).abs() < 1e-12);
 }
 
-#[test]
-fn a_loss_spike_raises_an_alert_and_can_skip() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("spike");
-    // A factor below 1 makes every step after the window fills a "spike".
+/// A run that learns for a while, then meets a poisoned batch (every target
+/// one random token) at 0-based step `SPIKE`.
+const SPIKE: usize = 30;
+
+fn spiked(dir: &Path, name: &str, detector: &[&str]) -> (Vec<serde_json::Value>, String) {
+    let out = dir.join(name);
+    let mut extra = vec!["--set", "optim.warmup_steps=5", "--set", "recovery.spike_window=10"];
+    extra.extend_from_slice(detector);
+    let spike = SPIKE.to_string();
     let (ok, err) = run(
-        &["train", "--steps", "30", "--out", out.to_str().unwrap()],
-        &[
-            "--set",
-            "recovery.spike_window=10",
-            "--set",
-            "recovery.spike_factor=0.5",
-            "--set",
-            "recovery.spike_skip=true",
-        ],
-        &[],
+        &["train", "--steps", &(SPIKE + 2).to_string(), "--out", out.to_str().unwrap()],
+        &extra,
+        &[("PIPEWRIGHT_FAULT_SPIKE", &spike)],
     );
     assert!(ok, "{err}");
-    let m = metrics(&out);
-    let spikes: Vec<&serde_json::Value> =
-        m.iter().filter(|x| x["alert"].as_str().is_some_and(|a| a.contains("loss spike"))).collect();
-    assert!(!spikes.is_empty(), "no spike flagged");
-    assert!(spikes.iter().all(|x| x["skipped"] == true));
+    (metrics(&out), err)
+}
+
+fn alerted(m: &[serde_json::Value], what: &str) -> Vec<usize> {
+    (0..m.len()).filter(|&i| m[i]["alert"].as_str().is_some_and(|a| a.contains(what))).collect()
+}
+
+#[test]
+fn a_poisoned_batch_raises_a_loss_spike_alert_and_is_skipped_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let detector = ["--set", "recovery.spike_factor=1.5", "--set", "recovery.spike_zscore=0"];
+    let (m, err) = spiked(dir.path(), "alert", &detector);
+    assert_eq!(alerted(&m, "loss spike").first(), Some(&SPIKE), "{err}");
+    assert_eq!(m[SPIKE]["skipped"], false, "alerts only, by default");
+    assert!(err.contains(&format!("step {}: loss spike", SPIKE + 1)), "{err}");
+
+    let mut skip = detector.to_vec();
+    skip.extend_from_slice(&["--set", "recovery.spike_skip=true"]);
+    let (m, err) = spiked(dir.path(), "skip", &skip);
+    assert_eq!(alerted(&m, "loss spike"), [SPIKE], "{err}");
+    assert_eq!(m[SPIKE]["skipped"], true);
+    assert!(m[SPIKE]["alert"].as_str().unwrap().contains("update skipped"));
+    assert_eq!(m.iter().filter(|x| x["skipped"] == true).count(), 1);
+}
+
+#[test]
+fn a_poisoned_batch_raises_a_gradient_norm_z_score_alert() {
+    let dir = tempfile::tempdir().unwrap();
+    let detector = ["--set", "recovery.spike_factor=0", "--set", "recovery.spike_zscore=4"];
+    let (m, err) = spiked(dir.path(), "zscore", &detector);
+    assert_eq!(alerted(&m, "gradient-norm spike").first(), Some(&SPIKE), "{err}");
+    assert!(alerted(&m, "loss spike").is_empty(), "the loss detector is off");
 }
 
 #[test]
