@@ -90,6 +90,10 @@ pub struct Summary {
     pub checkpoint_pause_ms: Option<f64>,
     /// Mean time to write a checkpoint in the background.
     pub checkpoint_write_ms: Option<f64>,
+    /// The same two as medians, over `checkpoints_written` checkpoints.
+    pub checkpoint_pause_ms_median: Option<f64>,
+    pub checkpoint_write_ms_median: Option<f64>,
+    pub checkpoints_written: usize,
     /// Rollbacks to a checkpoint after `recovery.max_skips` skipped steps in a row.
     pub rollbacks: usize,
     /// Per pipeline rank (replica 0): the most activation bytes its stages held
@@ -124,6 +128,13 @@ pub struct StoppedBeforeStart(pub PathBuf);
 
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+fn median(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
 }
 
 /// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
@@ -410,6 +421,9 @@ pub fn train_on(
         stopped_early: out.stopped_early,
         checkpoint_pause_ms: mean(&out.checkpoint_pause_ms),
         checkpoint_write_ms: mean(&out.checkpoint_write_ms),
+        checkpoint_pause_ms_median: median(&out.checkpoint_pause_ms),
+        checkpoint_write_ms_median: median(&out.checkpoint_write_ms),
+        checkpoints_written: out.checkpoint_write_ms.len(),
         rollbacks: out.rollbacks,
         peak_activation_bytes: out.peak_live_bytes.clone(),
         peak_rss_bytes: peak_rss_bytes(),
