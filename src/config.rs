@@ -58,6 +58,9 @@ pub struct RecoverySection {
     pub spike_zscore: f64,
     /// Skip the update of a step whose loss or gradient norm spiked.
     pub spike_skip: bool,
+    /// After a failure, seconds the other actors get to stop before the
+    /// process exits anyway, naming those that did not.
+    pub shutdown_timeout_s: f64,
 }
 
 impl Default for RecoverySection {
@@ -70,6 +73,7 @@ impl Default for RecoverySection {
             spike_factor: 3.0,
             spike_zscore: 0.0,
             spike_skip: false,
+            shutdown_timeout_s: 10.0,
         }
     }
 }
@@ -168,9 +172,14 @@ pub struct OptimSection {
     pub loss_scale_init: f64,
     /// Clean steps before the scale doubles.
     pub loss_scale_growth_interval: usize,
-    /// Overflowing steps tolerated before the scale halves.
+    /// Overflowing steps tolerated before the scale backs off.
     pub loss_scale_hysteresis: usize,
     pub loss_scale_min: f64,
+    /// The scale is multiplied by this after `loss_scale_growth_interval` clean
+    /// steps (a power of two > 1, so scaling stays exact) …
+    pub loss_scale_growth_factor: f64,
+    /// … and by this on backing off (a power of two < 1).
+    pub loss_scale_backoff_factor: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -287,6 +296,8 @@ impl Default for OptimSection {
             loss_scale_growth_interval: 1000,
             loss_scale_hysteresis: 2,
             loss_scale_min: 1.0,
+            loss_scale_growth_factor: 2.0,
+            loss_scale_backoff_factor: 0.5,
         }
     }
 }
@@ -573,7 +584,25 @@ impl Config {
             o.loss_scale_hysteresis,
             "must be >= 1",
         );
+        v.check(
+            pow2(o.loss_scale_growth_factor) && o.loss_scale_growth_factor > 1.0,
+            "optim.loss_scale_growth_factor",
+            o.loss_scale_growth_factor,
+            "must be a power of two > 1 (2, 4, …)",
+        );
+        v.check(
+            pow2(o.loss_scale_backoff_factor) && o.loss_scale_backoff_factor < 1.0,
+            "optim.loss_scale_backoff_factor",
+            o.loss_scale_backoff_factor,
+            "must be a power of two < 1 (0.5, 0.25, …)",
+        );
         let r = &self.recovery;
+        v.check(
+            r.shutdown_timeout_s > 0.0 && r.shutdown_timeout_s.is_finite(),
+            "recovery.shutdown_timeout_s",
+            r.shutdown_timeout_s,
+            "must be a finite number of seconds > 0",
+        );
         v.check(
             r.lr_factor > 0.0 && r.lr_factor <= 1.0,
             "recovery.lr_factor",
@@ -786,6 +815,22 @@ mod tests {
         let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
         assert_eq!(paths, [path], "{err}");
         err.to_string()
+    }
+
+    #[test]
+    fn loss_scale_factors_and_the_shutdown_timeout_are_checked_by_name() {
+        for (set, path) in [
+            ("optim.loss_scale_growth_factor=3", "optim.loss_scale_growth_factor"),
+            ("optim.loss_scale_growth_factor=1", "optim.loss_scale_growth_factor"),
+            ("optim.loss_scale_backoff_factor=0.3", "optim.loss_scale_backoff_factor"),
+            ("optim.loss_scale_backoff_factor=2", "optim.loss_scale_backoff_factor"),
+            ("recovery.shutdown_timeout_s=0", "recovery.shutdown_timeout_s"),
+        ] {
+            let msg = refused(&with_set(&[set]).unwrap(), path);
+            assert!(msg.contains(path), "{msg}");
+        }
+        let ok = ["optim.loss_scale_growth_factor=4", "optim.loss_scale_backoff_factor=0.25"];
+        with_set(&ok).unwrap().validate().unwrap();
     }
 
     #[test]

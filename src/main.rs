@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
-use pipewright::train::run::{train_on, RunFailed, TrainOptions};
+use pipewright::train::run::{train_on, RunFailed, StoppedBeforeStart, TrainOptions};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -456,6 +456,9 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
         record_payloads,
     } = args;
     {
+        let resuming = resume.is_some();
+        let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
+        pipewright::train::signals::install(&out_dir)?;
         let mut cfg = config.load(steps)?;
         cfg.trace.enabled |= trace;
         cfg.replay.record |= record || !record_payloads.is_empty();
@@ -465,8 +468,6 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             }
         }
         cfg.validate()?;
-        let resuming = resume.is_some();
-        let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
         eprintln!("pipewright train → {}", out_dir.display());
         let mut opts =
             TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
@@ -480,6 +481,10 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                     eprintln!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
                     opts.resume = true;
                     opts.init = None;
+                }
+                Err(e) if e.downcast_ref::<StoppedBeforeStart>().is_some() => {
+                    eprintln!("{e}");
+                    return Ok(());
                 }
                 Err(e) => return Err(e),
             }

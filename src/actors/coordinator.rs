@@ -182,7 +182,10 @@ pub struct RunOutcome {
     pub last_exact_match: Option<f64>,
     pub skipped: usize,
     pub train_seconds: f64,
+    /// Tokens trained on, summed over every segment of a resumed run.
     pub tokens: u64,
+    /// Tokens processed by this process (rolled-back steps count twice).
+    pub tokens_this_run: u64,
     /// Send → actor handle time of every activation and gradient message, µs.
     pub message_latency_us: Vec<f64>,
     /// Peak activation bytes held per rank (replica 0).
@@ -207,30 +210,61 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
     static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
+    let shutdown = std::time::Duration::from_secs_f64(inputs.cfg.recovery.shutdown_timeout_s);
     let (coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
-    // SIGINT / SIGTERM: a checkpoint at the next step boundary, then a clean exit.
+    let actors = coord.get_children();
+    // SIGINT / SIGTERM (crate::train::signals): a checkpoint at the next step
+    // boundary, then a clean exit.
     let signals = {
         let coord = coord.clone();
         tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut int), Ok(mut term)) =
-                (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-            else {
-                return;
-            };
-            tokio::select! {
-                _ = int.recv() => {}
-                _ = term.recv() => {}
+            while !crate::train::signals::requested() {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
+            eprintln!(
+                "signal: saving a checkpoint at the next step boundary, then stopping (again: exit at once)"
+            );
             let _ = coord.send_message(CoordinatorMsg::StopRequested);
         })
     };
     let result = rx.await.map_err(|_| anyhow::anyhow!("the coordinator stopped without a result"))?;
     signals.abort();
-    let _ = handle.await;
-    result.map_err(|f| anyhow::anyhow!("{f}"))
+    let Err(failure) = result else {
+        let _ = handle.await;
+        return result.map_err(|f| anyhow::anyhow!("{f}"));
+    };
+    // The coordinator's stop kills its children; a checkpoint write already
+    // under way finishes on its own thread, and is waited for: a whole
+    // checkpoint is worth it, a hung disk is not.
+    let stopped = |a: &ractor::ActorCell| a.get_status() == ractor::ActorStatus::Stopped;
+    let all_stopped = async {
+        let _ = handle.await;
+        while !actors.iter().all(stopped) || !crate::checkpoint::writes_in_flight().is_empty() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    };
+    if tokio::time::timeout(shutdown, all_stopped).await.is_err() {
+        let mut stuck: Vec<String> = actors
+            .iter()
+            .chain(std::iter::once(&coord.get_cell()))
+            .filter(|a| !stopped(a))
+            .map(|a| {
+                a.get_name().map_or_else(|| format!("actor {}", a.get_id()), |n| plain_name(&n).to_string())
+            })
+            .collect();
+        stuck.sort();
+        for step in crate::checkpoint::writes_in_flight() {
+            stuck.push(format!("checkpointer (writing the checkpoint of step {step})"));
+        }
+        anyhow::bail!(
+            "{failure}\n{} did not stop within {} s of the failure (recovery.shutdown_timeout_s); exiting anyway",
+            stuck.join(", "),
+            shutdown.as_secs_f64()
+        );
+    }
+    anyhow::bail!("{failure}")
 }
 
 pub struct Coordinator;
@@ -273,6 +307,9 @@ pub struct CoordinatorState {
     pending: Option<StepMetrics>,
     weights: Vec<Option<Vec<Param>>>,
     tokens_per_step: u64,
+    /// (step, tokens trained on by then): where the token count continues
+    /// from, so segments resumed with another batch size add up.
+    tokens_base: (u64, u64),
     norms: Vec<(usize, f64)>,
     out: RunOutcome,
     checkpointer: Option<ActorRef<super::checkpointer::CheckpointerMsg>>,
@@ -471,6 +508,9 @@ impl Actor for Coordinator {
             Some(reply),
         );
         st.trace_epoch = trace_epoch;
+        if let Some(r) = &resume {
+            st.continue_from(&r.state);
+        }
         Ok(st)
     }
 
@@ -594,6 +634,7 @@ impl CoordinatorState {
             lr: 0.0,
             pending: None,
             tokens_per_step,
+            tokens_base: (start_step, start_step * tokens_per_step),
             norms: Vec::new(),
             out: RunOutcome::default(),
             snapshots: vec![None; pp],
@@ -946,16 +987,23 @@ impl CoordinatorState {
             }
         }
         self.out.checkpoint_pause_ms.push(self.snapshot_started.elapsed().as_secs_f64() * 1e3);
+        // Replica r of step s reads from global microbatch (s·dp + r)·m (see data_loader).
+        let (dp, m) = (self.layout.dp as u64, self.layout.microbatches as u64);
         let b = self.cfg.train.micro_batch_size as u64;
         let state = crate::checkpoint::StateFile {
             format_version: crate::checkpoint::FORMAT_VERSION,
             step: self.step,
             adam_step,
-            tokens: self.step * self.tokens_per_step,
+            tokens: self.tokens_seen(),
             skipped_steps: self.out.skipped,
-            data_cursor: self.step * (self.layout.dp * self.layout.microbatches) as u64 * b,
-            seed: self.cfg.train.seed,
-            next_lr: self.sched.lr(self.step as usize),
+            data_cursor: self.step * dp * m * b,
+            data_cursors: (0..dp).map(|r| (self.step * dp + r) * m * b).collect(),
+            rng: crate::checkpoint::RngState {
+                seed: self.cfg.train.seed,
+                step: self.step,
+                note: crate::checkpoint::RNG_NOTE.into(),
+            },
+            lr_schedule: self.lr_position(),
             config: self.cfg.to_toml_string(),
             config_hash: self.cfg.hash(),
             digests: Default::default(),
@@ -968,7 +1016,7 @@ impl CoordinatorState {
                 Blob::f64("adam_step", state.adam_step as f64),
                 Blob::f64("tokens", state.tokens as f64),
                 Blob::f64("data_cursor", state.data_cursor as f64),
-                Blob::f64("next_lr", state.next_lr),
+                Blob::f64("next_lr", state.lr_schedule.next_lr),
             ];
             self.log_sent("checkpointer", "Write", || blobs);
         }
@@ -982,6 +1030,43 @@ impl CoordinatorState {
             self.steps = self.step;
         }
         self.begin_step()
+    }
+
+    /// Takes up a resumed run's counters where its checkpoint left them.
+    pub fn continue_from(&mut self, state: &crate::checkpoint::StateFile) {
+        self.tokens_base = (state.step, state.tokens);
+        self.cooldown_until = state.lr_schedule.cooldown_until;
+    }
+
+    /// Tokens trained on before the current step.
+    fn tokens_seen(&self) -> u64 {
+        self.tokens_base.1 + (self.step - self.tokens_base.0) * self.tokens_per_step
+    }
+
+    /// The learning rate of 0-based `step`, a rollback's cooldown included.
+    fn lr_of(&self, step: u64) -> f64 {
+        let lr = self.sched.lr(step as usize);
+        if step < self.cooldown_until {
+            lr * self.cfg.recovery.lr_factor
+        } else {
+            lr
+        }
+    }
+
+    fn lr_position(&self) -> crate::checkpoint::LrPosition {
+        let (decay_start, decay_end) = self.sched.decay_bounds();
+        crate::checkpoint::LrPosition {
+            kind: self.cfg.optim.schedule.clone(),
+            step: self.step,
+            warmup_steps: self.sched.warmup_steps as u64,
+            decay_start: decay_start as u64,
+            decay_end: decay_end as u64,
+            lr: self.sched.lr,
+            min_lr: self.sched.min_lr,
+            next_lr: self.lr_of(self.step),
+            cooldown_until: self.cooldown_until,
+            cooldown_factor: self.cfg.recovery.lr_factor,
+        }
     }
 
     fn finish(&mut self, result: Result<(), String>) {
@@ -998,10 +1083,7 @@ impl CoordinatorState {
             return self.send_stages(self.layout.dp, || StageMsg::SendWeights);
         }
         self.step_started = Instant::now();
-        self.lr = self.sched.lr(self.step as usize);
-        if self.step < self.cooldown_until {
-            self.lr *= self.cfg.recovery.lr_factor;
-        }
+        self.lr = self.lr_of(self.step);
         self.waiting = Waiting::StageDone;
         self.reports.clear();
         let step = self.step;
@@ -1104,11 +1186,12 @@ impl CoordinatorState {
         let dt = self.step_started.elapsed().as_secs_f64();
         self.out.train_seconds += dt;
         let done = self.step + 1;
-        self.out.tokens = done * self.tokens_per_step;
+        self.out.tokens = self.tokens_seen() + self.tokens_per_step;
+        self.out.tokens_this_run += self.tokens_per_step;
         let m = self.pending.as_mut().expect("metrics of this step");
         m.ms = dt * 1e3;
         m.tokens = self.out.tokens;
-        m.tokens_per_s = self.out.tokens as f64 / self.out.train_seconds;
+        m.tokens_per_s = self.out.tokens_this_run as f64 / self.out.train_seconds;
         self.out.skipped += m.skipped as usize;
         self.out.losses.push(m.loss);
         self.out.train_curve.push((done as usize, m.loss));
@@ -1176,17 +1259,27 @@ impl CoordinatorState {
             return Ok(());
         }
         let root = crate::checkpoint::checkpoints_dir(&self.run_dir);
-        let (done, _) = crate::checkpoint::list(&root).map_err(|e| e.to_string())?;
-        let Some((ck_step, dir)) = done.last().cloned() else {
+        let (loaded, damaged) = crate::checkpoint::newest_verified(&root).map_err(|e| e.to_string())?;
+        for (dir, e) in &damaged {
+            eprintln!("warning: checkpoint {} is damaged ({e}); rolling back past it", dir.display());
+            // A replay only reads the run directory.
+            if self.checkpointer.is_some() {
+                let kept = crate::checkpoint::set_aside(dir).map_err(|e| e.to_string())?;
+                eprintln!("the damaged checkpoint is kept as {} (never deleted)", kept.display());
+            }
+        }
+        let Some(loaded) = loaded else {
             return Err(format!(
-                "{} consecutive steps skipped (last: step {}) and there is no checkpoint in {} to roll back to",
+                "{} consecutive steps skipped (last: step {}) and no checkpoint in {} verifies to roll back to",
                 self.consecutive_skips,
                 self.step,
                 root.display()
             )
             .into());
         };
-        let loaded = Arc::new(crate::checkpoint::load(&dir).map_err(|e| e.to_string())?);
+        let (ck_step, dir) = (loaded.state.step, loaded.dir.clone());
+        self.tokens_base = (ck_step, loaded.state.tokens);
+        let loaded = Arc::new(loaded);
         eprintln!(
             "{} consecutive steps skipped: rolling back to {} and scaling the learning rate by {} for {} steps",
             self.consecutive_skips,

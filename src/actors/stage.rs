@@ -405,8 +405,9 @@ fn fault_fires() -> bool {
         || !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst)
 }
 
-/// `PIPEWRIGHT_FAULT=stage=S,step=N,mb=M` makes F of (S, M) at step N panic:
-/// how the tests check that a failing stage is reported and nothing hangs.
+/// `PIPEWRIGHT_FAULT=stage=S,step=N,mb=M` makes F of (S, M) at step N panic
+/// (`,kind=error`: the compute thread reports an error and ends instead): how
+/// the tests check that a failing stage is reported and nothing hangs.
 fn fault_from_env() -> Option<(usize, u64, usize)> {
     let v = std::env::var("PIPEWRIGHT_FAULT").ok()?;
     let mut f = (usize::MAX, u64::MAX, usize::MAX);
@@ -416,6 +417,7 @@ fn fault_from_env() -> Option<(usize, u64, usize)> {
             "stage" => f.0 = val.trim().parse().ok()?,
             "step" => f.1 = val.trim().parse().ok()?,
             "mb" => f.2 = val.trim().parse().ok()?,
+            "kind" if ["panic", "error"].contains(&val.trim()) => {}
             _ => return None,
         }
     }
@@ -1160,6 +1162,13 @@ impl Worker {
         argmax: Option<&mut [u32]>,
     ) -> Result<Option<f64>, Stopped> {
         if phase == Phase::Train && self.fault == Some((stage, self.step, mb)) && fault_fires() {
+            if std::env::var("PIPEWRIGHT_FAULT").is_ok_and(|v| v.contains("kind=error")) {
+                let action = self.current.map(|a| a.to_string());
+                let error =
+                    format!("injected error (PIPEWRIGHT_FAULT) in F of stage {stage}, microbatch {mb}");
+                self.links.fail(Failure::new(self.rank, self.replica, self.step, action, error));
+                return Err(Stopped);
+            }
             panic!("injected fault (PIPEWRIGHT_FAULT) in F of stage {stage}, microbatch {mb}");
         }
         let last = self.layout.last_stage();

@@ -79,7 +79,17 @@ pub fn save(
     tensors: &BTreeMap<String, (&[usize], &[f32])>,
     metadata: HashMap<String, String>,
 ) -> Result<(), WeightsError> {
-    let io = |error| WeightsError::Io { path: path.to_path_buf(), error };
+    let buf = to_safetensors(path, tensors, metadata)?;
+    write_atomic(path, &buf).map_err(|error| WeightsError::Io { path: path.to_path_buf(), error })
+}
+
+/// The bytes of a safetensors file (F32) holding `tensors`; `path` only names
+/// the file in errors.
+pub fn to_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, (&[usize], &[f32])>,
+    metadata: HashMap<String, String>,
+) -> Result<Vec<u8>, WeightsError> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
         tensors.iter().map(|(n, (s, d))| (n.clone(), s.to_vec(), to_le_bytes(d))).collect();
     let views = bytes.iter().map(|(n, s, b)| {
@@ -88,9 +98,8 @@ pub fn save(
             safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches data"),
         )
     });
-    let buf = safetensors::serialize(views, Some(metadata))
-        .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
-    write_atomic(path, &buf).map_err(io)
+    safetensors::serialize(views, Some(metadata))
+        .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })
 }
 
 /// Write to `path.tmp`, fsync, rename over `path`, fsync the directory.

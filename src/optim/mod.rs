@@ -46,6 +46,20 @@ impl LrSchedule {
         }
     }
 
+    /// The steps over which the rate decays from lr to min_lr, first and last
+    /// (equal when it never decays).
+    pub fn decay_bounds(&self) -> (usize, usize) {
+        let last = self.total_steps.saturating_sub(1).max(self.warmup_steps);
+        match self.kind {
+            ScheduleKind::Constant => (self.warmup_steps, self.warmup_steps),
+            ScheduleKind::Cosine => (self.warmup_steps, last),
+            ScheduleKind::Wsd { decay_frac } => {
+                let decay_steps = ((self.total_steps as f64 * decay_frac).round() as usize).max(1);
+                (self.total_steps.saturating_sub(decay_steps).max(self.warmup_steps), last)
+            }
+        }
+    }
+
     /// The learning rate of 0-based optimizer step `step`.
     pub fn lr(&self, step: usize) -> f64 {
         if step < self.warmup_steps {
@@ -62,9 +76,8 @@ impl LrSchedule {
                 let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
                 self.min_lr + coeff * (self.lr - self.min_lr)
             }
-            ScheduleKind::Wsd { decay_frac } => {
-                let decay_steps = ((self.total_steps as f64 * decay_frac).round() as usize).max(1);
-                let decay_start = self.total_steps.saturating_sub(decay_steps).max(self.warmup_steps);
+            ScheduleKind::Wsd { .. } => {
+                let (decay_start, _) = self.decay_bounds();
                 if step < decay_start {
                     self.lr
                 } else {

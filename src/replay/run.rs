@@ -428,6 +428,9 @@ fn replay_coordinator(
         Some(log),
         None,
     );
+    if let Some(r) = &resume {
+        st.continue_from(&r.state);
+    }
     if mid_run {
         st.start_unlogged().map_err(|e| anyhow!("coordinator: starting at step {start}: {e}"))?;
     }

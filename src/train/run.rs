@@ -33,11 +33,15 @@ pub struct TrainOptions {
     pub resume: bool,
 }
 
+/// One line of metrics.jsonl. JSON has no NaN or infinity: a non-finite loss
+/// or gradient norm (a skipped step) is written as `null` and read back as NaN.
 #[derive(Serialize, serde::Deserialize, Debug, Clone)]
 pub struct StepMetrics {
     pub step: usize,
+    #[serde(deserialize_with = "null_is_nan")]
     pub loss: f64,
     pub lr: f64,
+    #[serde(deserialize_with = "null_is_nan")]
     pub grad_norm: f64,
     pub tokens: u64,
     pub tokens_per_s: f64,
@@ -53,6 +57,10 @@ pub struct StepMetrics {
     /// The dynamic loss scale used at this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+}
+
+fn null_is_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(<Option<f64> as serde::Deserialize>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -82,6 +90,10 @@ pub struct Summary {
     pub checkpoint_pause_ms: Option<f64>,
     /// Mean time to write a checkpoint in the background.
     pub checkpoint_write_ms: Option<f64>,
+    /// The same two as medians, over `checkpoints_written` checkpoints.
+    pub checkpoint_pause_ms_median: Option<f64>,
+    pub checkpoint_write_ms_median: Option<f64>,
+    pub checkpoints_written: usize,
     /// Rollbacks to a checkpoint after `recovery.max_skips` skipped steps in a row.
     pub rollbacks: usize,
     /// Per pipeline rank (replica 0): the most activation bytes its stages held
@@ -105,40 +117,24 @@ pub fn peak_rss_bytes() -> Option<u64> {
 #[error("{0}")]
 pub struct RunFailed(pub String);
 
+/// SIGINT or SIGTERM arrived before the first step: nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "stopped by a signal during start-up, before the first step: nothing to save, and nothing in {} was \
+     written or changed",
+    .0.display()
+)]
+pub struct StoppedBeforeStart(pub PathBuf);
+
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
-/// The latest complete checkpoint of the run in `dir`, verified; incomplete
-/// ones are reported and left alone. None (said aloud) when there is none.
-fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<crate::checkpoint::Loaded>> {
-    let root = crate::checkpoint::checkpoints_dir(dir);
-    let (done, incomplete) = crate::checkpoint::list(&root)?;
-    for p in &incomplete {
-        eprintln!("ignoring incomplete checkpoint {}", p.display());
-    }
-    let Some((step, path)) = done.last() else {
-        eprintln!("no complete checkpoint in {}: starting from step 0", root.display());
-        return Ok(None);
-    };
-    let t = std::time::Instant::now();
-    let loaded = crate::checkpoint::load(path)?;
-    let load_ms = t.elapsed().as_secs_f64() * 1e3;
-    let theirs = Config::parse(&loaded.state.config, &path.join("state.json").display().to_string(), &[])?;
-    if theirs.model != cfg.model {
-        bail!(
-            "{}: the checkpoint's [model] ({:?}) differs from this config's ({:?})",
-            path.join("state.json").display(),
-            theirs.model,
-            cfg.model
-        );
-    }
-    loaded.weights.check(&GptConfig::from_config(cfg))?;
-    if (*step as usize) > cfg.train.steps {
-        bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
-    }
-    eprintln!("resuming from {} (step {step}; read and verified in {load_ms:.1} ms)", path.display());
-    Ok(Some(loaded))
+fn median(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
 }
 
 /// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
@@ -326,7 +322,17 @@ pub fn train_on(
         }
         None => None,
     };
-    let resume = if opts.resume { find_resume_point(&opts.out_dir, cfg)? } else { None };
+    let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
+    let threads = layout.threads_per_rank * layout.pp * layout.dp;
+    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
+    // before and after training and the better figure kept.
+    let simulated = cfg.backend.kind == "sim";
+    let on_cpu = cfg.backend.kind == "cpu";
+    let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
+    // Start-up ends here: a signal until now leaves nothing to save or undo.
+    if super::signals::requested() {
+        return Err(StoppedBeforeStart(opts.out_dir.clone()).into());
+    }
     if !opts.force && !opts.resume {
         for f in OUTPUTS {
             let p = opts.out_dir.join(f);
@@ -379,12 +385,6 @@ pub fn train_on(
             .open(&metrics_path)
             .with_context(|| format!("{}: cannot open", metrics_path.display()))?,
     );
-    let threads = layout.threads_per_rank * layout.pp * layout.dp;
-    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
-    // before and after training and the better figure kept.
-    let simulated = cfg.backend.kind == "sim";
-    let on_cpu = cfg.backend.kind == "cpu";
-    let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
     let mut trace_meta = serde_json::json!({
         "schedule": cfg.parallel.schedule,
         "pp": layout.pp,
@@ -422,7 +422,14 @@ pub fn train_on(
         progress: opts.progress,
         chaos_seed,
     };
-    let mut out = runtime()?.block_on(crate::actors::run(inputs)).map_err(|e| RunFailed(format!("{e:#}")))?;
+    let rt = runtime()?;
+    let result = rt.block_on(crate::actors::run(inputs));
+    if result.is_err() {
+        // What did not stop after a failure (the error names it, see
+        // recovery.shutdown_timeout_s) must not hold the process.
+        rt.shutdown_background();
+    }
+    let mut out = result.map_err(|e| RunFailed(format!("{e:#}")))?;
     if out.stopped_early {
         eprintln!(
             "stopped by a signal after step {}; resume with --resume {}",
@@ -439,9 +446,7 @@ pub fn train_on(
     out.last_val = out.last_val.or(val_curve.last().map(|v| v.1));
     out.skipped += prior_skipped;
     let steps = out.steps_done as usize;
-    let tokens_this_run = (out.steps_done - resumed_from.unwrap_or(0)) as f64 * out.tokens as f64
-        / out.steps_done.max(1) as f64;
-    let tokens_per_s = tokens_this_run / out.train_seconds.max(1e-9);
+    let tokens_per_s = out.tokens_this_run as f64 / out.train_seconds.max(1e-9);
     let (peak, peak_source) = match cfg.backend.kind.as_str() {
         "cpu" => (
             gemm_peak(threads).max(peak_before),
@@ -475,6 +480,9 @@ pub fn train_on(
         stopped_early: out.stopped_early,
         checkpoint_pause_ms: mean(&out.checkpoint_pause_ms),
         checkpoint_write_ms: mean(&out.checkpoint_write_ms),
+        checkpoint_pause_ms_median: median(&out.checkpoint_pause_ms),
+        checkpoint_write_ms_median: median(&out.checkpoint_write_ms),
+        checkpoints_written: out.checkpoint_write_ms.len(),
         rollbacks: out.rollbacks,
         peak_activation_bytes: out.peak_live_bytes.clone(),
         peak_rss_bytes: peak_rss_bytes(),
