@@ -34,3 +34,57 @@ extern "C" __global__ void crossentropy_forward_backward(floatX* logits, float* 
         x[i] = stx(g);
     }
 }
+
+// (value, column) pairs reduced over a warp in a fixed tree; equal values keep
+// the lower column, so every lane ends with the first column of the maximum.
+__device__ __forceinline__ void warp_argmax(float& v, int& at) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, at, o);
+        if (ov > v || (ov == v && oi < at)) {
+            v = ov;
+            at = oi;
+        }
+    }
+}
+
+// Forward only (evaluation): losses (N) and, when argmax is not null, each
+// row's prediction — the first column holding the row's maximum, the CPU
+// twin's tie rule. Padding columns never take part.
+extern "C" __global__ void crossentropy_forward(const floatX* logits, float* losses, unsigned int* argmax,
+                                                const unsigned int* targets, int N, int V, int Vp) {
+    __shared__ float shared[32];
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    int row = blockIdx.x;
+    if (row >= N) return;
+    const floatX* x = logits + (size_t)row * Vp;
+    float mx = NEG_INF;
+    int at = 0x7fffffff;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) {
+        float xi = ldx(x[i]);
+        // Each thread walks its columns upwards, so a strict > keeps its first maximum.
+        if (xi > mx) {
+            mx = xi;
+            at = i;
+        }
+    }
+    warp_argmax(mx, at);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (lane == 0) {
+        best_v[warp] = mx;
+        best_i[warp] = at;
+    }
+    __syncthreads();
+    mx = lane < nwarps ? best_v[lane] : NEG_INF;
+    at = lane < nwarps ? best_i[lane] : 0x7fffffff;
+    warp_argmax(mx, at);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(ldx(x[i]) - mx);
+    s = block_sum(s, shared);
+    if (threadIdx.x == 0) {
+        unsigned int target = targets[row];
+        losses[row] = target < (unsigned int)V ? mx + logf(s) - ldx(x[target]) : __int_as_float(0x7fc00000);
+        if (argmax) argmax[row] = (unsigned int)at;
+    }
+}

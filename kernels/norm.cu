@@ -21,3 +21,10 @@ extern "C" __global__ void global_norm_finish(float* out, const float* partial, 
     s = block_sum(s, shared);
     if (threadIdx.x == 0) out[0] = s;
 }
+
+// out (n) = a + b, all f32: the tied embedding's two gradient shares, summed
+// in the one order every layout uses (embedding share + head share).
+extern "C" __global__ void add_f32(float* out, const float* a, const float* b, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}

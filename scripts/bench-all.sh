@@ -32,10 +32,8 @@ for i in 1 2 3; do
     done
 done
 
-echo "== checkpoint pause, write and load: bench-cpu model, a checkpoint every 5 steps"
-$bin train --config configs/bench-cpu.toml --steps 20 --out "$out/ckpt" --force --set checkpoint.every=5 2>&1 | grep -E "^done"
-grep -E '"checkpoint_(pause|write)_ms"' "$out/ckpt/summary.json"
-$bin train --config configs/bench-cpu.toml --steps 20 --resume "$out/ckpt" --set checkpoint.every=5 2>&1 | grep -E "resuming"
+echo "== checkpoint pause, write and load, and the write's cost to training (bench-cpu model)"
+scripts/bench-checkpoint.sh "$out/ckpt" "$bin"
 
 echo "== the default run (embedded config)"
 start=$SECONDS

@@ -62,10 +62,11 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
+    ap.add_argument("--threads", type=int, default=0, help="compute threads (0: all cores)")
     a = ap.parse_args()
     L, H, C, V, T, B = 4, 4, 256, 256, 256, 8  # configs/bench-cpu.toml
 
-    threads = os.cpu_count()
+    threads = a.threads or os.cpu_count()
     torch.set_num_threads(threads)
     torch.manual_seed(1337)
     model = GPT(L, H, C, V, T)

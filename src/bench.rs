@@ -319,6 +319,10 @@ pub struct SimRow {
     pub measured_bubble: f64,
     /// The simulator's bubble for the same costs.
     pub theory_bubble: f64,
+    /// The CPU planner's bubble for this config (`plan::cpu`, at the `[sim]` costs).
+    pub planned_bubble: f64,
+    /// |measured − theory| < 0.02, the target.
+    pub within_target: bool,
     /// Measured step window ÷ the simulator's ideal makespan − 1.
     pub overhead: f64,
     pub step_ms: f64,
@@ -359,6 +363,7 @@ pub fn sim_rows(
             "trace.enabled=true".into(),
         ];
         let cfg = Config::load(None, &overrides)?;
+        let planned_bubble = crate::plan::cpu::plan(&cfg)?.bubble;
         let (_, out) = run_quietly(&cfg, &format!("sim-{pp}-{m}"))?;
         let sched = build(kind, pp, m, v).map_err(|e| anyhow::anyhow!("{e}"))?;
         let costs = Costs {
@@ -377,6 +382,8 @@ pub fn sim_rows(
             schedule: schedule.to_string(),
             measured_bubble: bubble,
             theory_bubble: theory.mean_bubble_frac,
+            planned_bubble,
+            within_target: (bubble - theory.mean_bubble_frac).abs() < 0.02,
             overhead: window_ms / theory.makespan - 1.0,
             step_ms: window_ms,
             ideal_ms: theory.makespan,
@@ -385,10 +392,10 @@ pub fn sim_rows(
     Ok(rows)
 }
 
-/// (mean bubble, mean step window in ms) over the steps after the first.
+/// (mean bubble, mean step window in ms) of replica 0 over the steps after the first.
 pub fn measured_bubble(trace: &[crate::trace::Record], ranks: usize, steps: usize) -> (f64, f64) {
     let actions = |step: u64| {
-        trace.iter().filter(move |r| r.step == step && matches!(r.name.as_str(), "F" | "B" | "I" | "W"))
+        trace.iter().filter(move |r| r.step == step && r.replica == 0 && crate::trace::is_action(&r.name))
     };
     let first = if steps > 1 { 1 } else { 0 };
     let (mut bubble, mut window, mut n) = (0.0, 0.0, 0.0);
@@ -417,7 +424,7 @@ pub fn sim_table(rows: &[SimRow]) -> String {
     );
     for r in rows {
         s += &format!(
-            "  {:>3} {:>5} {:>9.4} {:>9.4} {:>+8.4} {:>10.1} {:>10.1} {:>8.2}%\n",
+            "  {:>3} {:>5} {:>9.4} {:>9.4} {:>+8.4} {:>10.1} {:>10.1} {:>8.2}%{}\n",
             r.pp,
             r.microbatches,
             r.measured_bubble,
@@ -425,22 +432,128 @@ pub fn sim_table(rows: &[SimRow]) -> String {
             r.measured_bubble - r.theory_bubble,
             r.step_ms,
             r.ideal_ms,
-            100.0 * r.overhead
+            100.0 * r.overhead,
+            if r.within_target { "" } else { "  ✗ misses 0.02" }
+        );
+    }
+    let missed = rows.iter().filter(|r| !r.within_target).count();
+    s += &format!(
+        "  {} of {} cells within 0.02 of theory (✗: missed){}\n",
+        rows.len() - missed,
+        rows.len(),
+        match rows.iter().find(|r| r.pp == 8 && r.microbatches == 32) {
+            Some(r) => format!("; overhead at pp = 8, m = 32: {:.2}% (target ≤ 3%)", 100.0 * r.overhead),
+            None => String::new(),
+        }
+    );
+    s
+}
+
+/// Two panels as one SVG: measured against theoretical bubble, one point per
+/// (pp, m); and the runtime overhead per cell against the 3% target.
+pub fn sim_plot(rows: &[SimRow]) -> String {
+    let (w, h) = (560.0, 460.0);
+    let bubble = bubble_panel(rows);
+    let overhead = overhead_panel(rows);
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<g>{bubble}</g>\n<g transform=\"translate({w} 0)\">{overhead}</g>\n</svg>\n",
+        2.0 * w
+    )
+}
+
+const PLOT_COLOURS: [&str; 6] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+
+/// Runtime overhead (%) per cell: x = log2 pp, points coloured by m / pp, the 3%
+/// target as a dashed line.
+fn overhead_panel(rows: &[SimRow]) -> String {
+    let (w, h, pad) = (560.0, 460.0, 60.0);
+    let max = rows.iter().map(|r| 100.0 * r.overhead).fold(4.0f64, f64::max) * 1.1;
+    let min = rows.iter().map(|r| 100.0 * r.overhead).fold(0.0f64, f64::min);
+    let pps: Vec<usize> = {
+        let mut v: Vec<usize> = rows.iter().map(|r| r.pp).collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let x = |pp: usize| {
+        let i = pps.iter().position(|&p| p == pp).unwrap_or(0) as f64;
+        pad + (i + 0.5) / pps.len().max(1) as f64 * (w - 2.0 * pad)
+    };
+    let y = |v: f64| h - pad - (v - min) / (max - min) * (h - 2.0 * pad);
+    let mut s = format!(
+        "<text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">Runtime overhead: measured step ÷ ideal makespan − 1</text>\n",
+        w / 2.0
+    );
+    s += &format!(
+        "<line x1=\"{p}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/><line x1=\"{p}\" y1=\"{t}\" x2=\"{p}\" y2=\"{b}\" stroke=\"black\"/>\n",
+        p = pad,
+        b = h - pad,
+        r = w - pad,
+        t = pad
+    );
+    s += &format!(
+        "<line x1=\"{pad}\" y1=\"{y3:.1}\" x2=\"{}\" y2=\"{y3:.1}\" stroke=\"#d62728\" stroke-dasharray=\"6 4\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\" fill=\"#d62728\">target 3%</text>\n",
+        w - pad,
+        w - pad,
+        y(3.0) - 4.0,
+        y3 = y(3.0)
+    );
+    for i in 0..=5 {
+        let v = min + (max - min) * i as f64 / 5.0;
+        s += &format!(
+            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{v:.1}%</text>\n",
+            pad - 6.0,
+            y(v) + 4.0
+        );
+    }
+    for &pp in &pps {
+        s += &format!(
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{pp}</text>\n",
+            x(pp),
+            h - pad + 16.0
+        );
+    }
+    s += &format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">pipeline ranks pp</text>\n",
+        w / 2.0,
+        h - 18.0
+    );
+    let mut ks: Vec<usize> = rows.iter().map(|r| r.microbatches / r.pp.max(1)).collect();
+    ks.sort();
+    ks.dedup();
+    for (i, k) in ks.iter().enumerate() {
+        let c = PLOT_COLOURS[i % PLOT_COLOURS.len()];
+        let dx = (i as f64 - (ks.len() as f64 - 1.0) / 2.0) * 8.0;
+        for r in rows.iter().filter(|r| r.microbatches / r.pp.max(1) == *k) {
+            s += &format!(
+                "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"{c}\"><title>pp={} m={}: overhead {:.2}%</title></circle>\n",
+                x(r.pp) + dx,
+                y(100.0 * r.overhead),
+                r.pp,
+                r.microbatches,
+                100.0 * r.overhead
+            );
+        }
+        s += &format!(
+            "<circle cx=\"{}\" cy=\"{}\" r=\"4\" fill=\"{c}\"/><text x=\"{}\" y=\"{}\">m = {k}·pp</text>\n",
+            pad + 20.0,
+            pad + 10.0 + 18.0 * i as f64,
+            pad + 32.0,
+            pad + 14.0 + 18.0 * i as f64
         );
     }
     s
 }
 
-/// Measured against theoretical bubble, one point per (pp, m), as an SVG.
-pub fn sim_plot(rows: &[SimRow]) -> String {
+/// Measured against theoretical bubble, one point per (pp, m).
+fn bubble_panel(rows: &[SimRow]) -> String {
     let (w, h, pad) = (560.0, 460.0, 60.0);
     let max = rows.iter().map(|r| r.measured_bubble.max(r.theory_bubble)).fold(0.05f64, f64::max) * 1.1;
     let x = |v: f64| pad + v / max * (w - 2.0 * pad);
     let y = |v: f64| h - pad - v / max * (h - 2.0 * pad);
     let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">Pipeline bubble: measured (sim backend) vs schedule theory</text>\n",
+        "<text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">Pipeline bubble: measured (sim backend) vs schedule theory</text>\n",
         w / 2.0
     );
     s += &format!(
@@ -471,7 +584,7 @@ pub fn sim_plot(rows: &[SimRow]) -> String {
         "<text transform=\"translate(16 {}) rotate(-90)\" text-anchor=\"middle\">measured bubble fraction</text>\n",
         h / 2.0
     );
-    let colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
+    let colours = PLOT_COLOURS;
     let mut pps: Vec<usize> = rows.iter().map(|r| r.pp).collect();
     pps.dedup();
     for (i, pp) in pps.iter().enumerate() {
@@ -495,5 +608,5 @@ pub fn sim_plot(rows: &[SimRow]) -> String {
             pad + 14.0 + 18.0 * i as f64
         );
     }
-    s + "</svg>\n"
+    s
 }

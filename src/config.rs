@@ -58,6 +58,9 @@ pub struct RecoverySection {
     pub spike_zscore: f64,
     /// Skip the update of a step whose loss or gradient norm spiked.
     pub spike_skip: bool,
+    /// After a failure, seconds the other actors get to stop before the
+    /// process exits anyway, naming those that did not.
+    pub shutdown_timeout_s: f64,
 }
 
 impl Default for RecoverySection {
@@ -70,6 +73,7 @@ impl Default for RecoverySection {
             spike_factor: 3.0,
             spike_zscore: 0.0,
             spike_skip: false,
+            shutdown_timeout_s: 10.0,
         }
     }
 }
@@ -125,6 +129,9 @@ pub struct DataSection {
     pub val: String,
     /// "shuffled" (a seeded permutation of windows per epoch) or "sequential".
     pub sampler: String,
+    /// Token file layout: "auto" (llm.c by its magic, else raw uint16; a
+    /// header with another magic is refused), "llmc" (llm.c only) or "raw".
+    pub format: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -165,9 +172,14 @@ pub struct OptimSection {
     pub loss_scale_init: f64,
     /// Clean steps before the scale doubles.
     pub loss_scale_growth_interval: usize,
-    /// Overflowing steps tolerated before the scale halves.
+    /// Overflowing steps tolerated before the scale backs off.
     pub loss_scale_hysteresis: usize,
     pub loss_scale_min: f64,
+    /// The scale is multiplied by this after `loss_scale_growth_interval` clean
+    /// steps (a power of two > 1, so scaling stays exact) …
+    pub loss_scale_growth_factor: f64,
+    /// … and by this on backing off (a power of two < 1).
+    pub loss_scale_backoff_factor: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -195,9 +207,15 @@ pub struct BackendSection {
     pub kind: String,
     /// Compute threads; 0 means one per available core.
     pub threads: usize,
-    /// With kind = "cuda": the GPU ordinal of each pipeline stage, in stage
-    /// order (several stages may share one GPU); empty means all on GPU 0.
+    /// With kind = "cuda": the GPU ordinal of each pipeline rank, in rank
+    /// order (several ranks may share one GPU, each on its own stream), or of
+    /// each (replica, rank) replica-major when it has pp · dp entries; empty
+    /// means all on GPU 0.
     pub devices: Vec<usize>,
+    /// With kind = "cuda": the storage type of weights and activations,
+    /// "bf16" (training) or "f32" (the path the CPU twin checks use).
+    /// Master weights, gradients and AdamW moments are f32 either way.
+    pub dtype: String,
 }
 
 /// The simulated backend: each action takes a set time and moves a tiny
@@ -242,6 +260,7 @@ impl Default for DataSection {
             train: String::new(),
             val: String::new(),
             sampler: "shuffled".into(),
+            format: "auto".into(),
         }
     }
 }
@@ -277,6 +296,8 @@ impl Default for OptimSection {
             loss_scale_growth_interval: 1000,
             loss_scale_hysteresis: 2,
             loss_scale_min: 1.0,
+            loss_scale_growth_factor: 2.0,
+            loss_scale_backoff_factor: 0.5,
         }
     }
 }
@@ -296,7 +317,7 @@ impl Default for ParallelSection {
 
 impl Default for BackendSection {
     fn default() -> Self {
-        BackendSection { kind: "cpu".into(), threads: 0, devices: vec![] }
+        BackendSection { kind: "cpu".into(), threads: 0, devices: vec![], dtype: "bf16".into() }
     }
 }
 
@@ -331,12 +352,8 @@ impl fmt::Display for Problem {
 /// Everything that can be wrong with a config, each naming where.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{origin}: cannot read config file: {source}")]
-    Read {
-        origin: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{origin}: cannot read config file: {error}")]
+    Read { origin: String, error: std::io::Error },
     /// Not TOML at all; `message` carries TOML's line, column and excerpt.
     #[error("{origin}: {message}")]
     Syntax { origin: String, message: String },
@@ -376,7 +393,7 @@ impl Config {
             Some(path) => {
                 let origin = path.display().to_string();
                 let text = std::fs::read_to_string(path)
-                    .map_err(|source| ConfigError::Read { origin: origin.clone(), source })?;
+                    .map_err(|error| ConfigError::Read { origin: origin.clone(), error })?;
                 Config::parse(&text, &origin, overrides)
             }
         }
@@ -410,30 +427,15 @@ impl Config {
     /// `field path: value given: what was expected`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut v = Validator::default();
+        self.check_model(&mut v);
         let m = &self.model;
         for (path, value) in [
-            ("model.n_layer", m.n_layer),
-            ("model.n_head", m.n_head),
-            ("model.n_embd", m.n_embd),
-            ("model.vocab_size", m.vocab_size),
             ("train.steps", self.train.steps),
             ("train.micro_batch_size", self.train.micro_batch_size),
             ("train.eval_batches", self.train.eval_batches),
         ] {
             v.check(value > 0, path, value, "must be > 0");
         }
-        if m.n_head > 0 {
-            v.check(
-                m.n_embd.is_multiple_of(m.n_head),
-                "model.n_embd",
-                m.n_embd,
-                format!("must be divisible by model.n_head ({})", m.n_head),
-            );
-        }
-        // Token ids travel as i32 (llm.c's format, the kernels' indices).
-        v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
-        // One position predicts the next: a window of one token has no target.
-        v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
 
         let d = &self.data;
         v.one_of("data.sampler", &d.sampler, &["shuffled", "sequential"]);
@@ -528,13 +530,24 @@ impl Config {
         v.one_of("backend.kind", &self.backend.kind, &["cpu", "sim", "cuda"]);
         let devices = &self.backend.devices;
         v.check(
-            devices.is_empty() || (self.backend.kind == "cuda" && devices.len() == p.pp),
+            devices.is_empty()
+                || (self.backend.kind == "cuda" && (devices.len() == p.pp || devices.len() == p.pp * p.dp)),
             "backend.devices",
             format!("{devices:?}"),
             format!(
-                "one GPU ordinal per pipeline stage (parallel.pp = {}), and only with backend.kind = \"cuda\"",
-                p.pp
+                "one GPU ordinal per pipeline rank (parallel.pp = {}) or per rank and replica ({} entries), \
+                 and only with backend.kind = \"cuda\"",
+                p.pp,
+                p.pp * p.dp
             ),
+        );
+        v.one_of("backend.dtype", &self.backend.dtype, &["bf16", "f32"]);
+        v.check(
+            self.backend.kind != "cuda" || !p.schedule.starts_with("zb"),
+            "parallel.schedule",
+            &p.schedule,
+            "the split backward (I and W) of zero-bubble schedules is built for the CPU backend only; \
+             with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
         );
         let sim = &self.sim;
         v.check(
@@ -571,7 +584,25 @@ impl Config {
             o.loss_scale_hysteresis,
             "must be >= 1",
         );
+        v.check(
+            pow2(o.loss_scale_growth_factor) && o.loss_scale_growth_factor > 1.0,
+            "optim.loss_scale_growth_factor",
+            o.loss_scale_growth_factor,
+            "must be a power of two > 1 (2, 4, …)",
+        );
+        v.check(
+            pow2(o.loss_scale_backoff_factor) && o.loss_scale_backoff_factor < 1.0,
+            "optim.loss_scale_backoff_factor",
+            o.loss_scale_backoff_factor,
+            "must be a power of two < 1 (0.5, 0.25, …)",
+        );
         let r = &self.recovery;
+        v.check(
+            r.shutdown_timeout_s > 0.0 && r.shutdown_timeout_s.is_finite(),
+            "recovery.shutdown_timeout_s",
+            r.shutdown_timeout_s,
+            "must be a finite number of seconds > 0",
+        );
         v.check(
             r.lr_factor > 0.0 && r.lr_factor <= 1.0,
             "recovery.lr_factor",
@@ -601,8 +632,49 @@ impl Config {
             format!("{:?}", sim.stage_factors),
             "every factor must be finite and > 0",
         );
+        let stages = p.pp * p.chunks;
+        v.check(
+            sim.stage_factors.is_empty() || sim.stage_factors.len() == stages,
+            "sim.stage_factors",
+            format!("{:?}", sim.stage_factors),
+            format!("one factor per stage: parallel.pp × parallel.chunks = {stages} (or none)"),
+        );
 
         v.finish()
+    }
+
+    /// Checks only what evaluating saved weights on a token file uses: the
+    /// model's shape and the token file format. Pipeline, optimizer and
+    /// training settings are left alone: `eval` never reads them.
+    pub fn validate_for_eval(&self) -> Result<(), ConfigError> {
+        let mut v = Validator::default();
+        self.check_model(&mut v);
+        v.finish()
+    }
+
+    fn check_model(&self, v: &mut Validator) {
+        let m = &self.model;
+        for (path, value) in [
+            ("model.n_layer", m.n_layer),
+            ("model.n_head", m.n_head),
+            ("model.n_embd", m.n_embd),
+            ("model.vocab_size", m.vocab_size),
+        ] {
+            v.check(value > 0, path, value, "must be > 0");
+        }
+        if m.n_head > 0 {
+            v.check(
+                m.n_embd.is_multiple_of(m.n_head),
+                "model.n_embd",
+                m.n_embd,
+                format!("must be divisible by model.n_head ({})", m.n_head),
+            );
+        }
+        // Token ids travel as i32 (llm.c's format, the kernels' indices).
+        v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
+        // One position predicts the next: a window of one token has no target.
+        v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
+        v.one_of("data.format", &self.data.format, &["auto", "llmc", "raw"]);
     }
 
     /// Whether `name` is an actor of a run with this config (or "all").
@@ -743,6 +815,22 @@ mod tests {
         let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
         assert_eq!(paths, [path], "{err}");
         err.to_string()
+    }
+
+    #[test]
+    fn loss_scale_factors_and_the_shutdown_timeout_are_checked_by_name() {
+        for (set, path) in [
+            ("optim.loss_scale_growth_factor=3", "optim.loss_scale_growth_factor"),
+            ("optim.loss_scale_growth_factor=1", "optim.loss_scale_growth_factor"),
+            ("optim.loss_scale_backoff_factor=0.3", "optim.loss_scale_backoff_factor"),
+            ("optim.loss_scale_backoff_factor=2", "optim.loss_scale_backoff_factor"),
+            ("recovery.shutdown_timeout_s=0", "recovery.shutdown_timeout_s"),
+        ] {
+            let msg = refused(&with_set(&[set]).unwrap(), path);
+            assert!(msg.contains(path), "{msg}");
+        }
+        let ok = ["optim.loss_scale_growth_factor=4", "optim.loss_scale_backoff_factor=0.25"];
+        with_set(&ok).unwrap().validate().unwrap();
     }
 
     #[test]
@@ -953,6 +1041,15 @@ mod tests {
     }
 
     #[test]
+    fn token_file_format_must_be_known() {
+        assert_eq!(valid().data.format, "auto");
+        let mut c = valid();
+        c.data.format = "bin".into();
+        let err = refused(&c, "data.format");
+        assert!(err.contains("\"auto\", \"llmc\", \"raw\""), "{err}");
+    }
+
+    #[test]
     fn lr_schedule_must_be_known() {
         let mut c = valid();
         c.optim.schedule = "linear".into();
@@ -1092,9 +1189,21 @@ mod tests {
         c.backend.devices = vec![0];
         let err = refused(&c, "backend.devices");
         assert!(
-            err.starts_with("backend.devices: [0]: one GPU ordinal per pipeline stage (parallel.pp = 2)"),
+            err.starts_with("backend.devices: [0]: one GPU ordinal per pipeline rank (parallel.pp = 2)"),
             "{err}"
         );
+        // Per rank and replica.
+        c.parallel.dp = 2;
+        c.backend.devices = vec![0, 1, 2, 3];
+        c.validate().unwrap();
+        c.parallel.dp = 1;
+        c.backend.devices = vec![0, 0];
+        c.backend.dtype = "fp8".into();
+        refused(&c, "backend.dtype");
+        c.backend.dtype = "f32".into();
+        c.parallel.schedule = "zb-h1".into();
+        refused(&c, "parallel.schedule");
+        c.parallel.schedule = "1f1b".into();
         c.backend.kind = "cpu".into();
         c.backend.devices = vec![0, 1];
         refused(&c, "backend.devices");

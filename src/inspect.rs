@@ -24,12 +24,8 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
-    #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{}: not a valid safetensors file: {reason}", path.display())]
     Format { path: PathBuf, reason: String },
 }
@@ -55,7 +51,7 @@ pub fn inspect(path: &Path) -> Result<String, InspectError> {
 
 /// The JSON header and the file's length, read without touching tensor data.
 fn read_header(path: &Path) -> Result<(Vec<u8>, u64), InspectError> {
-    let io = |source| InspectError::Io { path: path.to_path_buf(), source };
+    let io = |error| InspectError::Io { path: path.to_path_buf(), error };
     let mut file = File::open(path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
     let bad = |reason: String| InspectError::Format { path: path.to_path_buf(), reason };

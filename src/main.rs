@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
-use pipewright::train::run::{train_on, RunFailed, TrainOptions};
+use pipewright::train::run::{train_on, RunFailed, StoppedBeforeStart, TrainOptions};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -41,6 +41,32 @@ impl ConfigArgs {
     }
 }
 
+/// Mutual TLS on every link between the processes of a run: all three files
+/// or none, on every process.
+#[derive(clap::Args, Clone, Debug, Default)]
+struct TlsArgs {
+    /// This process's certificate (PEM, signed by --tls-ca) [env: PIPEWRIGHT_TLS_CERT].
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM) [env: PIPEWRIGHT_TLS_KEY].
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// The CA that signs every process's certificate (PEM) [env: PIPEWRIGHT_TLS_CA].
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    /// The loaded certificates, or None for a run without TLS.
+    fn load(self) -> Result<Option<pipewright::cluster::tls::Tls>> {
+        use pipewright::cluster::tls::{Tls, TlsFiles};
+        match TlsFiles::resolve(self.tls_cert, self.tls_key, self.tls_ca)? {
+            Some(files) => Ok(Some(Tls::load(&files)?)),
+            None => Ok(None),
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Train a model. With no options, trains the embedded default: a small GPT
@@ -60,6 +86,8 @@ enum Command {
         #[arg(long)]
         port: Option<u16>,
         #[command(flatten)]
+        tls: TlsArgs,
+        #[command(flatten)]
         train: TrainArgs,
     },
     /// Join a run that spans processes or machines as one rank. Rank 0 takes
@@ -78,6 +106,8 @@ enum Command {
         /// Seconds to wait for every rank to join.
         #[arg(long, default_value_t = 120)]
         join_timeout: u64,
+        #[command(flatten)]
+        tls: TlsArgs,
         #[command(flatten)]
         train: TrainArgs,
     },
@@ -106,7 +136,9 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
-    /// Mean loss of saved weights over the first N windows of a token file.
+    /// Mean loss of saved weights over the first N windows of a token file. The
+    /// model's shape comes from --config if given, else from the config a run
+    /// stored in the weights, else from the embedded default; --set applies on top.
     Eval {
         #[command(flatten)]
         config: ConfigArgs,
@@ -141,7 +173,13 @@ enum Command {
         force: bool,
     },
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
-    Inspect { path: PathBuf },
+    ///
+    /// Reads only the file's header, so it is instant on large files. Works on
+    /// our weights, a checkpoint's and Hugging Face GPT-2 files alike.
+    Inspect {
+        /// A .safetensors file, or a run or checkpoint directory (its model.safetensors).
+        path: PathBuf,
+    },
     /// Every CUDA kernel against its CPU twin on one GPU (f32 and bf16), whole
     /// training steps GPU against CPU, and bit-identical repeats. Needs a build
     /// with --features cuda and a GPU.
@@ -163,8 +201,8 @@ enum Command {
         /// Untimed steps first.
         #[arg(long, default_value_t = 3)]
         warmup: usize,
-        /// Pipeline sizes to compare through the actor runtime (empty: none).
-        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        /// Pipeline sizes to compare through the actor runtime (`--pp` alone: none).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4", num_args = 0..)]
         pp: Vec<usize>,
         /// Microbatches per step in the pipeline comparison.
         #[arg(long, default_value_t = 8)]
@@ -174,9 +212,12 @@ enum Command {
         #[arg(long)]
         sim: bool,
         /// Instead: the CPU data plane on loopback (frame round-trip latency,
-        /// bandwidth of large frames), through the real codec and sockets.
+        /// bandwidth of large frames), through the real codec and sockets
+        /// (and TLS sessions, given --tls-*).
         #[arg(long, conflicts_with = "sim")]
         transport: bool,
+        #[command(flatten)]
+        tls: TlsArgs,
         /// With --sim: the schedule to measure.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
@@ -415,6 +456,9 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
         record_payloads,
     } = args;
     {
+        let resuming = resume.is_some();
+        let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
+        pipewright::train::signals::install(&out_dir)?;
         let mut cfg = config.load(steps)?;
         cfg.trace.enabled |= trace;
         cfg.replay.record |= record || !record_payloads.is_empty();
@@ -424,8 +468,6 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             }
         }
         cfg.validate()?;
-        let resuming = resume.is_some();
-        let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
         eprintln!("pipewright train → {}", out_dir.display());
         let mut opts =
             TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
@@ -440,10 +482,26 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                     opts.resume = true;
                     opts.init = None;
                 }
+                Err(e) if e.downcast_ref::<StoppedBeforeStart>().is_some() => {
+                    eprintln!("{e}");
+                    return Ok(());
+                }
                 Err(e) => return Err(e),
             }
         };
-        eprintln!(
+        if cfg.backend.kind == "sim" {
+            // Nothing is computed: what the sim measures is the runtime against the schedule.
+            let ideal = pipewright::plan::cpu::sim_step_ms(&cfg)?;
+            let step_ms = s.train_seconds * 1e3 / s.steps.max(1) as f64;
+            eprintln!(
+                "done: {} steps of the simulated backend (no compute, no loss): {step_ms:.1} ms per step \
+                 (coordinator round trip), the schedule's makespan at the [sim] costs is {ideal:.1} ms \
+                 ({:+.1}%); per-action bubbles and overhead: pipewright trace summary on a --trace run",
+                s.steps,
+                100.0 * (step_ms / ideal - 1.0)
+            );
+        } else {
+            eprintln!(
                 "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
                 s.steps,
                 s.final_loss,
@@ -453,7 +511,8 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                 s.model_gflops,
                 100.0 * s.mfu
             );
-        eprintln!("weights digest {}", s.weights_digest);
+            eprintln!("weights digest {}", s.weights_digest);
+        }
         eprintln!("outputs in {}", out_dir.display());
         Ok(())
     }
@@ -546,18 +605,22 @@ fn tempfile_dir() -> Result<PathBuf> {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train_command(args, None),
-        Command::Launch { nodes, port, train: _ } => {
+        Command::Launch { nodes, port, tls, train: _ } => {
+            // Checked here so a bad file is one error, not one per process;
+            // the workers get the same flags (or inherit the variables).
+            tls.load()?;
             let args = launch_args();
             pipewright::cluster::launch(nodes, port, &args, std::time::Duration::from_secs(30))?;
             Ok(())
         }
-        Command::Worker { join, rank, world, join_timeout, train } => {
+        Command::Worker { join, rank, world, join_timeout, tls, train } => {
             let spec = pipewright::cluster::JoinSpec::resolve(
                 join.as_deref(),
                 rank,
                 world,
                 std::time::Duration::from_secs(join_timeout),
-            )?;
+            )?
+            .with_tls(tls.load()?);
             if spec.rank > 0 {
                 pipewright::cluster::run_worker(&spec)?;
                 eprintln!("rank {}: done", spec.rank);
@@ -585,8 +648,13 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Eval { config, weights, data, batches, json } => {
-            let cfg = config.load(None)?;
-            let loss = pipewright::train::eval::eval_file(&cfg, &weights, &data, batches)?;
+            let loss = pipewright::train::eval::eval_file(
+                config.config.as_deref(),
+                &config.set,
+                &weights,
+                &data,
+                batches,
+            )?;
             if json {
                 println!("{}", serde_json::json!({ "loss": loss }));
             } else {
@@ -610,11 +678,16 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GpuCheck { device } => gpu_check(device),
         Command::GpuBench(args) => gpu_bench(args),
-        Command::Bench { transport: true, json, .. } => {
-            let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0])?;
+        Command::Bench { transport: true, tls, json, .. } => {
+            let tls = tls.load()?;
+            let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0], tls.as_ref())?;
             println!(
-                "frame round trip ({} floats, {} trips): median {:.1} µs, p99 {:.1} µs",
-                b.small_floats, b.round_trips, b.rtt_median_us, b.rtt_p99_us
+                "frame round trip ({} floats, {} trips{}): median {:.1} µs, p99 {:.1} µs",
+                b.small_floats,
+                b.round_trips,
+                if b.tls { ", TLS" } else { "" },
+                b.rtt_median_us,
+                b.rtt_p99_us
             );
             for (mib, mbs) in &b.bandwidth {
                 println!("{mib:>5.0} MiB frames: {mbs:.0} MB/s (one way, decoded)");
@@ -632,9 +705,9 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
             eprintln!(
-                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 3 steps per cell"
+                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 4 steps per cell, the last 3 timed"
             );
-            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 3)?;
+            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 4)?;
             print!("{}", pipewright::bench::sim_table(&rows));
             std::fs::write(&plot, pipewright::bench::sim_plot(&rows))
                 .with_context(|| format!("{}: cannot write", plot.display()))?;
@@ -702,7 +775,16 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Schedule { kind, stages, microbatches, chunks, json, trace, costs } => {
-            print!("{}", pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?);
+            // cli_text first: its errors name the flags. --costs draws the grid at those costs.
+            let text = pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?;
+            if costs.is_empty() || json {
+                print!("{text}");
+            } else {
+                print!(
+                    "{}",
+                    pipewright::trace::simulated::cli_grid(&kind, stages, microbatches, chunks, &costs)?
+                );
+            }
             if let Some(path) = trace {
                 let v = pipewright::trace::simulated::cli_trace(&kind, stages, microbatches, chunks, &costs)?;
                 std::fs::write(&path, v.to_string())

@@ -1,11 +1,11 @@
 //! Checkpoints as a user depends on them: a resumed run ends with the same
 //! bits as one never interrupted, whatever killed it and whatever the layout
-//! it resumes with; damaged checkpoints are refused by name; nothing saved
-//! before is ever lost.
+//! it resumes with; a damaged checkpoint is named and an older one used;
+//! nothing saved before is ever lost; signals and failures end a run cleanly.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const TINY: [&str; 18] = [
     "--set",
@@ -44,24 +44,51 @@ fn run(args: &[&str], extra: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     (out.status.success(), err)
 }
 
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
 fn digest(dir: &Path) -> String {
-    let s: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap();
-    s["weights_digest"].as_str().unwrap().to_string()
+    summary(dir)["weights_digest"].as_str().unwrap().to_string()
+}
+
+fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// (loss, grad_norm) of every step as f64 bits; a skipped step's are null.
+fn loss_bits(dir: &Path) -> Vec<(Option<u64>, Option<u64>)> {
+    let bits = |v: &serde_json::Value| v.as_f64().map(f64::to_bits);
+    metrics(dir).iter().map(|m| (bits(&m["loss"]), bits(&m["grad_norm"]))).collect()
+}
+
+fn state(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("state.json")).unwrap()).unwrap()
+}
+
+/// An uninterrupted run at pp = 2, in `dir/name`.
+fn full_run_with(dir: &Path, name: &str, steps: &str, extra: &[&str], env: &[(&str, &str)]) -> PathBuf {
+    let out = dir.join(name);
+    let mut args = vec!["--set", "parallel.pp=2"];
+    args.extend_from_slice(extra);
+    let (ok, err) = run(&["train", "--steps", steps, "--out", out.to_str().unwrap()], &args, env);
+    assert!(ok, "{err}");
+    out
 }
 
 fn full_run(dir: &Path, steps: &str) -> String {
-    let out = dir.join("full");
-    let (ok, err) =
-        run(&["train", "--steps", steps, "--out", out.to_str().unwrap()], &["--set", "parallel.pp=2"], &[]);
-    assert!(ok, "{err}");
-    digest(&out)
+    digest(&full_run_with(dir, "full", steps, &[], &[]))
 }
 
 #[test]
 fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let want = full_run(dir.path(), "9");
+    let full = full_run_with(dir.path(), "full", "9", &[], &[]);
+    let (want, want_losses) = (digest(&full), loss_bits(&full));
     for (pp, resume_pp) in [("1", "1"), ("4", "4"), ("4", "2")] {
         let out = dir.path().join(format!("crash-{pp}-{resume_pp}"));
         let o = out.to_str().unwrap();
@@ -79,29 +106,88 @@ fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
         assert!(ok, "{err}");
         assert!(err.contains("step 6"), "resumes from the checkpoint of step 6: {err}");
         assert_eq!(digest(&out), want, "crash at pp={pp}, resume at pp={resume_pp}");
-        let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().count();
-        assert_eq!(lines, 9, "metrics hold each step once");
+        assert_eq!(loss_bits(&out), want_losses, "every step's loss and gradient norm, to the bit");
     }
 }
 
 #[test]
-fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
+fn a_run_with_a_skipped_step_resumes_and_restarts_to_the_uninterrupted_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let started = std::time::Instant::now();
+    let nan = [("PIPEWRIGHT_FAULT_NAN", "1")];
+    let full = full_run_with(dir.path(), "full", "9", &[], &nan);
+    let want = digest(&full);
+    assert_eq!(metrics(&full)[1]["loss"], serde_json::Value::Null, "a NaN loss is written as null");
+    let out = dir.path().join("crash");
+    let o = out.to_str().unwrap();
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", o],
+        &["--set", "parallel.pp=2"],
+        &[nan[0], ("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1")],
+    );
+    assert!(!ok && err.contains("step 7"), "{err}");
+    let (ok, err) = run(&["train", "--steps", "9", "--resume", o], &["--set", "parallel.pp=2"], &[]);
+    assert!(ok, "metrics.jsonl with a skipped step reads back: {err}");
+    assert_eq!(digest(&out), want);
+    assert_eq!(loss_bits(&out), loss_bits(&full));
+    assert_eq!(summary(&out)["skipped_steps"], 1);
+
+    let out = dir.path().join("restart");
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", out.to_str().unwrap(), "--max-restarts", "1"],
+        &["--set", "parallel.pp=2"],
+        &[nan[0], ("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1"), ("PIPEWRIGHT_FAULT_ONCE", "1")],
+    );
+    assert!(ok && err.contains("restarting from the latest checkpoint"), "{err}");
+    assert_eq!(digest(&out), want);
+}
+
+/// The checkpoints being written (or cut short) in `root`, by name and inode:
+/// a write that starts over under the same name is another directory.
+fn tmps(root: &Path) -> Vec<(String, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(d) = std::fs::read_dir(root) else { return vec![] };
+    d.flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .filter_map(|e| Some((e.file_name().to_string_lossy().into(), e.metadata().ok()?.ino())))
+        .collect()
+}
+
+#[test]
+fn sigkill_at_random_moments_mid_write_included_never_costs_a_complete_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = Instant::now();
     let want = full_run(dir.path(), "14");
     // Kill moments are spread over the length of a whole run on this machine.
     let whole = started.elapsed().as_millis().max(200) as u64;
     let out = dir.path().join("killed");
+    let root = out.join("checkpoints");
     let o = out.to_str().unwrap().to_string();
+    // A slow disk: a kill that waits for a `.tmp` lands mid-write.
+    let slow = ("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "25");
     let mut rng = 0x2545F4914F6CDD1Du64;
-    let mut kills = 0;
-    for attempt in 0..60 {
-        let args = if attempt == 0 {
-            vec!["train", "--steps", "14", "--out", &o]
-        } else {
+    let (mut kills, mut mid_write, mut resumes_checked) = (0, 0, 0);
+    for attempt in 0..80 {
+        if kills >= 12 && mid_write >= 4 && resumes_checked >= 5 {
+            break;
+        }
+        // Every name a resume may pick must be a whole checkpoint, and the newest is the one to pick.
+        let (done, _) = pipewright::checkpoint::list(&root).unwrap();
+        for (step, path) in &done {
+            let l = pipewright::checkpoint::load(path);
+            assert!(l.is_ok(), "step {step} at {} does not verify: {}", path.display(), l.err().unwrap());
+        }
+        let expect = done.last().map(|d| d.0);
+        let resuming = out.exists();
+        let args = if resuming {
             vec!["train", "--steps", "14", "--resume", &o]
+        } else {
+            vec!["train", "--steps", "14", "--out", &o]
         };
+        // `.tmp`s left by earlier kills, told apart from this process's own writes.
+        let stale = tmps(&root);
+        let writing = || tmps(&root).iter().any(|t| !stale.contains(t));
         let mut child = cmd(&args, &["--set", "parallel.pp=2", "--set", "checkpoint.every=1"])
+            .env(slow.0, slow.1)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -109,30 +195,48 @@ fn sigkill_at_random_moments_never_costs_a_complete_checkpoint() {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
-        let wait = Duration::from_millis(whole / 10 + rng % (whole * 8 / 10));
-        std::thread::sleep(wait);
-        match child.try_wait().unwrap() {
-            Some(status) => {
-                let mut err = String::new();
-                std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
-                assert!(status.success(), "a resume failed: {err}");
-                if kills >= 10 {
-                    break;
-                }
-                // Finished before the kill: start over to get more kills in.
-                let _ = std::fs::remove_dir_all(&out);
+        let t = Instant::now();
+        if attempt % 2 == 0 {
+            // Wait for a checkpoint write of this process to begin, then kill within it.
+            while !writing() && child.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(1));
             }
-            None => {
-                child.kill().unwrap();
-                child.wait().unwrap();
-                kills += 1;
+            std::thread::sleep(Duration::from_millis(rng % 20));
+        } else {
+            std::thread::sleep(Duration::from_millis(whole / 10 + rng % (whole * 8 / 10)));
+        }
+        let finished = child.try_wait().unwrap();
+        if finished.is_none() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            kills += 1;
+            mid_write += writing() as usize;
+        }
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        assert!(!err.contains("warning: checkpoint"), "a checkpoint was found damaged: {err}");
+        if resuming {
+            if let Some(at) = err.find("resuming from ") {
+                let step: u64 =
+                    err[at..].split("(step ").nth(1).unwrap().split(';').next().unwrap().parse().unwrap();
+                assert_eq!(Some(step), expect, "resumed from the newest complete checkpoint: {err}");
+                resumes_checked += 1;
+            } else if err.contains("starting from step 0") {
+                assert_eq!(expect, None, "{err}");
             }
         }
+        if let Some(status) = finished {
+            assert!(status.success(), "a resume failed: {err}");
+            // Finished before the kill: start over to get more kills in.
+            let _ = std::fs::remove_dir_all(&out);
+        }
     }
-    assert!(kills >= 10, "only {kills} kills landed");
+    assert!(kills >= 10 && mid_write >= 3, "only {kills} kills landed, {mid_write} of them mid-write");
+    assert!(resumes_checked >= 5, "only {resumes_checked} resumes were checked");
+    eprintln!("{kills} kills, {mid_write} mid-write, {resumes_checked} resume points checked");
     let (ok, err) = run(&["train", "--steps", "14", "--resume", &o], &["--set", "parallel.pp=2"], &[]);
     assert!(ok, "{err}");
-    assert_eq!(digest(&out), want, "after {kills} kills");
+    assert_eq!(digest(&out), want, "after {kills} kills ({mid_write} mid-write)");
 }
 
 #[test]
@@ -149,32 +253,123 @@ fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-        // Wait until training is under way (metrics appear), then signal.
-        for _ in 0..200 {
-            if std::fs::read_to_string(out.join("metrics.jsonl"))
-                .map(|t| t.lines().count() >= 2)
-                .unwrap_or(false)
-            {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_for_steps(&out, 2);
         unsafe { libc::kill(child.id() as i32, signal) };
         let res = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&res.stderr);
         assert!(res.status.success(), "{name}: {err}");
         assert!(err.contains("stopped by a signal"), "{name}: {err}");
-        let s: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-        assert_eq!(s["stopped_early"], true);
+        assert_eq!(summary(&out)["stopped_early"], true);
         let (ok, err) = run(&["train", "--steps", "40", "--resume", o], &["--set", "parallel.pp=2"], &[]);
         assert!(ok, "{name}: {err}");
         assert_eq!(digest(&out), want, "{name}");
     }
 }
 
-fn crashed_run(dir: &Path) -> std::path::PathBuf {
-    let out = dir.join("run");
+/// Waits until training is under way (`n` metrics lines).
+fn wait_for_steps(out: &Path, n: usize) {
+    for _ in 0..1000 {
+        if std::fs::read_to_string(out.join("metrics.jsonl")).map(|t| t.lines().count() >= n).unwrap_or(false)
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("{}: training never got under way", out.display());
+}
+
+#[test]
+fn a_signal_during_start_up_exits_cleanly_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("early");
+    let child = cmd(&["train", "--steps", "40", "--out", out.to_str().unwrap()], &[])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Start-up (config, data, the gemm-rate measurement: ~100 ms on 2 cores)
+    // is still going on 50 ms after the spawn.
+    std::thread::sleep(Duration::from_millis(50));
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    if err.contains("before the first step") {
+        assert!(err.contains("during start-up, before the first step: nothing to save"), "{err}");
+        assert!(!out.exists(), "nothing written");
+    } else {
+        // A start-up faster than 50 ms got past its last check: the first
+        // step's checkpoint is saved, as after any step.
+        assert!(err.contains("stopped by a signal after step"), "{err}");
+    }
+}
+
+#[test]
+fn a_signal_after_the_last_step_lets_the_final_checkpoint_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("late");
+    let child =
+        cmd(&["train", "--steps", "6", "--out", out.to_str().unwrap()], &["--set", "checkpoint.every=6"])
+            .env("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "1500")
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+    // The last step is done; its checkpoint is still being written.
+    wait_for_steps(&out, 6);
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    pipewright::checkpoint::load(&out.join("checkpoints/step_00000006")).unwrap();
+    assert_eq!(summary(&out)["stopped_early"], false);
+}
+
+#[test]
+fn a_second_interrupt_exits_at_once_with_130_saying_what_was_not_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("twice");
+    let child =
+        cmd(&["train", "--steps", "400", "--out", out.to_str().unwrap()], &["--set", "checkpoint.every=0"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+    wait_for_steps(&out, 1);
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    std::thread::sleep(Duration::from_millis(5));
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(130), "{err}");
+    assert!(err.contains("second interrupt") && err.contains("Not saved"), "{err}");
+    assert!(err.contains(&format!("--resume {}", out.display())), "{err}");
+}
+
+#[test]
+fn a_stage_error_ends_the_run_within_the_shutdown_timeout_naming_who_did_not_stop() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("stuck");
+    let t = Instant::now();
+    // The checkpointer is stuck on a write that takes a minute when stage 1 fails.
+    let (ok, err) = run(
+        &["train", "--steps", "8", "--out", out.to_str().unwrap()],
+        &["--set", "parallel.pp=2", "--set", "checkpoint.every=1", "--set", "recovery.shutdown_timeout_s=1"],
+        &[
+            ("PIPEWRIGHT_FAULT", "stage=1,step=3,mb=1,kind=error"),
+            ("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "60000"),
+        ],
+    );
+    let took = t.elapsed();
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("stage-1 failed at step 3 during 1F1 (stage 1, microbatch 1): injected error"),
+        "{err}"
+    );
+    assert!(err.contains("checkpointer (writing the checkpoint of step 1) did not stop within 1 s"), "{err}");
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+}
+
+/// A pp = 2 run of 8 steps that fails in step 5 (checkpoints of steps 2 and 4).
+fn crashed_run(dir: &Path, name: &str) -> PathBuf {
+    let out = dir.join(name);
     let (ok, _) = run(
         &["train", "--steps", "8", "--out", out.to_str().unwrap()],
         &["--set", "parallel.pp=2"],
@@ -189,44 +384,171 @@ fn resume(out: &Path, extra: &[&str]) -> (bool, String) {
 }
 
 #[test]
-fn damaged_checkpoints_are_refused_by_name_and_kept() {
+fn a_damaged_newest_checkpoint_is_named_and_kept_and_the_run_resumes_from_an_older_one() {
     let dir = tempfile::tempdir().unwrap();
-    let out = crashed_run(dir.path());
+    let want = full_run(dir.path(), "8");
+    let out = crashed_run(dir.path(), "flipped");
     let ck = out.join("checkpoints/step_00000004");
     // A flipped byte: the digest no longer matches.
     let model = ck.join("model.safetensors");
-    let original = std::fs::read(&model).unwrap();
-    let mut bytes = original.clone();
+    let mut bytes = std::fs::read(&model).unwrap();
     let n = bytes.len();
     bytes[n - 3] ^= 0x40;
     std::fs::write(&model, &bytes).unwrap();
     let (ok, err) = resume(&out, &[]);
-    assert!(!ok && err.contains("model.safetensors") && err.contains("digest"), "{err}");
-    // Truncated.
-    std::fs::write(&model, &bytes[..n / 2]).unwrap();
-    let (ok, err) = resume(&out, &[]);
-    assert!(!ok && err.contains("model.safetensors"), "{err}");
-    // A missing file (the model file whole again).
-    std::fs::write(&model, &original).unwrap();
-    std::fs::remove_file(ck.join("optimizer.safetensors")).unwrap();
-    let (ok, err) = resume(&out, &[]);
-    assert!(!ok && err.contains("optimizer.safetensors"), "{err}");
+    assert!(ok, "{err}");
     assert!(
-        ck.join("state.json").exists() && out.join("checkpoints/step_00000002").exists(),
-        "nothing deleted"
+        err.contains("warning: checkpoint")
+            && err.contains("step_00000004/model.safetensors")
+            && err.contains("digest"),
+        "{err}"
+    );
+    assert!(err.contains("resuming from") && err.contains("step_00000002 (step 2"), "{err}");
+    let kept = out.join("checkpoints/step_00000004.damaged/model.safetensors");
+    assert_eq!(std::fs::read(kept).unwrap(), bytes, "the damaged checkpoint is kept as it was");
+    assert_eq!(digest(&out), want);
+
+    // Damaged every way there is: a truncated file, a missing one. None verifies.
+    let out = crashed_run(dir.path(), "ruined");
+    let root = out.join("checkpoints");
+    let model = root.join("step_00000004/model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::remove_file(root.join("step_00000002/optimizer.safetensors")).unwrap();
+    let (ok, err) = resume(&out, &[]);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("no checkpoint")
+            && err.contains("verifies")
+            && err.contains("step_00000004/model.safetensors")
+            && err.contains("step_00000002/optimizer.safetensors"),
+        "{err}"
+    );
+    assert!(
+        root.join("step_00000004/state.json").exists() && root.join("step_00000002/state.json").exists(),
+        "nothing moved or deleted"
     );
 }
 
 #[test]
 fn a_different_model_shape_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let out = crashed_run(dir.path());
+    let out = crashed_run(dir.path(), "run");
     let (ok, err) = resume(&out, &["--set", "model.n_embd=64"]);
     assert!(!ok && err.contains("state.json") && err.contains("[model]"), "{err}");
 }
 
 #[test]
-fn a_full_disk_fails_the_run_by_name_and_keeps_the_earlier_checkpoints() {
+fn resuming_with_changed_settings_lists_each_change_and_warns_that_bits_will_differ() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crashed_run(dir.path(), "changed");
+    let (ok, err) = resume(
+        &out,
+        &[
+            "--set",
+            "optim.lr=0.001",
+            "--set",
+            "train.seed=7",
+            "--set",
+            "parallel.microbatches=2",
+            "--set",
+            "parallel.pp=1",
+        ],
+    );
+    assert!(ok, "{err}");
+    for want in [
+        "warning: resuming with settings that differ",
+        "optim.lr: 0.003 → 0.001",
+        "train.seed: 1337 → 7",
+        "the global batch changes: 8 → 4 sequences per step",
+        "reads from sequence 16 while the checkpoint's cursor is 32",
+        "will not match the bits of an uninterrupted run",
+        "parallel.pp: 2 → 1",
+    ] {
+        assert!(err.contains(want), "no `{want}` in: {err}");
+    }
+
+    let out = crashed_run(dir.path(), "relaid");
+    let (ok, err) = resume(&out, &["--set", "parallel.pp=4", "--set", "checkpoint.keep=3"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("layout changes only") && err.contains("parallel.pp: 2 → 4"), "{err}");
+    assert!(!err.contains("warning"), "{err}");
+}
+
+#[test]
+fn state_json_records_cursors_rng_and_lr_position_and_tokens_add_up_across_batch_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = crashed_run(dir.path(), "tokens");
+    // Up to step 4: 4 steps × 4 microbatches × 2 sequences × 16 tokens.
+    let s4 = state(&out.join("checkpoints/step_00000004"));
+    assert_eq!(s4["tokens"], 512);
+    assert_eq!(s4["data_cursors"], serde_json::json!([32]));
+    assert_eq!(s4["rng"]["seed"], 1337);
+    assert_eq!(s4["rng"]["step"], 4);
+    assert!(s4["rng"]["note"].as_str().unwrap().contains("(seed, purpose, ids)"));
+    let lr = &s4["lr_schedule"];
+    assert_eq!(
+        (lr["kind"].as_str(), lr["step"].as_u64(), lr["warmup_steps"].as_u64()),
+        (Some("cosine"), Some(4), Some(100))
+    );
+    assert_eq!((lr["decay_start"].as_u64(), lr["decay_end"].as_u64()), (Some(100), Some(100)));
+    // Resumed with half the global batch, at dp = 2: 2 × 2 × 1 × 16 = 64 tokens per step.
+    let (ok, err) = resume(
+        &out,
+        &["--set", "train.micro_batch_size=1", "--set", "parallel.dp=2", "--set", "parallel.microbatches=2"],
+    );
+    assert!(ok, "{err}");
+    let s6 = state(&out.join("checkpoints/step_00000006"));
+    assert_eq!(s6["tokens"], 512 + 2 * 64);
+    assert_eq!(s6["data_cursor"], 24);
+    assert_eq!(s6["data_cursors"], serde_json::json!([24, 26]), "replica r reads from (6·2 + r)·2·1");
+    let m = metrics(&out);
+    assert_eq!(s6["lr_schedule"]["next_lr"], m[6]["lr"], "the rate of the step the checkpoint precedes");
+    assert_eq!(summary(&out)["tokens"], 512 + 4 * 64);
+    assert_eq!(m[7]["tokens"], 512 + 4 * 64);
+}
+
+#[test]
+fn a_pp4_checkpoint_resumed_at_dp2_agrees_with_the_uninterrupted_run_to_rounding() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = full_run_with(dir.path(), "full", "9", &[], &[]);
+    let out = dir.path().join("pp4-dp2");
+    let o = out.to_str().unwrap();
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", o],
+        &["--set", "parallel.pp=4"],
+        &[("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1")],
+    );
+    assert!(!ok, "{err}");
+    // The same global batch (dp·microbatches·B = 2·2·2 = 1·4·2): the same data.
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--resume", o],
+        &["--set", "parallel.pp=1", "--set", "parallel.dp=2", "--set", "parallel.microbatches=2"],
+        &[],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("agree with an uninterrupted run only to rounding"), "{err}");
+    // Steps before the checkpoint are the pp = 4 run's own: bit for bit.
+    assert_eq!(loss_bits(&out)[..6], loss_bits(&full)[..6]);
+    // After it, each replica sums its microbatches' gradients and the reducer
+    // adds the two sums: another order of float additions than one replica
+    // accumulating all four, so only rounding-level agreement.
+    let (a, b) = (metrics(&out), metrics(&full));
+    for step in 6..9 {
+        let (x, y) = (a[step]["loss"].as_f64().unwrap(), b[step]["loss"].as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "step {}: {x} against {y}", step + 1);
+    }
+    let load = |d: &Path| pipewright::model::io::load(&d.join("model.safetensors")).unwrap().tensors;
+    let (wa, wb) = (load(&out), load(&full));
+    for (name, (_, x)) in &wa {
+        let y = &wb[name].1;
+        let worst = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "{name}: weights differ by {worst}");
+    }
+}
+
+#[test]
+fn a_full_disk_mid_write_fails_by_name_removes_the_partial_write_and_keeps_earlier_checkpoints() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let (ok, err) = run(
@@ -235,12 +557,20 @@ fn a_full_disk_fails_the_run_by_name_and_keeps_the_earlier_checkpoints() {
         &[("PIPEWRIGHT_FAULT_DISK_FULL", "4")],
     );
     assert!(
-        !ok && err.contains("step_00000004.tmp/model.safetensors") && err.contains("No space left"),
+        !ok && err.contains("step_00000004.tmp/optimizer.safetensors") && err.contains("No space left"),
         "{err}"
     );
+    let root = out.join("checkpoints");
+    let names: Vec<String> =
+        std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    // The checkpointer may finish a later step's write before the run stops:
+    // that one is whole too. What must not be there is the partial one.
+    assert!(names.contains(&"step_00000002".to_string()), "{names:?}");
+    assert!(names.iter().all(|n| !n.contains('.')), "the partial write is removed: {names:?}");
+    pipewright::checkpoint::load(&root.join("step_00000002")).unwrap();
     let (ok, err) = resume(&out, &[]);
     assert!(ok, "{err}");
-    assert!(err.contains("step 2"), "{err}");
+    assert!(err.contains("resuming from"), "{err}");
 }
 
 #[test]
@@ -270,18 +600,6 @@ fn max_restarts_resumes_a_failed_run_by_itself() {
     assert_eq!(digest(&out), want);
 }
 
-fn metrics(dir: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn summary(dir: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
-}
-
 #[test]
 fn a_nan_step_is_skipped_logged_and_counted() {
     let dir = tempfile::tempdir().unwrap();
@@ -298,6 +616,26 @@ fn a_nan_step_is_skipped_logged_and_counted() {
     assert!(m[3]["alert"].as_str().unwrap().contains("update skipped"));
     assert_eq!(m.iter().filter(|x| x["skipped"] == true).count(), 1);
     assert_eq!(summary(&out)["skipped_steps"], 1);
+}
+
+#[test]
+fn an_infinite_gradient_without_loss_scaling_is_skipped_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("inf");
+    let (ok, err) = run(
+        &["train", "--steps", "6", "--out", out.to_str().unwrap()],
+        &["--set", "optim.loss_scale=none"],
+        &[("PIPEWRIGHT_FAULT_INF", "2")],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("step 3: non-finite loss") && err.contains("gradient norm (inf)"), "{err}");
+    let m = metrics(&out);
+    assert_eq!((m[2]["skipped"].as_bool(), m[2]["grad_norm"].is_null()), (Some(true), true));
+    assert!(m[2]["loss"].as_f64().unwrap().is_finite(), "the loss itself was finite");
+    assert!(m[2].get("loss_scale").is_none());
+    assert_eq!(m.iter().filter(|x| x["skipped"] == true).count(), 1);
+    assert_eq!(summary(&out)["skipped_steps"], 1);
+    assert!(summary(&out)["final_loss"].as_f64().unwrap().is_finite(), "the weights were not touched by inf");
 }
 
 #[test]
@@ -331,27 +669,93 @@ fn repeated_nan_steps_roll_back_to_the_last_checkpoint_with_a_lower_learning_rat
     assert!((lr(seventh[1]) - 0.5 * lr(seventh[0])).abs() < 1e-12);
 }
 
-#[test]
-fn a_loss_spike_raises_an_alert_and_can_skip() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("spike");
-    // A factor below 1 makes every step after the window fills a "spike".
+/// A run that learns for a while, then meets a poisoned batch (every target
+/// one random token) at 0-based step `SPIKE`.
+const SPIKE: usize = 30;
+
+fn spiked(dir: &Path, name: &str, detector: &[&str]) -> (Vec<serde_json::Value>, String) {
+    let out = dir.join(name);
+    let mut extra = vec!["--set", "optim.warmup_steps=5", "--set", "recovery.spike_window=10"];
+    extra.extend_from_slice(detector);
+    let spike = SPIKE.to_string();
     let (ok, err) = run(
-        &["train", "--steps", "30", "--out", out.to_str().unwrap()],
-        &[
-            "--set",
-            "recovery.spike_window=10",
-            "--set",
-            "recovery.spike_factor=0.5",
-            "--set",
-            "recovery.spike_skip=true",
-        ],
-        &[],
+        &["train", "--steps", &(SPIKE + 2).to_string(), "--out", out.to_str().unwrap()],
+        &extra,
+        &[("PIPEWRIGHT_FAULT_SPIKE", &spike)],
     );
     assert!(ok, "{err}");
-    let m = metrics(&out);
-    let spikes: Vec<&serde_json::Value> =
-        m.iter().filter(|x| x["alert"].as_str().is_some_and(|a| a.contains("loss spike"))).collect();
-    assert!(!spikes.is_empty(), "no spike flagged");
-    assert!(spikes.iter().all(|x| x["skipped"] == true));
+    (metrics(&out), err)
+}
+
+fn alerted(m: &[serde_json::Value], what: &str) -> Vec<usize> {
+    (0..m.len()).filter(|&i| m[i]["alert"].as_str().is_some_and(|a| a.contains(what))).collect()
+}
+
+#[test]
+fn a_poisoned_batch_raises_a_loss_spike_alert_and_is_skipped_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let detector = ["--set", "recovery.spike_factor=1.5", "--set", "recovery.spike_zscore=0"];
+    let (m, err) = spiked(dir.path(), "alert", &detector);
+    assert_eq!(alerted(&m, "loss spike").first(), Some(&SPIKE), "{err}");
+    assert_eq!(m[SPIKE]["skipped"], false, "alerts only, by default");
+    assert!(err.contains(&format!("step {}: loss spike", SPIKE + 1)), "{err}");
+
+    let mut skip = detector.to_vec();
+    skip.extend_from_slice(&["--set", "recovery.spike_skip=true"]);
+    let (m, err) = spiked(dir.path(), "skip", &skip);
+    assert_eq!(alerted(&m, "loss spike"), [SPIKE], "{err}");
+    assert_eq!(m[SPIKE]["skipped"], true);
+    assert!(m[SPIKE]["alert"].as_str().unwrap().contains("update skipped"));
+    assert_eq!(m.iter().filter(|x| x["skipped"] == true).count(), 1);
+}
+
+#[test]
+fn a_poisoned_batch_raises_a_gradient_norm_z_score_alert() {
+    let dir = tempfile::tempdir().unwrap();
+    let detector = ["--set", "recovery.spike_factor=0", "--set", "recovery.spike_zscore=4"];
+    let (m, err) = spiked(dir.path(), "zscore", &detector);
+    assert_eq!(alerted(&m, "gradient-norm spike").first(), Some(&SPIKE), "{err}");
+    assert!(alerted(&m, "loss spike").is_empty(), "the loss detector is off");
+}
+
+#[test]
+fn loss_scaler_state_survives_a_crash_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let scaling = [
+        "--set",
+        "optim.loss_scale=dynamic",
+        "--set",
+        "optim.loss_scale_init=1024",
+        "--set",
+        "optim.loss_scale_growth_interval=2",
+        "--set",
+        "optim.loss_scale_growth_factor=4",
+        "--set",
+        "optim.loss_scale_backoff_factor=0.25",
+        "--set",
+        "optim.loss_scale_hysteresis=1",
+    ];
+    let overflow = ("PIPEWRIGHT_FAULT_INF", "1,4");
+    let full = full_run_with(dir.path(), "full", "9", &scaling, &[overflow]);
+    let scales =
+        |d: &Path| -> Vec<f64> { metrics(d).iter().map(|m| m["loss_scale"].as_f64().unwrap()).collect() };
+    assert_eq!(
+        scales(&full),
+        [1024.0, 1024.0, 256.0, 256.0, 1024.0, 256.0, 256.0, 1024.0, 1024.0],
+        "growth ×4 after two clean steps, backoff ×0.25 on each overflow"
+    );
+    let out = dir.path().join("crash");
+    let o = out.to_str().unwrap();
+    let mut extra = vec!["--set", "parallel.pp=2"];
+    extra.extend_from_slice(&scaling);
+    let (ok, err) = run(
+        &["train", "--steps", "9", "--out", o],
+        &extra,
+        &[overflow, ("PIPEWRIGHT_FAULT", "stage=0,step=7,mb=1")],
+    );
+    assert!(!ok, "{err}");
+    let (ok, err) = run(&["train", "--steps", "9", "--resume", o], &extra, &[]);
+    assert!(ok, "{err}");
+    assert_eq!(scales(&out), scales(&full));
+    assert_eq!(digest(&out), digest(&full));
 }

@@ -2,7 +2,8 @@
 //! with a message naming the file or field, a non-zero exit and no panic, and
 //! nothing an earlier run wrote is touched. Plus the outputs of a good run.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn bin() -> Command {
@@ -65,17 +66,6 @@ fn write_llmc(path: &Path, tokens: &[u16], magic: i32, version: i32, count: i32)
     std::fs::write(path, b).unwrap();
 }
 
-fn files_train(dir: &Path, train: &Path) -> Vec<String> {
-    let _ = dir;
-    vec!["--set".into(), "data.builtin=".into(), "--set".into(), format!("data.train={}", train.display())]
-}
-
-fn train_on_file(dir: &Path, file: &Path) -> (bool, String, String) {
-    let extra = files_train(dir, file);
-    let extra: Vec<&str> = extra.iter().map(|s| s.as_str()).collect();
-    tiny_train(&dir.join("out"), &extra)
-}
-
 #[test]
 fn a_good_run_writes_every_output() {
     let dir = tempfile::tempdir().unwrap();
@@ -123,111 +113,6 @@ fn an_earlier_run_is_never_overwritten() {
 }
 
 #[test]
-fn missing_config_file_is_named() {
-    refused(run(&["train", "--config", "/nonexistent/x.toml"]), &["/nonexistent/x.toml"]);
-}
-
-#[test]
-fn malformed_config_names_file_and_line() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("bad.toml");
-    std::fs::write(&p, "[model]\nn_layer = = 3\n").unwrap();
-    refused(run(&["train", "--config", p.to_str().unwrap()]), &["bad.toml", "line 2"]);
-}
-
-#[test]
-fn unknown_config_key_is_named_with_its_path() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("typo.toml");
-    std::fs::write(&p, "[model]\nn_heads = 4\n").unwrap();
-    refused(run(&["train", "--config", p.to_str().unwrap()]), &["typo.toml", "n_heads"]);
-    refused(run(&["train", "--set", "optim.learning_rate=1"]), &["learning_rate"]);
-}
-
-#[test]
-fn heads_must_divide_the_width() {
-    refused(run(&["train", "--set", "model.n_head=3"]), &["model.n_head", "3"]);
-}
-
-#[test]
-fn missing_data_file_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    refused(train_on_file(dir.path(), &dir.path().join("nope.bin")), &["nope.bin"]);
-}
-
-#[test]
-fn data_too_short_for_one_window_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("short.bin");
-    write_llmc(&f, &[1, 2, 3], 20240520, 1, 3);
-    refused(train_on_file(dir.path(), &f), &["short.bin"]);
-}
-
-#[test]
-fn bad_header_version_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("v7.bin");
-    write_llmc(&f, &[1; 100], 20240520, 7, 100);
-    refused(train_on_file(dir.path(), &f), &["v7.bin", "version"]);
-}
-
-#[test]
-fn truncated_token_file_is_rejected_with_its_path() {
-    let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("trunc.bin");
-    write_llmc(&f, &[1; 100], 20240520, 1, 200);
-    refused(train_on_file(dir.path(), &f), &["trunc.bin"]);
-}
-
-#[test]
-fn token_beyond_the_vocabulary_is_reported_with_file_and_offset() {
-    let dir = tempfile::tempdir().unwrap();
-    let f = dir.path().join("oov.bin");
-    let mut toks = vec![5u16; 100];
-    toks[42] = 300; // the tiny model's vocabulary is 256
-    write_llmc(&f, &toks, 20240520, 1, 100);
-    refused(train_on_file(dir.path(), &f), &["oov.bin", "300", &(1024 + 42 * 2).to_string()]);
-}
-
-fn train_with_init(dir: &Path, init: &Path) -> (bool, String, String) {
-    tiny_train(&dir.join("out2"), &["--init", init.to_str().unwrap()])
-}
-
-#[test]
-fn init_weights_with_a_missing_or_misshaped_tensor_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    assert!(tiny_train(&out, &[]).0);
-    let good = out.join("model.safetensors");
-    // Starting from a run's own weights works.
-    assert!(train_with_init(dir.path(), &good).0);
-    // Rewrite the file without one tensor, and with one tensor reshaped.
-    let bytes = std::fs::read(&good).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let tensors: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
-    let drop: Vec<_> = tensors.iter().filter(|(n, _)| n != "h.0.mlp.c_fc.bias").cloned().collect();
-    let missing = dir.path().join("missing.safetensors");
-    safetensors::serialize_to_file(drop, None, &missing).unwrap();
-    refused(train_with_init(dir.path(), &missing), &["missing.safetensors", "h.0.mlp.c_fc.bias"]);
-    let reshaped: Vec<_> = tensors
-        .iter()
-        .map(|(n, v)| {
-            if n == "ln_f.weight" {
-                (n.clone(), safetensors::tensor::TensorView::new(v.dtype(), vec![4, 4], v.data()).unwrap())
-            } else {
-                (n.clone(), v.clone())
-            }
-        })
-        .collect();
-    let bad = dir.path().join("shape.safetensors");
-    safetensors::serialize_to_file(reshaped, None, &bad).unwrap();
-    refused(train_with_init(dir.path(), &bad), &["shape.safetensors", "ln_f.weight", "[4, 4]"]);
-    let garbage = dir.path().join("garbage.safetensors");
-    std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
-    refused(train_with_init(dir.path(), &garbage), &["garbage.safetensors"]);
-}
-
-#[test]
 fn prepare_then_eval_reads_what_prepare_wrote() {
     let dir = tempfile::tempdir().unwrap();
     let text = dir.path().join("t.txt");
@@ -254,4 +139,344 @@ fn prepare_then_eval_reads_what_prepare_wrote() {
     let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     let loss = v["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss > 0.0);
+}
+
+/// The files of a tiny earlier run (with a trace), made once per test binary:
+/// the outputs that bad input must never touch.
+fn earlier_run_fixture() -> &'static Path {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir =
+            Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-earlier-run-{}", std::process::id()));
+        let (ok, _, err) = tiny_train(&dir, &["--trace", "--force"]);
+        assert!(ok, "{err}");
+        dir
+    })
+}
+
+/// Every file directly in `dir`, by name.
+fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut files = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            files.insert(e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap());
+        }
+    }
+    files
+}
+
+/// A copy of the earlier run in `dir/run`, and its snapshot.
+fn earlier_run_in(dir: &Path) -> (PathBuf, BTreeMap<String, Vec<u8>>) {
+    let out = dir.join("run");
+    std::fs::create_dir_all(&out).unwrap();
+    for (name, bytes) in snapshot(earlier_run_fixture()) {
+        std::fs::write(out.join(name), bytes).unwrap();
+    }
+    let snap = snapshot(&out);
+    for f in ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json"] {
+        assert!(snap.contains_key(f), "the earlier run lacks {f}");
+    }
+    (out, snap)
+}
+
+/// `train ARGS --force` aimed at a copy of an earlier run is refused with a
+/// message holding every needle, and the earlier run's files are untouched.
+fn refused_without_touching_an_earlier_run(args: &[&str], needles: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, before) = earlier_run_in(dir.path());
+    let mut all = vec!["train", "--steps", "3", "--force", "--out", out.to_str().unwrap()];
+    all.extend(TINY);
+    all.extend(args);
+    let (ok, _, err) = run(&all);
+    assert!(!ok, "expected a refusal, got success: {err}");
+    for n in needles {
+        assert!(err.contains(n), "message should mention {n:?}: {err}");
+    }
+    assert!(before == snapshot(&out), "an earlier run's outputs changed: {err}");
+    err
+}
+
+fn data_args(train: &Path) -> Vec<String> {
+    vec!["--set".into(), "data.builtin=".into(), "--set".into(), format!("data.train={}", train.display())]
+}
+
+fn refused_data(train: &Path, extra: &[&str], needles: &[&str]) -> String {
+    let mut args = data_args(train);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    refused_without_touching_an_earlier_run(&args, needles)
+}
+
+#[test]
+fn bad_config_never_touches_an_earlier_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = refused_without_touching_an_earlier_run(
+        &["--config", "/nonexistent/x.toml"],
+        &["/nonexistent/x.toml"],
+    );
+    assert_eq!(err.matches("No such file or directory").count(), 1, "the OS error is printed once: {err}");
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[model]\nn_layer = = 3\n").unwrap();
+    refused_without_touching_an_earlier_run(&["--config", bad.to_str().unwrap()], &["bad.toml", "line 2"]);
+    let typo = dir.path().join("typo.toml");
+    std::fs::write(&typo, "[model]\nn_heads = 4\n").unwrap();
+    refused_without_touching_an_earlier_run(&["--config", typo.to_str().unwrap()], &["typo.toml", "n_heads"]);
+    refused_without_touching_an_earlier_run(&["--set", "optim.learning_rate=1"], &["learning_rate"]);
+    refused_without_touching_an_earlier_run(
+        &["--set", "model.n_head=3"],
+        &["model.n_embd: 16", "model.n_head (3)"],
+    );
+}
+
+#[test]
+fn bad_token_files_never_touch_an_earlier_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    refused_data(&d.join("nope.bin"), &[], &["nope.bin", "no such file"]);
+    let short = d.join("short.bin");
+    write_llmc(&short, &[1, 2, 3], 20240520, 1, 3);
+    refused_data(&short, &[], &["short.bin", "too short"]);
+    let trunc = d.join("trunc.bin");
+    write_llmc(&trunc, &[1; 100], 20240520, 1, 200);
+    refused_data(&trunc, &[], &["trunc.bin", "truncated"]);
+    let v7 = d.join("v7.bin");
+    write_llmc(&v7, &[1; 100], 20240520, 7, 100);
+    refused_data(&v7, &[], &["v7.bin", "version 7"]);
+    let oov = d.join("oov.bin");
+    let mut toks = vec![5u16; 100];
+    toks[42] = 300;
+    write_llmc(&oov, &toks, 20240520, 1, 100);
+    refused_data(&oov, &[], &["oov.bin", "token 300", "byte offset 1108"]);
+    // An llm.c header under another magic is not raw tokens (data.format = "auto").
+    let other = d.join("other-magic.bin");
+    write_llmc(&other, &[1; 100], 20240801, 1, 100);
+    refused_data(&other, &[], &["other-magic.bin", "llm.c header with magic 20240801 (expected 20240520)"]);
+    // data.format = "llmc" refuses a file without the magic, naming both.
+    let raw = d.join("raw.bin");
+    let bytes: Vec<u8> = (0..2000u16).flat_map(|t| (t % 200).to_le_bytes()).collect();
+    std::fs::write(&raw, &bytes).unwrap();
+    refused_data(&raw, &["--set", "data.format=llmc"], &["raw.bin", "magic 65536", "20240520"]);
+}
+
+#[test]
+fn data_format_raw_reads_a_headerless_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = dir.path().join("raw.bin");
+    let bytes: Vec<u8> = (0..4000u16).flat_map(|t| (t % 200).to_le_bytes()).collect();
+    std::fs::write(&raw, &bytes).unwrap();
+    for format in ["auto", "raw"] {
+        let mut args = data_args(&raw);
+        args.extend(["--set".to_string(), format!("data.format={format}")]);
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let (ok, _, err) = tiny_train(&dir.path().join(format), &args);
+        assert!(ok, "{format}: {err}");
+    }
+}
+
+/// The earlier run's weights, rewritten through `edit` into `dir/name`.
+fn edited_weights(
+    dir: &Path,
+    name: &str,
+    edit: impl Fn(Vec<(String, Vec<usize>, Vec<u8>)>) -> Vec<(String, Vec<usize>, Vec<u8>)>,
+) -> PathBuf {
+    let bytes = std::fs::read(earlier_run_fixture().join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec())).collect();
+    let edited = edit(tensors);
+    let views = edited.iter().map(|(n, s, d)| {
+        (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap())
+    });
+    let path = dir.join(name);
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    path
+}
+
+#[test]
+fn bad_init_weights_never_touch_an_earlier_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let init = |p: &Path| vec!["--init".to_string(), p.display().to_string()];
+    let refuse = |p: &Path, needles: &[&str]| {
+        let args = init(p);
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        refused_without_touching_an_earlier_run(&args, needles)
+    };
+    let err = refuse(&d.join("none.safetensors"), &["none.safetensors"]);
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    let missing = edited_weights(d, "missing.safetensors", |t| {
+        t.into_iter().filter(|(n, ..)| n != "h.0.mlp.c_fc.bias").collect()
+    });
+    refuse(&missing, &["missing.safetensors", "h.0.mlp.c_fc.bias", "missing"]);
+    let reshaped = edited_weights(d, "shape.safetensors", |t| {
+        t.into_iter()
+            .map(|(n, s, b)| if n == "ln_f.weight" { (n, vec![4, 4], b) } else { (n, s, b) })
+            .collect()
+    });
+    refuse(&reshaped, &["shape.safetensors", "ln_f.weight", "[4, 4]"]);
+    // A second layer's tensors: weights of a larger model are not silently cut.
+    let extra = edited_weights(d, "two-layers.safetensors", |t| {
+        let mut out = t.clone();
+        out.extend(
+            t.into_iter()
+                .filter(|(n, ..)| n.starts_with("h.0."))
+                .map(|(n, s, b)| (n.replacen("h.0.", "h.1.", 1), s, b)),
+        );
+        out
+    });
+    refuse(&extra, &["two-layers.safetensors", "`h.1.", "not part of this model"]);
+    // Hugging Face's extras and prefix are harmless and accepted.
+    let hf = edited_weights(d, "hf.safetensors", |t| {
+        let mut out: Vec<_> = t.into_iter().map(|(n, s, b)| (format!("transformer.{n}"), s, b)).collect();
+        let wte = out.iter().find(|(n, ..)| n == "transformer.wte.weight").unwrap().clone();
+        out.push(("lm_head.weight".into(), wte.1, wte.2));
+        out.push(("transformer.h.0.attn.bias".into(), vec![1], vec![0; 4]));
+        out.push(("transformer.h.0.attn.masked_bias".into(), vec![1], vec![0; 4]));
+        out
+    });
+    let (ok, _, err) = tiny_train(&d.join("from-hf"), &["--init", hf.to_str().unwrap()]);
+    assert!(ok, "{err}");
+}
+
+#[test]
+fn force_after_a_failure_midway_leaves_no_earlier_outputs_beside_partial_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, _) = earlier_run_in(dir.path());
+    let mut args = vec!["train", "--steps", "3", "--force", "--out", out.to_str().unwrap()];
+    args.extend(TINY);
+    let status = bin()
+        .args(&args)
+        .env("PIPEWRIGHT_FAULT", "stage=0,step=1,mb=0")
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success(), "the injected fault should fail the run");
+    let left = snapshot(&out);
+    for f in ["summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json"] {
+        assert!(!left.contains_key(f), "{f} of the earlier run survived --force: {:?}", left.keys());
+    }
+    let metrics = String::from_utf8(left.get("metrics.jsonl").cloned().unwrap_or_default()).unwrap();
+    assert!(metrics.lines().count() < 3, "metrics of the earlier run are mixed in: {metrics}");
+}
+
+#[test]
+fn eval_takes_the_model_shape_from_the_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("val.bin");
+    let toks: Vec<u16> = (0..2000u16).map(|i| (i * 7) % 256).collect();
+    write_llmc(&data, &toks, 20240520, 1, 2000);
+    let weights = earlier_run_fixture().join("model.safetensors");
+    let (w, d) = (weights.to_str().unwrap(), data.to_str().unwrap());
+    // No --config: the 1-layer, 16-wide shape comes from the weights' stored config.
+    let (ok, stdout, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "4", "--json"]);
+    assert!(ok, "{err}");
+    let loss = serde_json::from_str::<serde_json::Value>(stdout.trim()).unwrap()["loss"].as_f64().unwrap();
+    assert!(loss.is_finite() && loss > 0.0);
+    // A config whose pipeline does not fit the model is fine: eval runs no pipeline.
+    let shape = [
+        "--set",
+        "model.n_layer=1",
+        "--set",
+        "model.n_embd=16",
+        "--set",
+        "model.n_head=2",
+        "--set",
+        "model.block_size=16",
+    ];
+    let mut args = vec![
+        "eval",
+        "--config",
+        "configs/default.toml",
+        "--weights",
+        w,
+        "--data",
+        d,
+        "--batches",
+        "4",
+        "--json",
+    ];
+    args.extend(shape);
+    let (ok, stdout2, err) = run(&args);
+    assert!(ok, "{err}");
+    assert_eq!(stdout, stdout2, "the same weights and shape give the same loss");
+    // A shape the weights do not have is still refused, naming a tensor.
+    let (ok, _, err) = run(&["eval", "--weights", w, "--data", d, "--set", "model.n_embd=32"]);
+    assert!(!ok && err.contains("wte.weight"), "{err}");
+}
+
+#[test]
+fn config_toml_is_the_config_that_ran() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    // Interleaved with the default chunks = 1: the run uses 2 chunks per rank.
+    let interleaved = [
+        "--set",
+        "model.n_layer=4",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.schedule=\"interleaved\"",
+        "--set",
+        "parallel.microbatches=2",
+        "--trace",
+    ];
+    let (ok, _, err) = tiny_train(&out, &interleaved);
+    assert!(ok, "{err}");
+    let cfg = pipewright::config::Config::load(Some(&out.join("config.toml")), &[]).unwrap();
+    assert_eq!(cfg.parallel.chunks, 2, "config.toml must record the chunks that ran");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let layout = pipewright::actors::Layout::from_config(&cfg).unwrap();
+    assert_eq!(trace["metadata"]["chunks"], layout.chunks);
+    assert_eq!(trace["metadata"]["stages"], layout.n_stages());
+    // Run again from config.toml alone: the same weights.
+    let again = dir.path().join("again");
+    let (ok, _, err) = run(&[
+        "train",
+        "--config",
+        out.join("config.toml").to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let digest = |d: &Path| {
+        let s: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(d.join("summary.json")).unwrap()).unwrap();
+        s["weights_digest"].clone()
+    };
+    assert_eq!(digest(&out), digest(&again));
+}
+
+#[test]
+fn eval_batches_capped_by_a_short_val_file_are_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let train = dir.path().join("train.bin");
+    write_llmc(&train, &[7; 3000], 20240520, 1, 3000);
+    // One microbatch of two 17-token windows, and a little more.
+    let val = dir.path().join("val.bin");
+    write_llmc(&val, &[9; 40], 20240520, 1, 40);
+    let out = dir.path().join("run");
+    let mut args = data_args(&train);
+    args.extend([
+        "--set".into(),
+        format!("data.val={}", val.display()),
+        "--set".into(),
+        "train.eval_batches=8".into(),
+    ]);
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let mut all = vec!["train", "--steps", "2", "--out", out.to_str().unwrap()];
+    all.extend(TINY);
+    all.extend(&args);
+    let (ok, _, err) = run(&all);
+    assert!(ok, "{err}");
+    assert!(err.contains("train.eval_batches: 8 → 1"), "{err}");
+    let cfg = pipewright::config::Config::load(Some(&out.join("config.toml")), &[]).unwrap();
+    assert_eq!(cfg.train.eval_batches, 1);
+}
+
+#[test]
+fn inspect_help_says_what_it_reads() {
+    let (ok, help, _) = run(&["inspect", "--help"]);
+    assert!(ok && help.contains("run or checkpoint directory"), "{help}");
 }

@@ -1,7 +1,9 @@
 //! The CUDA kernels on a real GPU: each against its CPU twin (f32 < 1e-5,
 //! bf16 < 1e-2 relative error), whole training steps against the CPU model's
 //! (loss within 1e-2) and bit-identical repeats. Without a GPU the
-//! tests say so and pass, unless PIPEWRIGHT_REQUIRE_GPU=1 (scripts/gpu-check.sh).
+//! tests say so and pass, unless PIPEWRIGHT_REQUIRE_GPU=1 (scripts/gpu-check.sh);
+//! GPU pipeline stages at pp = 2 give the weights of pp = 1; and a cuda run on
+//! a machine without a driver is refused before it writes anything.
 #![cfg(feature = "cuda")]
 
 use pipewright::kernels::cuda::{check, driver_present, CudaError, Gpu};
@@ -43,4 +45,62 @@ fn without_a_driver_opening_a_gpu_is_an_error_not_a_panic() {
         return;
     }
     assert!(matches!(Gpu::new(0), Err(CudaError::NoDriver)));
+}
+
+/// `train` with GPU stages at pp = 1 and pp = 2 on one GPU (1F1B), f32:
+/// the same weights bit for bit.
+#[test]
+fn gpu_pipeline_stages_give_the_weights_of_one_stage() {
+    let Some(_gpu) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let digest = |pp: usize| {
+        let out = dir.path().join(format!("pp{pp}"));
+        let devices = format!("backend.devices=[{}]", vec!["0"; pp].join(","));
+        let sets = [
+            "model.n_layer=4",
+            "model.n_embd=128",
+            "model.n_head=2",
+            "model.vocab_size=256",
+            "model.block_size=64",
+            "train.micro_batch_size=2",
+            "train.eval_every=0",
+            "data.builtin=\"random\"",
+            "parallel.microbatches=4",
+            "backend.kind=\"cuda\"",
+            "backend.dtype=\"f32\"",
+            &format!("parallel.pp={pp}"),
+            &devices,
+        ];
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"));
+        c.arg("train").arg("--steps").arg("3").arg("--out").arg(&out);
+        for s in sets {
+            c.arg("--set").arg(s);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "pp={pp}: {}", String::from_utf8_lossy(&o.stderr));
+        let s: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+        s["weights_digest"].as_str().unwrap().to_string()
+    };
+    assert_eq!(digest(1), digest(2));
+}
+
+/// Without a GPU, a cuda run stops before writing anything, with the reason.
+#[test]
+fn without_a_gpu_a_cuda_run_is_refused_with_the_reason() {
+    if driver_present() {
+        eprintln!("skipped: this machine has a CUDA driver");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["train", "--steps", "1", "--set", "backend.kind=\"cuda\"", "--set", "model.n_head=2", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("no CUDA driver"), "{err}");
+    assert!(!out.join("metrics.jsonl").exists(), "a refused run wrote outputs");
 }

@@ -1,14 +1,23 @@
-//! Runs that span processes, on loopback: the same bits as one process, a
-//! killed worker stops the rest with an error naming it, a wrong cookie is
-//! refused, and garbage on a data port costs the run nothing.
+//! Runs that span processes, on loopback: the same bits as one process (also
+//! under TLS), a killed worker stops the rest with an error naming it, a wrong
+//! cookie or a certificate from another CA is refused, garbage on a data port
+//! costs the run nothing, and a bad TLS file is an error naming it.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_pipewright");
+
+/// One multi-process run at a time: each starts up to four processes with
+/// timeouts of their own, and on a 2-core box several at once starve each
+/// other into spurious timeouts (and race for the loopback ports they pick).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static RUNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    RUNS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The small model of tests/pipeline.rs (4 layers, so pp = 4 has one each).
 fn model(extra: &[&str]) -> Vec<String> {
@@ -71,6 +80,7 @@ fn launched(dir: &Path, nodes: usize, args: &[String]) -> String {
 
 #[test]
 fn pp4_over_2_processes_gives_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let args = [model(&["parallel.pp=4"]), vec!["--steps".into(), "3".into()]].concat();
     assert_eq!(launched(dir.path(), 2, &args), one_process(dir.path(), &args));
@@ -78,6 +88,7 @@ fn pp4_over_2_processes_gives_the_bits_of_one_process() {
 
 #[test]
 fn pp2_dp2_over_4_processes_gives_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let args = [model(&["parallel.pp=2", "parallel.dp=2"]), vec!["--steps".into(), "3".into()]].concat();
     assert_eq!(launched(dir.path(), 4, &args), one_process(dir.path(), &args));
@@ -85,6 +96,7 @@ fn pp2_dp2_over_4_processes_gives_the_bits_of_one_process() {
 
 #[test]
 fn a_run_across_processes_resumes_with_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let base = model(&["parallel.pp=4", "checkpoint.every=2"]);
     let steps = |n: &str| vec!["--steps".to_string(), n.to_string()];
@@ -149,6 +161,7 @@ fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
 
 #[test]
 fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let port = free_ports();
@@ -184,6 +197,7 @@ fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
 
 #[test]
 fn a_wrong_cookie_is_refused_and_logged() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let port = free_ports();
     let args = [
@@ -205,6 +219,7 @@ fn a_wrong_cookie_is_refused_and_logged() {
 
 #[test]
 fn garbage_on_a_data_port_is_refused_and_the_run_goes_on() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let steps = vec!["--steps".into(), "3".into()];
     let base = [model(&["parallel.pp=2"]), steps].concat();
@@ -230,13 +245,13 @@ fn garbage_on_a_data_port_is_refused_and_the_run_goes_on() {
     // is closed, and the real rank 1 still joins.
     let cookie = pipewright::cluster::link::Cookie::new("s3cret").unwrap();
     let (mut s, r) =
-        pipewright::cluster::link::connect(data.into_addr(), 1, 2, "127.0.0.1:9", &cookie).unwrap();
+        pipewright::cluster::link::connect(data.into_addr(), 1, 2, "127.0.0.1:9", &cookie, None).unwrap();
     assert_eq!(r, 0);
-    s.write_all(b"PWF1\xff\xff\xff\x7f\x00\x00\x00\x00\x00\x00\x00\x00junk").unwrap();
+    s.writer.write_all(b"PWF1\xff\xff\xff\x7f\x00\x00\x00\x00\x00\x00\x00\x00junk").unwrap();
     let mut buf = [0u8; 1];
     // Rank 0 closes the link.
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    assert_eq!(std::io::Read::read(&mut s, &mut buf).unwrap_or(0), 0);
+    s.socket.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(s.reader.read(&mut buf).unwrap_or(0), 0);
     let rank1 = worker(port, 1, 2, "s3cret", &args);
     let o1 = finish(rank1, Duration::from_secs(60), "rank 1");
     let o0 = finish(rank0, Duration::from_secs(60), "rank 0");
@@ -256,4 +271,162 @@ impl IntoAddr for (&str, u16) {
     fn into_addr(self) -> std::net::SocketAddr {
         std::net::SocketAddr::new(self.0.parse().unwrap(), self.1)
     }
+}
+
+/// Test certificates made by scripts/make-test-certs.sh (the README's
+/// openssl recipe): ca.pem signs node.pem; rogue.pem comes from another CA.
+fn fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tls_flags(cert: &str, key: &str) -> Vec<String> {
+    ["--tls-cert", &fixture(cert), "--tls-key", &fixture(key), "--tls-ca", &fixture("ca.pem")]
+        .map(String::from)
+        .to_vec()
+}
+
+/// `worker` with TLS from the environment (no TLS when `cert` is None).
+fn tls_worker(port: u16, rank: usize, cookie: &str, cert: Option<(&str, &str)>, args: &[String]) -> Child {
+    let mut c = Command::new(BIN);
+    c.arg("worker").args(args);
+    for v in ["PIPEWRIGHT_TLS_CERT", "PIPEWRIGHT_TLS_KEY", "PIPEWRIGHT_TLS_CA"] {
+        c.env_remove(v);
+    }
+    if let Some((cert, key)) = cert {
+        c.env("PIPEWRIGHT_TLS_CERT", fixture(cert))
+            .env("PIPEWRIGHT_TLS_KEY", fixture(key))
+            .env("PIPEWRIGHT_TLS_CA", fixture("ca.pem"));
+    }
+    c.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("PIPEWRIGHT_COOKIE", cookie)
+        .env_remove("PIPEWRIGHT_COOKIE_FILE")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn pp4_over_4_processes_under_tls_gives_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let args = [model(&["parallel.pp=4"]), vec!["--steps".into(), "3".into()]].concat();
+    let reference = one_process(dir.path(), &args);
+    // Ranks 1–3 also link to each other, so every kind of link runs TLS.
+    let run = dir.path().join("tls");
+    let mut c = Command::new(BIN);
+    c.args(["launch", "--nodes", "4"])
+        .args(tls_flags("node.pem", "node.key"))
+        .args(&args)
+        .arg("--out")
+        .arg(&run);
+    let o = run_to_end(c, Duration::from_secs(90));
+    assert!(o.status.success(), "launch under TLS: {}", text(&o));
+    assert!(text(&o).contains("mutual TLS"), "rank 0 does not say it runs TLS: {}", text(&o));
+    assert_eq!(digest(&run), reference);
+}
+
+#[test]
+fn a_certificate_from_another_ca_or_no_tls_is_refused_and_logged() {
+    let _serial = one_at_a_time();
+    use pipewright::cluster::link;
+    use pipewright::cluster::tls::{Tls, TlsFiles};
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_ports();
+    let args = [
+        model(&["parallel.pp=2"]),
+        vec!["--steps".into(), "2".into(), "--join-timeout".into(), "8".into()],
+        vec!["--out".into(), dir.path().join("run").display().to_string()],
+    ]
+    .concat();
+    let rank0 = tls_worker(port, 0, "c00kie", Some(("node.pem", "node.key")), &args);
+    // The data link: a certificate rank 0's CA did not sign, and no TLS at all,
+    // each with the right cookie.
+    let data = ("127.0.0.1", port + 1).into_addr();
+    let until = Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect(data).is_err() {
+        assert!(Instant::now() < until, "rank 0's data port did not open");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cookie = link::Cookie::new("c00kie").unwrap();
+    let f = |name: &str| (name.to_string(), std::path::PathBuf::from(fixture(name)));
+    let rogue = Tls::load(&TlsFiles { cert: f("rogue.pem"), key: f("rogue.key"), ca: f("ca.pem") }).unwrap();
+    // In TLS 1.3 the server judges the client's certificate last, so this side
+    // may hear an alert or only a reset: either way it is refused.
+    assert!(link::connect(data, 1, 2, "127.0.0.1:9", &cookie, Some(&rogue)).is_err());
+    let e = link::connect(data, 1, 2, "127.0.0.1:9", &cookie, None).err().expect("plain link");
+    assert!(e.to_string().contains("speaks TLS"), "{e}");
+    // The cluster node: the same two, as whole workers.
+    let rogue = finish(
+        tls_worker(port, 1, "c00kie", Some(("rogue.pem", "rogue.key")), &args),
+        Duration::from_secs(30),
+        "rogue worker",
+    );
+    assert!(!rogue.status.success(), "{}", text(&rogue));
+    let plain = finish(tls_worker(port, 1, "c00kie", None, &args), Duration::from_secs(30), "plain worker");
+    assert!(!plain.status.success(), "{}", text(&plain));
+    assert!(text(&plain).contains("rank 0 runs with TLS?"), "{}", text(&plain));
+    let o = finish(rank0, Duration::from_secs(30), "rank 0");
+    let err = text(&o);
+    assert!(!o.status.success(), "rank 0 ran without its worker: {err}");
+    assert!(err.contains("ranks [1] did not join"), "{err}");
+    // Each link logs both refusals with the peer's address and the reason
+    // (the probe for the open port above adds one more data-link line).
+    for link in ["refused data link 127.0.0.1:", "refused cluster node 127.0.0.1:"] {
+        let logged = |why: &str| err.lines().any(|l| l.starts_with(link) && l.contains(why));
+        assert!(logged("invalid peer certificate: UnknownIssuer"), "{link} from another CA: {err}");
+        assert!(logged("InvalidContentType"), "{link} without TLS: {err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn a_bad_tls_file_is_an_error_naming_it() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-cert.pem").display().to_string();
+    let not_pem = format!("{}/Cargo.toml", env!("CARGO_MANIFEST_DIR"));
+    let (cert, key, ca) = (fixture("node.pem"), fixture("node.key"), fixture("ca.pem"));
+    let launch = |tls: &[&str], expect: &[&str]| {
+        let mut c = Command::new(BIN);
+        c.args(["launch", "--nodes", "2"]).args(tls).args(model(&["parallel.pp=2"]));
+        c.arg("--out").arg(dir.path().join("run"));
+        for v in ["PIPEWRIGHT_TLS_CERT", "PIPEWRIGHT_TLS_KEY", "PIPEWRIGHT_TLS_CA"] {
+            c.env_remove(v);
+        }
+        let o = run_to_end(c, Duration::from_secs(20));
+        let err = text(&o);
+        assert!(!o.status.success(), "{tls:?} was accepted: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        for e in expect {
+            assert!(err.contains(e), "{tls:?}: the error does not say {e:?}: {err}");
+        }
+    };
+    launch(&["--tls-cert", &missing, "--tls-key", &key, "--tls-ca", &ca], &[&missing, "cannot read"]);
+    launch(
+        &["--tls-cert", &not_pem, "--tls-key", &key, "--tls-ca", &ca],
+        &[&not_pem, "no certificate in it", "BEGIN CERTIFICATE"],
+    );
+    launch(
+        &["--tls-cert", &cert, "--tls-key", &cert, "--tls-ca", &ca],
+        &[&cert, "no private key", "PRIVATE KEY"],
+    );
+    launch(
+        &["--tls-cert", &cert, "--tls-key", &fixture("rogue.key"), "--tls-ca", &ca],
+        &[&fixture("rogue.key"), "cannot use this key and certificate"],
+    );
+    launch(&["--tls-cert", &cert], &["--tls-cert given", "--tls-key and --tls-ca missing"]);
+    // From the environment, a worker names the variable and the file.
+    let mut c = Command::new(BIN);
+    c.args(["worker", "--join", "127.0.0.1:1", "--rank", "1", "--world", "2"])
+        .env("PIPEWRIGHT_TLS_CERT", &cert)
+        .env("PIPEWRIGHT_TLS_KEY", &key)
+        .env("PIPEWRIGHT_TLS_CA", &missing)
+        .env("PIPEWRIGHT_COOKIE", "x");
+    let o = run_to_end(c, Duration::from_secs(20));
+    assert!(!o.status.success());
+    assert!(text(&o).contains(&format!("PIPEWRIGHT_TLS_CA {missing}: cannot read")), "{}", text(&o));
 }

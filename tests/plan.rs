@@ -2,11 +2,23 @@
 
 use pipewright::plan::flops::{self, ModelShape};
 use pipewright::plan::hardware::{A100, H100};
-use pipewright::plan::memory::{self, rank_memory, MemLayout, StateBytes};
+use pipewright::plan::memory::{self, rank_memory, MemLayout};
 use pipewright::plan::search::{search, SearchInput};
 use pipewright::plan::{plan, resolve, PlanArgs};
 use pipewright::schedule::{self, Costs, ScheduleKind};
 use std::process::Command;
+
+/// The tests that time or size real runs take this, so they never share the cores.
+static RUNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// CPU seconds used by this process's finished children so far.
+fn children_cpu_s() -> f64 {
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
 
 fn close(got: f64, want: f64, tol: f64) -> bool {
     (got / want - 1.0).abs() <= tol
@@ -25,26 +37,92 @@ fn gpt3_175b_on_300b_tokens_is_3_14e23_flops() {
     assert!(close(shape.params(), 175e9, 0.01), "{}", shape.params());
 }
 
+/// ZeRO (Rajbhandari et al. 2020, §3.1): mixed-precision Adam holds 2 + 2 + 12 =
+/// 16 bytes per parameter before activations (7.5B → 120 GB there); with f32
+/// gradients, as Megatron-LM accumulates them, 18. The planner's own per-rank
+/// breakdown of a 7B model must land there: its parameter count over the ranks
+/// (embedding, blocks, final LayerNorm, the tied head's copy) and each component
+/// it sums, not the per-component constants read back.
 #[test]
-fn adamw_mixed_precision_is_16_to_18_bytes_per_param() {
-    let b = memory::bytes_per_param();
+fn a_7b_model_with_adamw_in_mixed_precision_is_16_to_18_bytes_per_param() {
+    // LLaMA-7B's shape; the planner scales every count to the 7e9 given.
+    let seven_b = ModelShape { layers: 32, hidden: 4096, heads: 32, seq: 4096, vocab: 32000 };
+    let n = 7e9;
+    let tied = (seven_b.vocab * seven_b.hidden) as f64 * n / seven_b.params();
+    for (pp, tied_copy) in [(1, 0.0), (4, tied)] {
+        let layout = MemLayout {
+            tp: 1,
+            pp,
+            dp: 1,
+            chunks: 1,
+            micro_batch: 1,
+            recompute: memory::Recompute::Full,
+            zero: 0,
+        };
+        let ranks = rank_memory(&seven_b, n, &layout, &vec![1; pp]);
+        let states: f64 = ranks
+            .iter()
+            .map(|r| r.states.weights + r.states.grads + r.states.master + r.states.adam_m + r.states.adam_v)
+            .sum();
+        let held: f64 = ranks.iter().map(|r| r.params).sum();
+        // Every parameter once, plus the last stage's copy of the tied embedding.
+        assert!(close(held, n + tied_copy, 1e-9), "pp {pp}: {held:e}");
+        let per_param = states / held;
+        assert!((16.0..=18.0).contains(&per_param), "pp {pp}: {per_param} B/param");
+        for r in &ranks {
+            assert_eq!(r.total, r.states.total() + r.activations + r.workspace);
+        }
+    }
+    // The plan the CLI prints: model states of the whole 7B model, per parameter.
+    let args = PlanArgs {
+        params: Some(7e9),
+        tokens: Some(2e12),
+        gpus: Some(512),
+        gpu: "h100".into(),
+        mfu: 0.4,
+        ..PlanArgs::default()
+    };
+    let p = plan(&resolve(&args).unwrap());
+    let b = p.memory.model_states / 7e9;
     assert!((16.0..=18.0).contains(&b), "{b}");
-    let seven_b = StateBytes::new(7e9, 1, 0);
-    assert!((112e9..=126e9).contains(&seven_b.total()), "{}", seven_b.total());
-    assert_eq!(seven_b.master + seven_b.adam_m + seven_b.adam_v, 7e9 * 12.0);
+    let top = &p.candidates.first().expect("a 7B model fits 512 H100s").memory;
+    let s = &top.states;
+    let parts = s.weights + s.grads + s.master + s.adam_m + s.adam_v + top.activations + top.workspace;
+    assert_eq!(top.total, parts);
 }
 
+/// Hoffmann et al. 2022 ("Training Compute-Optimal Large Language Models"):
+/// Chinchilla is 70B parameters on 1.4T tokens at Gopher's budget, 5.76e23 FLOPs,
+/// and Table 3 projects, by approach 1, (parameters, FLOPs, tokens) for other
+/// sizes. Approaches 1 and 2 scale N and D as C^0.50 and C^0.49; approach 3 (the
+/// fitted law) as C^0.46 (Table 2), and its figure for Gopher's budget is 40B.
 #[test]
-fn chinchilla_budget_gives_70b_and_1_4t() {
-    // Chinchilla: 70B params on 1.4T tokens, C = 5.76e23.
-    let c = flops::chinchilla(5.76e23);
+fn chinchilla_sizing_matches_the_papers_figures() {
+    let gopher = 5.76e23;
+    let c = flops::chinchilla(gopher);
+    // Chinchilla itself is the approach-1/2 point: about 20 tokens per parameter.
     assert!(close(c.rule_20x.params, 70e9, 0.10), "{:e}", c.rule_20x.params);
     assert!(close(c.rule_20x.tokens, 1.4e12, 0.10), "{:e}", c.rule_20x.tokens);
-    // The fitted law with the paper's rounded constants prefers a smaller model on
-    // more data: about 33B on 2.9T (the paper's own approach-3 table has 40B; Besiroglu
-    // et al. 2024 showed the published fit does not quite reproduce). Pin it.
-    assert!((30e9..36e9).contains(&c.fitted.params), "{:e}", c.fitted.params);
-    assert!(close(6.0 * c.fitted.params * c.fitted.tokens, 5.76e23, 1e-9));
+    for (params, budget, tokens) in [
+        (67e9, 5.76e23, 1.5e12),
+        (175e9, 3.85e24, 3.7e12),
+        (280e9, 9.90e24, 5.9e12),
+        (1e12, 1.27e26, 21.2e12),
+    ] {
+        let r = flops::chinchilla(budget).rule_20x;
+        assert!(close(r.params, params, 0.10), "Table 3, {params:e}: {:e}", r.params);
+        assert!(close(r.tokens, tokens, 0.10), "Table 3, {tokens:e} tokens: {:e}", r.tokens);
+    }
+    // Approach 3 with the printed (rounded) constants: the optimiser's own frontier
+    // has Table 2's exponent 0.46 to within the rounding...
+    let slope = (flops::chinchilla(gopher * 100.0).fitted.params / c.fitted.params).ln() / 100f64.ln();
+    assert!((slope - 0.46).abs() <= 0.01, "N_opt ∝ C^{slope}");
+    assert!((c.fitted_exponent - slope).abs() < 1e-3);
+    // ...and at Gopher's budget it lands below the paper's 40B (33B: the rounding
+    // of α and β), far from Chinchilla's 70B: the published model is not this law's.
+    assert!(close(c.fitted.params, 40e9, 0.20), "{:e}", c.fitted.params);
+    assert!(c.fitted.params < 0.6 * 70e9);
+    assert!(close(6.0 * c.fitted.params * c.fitted.tokens, gopher, 1e-9));
     assert!(c.fitted.loss <= c.rule_20x.loss);
 }
 
@@ -98,6 +176,9 @@ fn search_never_proposes_a_config_over_memory() {
             let kind = c.schedule.split(' ').next().unwrap().parse::<ScheduleKind>().unwrap();
             let s = schedule::build(kind, c.pp, c.microbatches, c.chunks).unwrap();
             let live = s.simulate(&Costs::unit()).unwrap().peak_live;
+            assert_eq!(c.live_microbatches, live, "every stage's live count, not only the fullest rank's");
+            let ib = pipewright::plan::search::hops_across_nodes(c.tp, c.dp, c.pp, inp.gpu.gpus_per_node);
+            assert_eq!(c.p2p_ib_hops, ib.iter().filter(|&&x| x).count());
             let layout = MemLayout {
                 tp: c.tp,
                 pp: c.pp,
@@ -167,6 +248,8 @@ fn cli_plan_json_has_the_fields() {
     assert!(close(six_nd, 6.0 * 7e9 * 2e12, 1e-12));
     let c = v["candidates"].as_array().unwrap();
     assert!(!c.is_empty() && c[0]["why"].as_str().unwrap().contains("bubble"));
+    let stages = c[0]["pp"].as_u64().unwrap() * c[0]["chunks"].as_u64().unwrap();
+    assert_eq!(c[0]["live_microbatches"].as_array().unwrap().len() as u64, stages);
 
     let bad = Command::new(env!("CARGO_BIN_EXE_pipewright"))
         .args(["plan", "--params", "7e9", "--tokens", "2e12", "--gpus", "512", "--gpu", "tpu"])
@@ -181,6 +264,7 @@ fn cli_plan_json_has_the_fields() {
 /// whole-process figure the process's peak resident memory, each within 20%.
 #[test]
 fn planned_memory_matches_runs_of_the_bench_model_within_20_percent() {
+    let _one_at_a_time = RUNS.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let base =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/bench-cpu.toml")).unwrap();
@@ -232,5 +316,86 @@ fn planned_memory_matches_runs_of_the_bench_model_within_20_percent() {
                 planned.process_bytes / 1e6
             );
         }
+    }
+}
+
+/// Median of the per-step times in a run's metrics.jsonl, first step left out (warmup).
+fn median_step_ms(run: &std::path::Path) -> f64 {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let mut ms: Vec<f64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["ms"].as_f64().unwrap())
+        .skip(1)
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms[ms.len() / 2]
+}
+
+/// The bench model at pp = 1, 2, 4 (8 microbatches of one sequence, 1F1B): the
+/// CPU planner's step time against the measured median step, as ratios to
+/// pp = 1 so the machine's speed (and much of a shared box's load) cancels.
+/// Each within 20%. The figures are printed for docs/benchmarks.md.
+///
+/// Ratios cancel a machine's speed, not other jobs taking its cores: a run
+/// with four compute threads then gets twice the CPU share of one with two,
+/// which says nothing about the planner. So each run's CPU use is read back,
+/// and where the machine did not give a run at least 3/4 of its cores the
+/// comparison is skipped, saying so and why.
+#[test]
+fn planned_step_times_match_runs_of_the_bench_model_within_20_percent() {
+    let _one_at_a_time = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/bench-cpu.toml");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut rows = vec![];
+    for pp in [1usize, 2, 4] {
+        let sets = [
+            format!("parallel.pp={pp}"),
+            "parallel.microbatches=8".into(),
+            "train.micro_batch_size=1".into(),
+        ];
+        let out = dir.path().join(format!("pp{pp}"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pipewright"));
+        cmd.args(["train", "--steps", "6", "--config", config, "--out", out.to_str().unwrap()]);
+        for s in &sets {
+            cmd.args(["--set", s]);
+        }
+        let (cpu0, wall0) = (children_cpu_s(), std::time::Instant::now());
+        let run = cmd.output().unwrap();
+        let used = (children_cpu_s() - cpu0) / (wall0.elapsed().as_secs_f64() * cores as f64);
+        assert!(run.status.success(), "pp {pp}: {}", String::from_utf8_lossy(&run.stderr));
+        let cfg = pipewright::config::Config::load(Some(std::path::Path::new(config)), &sets).unwrap();
+        // Any rate will do: it cancels in the ratios.
+        let planned = pipewright::plan::cpu::step_ms(&cfg, 100.0, cores).unwrap();
+        rows.push((pp, median_step_ms(&out), planned, used));
+    }
+    let (m1, p1) = (rows[0].1, rows[0].2);
+    let mut report = String::new();
+    for &(pp, m, p, used) in &rows {
+        report += &format!(
+            "pp {pp}: measured {m:.1} ms ({:.3} of pp 1), planned {:.3} of pp 1, measured/planned {:.3}; \
+             the run had {:.0}% of the {cores} cores\n",
+            m / m1,
+            p / p1,
+            (m / m1) / (p / p1),
+            100.0 * used
+        );
+    }
+    println!("{report}");
+    if let Some(r) = rows.iter().find(|r| r.3 < 0.75) {
+        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        let msg = format!(
+            "SKIPPED the step-time comparison of planned_step_times_match_runs_of_the_bench_model_within_20_percent: \
+             the pp = {} run got {:.0}% of the cores (load average {}), so its time measures other jobs\n{report}",
+            r.0,
+            100.0 * r.3,
+            load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+        );
+        println!("{msg}");
+        eprintln!("{msg}");
+        return;
+    }
+    for &(pp, m, p, _) in &rows[1..] {
+        assert!(close(m / m1, p / p1, 0.2), "pp {pp}:\n{report}");
     }
 }

@@ -1,9 +1,12 @@
 //! The simulated backend runs the real actors, messages and schedules with
 //! sleeping stages; what it measures must match what the schedule simulator
-//! (and so the planner, which uses it) predicts. One test in its own binary, so
-//! no other test competes for the cores while it measures.
+//! and the planner (which uses it) predict. In its own binary, and its tests
+//! take turns (`ONE_AT_A_TIME`), so no other run competes while one measures.
 
 use pipewright::bench::sim_rows;
+use pipewright::config::Config;
+use pipewright::trace::summary;
+use std::path::Path;
 
 /// How many times a cell is measured before a miss counts. A CI box shared
 /// with other jobs can stall a thread for milliseconds; such a stall lands in
@@ -11,8 +14,15 @@ use pipewright::bench::sim_rows;
 /// runtime that really adds waits misses on every attempt.
 const ATTEMPTS: usize = 3;
 
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
-fn measured_bubbles_match_the_schedule_simulator() {
+fn measured_bubbles_match_the_simulator_and_the_planner() {
+    let _turn = turn();
     for schedule in ["1f1b", "gpipe"] {
         for cell in [(2, 4), (4, 8), (4, 16)] {
             let mut seen = Vec::new();
@@ -21,14 +31,127 @@ fn measured_bubbles_match_the_schedule_simulator() {
                 // stays small beside them (the bench uses 2 ms / 4 ms).
                 let r = sim_rows(schedule, &[cell], 10.0, 20.0, 3).unwrap().remove(0);
                 seen.push(format!(
-                    "bubble {:.4} vs theory {:.4} (overhead {:.2}%)",
+                    "bubble {:.4} vs theory {:.4}, planner {:.4} (overhead {:.2}%)",
                     r.measured_bubble,
                     r.theory_bubble,
+                    r.planned_bubble,
                     100.0 * r.overhead
                 ));
                 (r.measured_bubble - r.theory_bubble).abs() < 0.02
+                    && (r.measured_bubble - r.planned_bubble).abs() < 0.02
             });
             assert!(matched, "{schedule} pp={} m={}: {}", cell.0, cell.1, seen.join("; "));
         }
     }
+}
+
+/// A sim run's config: pp stages of one layer each, `sets` on top.
+fn sim_config(pp: usize, m: usize, sets: &[String]) -> Vec<String> {
+    let mut v: Vec<String> = vec![
+        format!("model.n_layer={pp}"),
+        "model.n_embd=8".into(),
+        "model.n_head=1".into(),
+        "model.block_size=4".into(),
+        "model.vocab_size=16".into(),
+        "train.micro_batch_size=1".into(),
+        "train.eval_every=0".into(),
+        "data.builtin=\"random\"".into(),
+        format!("parallel.pp={pp}"),
+        format!("parallel.microbatches={m}"),
+        "backend.kind=\"sim\"".into(),
+        "sim.forward_ms=10".into(),
+        "sim.backward_ms=20".into(),
+        "sim.weight_ms=10".into(),
+    ];
+    v.extend_from_slice(sets);
+    v
+}
+
+/// Runs `pipewright train --trace` on a sim config and summarises its trace.
+fn traced_sim(dir: &Path, sets: &[String], steps: usize) -> summary::Summary {
+    let mut args = vec!["train".to_string(), "--steps".into(), steps.to_string(), "--trace".into()];
+    args.extend(["--force".into(), "--out".into(), dir.display().to_string()]);
+    for s in sets {
+        args.extend(["--set".into(), s.clone()]);
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright")).args(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("simulated backend") && !err.contains("GFLOP/s"),
+        "sim figures, not compute's: {err}"
+    );
+    summary::summarize(&summary::load(&dir.join("trace.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn stage_factors_of_the_wrong_length_are_refused_naming_the_field() {
+    let sets = sim_config(4, 8, &["sim.stage_factors=[1.0, 2.0]".into()]);
+    let e = Config::load(None, &sets).and_then(|c| c.validate().map(|_| c)).unwrap_err().to_string();
+    assert!(e.contains("sim.stage_factors") && e.contains("4"), "{e}");
+    let ok = sim_config(4, 8, &["sim.stage_factors=[1.0, 1.0, 2.0, 1.0]".into()]);
+    Config::load(None, &ok).unwrap().validate().unwrap();
+}
+
+/// A stage twice as slow as the others is the bottleneck `trace summary`
+/// names, and the bubble the run measures is the simulator's for the same
+/// factors (the planner's too).
+#[test]
+fn a_slow_stage_is_the_bottleneck_and_the_bubble_follows_the_factors() {
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let sets = sim_config(4, 8, &["sim.stage_factors=[1.0, 1.0, 2.0, 1.0]".into()]);
+    let cfg = Config::load(None, &sets).unwrap();
+    let planned = pipewright::plan::cpu::plan(&cfg).unwrap().bubble;
+    let costs = pipewright::plan::cpu::sim_costs(&cfg);
+    let theory = pipewright::actors::Layout::from_config(&cfg).unwrap().schedule.simulate(&costs).unwrap();
+    let even = pipewright::actors::Layout::from_config(&cfg)
+        .unwrap()
+        .schedule
+        .simulate(&pipewright::plan::cpu::sim_costs(&Config::load(None, &sim_config(4, 8, &[])).unwrap()))
+        .unwrap();
+    assert!(theory.mean_bubble_frac > even.mean_bubble_frac + 0.05, "the slow stage must matter");
+    assert_eq!(planned, theory.mean_bubble_frac);
+    let mut seen = vec![];
+    let ok = (0..ATTEMPTS).any(|_| {
+        let s = traced_sim(dir.path(), &sets, 4);
+        let b = s.bottleneck.clone().expect("four lanes");
+        seen.push(format!(
+            "bottleneck stage {} ({:.2}× median), bubble {:.4} vs simulator {:.4}",
+            b.stage, b.vs_median, s.bubble_frac, theory.mean_bubble_frac
+        ));
+        assert_eq!(b.stage, 2, "{}", seen.join("; "));
+        assert!((b.vs_median - 2.0).abs() < 0.2, "{}", seen.join("; "));
+        (s.bubble_frac - theory.mean_bubble_frac).abs() < 0.02
+    });
+    assert!(ok, "{}", seen.join("; "));
+    let text = summary::summarize(&summary::load(&dir.path().join("trace.json")).unwrap()).unwrap().text();
+    assert!(text.contains("bottleneck: stage 2"), "{text}");
+}
+
+/// Jitter varies every action's time but the run completes, and the schedule
+/// simulated at the measured mean costs still predicts the bubble measured.
+#[test]
+fn jitter_varies_action_times_and_theory_from_measured_costs_holds() {
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let sets = sim_config(4, 8, &["sim.jitter=0.3".into()]);
+    let mut seen = vec![];
+    let ok = (0..ATTEMPTS).any(|_| {
+        let s = traced_sim(dir.path(), &sets, 4);
+        let t = summary::load(&dir.path().join("trace.json")).unwrap();
+        let f: Vec<f64> = t
+            .actions
+            .iter()
+            .filter(|a| a.kind == Some(pipewright::schedule::ActionKind::F))
+            .map(|a| (a.end_us - a.start_us) / 1e3)
+            .collect();
+        let (lo, hi) = f.iter().fold((f64::INFINITY, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
+        // ±30% around 10 ms, drawn per action: a spread of several ms.
+        assert!(hi - lo > 3.0 && lo > 6.0, "F from {lo:.2} to {hi:.2} ms");
+        let theory = s.theory_bubble_frac.expect("the schedule is known");
+        seen.push(format!("bubble {:.4} vs theory at measured means {theory:.4}", s.bubble_frac));
+        (s.bubble_frac - theory).abs() < 0.03
+    });
+    assert!(ok, "{}", seen.join("; "));
 }

@@ -182,12 +182,15 @@ pub struct RunOutcome {
     pub last_exact_match: Option<f64>,
     pub skipped: usize,
     pub train_seconds: f64,
+    /// Tokens trained on, summed over every segment of a resumed run.
     pub tokens: u64,
+    /// Tokens processed by this process (rolled-back steps count twice).
+    pub tokens_this_run: u64,
     /// Send → actor handle time of every activation and gradient message, µs.
     pub message_latency_us: Vec<f64>,
     /// Peak activation bytes held per rank (replica 0).
     pub peak_live_bytes: Vec<usize>,
-    /// Trace records of replica 0's stages (empty unless tracing).
+    /// Trace records of every replica's stages and of the checkpointer (empty unless tracing).
     pub trace: Vec<crate::trace::Record>,
     /// Training paused while stages copied their state, per checkpoint, ms.
     pub checkpoint_pause_ms: Vec<f64>,
@@ -207,30 +210,61 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
     static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
+    let shutdown = std::time::Duration::from_secs_f64(inputs.cfg.recovery.shutdown_timeout_s);
     let (coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
-    // SIGINT / SIGTERM: a checkpoint at the next step boundary, then a clean exit.
+    let actors = coord.get_children();
+    // SIGINT / SIGTERM (crate::train::signals): a checkpoint at the next step
+    // boundary, then a clean exit.
     let signals = {
         let coord = coord.clone();
         tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut int), Ok(mut term)) =
-                (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-            else {
-                return;
-            };
-            tokio::select! {
-                _ = int.recv() => {}
-                _ = term.recv() => {}
+            while !crate::train::signals::requested() {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
+            eprintln!(
+                "signal: saving a checkpoint at the next step boundary, then stopping (again: exit at once)"
+            );
             let _ = coord.send_message(CoordinatorMsg::StopRequested);
         })
     };
     let result = rx.await.map_err(|_| anyhow::anyhow!("the coordinator stopped without a result"))?;
     signals.abort();
-    let _ = handle.await;
-    result.map_err(|f| anyhow::anyhow!("{f}"))
+    let Err(failure) = result else {
+        let _ = handle.await;
+        return result.map_err(|f| anyhow::anyhow!("{f}"));
+    };
+    // The coordinator's stop kills its children; a checkpoint write already
+    // under way finishes on its own thread, and is waited for: a whole
+    // checkpoint is worth it, a hung disk is not.
+    let stopped = |a: &ractor::ActorCell| a.get_status() == ractor::ActorStatus::Stopped;
+    let all_stopped = async {
+        let _ = handle.await;
+        while !actors.iter().all(stopped) || !crate::checkpoint::writes_in_flight().is_empty() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    };
+    if tokio::time::timeout(shutdown, all_stopped).await.is_err() {
+        let mut stuck: Vec<String> = actors
+            .iter()
+            .chain(std::iter::once(&coord.get_cell()))
+            .filter(|a| !stopped(a))
+            .map(|a| {
+                a.get_name().map_or_else(|| format!("actor {}", a.get_id()), |n| plain_name(&n).to_string())
+            })
+            .collect();
+        stuck.sort();
+        for step in crate::checkpoint::writes_in_flight() {
+            stuck.push(format!("checkpointer (writing the checkpoint of step {step})"));
+        }
+        anyhow::bail!(
+            "{failure}\n{} did not stop within {} s of the failure (recovery.shutdown_timeout_s); exiting anyway",
+            stuck.join(", "),
+            shutdown.as_secs_f64()
+        );
+    }
+    anyhow::bail!("{failure}")
 }
 
 pub struct Coordinator;
@@ -273,6 +307,9 @@ pub struct CoordinatorState {
     pending: Option<StepMetrics>,
     weights: Vec<Option<Vec<Param>>>,
     tokens_per_step: u64,
+    /// (step, tokens trained on by then): where the token count continues
+    /// from, so segments resumed with another batch size add up.
+    tokens_base: (u64, u64),
     norms: Vec<(usize, f64)>,
     out: RunOutcome,
     checkpointer: Option<ActorRef<super::checkpointer::CheckpointerMsg>>,
@@ -289,6 +326,8 @@ pub struct CoordinatorState {
     /// After a rollback, the LR is scaled until this step.
     cooldown_until: u64,
     scaler: Option<crate::optim::scaler::LossScaler>,
+    /// The run's trace clock, when tracing: the checkpointer's writes get a track.
+    trace_epoch: Option<Instant>,
 }
 
 impl Actor for Coordinator {
@@ -340,6 +379,15 @@ impl Actor for Coordinator {
         // ranks pinned to one core cannot borrow an idle neighbour.
         let cores = core_affinity::get_core_ids().unwrap_or_default();
         let cores = if layout.threads_per_rank * pp * dp <= cores.len() { cores } else { vec![] };
+        // GPU runs: in one process every rank is local; across processes the
+        // driver made the plan (and its NCCL ids) when it sent the roster.
+        let gpu_plan = match (&cluster, cfg.backend.kind.as_str()) {
+            (_, kind) if kind != "cuda" => None,
+            (Some(f), _) => f.gpu_plan.get().cloned(),
+            (None, _) => Some(Arc::new(
+                super::compute::GpuPlan::make(&layout, |_, _| 0, 0).map_err(|e| format!("NCCL: {e}"))?,
+            )),
+        };
         let mut stages = Vec::new();
         for replica in 0..dp {
             let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
@@ -383,6 +431,7 @@ impl Actor for Coordinator {
                     cores: mine,
                     latencies_us: Default::default(),
                     trace_epoch: cfg.trace.enabled.then_some(epoch),
+                    gpu_plan: gpu_plan.clone(),
                 };
                 let (r, _) = Actor::spawn_linked(
                     Some(registered(&stage_name(rank, replica), id)),
@@ -446,7 +495,8 @@ impl Actor for Coordinator {
         me.send_message(CoordinatorMsg::Start)?;
         let links =
             Links { stages, loaders, reducer, monitor: Some(monitor), checkpointer: Some(checkpointer) };
-        Ok(CoordinatorState::new(
+        let trace_epoch = cfg.trace.enabled.then_some(epoch);
+        let mut st = CoordinatorState::new(
             run_dir,
             cfg,
             layout,
@@ -457,7 +507,12 @@ impl Actor for Coordinator {
             links,
             log,
             Some(reply),
-        ))
+        );
+        st.trace_epoch = trace_epoch;
+        if let Some(r) = &resume {
+            st.continue_from(&r.state);
+        }
+        Ok(st)
     }
 
     async fn handle(
@@ -580,6 +635,7 @@ impl CoordinatorState {
             lr: 0.0,
             pending: None,
             tokens_per_step,
+            tokens_base: (start_step, start_step * tokens_per_step),
             norms: Vec::new(),
             out: RunOutcome::default(),
             snapshots: vec![None; pp],
@@ -590,6 +646,7 @@ impl CoordinatorState {
             consecutive_skips: 0,
             cooldown_until: 0,
             scaler,
+            trace_epoch: None,
         }
     }
 
@@ -683,15 +740,19 @@ impl CoordinatorState {
                 st.eval_done(kind, loss_sum, tokens, predictions)
             }
             CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
+                check(matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
+                // Every replica reports (its trace records); replica 0's weights stand for all.
                 st.out.trace.extend(trace);
-                check(replica == 0 && matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
-                st.weights[rank] = Some(params);
                 st.out.message_latency_us.extend(latencies_us);
-                if st.out.peak_live_bytes.len() <= rank {
-                    st.out.peak_live_bytes.resize(rank + 1, 0);
+                if replica == 0 {
+                    st.weights[rank] = Some(params);
+                    if st.out.peak_live_bytes.len() <= rank {
+                        st.out.peak_live_bytes.resize(rank + 1, 0);
+                    }
+                    st.out.peak_live_bytes[rank] = peak_live_bytes;
                 }
-                st.out.peak_live_bytes[rank] = peak_live_bytes;
-                if st.weights.iter().all(Option::is_some) {
+                st.acks += 1;
+                if st.acks == st.layout.pp * st.layout.dp {
                     st.gather_done();
                     st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
                     st.waiting = Waiting::Flush;
@@ -708,7 +769,8 @@ impl CoordinatorState {
                 }
                 Ok(())
             }
-            CoordinatorMsg::Saved { ms, path, .. } => {
+            CoordinatorMsg::Saved { step, ms, path } => {
+                st.trace_write(step, ms, &path);
                 st.writes_pending -= 1;
                 st.out.checkpoint_write_ms.push(ms);
                 st.out.checkpoints.push(path);
@@ -877,6 +939,22 @@ fn check(ok: bool, what: &str) -> Result<(), ActorProcessingErr> {
 }
 
 impl CoordinatorState {
+    /// The checkpointer's background write of `step`, which just took `ms`, as a
+    /// span on a track of its own.
+    fn trace_write(&mut self, step: u64, ms: f64, path: &std::path::Path) {
+        let Some(epoch) = self.trace_epoch else { return };
+        let end = epoch.elapsed().as_secs_f64() * 1e6;
+        self.out.trace.push(crate::trace::Record {
+            name: "checkpoint write".into(),
+            step,
+            start_us: end - ms * 1e3,
+            dur_us: ms * 1e3,
+            detail: Some(path.display().to_string()),
+            actor: Some("checkpointer".into()),
+            ..Default::default()
+        });
+    }
+
     /// Ends the run once the weights are in and every checkpoint is on disk.
     fn maybe_done(&mut self) {
         if matches!(self.waiting, Waiting::Flush) && self.writes_pending == 0 {
@@ -910,16 +988,23 @@ impl CoordinatorState {
             }
         }
         self.out.checkpoint_pause_ms.push(self.snapshot_started.elapsed().as_secs_f64() * 1e3);
+        // Replica r of step s reads from global microbatch (s·dp + r)·m (see data_loader).
+        let (dp, m) = (self.layout.dp as u64, self.layout.microbatches as u64);
         let b = self.cfg.train.micro_batch_size as u64;
         let state = crate::checkpoint::StateFile {
             format_version: crate::checkpoint::FORMAT_VERSION,
             step: self.step,
             adam_step,
-            tokens: self.step * self.tokens_per_step,
+            tokens: self.tokens_seen(),
             skipped_steps: self.out.skipped,
-            data_cursor: self.step * (self.layout.dp * self.layout.microbatches) as u64 * b,
-            seed: self.cfg.train.seed,
-            next_lr: self.sched.lr(self.step as usize),
+            data_cursor: self.step * dp * m * b,
+            data_cursors: (0..dp).map(|r| (self.step * dp + r) * m * b).collect(),
+            rng: crate::checkpoint::RngState {
+                seed: self.cfg.train.seed,
+                step: self.step,
+                note: crate::checkpoint::RNG_NOTE.into(),
+            },
+            lr_schedule: self.lr_position(),
             config: self.cfg.to_toml_string(),
             config_hash: self.cfg.hash(),
             digests: Default::default(),
@@ -932,7 +1017,7 @@ impl CoordinatorState {
                 Blob::f64("adam_step", state.adam_step as f64),
                 Blob::f64("tokens", state.tokens as f64),
                 Blob::f64("data_cursor", state.data_cursor as f64),
-                Blob::f64("next_lr", state.next_lr),
+                Blob::f64("next_lr", state.lr_schedule.next_lr),
             ];
             self.log_sent("checkpointer", "Write", || blobs);
         }
@@ -948,6 +1033,43 @@ impl CoordinatorState {
         self.begin_step()
     }
 
+    /// Takes up a resumed run's counters where its checkpoint left them.
+    pub fn continue_from(&mut self, state: &crate::checkpoint::StateFile) {
+        self.tokens_base = (state.step, state.tokens);
+        self.cooldown_until = state.lr_schedule.cooldown_until;
+    }
+
+    /// Tokens trained on before the current step.
+    fn tokens_seen(&self) -> u64 {
+        self.tokens_base.1 + (self.step - self.tokens_base.0) * self.tokens_per_step
+    }
+
+    /// The learning rate of 0-based `step`, a rollback's cooldown included.
+    fn lr_of(&self, step: u64) -> f64 {
+        let lr = self.sched.lr(step as usize);
+        if step < self.cooldown_until {
+            lr * self.cfg.recovery.lr_factor
+        } else {
+            lr
+        }
+    }
+
+    fn lr_position(&self) -> crate::checkpoint::LrPosition {
+        let (decay_start, decay_end) = self.sched.decay_bounds();
+        crate::checkpoint::LrPosition {
+            kind: self.cfg.optim.schedule.clone(),
+            step: self.step,
+            warmup_steps: self.sched.warmup_steps as u64,
+            decay_start: decay_start as u64,
+            decay_end: decay_end as u64,
+            lr: self.sched.lr,
+            min_lr: self.sched.min_lr,
+            next_lr: self.lr_of(self.step),
+            cooldown_until: self.cooldown_until,
+            cooldown_factor: self.cfg.recovery.lr_factor,
+        }
+    }
+
     fn finish(&mut self, result: Result<(), String>) {
         if let Some(reply) = self.reply.take() {
             let out = std::mem::take(&mut self.out);
@@ -958,13 +1080,11 @@ impl CoordinatorState {
     fn begin_step(&mut self) -> Result<(), ActorProcessingErr> {
         if self.step == self.steps {
             self.waiting = Waiting::Weights;
-            return self.send_stages(1, || StageMsg::SendWeights);
+            self.acks = 0;
+            return self.send_stages(self.layout.dp, || StageMsg::SendWeights);
         }
         self.step_started = Instant::now();
-        self.lr = self.sched.lr(self.step as usize);
-        if self.step < self.cooldown_until {
-            self.lr *= self.cfg.recovery.lr_factor;
-        }
+        self.lr = self.lr_of(self.step);
         self.waiting = Waiting::StageDone;
         self.reports.clear();
         let step = self.step;
@@ -1067,11 +1187,12 @@ impl CoordinatorState {
         let dt = self.step_started.elapsed().as_secs_f64();
         self.out.train_seconds += dt;
         let done = self.step + 1;
-        self.out.tokens = done * self.tokens_per_step;
+        self.out.tokens = self.tokens_seen() + self.tokens_per_step;
+        self.out.tokens_this_run += self.tokens_per_step;
         let m = self.pending.as_mut().expect("metrics of this step");
         m.ms = dt * 1e3;
         m.tokens = self.out.tokens;
-        m.tokens_per_s = self.out.tokens as f64 / self.out.train_seconds;
+        m.tokens_per_s = self.out.tokens_this_run as f64 / self.out.train_seconds;
         self.out.skipped += m.skipped as usize;
         self.out.losses.push(m.loss);
         self.out.train_curve.push((done as usize, m.loss));
@@ -1139,17 +1260,27 @@ impl CoordinatorState {
             return Ok(());
         }
         let root = crate::checkpoint::checkpoints_dir(&self.run_dir);
-        let (done, _) = crate::checkpoint::list(&root).map_err(|e| e.to_string())?;
-        let Some((ck_step, dir)) = done.last().cloned() else {
+        let (loaded, damaged) = crate::checkpoint::newest_verified(&root).map_err(|e| e.to_string())?;
+        for (dir, e) in &damaged {
+            eprintln!("warning: checkpoint {} is damaged ({e}); rolling back past it", dir.display());
+            // A replay only reads the run directory.
+            if self.checkpointer.is_some() {
+                let kept = crate::checkpoint::set_aside(dir).map_err(|e| e.to_string())?;
+                eprintln!("the damaged checkpoint is kept as {} (never deleted)", kept.display());
+            }
+        }
+        let Some(loaded) = loaded else {
             return Err(format!(
-                "{} consecutive steps skipped (last: step {}) and there is no checkpoint in {} to roll back to",
+                "{} consecutive steps skipped (last: step {}) and no checkpoint in {} verifies to roll back to",
                 self.consecutive_skips,
                 self.step,
                 root.display()
             )
             .into());
         };
-        let loaded = Arc::new(crate::checkpoint::load(&dir).map_err(|e| e.to_string())?);
+        let (ck_step, dir) = (loaded.state.step, loaded.dir.clone());
+        self.tokens_base = (ck_step, loaded.state.tokens);
+        let loaded = Arc::new(loaded);
         eprintln!(
             "{} consecutive steps skipped: rolling back to {} and scaling the learning rate by {} for {} steps",
             self.consecutive_skips,

@@ -96,6 +96,9 @@ impl LoaderArgs {
                     let (mut inp, mut tgt) = (vec![0u32; n], vec![0u32; n]);
                     let global_mb = (step as usize * self.dp + self.replica) * self.microbatches + mb;
                     self.train.fill((global_mb * self.micro_batch_size) as u64, &mut inp, &mut tgt);
+                    if spike_fault(step) {
+                        poison(&inp, &mut tgt, global_mb as u64);
+                    }
                     self.send(Phase::Train, step, mb, inp, tgt)?;
                 }
             }
@@ -144,4 +147,21 @@ impl LoaderArgs {
         ranks[self.first_rank].send_message(StageMsg::Tokens { phase, step, mb, tokens }).map_err(failed)?;
         ranks[self.last_rank].send_message(StageMsg::Targets { phase, step, mb, targets }).map_err(failed)
     }
+}
+
+/// `PIPEWRIGHT_FAULT_SPIKE=30,31`: the batches of those (0-based) steps are
+/// poisoned — every target replaced by one random token — so once the model has
+/// learned something their loss jumps, and, the targets all pulling one way,
+/// so does the gradient norm; for the spike-detector tests.
+fn spike_fault(step: u64) -> bool {
+    std::env::var("PIPEWRIGHT_FAULT_SPIKE")
+        .is_ok_and(|v| v.split(',').any(|s| s.trim().parse::<u64>().ok() == Some(step)))
+}
+
+/// A random id up to the largest in the batch: within the vocabulary, and
+/// most likely one the data never shows.
+fn poison(inputs: &[u32], targets: &mut [u32], key: u64) {
+    let top = inputs.iter().chain(targets.iter()).copied().max().unwrap_or(0) as u64 + 1;
+    let mut r = crate::rng::Rng::new(0, crate::rng::Purpose::Test, &[0x5b1e, key]);
+    targets.fill(r.below(top) as u32);
 }

@@ -6,6 +6,7 @@
 //!   stage and targets to the last.
 //! - `stage`: one per pipeline rank per replica; owns the rank's model chunks
 //!   and a compute thread that walks the rank's action list from the schedule.
+//!   What the chunks compute with (CPU or GPU) is `compute`'s business.
 //! - `reducer`: sums gradients over data-parallel replicas in replica order.
 //! - `monitor`: metrics.jsonl and the progress display.
 //! - `checkpointer`: writes checkpoints in the background.
@@ -15,6 +16,7 @@
 //! `cluster` feature is on, so remote transport can come without touching them).
 
 pub mod checkpointer;
+pub mod compute;
 pub mod coordinator;
 pub mod data_loader;
 pub mod layout;

@@ -10,13 +10,13 @@
 //! on arrival order. Tensors move between ranks by moving their `Vec`s: no copy
 //! in one process, and a rank passing to itself skips the mailbox.
 
+use super::compute::{BackwardPart, ChunkInput, CpuCompute, StageCompute};
 use super::coordinator::{CoordinatorMsg, EvalKind, Failure, StageReport};
 use super::layout::Layout;
 use super::reducer::ReducerMsg;
-use crate::kernels::cpu::matmul::with_random_order;
-use crate::model::part::{MicroActs, Mode, PartInput};
-use crate::model::{GptConfig, ModelPart, Param};
-use crate::optim::{self, AdamState, Hyper};
+use crate::model::part::Mode;
+use crate::model::{GptConfig, ModelPart};
+use crate::optim::{AdamState, Hyper};
 use crate::replay::{self, ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
 use crate::schedule::{Action, ActionKind};
@@ -66,7 +66,8 @@ pub enum StageMsg {
         mb: usize,
         targets: Vec<u32>,
     },
-    /// The input of F on `stage`.
+    /// The input of F on `stage`. `sent`: when it was sent, then (restamped by
+    /// the receiving stage's actor) when it arrived.
     Activation {
         phase: Phase,
         step: u64,
@@ -75,7 +76,7 @@ pub enum StageMsg {
         data: Vec<f32>,
         sent: Instant,
     },
-    /// The gradient of `stage`'s output, for its B or I.
+    /// The gradient of `stage`'s output, for its B or I (`sent` as for `Activation`).
     Gradient {
         step: u64,
         stage: usize,
@@ -153,6 +154,8 @@ pub struct StageArgs {
     pub latencies_us: Arc<std::sync::Mutex<Vec<f64>>>,
     /// The run's clock for trace timestamps; `None` when not tracing.
     pub trace_epoch: Option<Instant>,
+    /// GPU runs: which ranks share this process and the NCCL ids of the rest.
+    pub gpu_plan: Option<Arc<super::compute::GpuPlan>>,
 }
 
 pub struct StageActor;
@@ -191,9 +194,13 @@ impl Actor for StageActor {
         msg: StageMsg,
         st: &mut StageState,
     ) -> Result<(), ActorProcessingErr> {
-        if let StageMsg::Activation { sent, .. } | StageMsg::Gradient { sent, .. } = &msg {
+        let mut msg = msg;
+        if let StageMsg::Activation { sent, .. } | StageMsg::Gradient { sent, .. } = &mut msg {
             let us = sent.elapsed().as_secs_f64() * 1e6;
             st.latencies_us.lock().expect("latency log").push(us);
+            // From here on `sent` is when the message reached this stage: the
+            // trace's receive instant, however long it then waits in the inbox.
+            *sent = Instant::now();
         }
         // Every message the compute thread files by key rather than handles in order.
         let data = matches!(
@@ -245,21 +252,17 @@ struct Worker {
     replica: usize,
     layout: Layout,
     gpt: GptConfig,
-    /// Global stage ids held here, ascending, and their parts.
+    /// Global stage ids held here, ascending; chunk i of `compute` is stages[i].
     stages: Vec<usize>,
-    parts: Vec<ModelPart>,
-    adam: Vec<AdamState>,
+    /// The chunks and what they compute with (CPU cores or a GPU).
+    compute: Box<dyn StageCompute>,
     hyper: Hyper,
     actions: Vec<Action>,
     rx: Receiver<StageMsg>,
     inbox: BTreeMap<Key, Payload>,
     control: VecDeque<StageMsg>,
-    saved: BTreeMap<(usize, usize), MicroActs>,
     links: Links,
     log: Option<ActorLog>,
-    /// `PIPEWRIGHT_NONDET` names this stage: bias gradients summed in random order.
-    nondet: bool,
-    pool: rayon::ThreadPool,
     step: u64,
     /// The action being executed, for failure reports.
     current: Option<Action>,
@@ -283,7 +286,15 @@ struct SimCosts {
     factors: Vec<f64>,
     jitter: f64,
     rng: Rng,
+    /// Microbatches between F and the end of their backward, per local stage:
+    /// the sim holds no activations, but the schedule's memory shape is still
+    /// what the trace's counters should show.
+    live: Vec<usize>,
 }
+
+/// Bytes of the stand-in payload the sim passes per microbatch (4 f32s): the
+/// "bytes held" its counters report, so a sim trace reads like a real one.
+const SIM_PAYLOAD_BYTES: usize = 16;
 
 impl SimCosts {
     fn duration(&mut self, kind: ActionKind, stage: usize) -> Duration {
@@ -362,6 +373,15 @@ pub fn replay_stage(args: StageArgs, rx: Receiver<StageMsg>) -> Result<Option<Ac
     Ok(w.log.take())
 }
 
+/// (sending stage, receiving stage, microbatch, what) of a message between stages.
+fn send_of(msg: &StageMsg) -> (Option<usize>, Option<usize>, Option<usize>, &'static str) {
+    match msg {
+        StageMsg::Activation { stage, mb, .. } => (Some(stage - 1), Some(*stage), Some(*mb), "activation"),
+        StageMsg::Gradient { stage, mb, .. } => (Some(stage + 1), Some(*stage), Some(*mb), "gradient"),
+        _ => (None, None, None, "tied embedding gradient share"),
+    }
+}
+
 pub(super) fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
         .cloned()
@@ -402,8 +422,9 @@ fn fault_fires() -> bool {
         || !FIRED.swap(true, std::sync::atomic::Ordering::SeqCst)
 }
 
-/// `PIPEWRIGHT_FAULT=stage=S,step=N,mb=M` makes F of (S, M) at step N panic:
-/// how the tests check that a failing stage is reported and nothing hangs.
+/// `PIPEWRIGHT_FAULT=stage=S,step=N,mb=M` makes F of (S, M) at step N panic
+/// (`,kind=error`: the compute thread reports an error and ends instead): how
+/// the tests check that a failing stage is reported and nothing hangs.
 fn fault_from_env() -> Option<(usize, u64, usize)> {
     let v = std::env::var("PIPEWRIGHT_FAULT").ok()?;
     let mut f = (usize::MAX, u64::MAX, usize::MAX);
@@ -413,6 +434,7 @@ fn fault_from_env() -> Option<(usize, u64, usize)> {
             "stage" => f.0 = val.trim().parse().ok()?,
             "step" => f.1 = val.trim().parse().ok()?,
             "mb" => f.2 = val.trim().parse().ok()?,
+            "kind" if ["panic", "error"].contains(&val.trim()) => {}
             _ => return None,
         }
     }
@@ -445,7 +467,7 @@ impl Worker {
     }
 
     fn new(args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Worker, (String, Links)> {
-        let (parts, adam, pool) = match Worker::prepare(&args) {
+        let compute = match Worker::prepare(&args) {
             Ok(x) => x,
             Err(e) => return Err((e, links)),
         };
@@ -457,26 +479,21 @@ impl Worker {
         let actions = args.layout.schedule.actions[args.rank].clone();
         let l = &args.layout;
         let dloss = 1.0 / (l.dp * l.microbatches * b * gpt.block_size) as f32;
-        let name = super::coordinator::stage_name(args.rank, args.replica);
-        let nondet = std::env::var("PIPEWRIGHT_NONDET").is_ok_and(|v| v.split(',').any(|a| a.trim() == name));
+        let local_stages = stages.len();
         Ok(Worker {
             rank: args.rank,
             replica: args.replica,
             layout: args.layout,
             gpt,
             stages,
-            parts,
-            adam,
+            compute,
             hyper: Hyper::from_config(cfg),
             actions,
             rx,
             inbox: BTreeMap::new(),
             control: VecDeque::new(),
-            saved: BTreeMap::new(),
             links,
             log: args.log,
-            nondet,
-            pool,
             step: 0,
             current: None,
             latencies_us: args.latencies_us.clone(),
@@ -492,12 +509,14 @@ impl Worker {
                 factors: cfg.sim.stage_factors.clone(),
                 jitter: cfg.sim.jitter,
                 rng: Rng::new(cfg.train.seed, Purpose::Test, &[args.rank as u64, args.replica as u64, 0x51]),
+                live: vec![0; local_stages],
             }),
         })
     }
 
-    /// The fallible part of starting: model parts, optimizer state, thread pool.
-    fn prepare(args: &StageArgs) -> Result<(Vec<ModelPart>, Vec<AdamState>, rayon::ThreadPool), String> {
+    /// The fallible part of starting: the rank's chunks (initial, `--init` or
+    /// resumed tensors) on its backend, with their optimizer state.
+    fn prepare(args: &StageArgs) -> Result<Box<dyn StageCompute>, String> {
         // `PIPEWRIGHT_FAULT_START=stage-1`: that stage fails to start with an error,
         // for the test that a stage which never starts is reported and nothing hangs.
         let name = super::coordinator::stage_name(args.rank, args.replica);
@@ -508,32 +527,33 @@ impl Worker {
         let gpt = GptConfig::from_config(cfg);
         let stages = args.layout.stages_of(args.rank);
         let b = cfg.train.micro_batch_size;
-        let simulated = cfg.backend.kind == "sim";
-        let mut parts = Vec::new();
-        for &s in stages.iter().filter(|_| !simulated) {
-            let mut part =
-                ModelPart::new(gpt, args.layout.stages[s].clone(), b, cfg.train.seed, cfg.train.recompute);
-            if let Some(w) = &args.init {
-                w.assign(&mut part).map_err(|e| e.to_string())?;
+        let mut chunks = Vec::new();
+        if cfg.backend.kind != "sim" {
+            for &s in &stages {
+                let spec = args.layout.stages[s].clone();
+                let mut params = crate::model::part::part_params(&gpt, &spec, cfg.train.seed);
+                if let Some(w) = &args.init {
+                    w.assign_params(&mut params).map_err(|e| e.to_string())?;
+                }
+                if let Some(c) = &args.resume {
+                    c.weights.assign_params(&mut params).map_err(|e| e.to_string())?;
+                }
+                chunks.push((spec, params));
             }
+        }
+        if cfg.backend.kind == "cuda" {
+            return Worker::prepare_gpu(args, chunks);
+        }
+        let mut parts = Vec::new();
+        let mut adam = Vec::new();
+        for (spec, params) in chunks {
+            let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params);
+            let mut st = AdamState::new(&part);
             if let Some(c) = &args.resume {
-                c.weights.assign(&mut part).map_err(|e| e.to_string())?;
+                super::compute::load_moments(&part.params, &mut st, c)?;
             }
             parts.push(part);
-        }
-        let mut adam: Vec<AdamState> = parts.iter().map(AdamState::new).collect();
-        if let Some(c) = &args.resume {
-            for (part, st) in parts.iter().zip(adam.iter_mut()) {
-                st.t = c.state.adam_step;
-                for (i, p) in part.params.iter().enumerate() {
-                    let (m, v) = c
-                        .moments
-                        .get(&p.name)
-                        .ok_or_else(|| format!("checkpoint lacks moments of {}", p.name))?;
-                    st.m[i].copy_from_slice(m);
-                    st.v[i].copy_from_slice(v);
-                }
-            }
+            adam.push(st);
         }
         let cores = args.cores.clone();
         // The compute thread itself is the pool's first worker, so a rank with
@@ -553,7 +573,57 @@ impl Worker {
             })
             .build()
             .map_err(|e| e.to_string())?;
-        Ok((parts, adam, pool))
+        let nondet = std::env::var("PIPEWRIGHT_NONDET").is_ok_and(|v| v.split(',').any(|a| a.trim() == name));
+        Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b)))
+    }
+
+    /// The rank's chunks on its GPU (`backend.devices`), with as many
+    /// activation slots per chunk as the schedule keeps microbatches alive there.
+    #[cfg(feature = "cuda")]
+    fn prepare_gpu(
+        args: &StageArgs,
+        chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
+    ) -> Result<Box<dyn StageCompute>, String> {
+        use super::compute::{GpuCompute, GpuPlace};
+        use crate::kernels::cuda::{Bf16, Gpu};
+        let cfg = &args.cfg;
+        let devices = &cfg.backend.devices;
+        let pp = args.layout.pp;
+        let ordinal = match devices.len() {
+            0 => 0,
+            n if n == pp => devices[args.rank],
+            _ => devices[args.replica * pp + args.rank],
+        };
+        let gpu = Gpu::new(ordinal).map_err(|e| format!("backend.devices: GPU {ordinal}: {e}"))?;
+        let peak = args
+            .layout
+            .schedule
+            .simulate(&crate::schedule::Costs::unit())
+            .map_err(|e| e.to_string())?
+            .peak_live;
+        let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
+        let (gpt, b, rc) = (GptConfig::from_config(cfg), cfg.train.micro_batch_size, cfg.train.recompute);
+        let resume = args.resume.as_deref();
+        let place = || GpuPlace {
+            layout: &args.layout,
+            rank: args.rank,
+            replica: args.replica,
+            plan: args.gpu_plan.clone(),
+            host_only: args.log.is_some(),
+        };
+        Ok(if cfg.backend.dtype == "f32" {
+            Box::new(GpuCompute::<f32>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
+        } else {
+            Box::new(GpuCompute::<Bf16>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
+        })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn prepare_gpu(
+        _args: &StageArgs,
+        _chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
+    ) -> Result<Box<dyn StageCompute>, String> {
+        Err(crate::kernels::BackendError::NotBuilt.to_string())
     }
 
     fn local(&self, stage: usize) -> usize {
@@ -565,10 +635,16 @@ impl Worker {
         let (key, payload) = match msg {
             StageMsg::Tokens { phase, mb, tokens, .. } => (Key::Tokens(phase, mb), Payload::U32(tokens)),
             StageMsg::Targets { phase, mb, targets, .. } => (Key::Targets(phase, mb), Payload::U32(targets)),
-            StageMsg::Activation { phase, stage, mb, data, .. } => {
+            StageMsg::Activation { phase, step, stage, mb, data, sent } => {
+                if phase == Phase::Train {
+                    self.trace_recv(step, stage, stage - 1, mb, sent, "activation");
+                }
                 (Key::Act(phase, stage, mb), Payload::F32(data))
             }
-            StageMsg::Gradient { stage, mb, data, .. } => (Key::Grad(stage, mb), Payload::F32(data)),
+            StageMsg::Gradient { step, stage, mb, data, sent } => {
+                self.trace_recv(step, stage, stage + 1, mb, sent, "gradient");
+                (Key::Grad(stage, mb), Payload::F32(data))
+            }
             StageMsg::TiedShare { data, .. } => (Key::Tied, Payload::F32(data)),
             StageMsg::Reduced { stage, grads, .. } => (Key::Reduced(stage), Payload::Grads(grads)),
             StageMsg::Stop => return Err(Stopped),
@@ -644,8 +720,8 @@ impl Worker {
     }
 
     fn param_blob(&self, part: usize, k: usize, data: &[f32], keep: bool) -> Blob {
-        match self.parts.get(part).and_then(|p| p.params.get(k)) {
-            Some(p) => Blob::f32s(&p.name, data, keep),
+        match self.compute.param_name(part, k) {
+            Some(name) => Blob::f32s(&name, data, keep),
             None => Blob::f32s(&format!("tensor.{k}"), data, keep),
         }
     }
@@ -697,9 +773,7 @@ impl Worker {
             return;
         }
         let i = self.local(a.stage);
-        let live_mb =
-            self.saved.range((a.stage, 0)..(a.stage + 1, 0)).count() + self.parts[i].pending_weight_count();
-        let live = Some((live_mb, self.parts[i].live_bytes));
+        let live = Some(self.compute.live(i));
         let start = self.compute_start;
         self.rec.span(self.replica, self.rank, a.stage, name, self.step, Some(a.mb), start, None, live);
     }
@@ -709,6 +783,27 @@ impl Worker {
         if self.rec.enabled {
             self.rec.span(self.replica, self.rank, self.stages[0], name, self.step, None, start, None, None);
         }
+    }
+
+    /// A receive instant on `stage`: when `what` of microbatch `mb` from `from`
+    /// reached this stage, whether or not anything was waiting for it yet.
+    fn trace_recv(&mut self, step: u64, stage: usize, from: usize, mb: usize, arrived: Instant, what: &str) {
+        if !self.rec.enabled {
+            return;
+        }
+        let r = crate::trace::Record {
+            replica: self.replica,
+            stage,
+            rank: self.rank,
+            name: "recv".into(),
+            step,
+            mb: Some(mb),
+            start_us: self.rec.us_of(arrived),
+            detail: Some(format!("{what} from stage {from}")),
+            peer: Some(from),
+            ..Default::default()
+        };
+        self.rec.push(r);
     }
 
     fn wait_f32(&mut self, key: Key) -> Result<Vec<f32>, Stopped> {
@@ -742,16 +837,41 @@ impl Worker {
             };
             self.log_sent(&to, kind, mb, |keep| vec![Blob::f32s("data", data, keep)]);
         }
-        if rank == self.rank {
-            return self.file(msg);
-        }
-        match &self.links {
-            Links::Actors { peers, .. } => {
-                let peers = peers.get().expect("peers are set before the first step");
-                peers[rank].send_message(msg).map_err(|_| Stopped)
+        // Evaluation traffic has its "eval" spans; sends and receives are the step's.
+        let eval = matches!(msg, StageMsg::Activation { phase: Phase::Eval, .. });
+        let traced = (self.rec.enabled && !eval).then(|| (self.rec.now_us(), send_of(&msg)));
+        let sent = if rank == self.rank {
+            self.file(msg)
+        } else {
+            match &self.links {
+                Links::Actors { peers, .. } => {
+                    let peers = peers.get().expect("peers are set before the first step");
+                    peers[rank].send_message(msg).map_err(|_| Stopped)
+                }
+                Links::Detached { .. } => Ok(()),
             }
-            Links::Detached { .. } => Ok(()),
+        };
+        if let Some((start, (from, to, mb, what))) = traced {
+            let from = from.unwrap_or(self.stages[0]);
+            let end = self.rec.now_us();
+            self.rec.push(crate::trace::Record {
+                replica: self.replica,
+                stage: from,
+                rank: self.rank,
+                name: "send".into(),
+                step: self.step,
+                mb,
+                start_us: start,
+                dur_us: end - start,
+                detail: Some(match to {
+                    Some(t) => format!("{what} to stage {t}"),
+                    None => format!("{what} to rank {rank}"),
+                }),
+                peer: to,
+                ..Default::default()
+            });
         }
+        sent
     }
 
     /// Returns false when the worker should exit.
@@ -768,12 +888,7 @@ impl Worker {
                 assert_eq!(step, self.step);
                 let t = self.rec.now_us();
                 if !skip {
-                    let (parts, adam, hyper) = (&mut self.parts, &mut self.adam, self.hyper);
-                    self.pool.install(|| {
-                        for (part, st) in parts.iter_mut().zip(adam.iter_mut()) {
-                            st.step(part, hyper, lr, clip);
-                        }
-                    });
+                    self.compute.adamw(self.hyper, lr, clip);
                 }
                 self.trace_rank("optimizer", t);
                 self.log_params();
@@ -781,9 +896,13 @@ impl Worker {
             }
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
             StageMsg::SendWeights => {
-                let params: Vec<Param> = self.parts.iter().flat_map(|p| p.params.iter().cloned()).collect();
+                // Replica 0's weights stand for all: the others only report their trace.
+                let params = match self.replica {
+                    0 => self.compute.params(),
+                    _ => vec![],
+                };
                 let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
-                let peak_live_bytes = self.parts.iter().map(|p| p.peak_live_bytes).sum();
+                let peak_live_bytes = self.compute.peak_live_bytes();
                 let trace = std::mem::take(&mut self.rec.records);
                 let msg = CoordinatorMsg::Weights {
                     rank: self.rank,
@@ -805,33 +924,13 @@ impl Worker {
             }
             StageMsg::Snapshot { step } => {
                 let t = self.rec.now_us();
-                let mut tensors = Vec::new();
-                for (part, st) in self.parts.iter().zip(&self.adam) {
-                    for (i, p) in part.params.iter().enumerate() {
-                        tensors.push(crate::checkpoint::TensorState {
-                            name: p.name.clone(),
-                            shape: p.shape.clone(),
-                            data: p.data.clone(),
-                            exp_avg: st.m[i].clone(),
-                            exp_avg_sq: st.v[i].clone(),
-                        });
-                    }
-                }
-                let adam_step = self.adam.first().map_or(0, |a| a.t);
+                let (tensors, adam_step) = self.compute.snapshot();
                 self.trace_rank("checkpoint", t);
                 self.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
             }
             StageMsg::Restore(c) => {
-                for (part, st) in self.parts.iter_mut().zip(self.adam.iter_mut()) {
-                    if let Err(e) = c.weights.assign(part) {
-                        panic!("rollback to {}: {e}", c.dir.display());
-                    }
-                    st.t = c.state.adam_step;
-                    for (i, p) in part.params.iter().enumerate() {
-                        let (m, v) = &c.moments[&p.name];
-                        st.m[i].copy_from_slice(m);
-                        st.v[i].copy_from_slice(v);
-                    }
+                if let Err(e) = self.compute.restore(&c) {
+                    panic!("{e}");
                 }
                 self.log_params();
                 self.report(CoordinatorMsg::Restored { rank: self.rank, replica: self.replica });
@@ -917,16 +1016,15 @@ impl Worker {
     fn log_params(&mut self) {
         if let Some(log) = &mut self.log {
             let keep = log.payloads();
-            let blobs = self.parts.iter().flat_map(|p| &p.params).map(|p| Blob::f32s(&p.name, &p.data, keep));
-            log.state(blobs.collect());
+            let mut blobs = Vec::new();
+            self.compute.visit_params(&mut |_, name, data| blobs.push(Blob::f32s(name, data, keep)));
+            log.state(blobs);
         }
     }
 
     fn run_step(&mut self, step: u64, loss_scale: f32) -> Result<(), Stopped> {
         self.step = step;
-        for p in &mut self.parts {
-            p.zero_grads();
-        }
+        self.compute.zero_grads();
         let last = self.layout.last_stage();
         let mut loss_sum = 0.0f64;
         let actions = std::mem::take(&mut self.actions);
@@ -940,6 +1038,14 @@ impl Worker {
                     ActionKind::I => "I",
                     ActionKind::W => "W",
                 };
+                let i = self.local(a.stage);
+                let sim = self.sim.as_mut().expect("sim backend");
+                match a.kind {
+                    ActionKind::F => sim.live[i] += 1,
+                    ActionKind::B | ActionKind::W => sim.live[i] -= 1,
+                    ActionKind::I => {}
+                }
+                let live = Some((sim.live[i], sim.live[i] * SIM_PAYLOAD_BYTES));
                 if self.rec.enabled {
                     let start = self.compute_start;
                     self.rec.span(
@@ -951,7 +1057,7 @@ impl Worker {
                         Some(a.mb),
                         start,
                         None,
-                        None,
+                        live,
                     );
                 }
                 continue;
@@ -994,13 +1100,12 @@ impl Worker {
         }
         if self.stages.contains(&last) && self.sim.is_none() && inf_fault(step) {
             let i = self.local(last);
-            self.parts[i].params[0].grad[0] = f32::INFINITY;
+            self.compute.poison_grad(i, f32::INFINITY);
         }
         let mut sumsq = Vec::new();
-        if self.replica == 0 {
-            for part in &self.parts {
-                let norms = &mut self.norms;
-                self.pool.install(|| optim::grad_sum_squares(part, norms));
+        if self.replica == 0 && self.sim.is_none() {
+            for i in 0..self.stages.len() {
+                self.compute.grad_sum_squares(i, &mut self.norms);
                 sumsq.extend_from_slice(&self.norms);
             }
         }
@@ -1079,6 +1184,13 @@ impl Worker {
         argmax: Option<&mut [u32]>,
     ) -> Result<Option<f64>, Stopped> {
         if phase == Phase::Train && self.fault == Some((stage, self.step, mb)) && fault_fires() {
+            if std::env::var("PIPEWRIGHT_FAULT").is_ok_and(|v| v.contains("kind=error")) {
+                let action = self.current.map(|a| a.to_string());
+                let error =
+                    format!("injected error (PIPEWRIGHT_FAULT) in F of stage {stage}, microbatch {mb}");
+                self.links.fail(Failure::new(self.rank, self.replica, self.step, action, error));
+                return Err(Stopped);
+            }
             panic!("injected fault (PIPEWRIGHT_FAULT) in F of stage {stage}, microbatch {mb}");
         }
         let last = self.layout.last_stage();
@@ -1087,18 +1199,12 @@ impl Worker {
         let targets = if stage == last { Some(self.wait_u32(Key::Targets(phase, mb))?) } else { None };
         self.compute_start = self.rec.now_us();
         let i = self.local(stage);
-        let part = &mut self.parts[i];
-        let out = self.pool.install(|| {
-            let input = match (&tokens, act) {
-                (Some(t), _) => PartInput::Tokens(t),
-                (None, Some(a)) => PartInput::Activation(a),
-                _ => unreachable!(),
-            };
-            part.forward_with(input, targets.as_deref(), mode, argmax)
-        });
-        if let Some(acts) = out.acts {
-            self.saved.insert((stage, mb), acts);
-        }
+        let input = match (&tokens, act) {
+            (Some(t), _) => ChunkInput::Tokens(t),
+            (None, Some(a)) => ChunkInput::Activation(a),
+            _ => unreachable!("F has tokens or an activation"),
+        };
+        let out = self.compute.forward(i, mb, input, targets.as_deref(), mode, argmax);
         if let Some(y) = out.output {
             let msg = StageMsg::Activation {
                 phase,
@@ -1117,24 +1223,13 @@ impl Worker {
         let last = self.layout.last_stage();
         let i = self.local(stage);
         self.compute_start = self.rec.now_us();
-        let nondet = self.nondet;
         if which == BackwardPart::Weight {
-            let part = &mut self.parts[i];
-            self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
+            self.compute.backward(i, mb, which, None);
             return Ok(());
         }
         let dout = if stage < last { Some(self.wait_f32(Key::Grad(stage, mb))?) } else { None };
         self.compute_start = self.rec.now_us();
-        let acts = self.saved.remove(&(stage, mb)).expect("F ran before B");
-        let part = &mut self.parts[i];
-        let dinp = self.pool.install(|| {
-            with_random_order(nondet, || match which {
-                BackwardPart::Full => part.backward(acts, dout),
-                BackwardPart::Input => part.backward_input(acts, dout, mb),
-                BackwardPart::Weight => unreachable!(),
-            })
-        });
-        if let Some(g) = dinp {
+        if let Some(g) = self.compute.backward(i, mb, which, dout) {
             let msg =
                 StageMsg::Gradient { step: self.step, stage: stage - 1, mb, data: g, sent: Instant::now() };
             self.send_to_stage(stage - 1, msg)?;
@@ -1148,32 +1243,32 @@ impl Worker {
         let last = self.layout.last_stage();
         let (first_here, last_here) = (self.stages.contains(&0), self.stages.contains(&last));
         if last == 0 {
-            self.parts[0].combine_tied_grads(None);
+            self.compute.combine_tied(0, None);
             return Ok(());
         }
         if first_here && last_here {
             let (a, b) = (self.local(0), self.local(last));
-            let embed = self.parts[a].params[0].grad.clone();
-            let head = self.parts[b].wte_head_grad.clone();
-            self.parts[a].combine_tied_grads(Some(&head));
-            self.parts[b].combine_tied_grads(Some(&embed));
+            let embed = self.compute.tied_share(a);
+            let head = self.compute.tied_share(b);
+            self.compute.combine_tied(a, Some(&head));
+            self.compute.combine_tied(b, Some(&embed));
             return Ok(());
         }
         if first_here {
-            let share = self.parts[self.local(0)].params[0].grad.clone();
+            let share = self.compute.tied_share(self.local(0));
             let to = self.layout.rank_of(last);
             self.send_to_rank(to, StageMsg::TiedShare { step: self.step, data: share })?;
             let head = self.wait_f32(Key::Tied)?;
             let i = self.local(0);
-            self.parts[i].combine_tied_grads(Some(&head));
+            self.compute.combine_tied(i, Some(&head));
         }
         if last_here {
-            let share = self.parts[self.local(last)].wte_head_grad.clone();
+            let share = self.compute.tied_share(self.local(last));
             let to = self.layout.rank_of(0);
             self.send_to_rank(to, StageMsg::TiedShare { step: self.step, data: share })?;
             let embed = self.wait_f32(Key::Tied)?;
             let i = self.local(last);
-            self.parts[i].combine_tied_grads(Some(&embed));
+            self.compute.combine_tied(i, Some(&embed));
         }
         Ok(())
     }
@@ -1182,8 +1277,7 @@ impl Worker {
     fn reduce_over_replicas(&mut self) -> Result<(), Stopped> {
         for i in 0..self.stages.len() {
             let stage = self.stages[i];
-            let grads: Vec<Vec<f32>> =
-                self.parts[i].params.iter_mut().map(|p| std::mem::take(&mut p.grad)).collect();
+            let grads = self.compute.take_grads(i);
             if self.log.is_some() {
                 let keep = self.log.as_ref().is_some_and(|l| l.payloads());
                 let b = self.grad_blobs(stage, &grads, keep);
@@ -1205,9 +1299,7 @@ impl Worker {
                 Payload::Grads(g) => g,
                 _ => unreachable!(),
             };
-            for (p, g) in self.parts[i].params.iter_mut().zip(grads) {
-                p.grad = g;
-            }
+            self.compute.set_grads(i, grads);
         }
         Ok(())
     }
@@ -1217,7 +1309,7 @@ impl Worker {
         self.step = step;
         let last = self.layout.last_stage();
         let want_argmax = kind == EvalKind::ExactMatch && self.stages.contains(&last);
-        let n = self.parts[0].b * self.gpt.block_size;
+        let n = self.compute.micro_batch() * self.gpt.block_size;
         let mut predictions = Vec::with_capacity(if want_argmax { batches * n } else { 0 });
         let mut argmax = vec![0u32; if want_argmax { n } else { 0 }];
         let mut loss_sum = 0.0;
@@ -1260,11 +1352,4 @@ pub fn eval_kind_name(k: EvalKind) -> &'static str {
         EvalKind::Val => "val",
         EvalKind::ExactMatch => "exact_match",
     }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum BackwardPart {
-    Full,
-    Input,
-    Weight,
 }

@@ -5,14 +5,17 @@
 //! `DIR/checkpoints/step_00000100/` holds `model.safetensors` (Hugging Face
 //! GPT-2 names), `optimizer.safetensors` (each tensor's AdamW moments as
 //! `NAME.exp_avg` and `NAME.exp_avg_sq`, PyTorch's names) and `state.json`
-//! (step, tokens, AdamW step count, the resolved config and its hash, and a
-//! blake3 digest of each file). It is written as `step_….tmp/`, every file
-//! fsync'd, then renamed and the parent fsync'd. The data position and every
-//! random stream are functions of (seed, step), so the step is the whole cursor.
+//! ([`StateFile`]: step, tokens, data cursors, RNG, LR-schedule position, loss
+//! scaler, the resolved config and its hash, and a blake3 digest of each file).
+//! It is written as `step_….tmp/`, every file fsync'd, then renamed and the
+//! parent fsync'd. Replacing a checkpoint of the same step goes through
+//! `step_….old/`, so a complete copy exists under one of the two names at
+//! every moment; [`list`] knows both.
 
 use crate::model::io::{self, LoadedWeights, WeightsError};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub const FORMAT_VERSION: u32 = 1;
@@ -27,6 +30,8 @@ pub struct TensorState {
     pub exp_avg_sq: Vec<f32>,
 }
 
+/// `state.json`. Fields added after format 1 first shipped default when
+/// absent, so older checkpoints still load.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct StateFile {
     pub format_version: u32,
@@ -34,14 +39,20 @@ pub struct StateFile {
     pub step: u64,
     /// AdamW's bias-correction count (steps whose update was not skipped).
     pub adam_step: u64,
+    /// Tokens trained on so far, summed over every segment of the run (a
+    /// segment resumed with another global batch adds its own per step).
     pub tokens: u64,
     pub skipped_steps: usize,
-    /// Next global sequence number each replica's sampler reads, for inspection
-    /// (it is a function of step and the layout's batch size).
+    /// Training sequences the replicas have consumed together: the global
+    /// sampler position the next step starts from.
     pub data_cursor: u64,
-    pub seed: u64,
-    /// Learning rate of the next step.
-    pub next_lr: f64,
+    /// The sampler sequence number each replica reads next, by replica.
+    #[serde(default)]
+    pub data_cursors: Vec<u64>,
+    #[serde(default)]
+    pub rng: RngState,
+    #[serde(default)]
+    pub lr_schedule: LrPosition,
     pub config: String,
     pub config_hash: String,
     /// blake3 of each file in the directory, by file name.
@@ -51,10 +62,45 @@ pub struct StateFile {
     pub loss_scaler: Option<crate::optim::scaler::LossScaler>,
 }
 
+/// The random generator's state. Generators are counter-based: every stream is
+/// a pure function of (seed, purpose, ids) and a position derived from the step
+/// (see `crate::rng`), so the seed and the step are all there is to restore.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RngState {
+    pub seed: u64,
+    /// The step the next draws are keyed by.
+    pub step: u64,
+    pub note: String,
+}
+
+pub const RNG_NOTE: &str = "counter-based: every stream is a function of (seed, purpose, ids) \
+     — init by tensor name, shuffle by epoch, data by window — so (seed, step) is the whole state";
+
+/// Where the learning-rate schedule stands.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct LrPosition {
+    /// "cosine", "wsd" or "constant".
+    pub kind: String,
+    /// The 0-based step whose learning rate comes next.
+    pub step: u64,
+    pub warmup_steps: u64,
+    /// The rate decays from `lr` to `min_lr` over steps `decay_start..=decay_end`
+    /// (equal for "constant": no decay).
+    pub decay_start: u64,
+    pub decay_end: u64,
+    pub lr: f64,
+    pub min_lr: f64,
+    /// The learning rate of `step`, cooldown included.
+    pub next_lr: f64,
+    /// After a rollback the rate is scaled by `cooldown_factor` before this step.
+    pub cooldown_until: u64,
+    pub cooldown_factor: f64,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: {reason}")]
     Invalid { path: PathBuf, reason: String },
     #[error(transparent)]
@@ -62,7 +108,7 @@ pub enum CheckpointError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.to_path_buf(), source }
+    move |error| CheckpointError::Io { path: path.to_path_buf(), error }
 }
 
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
@@ -73,16 +119,43 @@ pub fn step_dir_name(step: u64) -> String {
     format!("step_{step:08}")
 }
 
-fn digest_file(path: &Path) -> Result<String, CheckpointError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
-    Ok(blake3::hash(&bytes).to_hex().to_string())
+/// Steps whose checkpoint this process is writing: a failing run waits for
+/// them (a whole checkpoint is worth the wait) and names them if they hang.
+static WRITING: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+
+pub fn writes_in_flight() -> Vec<u64> {
+    WRITING.lock().map(|w| w.clone()).unwrap_or_default()
+}
+
+/// Marks the write of one step as in flight until dropped.
+struct Writing(u64);
+
+impl Writing {
+    fn start(step: u64) -> Writing {
+        if let Ok(mut w) = WRITING.lock() {
+            w.push(step);
+        }
+        Writing(step)
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        if let Ok(mut w) = WRITING.lock() {
+            if let Some(i) = w.iter().position(|&s| s == self.0) {
+                w.swap_remove(i);
+            }
+        }
+    }
 }
 
 fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
 }
 
-/// Writes a checkpoint atomically and applies the retention rule. Returns its directory.
+/// Writes a checkpoint atomically and applies the retention rule. Returns its
+/// directory. On failure the partial `.tmp` is removed and nothing else is
+/// touched.
 pub fn save(
     run_dir: &Path,
     tensors: &[TensorState],
@@ -90,15 +163,44 @@ pub fn save(
     keep: usize,
     keep_every: u64,
 ) -> Result<PathBuf, CheckpointError> {
+    let _writing = Writing::start(state.step);
     let root = checkpoints_dir(run_dir);
     std::fs::create_dir_all(&root).map_err(io_err(&root))?;
-    let final_dir = root.join(step_dir_name(state.step));
-    let tmp = root.join(format!("{}.tmp", step_dir_name(state.step)));
+    let name = step_dir_name(state.step);
+    let final_dir = root.join(&name);
+    let tmp = root.join(format!("{name}.tmp"));
+    let old = root.join(format!("{name}.old"));
+    // Only a whole checkpoint is ever renamed, so a `.tmp` is always a cut-short one.
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
-    std::fs::create_dir(&tmp).map_err(io_err(&tmp))?;
+    if let Err(e) = write_files(&tmp, tensors, &mut state) {
+        // A partial write only holds disk space (maybe the very space that ran out).
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if old.exists() && final_dir.exists() {
+        // A crash after the new copy was renamed into place: `.old` is the stale one.
+        std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+    }
+    // A checkpoint of this step exists (a resumed run reached it again, or a
+    // crash mid-replace left it as `.old`): it stays until the new one is in place.
+    if final_dir.exists() {
+        std::fs::rename(&final_dir, &old).map_err(io_err(&final_dir))?;
+    }
+    std::fs::rename(&tmp, &final_dir).map_err(io_err(&tmp))?;
+    fsync_dir(&root)?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+    }
+    remove_leftovers(&root)?;
+    retain(&root, keep, keep_every)?;
+    Ok(final_dir)
+}
 
+/// The files of a checkpoint into `tmp`, each fsync'd, `state.json` last.
+fn write_files(tmp: &Path, tensors: &[TensorState], state: &mut StateFile) -> Result<(), CheckpointError> {
+    std::fs::create_dir(tmp).map_err(io_err(tmp))?;
     let model: BTreeMap<String, (&[usize], &[f32])> =
         tensors.iter().map(|t| (t.name.clone(), (t.shape.as_slice(), t.data.as_slice()))).collect();
     let mut optim: BTreeMap<String, (&[usize], &[f32])> = BTreeMap::new();
@@ -106,47 +208,67 @@ pub fn save(
         optim.insert(format!("{}.exp_avg", t.name), (t.shape.as_slice(), t.exp_avg.as_slice()));
         optim.insert(format!("{}.exp_avg_sq", t.name), (t.shape.as_slice(), t.exp_avg_sq.as_slice()));
     }
-    if fault_disk_full(state.step) {
-        let p = tmp.join("model.safetensors");
-        return Err(CheckpointError::Io { path: p, source: std::io::Error::from_raw_os_error(28) });
-    }
     let mut meta = HashMap::new();
     meta.insert(crate::inspect::CONFIG_METADATA_KEY.to_string(), state.config.clone());
     meta.insert("format".to_string(), "pt".to_string());
-    for (file, map) in [("model.safetensors", &model), ("optimizer.safetensors", &optim)] {
+    let disk_full = fault_disk_full(state.step);
+    for (i, (file, map)) in
+        [("model.safetensors", &model), ("optimizer.safetensors", &optim)].into_iter().enumerate()
+    {
         let p = tmp.join(file);
-        io::save(&p, map, meta.clone())?;
-        state.digests.insert(file.to_string(), digest_file(&p)?);
+        let bytes = io::to_safetensors(&p, map, meta.clone())?;
+        // The simulated full disk strikes halfway through the second file.
+        let fill = (disk_full && i == 1).then_some(bytes.len() / 2);
+        write_file(&p, &bytes, fill)?;
+        state.digests.insert(file.to_string(), blake3::hash(&bytes).to_hex().to_string());
+        if i == 0 {
+            write_delay();
+        }
     }
     let p = tmp.join("state.json");
-    let json = serde_json::to_string_pretty(&state).expect("state serializes");
-    io::write_atomic(&p, json.as_bytes()).map_err(io_err(&p))?;
-    fsync_dir(&tmp)?;
-    if final_dir.exists() {
-        // A checkpoint of this step exists (a resumed run reached it again):
-        // the new one is the same state; replace it only once the new one is whole.
-        let old = root.join(format!("{}.old", step_dir_name(state.step)));
-        std::fs::rename(&final_dir, &old).map_err(io_err(&final_dir))?;
-        std::fs::rename(&tmp, &final_dir).map_err(io_err(&tmp))?;
-        std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
-    } else {
-        std::fs::rename(&tmp, &final_dir).map_err(io_err(&tmp))?;
+    let json = serde_json::to_string_pretty(state).expect("state serializes");
+    write_file(&p, json.as_bytes(), None)?;
+    fsync_dir(tmp)
+}
+
+/// Creates `path` with `bytes`, fsync'd. With `fill`, only that many bytes
+/// are written and the write fails as a full disk does.
+fn write_file(path: &Path, bytes: &[u8], fill: Option<usize>) -> Result<(), CheckpointError> {
+    let mut f = std::fs::File::create(path).map_err(io_err(path))?;
+    let n = fill.unwrap_or(bytes.len());
+    f.write_all(&bytes[..n]).and_then(|_| f.sync_all()).map_err(io_err(path))?;
+    if fill.is_some() {
+        return Err(CheckpointError::Io {
+            path: path.to_path_buf(),
+            error: std::io::Error::from_raw_os_error(28),
+        });
     }
-    fsync_dir(&root)?;
-    retain(&root, keep, keep_every)?;
-    Ok(final_dir)
+    Ok(())
 }
 
 /// `PIPEWRIGHT_FAULT_DISK_FULL=N`: the checkpoint of step N fails as if the
-/// disk were full (ENOSPC) — how tests check that nothing saved before is lost.
+/// disk filled up halfway through writing it — how tests check that a partial
+/// write is cleaned up and nothing saved before is lost.
 fn fault_disk_full(step: u64) -> bool {
     std::env::var("PIPEWRIGHT_FAULT_DISK_FULL").ok().and_then(|v| v.trim().parse::<u64>().ok()) == Some(step)
 }
 
-/// Complete checkpoints by step (ascending), and incomplete directories.
+/// `PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS=N`: a pause between the files of a
+/// checkpoint, a slow disk stand-in, so a test's kills can land mid-write.
+fn write_delay() {
+    let ms = std::env::var("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS").ok().and_then(|v| v.trim().parse().ok());
+    if let Some(ms) = ms {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// Complete checkpoints by step (ascending), and other `step_…` entries.
 pub type Listing = (Vec<(u64, PathBuf)>, Vec<PathBuf>);
 
-/// Complete checkpoints under `root`, by step, ascending.
+/// Complete checkpoints under `root`, by step, ascending, and the directories
+/// that are not (cut-short `.tmp`s, damaged ones set aside, a `.old` whose
+/// replacement is in place). A `.old` with no checkpoint of its step beside it
+/// is one that a crash caught mid-replace: it is the step's complete copy.
 pub fn list(root: &Path) -> Result<Listing, CheckpointError> {
     let mut done = Vec::new();
     let mut incomplete = Vec::new();
@@ -155,15 +277,33 @@ pub fn list(root: &Path) -> Result<Listing, CheckpointError> {
         let e = e.map_err(io_err(root))?;
         let name = e.file_name().to_string_lossy().to_string();
         let Some(rest) = name.strip_prefix("step_") else { continue };
-        match rest.parse::<u64>() {
-            Ok(step) if e.path().join("state.json").exists() => done.push((step, e.path())),
-            Ok(_) => incomplete.push(e.path()),
-            Err(_) => incomplete.push(e.path()),
+        let whole = e.path().join("state.json").exists();
+        let (digits, suffix) = rest.split_once('.').unwrap_or((rest, ""));
+        match (digits.parse::<u64>(), suffix) {
+            (Ok(step), "") if whole => done.push((step, e.path())),
+            (Ok(step), "old") if whole && !root.join(step_dir_name(step)).exists() => {
+                done.push((step, e.path()))
+            }
+            _ => incomplete.push(e.path()),
         }
     }
     done.sort();
     incomplete.sort();
     Ok((done, incomplete))
+}
+
+/// Removes what a killed save leaves behind: `.tmp`s (the checkpointer writes
+/// one checkpoint at a time, so none is still being written), `.old`s whose
+/// replacement is in place, and retired checkpoints caught mid-delete.
+fn remove_leftovers(root: &Path) -> Result<(), CheckpointError> {
+    let (_, other) = list(root)?;
+    for p in other {
+        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        if [".tmp", ".old", ".retired"].iter().any(|s| name.ends_with(s)) {
+            std::fs::remove_dir_all(&p).map_err(io_err(&p))?;
+        }
+    }
+    Ok(())
 }
 
 /// Keeps the newest `keep` checkpoints and every one whose step is a multiple
@@ -175,10 +315,47 @@ fn retain(root: &Path, keep: usize, keep_every: u64) -> Result<(), CheckpointErr
         let newest = i + keep >= n;
         let forever = keep_every > 0 && step % keep_every == 0;
         if !newest && !forever {
-            std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
+            // Renamed first: a kill mid-delete must not leave a checkpoint name
+            // on a directory missing some of its files.
+            let mut retired = path.as_os_str().to_owned();
+            retired.push(".retired");
+            std::fs::rename(&path, &retired).map_err(io_err(&path))?;
+            std::fs::remove_dir_all(&retired).map_err(io_err(Path::new(&retired)))?;
         }
     }
     Ok(())
+}
+
+/// Checkpoints that failed to verify, each with the reason.
+pub type Damaged = Vec<(PathBuf, CheckpointError)>;
+
+/// The newest complete checkpoint under `root` that verifies, and each newer
+/// one that did not. Nothing is modified.
+pub fn newest_verified(root: &Path) -> Result<(Option<Loaded>, Damaged), CheckpointError> {
+    let (done, _) = list(root)?;
+    let mut damaged = Vec::new();
+    for (_, dir) in done.iter().rev() {
+        match load(dir) {
+            Ok(l) => return Ok((Some(l), damaged)),
+            Err(e) => damaged.push((dir.clone(), e)),
+        }
+    }
+    Ok((None, damaged))
+}
+
+/// Renames a damaged checkpoint to `….damaged` so no later save of its step
+/// replaces it: it stays for inspection, never deleted. Returns the new name.
+pub fn set_aside(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    let mut to = dir.as_os_str().to_owned();
+    to.push(".damaged");
+    let mut to = PathBuf::from(to);
+    let mut n = 1;
+    while to.exists() {
+        n += 1;
+        to = PathBuf::from(format!("{}.damaged.{n}", dir.display()));
+    }
+    std::fs::rename(dir, &to).map_err(io_err(dir))?;
+    Ok(to)
 }
 
 /// A checkpoint read back and verified.
@@ -254,4 +431,125 @@ pub fn load_with(
         moments.insert(name.clone(), (get("exp_avg")?, get("exp_avg_sq")?));
     }
     Ok(Loaded { dir: dir.to_path_buf(), state, weights, moments })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensors(x: f32) -> Vec<TensorState> {
+        vec![TensorState {
+            name: "wpe.weight".into(),
+            shape: vec![2, 3],
+            data: vec![x; 6],
+            exp_avg: vec![0.5; 6],
+            exp_avg_sq: vec![0.25; 6],
+        }]
+    }
+
+    fn state(step: u64) -> StateFile {
+        StateFile {
+            format_version: FORMAT_VERSION,
+            step,
+            adam_step: step,
+            tokens: 64 * step,
+            skipped_steps: 0,
+            data_cursor: 4 * step,
+            data_cursors: vec![4 * step],
+            rng: RngState { seed: 1, step, note: RNG_NOTE.into() },
+            lr_schedule: LrPosition::default(),
+            config: String::new(),
+            config_hash: String::new(),
+            digests: BTreeMap::new(),
+            loss_scaler: None,
+        }
+    }
+
+    fn steps(root: &Path) -> Vec<u64> {
+        list(root).unwrap().0.into_iter().map(|(s, _)| s).collect()
+    }
+
+    fn names(root: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn retention_keeps_the_newest_and_every_multiple_of_keep_every_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in 1..=10 {
+            save(dir.path(), &tensors(step as f32), state(step), 2, 4).unwrap();
+        }
+        let root = checkpoints_dir(dir.path());
+        assert_eq!(steps(&root), [4, 8, 9, 10]);
+        assert_eq!(names(&root), ["step_00000004", "step_00000008", "step_00000009", "step_00000010"]);
+        for step in 11..=13 {
+            save(dir.path(), &tensors(step as f32), state(step), 3, 0).unwrap();
+        }
+        // keep_every = 0 keeps nothing for good: only the newest three remain.
+        assert_eq!(steps(&root), [11, 12, 13]);
+    }
+
+    #[test]
+    fn a_crash_between_the_renames_leaves_a_complete_old_that_is_listed_loaded_and_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = checkpoints_dir(dir.path());
+        save(dir.path(), &tensors(1.0), state(2), 2, 0).unwrap();
+        save(dir.path(), &tensors(2.0), state(4), 2, 0).unwrap();
+        // The first rename of a replace of step 4 happened, the second did not.
+        std::fs::rename(root.join("step_00000004"), root.join("step_00000004.old")).unwrap();
+        let (done, _) = list(&root).unwrap();
+        assert_eq!(done.last().unwrap(), &(4, root.join("step_00000004.old")));
+        let loaded = load(&done.last().unwrap().1).unwrap();
+        assert_eq!(loaded.weights.tensors["wpe.weight"].1, vec![2.0; 6]);
+        // The resumed run reaches step 4 again: the save succeeds and the `.old` goes only then.
+        save(dir.path(), &tensors(3.0), state(4), 2, 0).unwrap();
+        assert_eq!(names(&root), ["step_00000002", "step_00000004"]);
+        assert_eq!(load(&root.join("step_00000004")).unwrap().weights.tensors["wpe.weight"].1, vec![3.0; 6]);
+    }
+
+    #[test]
+    fn a_stale_old_beside_its_replacement_and_a_stale_tmp_do_not_block_a_save() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = checkpoints_dir(dir.path());
+        save(dir.path(), &tensors(1.0), state(4), 2, 0).unwrap();
+        // A crash after the second rename: `.old` and the new copy side by side,
+        // and a cut-short `.tmp` of the same step and of another.
+        save(dir.path(), &tensors(9.0), state(3), 2, 0).unwrap();
+        std::fs::rename(root.join("step_00000003"), root.join("step_00000004.old")).unwrap();
+        std::fs::create_dir(root.join("step_00000004.tmp")).unwrap();
+        std::fs::write(root.join("step_00000004.tmp/model.safetensors"), b"partial").unwrap();
+        std::fs::create_dir(root.join("step_00000006.tmp")).unwrap();
+        assert_eq!(
+            list(&root).unwrap().0,
+            [(4, root.join("step_00000004"))],
+            "the .old is not the step's copy"
+        );
+        save(dir.path(), &tensors(2.0), state(4), 2, 0).unwrap();
+        assert_eq!(names(&root), ["step_00000004"]);
+        assert_eq!(load(&root.join("step_00000004")).unwrap().weights.tensors["wpe.weight"].1, vec![2.0; 6]);
+    }
+
+    #[test]
+    fn a_damaged_newest_checkpoint_falls_back_to_the_older_one_and_is_set_aside_not_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = checkpoints_dir(dir.path());
+        save(dir.path(), &tensors(1.0), state(2), 2, 0).unwrap();
+        save(dir.path(), &tensors(2.0), state(4), 2, 0).unwrap();
+        std::fs::write(root.join("step_00000004/model.safetensors"), b"junk").unwrap();
+        let (loaded, damaged) = newest_verified(&root).unwrap();
+        assert_eq!(loaded.unwrap().state.step, 2);
+        assert_eq!(damaged.len(), 1);
+        assert!(damaged[0].1.to_string().contains("step_00000004/model.safetensors"), "{}", damaged[0].1);
+        let kept = set_aside(&damaged[0].0).unwrap();
+        assert_eq!(kept, root.join("step_00000004.damaged"));
+        // A later save of step 4 leaves the damaged copy alone.
+        save(dir.path(), &tensors(3.0), state(4), 2, 0).unwrap();
+        assert!(kept.join("model.safetensors").exists());
+        assert_eq!(steps(&root), [2, 4]);
+    }
 }

@@ -26,8 +26,10 @@ const CHUNK: usize = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
+    // No #[from]: it would make the io::Error this error's source as well, and
+    // `{:#}` would print the OS message twice.
     #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     #[error("bad magic {0:02x?} (not a pipewright data link, or out of step)")]
     Magic([u8; 4]),
     #[error("header of {0} bytes exceeds the cap of {MAX_HEADER}")]
@@ -42,6 +44,12 @@ pub enum FrameError {
     Lengths { need: u64, have: u64 },
     #[error("the stream ended inside a frame")]
     Truncated,
+}
+
+impl From<std::io::Error> for FrameError {
+    fn from(e: std::io::Error) -> Self {
+        FrameError::Io(e)
+    }
 }
 
 /// Element type of one array in the payload.
@@ -160,6 +168,11 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, FrameError> {
     while got < PREFIX {
         match r.read(&mut prefix[got..]) {
             Ok(0) if got == 0 => return Ok(None),
+            // A short answer that is not ours (a TLS alert, say) says more by
+            // its first bytes than by being short.
+            Ok(0) if got >= 4 && prefix[..4] != MAGIC => {
+                return Err(FrameError::Magic(prefix[..4].try_into().expect("4 bytes")))
+            }
             Ok(0) => return Err(FrameError::Truncated),
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}

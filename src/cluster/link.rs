@@ -1,5 +1,6 @@
-//! One data link: a TCP stream between two processes of a run, opened with a
-//! mutual cookie proof, then read by one thread and written by another.
+//! One data link: a TCP stream between two processes of a run, optionally
+//! under mutual TLS, opened with a mutual cookie proof, then read by one
+//! thread and written by another.
 //!
 //! The handshake proves both ends hold the cookie without sending it: each
 //! side answers the other's random nonce with a keyed BLAKE3 MAC. Handshake
@@ -8,6 +9,7 @@
 //! closes the link and is reported with the peer's address.
 
 use super::frame::{read_frame, write_frame, Frame, FrameError};
+use super::tls::{self, Tls};
 use super::wire::Kind;
 use crossbeam_channel::{Receiver, Sender};
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -15,18 +17,20 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
-    #[error("{peer}: {source}")]
-    Frame { peer: SocketAddr, source: FrameError },
+    #[error("{peer}: {error}")]
+    Frame { peer: SocketAddr, error: FrameError },
     #[error("{peer}: refused: {reason}")]
     Refused { peer: SocketAddr, reason: String },
     #[error("{peer}: handshake: {what}")]
     Protocol { peer: SocketAddr, what: String },
-    #[error("{peer}: {source}")]
-    Io { peer: SocketAddr, source: std::io::Error },
+    #[error("{peer}: {error}")]
+    Io { peer: SocketAddr, error: std::io::Error },
+    #[error("{peer}: TLS: {why}")]
+    Tls { peer: SocketAddr, why: String },
 }
 
 /// The shared secret. Never printed: `Debug` shows nothing of it.
@@ -46,8 +50,8 @@ impl std::fmt::Debug for Cookie {
 pub enum CookieError {
     #[error("no cookie: set PIPEWRIGHT_COOKIE_FILE (a file only you can read) or PIPEWRIGHT_COOKIE")]
     Missing,
-    #[error("PIPEWRIGHT_COOKIE_FILE={path}: {source}")]
-    File { path: String, source: std::io::Error },
+    #[error("PIPEWRIGHT_COOKIE_FILE={path}: {error}")]
+    File { path: String, error: std::io::Error },
     #[error("PIPEWRIGHT_COOKIE_FILE={0}: readable by group or others (chmod 600 it)")]
     Permissions(String),
     #[error("the cookie is empty")]
@@ -69,14 +73,14 @@ impl Cookie {
     pub fn from_env() -> Result<Cookie, CookieError> {
         if let Some(path) = std::env::var_os("PIPEWRIGHT_COOKIE_FILE") {
             let shown = path.to_string_lossy().to_string();
-            let meta = std::fs::metadata(&path)
-                .map_err(|source| CookieError::File { path: shown.clone(), source })?;
+            let meta =
+                std::fs::metadata(&path).map_err(|error| CookieError::File { path: shown.clone(), error })?;
             use std::os::unix::fs::PermissionsExt;
             if meta.permissions().mode() & 0o077 != 0 {
                 return Err(CookieError::Permissions(shown));
             }
             let text =
-                std::fs::read_to_string(&path).map_err(|source| CookieError::File { path: shown, source })?;
+                std::fs::read_to_string(&path).map_err(|error| CookieError::File { path: shown, error })?;
             return Cookie::new(&text);
         }
         match std::env::var("PIPEWRIGHT_COOKIE") {
@@ -116,34 +120,94 @@ pub fn random_bytes() -> std::io::Result<[u8; 32]> {
 }
 
 fn io(peer: SocketAddr) -> impl Fn(std::io::Error) -> LinkError {
-    move |source| LinkError::Io { peer, source }
+    move |error| LinkError::Io { peer, error }
 }
 
-fn send(stream: &mut TcpStream, peer: SocketAddr, kind: Kind) -> Result<(), LinkError> {
-    write_frame(stream, &Frame::new(kind), &mut Vec::new())
-        .map_err(|source| LinkError::Frame { peer, source })
-}
-
-fn recv(stream: &mut TcpStream, peer: SocketAddr) -> Result<Kind, LinkError> {
-    match read_frame(stream) {
-        Ok(Some(f)) if f.arrays.is_empty() => Ok(f.kind),
-        Ok(Some(_)) => Err(LinkError::Protocol { peer, what: "tensors during the handshake".into() }),
-        Ok(None) => Err(LinkError::Protocol { peer, what: "closed during the handshake".into() }),
-        Err(source) => Err(LinkError::Frame { peer, source }),
+/// A TLS failure (an alert from the peer, a record that does not decrypt)
+/// says more as itself than as the frame error it surfaced through.
+fn frame_error(peer: SocketAddr, source: FrameError) -> LinkError {
+    match &source {
+        FrameError::Io(e) if tls::tls_cause(e).is_some() => LinkError::Tls { peer, why: e.to_string() },
+        // A TLS record's header (content type 20..=23, version 3.x) where a
+        // frame's magic should be: a handshake, or the alert refusing ours.
+        FrameError::Magic([20..=23, 3, ..]) => LinkError::Refused {
+            peer,
+            reason: "it speaks TLS, but this process runs without (--tls-cert, --tls-key, --tls-ca)".into(),
+        },
+        _ => LinkError::Frame { peer, error: source },
     }
 }
 
-/// Opens a link to `addr` as process `me`; returns the stream and the peer's rank.
+fn send(stream: &mut LinkStream, peer: SocketAddr, kind: Kind) -> Result<(), LinkError> {
+    write_frame(&mut stream.writer, &Frame::new(kind), &mut Vec::new())
+        .and_then(|()| Ok(stream.writer.flush()?))
+        .map_err(|source| frame_error(peer, source))
+}
+
+fn recv(stream: &mut LinkStream, peer: SocketAddr) -> Result<Kind, LinkError> {
+    match read_frame(&mut stream.reader) {
+        Ok(Some(f)) if f.arrays.is_empty() => Ok(f.kind),
+        Ok(Some(_)) => Err(LinkError::Protocol { peer, what: "tensors during the handshake".into() }),
+        Ok(None) => Err(LinkError::Protocol { peer, what: "closed during the handshake".into() }),
+        Err(source) => Err(frame_error(peer, source)),
+    }
+}
+
+/// A connected link, plain or TLS, as its two threads use it: one reads,
+/// the other writes, and the socket under both is kept for its address,
+/// timeouts and shutting it down.
+pub struct LinkStream {
+    pub socket: TcpStream,
+    pub reader: Box<dyn Read + Send>,
+    pub writer: Box<dyn Write + Send>,
+}
+
+impl LinkStream {
+    pub fn plain(socket: TcpStream) -> std::io::Result<LinkStream> {
+        let reader = Box::new(socket.try_clone()?);
+        let writer = Box::new(socket.try_clone()?);
+        Ok(LinkStream { socket, reader, writer })
+    }
+
+    /// Runs the TLS handshake (as the connecting side when `client`).
+    pub fn over_tls(mut socket: TcpStream, tls: &Tls, client: bool) -> Result<LinkStream, LinkError> {
+        let peer = socket.peer_addr().map_err(io(SocketAddr::from(([0, 0, 0, 0], 0))))?;
+        let conn = if client { tls.connect(&mut socket) } else { tls.accept(&mut socket) };
+        let conn = conn.map_err(|e| LinkError::Tls { peer, why: handshake_failure(&e) })?;
+        let (reader, writer) = tls::split(conn, &socket).map_err(io(peer))?;
+        Ok(LinkStream { socket, reader: Box::new(reader), writer: Box::new(writer) })
+    }
+}
+
+fn handshake_failure(e: &std::io::Error) -> String {
+    use std::io::ErrorKind::*;
+    match e.kind() {
+        _ if tls::tls_cause(e).is_some() => format!("handshake failed: {e}"),
+        WouldBlock | TimedOut => format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}"),
+        UnexpectedEof | ConnectionReset => {
+            format!("the peer closed the connection during the TLS handshake (does it run without TLS?): {e}")
+        }
+        _ => format!("handshake failed: {e}"),
+    }
+}
+
+/// Opens a link to `addr` as process `me` (under TLS when `tls` is given);
+/// returns the stream and the peer's rank.
 pub fn connect(
     addr: SocketAddr,
     me: u32,
     world: u32,
     listen: &str,
     cookie: &Cookie,
-) -> Result<(TcpStream, u32), LinkError> {
-    let mut s = TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT).map_err(io(addr))?;
+    tls: Option<&Tls>,
+) -> Result<(LinkStream, u32), LinkError> {
+    let s = TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT).map_err(io(addr))?;
     s.set_nodelay(true).map_err(io(addr))?;
     s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io(addr))?;
+    let mut s = match tls {
+        Some(t) => LinkStream::over_tls(s, t, true)?,
+        None => LinkStream::plain(s).map_err(io(addr))?,
+    };
     let nonce = random_bytes().map_err(io(addr))?;
     send(&mut s, addr, Kind::Hello { rank: me, world, listen: listen.to_string(), nonce })?;
     let (peer_rank, their_nonce) = match recv(&mut s, addr)? {
@@ -169,29 +233,35 @@ pub fn connect(
             return Err(LinkError::Protocol { peer: addr, what: format!("expected Welcome, got {other:?}") })
         }
     }
-    s.set_read_timeout(None).map_err(io(addr))?;
+    s.socket.set_read_timeout(None).map_err(io(addr))?;
     Ok((s, peer_rank))
 }
 
 /// Who connected, once proven.
 pub struct Joined {
-    pub stream: TcpStream,
+    pub stream: LinkStream,
     pub rank: u32,
     pub listen: String,
 }
 
-/// Runs the acceptor's half of the handshake. `admit` may refuse a proven
-/// peer (a rank out of range, or one already joined) with a reason.
+/// Runs the acceptor's half of the handshake (after TLS's, when `tls` is
+/// given). `admit` may refuse a proven peer (a rank out of range, or one
+/// already joined) with a reason.
 pub fn accept(
-    mut s: TcpStream,
+    s: TcpStream,
     me: u32,
     world: u32,
     cookie: &Cookie,
+    tls: Option<&Tls>,
     admit: impl Fn(u32) -> Result<(), String>,
 ) -> Result<Joined, LinkError> {
     let peer = s.peer_addr().map_err(io(SocketAddr::from(([0, 0, 0, 0], 0))))?;
     s.set_nodelay(true).map_err(io(peer))?;
     s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io(peer))?;
+    let mut s = match tls {
+        Some(t) => LinkStream::over_tls(s, t, false)?,
+        None => LinkStream::plain(s).map_err(io(peer))?,
+    };
     let (rank, listen, nonce) = match recv(&mut s, peer)? {
         Kind::Hello { rank, world: w, listen, nonce } => {
             if w != world {
@@ -219,7 +289,7 @@ pub fn accept(
         return Err(LinkError::Refused { peer, reason });
     }
     send(&mut s, peer, Kind::Welcome)?;
-    s.set_read_timeout(None).map_err(io(peer))?;
+    s.socket.set_read_timeout(None).map_err(io(peer))?;
     Ok(Joined { stream: s, rank, listen })
 }
 
@@ -237,19 +307,19 @@ pub struct Link {
     pub addr: SocketAddr,
     tx: Mutex<Option<Sender<Frame>>>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
-    stream: TcpStream,
+    socket: TcpStream,
 }
 
 impl Link {
-    pub fn start(peer: usize, stream: TcpStream, sink: Arc<dyn Sink>) -> std::io::Result<Arc<Link>> {
-        let addr = stream.peer_addr()?;
+    pub fn start(peer: usize, stream: LinkStream, sink: Arc<dyn Sink>) -> std::io::Result<Arc<Link>> {
+        let LinkStream { socket, reader, writer: out } = stream;
+        let addr = socket.peer_addr()?;
         let (tx, rx) = crossbeam_channel::unbounded();
-        let out = stream.try_clone()?;
         let writer =
             std::thread::Builder::new().name(format!("link-w-{peer}")).spawn(move || writer_main(out, rx))?;
-        let input = stream.try_clone()?;
+        let input = socket.try_clone()?;
         std::thread::Builder::new().name(format!("link-r-{peer}")).spawn(move || {
-            let mut r = BufReader::with_capacity(1 << 16, input);
+            let mut r = BufReader::with_capacity(1 << 16, reader);
             let why = loop {
                 match read_frame(&mut r) {
                     Ok(Some(f)) => {
@@ -262,10 +332,10 @@ impl Link {
                 }
             };
             // A bad frame leaves the stream out of step: close both directions.
-            let _ = r.get_ref().shutdown(std::net::Shutdown::Both);
+            let _ = input.shutdown(std::net::Shutdown::Both);
             sink.closed(peer, why);
         })?;
-        Ok(Arc::new(Link { peer, addr, tx: Mutex::new(Some(tx)), writer: Mutex::new(Some(writer)), stream }))
+        Ok(Arc::new(Link { peer, addr, tx: Mutex::new(Some(tx)), writer: Mutex::new(Some(writer)), socket }))
     }
 
     /// Queues a frame; false when the link is closed.
@@ -282,11 +352,13 @@ impl Link {
         if let Some(w) = self.writer.lock().expect("link writer").take() {
             let _ = w.join();
         }
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        // No TLS close_notify first: the peer's reader takes a bare close
+        // between frames as the end anyway (see tls::TlsReader).
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
     }
 }
 
-fn writer_main(stream: TcpStream, rx: Receiver<Frame>) {
+fn writer_main(stream: Box<dyn Write + Send>, rx: Receiver<Frame>) {
     let mut w = BufWriter::with_capacity(1 << 16, stream);
     let mut scratch = Vec::new();
     while let Ok(f) = rx.recv() {

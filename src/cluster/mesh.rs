@@ -77,6 +77,7 @@ pub enum Event {
         run_dir: String,
         resume: Option<String>,
         init: Option<String>,
+        nccl: Vec<(crate::actors::compute::NcclKey, Vec<u8>)>,
     },
     Ready(usize),
     Abort(String),
@@ -86,6 +87,23 @@ pub enum Event {
         peer: usize,
         why: String,
     },
+    /// Rank 0's answer to a clock probe, and when it arrived here.
+    ClockReply {
+        seq: u64,
+        remote_us: f64,
+        at: Instant,
+    },
+}
+
+/// How a worker's trace clock was put onto rank 0's: the offset added to its
+/// readings, and the round trip of the probe it came from (the offset is right
+/// to within half of that).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct ClockEstimate {
+    pub rank: usize,
+    pub offset_us: f64,
+    pub rtt_us: f64,
+    pub probes: u32,
 }
 
 /// Where frames for this process's actors are delivered.
@@ -113,6 +131,11 @@ pub struct Fabric {
     /// The run's trace clock; workers offset theirs to rank 0's at the roster.
     pub epoch: Mutex<Instant>,
     pub placement: OnceLock<Placement>,
+    /// GPU runs: which ranks share this process, and the NCCL ids of the links
+    /// and all-reduces that cross processes (made on rank 0, sent in the roster).
+    pub gpu_plan: OnceLock<Arc<crate::actors::compute::GpuPlan>>,
+    /// On rank 0: each worker's clock alignment, as it reported it.
+    clocks: Mutex<Vec<ClockEstimate>>,
 }
 
 impl Fabric {
@@ -130,6 +153,8 @@ impl Fabric {
             step: AtomicU64::new(0),
             epoch: Mutex::new(Instant::now()),
             placement: OnceLock::new(),
+            gpu_plan: OnceLock::new(),
+            clocks: Mutex::new(Vec::new()),
         };
         (Arc::new(f), rx)
     }
@@ -137,7 +162,7 @@ impl Fabric {
     pub fn add_link(
         self: &Arc<Self>,
         peer: usize,
-        stream: std::net::TcpStream,
+        stream: super::link::LinkStream,
         listen: String,
     ) -> std::io::Result<()> {
         // Held across the start so a link that dies at once (its reader
@@ -192,6 +217,13 @@ impl Fabric {
         }
     }
 
+    /// The workers' clock alignments (rank 0), by rank.
+    pub fn clock_estimates(&self) -> Vec<ClockEstimate> {
+        let mut v = self.clocks.lock().expect("clocks").clone();
+        v.sort_by_key(|c| c.rank);
+        v
+    }
+
     /// The latest step seen in a frame.
     pub fn step(&self) -> u64 {
         self.step.load(Ordering::Relaxed)
@@ -239,6 +271,10 @@ impl Fabric {
         let _ = self.events.send(Event::Lost { peer, why: why.to_string() });
     }
 
+    // A well-formed message for an actor that has already stopped is dropped,
+    // not held against the link: actors stop when a run ends or fails, and the
+    // link must stay up to carry rank 0's Abort (closing it here made a failing
+    // run's workers report rank 0 lost instead of the real cause).
     fn deliver(&self, peer: usize, f: Frame) -> Result<(), String> {
         let who = || self.describe(peer);
         match f.kind {
@@ -257,14 +293,20 @@ impl Fabric {
                     self.step.fetch_max(step, Ordering::Relaxed);
                 }
                 let msg = wire::stage_msg(msg, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
-                dest.send_message(msg).map_err(|_| format!("stage {rank}.{replica} has stopped"))
+                {
+                    let _ = dest.send_message(msg);
+                    Ok(())
+                }
             }
             Kind::Coordinator(c) => {
                 let dest = self.routes.get().and_then(|r| r.coordinator.clone()).ok_or_else(|| {
                     format!("{} sent a coordinator message to a process without one", who())
                 })?;
                 let msg = wire::coordinator_msg(c, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
-                dest.send_message(msg).map_err(|_| "the coordinator has stopped".to_string())
+                {
+                    let _ = dest.send_message(msg);
+                    Ok(())
+                }
             }
             Kind::Reduce { step, stage, replica } => {
                 let dest = self
@@ -274,11 +316,21 @@ impl Fabric {
                     .ok_or_else(|| format!("{} sent gradients to a process without a reducer", who()))?;
                 let msg = wire::reducer_msg(step, stage, replica, f.arrays)
                     .map_err(|e| format!("{}: {e}", who()))?;
-                dest.send_message(msg).map_err(|_| "the reducer has stopped".to_string())
+                {
+                    let _ = dest.send_message(msg);
+                    Ok(())
+                }
             }
-            Kind::Roster { config, config_hash, listen, run_dir, resume, init } => {
-                let _ =
-                    self.events.send(Event::Roster { config, config_hash, listen, run_dir, resume, init });
+            Kind::Roster { config, config_hash, listen, run_dir, resume, init, nccl } => {
+                let _ = self.events.send(Event::Roster {
+                    config,
+                    config_hash,
+                    listen,
+                    run_dir,
+                    resume,
+                    init,
+                    nccl,
+                });
                 Ok(())
             }
             Kind::Ready { rank } => {
@@ -294,6 +346,22 @@ impl Fabric {
             Kind::Shutdown => {
                 self.set_done();
                 let _ = self.events.send(Event::Shutdown);
+                Ok(())
+            }
+            Kind::ClockProbe { seq } => {
+                // Answered here on the link's reader, not queued behind the main loop:
+                // the round trip is the alignment's error bound.
+                let t_us = self.epoch.lock().expect("epoch").elapsed().as_secs_f64() * 1e6;
+                self.send(peer, Frame::new(Kind::ClockReply { seq, t_us }));
+                Ok(())
+            }
+            Kind::ClockReply { seq, t_us } => {
+                let _ = self.events.send(Event::ClockReply { seq, remote_us: t_us, at: Instant::now() });
+                Ok(())
+            }
+            Kind::ClockReport { rank, offset_us, rtt_us, probes } => {
+                let c = ClockEstimate { rank: rank as usize, offset_us, rtt_us, probes };
+                self.clocks.lock().expect("clocks").push(c);
                 Ok(())
             }
             other => Err(format!("{} sent an unexpected {} frame", who(), kind_name(&other))),
@@ -337,6 +405,11 @@ impl Sink for Fabric {
             eprintln!("dropped the data link from {}: {why}", self.describe(peer));
             self.links.lock().expect("links")[peer] = None;
             return;
+        }
+        if self.me != 0 && peer != 0 && !self.is_done() {
+            // A worker that read rank 0's Shutdown first closes its links to the
+            // others; rank 0's frame to this one may still be on its way.
+            wait_until(Duration::from_millis(500), || self.is_done());
         }
         if !self.is_done() {
             eprintln!("error: data link to {} ended: {why}", self.describe(peer));
@@ -417,6 +490,13 @@ impl Actor for RemoteCoordinator {
         msg: CoordinatorMsg,
         f: &mut Arc<Fabric>,
     ) -> Result<(), ActorProcessingErr> {
+        let mut msg = msg;
+        if let CoordinatorMsg::Weights { trace, .. } = &mut msg {
+            // Rank 0 draws a process per (replica, node): say which node this is.
+            for r in trace.iter_mut() {
+                r.node = f.me;
+            }
+        }
         if let Some(frame) = wire::coordinator_frame(msg) {
             f.send(0, frame);
         }

@@ -1,6 +1,7 @@
 //! Runs that span processes (CPU): a `ractor_cluster` node per process for
 //! authenticated membership and failure detection, a framed TCP data link per
-//! process pair for tensors and the actors' messages, and a launcher.
+//! process pair for tensors and the actors' messages, and a launcher. Both
+//! links may run under mutual TLS (`tls`), with the cookie proof inside it.
 //!
 //! Rank 0 is the run as one process knows it — coordinator, loaders, reducer,
 //! checkpointer, monitor, and its share of the stages — and writes every
@@ -14,9 +15,10 @@ pub mod frame;
 pub mod link;
 pub mod mesh;
 pub mod node;
+pub mod tls;
 pub mod wire;
 
-pub use mesh::{Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
+pub use mesh::{ClockEstimate, Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
 
 use crate::actors::coordinator::{stage_name, CoordinatorMsg, Failure};
 use crate::actors::stage::{Links, StageActor, StageArgs, StageMsg};
@@ -38,12 +40,15 @@ pub enum ClusterError {
     Cookie(#[from] link::CookieError),
     #[error(transparent)]
     Node(#[from] node::NodeError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    // No #[from] (it would also make the link error the source, printed twice).
     #[error("data link {0}")]
-    Link(#[from] link::LinkError),
+    Link(link::LinkError),
     #[error(transparent)]
     Placement(#[from] mesh::PlacementError),
-    #[error("{what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    #[error("{what}: {error}")]
+    Io { what: String, error: std::io::Error },
     #[error("{0}")]
     Join(String),
     #[error("{0}")]
@@ -54,9 +59,15 @@ pub enum ClusterError {
     Aborted(String),
 }
 
+impl From<link::LinkError> for ClusterError {
+    fn from(e: link::LinkError) -> Self {
+        ClusterError::Link(e)
+    }
+}
+
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
     let what = what.into();
-    move |source| ClusterError::Io { what, source }
+    move |error| ClusterError::Io { what, error }
 }
 
 /// Where this process finds the run: rank 0's cluster node (its data link
@@ -68,6 +79,8 @@ pub struct JoinSpec {
     pub world: usize,
     /// How long to wait for everyone to join (and rank 0's roster).
     pub timeout: Duration,
+    /// Mutual TLS on both links; every process of a run has it or none does.
+    pub tls: Option<tls::Tls>,
 }
 
 impl JoinSpec {
@@ -121,7 +134,11 @@ impl JoinSpec {
         if world == 0 || rank >= world {
             return Err(ClusterError::Setup(format!("--rank {rank}: must be below --world {world}")));
         }
-        Ok(JoinSpec { master, rank, world, timeout })
+        Ok(JoinSpec { master, rank, world, timeout, tls: None })
+    }
+
+    pub fn with_tls(self, tls: Option<tls::Tls>) -> JoinSpec {
+        JoinSpec { tls, ..self }
     }
 
     pub fn data_addr(&self) -> SocketAddr {
@@ -141,14 +158,20 @@ fn runtime() -> Result<tokio::runtime::Runtime, ClusterError> {
 
 /// Accepts data links on `listener` for as long as the process lives; peers
 /// that fail the handshake are refused and logged, and the run goes on.
-fn accept_links(listener: TcpListener, fabric: Arc<Fabric>, cookie: Cookie, admit_above: usize) {
+fn accept_links(
+    listener: TcpListener,
+    fabric: Arc<Fabric>,
+    cookie: Cookie,
+    tls: Option<tls::Tls>,
+    admit_above: usize,
+) {
     let world = fabric.world;
     std::thread::Builder::new()
         .name("link-accept".into())
         .spawn(move || {
             for s in listener.incoming() {
                 let Ok(s) = s else { continue };
-                let (fabric, cookie) = (fabric.clone(), cookie.clone());
+                let (fabric, cookie, tls) = (fabric.clone(), cookie.clone(), tls.clone());
                 // One thread per handshake: a silent peer must not hold up the next.
                 let _ = std::thread::Builder::new().name("link-handshake".into()).spawn(move || {
                     let me = fabric.me;
@@ -162,7 +185,7 @@ fn accept_links(listener: TcpListener, fabric: Arc<Fabric>, cookie: Cookie, admi
                             Ok(())
                         }
                     };
-                    match link::accept(s, me as u32, world as u32, &cookie, admit) {
+                    match link::accept(s, me as u32, world as u32, &cookie, tls.as_ref(), admit) {
                         Ok(j) => {
                             if let Err(e) = fabric.add_link(j.rank as usize, j.stream, j.listen) {
                                 eprintln!("error: cannot start the data link to rank {}: {e}", j.rank);
@@ -189,12 +212,14 @@ fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<Vec<boo
                             members.lock().expect("members")[r] = true;
                         }
                     }
-                    NodeEvent::Refused { addr } => {
-                        eprintln!("refused cluster node {addr}: authentication failed (wrong cookie?)")
-                    }
+                    NodeEvent::Refused { addr, why } => eprintln!("refused cluster node {addr}: {why}"),
                     NodeEvent::Left { name, addr } => {
                         if let Some(r) = node::rank_of(&name).filter(|&r| r < fabric.world) {
                             members.lock().expect("members")[r] = false;
+                            // A peer that ends the run sends Shutdown on the data link and
+                            // then exits; its node session can close before that frame is
+                            // read here (a separate socket). Give it a moment first.
+                            mesh::wait_until(Duration::from_millis(500), || fabric.is_done());
                             fabric.lost(
                                 r,
                                 &format!("left the cluster ({name} at {addr}: node session closed)"),
@@ -224,7 +249,8 @@ impl Driver {
     pub fn rendezvous(spec: &JoinSpec, placement: Placement) -> Result<Driver, ClusterError> {
         let cookie = Cookie::from_env()?;
         let rt = runtime()?;
-        let node = rt.block_on(Node::start(0, &cookie, spec.master.ip(), spec.master.port()))?;
+        let node =
+            rt.block_on(Node::start(0, &cookie, spec.master.ip(), spec.master.port(), spec.tls.as_ref()))?;
         let (fabric, events) = Fabric::new(0, spec.world);
         let _ = fabric.placement.set(placement);
         let members = Arc::new(Mutex::new(vec![false; spec.world]));
@@ -232,12 +258,13 @@ impl Driver {
         pump_node_events(&node, fabric.clone(), members.clone());
         let listener = TcpListener::bind(spec.data_addr())
             .map_err(io_err(format!("cannot listen on {}", spec.data_addr())))?;
-        accept_links(listener, fabric.clone(), cookie.clone(), 0);
+        accept_links(listener, fabric.clone(), cookie.clone(), spec.tls.clone(), 0);
         eprintln!(
-            "rank 0: waiting for {} worker(s) at {} (cluster) / {} (data)",
+            "rank 0: waiting for {} worker(s) at {} (cluster) / {} (data){}",
             spec.world - 1,
             spec.master,
-            spec.data_addr()
+            spec.data_addr(),
+            if spec.tls.is_some() { ", mutual TLS" } else { "" }
         );
         let joined = |f: &Fabric| {
             let m = members.lock().expect("members");
@@ -273,7 +300,17 @@ impl Driver {
                 "ranks {missing:?} dropped their data links before the run started"
             )));
         }
+        let mut nccl = vec![];
+        if cfg.backend.kind == "cuda" {
+            let layout = Layout::from_config(cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
+            let f = self.fabric.clone();
+            let plan = crate::actors::compute::GpuPlan::make(&layout, |r, k| f.owner(r, k), 0)
+                .map_err(|e| ClusterError::Setup(format!("NCCL: {e}")))?;
+            nccl = plan.nccl.iter().map(|(k, id)| (*k, id.clone())).collect();
+            let _ = self.fabric.gpu_plan.set(Arc::new(plan));
+        }
         self.fabric.broadcast(Kind::Roster {
+            nccl,
             config: cfg.to_toml_string(),
             config_hash: cfg.hash(),
             listen: self.fabric.listen_addrs(),
@@ -358,24 +395,24 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
         }
     });
     let ip = local_ip_towards(spec.master)?;
-    let node = rt.block_on(Node::start(spec.rank, &cookie, ip, 0))?;
+    let node = rt.block_on(Node::start(spec.rank, &cookie, ip, 0, spec.tls.as_ref()))?;
     let connect_wait = spec.timeout.min(Duration::from_secs(60));
     retry(
         connect_wait,
         || rt.block_on(node.join(spec.master, Duration::from_secs(10))),
-        |e| matches!(e, node::NodeError::Refused(_)),
+        |e| matches!(e, node::NodeError::Refused { .. } | node::NodeError::Tls { .. }),
     )?;
     let (fabric, events) = Fabric::new(spec.rank, spec.world);
     let members = Arc::new(Mutex::new(vec![true; spec.world]));
     pump_node_events(&node, fabric.clone(), members);
     let listener = TcpListener::bind((ip, 0)).map_err(io_err(format!("cannot listen on {ip}")))?;
     let listen = listener.local_addr().map_err(io_err("listener address"))?.to_string();
-    accept_links(listener, fabric.clone(), cookie.clone(), spec.rank);
+    accept_links(listener, fabric.clone(), cookie.clone(), spec.tls.clone(), spec.rank);
     let (w, rank) = (spec.world as u32, spec.rank as u32);
     let (stream, peer) = retry(
         connect_wait,
-        || link::connect(spec.data_addr(), rank, w, &listen, &cookie),
-        |e| matches!(e, link::LinkError::Refused { .. }),
+        || link::connect(spec.data_addr(), rank, w, &listen, &cookie, spec.tls.as_ref()),
+        |e| matches!(e, link::LinkError::Refused { .. } | link::LinkError::Tls { .. }),
     )?;
     if peer != 0 {
         return Err(ClusterError::Setup(format!("{} answers as rank {peer}, not rank 0", spec.data_addr())));
@@ -383,6 +420,14 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
     fabric.add_link(0, stream, spec.data_addr().to_string()).map_err(io_err("data link to rank 0"))?;
     eprintln!("rank {}: joined {} as {listen}", spec.rank, spec.master);
     let result = serve(spec, &rt, &fabric, &events, &cookie, &listen);
+    if result.is_ok() {
+        // Say goodbye on every link between workers before closing it: a peer
+        // that has not yet read rank 0's Shutdown must see the run end here,
+        // not a link to a live worker closing, which it would take for a crash.
+        for p in (1..spec.world).filter(|&p| p != spec.rank) {
+            fabric.send(p, frame::Frame::new(Kind::Shutdown));
+        }
+    }
     fabric.set_done();
     if let Err(e) = &result {
         // Rank 0 hears why, if it is still there.
@@ -426,10 +471,10 @@ fn serve(
     cookie: &Cookie,
     listen: &str,
 ) -> Result<(), ClusterError> {
-    let (config, hash, addrs, run_dir, resume, init) = loop {
+    let (config, hash, addrs, run_dir, resume, init, nccl) = loop {
         match wait_event(events, fabric, spec.timeout)? {
-            Event::Roster { config, config_hash, listen, run_dir, resume, init } => {
-                break (config, config_hash, listen, run_dir, resume, init)
+            Event::Roster { config, config_hash, listen, run_dir, resume, init, nccl } => {
+                break (config, config_hash, listen, run_dir, resume, init, nccl)
             }
             Event::Shutdown => return Ok(()),
             _ => {}
@@ -446,13 +491,20 @@ fn serve(
     let layout = Layout::from_config(&cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
     let placement = Placement::new(layout.pp, layout.dp, spec.world)?;
     let _ = fabric.placement.set(placement.clone());
+    if cfg.backend.kind == "cuda" {
+        let ids = nccl.into_iter().collect();
+        let plan =
+            crate::actors::compute::GpuPlan::from_ids(&layout, |r, k| placement.owner(r, k), spec.rank, ids);
+        let _ = fabric.gpu_plan.set(Arc::new(plan));
+    }
     fabric.set_started();
     *fabric.epoch.lock().expect("epoch") = Instant::now();
     // Links between workers: each connects to the ranks below it.
     for (q, addr) in addrs.iter().enumerate().take(spec.rank).skip(1) {
         let a: SocketAddr =
             addr.parse().map_err(|_| ClusterError::Setup(format!("rank {q}'s address {addr:?}")))?;
-        let (s, r) = link::connect(a, spec.rank as u32, spec.world as u32, listen, cookie)?;
+        let (s, r) =
+            link::connect(a, spec.rank as u32, spec.world as u32, listen, cookie, spec.tls.as_ref())?;
         if r as usize != q {
             return Err(ClusterError::Setup(format!("{a} answers as rank {r}, not rank {q}")));
         }
@@ -464,6 +516,11 @@ fn serve(
             fabric.missing()
         )));
     }
+    let clock = align_clock(spec.rank, fabric, events, CLOCK_PROBES, spec.timeout)?;
+    eprintln!(
+        "rank {}: trace clock {:+.1} µs from rank 0's (best of {} probes: round trip {:.1} µs)",
+        spec.rank, clock.offset_us, clock.probes, clock.rtt_us
+    );
     let init = match init {
         Some(p) => Some(Arc::new(
             crate::model::io::load(Path::new(&p)).map_err(|e| ClusterError::Setup(format!("{e:#}")))?,
@@ -519,6 +576,51 @@ fn serve(
     }
     coordinator.stop(None);
     outcome
+}
+
+/// Probes per clock alignment: the shortest round trip of these bounds the error.
+const CLOCK_PROBES: u32 = 16;
+
+/// Puts this worker's trace clock on rank 0's before any stage starts: each
+/// probe reads rank 0's clock, the probe with the shortest round trip is kept
+/// (queueing only ever adds delay), and rank 0's reading is taken to fall at
+/// its midpoint. The epoch moves by the offset, so every record this process
+/// makes is on rank 0's clock, to within half that round trip.
+fn align_clock(
+    rank: usize,
+    fabric: &Fabric,
+    events: &crossbeam_channel::Receiver<Event>,
+    probes: u32,
+    timeout: Duration,
+) -> Result<ClockEstimate, ClusterError> {
+    let epoch = *fabric.epoch.lock().expect("epoch");
+    let local = |t: Instant| t.saturating_duration_since(epoch).as_secs_f64() * 1e6;
+    let mut best: Option<(f64, f64)> = None;
+    for seq in 0..probes as u64 {
+        let sent = Instant::now();
+        fabric.send(0, frame::Frame::new(Kind::ClockProbe { seq }));
+        let (remote_us, at) = loop {
+            match wait_event(events, fabric, timeout)? {
+                Event::ClockReply { seq: s, remote_us, at } if s == seq => break (remote_us, at),
+                Event::Shutdown => {
+                    return Err(ClusterError::Setup("rank 0 ended the run during clock alignment".into()))
+                }
+                _ => {}
+            }
+        };
+        let (t1, t2) = (local(sent), local(at));
+        let (rtt, offset) = (t2 - t1, remote_us - (t1 + t2) / 2.0);
+        if best.is_none_or(|(r, _)| rtt < r) {
+            best = Some((rtt, offset));
+        }
+    }
+    let (rtt_us, offset_us) = best.unwrap_or((0.0, 0.0));
+    let shift = Duration::from_secs_f64(offset_us.abs() / 1e6);
+    let moved = if offset_us >= 0.0 { epoch.checked_sub(shift) } else { epoch.checked_add(shift) };
+    *fabric.epoch.lock().expect("epoch") = moved.unwrap_or(epoch);
+    let c = ClockEstimate { rank, offset_us, rtt_us, probes };
+    fabric.send(0, frame::Frame::new(Kind::ClockReport { rank: rank as u32, offset_us, rtt_us, probes }));
+    Ok(c)
 }
 
 /// The stages one worker hosts, with stand-ins for everything they talk to elsewhere.
@@ -588,6 +690,7 @@ impl StageSet {
                     cores: mine,
                     latencies_us: Default::default(),
                     trace_epoch: cfg.trace.enabled.then_some(epoch),
+                    gpu_plan: fabric.gpu_plan.get().cloned(),
                 };
                 let (r, _) = Actor::spawn_linked(Some(name), StageActor, args, coordinator.get_cell())
                     .await

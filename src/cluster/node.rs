@@ -4,12 +4,21 @@
 //! What the node server reports becomes `NodeEvent`s: a session that closes
 //! before authenticating is a refused peer (logged with its address), and an
 //! authenticated worker whose session closes has left the run.
+//!
+//! With TLS, rank 0 accepts the node's connections itself and hands each
+//! established session to the node server, rather than letting
+//! ractor_cluster's listener run the handshakes: that listener awaits each
+//! one in turn with no time limit (one silent connection would hold up every
+//! later join) and drops a failed one without saying whose it was.
 
-use super::link::Cookie;
+use super::link::{Cookie, HANDSHAKE_TIMEOUT};
+use super::tls::Tls;
 use crossbeam_channel::{Receiver, Sender};
 use ractor::{Actor, ActorRef};
 use ractor_cluster::node::{NodeEventSubscription, NodeServerSessionInformation};
-use ractor_cluster::{NodeServer, NodeServerMessage};
+use ractor_cluster::{
+    ClientConnectErr, IncomingEncryptionMode, NetworkStream, NodeServer, NodeServerMessage,
+};
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
@@ -21,8 +30,10 @@ pub enum NodeError {
     Start { addr: SocketAddr, why: String },
     #[error("cannot reach rank 0's cluster node at {addr}: {why}")]
     Connect { addr: SocketAddr, why: String },
-    #[error("rank 0's cluster node at {0} refused this node: authentication failed (wrong cookie?)")]
-    Refused(SocketAddr),
+    #[error("rank 0's cluster node at {addr} refused this node: authentication failed ({hint})")]
+    Refused { addr: SocketAddr, hint: &'static str },
+    #[error("rank 0's cluster node at {addr}: TLS: {why}")]
+    Tls { addr: SocketAddr, why: String },
     #[error("rank 0's cluster node at {0} did not authenticate this node within {1:?}")]
     Timeout(SocketAddr, Duration),
 }
@@ -31,8 +42,8 @@ pub enum NodeError {
 pub enum NodeEvent {
     /// A peer proved it holds the cookie.
     Joined { name: String, addr: String },
-    /// A session closed before authenticating.
-    Refused { addr: String },
+    /// A session closed before authenticating, or a TLS handshake failed.
+    Refused { addr: String, why: String },
     /// An authenticated peer's session closed.
     Left { name: String, addr: String },
 }
@@ -50,6 +61,8 @@ pub fn rank_of(name: &str) -> Option<usize> {
 struct Subscription {
     tx: Sender<NodeEvent>,
     authenticated: Mutex<HashSet<u64>>,
+    /// Why a session that never authenticated most likely failed.
+    refusal: &'static str,
 }
 
 fn name_of(ses: &NodeServerSessionInformation) -> String {
@@ -70,7 +83,7 @@ impl NodeEventSubscription for Subscription {
         let _ = self.tx.send(if was {
             NodeEvent::Left { name: name_of(&ses), addr }
         } else {
-            NodeEvent::Refused { addr }
+            NodeEvent::Refused { addr, why: self.refusal.into() }
         });
     }
 }
@@ -78,40 +91,143 @@ impl NodeEventSubscription for Subscription {
 pub struct Node {
     pub server: ActorRef<NodeServerMessage>,
     pub events: Receiver<NodeEvent>,
+    tls: Option<Tls>,
 }
 
 impl Node {
-    /// Starts this process's node, listening on `ip:port` (port 0: any).
-    pub async fn start(rank: usize, cookie: &Cookie, ip: IpAddr, port: u16) -> Result<Node, NodeError> {
+    /// Starts this process's node, listening on `ip:port` (port 0: any), under
+    /// mutual TLS when `tls` is given.
+    pub async fn start(
+        rank: usize,
+        cookie: &Cookie,
+        ip: IpAddr,
+        port: u16,
+        tls: Option<&Tls>,
+    ) -> Result<Node, NodeError> {
         let addr = SocketAddr::new(ip, port);
-        let server =
-            NodeServer::new(port, cookie.text().to_string(), node_name(rank), ip.to_string(), None, None)
-                .with_listen_addr(ip);
-        let (server, _) = Actor::spawn(None, server, ())
-            .await
-            .map_err(|e| NodeError::Start { addr, why: e.to_string() })?;
+        let start = |why: String| NodeError::Start { addr, why };
+        let (name, host, cookie) = (node_name(rank), ip.to_string(), cookie.text().to_string());
+        let server = match tls {
+            None => NodeServer::new(port, cookie, name, host, None, None),
+            // ractor_cluster's own listener cannot be turned off: it gets a
+            // port of its own, demands the same mutual TLS, and nobody is
+            // told of it. Rank 0's real port is served below.
+            Some(t) => {
+                NodeServer::new(0, cookie, name, host, Some(IncomingEncryptionMode::Tls(t.acceptor())), None)
+            }
+        }
+        .with_listen_addr(ip);
+        let (server, _) = Actor::spawn(None, server, ()).await.map_err(|e| start(e.to_string()))?;
         let (tx, events) = crossbeam_channel::unbounded();
-        let sub = Subscription { tx, authenticated: Mutex::new(HashSet::new()) };
+        // Under TLS a session only gets here once its certificate passed.
+        let refusal = match tls {
+            Some(_) => "authentication failed (wrong cookie?)",
+            None => "authentication failed (wrong cookie, or a peer that runs TLS?)",
+        };
+        let sub = Subscription { tx: tx.clone(), authenticated: Mutex::new(HashSet::new()), refusal };
         server
             .cast(NodeServerMessage::SubscribeToEvents {
                 id: "pipewright".into(),
                 subscription: Box::new(sub),
             })
-            .map_err(|e| NodeError::Start { addr, why: e.to_string() })?;
-        Ok(Node { server, events })
+            .map_err(|e| start(e.to_string()))?;
+        if let (Some(t), true) = (tls, port != 0) {
+            let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| start(e.to_string()))?;
+            tokio::spawn(accept_tls(listener, server.clone(), t.clone(), tx));
+        }
+        Ok(Node { server, events, tls: tls.cloned() })
     }
 
     /// Connects to rank 0's node and waits until the cookie is accepted.
     pub async fn join(&self, master: SocketAddr, timeout: Duration) -> Result<(), NodeError> {
-        ractor_cluster::client_connect(&self.server, master)
-            .await
-            .map_err(|e| NodeError::Connect { addr: master, why: e.to_string() })?;
+        let connect_err = |e: ClientConnectErr| match e {
+            ClientConnectErr::Encryption(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                NodeError::Tls {
+                    addr: master,
+                    why: format!(
+                        "the connection closed during the handshake (does rank 0 run without TLS?): {e}"
+                    ),
+                }
+            }
+            ClientConnectErr::Encryption(e) => {
+                NodeError::Tls { addr: master, why: format!("handshake failed: {e}") }
+            }
+            e => NodeError::Connect { addr: master, why: e.to_string() },
+        };
+        match &self.tls {
+            None => ractor_cluster::client_connect(&self.server, master).await.map_err(connect_err)?,
+            Some(t) => {
+                let connect = ractor_cluster::client_connect_enc(
+                    &self.server,
+                    master,
+                    t.connector(),
+                    Tls::server_name(),
+                );
+                tokio::time::timeout(HANDSHAKE_TIMEOUT, connect)
+                    .await
+                    .map_err(|_| NodeError::Tls {
+                        addr: master,
+                        why: format!(
+                            "no TLS handshake within {HANDSHAKE_TIMEOUT:?} (does it run without TLS?)"
+                        ),
+                    })?
+                    .map_err(connect_err)?
+            }
+        }
+        // In TLS 1.3 the server checks this node's certificate after the
+        // client's side of the handshake is done, so a refused certificate
+        // shows here, as a session closed before authenticating.
+        let hint = if self.tls.is_some() {
+            "wrong cookie, a certificate rank 0's CA did not sign, or rank 0 runs without TLS?"
+        } else {
+            "wrong cookie, or rank 0 runs with TLS?"
+        };
         let events = self.events.clone();
         let wait = tokio::task::spawn_blocking(move || match events.recv_timeout(timeout) {
             Ok(NodeEvent::Joined { .. }) => Ok(()),
-            Ok(NodeEvent::Refused { .. } | NodeEvent::Left { .. }) => Err(NodeError::Refused(master)),
+            Ok(NodeEvent::Refused { .. } | NodeEvent::Left { .. }) => {
+                Err(NodeError::Refused { addr: master, hint })
+            }
             Err(_) => Err(NodeError::Timeout(master, timeout)),
         });
         wait.await.map_err(|e| NodeError::Connect { addr: master, why: e.to_string() })?
+    }
+}
+
+/// Rank 0's cluster port under TLS: each connection's handshake runs on its
+/// own task with a time limit, a failed one is reported with the peer's
+/// address, and an established one goes to the node server as if its own
+/// listener had accepted it.
+async fn accept_tls(
+    listener: tokio::net::TcpListener,
+    server: ActorRef<NodeServerMessage>,
+    tls: Tls,
+    events: Sender<NodeEvent>,
+) {
+    loop {
+        let (stream, peer_addr) = match listener.accept().await {
+            Ok(x) => x,
+            Err(_) => {
+                // Out of file descriptors, say: let some close before trying again.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (server, acceptor, events) = (server.clone(), tls.acceptor(), events.clone());
+        tokio::spawn(async move {
+            let refused = |why: String| {
+                let _ = events.send(NodeEvent::Refused { addr: peer_addr.to_string(), why });
+            };
+            let Ok(local_addr) = stream.local_addr() else { return };
+            let _ = stream.set_nodelay(true);
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                Ok(Ok(stream)) => {
+                    let stream = Box::new(NetworkStream::TlsServer { peer_addr, local_addr, stream });
+                    let _ = server.cast(NodeServerMessage::ConnectionOpened { stream, is_server: true });
+                }
+                Ok(Err(e)) => refused(format!("TLS handshake failed: {e}")),
+                Err(_) => refused(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")),
+            }
+        });
     }
 }

@@ -54,6 +54,8 @@ pub enum Kind {
         run_dir: String,
         resume: Option<String>,
         init: Option<String>,
+        /// GPU runs: the NCCL ids of the communicators that cross processes.
+        nccl: Vec<(crate::actors::compute::NcclKey, Vec<u8>)>,
     },
     /// A worker's stages are up and its links to every peer are open.
     Ready {
@@ -79,6 +81,22 @@ pub enum Kind {
     /// The transport bench's round trips.
     Ping {
         seq: u64,
+    },
+    /// Worker → rank 0: what does your trace clock read? (one of several probes)
+    ClockProbe {
+        seq: u64,
+    },
+    /// Rank 0 → worker: its trace clock, µs, when the probe arrived.
+    ClockReply {
+        seq: u64,
+        t_us: f64,
+    },
+    /// Worker → rank 0: how its clock was aligned, for the trace's metadata.
+    ClockReport {
+        rank: u32,
+        offset_us: f64,
+        rtt_us: f64,
+        probes: u32,
     },
 }
 

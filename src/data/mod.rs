@@ -13,4 +13,4 @@ pub mod token_file;
 pub use arithmetic::{AnswerSpan, ArithmeticCorpus, EvalSet, Problem};
 pub use prepare::{prepare, PrepareReport, Tokenizer, DEFAULT_VAL_FRACTION};
 pub use sampler::{Sampler, SamplerKind};
-pub use token_file::{write_llmc, DataError, TokenFile, TokenFormat, TokenSource};
+pub use token_file::{write_llmc, DataError, FileFormat, TokenFile, TokenFormat, TokenSource};

@@ -89,11 +89,11 @@ pub fn prepare(
         }
     }
 
-    let bytes = fs::read(input).map_err(|source| {
-        if source.kind() == std::io::ErrorKind::NotFound {
+    let bytes = fs::read(input).map_err(|error| {
+        if error.kind() == std::io::ErrorKind::NotFound {
             DataError::Invalid { what: format!("text file {}: no such file", input.display()) }
         } else {
-            DataError::Io { path: input.to_path_buf(), action: "read", source }
+            DataError::Io { path: input.to_path_buf(), action: "read", error }
         }
     })?;
     let tokens: Vec<u32> = match tokenizer {
@@ -118,10 +118,10 @@ pub fn prepare(
         });
     }
 
-    fs::create_dir_all(out_dir).map_err(|source| DataError::Io {
+    fs::create_dir_all(out_dir).map_err(|error| DataError::Io {
         path: out_dir.to_path_buf(),
         action: "create directory",
-        source,
+        error,
     })?;
     let vocab_size = tokenizer.vocab_size();
     write_llmc(&train_path, &tokens[..n_train], vocab_size)?;

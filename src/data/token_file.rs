@@ -28,8 +28,8 @@ pub enum DataError {
     #[error("token file {path}: no such file (expected an llm.c .bin or a raw uint16 token file)")]
     Missing { path: PathBuf },
 
-    #[error("{path}: {action} failed: {source}")]
-    Io { path: PathBuf, action: &'static str, source: io::Error },
+    #[error("{path}: {action} failed: {error}")]
+    Io { path: PathBuf, action: &'static str, error: io::Error },
 
     #[error(
         "token file {path}: llm.c header (magic {LLMC_MAGIC}) has version {version}; \
@@ -58,10 +58,23 @@ pub enum DataError {
     },
 
     #[error(
-        "token file {path}: no llm.c magic, so read as raw uint16 tokens, but its size \
-         {size} bytes is odd (expected a whole number of 2-byte tokens)"
+        "token file {path}: read as raw uint16 tokens (no llm.c magic, or data.format = \"raw\"), \
+         but its size {size} bytes is odd (expected a whole number of 2-byte tokens)"
     )]
     OddRawSize { path: PathBuf, size: u64 },
+
+    #[error(
+        "token file {path}: magic {found} where data.format = \"llmc\" expects llm.c's {LLMC_MAGIC} \
+         (set data.format = \"raw\" for nanoGPT's headerless uint16 files)"
+    )]
+    WrongMagic { path: PathBuf, found: i32 },
+
+    #[error(
+        "token file {path}: llm.c header with magic {found} (expected {LLMC_MAGIC}): its version \
+         {version} and token count {count} fit the file's size, so it is not raw uint16 tokens; \
+         refusing to guess (set data.format = \"raw\" if it really is headerless)"
+    )]
+    ForeignHeader { path: PathBuf, found: i32, version: i32, count: i32 },
 
     #[error("token file {path}: holds no tokens (expected at least one)")]
     Empty { path: PathBuf },
@@ -105,6 +118,32 @@ pub enum TokenFormat {
     RawU16,
 }
 
+/// How a token file's layout is chosen (`data.format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FileFormat {
+    /// llm.c when the file starts with its magic; raw uint16 otherwise, unless
+    /// the first 1024 bytes are an llm.c header with another magic (a file from
+    /// a newer or foreign tool), which is refused rather than read as tokens.
+    #[default]
+    Auto,
+    /// llm.c `.bin` only: any other magic is an error.
+    Llmc,
+    /// nanoGPT's raw uint16, whatever the first bytes look like.
+    Raw,
+}
+
+impl std::str::FromStr for FileFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(FileFormat::Auto),
+            "llmc" => Ok(FileFormat::Llmc),
+            "raw" => Ok(FileFormat::Raw),
+            other => Err(format!("{other:?}: expected one of \"auto\", \"llmc\", \"raw\"")),
+        }
+    }
+}
+
 impl TokenFormat {
     /// Bytes per token.
     pub fn width(self) -> usize {
@@ -130,20 +169,25 @@ pub struct TokenFile {
 }
 
 fn io_err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> DataError + 'a {
-    move |source| {
-        if source.kind() == io::ErrorKind::NotFound && action == "open" {
+    move |error| {
+        if error.kind() == io::ErrorKind::NotFound && action == "open" {
             DataError::Missing { path: path.to_path_buf() }
         } else {
-            DataError::Io { path: path.to_path_buf(), action, source }
+            DataError::Io { path: path.to_path_buf(), action, error }
         }
     }
 }
 
 impl TokenFile {
-    /// Opens `path`, detects its format and checks every token against
-    /// `vocab_size`. A file that starts with llm.c's magic must be a valid
-    /// llm.c file; any other file is read as raw uint16.
+    /// Opens `path` with [`FileFormat::Auto`]: see [`TokenFile::open_as`].
     pub fn open(path: &Path, vocab_size: usize) -> Result<TokenFile, DataError> {
+        TokenFile::open_as(path, vocab_size, FileFormat::Auto)
+    }
+
+    /// Opens `path` as `format` says and checks every token against
+    /// `vocab_size`. A file that starts with llm.c's magic must be a valid
+    /// llm.c file.
+    pub fn open_as(path: &Path, vocab_size: usize, format: FileFormat) -> Result<TokenFile, DataError> {
         let file = File::open(path).map_err(io_err(path, "open"))?;
         let size = file.metadata().map_err(io_err(path, "stat"))?.len();
         let p = || path.to_path_buf();
@@ -156,7 +200,7 @@ impl TokenFile {
         // modified while a run reads them.
         let map = unsafe { Mmap::map(&file) }.map_err(io_err(path, "mmap"))?;
 
-        let (format, offset, len) = layout(path, &map)?;
+        let (format, offset, len) = layout(path, &map, format)?;
         check_range(path, &map, format, offset, len, vocab_size)?;
         Ok(TokenFile { path: p(), map, format, offset, len })
     }
@@ -222,19 +266,32 @@ pub fn check_token_bytes(
     bytes: &[u8],
     vocab_size: usize,
 ) -> Result<(TokenFormat, usize), DataError> {
-    let (format, offset, len) = layout(path, bytes)?;
+    let (format, offset, len) = layout(path, bytes, FileFormat::Auto)?;
     check_range(path, bytes, format, offset, len, vocab_size)?;
     Ok((format, len))
 }
 
 /// Where the tokens lie in a token file's bytes: its format, the byte offset
-/// of the first token and the token count (never zero). A file that starts
-/// with llm.c's magic must be a valid llm.c file; any other is raw uint16.
-fn layout(path: &Path, bytes: &[u8]) -> Result<(TokenFormat, usize, usize), DataError> {
+/// of the first token and the token count (never zero), as `choice` says.
+fn layout(path: &Path, bytes: &[u8], choice: FileFormat) -> Result<(TokenFormat, usize, usize), DataError> {
     let p = || path.to_path_buf();
     let size = bytes.len() as u64;
-    let has_magic = bytes.len() >= 4 && read_i32(bytes, 0) == LLMC_MAGIC;
-    let (format, offset, len) = if has_magic {
+    let magic = (bytes.len() >= 4).then(|| read_i32(bytes, 0));
+    let has_magic = magic == Some(LLMC_MAGIC);
+    match choice {
+        FileFormat::Llmc if !has_magic => {
+            // A file too short for even the magic has none; say what it holds.
+            let found = magic.unwrap_or(0);
+            return Err(DataError::WrongMagic { path: p(), found });
+        }
+        FileFormat::Auto if !has_magic => {
+            if let Some((found, version, count)) = foreign_llmc_header(bytes) {
+                return Err(DataError::ForeignHeader { path: p(), found, version, count });
+            }
+        }
+        _ => {}
+    }
+    let (format, offset, len) = if has_magic && choice != FileFormat::Raw {
         if bytes.len() < LLMC_HEADER_BYTES {
             return Err(DataError::TruncatedHeader { path: p(), size });
         }
@@ -296,6 +353,24 @@ fn check_range(
             vocab_size,
         }),
     }
+}
+
+/// (magic, version, count) when `bytes` start with what can only be an llm.c
+/// header under another magic: a known version whose token count is exactly
+/// what the file's size holds. Raw tokens match this by chance with odds far
+/// below one in 2^32, so such a file is refused instead of read as tokens.
+fn foreign_llmc_header(bytes: &[u8]) -> Option<(i32, i32, i32)> {
+    if bytes.len() < LLMC_HEADER_BYTES {
+        return None;
+    }
+    let (magic, version, count) = (read_i32(bytes, 0), read_i32(bytes, 1), read_i32(bytes, 2));
+    let width = match version {
+        LLMC_VERSION_U16 => 2,
+        LLMC_VERSION_U32 => 4,
+        _ => return None,
+    };
+    let body = (bytes.len() - LLMC_HEADER_BYTES) as u64;
+    (count >= 0 && body == count as u64 * width).then_some((magic, version, count))
 }
 
 fn read_i32(bytes: &[u8], index: usize) -> i32 {
@@ -395,10 +470,10 @@ pub fn write_llmc(path: &Path, tokens: &[u32], vocab_size: usize) -> Result<(), 
     })?;
     let tmp = path.with_file_name(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
     let result = write_llmc_to(&tmp, tokens, version).and_then(|()| {
-        fs::rename(&tmp, path).map_err(|source| DataError::Io {
+        fs::rename(&tmp, path).map_err(|error| DataError::Io {
             path: path.to_path_buf(),
             action: "rename temporary file",
-            source,
+            error,
         })
     });
     if result.is_err() {
@@ -438,7 +513,7 @@ fn write_llmc_to(tmp: &Path, tokens: &[u32], version: i32) -> Result<(), DataErr
     let file = w.into_inner().map_err(|e| DataError::Io {
         path: tmp.to_path_buf(),
         action: "write",
-        source: e.into_error(),
+        error: e.into_error(),
     })?;
     file.sync_all().map_err(io_err(tmp, "fsync"))?;
     Ok(())
@@ -633,6 +708,94 @@ mod tests {
         let err = TokenFile::open(&path, 256).unwrap_err();
         assert!(matches!(err, DataError::Missing { .. }), "{err}");
         assert!(err.to_string().contains("nope.bin"), "{err}");
+    }
+
+    /// An llm.c-shaped header under `magic`, then `tokens` as uint16.
+    fn foreign(magic: i32, tokens: &[u16]) -> Vec<u8> {
+        let mut bytes = llmc_header(1, tokens.len() as i32);
+        bytes[..4].copy_from_slice(&magic.to_le_bytes());
+        bytes.extend(raw_u16(tokens));
+        bytes
+    }
+
+    #[test]
+    fn llmc_format_refuses_a_file_without_the_magic_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("raw.bin");
+        fs::write(&path, raw_u16(&[7, 1, 4, 1, 5, 9])).unwrap();
+        let err = TokenFile::open_as(&path, 256, FileFormat::Llmc).unwrap_err();
+        assert!(matches!(err, DataError::WrongMagic { found: 65543, .. }), "{err}");
+        let msg = err.to_string();
+        for needle in ["raw.bin", "magic 65543", "20240520"] {
+            assert!(msg.contains(needle), "{needle:?} missing: {msg}");
+        }
+        // The same file is fine when read as what it is.
+        assert_eq!(TokenFile::open_as(&path, 256, FileFormat::Raw).unwrap().len(), 6);
+        assert_eq!(TokenFile::open_as(&path, 256, FileFormat::Auto).unwrap().format(), TokenFormat::RawU16);
+    }
+
+    #[test]
+    fn auto_format_refuses_an_llmc_header_with_another_magic() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("other.bin");
+        fs::write(&path, foreign(20240801, &[1, 2, 3, 4])).unwrap();
+        let err = TokenFile::open(&path, 256).unwrap_err();
+        assert!(
+            matches!(err, DataError::ForeignHeader { found: 20240801, version: 1, count: 4, .. }),
+            "{err}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("other.bin"), "{msg}");
+        assert!(msg.contains("llm.c header with magic 20240801 (expected 20240520)"), "{msg}");
+        // Told it is raw, it is read as raw (the header becomes 512 tokens).
+        let f = TokenFile::open_as(&path, 1 << 16, FileFormat::Raw).unwrap();
+        assert_eq!((f.format(), f.len()), (TokenFormat::RawU16, 512 + 4));
+        // And version 2 (uint32 tokens) is recognised the same way.
+        let mut v2 = llmc_header(2, 2);
+        v2[..4].copy_from_slice(&7i32.to_le_bytes());
+        v2.extend([1u8, 0, 0, 0, 2, 0, 0, 0]);
+        let path2 = dir.path().join("other32.bin");
+        fs::write(&path2, v2).unwrap();
+        let err = TokenFile::open(&path2, 256).unwrap_err();
+        assert!(matches!(err, DataError::ForeignHeader { found: 7, version: 2, count: 2, .. }), "{err}");
+    }
+
+    #[test]
+    fn auto_format_reads_raw_tokens_that_only_resemble_a_header() {
+        let dir = tempfile::tempdir().unwrap();
+        // int32 [1] is 1, but int32 [2] is not the count the size implies.
+        let mut tokens = vec![9u16; 600];
+        tokens[2] = 1;
+        tokens[3] = 0;
+        tokens[4] = 100;
+        tokens[5] = 0;
+        let path = dir.path().join("raw.bin");
+        fs::write(&path, raw_u16(&tokens)).unwrap();
+        let f = TokenFile::open(&path, 256).unwrap();
+        assert_eq!((f.format(), f.len()), (TokenFormat::RawU16, 600));
+        // A raw file shorter than a header cannot be mistaken for one.
+        fs::write(&path, raw_u16(&[1, 0, 1, 0, 0, 0])).unwrap();
+        assert_eq!(TokenFile::open(&path, 256).unwrap().format(), TokenFormat::RawU16);
+    }
+
+    #[test]
+    fn raw_format_reads_even_an_llmc_file_as_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.bin");
+        write_llmc(&path, &[1, 2, 3], 256).unwrap();
+        let f = TokenFile::open_as(&path, 1 << 16, FileFormat::Raw).unwrap();
+        assert_eq!(
+            (f.format(), f.len(), f.get(0)),
+            (TokenFormat::RawU16, 512 + 3, (LLMC_MAGIC & 0xffff) as u32)
+        );
+    }
+
+    #[test]
+    fn format_names_parse() {
+        assert_eq!("auto".parse(), Ok(FileFormat::Auto));
+        assert_eq!("llmc".parse(), Ok(FileFormat::Llmc));
+        assert_eq!("raw".parse(), Ok(FileFormat::Raw));
+        assert!("bin".parse::<FileFormat>().unwrap_err().contains("\"llmc\""));
     }
 
     #[test]

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: not a valid safetensors file: {msg}")]
     Format { path: PathBuf, msg: String },
     #[error("{path}: tensor `{name}` is missing (expected shape {expected:?})")]
@@ -24,6 +24,11 @@ pub enum WeightsError {
     Shape { path: PathBuf, name: String, got: Vec<usize>, expected: Vec<usize> },
     #[error("{path}: tensor `{name}` has dtype {got}, expected F32")]
     Dtype { path: PathBuf, name: String, got: String },
+    #[error(
+        "{path}: tensor `{name}` is not part of this model ({count} such tensor(s); expected exactly the \
+         {expected} tensors of a GPT-2 with n_layer = {n_layer}: is the file from a larger model?)"
+    )]
+    Unexpected { path: PathBuf, name: String, count: usize, expected: usize, n_layer: usize },
 }
 
 /// Model tensors gathered from parts, by HF name, each exactly once (the
@@ -74,7 +79,17 @@ pub fn save(
     tensors: &BTreeMap<String, (&[usize], &[f32])>,
     metadata: HashMap<String, String>,
 ) -> Result<(), WeightsError> {
-    let io = |source| WeightsError::Io { path: path.to_path_buf(), source };
+    let buf = to_safetensors(path, tensors, metadata)?;
+    write_atomic(path, &buf).map_err(|error| WeightsError::Io { path: path.to_path_buf(), error })
+}
+
+/// The bytes of a safetensors file (F32) holding `tensors`; `path` only names
+/// the file in errors.
+pub fn to_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, (&[usize], &[f32])>,
+    metadata: HashMap<String, String>,
+) -> Result<Vec<u8>, WeightsError> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
         tensors.iter().map(|(n, (s, d))| (n.clone(), s.to_vec(), to_le_bytes(d))).collect();
     let views = bytes.iter().map(|(n, s, b)| {
@@ -83,9 +98,8 @@ pub fn save(
             safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches data"),
         )
     });
-    let buf = safetensors::serialize(views, Some(metadata))
-        .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
-    write_atomic(path, &buf).map_err(io)
+    safetensors::serialize(views, Some(metadata))
+        .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })
 }
 
 /// Write to `path.tmp`, fsync, rename over `path`, fsync the directory.
@@ -117,7 +131,7 @@ pub struct LoadedWeights {
 /// ignores what GPT-2 checkpoints carry beside the weights (`lm_head.weight`,
 /// which is tied to wte, and the attention mask buffers).
 pub fn load(path: &Path) -> Result<LoadedWeights, WeightsError> {
-    let buf = std::fs::read(path).map_err(|source| WeightsError::Io { path: path.to_path_buf(), source })?;
+    let buf = std::fs::read(path).map_err(|error| WeightsError::Io { path: path.to_path_buf(), error })?;
     parse(path, &buf)
 }
 
@@ -148,9 +162,25 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
 }
 
 impl LoadedWeights {
-    /// Checks that every tensor of `cfg`'s model is present with its shape.
+    /// Checks that every tensor of `cfg`'s model is present with its shape,
+    /// and that there is nothing else: extra tensors mean the file was made
+    /// for another model, and loading part of it would pass silently.
     pub fn check(&self, cfg: &GptConfig) -> Result<(), WeightsError> {
-        for (name, expected) in all_tensors(cfg) {
+        let all = all_tensors(cfg);
+        let known: std::collections::HashSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+        let mut extra: Vec<&String> = self.tensors.keys().filter(|n| !known.contains(n.as_str())).collect();
+        if !extra.is_empty() {
+            // Sorted, so the tensor named does not depend on hash order.
+            extra.sort();
+            return Err(WeightsError::Unexpected {
+                path: self.path.clone(),
+                name: extra[0].clone(),
+                count: extra.len(),
+                expected: all.len(),
+                n_layer: cfg.n_layer,
+            });
+        }
+        for (name, expected) in all {
             match self.tensors.get(&name) {
                 None => return Err(WeightsError::Missing { path: self.path.clone(), name, expected }),
                 Some((got, _)) if *got != expected => {
@@ -169,7 +199,12 @@ impl LoadedWeights {
 
     /// Copies the weights into a part (after `check`).
     pub fn assign(&self, part: &mut ModelPart) -> Result<(), WeightsError> {
-        for p in &mut part.params {
+        self.assign_params(&mut part.params)
+    }
+
+    /// Copies the weights into parameters (after `check`), by name.
+    pub fn assign_params(&self, params: &mut [Param]) -> Result<(), WeightsError> {
+        for p in params {
             let (shape, data) = self.tensors.get(&p.name).ok_or_else(|| WeightsError::Missing {
                 path: self.path.clone(),
                 name: p.name.clone(),
@@ -186,5 +221,61 @@ impl LoadedWeights {
             p.data.copy_from_slice(data);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(n_layer: usize) -> GptConfig {
+        GptConfig { n_layer, n_head: 2, n_embd: 8, vocab_size: 16, block_size: 4 }
+    }
+
+    /// A safetensors file holding every tensor of `cfg` (zeros), each name
+    /// passed through `rename`, plus `extra` tensors; parsed back.
+    fn file_of(cfg: &GptConfig, rename: impl Fn(&str) -> String, extra: &[&str]) -> LoadedWeights {
+        let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = all_tensors(cfg)
+            .into_iter()
+            .map(|(n, s)| {
+                let len = s.iter().product();
+                (rename(&n), s, vec![0.0; len])
+            })
+            .collect();
+        for e in extra {
+            owned.push((e.to_string(), vec![2, 2], vec![0.0; 4]));
+        }
+        let map: BTreeMap<String, (&[usize], &[f32])> =
+            owned.iter().map(|(n, s, d)| (n.clone(), (s.as_slice(), d.as_slice()))).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        save(&path, &map, HashMap::new()).unwrap();
+        load(&path).unwrap()
+    }
+
+    #[test]
+    fn weights_of_a_larger_model_are_refused_naming_an_extra_tensor() {
+        let w = file_of(&tiny(2), |n| n.to_string(), &[]);
+        let err = w.check(&tiny(1)).unwrap_err();
+        assert!(
+            matches!(&err, WeightsError::Unexpected { name, count: 12, .. } if name == "h.1.attn.c_attn.bias")
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("w.safetensors") && msg.contains("`h.1.attn.c_attn.bias`"), "{msg}");
+        assert!(w.check(&tiny(2)).is_ok());
+    }
+
+    #[test]
+    fn an_unknown_tensor_is_refused() {
+        let w = file_of(&tiny(1), |n| n.to_string(), &["h.0.attn.rotary.inv_freq"]);
+        let err = w.check(&tiny(1)).unwrap_err();
+        assert!(err.to_string().contains("h.0.attn.rotary.inv_freq"), "{err}");
+    }
+
+    #[test]
+    fn hugging_face_extras_and_prefix_are_accepted() {
+        let extras = ["lm_head.weight", "transformer.h.0.attn.bias", "transformer.h.0.attn.masked_bias"];
+        let w = file_of(&tiny(1), |n| format!("transformer.{n}"), &extras);
+        w.check(&tiny(1)).unwrap();
     }
 }

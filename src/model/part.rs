@@ -10,7 +10,11 @@
 //! last part runs the head's backward right inside forward (llm.c's fused
 //! classifier): the (N, V) logits then never outlive one microbatch.
 //! Buffers are recycled through pools, so after the first step of a schedule
-//! nothing is allocated.
+//! this code allocates nothing: forward, backward (whole, or split into I and
+//! W), the optimizer step and evaluation reuse their buffers (tested in
+//! `train::engine`). The `gemm` crate still allocates its packing buffers on
+//! every product, which no API lets us hand it; glibc serves those from its
+//! heap without system calls (docs/benchmarks.md measures the cost).
 
 use super::params::{self, GptConfig, Param};
 use crate::kernels::cpu::{attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
@@ -28,6 +32,26 @@ pub struct PartSpec {
 impl PartSpec {
     pub fn whole(cfg: &GptConfig) -> Self {
         PartSpec { layers: 0..cfg.n_layer, embedding: true, head: true }
+    }
+
+    /// Index of local block `l`'s first tensor in `part_params` order.
+    pub fn block_base(&self, l: usize) -> usize {
+        (if self.embedding { 2 } else { 0 }) + 12 * l
+    }
+
+    /// Index of ln_f.weight (the head's first tensor).
+    pub fn head_base(&self) -> usize {
+        self.block_base(self.layers.len())
+    }
+
+    /// Index of the wte the head reads: the embedding's own when the part
+    /// holds both, else its tied copy after ln_f.
+    pub fn head_wte(&self) -> usize {
+        if self.embedding {
+            0
+        } else {
+            self.head_base() + 2
+        }
     }
 }
 
@@ -215,6 +239,31 @@ pub struct ModelPart {
     pub peak_live_bytes: usize,
 }
 
+/// The tensors a part holds, in its order, with their initial values: [wte,
+/// wpe] if first, 12 per block, [ln_f.w, ln_f.b] if last, then a copy of wte
+/// if last but not first (the tied head). Every backend builds its parts from these.
+pub fn part_params(cfg: &GptConfig, spec: &PartSpec, seed: u64) -> Vec<Param> {
+    let mut params = Vec::new();
+    let mut add = |list: Vec<(String, Vec<usize>)>| {
+        for (name, shape) in list {
+            params.push(params::new_param(cfg, name, shape, seed));
+        }
+    };
+    if spec.embedding {
+        add(params::embedding_tensors(cfg));
+    }
+    for l in spec.layers.clone() {
+        add(params::block_tensors(cfg, l));
+    }
+    if spec.head {
+        add(params::final_norm_tensors(cfg));
+        if !spec.embedding {
+            add(vec![params::embedding_tensors(cfg).remove(0)]);
+        }
+    }
+    params
+}
+
 fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Param) {
     assert!(i < j);
     let (a, b) = p.split_at_mut(j);
@@ -223,24 +272,19 @@ fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Param) {
 
 impl ModelPart {
     pub fn new(cfg: GptConfig, spec: PartSpec, b: usize, seed: u64, recompute: bool) -> Self {
-        let mut params = Vec::new();
-        let mut add = |list: Vec<(String, Vec<usize>)>| {
-            for (name, shape) in list {
-                params.push(params::new_param(&cfg, name, shape, seed));
-            }
-        };
-        if spec.embedding {
-            add(params::embedding_tensors(&cfg));
-        }
-        for l in spec.layers.clone() {
-            add(params::block_tensors(&cfg, l));
-        }
-        if spec.head {
-            add(params::final_norm_tensors(&cfg));
-            if !spec.embedding {
-                add(vec![params::embedding_tensors(&cfg).remove(0)]);
-            }
-        }
+        let params = part_params(&cfg, &spec, seed);
+        ModelPart::from_params(cfg, spec, b, recompute, params)
+    }
+
+    /// The part holding `params` (`part_params`' tensors, in its order, with
+    /// any values: initial, loaded or resumed).
+    pub fn from_params(
+        cfg: GptConfig,
+        spec: PartSpec,
+        b: usize,
+        recompute: bool,
+        params: Vec<Param>,
+    ) -> Self {
         let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         let head = spec.head;
@@ -280,23 +324,6 @@ impl ModelPart {
 
     fn n_blocks(&self) -> usize {
         self.spec.layers.len()
-    }
-
-    fn block_base(&self, l: usize) -> usize {
-        (if self.spec.embedding { 2 } else { 0 }) + 12 * l
-    }
-
-    fn head_base(&self) -> usize {
-        self.block_base(self.n_blocks())
-    }
-
-    /// Index of the wte tensor the head reads (the embedding's own when this part has both).
-    fn head_wte(&self) -> usize {
-        if self.spec.embedding {
-            0
-        } else {
-            self.head_base() + 2
-        }
     }
 
     /// An (N, C) buffer from the pool; its contents are arbitrary.
@@ -370,7 +397,7 @@ impl ModelPart {
         let nb = self.n_blocks();
         for l in 0..nb {
             let mut out = self.take_nc();
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             let ba = if self.recompute { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
             block_forward(
                 &self.params[base..base + 12],
@@ -428,8 +455,8 @@ impl ModelPart {
     ) -> (f64, Option<Vec<f32>>) {
         let (c, v) = (self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.n();
-        let hb = self.head_base();
-        let wte_i = self.head_wte();
+        let hb = self.spec.head_base();
+        let wte_i = self.spec.head_wte();
         let s = &mut self.scratch;
         {
             let (w, b) = (&self.params[hb].data, &self.params[hb + 1].data);
@@ -521,7 +548,7 @@ impl ModelPart {
         self.live_bytes -= acts.bytes();
         let mut dres = self.output_grad(&mut acts, dout);
         for l in (0..self.n_blocks()).rev() {
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             if self.recompute {
                 self.recompute_block(&acts, l);
             }
@@ -566,7 +593,7 @@ impl ModelPart {
             grads.push(BlockGrads::new(n, self.cfg.n_embd));
         }
         for l in (0..self.n_blocks()).rev() {
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             block_backward_input(
                 &mut self.params[base..base + 12],
                 &acts.blocks[l],
@@ -592,7 +619,7 @@ impl ModelPart {
         let PendingWeight { acts, grads, dembed } = self.pending_w.remove(&mb).expect("I ran before W");
         self.live_bytes -= acts.bytes() + grads.iter().map(BlockGrads::bytes).sum::<usize>();
         for l in (0..self.n_blocks()).rev() {
-            let base = self.block_base(l);
+            let base = self.spec.block_base(l);
             block_backward_weight(
                 &mut self.params[base..base + 12],
                 &acts.blocks[l],
@@ -620,7 +647,7 @@ impl ModelPart {
     }
 
     fn recompute_block(&mut self, acts: &MicroActs, l: usize) {
-        let base = self.block_base(l);
+        let base = self.spec.block_base(l);
         let ba = self.recompute_acts.as_mut().unwrap();
         let mut out =
             self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * self.cfg.block_size * self.cfg.n_embd]);
@@ -667,7 +694,7 @@ impl ModelPart {
                 return;
             }
         };
-        let i = self.head_wte();
+        let i = self.spec.head_wte();
         let own_is_embedding = self.spec.embedding;
         let g = &mut self.params[i].grad;
         if own_is_embedding {

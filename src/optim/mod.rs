@@ -46,6 +46,20 @@ impl LrSchedule {
         }
     }
 
+    /// The steps over which the rate decays from lr to min_lr, first and last
+    /// (equal when it never decays).
+    pub fn decay_bounds(&self) -> (usize, usize) {
+        let last = self.total_steps.saturating_sub(1).max(self.warmup_steps);
+        match self.kind {
+            ScheduleKind::Constant => (self.warmup_steps, self.warmup_steps),
+            ScheduleKind::Cosine => (self.warmup_steps, last),
+            ScheduleKind::Wsd { decay_frac } => {
+                let decay_steps = ((self.total_steps as f64 * decay_frac).round() as usize).max(1);
+                (self.total_steps.saturating_sub(decay_steps).max(self.warmup_steps), last)
+            }
+        }
+    }
+
     /// The learning rate of 0-based optimizer step `step`.
     pub fn lr(&self, step: usize) -> f64 {
         if step < self.warmup_steps {
@@ -62,9 +76,8 @@ impl LrSchedule {
                 let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
                 self.min_lr + coeff * (self.lr - self.min_lr)
             }
-            ScheduleKind::Wsd { decay_frac } => {
-                let decay_steps = ((self.total_steps as f64 * decay_frac).round() as usize).max(1);
-                let decay_start = self.total_steps.saturating_sub(decay_steps).max(self.warmup_steps);
+            ScheduleKind::Wsd { .. } => {
+                let (decay_start, _) = self.decay_bounds();
                 if step < decay_start {
                     self.lr
                 } else {
@@ -209,6 +222,51 @@ mod tests {
         let s = sched(ScheduleKind::Constant);
         assert_eq!(s.lr(4), 0.5);
         assert_eq!(s.lr(100), 1.0);
+    }
+
+    /// PyTorch's AdamW (nanoGPT's parameter groups): decoupled decay
+    /// `p ← p·(1 − lr·wd)` on the matmul weights and both embeddings, none on
+    /// biases or LayerNorm parameters; then `p ← p − lr/bc1 · m/(√v/√bc2 + eps)`.
+    #[test]
+    fn adamw_decays_two_dimensional_tensors_only_as_pytorch_does() {
+        use crate::model::PartSpec;
+        let gpt = GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 11, block_size: 5 };
+        let mut part = ModelPart::new(gpt, PartSpec::whole(&gpt), 1, 3, false);
+        for (i, p) in part.params.iter_mut().enumerate() {
+            // Biases and LayerNorm start at 0 and 1; give every tensor values
+            // where decay shows, and a gradient.
+            let mut r = crate::rng::Rng::new(5, crate::rng::Purpose::Test, &[i as u64]);
+            p.data.iter_mut().for_each(|x| *x = r.normal() as f32);
+            p.grad.iter_mut().for_each(|g| *g = r.normal() as f32);
+        }
+        let before: Vec<(String, Vec<f32>, Vec<f32>)> =
+            part.params.iter().map(|p| (p.name.clone(), p.data.clone(), p.grad.clone())).collect();
+        let hp = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.5 };
+        let lr = 0.1;
+        let mut adam = AdamState::new(&part);
+        adam.step(&mut part, hp, lr, 1.0);
+
+        let two_d = |n: &str| {
+            n == "wte.weight"
+                || n == "wpe.weight"
+                || ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"]
+                    .iter()
+                    .any(|s| n.ends_with(s))
+        };
+        let mut decayed = 0;
+        for ((name, p0, g), p) in before.iter().zip(&part.params) {
+            let wd = if two_d(name) { hp.weight_decay } else { 0.0 };
+            decayed += usize::from(wd > 0.0);
+            let (bc1, bc2) = (1.0 - hp.beta1, 1.0 - hp.beta2);
+            for ((&x, &g), &got) in p0.iter().zip(g).zip(&p.data) {
+                let (x, g) = (x as f64, g as f64);
+                let (m, v) = ((1.0 - hp.beta1) * g, (1.0 - hp.beta2) * g * g);
+                let want = x * (1.0 - lr * wd) - lr / bc1 * m / ((v / bc2).sqrt() + hp.eps);
+                assert!((got as f64 - want).abs() < 1e-5 * want.abs().max(1.0), "{name}: {got} vs {want}");
+            }
+        }
+        // wte, wpe and four matrices per block.
+        assert_eq!(decayed, 2 + 4 * gpt.n_layer);
     }
 
     #[test]

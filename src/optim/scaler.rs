@@ -28,8 +28,8 @@ impl LossScaler {
         (c.loss_scale == "dynamic").then_some(LossScaler {
             scale: c.loss_scale_init,
             growth_interval: c.loss_scale_growth_interval as u64,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
+            growth_factor: c.loss_scale_growth_factor,
+            backoff_factor: c.loss_scale_backoff_factor,
             hysteresis: c.loss_scale_hysteresis as u64,
             min_scale: c.loss_scale_min,
             growth_tracker: 0,

@@ -355,14 +355,15 @@ impl Plan {
         let _ = writeln!(o, "Chinchilla-optimal for C = 6ND = {:.3e}:", c.budget);
         let _ = writeln!(
             o,
-            "  20 tokens/param: N = {}, D = {} (fitted loss {:.3})",
+            "  approaches 1–2, 20 tokens/param (N ∝ C^0.50; Chinchilla's own 70B on 1.4T): N = {}, D = {} (fitted loss {:.3})",
             si(c.rule_20x.params),
             si(c.rule_20x.tokens),
             c.rule_20x.loss
         );
         let _ = writeln!(
             o,
-            "  fitted law (Hoffmann approach 3): N = {}, D = {} (loss {:.3}); this run: {:.1} tokens/param, loss {:.3}",
+            "  approach 3, fitted law with the printed constants (N ∝ C^{:.2}): N = {}, D = {} (loss {:.3}); this run: {:.1} tokens/param, loss {:.3}",
+            c.fitted_exponent,
             si(c.fitted.params),
             si(c.fitted.tokens),
             c.fitted.loss,
@@ -421,6 +422,18 @@ impl Plan {
                 b.live_microbatches,
                 gb(b.workspace),
                 gb(b.total)
+            );
+        }
+        if let Some(c) = self.candidates.first() {
+            let live: Vec<String> =
+                c.live_microbatches.iter().enumerate().map(|(s, n)| format!("{s}:{n}")).collect();
+            let _ = writeln!(
+                o,
+                "  top candidate, microbatches alive at the peak per stage ({}, pp {}, m {}): {}",
+                c.schedule,
+                c.pp,
+                c.microbatches,
+                live.join(" ")
             );
         }
         let _ = writeln!(

@@ -13,13 +13,17 @@
 //!   backward (2 more with full recompute), ring cost 2(t−1)/t · bytes / NVLink, on
 //!   the stage's critical path (added to each F and B);
 //! - pipeline: our simulator runs the schedule with those F/B/I/W costs and a message
-//!   latency of (s·b·h·2 / tp) bytes / link, giving the makespan and the bubble;
+//!   latency of (s·b·h·2 / tp) bytes over each hop's link, averaged over the hops,
+//!   giving the makespan and the bubble;
 //! - data parallel: the gradient all-reduce, 2(dp−1)/dp · bytes / link (ZeRO-1: a
 //!   reduce-scatter plus an all-gather, the same volume; ZeRO-3: 1.5×), not
 //!   overlapped with compute (overlap fraction 0: conservative).
 //!
-//! Rank placement follows Megatron-LM's order (tp fastest, then dp, then pp): a group
-//! uses NVLink when the ranks it spans fit in one node, else InfiniBand.
+//! Rank placement follows Megatron-LM's default order, tp fastest, then dp, then pp:
+//! global rank = t + tp·(d + dp·p). A tp or dp group uses NVLink when the ranks it
+//! spans fit in one node, else InfiniBand; a pipeline hop joins ranks tp·dp apart,
+//! so it stays on NVLink exactly when both ends sit in the same node (never once
+//! tp·dp ≥ the node's 8 GPUs; for smaller tp·dp, the hops inside a node).
 
 use super::flops::ModelShape;
 use super::hardware::Gpu;
@@ -72,8 +76,13 @@ pub struct Candidate {
     /// Seconds per step: compute at the MFU with no bubble (recompute included).
     pub compute_s: f64,
     pub tp_comm_s: f64,
-    /// Point-to-point time of one microbatch hop.
+    /// Point-to-point time of one microbatch hop, mean over the pp − 1 hops.
     pub p2p_s: f64,
+    /// Hops whose two stages sit in different nodes (InfiniBand), of pp − 1.
+    pub p2p_ib_hops: usize,
+    /// Most microbatches alive at once on each stage under this schedule (from the
+    /// simulator; 1F1B: min(p − s, m) on stage s).
+    pub live_microbatches: Vec<usize>,
     /// The simulated pipeline makespan (compute, TP and p2p, with bubbles).
     pub pipeline_s: f64,
     /// The whole gradient all-reduce (or ZeRO-3's 1.5×), before overlap.
@@ -110,6 +119,16 @@ pub fn allreduce_s(bytes: f64, n: usize, bw: f64) -> f64 {
     } else {
         2.0 * (n - 1) as f64 / n as f64 * bytes / bw
     }
+}
+
+/// For each pipeline hop (stage k to k+1, k < pp − 1): whether any of its tp·dp
+/// rank pairs crosses a node boundary, with ranks ordered tp, dp, pp (see the
+/// module comment).
+pub fn hops_across_nodes(tp: usize, dp: usize, pp: usize, gpus_per_node: usize) -> Vec<bool> {
+    let span = tp * dp;
+    (0..pp.saturating_sub(1))
+        .map(|k| (0..span).any(|j| (k * span + j) / gpus_per_node != ((k + 1) * span + j) / gpus_per_node))
+        .collect()
 }
 
 /// Every fitting layout, fastest first, keeping the best (m, recompute, ZeRO) per
@@ -166,7 +185,9 @@ pub fn search(inp: &SearchInput) -> SearchResult {
                                 smallest = Some(smallest.map_or(worst.total, |s| s.min(worst.total)));
                                 continue;
                             }
-                            let c = evaluate(inp, &layout, kind, &sched, worst, compute_s, attn_fwd_share);
+                            let mut c =
+                                evaluate(inp, &layout, kind, &sched, worst, compute_s, attn_fwd_share);
+                            c.live_microbatches = unit.peak_live.clone();
                             let key = (tp, pp, kind.name().to_string());
                             if best.get(&key).is_none_or(|old| c.step_s < old.step_s) {
                                 best.insert(key, c);
@@ -211,7 +232,13 @@ fn evaluate(
     let one_ar = allreduce_s(act_bytes, tp, gpu.nvlink_bytes_per_s);
     let tp_f = layers_per_chunk * 2.0 * one_ar;
     let tp_b = layers_per_chunk * if l.recompute == Recompute::Full { 4.0 } else { 2.0 } * one_ar;
-    let p2p_s = if pp > 1 { act_bytes / tp as f64 / gpu.link(tp * dp * pp) } else { 0.0 };
+    let hops = hops_across_nodes(tp, dp, pp, gpu.gpus_per_node);
+    let p2p_ib_hops = hops.iter().filter(|&&x| x).count();
+    let hop_s =
+        |ib: bool| act_bytes / tp as f64 / if ib { gpu.ib_bytes_per_s } else { gpu.nvlink_bytes_per_s };
+    // The simulator takes one message cost; the mean keeps the sum over the hops a
+    // microbatch crosses (the warmup's critical path) right.
+    let p2p_s = if pp > 1 { hops.iter().map(|&ib| hop_s(ib)).sum::<f64>() / hops.len() as f64 } else { 0.0 };
     let costs = Costs {
         forward: f + tp_f,
         backward: 2.0 * f + extra + tp_b,
@@ -235,7 +262,7 @@ fn evaluate(
     let sched_name = if v > 1 { format!("{} v={v}", kind.name()) } else { kind.name().to_string() };
     let why = format!(
         "fits at {:.1} GB of {:.0} ({} recompute, ZeRO-{}, rank {} holds {} microbatch activations{}); \
-         bubble {:.1}%; TP all-reduce {:.2} s, p2p {:.1} ms/hop, DP all-reduce {:.2} s{} per {:.2} s step",
+         bubble {:.1}%; TP all-reduce {:.2} s, p2p {:.1} ms/hop ({} of {} hops across nodes), DP all-reduce {:.2} s{} per {:.2} s step",
         worst.total / 1e9,
         gpu.memory_bytes / 1e9,
         match l.recompute {
@@ -249,6 +276,8 @@ fn evaluate(
         100.0 * rep.mean_bubble_frac,
         tp_comm_s,
         1e3 * p2p_s,
+        p2p_ib_hops,
+        pp.saturating_sub(1),
         dp_allreduce_s,
         if inp.dp_overlap > 0.0 {
             format!(" ({:.0}% hidden)", 100.0 * inp.dp_overlap)
@@ -273,6 +302,8 @@ fn evaluate(
         compute_s: compute_s * (1.0 + extra / (3.0 * f)),
         tp_comm_s,
         p2p_s,
+        p2p_ib_hops,
+        live_microbatches: Vec::new(),
         pipeline_s: rep.makespan,
         dp_allreduce_s,
         step_s,
@@ -281,5 +312,23 @@ fn evaluate(
         train_days: train_s / 86_400.0,
         cost_usd,
         why,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipeline_hops_cross_nodes_by_the_rank_order() {
+        // tp·dp = 4: two stages per 8-GPU node, so only the middle hop leaves one.
+        assert_eq!(hops_across_nodes(2, 2, 4, 8), vec![false, true, false]);
+        // tp·dp = 8 fills a node: every hop crosses.
+        assert_eq!(hops_across_nodes(8, 1, 2, 8), vec![true]);
+        assert_eq!(hops_across_nodes(1, 8, 3, 8), vec![true, true]);
+        // Eight stages of one GPU each fit one node: NVLink all the way.
+        assert_eq!(hops_across_nodes(1, 1, 8, 8), vec![false; 7]);
+        // tp·dp = 3 does not divide a node: a hop crosses when any rank pair does.
+        assert_eq!(hops_across_nodes(1, 3, 3, 8), vec![false, true]);
     }
 }

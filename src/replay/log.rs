@@ -192,8 +192,8 @@ pub struct Header {
 /// What can be wrong with a log file; every variant names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: not a pipewright replay log (expected the magic `PWREPLAY`)")]
     NotALog { path: PathBuf },
     #[error("{path}: replay log format {found}, this build reads format {VERSION}")]
@@ -231,7 +231,7 @@ pub struct LogWriter {
 
 impl LogWriter {
     pub fn create(path: &Path, header: &Header) -> Result<LogWriter, LogError> {
-        let io = |source| LogError::Io { path: path.to_path_buf(), source };
+        let io = |error| LogError::Io { path: path.to_path_buf(), error };
         let file = std::fs::File::create(path).map_err(io)?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         let hb = bincode::serde::encode_to_vec(header, bincode_config()).expect("a header encodes");
@@ -246,7 +246,7 @@ impl LogWriter {
     pub fn append(&mut self, mut e: Entry) -> Result<(), LogError> {
         e.seq = self.next_seq;
         self.next_seq += 1;
-        let io = |source| LogError::Io { path: self.path.clone(), source };
+        let io = |error| LogError::Io { path: self.path.clone(), error };
         let bytes = bincode::serde::encode_to_vec(&e, bincode_config()).map_err(|err| LogError::Corrupt {
             path: self.path.clone(),
             index: e.seq,
@@ -262,12 +262,12 @@ impl LogWriter {
 
     pub fn flush(&mut self) -> Result<(), LogError> {
         let path = self.path.clone();
-        self.out.flush().map_err(|source| LogError::Io { path, source })
+        self.out.flush().map_err(|error| LogError::Io { path, error })
     }
 
     pub fn finish(mut self) -> Result<(), LogError> {
         let path = self.path.clone();
-        self.out.flush().map_err(|source| LogError::Io { path, source })
+        self.out.flush().map_err(|error| LogError::Io { path, error })
     }
 }
 
@@ -285,7 +285,7 @@ pub struct LogReader {
 impl LogReader {
     pub fn open(path: &Path) -> Result<LogReader, LogError> {
         let p = path.to_path_buf();
-        let io = |source| LogError::Io { path: p.clone(), source };
+        let io = |error| LogError::Io { path: p.clone(), error };
         let file = std::fs::File::open(path).map_err(io)?;
         let size = file.metadata().map_err(io)?.len();
         let mut input = std::io::BufReader::with_capacity(1 << 20, file);
@@ -333,7 +333,7 @@ impl LogReader {
             return Err(truncated());
         }
         let mut lb = [0u8; 8];
-        self.input.read_exact(&mut lb).map_err(|source| LogError::Io { path: path.clone(), source })?;
+        self.input.read_exact(&mut lb).map_err(|error| LogError::Io { path: path.clone(), error })?;
         let len = u64::from_le_bytes(lb);
         if len > MAX_FRAME {
             return Err(LogError::BadLength { path, index, offset, len });
@@ -343,7 +343,7 @@ impl LogReader {
         }
         let mut bytes = vec![0u8; len as usize];
         let mut digest = [0u8; 32];
-        let io = |source| LogError::Io { path: path.clone(), source };
+        let io = |error| LogError::Io { path: path.clone(), error };
         self.input.read_exact(&mut bytes).map_err(io)?;
         self.input.read_exact(&mut digest).map_err(io)?;
         let chain = chain_next(&self.chain, &bytes);

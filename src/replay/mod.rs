@@ -264,7 +264,7 @@ pub struct ActorLog {
 impl ActorLog {
     pub fn record(run_dir: &Path, actor: &str, header: Header) -> Result<ActorLog, LogError> {
         let dir = replay_dir(run_dir);
-        std::fs::create_dir_all(&dir).map_err(|source| LogError::Io { path: dir.clone(), source })?;
+        std::fs::create_dir_all(&dir).map_err(|error| LogError::Io { path: dir.clone(), error })?;
         let payloads = header.payloads;
         let w = LogWriter::create(&log_path(run_dir, actor), &header)?;
         Ok(ActorLog {

@@ -309,6 +309,8 @@ fn replay_one_stage(
         })
     };
     let args = StageArgs {
+        // Replaying one stage alone: its tensors come from the log, in host memory.
+        gpu_plan: None,
         rank,
         replica,
         cfg: cfg.clone(),
@@ -426,6 +428,9 @@ fn replay_coordinator(
         Some(log),
         None,
     );
+    if let Some(r) = &resume {
+        st.continue_from(&r.state);
+    }
     if mid_run {
         st.start_unlogged().map_err(|e| anyhow!("coordinator: starting at step {start}: {e}"))?;
     }

@@ -1,12 +1,15 @@
 //! Traces of a run in the Chrome Trace Event format, which Perfetto and
-//! chrome://tracing open: a process per data-parallel replica, a thread per
-//! pipeline stage, a complete event per action, flows between stages, and
-//! counters of live activations.
+//! chrome://tracing open: a process per data-parallel replica (and per node
+//! when the run spans processes), a thread per pipeline stage, a complete event
+//! per action, spans for sends, waits, reduction, optimizer and checkpoints,
+//! instants for receives, flows between stages, and counters of live
+//! activations and the bytes they hold.
 //!
 //! Stages record into their own `Recorder` (a plain Vec, no locks, nothing when
-//! tracing is off); the coordinator gathers the records at the end and writes
-//! one file. All timestamps are microseconds from one `Instant` shared by every
-//! actor of the run, so lanes line up without clock alignment.
+//! tracing is off); the coordinator gathers every replica's records at the end
+//! and writes one file. Timestamps are microseconds from one `Instant` shared by
+//! the actors of a process; other processes shift their epoch onto rank 0's
+//! clock when they join (`cluster`), so lanes line up across processes too.
 
 pub mod render;
 pub mod simulated;
@@ -16,23 +19,32 @@ use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 /// One recorded span or instant, before it becomes Chrome JSON.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Record {
     pub replica: usize,
+    /// The process that recorded it (0 in a one-process run).
+    pub node: usize,
     pub stage: usize,
     pub rank: usize,
-    /// "F", "B", "I", "W" (actions) or "wait", "send", "optimizer", "reduce", "tied", "eval".
+    /// "F", "B", "I", "W" (actions); "wait", "send", "recv" (an instant: when a
+    /// message reached the stage's actor), "optimizer", "reduce", "tied", "eval",
+    /// "checkpoint" (a stage copying its state) or "checkpoint write".
     pub name: String,
     pub step: u64,
-    /// Microbatch for actions and waits on a microbatch.
+    /// Microbatch for actions and for waits, sends and receives of one microbatch.
     pub mb: Option<usize>,
     pub start_us: f64,
     pub dur_us: f64,
-    /// What a wait waited for, e.g. "activation from stage 1".
+    /// What a wait waited for, e.g. "activation from stage 1"; what a send sent.
     pub detail: Option<String>,
+    /// For sends and receives: the stage at the other end.
+    pub peer: Option<usize>,
     /// Live activations (microbatches between F and the end of their backward) on
     /// `stage` after this record, and the bytes they hold.
     pub live: Option<(usize, usize)>,
+    /// Set when an actor other than a stage recorded it (the checkpointer): it gets
+    /// a thread of its own in replica 0's process.
+    pub actor: Option<String>,
 }
 
 /// A stage's trace buffer.
@@ -49,6 +61,14 @@ impl Recorder {
 
     pub fn now_us(&self) -> f64 {
         self.epoch.elapsed().as_secs_f64() * 1e6
+    }
+
+    /// `t` on this trace's clock, µs (negative before the epoch).
+    pub fn us_of(&self, t: Instant) -> f64 {
+        match t.checked_duration_since(self.epoch) {
+            Some(d) => d.as_secs_f64() * 1e6,
+            None => -(self.epoch - t).as_secs_f64() * 1e6,
+        }
     }
 
     /// Records a span that started at `start_us` and ends now.
@@ -80,78 +100,163 @@ impl Recorder {
             dur_us: (end - start_us).max(0.0),
             detail,
             live,
+            ..Record::default()
         });
     }
+
+    /// Keeps `r` when tracing.
+    pub fn push(&mut self, r: Record) {
+        if self.enabled {
+            self.records.push(r);
+        }
+    }
+}
+
+/// Whether a record is an action (F, B, I or W).
+pub fn is_action(name: &str) -> bool {
+    matches!(name, "F" | "B" | "I" | "W")
+}
+
+/// A time inside the span [start, start + dur], at most `EDGE` µs in from its
+/// ends: Perfetto binds a flow event to the slice that encloses it, and a
+/// timestamp exactly on a slice's edge may bind to nothing.
+fn inside(start: f64, dur: f64, t: f64) -> f64 {
+    const EDGE: f64 = 1.0;
+    let e = EDGE.min(dur / 2.0);
+    t.clamp(start + e, start + dur - e)
 }
 
 /// Chrome Trace Event JSON of `records`; `meta` goes under "metadata"
 /// (schedule, layout, config) so `trace summary` can compare with theory.
+///
+/// A process per (replica, node): pid `k` is the k-th pair in (replica, node)
+/// order, so a one-process run has pid = replica. A thread per stage (tid =
+/// stage), and one per other actor (tid 1000 + k). Flows start inside the
+/// producer's send span (or its last µs when there is none) and end inside the
+/// consumer's action, never before they start.
 pub fn chrome_json(records: &[Record], meta: serde_json::Value) -> serde_json::Value {
     use serde_json::json;
+    use std::collections::BTreeMap;
     let mut events = Vec::new();
-    let mut lanes: Vec<(usize, usize, usize)> =
-        records.iter().map(|r| (r.replica, r.stage, r.rank)).collect();
-    lanes.sort();
-    lanes.dedup();
-    let mut replicas: Vec<usize> = lanes.iter().map(|l| l.0).collect();
-    replicas.dedup();
-    for p in replicas {
-        events.push(
-            json!({"ph": "M", "name": "process_name", "pid": p, "args": {"name": format!("replica {p}")}}),
-        );
-        events.push(json!({"ph": "M", "name": "process_sort_index", "pid": p, "args": {"sort_index": p}}));
+    let mut procs: Vec<(usize, usize)> = records.iter().map(|r| (r.replica, r.node)).collect();
+    procs.sort();
+    procs.dedup();
+    let multi_node = procs.iter().any(|p| p.1 > 0);
+    let pid_of = |r: &Record| procs.binary_search(&(r.replica, r.node)).unwrap_or(0);
+    for (pid, (replica, node)) in procs.iter().enumerate() {
+        let name = if multi_node {
+            format!("replica {replica} · node {node}")
+        } else {
+            format!("replica {replica}")
+        };
+        events.push(json!({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}));
+        events
+            .push(json!({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}}));
     }
-    for (p, s, r) in &lanes {
-        events.push(json!({"ph": "M", "name": "thread_name", "pid": p, "tid": s,
-            "args": {"name": format!("stage {s} (rank {r})")}}));
+    let mut actors: Vec<&str> = records.iter().filter_map(|r| r.actor.as_deref()).collect();
+    actors.sort();
+    actors.dedup();
+    let tid_of = |r: &Record| match &r.actor {
+        Some(a) => 1000 + actors.iter().position(|x| x == a).unwrap_or(0),
+        None => r.stage,
+    };
+    let mut threads: Vec<(usize, usize, String)> = records
+        .iter()
+        .map(|r| {
+            let name = match &r.actor {
+                Some(a) => a.clone(),
+                None => format!("stage {} (rank {})", r.stage, r.rank),
+            };
+            (pid_of(r), tid_of(r), name)
+        })
+        .collect();
+    threads.sort();
+    threads.dedup();
+    for (pid, tid, name) in &threads {
+        events
+            .push(json!({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}));
         events.push(
-            json!({"ph": "M", "name": "thread_sort_index", "pid": p, "tid": s, "args": {"sort_index": s}}),
+            json!({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}),
         );
     }
     for r in records {
-        let action = matches!(r.name.as_str(), "F" | "B" | "I" | "W");
+        let (pid, tid) = (pid_of(r), tid_of(r));
+        let action = is_action(&r.name);
         let name = match (action, r.mb) {
             (true, Some(mb)) => format!("{}{}", r.name, mb),
             _ => r.name.clone(),
         };
-        let mut args = json!({"step": r.step, "stage": r.stage, "rank": r.rank});
+        let mut args =
+            json!({"step": r.step, "stage": r.stage, "rank": r.rank, "replica": r.replica, "node": r.node});
         if let Some(mb) = r.mb {
             args["mb"] = mb.into();
         }
         if let Some(d) = &r.detail {
             args["detail"] = d.clone().into();
         }
+        if let Some(p) = r.peer {
+            args[if r.name == "send" { "to_stage" } else { "from_stage" }] = p.into();
+        }
         let cat = if action { "action" } else { r.name.as_str() };
-        events.push(json!({"ph": "X", "name": name, "cat": cat, "pid": r.replica, "tid": r.stage,
-            "ts": r.start_us, "dur": r.dur_us, "args": args}));
+        if r.name == "recv" {
+            events.push(json!({"ph": "i", "s": "t", "name": name, "cat": cat, "pid": pid, "tid": tid,
+                "ts": r.start_us, "args": args}));
+        } else {
+            events.push(json!({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
+                "ts": r.start_us, "dur": r.dur_us, "args": args}));
+        }
         if let Some((n, bytes)) = r.live {
+            let ts = r.start_us + r.dur_us;
             events.push(json!({"ph": "C", "name": format!("live activations, stage {}", r.stage),
-                "pid": r.replica, "tid": r.stage, "ts": r.start_us + r.dur_us,
-                "args": {"microbatches": n, "MiB": bytes as f64 / (1 << 20) as f64}}));
+                "pid": pid, "tid": tid, "ts": ts, "args": {"microbatches": n}}));
+            events.push(json!({"ph": "C", "name": format!("activation bytes, stage {}", r.stage),
+                "pid": pid, "tid": tid, "ts": ts, "args": {"bytes": bytes}}));
         }
     }
     // Flows: a microbatch's F on stage k to its F on k+1, and B (or I) on k+1 to k.
-    let mut index = std::collections::BTreeMap::new();
+    let mut index = BTreeMap::new();
+    let mut sends = BTreeMap::new();
     for (i, r) in records.iter().enumerate() {
         if let (Some(mb), Some(class)) = (r.mb, flow_class(&r.name)) {
             index.insert((r.replica, r.step, r.stage, class, mb), i);
         }
+        if let (Some(mb), Some(to), "send") = (r.mb, r.peer, r.name.as_str()) {
+            sends.insert((r.replica, r.step, r.stage, to, mb), i);
+        }
     }
-    let mut id = 0u64;
+    let (mut id, mut adjusted) = (0u64, 0u64);
     for r in records {
         let (Some(mb), Some(class)) = (r.mb, flow_class(&r.name)) else { continue };
         let target = match class {
             0 => Some(r.stage + 1),
             _ => r.stage.checked_sub(1),
         };
-        let Some(&j) = target.and_then(|t| index.get(&(r.replica, r.step, t, class, mb))) else { continue };
+        let Some(t) = target else { continue };
+        let Some(&j) = index.get(&(r.replica, r.step, t, class, mb)) else { continue };
         let n = &records[j];
+        let mut start = match sends.get(&(r.replica, r.step, r.stage, t, mb)) {
+            Some(&k) => inside(records[k].start_us, records[k].dur_us, records[k].start_us),
+            None => inside(r.start_us, r.dur_us, r.start_us + r.dur_us),
+        };
+        let mut end = inside(n.start_us, n.dur_us, n.start_us);
+        if end < start {
+            // Only clocks that disagree (processes aligned to within half a round
+            // trip) get here: the arrow starts earlier in its own slice.
+            adjusted += 1;
+            start = end.max(inside(r.start_us, r.dur_us, r.start_us));
+            end = end.max(start);
+        }
         id += 1;
         let cat = if class == 0 { "activation" } else { "gradient" };
-        events.push(json!({"ph": "s", "id": id, "name": cat, "cat": cat, "pid": r.replica, "tid": r.stage,
-            "ts": r.start_us + r.dur_us}));
-        events.push(json!({"ph": "f", "bp": "e", "id": id, "name": cat, "cat": cat, "pid": n.replica,
-            "tid": n.stage, "ts": n.start_us}));
+        events.push(json!({"ph": "s", "id": id, "name": cat, "cat": cat, "pid": pid_of(r), "tid": tid_of(r),
+            "ts": start}));
+        events.push(json!({"ph": "f", "bp": "e", "id": id, "name": cat, "cat": cat, "pid": pid_of(n),
+            "tid": tid_of(n), "ts": end}));
+    }
+    let mut meta = meta;
+    if let Some(m) = meta.as_object_mut() {
+        m.insert("flows".into(), id.into());
+        m.insert("flows_moved_for_clock_skew".into(), adjusted.into());
     }
     json!({"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta})
 }

@@ -310,11 +310,23 @@ fn nice_tick(span: f64) -> f64 {
 /// `pipewright trace render`: reads `trace`, draws `step` (default the median one)
 /// and writes `out`, as SVG if its name ends in ".svg", else as HTML. Returns the step.
 pub fn write(trace: &std::path::Path, out: &std::path::Path, step: Option<u64>) -> Result<u64, TraceError> {
+    let ext = out.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    let svg_out = match ext.as_deref() {
+        Some("svg") => true,
+        Some("html") => false,
+        _ => {
+            return Err(TraceError::Output {
+                path: out.into(),
+                reason: "trace render writes an HTML page (.html) or a bare SVG (.svg); \
+                         name the output with one of those extensions"
+                    .into(),
+            })
+        }
+    };
     let t = super::summary::load(trace)?;
     let s = super::summary::summarize(&t)?;
     let step = chosen_step(&t, &s, step)?;
-    let svg_out = out.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg"));
     let text = if svg_out { svg(&t, &s, step) } else { html(&t, &s, step) };
-    std::fs::write(out, text).map_err(|source| TraceError::Write { path: out.into(), source })?;
+    std::fs::write(out, text).map_err(|error| TraceError::Write { path: out.into(), error })?;
     Ok(step)
 }

@@ -35,8 +35,7 @@ pub fn simulated_records(s: &Schedule, report: &schedule::SimReport, unit_us: f6
                 mb: Some(a.mb),
                 start_us: start * unit_us,
                 dur_us: (end - start) * unit_us,
-                detail: None,
-                live: None,
+                ..Record::default()
             });
         }
     }
@@ -55,18 +54,13 @@ pub fn simulated_meta(s: &Schedule, costs: &Costs, unit_us: f64) -> Value {
     })
 }
 
-/// `pipewright schedule --trace`: like [`schedule_trace`], with `chunks` defaulting
-/// as the schedule command does (2 for interleaved, else 1) and `costs_ms` given as
-/// F, B[, I, W] (I and W default to half of B).
-pub fn cli_trace(
-    kind: &str,
-    ranks: usize,
-    microbatches: usize,
-    chunks: Option<usize>,
-    costs_ms: &[f64],
-) -> Result<Value, ScheduleError> {
-    let kind: ScheduleKind = kind.parse()?;
-    let chunks = chunks.unwrap_or(kind.default_chunks());
+/// `--costs` of `pipewright schedule`: F,B or F,B,I,W in ms (I and W default to
+/// half of B), each finite and > 0; none gives unit costs.
+pub fn cli_costs(costs_ms: &[f64]) -> Result<Costs, ScheduleError> {
+    let bad = |reason: String| ScheduleError::Unsupported { field: "--costs".into(), reason };
+    if let Some(x) = costs_ms.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+        return Err(bad(format!("{x}: every cost must be a number of ms > 0")));
+    }
     let mut costs = Costs::unit();
     match *costs_ms {
         [] => {}
@@ -77,12 +71,44 @@ pub fn cli_trace(
         [f, b, i, w] => {
             (costs.forward, costs.backward, costs.backward_input, costs.backward_weight) = (f, b, i, w)
         }
-        _ => {
-            return Err(ScheduleError::Unsupported {
-                field: "--costs".into(),
-                reason: format!("expected F,B or F,B,I,W in ms, got {} numbers", costs_ms.len()),
-            })
-        }
+        _ => return Err(bad(format!("expected F,B or F,B,I,W in ms, got {} numbers", costs_ms.len()))),
     }
+    Ok(costs)
+}
+
+fn parse_kind(kind: &str, chunks: Option<usize>) -> Result<(ScheduleKind, usize), ScheduleError> {
+    let kind: ScheduleKind = kind.parse()?;
+    Ok((kind, chunks.unwrap_or(kind.default_chunks())))
+}
+
+/// `pipewright schedule --trace`: like [`schedule_trace`], with `chunks` defaulting
+/// as the schedule command does (2 for interleaved and zb-v, else 1) and `costs_ms` as
+/// [`cli_costs`] reads them.
+pub fn cli_trace(
+    kind: &str,
+    ranks: usize,
+    microbatches: usize,
+    chunks: Option<usize>,
+    costs_ms: &[f64],
+) -> Result<Value, ScheduleError> {
+    let costs = cli_costs(costs_ms)?;
+    let (kind, chunks) = parse_kind(kind, chunks)?;
     schedule_trace(kind, ranks, microbatches, chunks, &costs)
+}
+
+/// `pipewright schedule --costs …`: the schedule's grid simulated at those costs
+/// (the grid `schedule` prints draws unit costs).
+pub fn cli_grid(
+    kind: &str,
+    ranks: usize,
+    microbatches: usize,
+    chunks: Option<usize>,
+    costs_ms: &[f64],
+) -> Result<String, ScheduleError> {
+    let costs = cli_costs(costs_ms)?;
+    let (kind, chunks) = parse_kind(kind, chunks)?;
+    let s = schedule::build(kind, ranks, microbatches, chunks)?;
+    s.validate()?;
+    let report = s.simulate(&costs)?;
+    Ok(s.grid(&report) + &s.transports(&costs))
 }

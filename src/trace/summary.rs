@@ -15,14 +15,16 @@ use std::path::{Path, PathBuf};
 /// Why a trace cannot be read or summarised; always names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("{}: cannot read", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("{}: cannot write", path.display())]
-    Write { path: PathBuf, source: std::io::Error },
+    #[error("{}: cannot read: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
+    #[error("{}: cannot write: {error}", path.display())]
+    Write { path: PathBuf, error: std::io::Error },
     #[error("{}: not a Chrome trace: {reason}", path.display())]
     Format { path: PathBuf, reason: String },
     #[error("{}: {reason}", path.display())]
     Empty { path: PathBuf, reason: String },
+    #[error("{}: {reason}", path.display())]
+    Output { path: PathBuf, reason: String },
 }
 
 /// A span read back from a trace (an action, or a wait with its detail).
@@ -60,6 +62,11 @@ pub struct TraceMeta {
     pub chunks: usize,
     pub microbatches: usize,
     pub stages: usize,
+    /// "cpu", "sim", "cuda" (absent in older or foreign traces).
+    pub backend: Option<String>,
+    /// Cores of the machine that ran it, and the compute threads one process ran there.
+    pub cores: Option<usize>,
+    pub compute_threads: Option<usize>,
 }
 
 /// A parsed trace: its layout and the spans that matter for bubbles.
@@ -73,8 +80,7 @@ pub struct Trace {
 
 /// Reads and parses `path`.
 pub fn load(path: &Path) -> Result<Trace, TraceError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|source| TraceError::Io { path: path.into(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|error| TraceError::Io { path: path.into(), error })?;
     parse(&text, path)
 }
 
@@ -105,8 +111,10 @@ pub fn parse(text: &str, path: &Path) -> Result<Trace, TraceError> {
         let ts = num(e.get("ts"), "ts")?;
         let dur = num(e.get("dur"), "dur")?;
         let stage = num(arg("stage").or(e.get("tid")), "stage")? as usize;
+        // pid is a process per (replica, node); traces from elsewhere may only have pid.
+        let replica = arg("replica").or(e.get("pid")).and_then(Value::as_u64).unwrap_or(0) as usize;
         let span = Span {
-            replica: e.get("pid").and_then(Value::as_u64).unwrap_or(0) as usize,
+            replica,
             stage,
             rank: arg("rank").and_then(Value::as_u64).map(|r| r as usize).unwrap_or(stage),
             step: arg("step").and_then(Value::as_u64).unwrap_or(0),
@@ -143,6 +151,9 @@ pub fn parse(text: &str, path: &Path) -> Result<Trace, TraceError> {
         microbatches: field("microbatches")
             .unwrap_or_else(|| actions.iter().filter_map(|a| a.mb).max().map_or(0, |m| m + 1)),
         stages,
+        backend: m.and_then(|m| m.get("backend")).and_then(Value::as_str).map(str::to_string),
+        cores: field("cores"),
+        compute_threads: field("compute_threads"),
     };
     Ok(Trace { path: path.into(), meta, actions, waits })
 }
@@ -214,6 +225,20 @@ pub struct Summary {
     pub critical_path_busy_ms: f64,
     /// Largest causes of idle time first.
     pub causes: Vec<Cause>,
+    /// The lane with the most compute per step, with more than one lane.
+    pub bottleneck: Option<Bottleneck>,
+    /// What to keep in mind reading the figures (e.g. ranks sharing cores).
+    pub notes: Vec<String>,
+}
+
+/// The busiest lane: the one whose compute bounds the step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bottleneck {
+    pub rank: usize,
+    pub stage: usize,
+    pub busy_ms: f64,
+    /// Its busy time over the median lane's.
+    pub vs_median: f64,
 }
 
 /// Splits `actions` by (replica, step).
@@ -493,6 +518,28 @@ pub fn summarize(trace: &Trace) -> Result<Summary, TraceError> {
         })
         .collect();
     causes.sort_by(|a, b| b.ms_per_step.total_cmp(&a.ms_per_step));
+    let median_busy = median(lanes.iter().map(|l| l.busy_ms).collect());
+    let bottleneck = lanes
+        .iter()
+        .filter(|_| lanes.len() > 1 && median_busy > 0.0)
+        .max_by(|a, b| a.busy_ms.total_cmp(&b.busy_ms))
+        .map(|l| Bottleneck {
+            rank: l.rank,
+            stage: l.stage,
+            busy_ms: l.busy_ms,
+            vs_median: l.busy_ms / median_busy,
+        });
+    let mut notes = vec![];
+    let m = &trace.meta;
+    if let (Some("cpu"), Some(cores), Some(threads)) = (m.backend.as_deref(), m.cores, m.compute_threads) {
+        if threads > cores {
+            notes.push(format!(
+                "{threads} compute threads shared {cores} cores: contention inflates every action's \
+                 measured cost (ranks > cores), so these costs, and the theory simulated from them, are \
+                 this machine's time-sharing, not what a rank with a core of its own would take"
+            ));
+        }
+    }
     Ok(Summary {
         path: trace.path.clone(),
         meta: trace.meta.clone(),
@@ -510,6 +557,8 @@ pub fn summarize(trace: &Trace) -> Result<Summary, TraceError> {
         critical_path,
         critical_path_busy_ms,
         causes,
+        bottleneck,
+        notes,
     })
 }
 
@@ -545,6 +594,10 @@ impl Summary {
             "idle_causes": self.causes.iter().map(|c| json!({
                 "stage": c.stage, "rank": c.rank, "what": c.what, "ms_per_step": c.ms_per_step,
             })).collect::<Vec<_>>(),
+            "bottleneck": self.bottleneck.as_ref().map(|b| json!({
+                "stage": b.stage, "rank": b.rank, "busy_ms": b.busy_ms, "vs_median": b.vs_median,
+            })),
+            "notes": self.notes,
         })
     }
 
@@ -597,6 +650,15 @@ impl Summary {
             (None, None) => "unknown".into(),
         };
         let _ = writeln!(o, "\nbubble: measured {:.1}%, theory {theory}", 100.0 * self.bubble_frac);
+        if let Some(b) = &self.bottleneck {
+            let lane =
+                self.lanes.iter().find(|l| l.rank == b.rank).map(|l| self.lane_name(l)).unwrap_or_default();
+            let _ = writeln!(
+                o,
+                "bottleneck: {lane}, the busiest lane: {:.2} ms of compute per step, {:.2}× the median lane's",
+                b.busy_ms, b.vs_median
+            );
+        }
         let path: Vec<String> = self.critical_path.iter().map(|a| a.to_string()).collect();
         let _ = writeln!(
             o,
@@ -618,6 +680,9 @@ impl Summary {
                 w => format!("{lane} waited for {w}"),
             };
             let _ = writeln!(o, "  {:>8.2} ms  {line}", c.ms_per_step);
+        }
+        for n in &self.notes {
+            let _ = writeln!(o, "note: {n}");
         }
         o
     }
@@ -649,7 +714,7 @@ mod tests {
             start_us: start,
             dur_us: dur,
             detail: (name == "wait").then(|| format!("gradient from stage {}", stage + 1)),
-            live: None,
+            ..Record::default()
         }
     }
 

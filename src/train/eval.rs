@@ -1,27 +1,47 @@
 //! `pipewright eval`: the mean loss of saved weights over the first windows of
 //! a token file, read sequentially (window i = tokens[i·T .. i·T + T + 1]).
+//!
+//! The model's shape comes from `--config` when given, else from the config a
+//! run stored in the weights' metadata, else from the embedded default. Only
+//! what evaluation uses is validated: the model's shape and the token format.
 
 use super::engine::Engine;
 use crate::config::Config;
-use crate::data::{Sampler, TokenFile, TokenSource};
+use crate::data::{FileFormat, Sampler, TokenFile, TokenSource};
+use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{io, GptConfig};
 use anyhow::{bail, Result};
 use std::path::Path;
 
-pub fn eval_file(cfg: &Config, weights: &Path, data: &Path, windows: usize) -> Result<f64> {
+/// Mean loss of `weights` over the first `windows` windows of `data`;
+/// `config` and `overrides` as `--config` and `--set` give them.
+pub fn eval_file(
+    config: Option<&Path>,
+    overrides: &[String],
+    weights: &Path,
+    data: &Path,
+    windows: usize,
+) -> Result<f64> {
     if windows == 0 {
         bail!("--batches: 0: expected at least one window");
     }
-    let mut cfg = cfg.clone();
+    let weights = if weights.is_dir() { weights.join("model.safetensors") } else { weights.to_path_buf() };
+    let w = io::load(&weights)?;
+    let mut cfg = match (config, w.metadata.get(CONFIG_METADATA_KEY)) {
+        (Some(path), _) => Config::load(Some(path), overrides)?,
+        (None, Some(stored)) => {
+            Config::parse(stored, &format!("{} (its stored config)", weights.display()), overrides)?
+        }
+        (None, None) => Config::load(None, overrides)?,
+    };
     // One window per microbatch, so --batches counts windows.
     cfg.train.micro_batch_size = 1;
     cfg.parallel.microbatches = 1;
-    cfg.validate()?;
+    cfg.validate_for_eval()?;
     let gpt = GptConfig::from_config(&cfg);
-    let weights = if weights.is_dir() { weights.join("model.safetensors") } else { weights.to_path_buf() };
-    let w = io::load(&weights)?;
     w.check(&gpt)?;
-    let file = TokenFile::open(data, gpt.vocab_size)?;
+    let format: FileFormat = cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
+    let file = TokenFile::open_as(data, gpt.vocab_size, format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;
     if (windows as u64) > sampler.n_windows() {
         bail!(

@@ -4,4 +4,6 @@
 pub mod engine;
 pub mod eval;
 pub mod plot;
+pub mod resume;
 pub mod run;
+pub mod signals;

@@ -11,7 +11,7 @@ use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
 use crate::bench::gemm_peak;
 use crate::config::Config;
-use crate::data::{ArithmeticCorpus, EvalSet, Sampler, SamplerKind, TokenFile, TokenSource};
+use crate::data::{ArithmeticCorpus, EvalSet, FileFormat, Sampler, SamplerKind, TokenFile, TokenSource};
 use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{io, GptConfig};
 use crate::rng::{Purpose, Rng};
@@ -33,11 +33,15 @@ pub struct TrainOptions {
     pub resume: bool,
 }
 
+/// One line of metrics.jsonl. JSON has no NaN or infinity: a non-finite loss
+/// or gradient norm (a skipped step) is written as `null` and read back as NaN.
 #[derive(Serialize, serde::Deserialize, Debug, Clone)]
 pub struct StepMetrics {
     pub step: usize,
+    #[serde(deserialize_with = "null_is_nan")]
     pub loss: f64,
     pub lr: f64,
+    #[serde(deserialize_with = "null_is_nan")]
     pub grad_norm: f64,
     pub tokens: u64,
     pub tokens_per_s: f64,
@@ -53,6 +57,10 @@ pub struct StepMetrics {
     /// The dynamic loss scale used at this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+}
+
+fn null_is_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(<Option<f64> as serde::Deserialize>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -82,6 +90,10 @@ pub struct Summary {
     pub checkpoint_pause_ms: Option<f64>,
     /// Mean time to write a checkpoint in the background.
     pub checkpoint_write_ms: Option<f64>,
+    /// The same two as medians, over `checkpoints_written` checkpoints.
+    pub checkpoint_pause_ms_median: Option<f64>,
+    pub checkpoint_write_ms_median: Option<f64>,
+    pub checkpoints_written: usize,
     /// Rollbacks to a checkpoint after `recovery.max_skips` skipped steps in a row.
     pub rollbacks: usize,
     /// Per pipeline rank (replica 0): the most activation bytes its stages held
@@ -105,40 +117,24 @@ pub fn peak_rss_bytes() -> Option<u64> {
 #[error("{0}")]
 pub struct RunFailed(pub String);
 
+/// SIGINT or SIGTERM arrived before the first step: nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "stopped by a signal during start-up, before the first step: nothing to save, and nothing in {} was \
+     written or changed",
+    .0.display()
+)]
+pub struct StoppedBeforeStart(pub PathBuf);
+
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
-/// The latest complete checkpoint of the run in `dir`, verified; incomplete
-/// ones are reported and left alone. None (said aloud) when there is none.
-fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<crate::checkpoint::Loaded>> {
-    let root = crate::checkpoint::checkpoints_dir(dir);
-    let (done, incomplete) = crate::checkpoint::list(&root)?;
-    for p in &incomplete {
-        eprintln!("ignoring incomplete checkpoint {}", p.display());
-    }
-    let Some((step, path)) = done.last() else {
-        eprintln!("no complete checkpoint in {}: starting from step 0", root.display());
-        return Ok(None);
-    };
-    let t = std::time::Instant::now();
-    let loaded = crate::checkpoint::load(path)?;
-    let load_ms = t.elapsed().as_secs_f64() * 1e3;
-    let theirs = Config::parse(&loaded.state.config, &path.join("state.json").display().to_string(), &[])?;
-    if theirs.model != cfg.model {
-        bail!(
-            "{}: the checkpoint's [model] ({:?}) differs from this config's ({:?})",
-            path.join("state.json").display(),
-            theirs.model,
-            cfg.model
-        );
-    }
-    loaded.weights.check(&GptConfig::from_config(cfg))?;
-    if (*step as usize) > cfg.train.steps {
-        bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
-    }
-    eprintln!("resuming from {} (step {step}; read and verified in {load_ms:.1} ms)", path.display());
-    Ok(Some(loaded))
+fn median(v: &[f64]) -> Option<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
 }
 
 /// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
@@ -206,12 +202,11 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
             })
         }
         _ => {
-            let train = TokenSource::from(TokenFile::open(Path::new(&cfg.data.train), vocab)?);
-            let val = if cfg.data.val.is_empty() {
-                None
-            } else {
-                Some(Arc::new(TokenSource::from(TokenFile::open(Path::new(&cfg.data.val), vocab)?)))
-            };
+            let format: FileFormat =
+                cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
+            let open = |p: &str| TokenFile::open_as(Path::new(p), vocab, format).map(TokenSource::from);
+            let train = open(&cfg.data.train)?;
+            let val = if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val)?)) };
             Ok(Sources { train: Arc::new(train), val, eval_set: None })
         }
     }
@@ -244,6 +239,41 @@ impl Sources {
 const OUTPUTS: [&str; 7] =
     ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json", "replay"];
 
+/// Sets the config field at `path` to the value the run will use, saying so
+/// when it differs from the one given.
+fn resolve(field: &mut usize, path: &str, value: usize, why: &str) {
+    if *field != value {
+        eprintln!("{path}: {} → {value} ({why}); config.toml records {value}", *field);
+        *field = value;
+    }
+}
+
+/// `--force`, once every input has been accepted: removes what an earlier run
+/// wrote into `dir` (and only that), so a run that fails midway never leaves its
+/// partial outputs beside the earlier run's final ones.
+fn remove_earlier_outputs(dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("{}: cannot list", dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let p = entry.path();
+        let ours = OUTPUTS.contains(&name.as_str())
+            || p == crate::checkpoint::checkpoints_dir(dir)
+            || name.starts_with("replay.before-step-");
+        if !ours {
+            continue;
+        }
+        let removed = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            std::fs::remove_dir_all(&p)
+        } else {
+            std::fs::remove_file(&p)
+        };
+        removed
+            .with_context(|| format!("{}: cannot remove an earlier run's output (--force)", p.display()))?;
+    }
+    Ok(())
+}
+
 /// Runs training on the actor runtime; `chaos_seed` scrambles message delivery (tests).
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<Summary> {
     train_with(cfg, opts, None).map(|(s, _)| s)
@@ -266,15 +296,21 @@ pub fn train_on(
     cluster: Option<&mut crate::cluster::Driver>,
 ) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
-    crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
+    let gpus = crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
-    // The eval sampler caps validation batches at what the data holds.
+    // Values the run decides are written back into the config, so config.toml
+    // (and the copies in checkpoints, replay logs and the weights) is the
+    // config that ran: reloaded, it gives the same layout and the same run.
     let mut cfg = cfg.clone();
+    let why = "interleaved 1F1B needs at least 2 chunks per rank";
+    resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
     if let Some(v) = &sources.val {
         let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
-        cfg.train.eval_batches = cfg.train.eval_batches.min(windows.max(1));
+        let held = cfg.train.eval_batches.min(windows.max(1));
+        let why = format!("all that {} holds", v.name());
+        resolve(&mut cfg.train.eval_batches, "train.eval_batches", held, &why);
     }
     let cfg = &cfg;
     let data = (0..layout.dp).map(|_| sources.replica_data(cfg)).collect::<Result<Vec<_>>>()?;
@@ -286,7 +322,17 @@ pub fn train_on(
         }
         None => None,
     };
-    let resume = if opts.resume { find_resume_point(&opts.out_dir, cfg)? } else { None };
+    let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
+    let threads = layout.threads_per_rank * layout.pp * layout.dp;
+    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
+    // before and after training and the better figure kept.
+    let simulated = cfg.backend.kind == "sim";
+    let on_cpu = cfg.backend.kind == "cpu";
+    let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
+    // Start-up ends here: a signal until now leaves nothing to save or undo.
+    if super::signals::requested() {
+        return Err(StoppedBeforeStart(opts.out_dir.clone()).into());
+    }
     if !opts.force && !opts.resume {
         for f in OUTPUTS {
             let p = opts.out_dir.join(f);
@@ -297,6 +343,9 @@ pub fn train_on(
                 );
             }
         }
+    }
+    if opts.force && !opts.resume {
+        remove_earlier_outputs(&opts.out_dir)?;
     }
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
@@ -336,12 +385,7 @@ pub fn train_on(
             .open(&metrics_path)
             .with_context(|| format!("{}: cannot open", metrics_path.display()))?,
     );
-    let threads = layout.threads_per_rank * layout.pp * layout.dp;
-    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
-    // before and after training and the better figure kept.
-    let simulated = cfg.backend.kind == "sim";
-    let peak_before = if simulated { 0.0 } else { gemm_peak(threads) };
-    let trace_meta = serde_json::json!({
+    let mut trace_meta = serde_json::json!({
         "schedule": cfg.parallel.schedule,
         "pp": layout.pp,
         "dp": layout.dp,
@@ -349,6 +393,10 @@ pub fn train_on(
         "microbatches": layout.microbatches,
         "steps": cfg.train.steps,
         "stages": layout.n_stages(),
+        "backend": cfg.backend.kind,
+        // Ranks outnumbering cores make every measured cost a time-shared one.
+        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "compute_threads": layout.threads_per_rank * layout.pp * layout.dp,
     });
     let resumed_from = resume.as_ref().map(|r| r.state.step);
     let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
@@ -361,6 +409,7 @@ pub fn train_on(
         )?),
         None => None,
     };
+    let cluster_fabric = fabric.clone();
     let inputs = RunInputs {
         cluster: fabric,
         run_dir: opts.out_dir.clone(),
@@ -373,7 +422,14 @@ pub fn train_on(
         progress: opts.progress,
         chaos_seed,
     };
-    let mut out = runtime()?.block_on(crate::actors::run(inputs)).map_err(|e| RunFailed(format!("{e:#}")))?;
+    let rt = runtime()?;
+    let result = rt.block_on(crate::actors::run(inputs));
+    if result.is_err() {
+        // What did not stop after a failure (the error names it, see
+        // recovery.shutdown_timeout_s) must not hold the process.
+        rt.shutdown_background();
+    }
+    let mut out = result.map_err(|e| RunFailed(format!("{e:#}")))?;
     if out.stopped_early {
         eprintln!(
             "stopped by a signal after step {}; resume with --resume {}",
@@ -390,10 +446,18 @@ pub fn train_on(
     out.last_val = out.last_val.or(val_curve.last().map(|v| v.1));
     out.skipped += prior_skipped;
     let steps = out.steps_done as usize;
-    let tokens_this_run = (out.steps_done - resumed_from.unwrap_or(0)) as f64 * out.tokens as f64
-        / out.steps_done.max(1) as f64;
-    let tokens_per_s = tokens_this_run / out.train_seconds.max(1e-9);
-    let peak = if simulated { f64::NAN } else { gemm_peak(threads).max(peak_before) };
+    let tokens_per_s = out.tokens_this_run as f64 / out.train_seconds.max(1e-9);
+    let (peak, peak_source) = match cfg.backend.kind.as_str() {
+        "cpu" => (
+            gemm_peak(threads).max(peak_before),
+            format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
+        ),
+        "cuda" => {
+            let (flops, source) = crate::kernels::gpu_peak_flops(&gpus);
+            (flops / 1e9, source)
+        }
+        _ => (f64::NAN, "sim backend: nothing is computed".to_string()),
+    };
     let model_gflops = tokens_per_s * gpt.flops_per_token() / 1e9;
     let tensors = io::gather_params(&out.params);
     let summary = Summary {
@@ -407,7 +471,7 @@ pub fn train_on(
         mfu: model_gflops / peak,
         model_gflops,
         peak_gflops: peak,
-        peak_source: format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
+        peak_source,
         skipped_steps: out.skipped,
         params: gpt.num_params(),
         weights_digest: io::digest_of(&tensors),
@@ -416,6 +480,9 @@ pub fn train_on(
         stopped_early: out.stopped_early,
         checkpoint_pause_ms: mean(&out.checkpoint_pause_ms),
         checkpoint_write_ms: mean(&out.checkpoint_write_ms),
+        checkpoint_pause_ms_median: median(&out.checkpoint_pause_ms),
+        checkpoint_write_ms_median: median(&out.checkpoint_write_ms),
+        checkpoints_written: out.checkpoint_write_ms.len(),
         rollbacks: out.rollbacks,
         peak_activation_bytes: out.peak_live_bytes.clone(),
         peak_rss_bytes: peak_rss_bytes(),
@@ -434,6 +501,9 @@ pub fn train_on(
     write("summary.json", &serde_json::to_string_pretty(&summary)?)?;
     write("loss.svg", &loss_svg(&train_curve, &val_curve, "pipewright: loss"))?;
     if cfg.trace.enabled {
+        if let Some(f) = &cluster_fabric {
+            trace_meta["clock_alignment"] = serde_json::to_value(f.clock_estimates())?;
+        }
         let json = crate::trace::chrome_json(&out.trace, trace_meta);
         write("trace.json", &serde_json::to_string(&json)?)?;
     }
@@ -453,6 +523,11 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
 /// A progress bar on a terminal, plain log lines otherwise, or nothing when disabled.
 pub struct Progress {
     bar: Option<indicatif::ProgressBar>,
+    /// The bar's loss and rate text, read when the bar draws. indicatif draws
+    /// on every `set_message` and `set_position`, so a step that set both
+    /// drew twice, once with the previous step's loss; this text is set first,
+    /// without drawing, and the position change then draws once.
+    stats: Arc<std::sync::Mutex<String>>,
     steps: usize,
     every: usize,
     /// Neither bar nor lines (benchmarks and tests).
@@ -461,17 +536,30 @@ pub struct Progress {
 
 impl Progress {
     pub fn new(steps: usize, enabled: bool) -> Self {
-        let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
-            let b = indicatif::ProgressBar::new(steps as u64);
-            b.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} step {pos}/{len} {msg} [{elapsed_precise} < {eta_precise}]",
-                )
-                .expect("valid template"),
+        let target = (enabled && std::io::stderr().is_terminal()).then(indicatif::ProgressDrawTarget::stderr);
+        Progress::with_target(steps, enabled, target)
+    }
+
+    /// A bar drawn to `target`, or plain lines when there is none.
+    fn with_target(steps: usize, enabled: bool, target: Option<indicatif::ProgressDrawTarget>) -> Self {
+        let stats = Arc::new(std::sync::Mutex::new(String::new()));
+        let bar = target.map(|target| {
+            let b = indicatif::ProgressBar::with_draw_target(Some(steps as u64), target);
+            let shown = stats.clone();
+            let style = indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} step {pos}/{len} {stats} [{elapsed_precise} < {eta_precise}]",
+            )
+            .expect("valid template")
+            .with_key(
+                "stats",
+                move |_: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = w.write_str(&shown.lock().unwrap_or_else(|e| e.into_inner()));
+                },
             );
+            b.set_style(style);
             b
         });
-        Progress { bar, steps, every: (steps / 20).max(1), quiet: !enabled }
+        Progress { bar, stats, steps, every: (steps / 20).max(1), quiet: !enabled }
     }
 
     pub fn update(&self, m: &StepMetrics) {
@@ -487,8 +575,8 @@ impl Progress {
         }
         match &self.bar {
             Some(b) => {
+                *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = msg;
                 b.set_position(m.step as u64);
-                b.set_message(msg);
             }
             None => {
                 if m.step.is_multiple_of(self.every) || m.step == self.steps || m.val_loss.is_some() {
@@ -502,6 +590,82 @@ impl Progress {
     pub fn finish(&self) {
         if let Some(b) = &self.bar {
             b.finish();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A terminal that keeps every line drawn to it.
+    #[derive(Clone, Debug, Default)]
+    struct Screen(Arc<Mutex<Vec<String>>>);
+
+    impl indicatif::TermLike for Screen {
+        fn width(&self) -> u16 {
+            160
+        }
+        fn move_cursor_up(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_down(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_right(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_left(&self, _: usize) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn write_line(&self, s: &str) -> std::io::Result<()> {
+            self.write_str(s)
+        }
+        fn write_str(&self, s: &str) -> std::io::Result<()> {
+            if !s.trim().is_empty() {
+                self.0.lock().unwrap().push(s.to_string());
+            }
+            Ok(())
+        }
+        fn clear_line(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn flush(&self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn metrics(step: usize, loss: f64) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens: 100 * step as u64,
+            tokens_per_s: 1000.0,
+            ms: 100.0,
+            skipped: false,
+            val_loss: None,
+            exact_match: None,
+            alert: None,
+            loss_scale: None,
+        }
+    }
+
+    #[test]
+    fn progress_bar_draws_each_step_once_with_its_own_loss() {
+        let screen = Screen::default();
+        let target = indicatif::ProgressDrawTarget::term_like_with_hz(Box::new(screen.clone()), 200);
+        let p = Progress::with_target(3, true, Some(target));
+        for (step, loss) in [(1, 5.25), (2, 4.5), (3, 3.75)] {
+            // Far apart in time, as steps are, so no draw is rate-limited away.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let before = screen.0.lock().unwrap().len();
+            p.update(&metrics(step, loss));
+            let lines = screen.0.lock().unwrap()[before..].to_vec();
+            assert_eq!(lines.len(), 1, "step {step} drew {lines:?}");
+            assert!(lines[0].contains(&format!("step {step}/3 loss {loss:.4}")), "{lines:?}");
         }
     }
 }

@@ -109,6 +109,22 @@ mod tests {
     }
 
     #[test]
+    fn update_does_not_depend_on_thread_count() {
+        let n = 3 * CHUNK + 77;
+        let (p0, g) = (randn(n, 1), randn(n, 2));
+        for decay in [true, false] {
+            assert_thread_count_independent(|| {
+                let (mut p, mut m, mut v) = (p0.clone(), vec![0.0f32; n], vec![0.0f32; n]);
+                for step in 1..=3 {
+                    let hp = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step };
+                    adamw_update(&mut p, &g, &mut m, &mut v, &hp, decay, 0.7);
+                }
+                (bits(&p), bits(&m), bits(&v))
+            });
+        }
+    }
+
+    #[test]
     fn sum_squares_is_exact_enough_and_thread_independent() {
         let x = randn(100_003, 4);
         let want: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();

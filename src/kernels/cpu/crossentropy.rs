@@ -135,6 +135,36 @@ mod tests {
         check_grads(&[logits], &[grad], loss, 1e-4);
     }
 
+    /// 37 rows: two full tasks of ROWS_PER_TASK and part of a third.
+    #[test]
+    fn gradient_matches_finite_differences_across_tasks() {
+        let (n, v) = (2 * ROWS_PER_TASK + 5, 83);
+        let logits: Vec<f32> = randn(n * v, 11).iter().map(|x| x * 2.0).collect();
+        let targets: Vec<u32> = (0..n).map(|i| ((i * 17 + 3) % v) as u32).collect();
+        let dloss = 1.0 / n as f32;
+        let mut grad = logits.clone();
+        let mut losses = vec![0.0; n];
+        with_threads(3, || crossentropy_forward_backward(&mut grad, &mut losses, &targets, dloss, n, v));
+        let loss = |p: &[Vec<f64>]| reference(&p[0], &targets, v).iter().sum::<f64>() * dloss as f64;
+        check_grads(&[logits], &[grad], loss, 1e-4);
+    }
+
+    #[test]
+    fn results_do_not_depend_on_thread_count() {
+        let (n, v) = (3 * ROWS_PER_TASK + 7, 301);
+        let logits: Vec<f32> = randn(n * v, 12).iter().map(|x| x * 3.0).collect();
+        let targets: Vec<u32> = (0..n).map(|i| ((i * 131 + 7) % v) as u32).collect();
+        assert_thread_count_independent(|| {
+            let mut grad = logits.clone();
+            let mut losses = vec![0.0; n];
+            crossentropy_forward_backward(&mut grad, &mut losses, &targets, 0.25, n, v);
+            let mut eval_losses = vec![0.0; n];
+            let mut argmax = vec![0; n];
+            crossentropy_forward(&logits, &mut eval_losses, &targets, Some(&mut argmax), n, v);
+            (bits(&grad), bits(&losses), bits(&eval_losses), argmax)
+        });
+    }
+
     #[test]
     fn argmax_takes_the_first_maximum() {
         let logits = vec![1.0, 3.0, 3.0, 0.0, 5.0, 5.0];

@@ -91,4 +91,22 @@ mod tests {
         with_threads(2, || embedding_backward(&mut dwte, &mut dwpe, &g, &tokens, t, c));
         check_grads(&[wte, wpe], &[dwte, dwpe], loss, 1e-4);
     }
+
+    /// 39 rows (ROWS_PER_TASK splits forward) and 135 columns (COLS_PER_TASK
+    /// splits backward): both cross task boundaries, with repeated tokens.
+    #[test]
+    fn results_do_not_depend_on_thread_count() {
+        let (b, t, v) = (3, 13, 7);
+        let c = 2 * COLS_PER_TASK + 7;
+        assert!(b * t > 2 * ROWS_PER_TASK);
+        let tokens: Vec<u32> = (0..b * t).map(|i| ((i * 5 + 1) % v) as u32).collect();
+        let (wte, wpe, g) = (randn(v * c, 4), randn(t * c, 5), randn(b * t * c, 6));
+        assert_thread_count_independent(|| {
+            let mut out = vec![0.0; b * t * c];
+            embedding_forward(&mut out, &tokens, &wte, &wpe, t, c);
+            let (mut dwte, mut dwpe) = (randn(v * c, 7), randn(t * c, 8));
+            embedding_backward(&mut dwte, &mut dwpe, &g, &tokens, t, c);
+            (bits(&out), bits(&dwte), bits(&dwpe))
+        });
+    }
 }

@@ -95,6 +95,21 @@ mod tests {
     }
 
     #[test]
+    fn results_do_not_depend_on_thread_count() {
+        let n = 3 * CHUNK + 123;
+        let (x, g) = (randn(n, 7), randn(n, 8));
+        assert_thread_count_independent(|| {
+            let mut out = vec![0.0; n];
+            gelu_forward(&mut out, &x);
+            let mut acc = randn(n, 9);
+            gelu_backward(&mut acc, &x, &g);
+            let mut over = vec![0.0; n];
+            gelu_backward_into(&mut over, &x, &g, false);
+            (bits(&out), bits(&acc), bits(&over))
+        });
+    }
+
+    #[test]
     fn backward_matches_finite_differences() {
         let x = randn(257, 3);
         let g = randn(257, 4);

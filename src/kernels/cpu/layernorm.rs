@@ -163,9 +163,11 @@ mod tests {
         assert_close(&out, &reference(&to64(&inp), &to64(&w), &to64(&b), n, c), 1e-5);
     }
 
+    /// 35 rows and 70 columns: the input half's row tasks and the weight
+    /// half's column tasks both end in a partial task.
     #[test]
     fn backward_matches_finite_differences() {
-        let (n, c) = (5, 13);
+        let (n, c) = (2 * ROWS_PER_TASK + 3, COLS_PER_TASK + 6);
         let g = randn(n * c, 7);
         let params = vec![randn(n * c, 1), randn(c, 2), randn(c, 3)];
         let loss = |p: &[Vec<f64>]| {
@@ -195,6 +197,8 @@ mod tests {
                 (out, dinp, dw, db)
             })
         };
-        assert_eq!(run(1), run(2));
+        let one = run(1);
+        assert_eq!(one, run(2));
+        assert_eq!(one, run(3));
     }
 }

@@ -60,10 +60,29 @@ pub unsafe fn gemm_raw(
         }
         return;
     }
+    #[cfg(test)]
+    IN_GEMM.with(|f| f.set(true));
     gemm::gemm(
         m, n, k, dst, 1, dst_rs, accumulate, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs, 1.0, scale,
         false, false, false, par,
     );
+    #[cfg(test)]
+    IN_GEMM.with(|f| f.set(false));
+}
+
+// gemm 0.19 allocates on every call (packing buffers, a `Vec<bool>` per
+// thread) and offers no way to pass it memory, so the allocation tests need to
+// tell its allocations from ours. On one thread everything gemm does happens
+// inside this call.
+#[cfg(test)]
+thread_local! {
+    static IN_GEMM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside a `gemm` call (tests only).
+#[cfg(test)]
+pub(crate) fn in_gemm() -> bool {
+    IN_GEMM.try_with(|f| f.get()).unwrap_or(false)
 }
 
 /// The parallelism for a top-level product: every thread of the installed pool.

@@ -43,4 +43,17 @@ mod tests {
             |p: &[Vec<f64>]| p[0].iter().zip(&p[1]).zip(&g).map(|((a, b), &g)| (a + b) * g as f64).sum();
         check_grads(&[a, b], &[da[..50].to_vec(), db[..50].to_vec()], loss, 1e-4);
     }
+
+    #[test]
+    fn results_do_not_depend_on_thread_count() {
+        let n = 3 * CHUNK + 123;
+        let (a, b) = (randn(n, 4), randn(n, 5));
+        assert_thread_count_independent(|| {
+            let mut out = vec![0.0; n];
+            residual_forward(&mut out, &a, &b);
+            let mut acc = randn(n, 6);
+            accumulate(&mut acc, &b);
+            (bits(&out), bits(&acc))
+        });
+    }
 }

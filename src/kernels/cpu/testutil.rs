@@ -46,3 +46,59 @@ pub fn check_grads(params: &[Vec<f32>], grads: &[Vec<f32>], loss: impl Fn(&[Vec<
         assert!(e < tol, "tensor {ti}: relative error {e:e} >= {tol:e}");
     }
 }
+
+/// The bits of `x`, so results compare exactly (NaN equal to itself, −0 ≠ +0).
+pub fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs `f` on pools of 1, 2 and 3 threads and asserts every result equals the
+/// one-thread result: kernels split work into fixed tasks, never by thread.
+pub fn assert_thread_count_independent<T: PartialEq + std::fmt::Debug + Send>(f: impl Fn() -> T + Sync) {
+    let one = with_threads(1, &f);
+    for t in [2, 3] {
+        let other = with_threads(t, &f);
+        assert!(other == one, "{t} threads give other bits than 1 thread");
+    }
+}
+
+/// Counts every allocation per thread, split into those made inside a `gemm`
+/// call and the rest (ours). The counters are const-initialised thread-locals
+/// without destructors, so counting never allocates.
+pub struct CountingAlloc;
+
+thread_local! {
+    static OURS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static GEMMS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+fn note_allocation() {
+    let counter = if super::matmul::in_gemm() { &GEMMS } else { &OURS };
+    let _ = counter.try_with(|c| c.set(c.get() + 1));
+}
+
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        note_allocation();
+        std::alloc::System.alloc(layout)
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        note_allocation();
+        std::alloc::System.alloc_zeroed(layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        note_allocation();
+        std::alloc::System.realloc(ptr, layout, new_size)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        std::alloc::System.dealloc(ptr, layout)
+    }
+}
+
+#[global_allocator]
+static COUNTING: CountingAlloc = CountingAlloc;
+
+/// (ours, gemm's): allocations this thread has made so far.
+pub fn allocations_on_this_thread() -> (u64, u64) {
+    (OURS.with(|c| c.get()), GEMMS.with(|c| c.get()))
+}

@@ -90,3 +90,40 @@ pub fn sum_squares(
     gpu.launch(f, (1, 1, 1), (1024, 1, 1), &mut args![o, p, cnt])?;
     Ok(gpu.download(out)?[0])
 }
+
+/// Σ x² of each range `(offset, len)` of `x` into `out[k]`, each summed in
+/// the fixed order of `sum_squares`; one download at the end. `partial`
+/// holds NORM_BLOCKS floats and `out` one per range.
+pub fn sum_squares_ranges(
+    gpu: &Gpu,
+    x: &DeviceBuffer<f32>,
+    ranges: &[(usize, usize)],
+    partial: &DeviceBuffer<f32>,
+    out: &DeviceBuffer<f32>,
+) -> Result<Vec<f32>> {
+    ensure(partial.len() >= NORM_BLOCKS && out.len() >= ranges.len(), || {
+        "sum_squares_ranges: scratch too small".into()
+    })?;
+    ensure(ranges.iter().all(|&(o, n)| o + n <= x.len()), || {
+        "sum_squares_ranges: range out of bounds".into()
+    })?;
+    let first = gpu.function::<f32>("norm", "global_norm_partial")?;
+    let finish = gpu.function::<f32>("norm", "global_norm_finish")?;
+    let (p, cnt) = (partial.ptr(), NORM_BLOCKS as i32);
+    // One stream: each range's finish reads the partials before the next range overwrites them.
+    for (k, &(offset, len)) in ranges.iter().enumerate() {
+        let (xp, n) = (x.ptr_at(offset), len as i64);
+        gpu.launch(first, (NORM_BLOCKS as u32, 1, 1), (256, 1, 1), &mut args![p, xp, n])?;
+        let o = out.ptr_at(k);
+        gpu.launch(finish, (1, 1, 1), (1024, 1, 1), &mut args![o, p, cnt])?;
+    }
+    let all = gpu.download(out)?;
+    Ok(all[..ranges.len()].to_vec())
+}
+
+/// out = a + b over `n` f32 elements at the given device addresses (out may be a).
+pub fn add_f32(gpu: &Gpu, out: u64, a: u64, b: u64, n: usize) -> Result<()> {
+    let f = gpu.function::<f32>("norm", "add_f32")?;
+    let nl = n as i64;
+    gpu.launch(f, (blocks(n, 256), 1, 1), (256, 1, 1), &mut args![out, a, b, nl])
+}

@@ -191,7 +191,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs, mut log: impl FnMut(&str)) -> Result<Ben
         n_embd: cfg.n_embd,
         n_head: cfg.n_head,
         vocab_size: cfg.vocab_size,
-        padded_vocab: model.vp,
+        padded_vocab: super::model::padded_vocab(model.cfg.vocab_size),
         seq: cfg.block_size,
         micro_batch: b,
         steps,

@@ -8,6 +8,7 @@
 //! and its summation order differ.
 
 use super::model::GpuModel;
+use super::part::{GpuGrad, GpuInput, GpuPart};
 use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
 use super::{Bf16, DeviceBuffer, Elem, Gpu, Result};
 use crate::kernels::cpu;
@@ -246,6 +247,45 @@ fn crossentropy_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     cx.push("crossentropy dlogits", &real, &grad);
     let pad: Vec<f32> = got.chunks(VP).flat_map(|r| r[V..].to_vec()).collect();
     cx.push("crossentropy padding gradient is zero", &pad, &vec![0.0; pad.len()]);
+
+    // Evaluation: losses and argmax predictions, logits untouched.
+    let (mut eval_losses, mut argmax) = (vec![0.0; N], vec![0u32; N]);
+    cpu::crossentropy::crossentropy_forward(&logits, &mut eval_losses, &targets, Some(&mut argmax), N, V);
+    let (gl, gam) = (cx.up(&padded)?, gpu.alloc::<u32>(N)?);
+    crossentropy::crossentropy_forward(gpu, &gl, &glosses, Some(&gam), &gt, N, V, VP)?;
+    cx.push("crossentropy_forward losses", &gpu.download(&glosses)?, &eval_losses);
+    let got_am = gpu.download(&gam)?;
+    let wrong = got_am.iter().zip(&argmax).filter(|(a, b)| a != b).count();
+    cx.out.push(Check {
+        name: format!("crossentropy_forward argmax, rows differing ({})", cx.tag),
+        rel_err: wrong as f64,
+        tol: 0.5,
+    });
+    Ok(())
+}
+
+/// Per-tensor sums of squares and the f32 add of the tied gradient shares.
+fn norm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let x = randn(70_001, 60, 1.0);
+    let ranges = [(0, 1), (64, 5_000), (5_120, 64_881)];
+    let gx = gpu.upload(&x)?;
+    let (partial, out) = (gpu.alloc::<f32>(adamw::NORM_BLOCKS)?, gpu.alloc::<f32>(ranges.len())?);
+    let got = adamw::sum_squares_ranges(gpu, &gx, &ranges, &partial, &out)?;
+    let want: Vec<f32> = ranges.iter().map(|&(o, n)| cpu::adamw::sum_squares(&x[o..o + n]) as f32).collect();
+    cx.push("sum_squares_ranges", &got, &want);
+    let y = randn(70_001, 61, 1.0);
+    let gy = gpu.upload(&y)?;
+    let gs = gpu.alloc::<f32>(x.len())?;
+    adamw::add_f32(gpu, gs.ptr(), gx.ptr(), gy.ptr(), x.len())?;
+    let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    // An f32 add has one right answer: exact.
+    let exact = rel_err(&gpu.download(&gs)?, &sum);
+    cx.out.push(Check {
+        name: format!("add_f32, exact ({})", cx.tag),
+        rel_err: exact,
+        tol: f64::MIN_POSITIVE,
+    });
     Ok(())
 }
 
@@ -303,6 +343,7 @@ fn run_precision<X: Elem>(gpu: &Gpu, tag: &'static str, tol: f64) -> Result<Vec<
     crossentropy_checks(&mut cx)?;
     embedding_checks(&mut cx)?;
     adamw_checks(&mut cx)?;
+    norm_checks(&mut cx)?;
     Ok(cx.out)
 }
 
@@ -536,13 +577,100 @@ fn step_repeats<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<(
     Ok(())
 }
 
+/// Forward and backward of the step's microbatches through `parts` (a
+/// pipeline cut, run in GPipe order on one GPU, activations and gradients
+/// staged through the host as stage messages carry them), the tied shares
+/// combined: (loss sum, every gradient in canonical order).
+fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f64, Vec<Vec<f32>>)> {
+    let n = STEP_B * STEP_CFG.block_size;
+    let dloss = 1.0 / (STEP_MICROBATCHES * n) as f32;
+    let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);
+    let last = parts.len() - 1;
+    let mut loss = 0.0;
+    for p in parts.iter_mut() {
+        p.zero_grads(gpu)?;
+    }
+    for mb in 0..STEP_MICROBATCHES {
+        step_batch(1, mb, &mut inputs, &mut targets);
+        let mut act: Option<Vec<f32>> = None;
+        for (k, p) in parts.iter_mut().enumerate() {
+            let input = match &act {
+                None => GpuInput::Tokens(&inputs),
+                Some(a) => GpuInput::Activation(a),
+            };
+            let t = (k == last).then_some(targets.as_slice());
+            let out = p.forward(gpu, mb, input, t, Mode::Train { dloss }, None, None)?;
+            loss += out.loss_sum.unwrap_or(0.0);
+            act = out.output;
+        }
+        let mut grad: Option<Vec<f32>> = None;
+        for p in parts.iter_mut().rev() {
+            let dout = match &grad {
+                None => GpuGrad::FromLoss,
+                Some(g) => GpuGrad::Host(g),
+            };
+            grad = p.backward(gpu, mb, dout, None)?;
+        }
+    }
+    if parts.len() == 1 {
+        parts[0].combine_tied(gpu, None)?;
+    } else {
+        let (embed, head) = (parts[0].tied_share(gpu)?, parts[last].tied_share(gpu)?);
+        parts[0].combine_tied(gpu, Some(&head))?;
+        parts[last].combine_tied(gpu, Some(&embed))?;
+    }
+    let mut grads: Vec<(usize, Vec<f32>)> = vec![];
+    for (k, p) in parts.iter().enumerate() {
+        for (t, g) in p.tensors.iter().zip(p.gradients(gpu)?) {
+            // The head's wte copy repeats the embedding's combined gradient.
+            if !(k > 0 && t.name == "wte.weight") {
+                grads.push((t.canonical, g));
+            }
+        }
+    }
+    grads.sort_by_key(|(c, _)| *c);
+    Ok((loss, grads.into_iter().map(|(_, g)| g).collect()))
+}
+
+/// The model cut into two pipeline parts on one GPU against one part holding
+/// everything: the same loss and gradients, bit for bit — activations cross
+/// the cut exactly (X → f32 → X), and each part accumulates in microbatch order.
+fn pipeline_parts_match_one_part<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let cfg = STEP_CFG;
+    let whole = PartSpec::whole(&cfg);
+    let cut = [
+        PartSpec { layers: 0..1, embedding: true, head: false },
+        PartSpec { layers: 1..cfg.n_layer, embedding: false, head: true },
+    ];
+    let build = |spec: &PartSpec| {
+        let params = crate::model::part::part_params(&cfg, spec, STEP_SEED);
+        GpuPart::<X>::new(gpu, cfg, spec.clone(), STEP_B, false, STEP_MICROBATCHES, &params)
+    };
+    let mut one = vec![build(&whole)?];
+    let mut two = cut.iter().map(build).collect::<Result<Vec<_>>>()?;
+    let (l1, g1) = pipeline_gradients(gpu, &mut one)?;
+    let (l2, g2) = pipeline_gradients(gpu, &mut two)?;
+    let mut a = vec![l1 as f32];
+    a.extend(g1.concat());
+    let mut b = vec![l2 as f32];
+    b.extend(g2.concat());
+    out.push(Check {
+        name: format!("two pipeline parts = one part, loss and gradients bit for bit ({tag})"),
+        rel_err: bits_differ(&a, &b),
+        tol: 0.5,
+    });
+    Ok(())
+}
+
 /// The whole-model checks: GPU training steps against the CPU model's (f32
-/// and bf16) and bit-identical repeats.
+/// and bf16), bit-identical repeats, and a pipeline cut against one part.
 pub fn step_checks(gpu: &Gpu) -> Result<Vec<Check>> {
     let mut out = vec![];
     step_vs_cpu::<f32>(gpu, "f32", &mut out)?;
     step_vs_cpu::<Bf16>(gpu, "bf16", &mut out)?;
     step_repeats::<f32>(gpu, "f32", &mut out)?;
     step_repeats::<Bf16>(gpu, "bf16", &mut out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, "f32", &mut out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, "bf16", &mut out)?;
     Ok(out)
 }

@@ -52,6 +52,34 @@ impl<T> Drop for DeviceBuffer<T> {
     }
 }
 
+/// A GPU's context, named across stage threads (the source of a copy).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Context(sys::CUcontext);
+
+// SAFETY: a CUcontext is a process-wide handle the driver accepts from any
+// thread; it is only ever used here to name the source of a copy.
+unsafe impl Send for Context {}
+
+/// A point on a stream; waiting on it waits for the work queued before it.
+pub struct Event(sys::CUevent);
+
+impl Event {
+    pub fn wait(&self) -> Result<()> {
+        // SAFETY: a live event made by `comm_mark`.
+        unsafe { result::event::synchronize(self.0)? };
+        Ok(())
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once.
+        unsafe {
+            let _ = result::event::destroy(self.0);
+        }
+    }
+}
+
 /// A loaded module: its functions by name.
 struct Module {
     _module: sys::CUmodule,
@@ -61,6 +89,9 @@ struct Module {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// A second stream for sends to other processes (NCCL), so a send waiting
+    /// for its receiver never holds up this GPU's compute.
+    comm_stream: Arc<CudaStream>,
     /// Compute capability as one number (90 for sm_90).
     pub arch: u32,
     pub name: String,
@@ -85,14 +116,73 @@ impl Gpu {
         let (major, minor) = ctx.compute_capability()?;
         let name = ctx.name()?;
         let stream = ctx.new_stream()?;
+        let comm_stream = ctx.new_stream()?;
         Ok(Gpu {
             ctx,
             stream,
+            comm_stream,
             arch: (major * 10 + minor) as u32,
             name,
             modules: RefCell::new(HashMap::new()),
             blas: RefCell::new(None),
         })
+    }
+
+    /// Makes this GPU's context current on the calling thread (for calls,
+    /// such as NCCL's, that act on the current context).
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        Ok(())
+    }
+
+    pub fn comm_stream(&self) -> sys::CUstream {
+        self.comm_stream.cu_stream()
+    }
+
+    /// The driver's handle of this GPU's context (for copies between GPUs).
+    pub fn context(&self) -> Context {
+        Context(self.ctx.cu_ctx())
+    }
+
+    /// `bytes` from `src` in context `src_ctx` (this GPU's or another's) to
+    /// `dst` on this GPU, finished before returning.
+    pub fn copy_from_context(&self, dst: u64, src: u64, src_ctx: Context, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass live ranges of `bytes` bytes in their contexts;
+        // synchronized before the source may be reused.
+        unsafe {
+            if src_ctx == self.context() {
+                result::memcpy_dtod_async(dst, src, bytes, self.stream())?;
+            } else {
+                result::memcpy_peer_async(self.context().0, dst, src_ctx.0, src, bytes, self.stream())?;
+            }
+            result::stream::synchronize(self.stream())?;
+        }
+        Ok(())
+    }
+
+    /// Makes the comm stream wait for everything queued on the compute stream so far.
+    pub fn comm_after_compute(&self) -> Result<()> {
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        // SAFETY: a fresh event recorded on our stream, waited on by our other
+        // stream, destroyed after the wait is queued (the driver keeps it alive).
+        unsafe {
+            result::event::record(e, self.stream())?;
+            result::stream::wait_event(
+                self.comm_stream(),
+                e,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )?;
+            result::event::destroy(e)?;
+        }
+        Ok(())
+    }
+
+    /// An event recorded now on the comm stream: done when every send queued so far is.
+    pub fn comm_mark(&self) -> Result<Event> {
+        let e = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?;
+        // SAFETY: a fresh event on our own stream.
+        unsafe { result::event::record(e, self.comm_stream())? };
+        Ok(Event(e))
     }
 
     pub fn stream(&self) -> sys::CUstream {
@@ -151,6 +241,21 @@ impl Gpu {
             // SAFETY: sizes match; synchronized before `host` is read.
             unsafe {
                 result::memcpy_dtoh_async(host, buf.ptr, self.stream())?;
+                result::stream::synchronize(self.stream())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// buf[offset..offset + host.len()] → host, finished before returning.
+    pub fn download_at<T: Copy>(&self, buf: &DeviceBuffer<T>, offset: usize, host: &mut [T]) -> Result<()> {
+        ensure(offset + host.len() <= buf.len, || {
+            format!("download of {} elements at {offset} from a buffer of {}", host.len(), buf.len)
+        })?;
+        if !host.is_empty() {
+            // SAFETY: bounds checked; synchronized before `host` is read.
+            unsafe {
+                result::memcpy_dtoh_async(host, buf.ptr_at(offset), self.stream())?;
                 result::stream::synchronize(self.stream())?;
             }
         }

@@ -19,8 +19,11 @@ pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
 pub mod model;
+pub mod nccl;
 pub mod nvrtc;
+pub mod part;
 pub mod residual;
+pub mod transfer;
 
 pub use device::{DeviceBuffer, Gpu};
 
@@ -37,16 +40,27 @@ pub enum CudaError {
         "cuBLASLt could not be loaded (libcublasLt.so.13 or .so.12): put its directory on LD_LIBRARY_PATH"
     )]
     NoCublasLt,
+    // No #[from]: it would also make the driver error the source, printed twice.
     #[error("CUDA driver: {0}")]
-    Driver(#[from] cudarc::driver::DriverError),
+    Driver(cudarc::driver::DriverError),
     #[error("NVRTC: {0:?}")]
     Nvrtc(cudarc::nvrtc::result::NvrtcError),
     #[error("NVRTC compiling kernels/{file}.cu for {arch}:\n{log}")]
     Compile { file: String, arch: String, log: String },
+    #[error("NCCL could not be loaded (libnccl.so.2): install NCCL (PyPI's nvidia-nccl-cu12 or cu13 carries it) and put its lib directory on LD_LIBRARY_PATH")]
+    NoNccl,
+    #[error("NCCL: {0}")]
+    Nccl(String),
     #[error("cuBLASLt: {0:?}")]
     Blas(cudarc::cublaslt::result::CublasError),
     #[error("{0}")]
     Shape(String),
+}
+
+impl From<cudarc::driver::DriverError> for CudaError {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        CudaError::Driver(e)
+    }
 }
 
 impl From<cudarc::nvrtc::result::NvrtcError> for CudaError {

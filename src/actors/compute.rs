@@ -1,0 +1,832 @@
+//! What a stage's compute thread computes with: its model chunks on the CPU
+//! (`ModelPart`s on a rayon pool pinned to the rank's cores) or on a GPU
+//! (`GpuPart`s on the device the rank owns), behind one interface, so the
+//! schedule executor in stage.rs is the same for every backend.
+//!
+//! Chunks are addressed by their local index (position in the rank's
+//! ascending list of stages). Activations and gradients cross this border as
+//! host `Vec<f32>`s: that is what messages carry between ranks, processes and
+//! replay logs. A GPU backend stages them through host memory.
+//!
+//! A backend error on the GPU is a failure of the stage: it panics with the
+//! error, and the stage reports it (actor, step, action) like any other.
+
+use crate::checkpoint::{Loaded, TensorState};
+use crate::kernels::cpu::matmul::with_random_order;
+use crate::model::part::{MicroActs, Mode, PartInput};
+use crate::model::{ModelPart, Param};
+use crate::optim::{self, AdamState, Hyper};
+use std::collections::BTreeMap;
+
+/// Which half of a backward to run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BackwardPart {
+    /// B: input and weight gradients together.
+    Full,
+    /// I: the input gradient only (zero-bubble schedules).
+    Input,
+    /// W: the weight gradients of a microbatch whose I ran.
+    Weight,
+}
+
+/// The input of a chunk's forward.
+pub enum ChunkInput<'a> {
+    Tokens(&'a [u32]),
+    Activation(Vec<f32>),
+}
+
+/// What a forward hands back: the next chunk's input, or the loss sum.
+pub struct ChunkOutput {
+    pub output: Option<Vec<f32>>,
+    pub loss_sum: Option<f64>,
+}
+
+/// One NCCL communicator a GPU run needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub enum NcclKey {
+    /// Replica `replica`'s activations (or gradients) from pipeline rank
+    /// `from` to rank `to`, where the two live in different processes.
+    Link { replica: usize, from: usize, to: usize, gradient: bool },
+    /// Pipeline rank `rank`'s all-reduce across data-parallel replicas.
+    Replicas { rank: usize },
+}
+
+/// What the GPU stages of a run share: which ranks live in this process
+/// (their tensors move device to device), the NCCL ids for the rest, and
+/// this process's device exchange.
+pub struct GpuPlan {
+    /// Whether (replica, rank) lives here, at replica · pp + rank.
+    pub local: Vec<bool>,
+    pub nccl: std::collections::BTreeMap<NcclKey, Vec<u8>>,
+    #[cfg(feature = "cuda")]
+    pub exchange: std::sync::Arc<crate::kernels::cuda::transfer::Exchange>,
+}
+
+impl GpuPlan {
+    /// `owner(replica, rank)` is the process a rank lives in; `me` this one.
+    /// The NCCL ids are made here: call it once, on rank 0's process, and
+    /// send the ids to the others (`from_ids`).
+    pub fn make(
+        layout: &super::Layout,
+        owner: impl Fn(usize, usize) -> usize,
+        me: usize,
+    ) -> Result<GpuPlan, String> {
+        let keys = GpuPlan::needed(layout, &owner);
+        let mut nccl = std::collections::BTreeMap::new();
+        for k in keys {
+            nccl.insert(k, new_nccl_id()?);
+        }
+        Ok(GpuPlan::from_ids(layout, owner, me, nccl))
+    }
+
+    /// The plan of process `me`, with ids made elsewhere.
+    pub fn from_ids(
+        layout: &super::Layout,
+        owner: impl Fn(usize, usize) -> usize,
+        me: usize,
+        nccl: std::collections::BTreeMap<NcclKey, Vec<u8>>,
+    ) -> GpuPlan {
+        let (pp, dp) = (layout.pp, layout.dp);
+        let local = (0..dp * pp).map(|k| owner(k / pp, k % pp) == me).collect();
+        GpuPlan {
+            local,
+            nccl,
+            #[cfg(feature = "cuda")]
+            exchange: crate::kernels::cuda::transfer::Exchange::new(),
+        }
+    }
+
+    /// The communicators a layout needs: a link per (replica, from, to, kind)
+    /// that crosses processes, and an all-reduce per rank when dp > 1.
+    pub fn needed(layout: &super::Layout, owner: impl Fn(usize, usize) -> usize) -> Vec<NcclKey> {
+        let mut keys = std::collections::BTreeSet::new();
+        let last = layout.last_stage();
+        for replica in 0..layout.dp {
+            for s in 0..last {
+                let (a, b) = (layout.rank_of(s), layout.rank_of(s + 1));
+                if owner(replica, a) != owner(replica, b) {
+                    keys.insert(NcclKey::Link { replica, from: a, to: b, gradient: false });
+                    keys.insert(NcclKey::Link { replica, from: b, to: a, gradient: true });
+                }
+            }
+        }
+        if layout.dp > 1 {
+            keys.extend((0..layout.pp).map(|rank| NcclKey::Replicas { rank }));
+        }
+        keys.into_iter().collect()
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn new_nccl_id() -> Result<Vec<u8>, String> {
+    crate::kernels::cuda::nccl::NcclId::new().map(|i| i.0).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn new_nccl_id() -> Result<Vec<u8>, String> {
+    Err(crate::kernels::BackendError::NotBuilt.to_string())
+}
+
+/// A link's tensors as (consuming stage, microbatch), in order.
+pub type LinkOrder = Vec<(usize, usize)>;
+
+/// The order in which a link's tensors are sent and the order in which its
+/// receiver takes them, as (consuming stage, microbatch): NCCL matches a
+/// link's sends and receives by order alone, so the two must agree.
+pub fn link_orders(layout: &super::Layout, from: usize, to: usize, gradient: bool) -> (LinkOrder, LinkOrder) {
+    use crate::schedule::ActionKind::{B, F, I};
+    let last = layout.last_stage();
+    let acts = &layout.schedule.actions;
+    let sent = acts[from]
+        .iter()
+        .filter_map(|a| match (a.kind, gradient) {
+            (F, false) if a.stage < last && layout.rank_of(a.stage + 1) == to => Some((a.stage + 1, a.mb)),
+            (B | I, true) if a.stage > 0 && layout.rank_of(a.stage - 1) == to => Some((a.stage - 1, a.mb)),
+            _ => None,
+        })
+        .collect();
+    let taken = acts[to]
+        .iter()
+        .filter_map(|a| match (a.kind, gradient) {
+            (F, false) if a.stage > 0 && layout.rank_of(a.stage - 1) == from => Some((a.stage, a.mb)),
+            (B | I, true) if a.stage < last && layout.rank_of(a.stage + 1) == from => Some((a.stage, a.mb)),
+            _ => None,
+        })
+        .collect();
+    (sent, taken)
+}
+
+pub trait StageCompute {
+    /// Sequences per microbatch.
+    fn micro_batch(&self) -> usize;
+    /// Zero every gradient accumulator (the start of a step).
+    fn zero_grads(&mut self);
+    /// F of microbatch `mb` on chunk `i`; in eval mode on the last chunk
+    /// `argmax` (N) receives predictions.
+    fn forward(
+        &mut self,
+        i: usize,
+        mb: usize,
+        input: ChunkInput,
+        targets: Option<&[u32]>,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+    ) -> ChunkOutput;
+    /// B, I or W of microbatch `mb` on chunk `i`; `dout` is the gradient of
+    /// the chunk's output (None on the last chunk, and for W). Returns the
+    /// gradient of the chunk's input (None on the first chunk, and for W).
+    fn backward(
+        &mut self,
+        i: usize,
+        mb: usize,
+        which: BackwardPart,
+        dout: Option<Vec<f32>>,
+    ) -> Option<Vec<f32>>;
+    /// (microbatches awaiting backward, bytes they hold) on chunk `i`.
+    fn live(&self, i: usize) -> (usize, usize);
+    /// Peak activation bytes held, over all chunks.
+    fn peak_live_bytes(&self) -> usize;
+    /// Chunk `i`'s share of the tied wte gradient (the embedding's, or the head's).
+    fn tied_share(&self, i: usize) -> Vec<f32>;
+    /// Sums the tied embedding's shares into chunk `i`'s wte gradient, embedding
+    /// share + head share; `other` is None when chunk `i` holds both ends.
+    fn combine_tied(&mut self, i: usize, other: Option<&[f32]>);
+    /// Chunk `i`'s gradients, per tensor, moved out (for the reducer).
+    fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>>;
+    /// Replaces chunk `i`'s gradients (their sum over replicas).
+    fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>);
+    /// Per-tensor Σg² of chunk `i` as (canonical index, value).
+    fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>);
+    /// Overwrites a gradient element of chunk `i` (the overflow fault knob).
+    fn poison_grad(&mut self, i: usize, value: f32);
+    /// One AdamW step of every chunk, gradients scaled by `clip`.
+    fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32);
+    /// Calls `f(chunk, name, values)` for every parameter, in chunk order.
+    fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32]));
+    /// Tensor `k`'s name in chunk `i`.
+    fn param_name(&self, i: usize, k: usize) -> Option<String>;
+    /// Copies of every parameter (the end of a run).
+    fn params(&self) -> Vec<Param>;
+    /// Parameters and AdamW moments for a checkpoint, with AdamW's step count.
+    fn snapshot(&self) -> (Vec<TensorState>, u64);
+    /// Loads parameters and moments from a checkpoint (a rollback).
+    fn restore(&mut self, c: &Loaded) -> Result<(), String>;
+    /// Sums every chunk's gradients over the data-parallel replicas itself
+    /// (NCCL on GPUs). False when the reducer actor must do it.
+    fn reduce_replicas(&mut self) -> bool {
+        false
+    }
+}
+
+/// Chunks on the CPU: model parts computing on the rank's thread pool.
+pub struct CpuCompute {
+    parts: Vec<ModelPart>,
+    adam: Vec<AdamState>,
+    /// Activations between F and B, by (chunk, microbatch).
+    saved: BTreeMap<(usize, usize), MicroActs>,
+    pool: rayon::ThreadPool,
+    /// `PIPEWRIGHT_NONDET` names this stage: bias gradients summed in random order.
+    nondet: bool,
+    b: usize,
+}
+
+impl CpuCompute {
+    pub fn new(
+        parts: Vec<ModelPart>,
+        adam: Vec<AdamState>,
+        pool: rayon::ThreadPool,
+        nondet: bool,
+        b: usize,
+    ) -> Self {
+        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b }
+    }
+}
+
+/// Loads a checkpoint's moments for `params` into `st`.
+pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<(), String> {
+    st.t = c.state.adam_step;
+    for (i, p) in params.iter().enumerate() {
+        let (m, v) =
+            c.moments.get(&p.name).ok_or_else(|| format!("checkpoint lacks moments of {}", p.name))?;
+        st.m[i].copy_from_slice(m);
+        st.v[i].copy_from_slice(v);
+    }
+    Ok(())
+}
+
+impl StageCompute for CpuCompute {
+    fn micro_batch(&self) -> usize {
+        self.b
+    }
+
+    fn zero_grads(&mut self) {
+        for p in &mut self.parts {
+            p.zero_grads();
+        }
+    }
+
+    fn forward(
+        &mut self,
+        i: usize,
+        mb: usize,
+        input: ChunkInput,
+        targets: Option<&[u32]>,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+    ) -> ChunkOutput {
+        let part = &mut self.parts[i];
+        let out = self.pool.install(|| {
+            let input = match input {
+                ChunkInput::Tokens(t) => PartInput::Tokens(t),
+                ChunkInput::Activation(a) => PartInput::Activation(a),
+            };
+            part.forward_with(input, targets, mode, argmax)
+        });
+        if let Some(acts) = out.acts {
+            self.saved.insert((i, mb), acts);
+        }
+        ChunkOutput { output: out.output, loss_sum: out.loss_sum }
+    }
+
+    fn backward(
+        &mut self,
+        i: usize,
+        mb: usize,
+        which: BackwardPart,
+        dout: Option<Vec<f32>>,
+    ) -> Option<Vec<f32>> {
+        let nondet = self.nondet;
+        let part = &mut self.parts[i];
+        if which == BackwardPart::Weight {
+            self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
+            return None;
+        }
+        let acts = self.saved.remove(&(i, mb)).expect("F ran before B");
+        self.pool.install(|| {
+            with_random_order(nondet, || match which {
+                BackwardPart::Full => part.backward(acts, dout),
+                BackwardPart::Input => part.backward_input(acts, dout, mb),
+                BackwardPart::Weight => unreachable!(),
+            })
+        })
+    }
+
+    fn live(&self, i: usize) -> (usize, usize) {
+        let held = self.saved.range((i, 0)..(i + 1, 0)).count() + self.parts[i].pending_weight_count();
+        (held, self.parts[i].live_bytes)
+    }
+
+    fn peak_live_bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.peak_live_bytes).sum()
+    }
+
+    fn tied_share(&self, i: usize) -> Vec<f32> {
+        let p = &self.parts[i];
+        if p.spec.embedding {
+            p.params[0].grad.clone()
+        } else {
+            p.wte_head_grad.clone()
+        }
+    }
+
+    fn combine_tied(&mut self, i: usize, other: Option<&[f32]>) {
+        self.parts[i].combine_tied_grads(other);
+    }
+
+    fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>> {
+        self.parts[i].params.iter_mut().map(|p| std::mem::take(&mut p.grad)).collect()
+    }
+
+    fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
+        for (p, g) in self.parts[i].params.iter_mut().zip(grads) {
+            p.grad = g;
+        }
+    }
+
+    fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
+        let part = &self.parts[i];
+        self.pool.install(|| optim::grad_sum_squares(part, out));
+    }
+
+    fn poison_grad(&mut self, i: usize, value: f32) {
+        self.parts[i].params[0].grad[0] = value;
+    }
+
+    fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32) {
+        let (parts, adam) = (&mut self.parts, &mut self.adam);
+        self.pool.install(|| {
+            for (part, st) in parts.iter_mut().zip(adam.iter_mut()) {
+                st.step(part, hyper, lr, clip);
+            }
+        });
+    }
+
+    fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
+        for (i, part) in self.parts.iter().enumerate() {
+            for p in &part.params {
+                f(i, &p.name, &p.data);
+            }
+        }
+    }
+
+    fn param_name(&self, i: usize, k: usize) -> Option<String> {
+        self.parts.get(i).and_then(|p| p.params.get(k)).map(|p| p.name.clone())
+    }
+
+    fn params(&self) -> Vec<Param> {
+        self.parts.iter().flat_map(|p| p.params.iter().cloned()).collect()
+    }
+
+    fn snapshot(&self) -> (Vec<TensorState>, u64) {
+        let mut tensors = Vec::new();
+        for (part, st) in self.parts.iter().zip(&self.adam) {
+            for (i, p) in part.params.iter().enumerate() {
+                tensors.push(TensorState {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    data: p.data.clone(),
+                    exp_avg: st.m[i].clone(),
+                    exp_avg_sq: st.v[i].clone(),
+                });
+            }
+        }
+        (tensors, self.adam.first().map_or(0, |a| a.t))
+    }
+
+    fn restore(&mut self, c: &Loaded) -> Result<(), String> {
+        for (part, st) in self.parts.iter_mut().zip(self.adam.iter_mut()) {
+            c.weights.assign(part).map_err(|e| format!("rollback to {}: {e}", c.dir.display()))?;
+            load_moments(&part.params, st, c)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use gpu::{GpuCompute, GpuPlace};
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use crate::kernels::cuda::nccl::{Comm, NcclId, NcclType};
+    use crate::kernels::cuda::part::{GpuGrad, GpuInput, GpuPart};
+    use crate::kernels::cuda::transfer::{NcclLink, Outbox, ParcelKey};
+    use crate::kernels::cuda::{CudaError, DeviceBuffer, Elem, Gpu};
+    use std::sync::Arc;
+
+    type CudaResult<T> = crate::kernels::cuda::Result<T>;
+
+    /// Chunks on one GPU, which this rank's thread owns (its context and stream).
+    pub struct GpuCompute<X: Elem> {
+        gpu: Gpu,
+        parts: Vec<GpuPart<X>>,
+        b: usize,
+        /// Global stage of each chunk.
+        stages: Vec<usize>,
+        replica: usize,
+        layout: super::super::Layout,
+        /// Device routes (None: every tensor in host memory). A cell: the
+        /// receive and the send of one action borrow it one after the other.
+        routes: Option<std::cell::RefCell<Routes<X>>>,
+    }
+
+    /// Where this rank's tensors go and come from on the device.
+    struct Routes<X: Elem> {
+        plan: Arc<GpuPlan>,
+        /// Parcels for ranks in this process; empty while recording replay
+        /// logs, which must hold what messages carry.
+        outbox: Outbox<X>,
+        /// NCCL links by (other rank, gradient).
+        sends: BTreeMap<(usize, bool), NcclLink<X>>,
+        recvs: BTreeMap<(usize, bool), NcclLink<X>>,
+        /// The all-reduce across replicas (dp > 1).
+        replicas: Option<Comm>,
+    }
+
+    /// A GPU error ends the stage: the worker reports the panic as its failure.
+    fn ok<T>(r: CudaResult<T>, what: &str) -> T {
+        r.unwrap_or_else(|e| panic!("GPU {what}: {e}"))
+    }
+
+    /// How a GPU rank is placed in its run.
+    pub struct GpuPlace<'a> {
+        pub layout: &'a super::super::Layout,
+        pub rank: usize,
+        pub replica: usize,
+        pub plan: Option<Arc<GpuPlan>>,
+        /// Every tensor through messages in host memory (replay recording, run-wide).
+        pub host_only: bool,
+    }
+
+    impl<X: Elem + NcclType> GpuCompute<X> {
+        /// Moves the chunks' tensors (initial, `--init` or resumed values)
+        /// onto `gpu`, with `live[i]` activation slots for chunk i, and the
+        /// AdamW state of `resume` (zero moments when starting); joins the
+        /// NCCL communicators of the plan this rank belongs to.
+        #[allow(clippy::too_many_arguments)]
+        pub fn new(
+            gpu: Gpu,
+            chunks: Vec<(crate::model::PartSpec, Vec<Param>)>,
+            cfg: crate::model::GptConfig,
+            b: usize,
+            recompute: bool,
+            live: &[usize],
+            resume: Option<&Loaded>,
+            place: GpuPlace,
+        ) -> Result<Self, String> {
+            let mut parts = Vec::new();
+            for ((spec, params), &slots) in chunks.into_iter().zip(live) {
+                let mut part = GpuPart::<X>::new(&gpu, cfg, spec, b, recompute, slots.max(1), &params)
+                    .map_err(|e| format!("GPU {} ({}): {e}", gpu.name, gpu_memory_hint(&e)))?;
+                if let Some(c) = resume {
+                    let (mut m, mut v) = (Vec::new(), Vec::new());
+                    for p in &params {
+                        let (pm, pv) = c
+                            .moments
+                            .get(&p.name)
+                            .ok_or_else(|| format!("checkpoint lacks moments of {}", p.name))?;
+                        m.push(pm.clone());
+                        v.push(pv.clone());
+                    }
+                    part.load_moments(&gpu, &m, &v, c.state.adam_step).map_err(|e| e.to_string())?;
+                }
+                parts.push(part);
+            }
+            let layout = place.layout.clone();
+            let n = b * cfg.block_size * cfg.n_embd;
+            let routes = match place.plan {
+                Some(plan) => Some(std::cell::RefCell::new(Routes::new(
+                    &gpu,
+                    plan,
+                    &layout,
+                    place.rank,
+                    place.replica,
+                    n,
+                    place.host_only,
+                )?)),
+                None => None,
+            };
+            Ok(GpuCompute {
+                gpu,
+                parts,
+                b,
+                stages: layout.stages_of(place.rank),
+                replica: place.replica,
+                layout,
+                routes,
+            })
+        }
+    }
+
+    impl<X: Elem + NcclType> Routes<X> {
+        fn new(
+            gpu: &Gpu,
+            plan: Arc<GpuPlan>,
+            layout: &super::super::Layout,
+            rank: usize,
+            replica: usize,
+            n: usize,
+            host_only: bool,
+        ) -> Result<Routes<X>, String> {
+            let depth = layout.microbatches + 2;
+            let outbox = Outbox::new(gpu, if host_only { 0 } else { depth }, n).map_err(|e| e.to_string())?;
+            let (mut sends, mut recvs, mut replicas) = (BTreeMap::new(), BTreeMap::new(), None);
+            // Ascending key order on every member: no two ranks wait on each
+            // other's communicators in opposite orders while joining. Link
+            // keys are skipped on every rank alike when recording (host_only
+            // is run-wide), so no member waits for one that never comes.
+            for (key, id) in &plan.nccl {
+                let id = NcclId(id.clone());
+                match *key {
+                    NcclKey::Link { replica: r, from, to, gradient }
+                        if !host_only && r == replica && (from == rank || to == rank) =>
+                    {
+                        let (sent, taken) = link_orders(layout, from, to, gradient);
+                        if sent != taken {
+                            return Err(format!(
+                                "NCCL matches a link's sends and receives by order, but this schedule sends \
+                                 rank {from} → rank {to} {} in the order {sent:?} and consumes them in the order \
+                                 {taken:?}: run these ranks in one process, or use gpipe or 1f1b",
+                                if gradient { "gradients" } else { "activations" }
+                            ));
+                        }
+                        let me = usize::from(to == rank);
+                        let comm =
+                            Comm::init(gpu, &id, 2, me).map_err(|e| format!("NCCL link {key:?}: {e}"))?;
+                        if from == rank {
+                            let link = NcclLink::sender(gpu, comm, depth, n).map_err(|e| e.to_string())?;
+                            sends.insert((to, gradient), link);
+                        } else {
+                            recvs.insert((from, gradient), NcclLink::receiver(comm));
+                        }
+                    }
+                    NcclKey::Replicas { rank: k } if k == rank => {
+                        let comm = Comm::init(gpu, &id, layout.dp, replica)
+                            .map_err(|e| format!("NCCL all-reduce of rank {k}: {e}"))?;
+                        replicas = Some(comm);
+                    }
+                    _ => {}
+                }
+            }
+            Ok(Routes { plan, outbox, sends, recvs, replicas })
+        }
+
+        /// Sends the tensor for (`stage`, `mb`) held in `src` on the device:
+        /// a parcel for a rank in this process, an NCCL send for one elsewhere.
+        /// False when it must go in host memory instead.
+        #[allow(clippy::too_many_arguments)]
+        fn send(
+            &mut self,
+            gpu: &Gpu,
+            src: &DeviceBuffer<X>,
+            to: usize,
+            pp: usize,
+            key: ParcelKey,
+        ) -> CudaResult<bool> {
+            if self.plan.local[key.replica * pp + to] {
+                return self.outbox.post(gpu, src, &self.plan.exchange, key);
+            }
+            match self.sends.get_mut(&(to, key.gradient)) {
+                Some(link) => link.send(gpu, src).map(|_| true),
+                None => Ok(false),
+            }
+        }
+
+        /// Writes the tensor for (`stage`, `mb`), whose message arrived
+        /// empty, into `dst`: from this process's exchange, or from the NCCL
+        /// link of the rank `from` that made it.
+        fn receive(
+            &self,
+            gpu: &Gpu,
+            dst: &DeviceBuffer<X>,
+            from: usize,
+            pp: usize,
+            key: ParcelKey,
+        ) -> CudaResult<()> {
+            if self.plan.local[key.replica * pp + from] {
+                return self.plan.exchange.take(key)?.deliver(gpu, dst);
+            }
+            let link = self.recvs.get(&(from, key.gradient)).ok_or_else(|| {
+                CudaError::Shape(format!("an empty tensor from rank {from}, with no NCCL link from it"))
+            })?;
+            link.recv(gpu, dst, dst.len())
+        }
+    }
+
+    fn gpu_memory_hint(e: &CudaError) -> &'static str {
+        if crate::kernels::cuda::model::is_out_of_memory(e) {
+            "out of device memory: fewer microbatches alive (schedule), a smaller train.micro_batch_size, or train.recompute"
+        } else {
+            "could not set up the stage's part"
+        }
+    }
+
+    impl<X: Elem + NcclType> GpuCompute<X> {
+        /// The closures that take a tensor for (`stage`, `mb`) from the device
+        /// (its message arrived empty) and send one on the device (false: it
+        /// goes in host memory); `from`/`to` are the ranks at the other end.
+        #[allow(clippy::type_complexity)]
+        fn device_io<'a>(
+            routes: &'a Option<std::cell::RefCell<Routes<X>>>,
+            pp: usize,
+            input: (usize, ParcelKey),
+            output: Option<(usize, ParcelKey)>,
+        ) -> (
+            impl FnMut(&Gpu, &DeviceBuffer<X>) -> CudaResult<()> + 'a,
+            impl FnMut(&Gpu, &DeviceBuffer<X>) -> CudaResult<bool> + 'a,
+        ) {
+            let fill = move |gpu: &Gpu, dst: &DeviceBuffer<X>| match routes {
+                Some(r) => r.borrow().receive(gpu, dst, input.0, pp, input.1),
+                None => Err(CudaError::Shape("an empty tensor, but no device routes here".into())),
+            };
+            let sink = move |gpu: &Gpu, src: &DeviceBuffer<X>| match (routes, output) {
+                (Some(r), Some((to, key))) => r.borrow_mut().send(gpu, src, to, pp, key),
+                _ => Ok(false),
+            };
+            (fill, sink)
+        }
+    }
+
+    impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
+        fn micro_batch(&self) -> usize {
+            self.b
+        }
+
+        fn zero_grads(&mut self) {
+            for p in &mut self.parts {
+                ok(p.zero_grads(&self.gpu), "zero gradients");
+            }
+        }
+
+        fn forward(
+            &mut self,
+            i: usize,
+            mb: usize,
+            input: ChunkInput,
+            targets: Option<&[u32]>,
+            mode: Mode,
+            argmax: Option<&mut [u32]>,
+        ) -> ChunkOutput {
+            let (stage, replica, pp, last) =
+                (self.stages[i], self.replica, self.layout.pp, self.layout.last_stage());
+            let eval = matches!(mode, Mode::Eval);
+            let key = |stage| ParcelKey { replica, eval, gradient: false, stage, mb };
+            let from = if stage > 0 { self.layout.rank_of(stage - 1) } else { 0 };
+            let to = (stage < last).then(|| (self.layout.rank_of(stage + 1), key(stage + 1)));
+            let (mut fill, mut sink) = Self::device_io(&self.routes, pp, (from, key(stage)), to);
+            let input = match &input {
+                ChunkInput::Tokens(t) => GpuInput::Tokens(t),
+                ChunkInput::Activation(a) if !a.is_empty() => GpuInput::Activation(a),
+                ChunkInput::Activation(_) => GpuInput::Device(&mut fill),
+            };
+            let out = self.parts[i].forward(&self.gpu, mb, input, targets, mode, argmax, Some(&mut sink));
+            let out = ok(out, "forward");
+            ChunkOutput { output: out.output, loss_sum: out.loss_sum }
+        }
+
+        fn backward(
+            &mut self,
+            i: usize,
+            mb: usize,
+            which: BackwardPart,
+            dout: Option<Vec<f32>>,
+        ) -> Option<Vec<f32>> {
+            // The config refuses split-backward schedules on GPUs (not built there).
+            assert_eq!(which, BackwardPart::Full, "split backward on a GPU part");
+            let (stage, replica, pp, last) =
+                (self.stages[i], self.replica, self.layout.pp, self.layout.last_stage());
+            let key = |stage| ParcelKey { replica, eval: false, gradient: true, stage, mb };
+            let from = if stage < last { self.layout.rank_of(stage + 1) } else { 0 };
+            let to = (stage > 0).then(|| (self.layout.rank_of(stage - 1), key(stage - 1)));
+            let (mut fill, mut sink) = Self::device_io(&self.routes, pp, (from, key(stage)), to);
+            let grad = match &dout {
+                None => GpuGrad::FromLoss,
+                Some(g) if !g.is_empty() => GpuGrad::Host(g),
+                Some(_) => GpuGrad::Device(&mut fill),
+            };
+            ok(self.parts[i].backward(&self.gpu, mb, grad, Some(&mut sink)), "backward")
+        }
+
+        fn live(&self, i: usize) -> (usize, usize) {
+            (self.parts[i].live_count(), self.parts[i].live_bytes)
+        }
+
+        fn peak_live_bytes(&self) -> usize {
+            self.parts.iter().map(|p| p.peak_live_bytes).sum()
+        }
+
+        fn tied_share(&self, i: usize) -> Vec<f32> {
+            ok(self.parts[i].tied_share(&self.gpu), "tied share")
+        }
+
+        fn combine_tied(&mut self, i: usize, other: Option<&[f32]>) {
+            ok(self.parts[i].combine_tied(&self.gpu, other), "tied gradient sum");
+        }
+
+        fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>> {
+            ok(self.parts[i].gradients(&self.gpu), "gradient download")
+        }
+
+        fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
+            ok(self.parts[i].set_gradients(&self.gpu, &grads), "gradient upload");
+        }
+
+        fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
+            *out = ok(self.parts[i].grad_sum_squares(&self.gpu), "gradient norm");
+        }
+
+        fn poison_grad(&mut self, i: usize, value: f32) {
+            ok(self.parts[i].poison_gradient(&self.gpu, 0, value), "fault injection");
+        }
+
+        fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32) {
+            for p in &mut self.parts {
+                ok(p.adamw(&self.gpu, &hyper, lr, clip), "AdamW");
+            }
+        }
+
+        fn reduce_replicas(&mut self) -> bool {
+            let Some(routes) = &self.routes else { return false };
+            let routes = routes.borrow();
+            let Some(comm) = &routes.replicas else { return false };
+            for p in &self.parts {
+                ok(p.all_reduce_gradients(&self.gpu, comm), "all-reduce across replicas");
+            }
+            true
+        }
+
+        fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
+            for (i, part) in self.parts.iter().enumerate() {
+                let values = ok(part.master_weights(&self.gpu), "weight download");
+                for (t, v) in part.tensors.iter().zip(&values) {
+                    f(i, &t.name, v);
+                }
+            }
+        }
+
+        fn param_name(&self, i: usize, k: usize) -> Option<String> {
+            self.parts.get(i).and_then(|p| p.tensors.get(k)).map(|t| t.name.clone())
+        }
+
+        fn params(&self) -> Vec<Param> {
+            let mut out = Vec::new();
+            for part in &self.parts {
+                let values = ok(part.master_weights(&self.gpu), "weight download");
+                for (t, data) in part.tensors.iter().zip(values) {
+                    let (name, shape, canonical) = (t.name.clone(), t.shape.clone(), t.canonical);
+                    out.push(Param { name, shape, data, grad: vec![], canonical });
+                }
+            }
+            out
+        }
+
+        fn snapshot(&self) -> (Vec<TensorState>, u64) {
+            let mut tensors = Vec::new();
+            for part in &self.parts {
+                let data = ok(part.master_weights(&self.gpu), "weight download");
+                let (m, v) = ok(part.moments(&self.gpu), "moment download");
+                for (((t, d), m), v) in part.tensors.iter().zip(data).zip(m).zip(v) {
+                    tensors.push(TensorState {
+                        name: t.name.clone(),
+                        shape: t.shape.clone(),
+                        data: d,
+                        exp_avg: m,
+                        exp_avg_sq: v,
+                    });
+                }
+            }
+            (tensors, self.parts.first().map_or(0, |p| p.adam_t))
+        }
+
+        fn restore(&mut self, c: &Loaded) -> Result<(), String> {
+            for part in &mut self.parts {
+                let mut w = Vec::new();
+                let (mut m, mut v) = (Vec::new(), Vec::new());
+                for t in &part.tensors {
+                    let (shape, data) =
+                        c.weights.tensors.get(&t.name).ok_or_else(|| {
+                            format!("rollback to {}: no tensor {}", c.dir.display(), t.name)
+                        })?;
+                    if *shape != t.shape {
+                        return Err(format!(
+                            "rollback to {}: {} has shape {shape:?}, expected {:?}",
+                            c.dir.display(),
+                            t.name,
+                            t.shape
+                        ));
+                    }
+                    w.push(data.as_slice());
+                    let (pm, pv) = c
+                        .moments
+                        .get(&t.name)
+                        .ok_or_else(|| format!("checkpoint lacks moments of {}", t.name))?;
+                    m.push(pm.clone());
+                    v.push(pv.clone());
+                }
+                part.load_weights(&self.gpu, &w).map_err(|e| e.to_string())?;
+                part.load_moments(&self.gpu, &m, &v, c.state.adam_step).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        }
+    }
+}

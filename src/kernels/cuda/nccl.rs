@@ -1,0 +1,167 @@
+//! NCCL, the GPU data plane between processes: communicators made from a
+//! unique id that travels over the cluster, point-to-point send and receive
+//! for activations and gradients, and the all-reduce across data-parallel
+//! replicas. libnccl is loaded at run time (cudarc's dynamic loading), so a
+//! build needs no NCCL and a machine without it gets an error, not a panic.
+//!
+//! Every communicator here is used by exactly one thread on each member (a
+//! stage's compute thread, or its receive side), and point-to-point traffic
+//! on one communicator flows one way, so the order of operations on it is
+//! the sender's order on both ends — what NCCL needs to match them. See
+//! `transfer.rs` for how stages use them.
+
+use super::{CudaError, DeviceBuffer, Gpu, Result};
+use cudarc::nccl::{result as nccl, sys};
+use std::ffi::c_void;
+
+/// Whether libnccl can be loaded (from LD_LIBRARY_PATH or the system paths).
+pub fn nccl_present() -> bool {
+    // SAFETY: only tries dlopen on the candidate names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// An NCCL unique id: made once (by rank 0's process), sent to every member.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclId(pub Vec<u8>);
+
+impl NcclId {
+    /// A fresh id (needs libnccl, not a GPU).
+    pub fn new() -> Result<NcclId> {
+        if !nccl_present() {
+            return Err(CudaError::NoNccl);
+        }
+        let id = nccl::get_uniqueid().map_err(nccl_err)?;
+        Ok(NcclId(id.internal.iter().map(|&c| c as u8).collect()))
+    }
+
+    fn raw(&self) -> Result<sys::ncclUniqueId> {
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        if self.0.len() != id.internal.len() {
+            return Err(CudaError::Shape(format!("an NCCL id has 128 bytes, not {}", self.0.len())));
+        }
+        for (d, &s) in id.internal.iter_mut().zip(&self.0) {
+            *d = s as _;
+        }
+        Ok(id)
+    }
+}
+
+fn nccl_err(e: nccl::NcclError) -> CudaError {
+    CudaError::Nccl(format!("{:?}", e.0))
+}
+
+/// One member's handle of a communicator, bound to the GPU it was made on.
+pub struct Comm {
+    comm: sys::ncclComm_t,
+    pub rank: usize,
+    pub size: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one at a time;
+// `Comm` is moved to the thread that uses it and never shared.
+unsafe impl Send for Comm {}
+
+impl Comm {
+    /// Joins the communicator `id` of `size` members as `rank`, on `gpu`
+    /// (whose context is bound to this thread). Blocks until every member
+    /// has joined: all members must call this at the same time.
+    pub fn init(gpu: &Gpu, id: &NcclId, size: usize, rank: usize) -> Result<Comm> {
+        if !nccl_present() {
+            return Err(CudaError::NoNccl);
+        }
+        gpu.bind()?;
+        let raw = id.raw()?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` receives the new handle; the id is 128 valid bytes.
+        unsafe { nccl::comm_init_rank(&mut comm, size as i32, raw, rank as i32) }.map_err(nccl_err)?;
+        Ok(Comm { comm, rank, size })
+    }
+
+    fn stream(gpu: &Gpu) -> sys::cudaStream_t {
+        gpu.stream() as sys::cudaStream_t
+    }
+
+    /// Sends `count` elements of `buf` from element `offset` to member
+    /// `peer`, queued on `gpu`'s comm stream, so a send waiting for its
+    /// receiver never stalls compute (the buffer must stay untouched until
+    /// the comm stream passes this point: see `Gpu::comm_mark`).
+    pub fn send<T: NcclType>(
+        &self,
+        gpu: &Gpu,
+        buf: &DeviceBuffer<T>,
+        offset: usize,
+        count: usize,
+        peer: usize,
+    ) -> Result<()> {
+        super::ensure(offset + count <= buf.len(), || "NCCL send past the buffer's end".into())?;
+        let p = buf.ptr_at(offset) as *const c_void;
+        // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
+        let stream = gpu.comm_stream() as sys::cudaStream_t;
+        unsafe { nccl::send(p, count, T::KIND, peer as i32, self.comm, stream) }.map_err(nccl_err)?;
+        Ok(())
+    }
+
+    /// Receives `count` elements from member `peer` into `buf` at element
+    /// `offset`, queued on `gpu`'s compute stream (what reads the buffer next
+    /// runs there, after it).
+    pub fn recv<T: NcclType>(
+        &self,
+        gpu: &Gpu,
+        buf: &DeviceBuffer<T>,
+        offset: usize,
+        count: usize,
+        peer: usize,
+    ) -> Result<()> {
+        super::ensure(offset + count <= buf.len(), || "NCCL receive past the buffer's end".into())?;
+        let p = buf.ptr_at(offset) as *mut c_void;
+        // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
+        unsafe { nccl::recv(p, count, T::KIND, peer as i32, self.comm, Self::stream(gpu)) }
+            .map_err(nccl_err)?;
+        Ok(())
+    }
+
+    /// Sums `count` f32s at `ptr` over every member, in place, on `gpu`'s
+    /// stream. NCCL's ring reduces each chunk in one order and hands the same
+    /// bits to every member, run after run for a fixed topology and
+    /// NCCL_ALGO; it is not the reducer's replica order, so a GPU run with
+    /// dp > 1 matches a CPU one to rounding, not bit for bit.
+    pub fn all_reduce_sum(&self, gpu: &Gpu, ptr: u64, count: usize) -> Result<()> {
+        let p = ptr as *mut c_void;
+        // SAFETY: the caller passes a live f32 range of `count` elements on this GPU.
+        unsafe {
+            nccl::all_reduce(
+                p as *const c_void,
+                p,
+                count,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                Self::stream(gpu),
+            )
+        }
+        .map_err(nccl_err)?;
+        Ok(())
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // SAFETY: made by comm_init_rank, destroyed once.
+        unsafe {
+            let _ = nccl::comm_destroy(self.comm);
+        }
+    }
+}
+
+/// Element types NCCL moves.
+pub trait NcclType {
+    const KIND: sys::ncclDataType_t;
+}
+
+impl NcclType for f32 {
+    const KIND: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
+}
+
+impl NcclType for super::Bf16 {
+    const KIND: sys::ncclDataType_t = sys::ncclDataType_t::ncclBfloat16;
+}

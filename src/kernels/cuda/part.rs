@@ -1,0 +1,909 @@
+//! One pipeline stage's part of GPT-2 on a GPU: the twin of model/part.rs
+//! (`ModelPart`), with the same tensors in the same order, the same forward
+//! and backward in the same kernel order, and the same rules — backward
+//! accumulates weight gradients, the head runs its backward inside forward
+//! (llm.c's fused classifier), the head's share of the tied wte gradient is
+//! kept apart until the step ends.
+//!
+//! Shapes: B = micro_batch_size, T = block_size, C = n_embd, N = B·T,
+//! V = vocab_size, Vp = V rounded up to 128 (wte is stored with Vp rows, the
+//! padding zero with zero gradient, so the head's products are aligned).
+//!
+//! Storage type X is bf16 (training) or f32 (the twin checks); master weights,
+//! gradients and AdamW moments are f32. Every device buffer is allocated in
+//! `new`: activations live in `slots`, one per microbatch a schedule keeps
+//! alive on this stage (the schedule simulator's peak), so a step allocates
+//! nothing and a layout that does not fit fails before the first step.
+//!
+//! A part never holds its `Gpu`: the stage thread that owns the GPU passes it
+//! to every call, so one GPU serves several parts (interleaved chunks, or
+//! several stages on one device) and no part outlives its context.
+
+use super::embedding::{DeviceOwners, TokenOwners};
+use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
+use super::{ensure, DeviceBuffer, Elem, Gpu, Result};
+use crate::model::params::block::*;
+use crate::model::part::{Mode, PartSpec};
+use crate::model::{GptConfig, Param};
+use crate::optim::Hyper;
+use std::collections::BTreeMap;
+
+/// Tensor offsets are multiples of this many elements (128 bytes in bf16), so
+/// every matrix handed to cuBLASLt is aligned for its fastest kernels.
+const ALIGN: usize = 64;
+
+/// The vocabulary rounded up to a multiple of 128 (50257 → 50304, as llm.c).
+pub fn padded_vocab(v: usize) -> usize {
+    v.div_ceil(128) * 128
+}
+
+/// Values of each tensor of a part, in the part's order.
+pub type PerTensor = Vec<Vec<f32>>;
+
+/// Where one tensor lives in the flat buffers.
+#[derive(Clone, Debug)]
+pub struct TensorSlot {
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Position in `params::all_tensors` order (the order global sums run in).
+    pub canonical: usize,
+    pub offset: usize,
+    /// Elements of the CPU tensor.
+    pub numel: usize,
+    /// Elements on the device (wte: padded rows included).
+    pub stored: usize,
+    pub decay: bool,
+}
+
+/// One block's intermediates for one microbatch, kept from forward for backward.
+pub(super) struct BlockActs<X: Elem> {
+    ln1: DeviceBuffer<X>,
+    ln1_mean: DeviceBuffer<f32>,
+    ln1_rstd: DeviceBuffer<f32>,
+    qkv: DeviceBuffer<X>,
+    atty: DeviceBuffer<X>,
+    lse: DeviceBuffer<f32>,
+    res2: DeviceBuffer<X>,
+    ln2: DeviceBuffer<X>,
+    ln2_mean: DeviceBuffer<f32>,
+    ln2_rstd: DeviceBuffer<f32>,
+    fch: DeviceBuffer<X>,
+    fch_gelu: DeviceBuffer<X>,
+}
+
+impl<X: Elem> BlockActs<X> {
+    fn new(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize) -> Result<Self> {
+        let n = b * t;
+        Ok(BlockActs {
+            ln1: gpu.alloc(n * c)?,
+            ln1_mean: gpu.alloc(n)?,
+            ln1_rstd: gpu.alloc(n)?,
+            qkv: gpu.alloc(n * 3 * c)?,
+            atty: gpu.alloc(n * c)?,
+            lse: gpu.alloc(b * nh * t)?,
+            res2: gpu.alloc(n * c)?,
+            ln2: gpu.alloc(n * c)?,
+            ln2_mean: gpu.alloc(n)?,
+            ln2_rstd: gpu.alloc(n)?,
+            fch: gpu.alloc(n * 4 * c)?,
+            fch_gelu: gpu.alloc(n * 4 * c)?,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        self.ln1.bytes()
+            + self.qkv.bytes()
+            + self.atty.bytes()
+            + self.res2.bytes()
+            + self.ln2.bytes()
+            + self.fch.bytes()
+            + self.fch_gelu.bytes()
+            + self.ln1_mean.bytes()
+            + self.ln1_rstd.bytes()
+            + self.ln2_mean.bytes()
+            + self.ln2_rstd.bytes()
+            + self.lse.bytes()
+    }
+}
+
+/// Everything one microbatch keeps on this part between its forward and its backward.
+struct Slot<X: Elem> {
+    /// stream[l]: the residual stream entering local block l; stream[nb]: the
+    /// part's output (the head's input on the last part).
+    stream: Vec<DeviceBuffer<X>>,
+    /// Per-block intermediates; empty when recomputing.
+    blocks: Vec<BlockActs<X>>,
+    /// First part: the token ids and who owns each id's wte gradient row.
+    tokens: Option<(DeviceBuffer<u32>, DeviceOwners)>,
+    /// Last part: the gradient of the head's input, formed in forward.
+    dhead: Option<DeviceBuffer<X>>,
+}
+
+impl<X: Elem> Slot<X> {
+    fn bytes(&self) -> usize {
+        self.stream.iter().map(DeviceBuffer::bytes).sum::<usize>()
+            + self.blocks.iter().map(BlockActs::bytes).sum::<usize>()
+            + self
+                .tokens
+                .as_ref()
+                .map_or(0, |(t, o)| t.bytes() + o.ids.bytes() + o.offsets.bytes() + o.positions.bytes())
+            + self.dhead.as_ref().map_or(0, DeviceBuffer::bytes)
+    }
+}
+
+/// Workspace shared by every microbatch (one runs at a time on a part).
+struct Scratch<X: Elem> {
+    dres: DeviceBuffer<X>,
+    dln: DeviceBuffer<X>,
+    datty: DeviceBuffer<X>,
+    dqkv: DeviceBuffer<X>,
+    dfch: DeviceBuffer<X>,
+    delta: DeviceBuffer<f32>,
+    ln_partial: DeviceBuffer<f32>,
+    bias_partial: DeviceBuffer<f32>,
+    norm_partial: DeviceBuffer<f32>,
+    /// One f32 per tensor: the per-tensor sums of squares.
+    norm_out: DeviceBuffer<f32>,
+    /// Recompute: one block's intermediates and its (discarded) output.
+    recompute: Option<(BlockActs<X>, DeviceBuffer<X>)>,
+    // Head (last part only; empty elsewhere).
+    lnf: DeviceBuffer<X>,
+    lnf_mean: DeviceBuffer<f32>,
+    lnf_rstd: DeviceBuffer<f32>,
+    /// (N, Vp): logits in forward, their gradient after the fused loss.
+    logits: DeviceBuffer<X>,
+    losses: DeviceBuffer<f32>,
+    targets: DeviceBuffer<u32>,
+    argmax: DeviceBuffer<u32>,
+    /// The other part's share of the tied wte gradient, uploaded (Vp, C).
+    tied: DeviceBuffer<f32>,
+    // Host staging, so a message costs a copy and no allocation but its own.
+    host_x: Vec<X>,
+    host_losses: Vec<f32>,
+}
+
+pub struct GpuPart<X: Elem> {
+    pub cfg: GptConfig,
+    pub spec: PartSpec,
+    /// Sequences per microbatch.
+    pub b: usize,
+    pub vp: usize,
+    pub recompute: bool,
+    pub tensors: Vec<TensorSlot>,
+    master: DeviceBuffer<f32>,
+    params: DeviceBuffer<X>,
+    grads: DeviceBuffer<f32>,
+    m: DeviceBuffer<f32>,
+    v: DeviceBuffer<f32>,
+    /// AdamW updates applied so far.
+    pub adam_t: u64,
+    /// The head's share of the tied wte gradient (Vp, C), f32.
+    head_grad: DeviceBuffer<f32>,
+    slots: Vec<Slot<X>>,
+    free: Vec<usize>,
+    /// Slots of microbatches between forward and backward, by microbatch.
+    saved: BTreeMap<usize, usize>,
+    s: Scratch<X>,
+    slot_bytes: usize,
+    /// Bytes of activations held by microbatches awaiting backward.
+    pub live_bytes: usize,
+    pub peak_live_bytes: usize,
+}
+
+/// Writes a tensor straight into a device buffer (a parcel from another
+/// stage in this process, or an NCCL receive).
+pub type Fill<'a, X> = &'a mut dyn FnMut(&Gpu, &DeviceBuffer<X>) -> Result<()>;
+
+/// Takes a tensor from a device buffer, to send it on without host memory;
+/// false when it cannot now (the part then hands it over in host memory).
+pub type Sink<'a, X> = &'a mut dyn FnMut(&Gpu, &DeviceBuffer<X>) -> Result<bool>;
+
+/// The input of a part's forward.
+pub enum GpuInput<'a, X: Elem> {
+    Tokens(&'a [u32]),
+    Activation(&'a [f32]),
+    Device(Fill<'a, X>),
+}
+
+/// The gradient of a part's output, for its backward.
+pub enum GpuGrad<'a, X: Elem> {
+    /// The last part: its loss gradient was formed in forward.
+    FromLoss,
+    Host(&'a [f32]),
+    Device(Fill<'a, X>),
+}
+
+/// What a forward hands back.
+pub struct GpuForward {
+    /// The activation for the next part (None on the last part).
+    pub output: Option<Vec<f32>>,
+    /// Σ of per-token losses (last part only), in f64.
+    pub loss_sum: Option<f64>,
+}
+
+impl<X: Elem> GpuPart<X> {
+    /// The part holding `params` (a `ModelPart`'s tensors, in its order, with
+    /// their initial values), for microbatches of `b` sequences, keeping at
+    /// most `live` microbatches between forward and backward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        gpu: &Gpu,
+        cfg: GptConfig,
+        spec: PartSpec,
+        b: usize,
+        recompute: bool,
+        live: usize,
+        params: &[Param],
+    ) -> Result<Self> {
+        let (t, c, nh, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
+        ensure(nh > 0 && c == nh * attention::HEAD_SIZE, || {
+            format!("the CUDA kernels need head size {}: n_embd {c} / n_head {nh}", attention::HEAD_SIZE)
+        })?;
+        ensure(b > 0 && t > 0 && v > 0 && live > 0, || {
+            format!("a GPU part needs B, T, V and live slots > 0 (B={b}, T={t}, V={v}, live={live})")
+        })?;
+        let n = b * t;
+        let vp = padded_vocab(v);
+        ensure(n <= i32::MAX as usize / (4 * c) && n.saturating_mul(vp) < (1 << 40), || {
+            format!("the CUDA kernels index with 32-bit rows: B·T = {n} is too many")
+        })?;
+        let mut tensors = Vec::with_capacity(params.len());
+        let mut offset = 0;
+        for p in params {
+            let stored = if p.name == "wte.weight" { vp * c } else { p.numel() };
+            tensors.push(TensorSlot {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                canonical: p.canonical,
+                offset,
+                numel: p.numel(),
+                stored,
+                decay: p.decays(),
+            });
+            offset = (offset + stored).div_ceil(ALIGN) * ALIGN;
+        }
+        let total = offset.max(1);
+        let nb = spec.layers.len();
+        let head = spec.head;
+        let new_slot = || -> Result<Slot<X>> {
+            Ok(Slot {
+                stream: (0..=nb).map(|_| gpu.alloc(n * c)).collect::<Result<_>>()?,
+                blocks: if recompute {
+                    vec![]
+                } else {
+                    (0..nb).map(|_| BlockActs::new(gpu, b, t, c, nh)).collect::<Result<_>>()?
+                },
+                tokens: if spec.embedding {
+                    let owners = DeviceOwners {
+                        ids: gpu.alloc(n)?,
+                        offsets: gpu.alloc(n + 1)?,
+                        positions: gpu.alloc(n)?,
+                        count: 0,
+                    };
+                    Some((gpu.alloc(n)?, owners))
+                } else {
+                    None
+                },
+                dhead: if head { Some(gpu.alloc(n * c)?) } else { None },
+            })
+        };
+        let slots = (0..live).map(|_| new_slot()).collect::<Result<Vec<_>>>()?;
+        let slot_bytes = slots[0].bytes();
+        let hn = if head { n } else { 0 };
+        let s = Scratch {
+            dres: gpu.alloc(n * c)?,
+            dln: gpu.alloc(n * c)?,
+            datty: gpu.alloc(n * c)?,
+            dqkv: gpu.alloc(n * 3 * c)?,
+            dfch: gpu.alloc(n * 4 * c)?,
+            delta: gpu.alloc(b * nh * t)?,
+            ln_partial: gpu.alloc(layernorm::partial_len(n, c))?,
+            bias_partial: gpu.alloc(matmul::bias_partial_len(n, (4 * c).max(c)))?,
+            norm_partial: gpu.alloc(adamw::NORM_BLOCKS)?,
+            norm_out: gpu.alloc(tensors.len().max(1))?,
+            recompute: if recompute {
+                Some((BlockActs::new(gpu, b, t, c, nh)?, gpu.alloc(n * c)?))
+            } else {
+                None
+            },
+            lnf: gpu.alloc(hn * c)?,
+            lnf_mean: gpu.alloc(hn)?,
+            lnf_rstd: gpu.alloc(hn)?,
+            logits: gpu.alloc(hn * vp)?,
+            losses: gpu.alloc(hn)?,
+            targets: gpu.alloc(hn)?,
+            argmax: gpu.alloc(hn)?,
+            tied: gpu.alloc(if head || spec.embedding { vp * c } else { 0 })?,
+            host_x: vec![X::default(); n * c],
+            host_losses: vec![0.0; hn],
+        };
+        let mut part = GpuPart {
+            cfg,
+            spec,
+            b,
+            vp,
+            recompute,
+            tensors,
+            master: gpu.alloc(total)?,
+            params: gpu.alloc(total)?,
+            grads: gpu.alloc(total)?,
+            m: gpu.alloc(total)?,
+            v: gpu.alloc(total)?,
+            adam_t: 0,
+            head_grad: gpu.alloc(if head { vp * c } else { 0 })?,
+            free: (0..live).rev().collect(),
+            slots,
+            saved: BTreeMap::new(),
+            s,
+            slot_bytes,
+            live_bytes: 0,
+            peak_live_bytes: 0,
+        };
+        let weights: Vec<&[f32]> = params.iter().map(|p| p.data.as_slice()).collect();
+        part.load_weights(gpu, &weights)?;
+        gpu.synchronize()?;
+        Ok(part)
+    }
+
+    /// Tokens per microbatch.
+    pub fn n(&self) -> usize {
+        self.b * self.cfg.block_size
+    }
+
+    fn n_blocks(&self) -> usize {
+        self.spec.layers.len()
+    }
+
+    /// Device address of tensor `i`'s X copy.
+    fn w(&self, i: usize) -> u64 {
+        self.params.ptr_at(self.tensors[i].offset)
+    }
+
+    /// Device address of tensor `i`'s f32 gradient.
+    fn g(&self, i: usize) -> u64 {
+        self.grads.ptr_at(self.tensors[i].offset)
+    }
+
+    /// Device bytes the part's buffers take (weights, optimizer state, activations, scratch).
+    pub fn device_bytes(&self) -> usize {
+        let s = &self.s;
+        self.master.bytes()
+            + self.params.bytes()
+            + self.grads.bytes()
+            + self.m.bytes()
+            + self.v.bytes()
+            + self.head_grad.bytes()
+            + self.slots.len() * self.slot_bytes
+            + s.dres.bytes()
+            + s.dln.bytes()
+            + s.datty.bytes()
+            + s.dqkv.bytes()
+            + s.dfch.bytes()
+            + s.logits.bytes()
+            + s.lnf.bytes()
+            + s.tied.bytes()
+            + s.recompute.as_ref().map_or(0, |(a, o)| a.bytes() + o.bytes())
+    }
+
+    /// Microbatches between forward and backward.
+    pub fn live_count(&self) -> usize {
+        self.saved.len()
+    }
+
+    /// Zero every gradient accumulator (the start of an optimizer step).
+    pub fn zero_grads(&mut self, gpu: &Gpu) -> Result<()> {
+        gpu.zero(&self.grads)?;
+        gpu.zero(&self.head_grad)
+    }
+
+    /// Forward of microbatch `mb`. In training its activations stay on the
+    /// device until `backward(mb)`; on the last part the loss gradient
+    /// (`Mode::Train { dloss }`) is formed and the head's backward runs here.
+    /// In evaluation on the last part, `argmax` (N) receives predictions.
+    /// The output goes to the host (`output`), or to `sink` when given
+    /// (`output` is then empty).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &mut self,
+        gpu: &Gpu,
+        mb: usize,
+        input: GpuInput<X>,
+        targets: Option<&[u32]>,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+        sink: Option<Sink<X>>,
+    ) -> Result<GpuForward> {
+        let train = matches!(mode, Mode::Train { .. });
+        ensure(!train || !self.saved.contains_key(&mb), || format!("microbatch {mb} ran forward twice"))?;
+        let k = self.free.pop().ok_or_else(|| {
+            super::CudaError::Shape(format!(
+                "more than {} microbatches alive on this GPU part: the schedule keeps more than was planned",
+                self.slots.len()
+            ))
+        })?;
+        let result = self.forward_in(gpu, k, input, targets, mode, argmax, sink);
+        if train && result.is_ok() {
+            self.saved.insert(mb, k);
+            self.live_bytes += self.slot_bytes;
+            self.peak_live_bytes = self.peak_live_bytes.max(self.live_bytes);
+        } else {
+            self.free.push(k);
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_in(
+        &mut self,
+        gpu: &Gpu,
+        k: usize,
+        input: GpuInput<X>,
+        targets: Option<&[u32]>,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+        sink: Option<Sink<X>>,
+    ) -> Result<GpuForward> {
+        let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
+        let n = self.n();
+        match input {
+            GpuInput::Tokens(tokens) => {
+                ensure(self.spec.embedding && tokens.len() == n, || {
+                    format!(
+                        "tokens ({}) given to a part without the embedding or of the wrong size",
+                        tokens.len()
+                    )
+                })?;
+                check_ids(tokens, v, "token")?;
+                let (w0, w1) = (self.w(0), self.w(1));
+                let slot = &mut self.slots[k];
+                let (dev, owners) = slot.tokens.as_mut().expect("first part keeps tokens");
+                gpu.copy_to(dev, 0, tokens)?;
+                let o = TokenOwners::new(tokens);
+                gpu.copy_to(&owners.ids, 0, &o.ids)?;
+                gpu.copy_to(&owners.offsets, 0, &o.offsets)?;
+                gpu.copy_to(&owners.positions, 0, &o.positions)?;
+                owners.count = o.ids.len();
+                embedding::embedding_forward(gpu, &slot.stream[0], dev, w0, w1, n, t, c)?;
+            }
+            GpuInput::Activation(x) => {
+                ensure(!self.spec.embedding && x.len() == n * c, || {
+                    format!("an activation of {} values given to a part expecting {}", x.len(), n * c)
+                })?;
+                for (h, &f) in self.s.host_x.iter_mut().zip(x) {
+                    *h = X::from_f32(f);
+                }
+                gpu.copy_to(&self.slots[k].stream[0], 0, &self.s.host_x)?;
+            }
+            GpuInput::Device(fill) => {
+                ensure(!self.spec.embedding, || "an activation given to the first part".into())?;
+                fill(gpu, &self.slots[k].stream[0])?;
+            }
+        }
+        for l in 0..self.n_blocks() {
+            self.block_forward(gpu, k, l, false)?;
+        }
+        if !self.spec.head {
+            let out = &self.slots[k].stream[self.n_blocks()];
+            if let Some(sink) = sink {
+                if sink(gpu, out)? {
+                    return Ok(GpuForward { output: Some(vec![]), loss_sum: None });
+                }
+            }
+            gpu.download_into(out, &mut self.s.host_x)?;
+            let y = self.s.host_x.iter().map(|x| x.to_f32()).collect();
+            return Ok(GpuForward { output: Some(y), loss_sum: None });
+        }
+        let targets = targets.ok_or_else(|| super::CudaError::Shape("the last part needs targets".into()))?;
+        ensure(targets.len() == n, || format!("{} targets for {n} tokens", targets.len()))?;
+        check_ids(targets, v, "target")?;
+        let loss_sum = self.head(gpu, k, targets, mode, argmax)?;
+        Ok(GpuForward { output: None, loss_sum: Some(loss_sum) })
+    }
+
+    /// One block's forward for the microbatch in slot `k`; with `recomputing`,
+    /// into the shared recompute buffers (the output is discarded: the slot
+    /// already holds it).
+    fn block_forward(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
+        let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
+        let (b, n) = (self.b, self.n());
+        let base = self.spec.block_base(l);
+        let w = |i: usize| self.w(base + i);
+        let slot = &self.slots[k];
+        let x = &slot.stream[l];
+        let (a, out) = match (&self.s.recompute, recomputing) {
+            (Some((acts, scratch_out)), true) => (acts, scratch_out),
+            (Some((acts, _)), false) => (acts, &slot.stream[l + 1]),
+            (None, _) => (&slot.blocks[l], &slot.stream[l + 1]),
+        };
+        layernorm::layernorm_forward(gpu, &a.ln1, &a.ln1_mean, &a.ln1_rstd, x, w(LN1W), w(LN1B), n, c)?;
+        matmul::matmul_forward(gpu, &a.qkv, &a.ln1, w(QKVW), Some(w(QKVB)), n, c, 3 * c)?;
+        attention::attention_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, c, nh)?;
+        matmul::matmul_forward(gpu, &a.res2, &a.atty, w(PROJW), Some(w(PROJB)), n, c, c)?;
+        residual::residual_forward(gpu, a.res2.ptr(), a.res2.ptr(), x, n * c)?;
+        layernorm::layernorm_forward(gpu, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.res2, w(LN2W), w(LN2B), n, c)?;
+        matmul::matmul_forward(gpu, &a.fch, &a.ln2, w(FCW), Some(w(FCB)), n, c, 4 * c)?;
+        gelu::gelu_forward(gpu, &a.fch_gelu, &a.fch, n * 4 * c)?;
+        matmul::matmul_forward(gpu, out, &a.fch_gelu, w(FCPW), Some(w(FCPB)), n, 4 * c, c)?;
+        residual::residual_forward(gpu, out.ptr(), out.ptr(), &a.res2, n * c)
+    }
+
+    /// Final LayerNorm, tied head and loss of the microbatch in slot `k`; in
+    /// training also their backward, leaving the head input's gradient in the
+    /// slot. Returns Σ loss.
+    fn head(
+        &mut self,
+        gpu: &Gpu,
+        k: usize,
+        targets: &[u32],
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+    ) -> Result<f64> {
+        let (c, v, vp, n) = (self.cfg.n_embd, self.cfg.vocab_size, self.vp, self.n());
+        let (hb, wte) = (self.spec.head_base(), self.spec.head_wte());
+        let (lnw, lnb, wte_w) = (self.w(hb), self.w(hb + 1), self.w(wte));
+        let (glnw, glnb) = (self.g(hb), self.g(hb + 1));
+        let s = &mut self.s;
+        let x = &self.slots[k].stream[self.spec.layers.len()];
+        gpu.copy_to(&s.targets, 0, targets)?;
+        layernorm::layernorm_forward(gpu, &s.lnf, &s.lnf_mean, &s.lnf_rstd, x, lnw, lnb, n, c)?;
+        // logits (N, Vp) = lnf (N, C) · wteᵀ: the input-gradient product with wte as (Vp, C).
+        matmul::matmul_backward_input(gpu, &s.logits, &s.lnf, wte_w, n, vp, c)?;
+        let dloss = match mode {
+            Mode::Eval => {
+                let want = argmax.is_some();
+                crossentropy::crossentropy_forward(
+                    gpu,
+                    &s.logits,
+                    &s.losses,
+                    want.then_some(&s.argmax),
+                    &s.targets,
+                    n,
+                    v,
+                    vp,
+                )?;
+                if let Some(am) = argmax {
+                    ensure(am.len() == n, || format!("argmax of {} for {n} tokens", am.len()))?;
+                    gpu.download_into(&s.argmax, am)?;
+                }
+                gpu.download_into(&s.losses, &mut s.host_losses)?;
+                return Ok(s.host_losses.iter().map(|&l| l as f64).sum());
+            }
+            Mode::Train { dloss } => dloss,
+        };
+        crossentropy::crossentropy_forward_backward(gpu, &s.logits, &s.losses, &s.targets, dloss, n, v, vp)?;
+        // dlnf (N, C) = dlogits (N, Vp) · wte (Vp, C); head share (Vp, C) += dlogitsᵀ · lnf.
+        matmul::matmul_forward(gpu, &s.dln, &s.logits, wte_w, None, n, vp, c)?;
+        let hg = self.head_grad.ptr();
+        matmul::matmul_backward_weight(gpu, hg, None, &s.bias_partial, &s.lnf, &s.logits, n, vp, c)?;
+        let dhead = self.slots[k].dhead.as_ref().expect("last part keeps dhead");
+        gpu.zero(dhead)?;
+        layernorm::layernorm_backward_input(gpu, dhead, &s.dln, x, lnw, &s.lnf_mean, &s.lnf_rstd, n, c)?;
+        layernorm::layernorm_backward_weight(
+            gpu,
+            glnw,
+            glnb,
+            &s.ln_partial,
+            &s.dln,
+            x,
+            &s.lnf_mean,
+            &s.lnf_rstd,
+            n,
+            c,
+        )?;
+        gpu.download_into(&s.losses, &mut s.host_losses)?;
+        Ok(s.host_losses.iter().map(|&l| l as f64).sum())
+    }
+
+    /// Backward of microbatch `mb` (a full B). `dout` is the gradient of the
+    /// part's output. Returns the gradient of the part's input (None on the
+    /// first part; empty when it went to `sink`).
+    pub fn backward(
+        &mut self,
+        gpu: &Gpu,
+        mb: usize,
+        dout: GpuGrad<X>,
+        sink: Option<Sink<X>>,
+    ) -> Result<Option<Vec<f32>>> {
+        let k = self.saved.remove(&mb).ok_or_else(|| {
+            super::CudaError::Shape(format!("backward of microbatch {mb} before its forward"))
+        })?;
+        self.live_bytes -= self.slot_bytes;
+        let result = self.backward_in(gpu, k, dout, sink);
+        self.free.push(k);
+        result
+    }
+
+    fn backward_in(
+        &mut self,
+        gpu: &Gpu,
+        k: usize,
+        dout: GpuGrad<X>,
+        sink: Option<Sink<X>>,
+    ) -> Result<Option<Vec<f32>>> {
+        let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
+        let n = self.n();
+        match (self.spec.head, dout) {
+            (true, GpuGrad::FromLoss) => {
+                gpu.copy_device(&self.s.dres, self.slots[k].dhead.as_ref().expect("dhead"))?
+            }
+            (false, GpuGrad::Device(fill)) => fill(gpu, &self.s.dres)?,
+            (false, GpuGrad::Host(d)) => {
+                ensure(d.len() == n * c, || {
+                    format!("an output gradient of {} values, expected {}", d.len(), n * c)
+                })?;
+                for (h, &f) in self.s.host_x.iter_mut().zip(d) {
+                    *h = X::from_f32(f);
+                }
+                gpu.copy_to(&self.s.dres, 0, &self.s.host_x)?;
+            }
+            _ => {
+                return Err(super::CudaError::Shape(
+                    "the last part takes no output gradient; others need one".into(),
+                ))
+            }
+        }
+        for l in (0..self.n_blocks()).rev() {
+            if self.recompute {
+                self.block_forward(gpu, k, l, true)?;
+            }
+            self.block_backward(gpu, k, l)?;
+        }
+        if self.spec.embedding {
+            let (dwte, dwpe) = (self.g(0), self.g(1));
+            let (_, owners) = self.slots[k].tokens.as_ref().expect("first part keeps tokens");
+            embedding::embedding_backward(gpu, dwte, dwpe, &self.s.dres, owners, self.b, t, c)?;
+            return Ok(None);
+        }
+        if let Some(sink) = sink {
+            if sink(gpu, &self.s.dres)? {
+                return Ok(Some(vec![]));
+            }
+        }
+        gpu.download_into(&self.s.dres, &mut self.s.host_x)?;
+        Ok(Some(self.s.host_x.iter().map(|x| x.to_f32()).collect()))
+    }
+
+    /// One block's backward: `dres` holds ∂L/∂(block output) on entry and
+    /// ∂L/∂(block input) on return; weight gradients accumulate in the CPU
+    /// model's order (part.rs, a full B).
+    fn block_backward(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
+        let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
+        let (b, n) = (self.b, self.n());
+        let base = self.spec.block_base(l);
+        let (w, g) = (|i: usize| self.w(base + i), |i: usize| self.g(base + i));
+        let slot = &self.slots[k];
+        let x = &slot.stream[l];
+        let a = match &self.s.recompute {
+            Some((acts, _)) => acts,
+            None => &slot.blocks[l],
+        };
+        let s = &self.s;
+        let bp = &s.bias_partial;
+        // MLP first.
+        matmul::matmul_backward_weight(gpu, g(FCPW), Some(g(FCPB)), bp, &s.dres, &a.fch_gelu, n, 4 * c, c)?;
+        matmul::matmul_backward_input(gpu, &s.dfch, &s.dres, w(FCPW), n, 4 * c, c)?;
+        gelu::gelu_backward(gpu, &s.dfch, &a.fch, &s.dfch, n * 4 * c)?;
+        matmul::matmul_backward_input(gpu, &s.dln, &s.dfch, w(FCW), n, c, 4 * c)?;
+        matmul::matmul_backward_weight(gpu, g(FCW), Some(g(FCB)), bp, &s.dfch, &a.ln2, n, c, 4 * c)?;
+        layernorm::layernorm_backward_input(
+            gpu,
+            &s.dres,
+            &s.dln,
+            &a.res2,
+            w(LN2W),
+            &a.ln2_mean,
+            &a.ln2_rstd,
+            n,
+            c,
+        )?;
+        layernorm::layernorm_backward_weight(
+            gpu,
+            g(LN2W),
+            g(LN2B),
+            &s.ln_partial,
+            &s.dln,
+            &a.res2,
+            &a.ln2_mean,
+            &a.ln2_rstd,
+            n,
+            c,
+        )?;
+        // dres is now ∂L/∂res2. Attention.
+        matmul::matmul_backward_weight(gpu, g(PROJW), Some(g(PROJB)), bp, &s.dres, &a.atty, n, c, c)?;
+        matmul::matmul_backward_input(gpu, &s.datty, &s.dres, w(PROJW), n, c, c)?;
+        attention::attention_backward(
+            gpu, &s.dqkv, &s.delta, &s.datty, &a.qkv, &a.atty, &a.lse, b, t, c, nh,
+        )?;
+        matmul::matmul_backward_input(gpu, &s.dln, &s.dqkv, w(QKVW), n, c, 3 * c)?;
+        matmul::matmul_backward_weight(gpu, g(QKVW), Some(g(QKVB)), bp, &s.dqkv, &a.ln1, n, c, 3 * c)?;
+        layernorm::layernorm_backward_input(
+            gpu,
+            &s.dres,
+            &s.dln,
+            x,
+            w(LN1W),
+            &a.ln1_mean,
+            &a.ln1_rstd,
+            n,
+            c,
+        )?;
+        layernorm::layernorm_backward_weight(
+            gpu,
+            g(LN1W),
+            g(LN1B),
+            &s.ln_partial,
+            &s.dln,
+            x,
+            &a.ln1_mean,
+            &a.ln1_rstd,
+            n,
+            c,
+        )
+    }
+
+    /// This part's share of the tied wte gradient, (V, C) without padding:
+    /// the embedding's gradient on the first part, the head's on a head-only part.
+    pub fn tied_share(&self, gpu: &Gpu) -> Result<Vec<f32>> {
+        let vc = self.cfg.vocab_size * self.cfg.n_embd;
+        let mut out = vec![0.0f32; vc];
+        if self.spec.embedding {
+            gpu.download_at(&self.grads, self.tensors[0].offset, &mut out)?;
+        } else {
+            ensure(self.spec.head, || "a part without wte has no tied share".into())?;
+            gpu.download_at(&self.head_grad, 0, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Sums the tied embedding's two gradient shares into this part's wte
+    /// gradient, embedding share + head share (the order every layout uses,
+    /// as `ModelPart::combine_tied_grads`). `other` is the other part's share;
+    /// None when this part holds both.
+    pub fn combine_tied(&mut self, gpu: &Gpu, other: Option<&[f32]>) -> Result<()> {
+        let vc = self.cfg.vocab_size * self.cfg.n_embd;
+        match other {
+            None => {
+                ensure(self.spec.embedding && self.spec.head, || {
+                    "combine_tied(None) needs both ends".into()
+                })?;
+                let g0 = self.g(0);
+                adamw::add_f32(gpu, g0, g0, self.head_grad.ptr(), self.vp * self.cfg.n_embd)
+            }
+            Some(share) => {
+                ensure(share.len() == vc, || format!("tied share of {} values, expected {vc}", share.len()))?;
+                gpu.copy_to(&self.s.tied, 0, share)?;
+                if self.spec.embedding {
+                    let g0 = self.g(0);
+                    adamw::add_f32(gpu, g0, g0, self.s.tied.ptr(), vc)
+                } else {
+                    let gw = self.g(self.spec.head_wte());
+                    adamw::add_f32(gpu, gw, self.s.tied.ptr(), self.head_grad.ptr(), vc)
+                }
+            }
+        }
+    }
+
+    /// Per-tensor Σg² as (canonical index, value); the head's copy of wte is
+    /// left out when another part owns the embedding (as `optim::grad_sum_squares`).
+    pub fn grad_sum_squares(&self, gpu: &Gpu) -> Result<Vec<(usize, f64)>> {
+        let kept: Vec<&TensorSlot> =
+            self.tensors.iter().filter(|t| t.name != "wte.weight" || self.spec.embedding).collect();
+        let ranges: Vec<(usize, usize)> = kept.iter().map(|t| (t.offset, t.numel)).collect();
+        let sums =
+            adamw::sum_squares_ranges(gpu, &self.grads, &ranges, &self.s.norm_partial, &self.s.norm_out)?;
+        Ok(kept.iter().zip(sums).map(|(t, s)| (t.canonical, s as f64)).collect())
+    }
+
+    /// One AdamW update of every tensor with its (combined) gradient scaled by `clip`.
+    pub fn adamw(&mut self, gpu: &Gpu, hyper: &Hyper, lr: f64, clip: f32) -> Result<()> {
+        self.adam_t += 1;
+        let h = hyper.adamw(lr, self.adam_t);
+        for s in &self.tensors {
+            adamw::adamw_update(
+                gpu,
+                &self.master,
+                &self.params,
+                &self.grads,
+                &self.m,
+                &self.v,
+                s.offset,
+                s.stored,
+                &h,
+                s.decay,
+                clip,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Per tensor (CPU order and shapes, wte without padding) values of a flat buffer.
+    fn per_tensor(&self, gpu: &Gpu, flat: &DeviceBuffer<f32>) -> Result<Vec<Vec<f32>>> {
+        let all = gpu.download(flat)?;
+        Ok(self.tensors.iter().map(|s| all[s.offset..s.offset + s.numel].to_vec()).collect())
+    }
+
+    /// The f32 master weights, per tensor.
+    pub fn master_weights(&self, gpu: &Gpu) -> Result<Vec<Vec<f32>>> {
+        self.per_tensor(gpu, &self.master)
+    }
+
+    /// The accumulated gradients, per tensor (after `combine_tied`, wte's is the sum).
+    pub fn gradients(&self, gpu: &Gpu) -> Result<Vec<Vec<f32>>> {
+        self.per_tensor(gpu, &self.grads)
+    }
+
+    /// AdamW's first and second moments, per tensor.
+    pub fn moments(&self, gpu: &Gpu) -> Result<(PerTensor, PerTensor)> {
+        Ok((self.per_tensor(gpu, &self.m)?, self.per_tensor(gpu, &self.v)?))
+    }
+
+    /// Replaces the gradients (the data-parallel sum over replicas), per tensor.
+    pub fn set_gradients(&mut self, gpu: &Gpu, grads: &[Vec<f32>]) -> Result<()> {
+        self.upload_per_tensor(gpu, "gradients", grads, |p| &p.grads)
+    }
+
+    /// Sets master weights (and their X copy), per tensor in this part's order.
+    pub fn load_weights(&mut self, gpu: &Gpu, weights: &[&[f32]]) -> Result<()> {
+        ensure(weights.len() == self.tensors.len(), || {
+            format!("{} weight tensors given, the part has {}", weights.len(), self.tensors.len())
+        })?;
+        for (s, w) in self.tensors.iter().zip(weights) {
+            ensure(w.len() == s.numel, || {
+                format!("{}: {} values given, shape {:?}", s.name, w.len(), s.shape)
+            })?;
+            gpu.copy_to(&self.master, s.offset, w)?;
+            let x: Vec<X> = w.iter().map(|&f| X::from_f32(f)).collect();
+            gpu.copy_to(&self.params, s.offset, &x)?;
+        }
+        Ok(())
+    }
+
+    /// Sets AdamW's moments and step count (a resume or a rollback).
+    pub fn load_moments(&mut self, gpu: &Gpu, m: &[Vec<f32>], v: &[Vec<f32>], t: u64) -> Result<()> {
+        self.upload_per_tensor(gpu, "exp_avg", m, |p| &p.m)?;
+        self.upload_per_tensor(gpu, "exp_avg_sq", v, |p| &p.v)?;
+        self.adam_t = t;
+        Ok(())
+    }
+
+    fn upload_per_tensor(
+        &self,
+        gpu: &Gpu,
+        what: &str,
+        values: &[Vec<f32>],
+        buf: impl Fn(&Self) -> &DeviceBuffer<f32>,
+    ) -> Result<()> {
+        ensure(values.len() == self.tensors.len(), || {
+            format!("{} {what} tensors given, the part has {}", values.len(), self.tensors.len())
+        })?;
+        for (s, x) in self.tensors.iter().zip(values) {
+            ensure(x.len() == s.numel, || {
+                format!("{} {what}: {} values, expected {}", s.name, x.len(), s.numel)
+            })?;
+            gpu.copy_to(buf(self), s.offset, x)?;
+        }
+        Ok(())
+    }
+
+    /// Sums the gradients over the members of `comm` (the data-parallel
+    /// replicas of this stage), in place, finished on return.
+    pub fn all_reduce_gradients(&self, gpu: &Gpu, comm: &super::nccl::Comm) -> Result<()> {
+        comm.all_reduce_sum(gpu, self.grads.ptr(), self.grads.len())?;
+        gpu.synchronize()
+    }
+
+    /// Overwrites one gradient element of tensor `i` (the overflow fault knob).
+    pub fn poison_gradient(&mut self, gpu: &Gpu, i: usize, value: f32) -> Result<()> {
+        gpu.copy_to(&self.grads, self.tensors[i].offset, &[value])
+    }
+}
+
+/// Ids must index the vocabulary; a bad one would read outside wte.
+fn check_ids(ids: &[u32], v: usize, what: &str) -> Result<()> {
+    match ids.iter().position(|&i| i as usize >= v) {
+        Some(at) => {
+            Err(super::CudaError::Shape(format!("{what} id {} at {at} is not below vocab_size {v}", ids[at])))
+        }
+        None => Ok(()),
+    }
+}

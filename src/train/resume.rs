@@ -1,0 +1,182 @@
+//! Where a resumed run starts: the newest complete checkpoint that verifies
+//! (a damaged newer one is named, set aside and never deleted), and what the
+//! resumed settings change compared with the checkpoint's.
+//!
+//! Settings that only decide how the work is laid out (pipeline split,
+//! backend threads, tracing, checkpoint policy, …) keep the bits of an
+//! uninterrupted run; any other change is listed key by key with a warning
+//! that they will not match.
+
+use crate::checkpoint::{self, Loaded};
+use crate::config::Config;
+use crate::model::GptConfig;
+use crate::optim::LrSchedule;
+use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The checkpoint a resume of the run in `dir` starts from; None (said aloud)
+/// when there is none.
+pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
+    let root = checkpoint::checkpoints_dir(dir);
+    let (done, incomplete) = checkpoint::list(&root)?;
+    for p in &incomplete {
+        eprintln!("ignoring {} (not a complete checkpoint)", p.display());
+    }
+    if done.is_empty() {
+        eprintln!("no complete checkpoint in {}: starting from step 0", root.display());
+        return Ok(None);
+    }
+    let t = std::time::Instant::now();
+    let (loaded, damaged) = checkpoint::newest_verified(&root)?;
+    let load_ms = t.elapsed().as_secs_f64() * 1e3;
+    let Some(loaded) = loaded else {
+        let why: Vec<String> = damaged.iter().map(|(_, e)| format!("  {e}")).collect();
+        bail!("no checkpoint in {} verifies (all are left as they are):\n{}", root.display(), why.join("\n"));
+    };
+    let path = &loaded.dir;
+    let step = loaded.state.step;
+    let state_json = path.join("state.json");
+    let theirs = Config::parse(&loaded.state.config, &state_json.display().to_string(), &[])?;
+    if theirs.model != cfg.model {
+        bail!(
+            "{}: the checkpoint's [model] ({:?}) differs from this config's ({:?})",
+            state_json.display(),
+            theirs.model,
+            cfg.model
+        );
+    }
+    loaded.weights.check(&GptConfig::from_config(cfg))?;
+    if (step as usize) > cfg.train.steps {
+        bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
+    }
+    for (dir, e) in &damaged {
+        let kept = checkpoint::set_aside(dir)?;
+        eprintln!(
+            "warning: checkpoint {} is damaged ({e}); falling back to the older {} — the damaged one is \
+             kept as {} (never deleted)",
+            dir.display(),
+            path.display(),
+            kept.display()
+        );
+    }
+    if loaded.state.config_hash != cfg.hash() {
+        warn_changes(&theirs, cfg, &loaded.state);
+    }
+    eprintln!("resuming from {} (step {step}; read and verified in {load_ms:.1} ms)", path.display());
+    Ok(Some(loaded))
+}
+
+/// Every leaf of the config as `section.key` → its TOML text.
+fn flatten(cfg: &Config) -> BTreeMap<String, String> {
+    let table: toml::Table = toml::from_str(&cfg.to_toml_string()).expect("a config's own TOML parses");
+    let mut out = BTreeMap::new();
+    for (section, v) in table {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    out.insert(format!("{section}.{k}"), v.to_string());
+                }
+            }
+            v => {
+                out.insert(section, v.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Keys that decide only how the same computation is laid out or observed.
+fn layout_only(key: &str) -> bool {
+    let section = key.split('.').next().unwrap_or(key);
+    matches!(section, "parallel" | "backend" | "trace" | "replay" | "checkpoint" | "recovery" | "sim")
+        || matches!(key, "train.steps" | "train.eval_every" | "train.eval_batches" | "train.recompute")
+}
+
+fn global_batch(c: &Config) -> usize {
+    c.parallel.dp * c.parallel.microbatches * c.train.micro_batch_size
+}
+
+/// Prints what changed since the checkpoint and whether bits can still match.
+fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
+    let old_hash = &state.config_hash;
+    let (a, b) = (flatten(old), flatten(new));
+    let mut differ = Vec::new();
+    let mut layout = Vec::new();
+    for (k, v) in &b {
+        let was = a.get(k).map_or("(absent)", String::as_str);
+        if was == v {
+            continue;
+        }
+        let line = format!("  {k}: {was} → {v}");
+        if layout_only(k) {
+            layout.push(line);
+        } else {
+            differ.push(line);
+        }
+    }
+    let same_batch = global_batch(old) == global_batch(new);
+    let lr_moves = {
+        let (o, n) = (LrSchedule::from_config(old), LrSchedule::from_config(new));
+        o.decay_bounds() != n.decay_bounds()
+    };
+    let mut notes = Vec::new();
+    if !same_batch {
+        let next = state.step * global_batch(new) as u64;
+        let (lo, hi) = (next.min(state.data_cursor), next.max(state.data_cursor));
+        let gap = if next > state.data_cursor { "skipped" } else { "read again" };
+        notes.push(format!(
+            "  the global batch changes: {} → {} sequences per step (dp·microbatches·micro_batch_size = \
+             {}·{}·{} → {}·{}·{}); a step's data position is step × global batch, so the resumed run \
+             reads from sequence {next} while the checkpoint's cursor is {}: sequences {lo}..{hi} are {gap}",
+            global_batch(old),
+            global_batch(new),
+            old.parallel.dp,
+            old.parallel.microbatches,
+            old.train.micro_batch_size,
+            new.parallel.dp,
+            new.parallel.microbatches,
+            new.train.micro_batch_size,
+            state.data_cursor
+        ));
+    }
+    if lr_moves && old.optim == new.optim {
+        notes.push(format!(
+            "  train.steps {} → {} moves the learning-rate schedule's decay ({:?} → {:?})",
+            old.train.steps,
+            new.train.steps,
+            LrSchedule::from_config(old).decay_bounds(),
+            LrSchedule::from_config(new).decay_bounds()
+        ));
+    }
+    let dp_only = same_batch && old.parallel.dp != new.parallel.dp;
+    if dp_only {
+        notes.push(
+            "  parallel.dp changes with the same global batch: the same data, but gradients are summed \
+             per replica and then across replicas, so results agree with an uninterrupted run only to \
+             rounding"
+                .into(),
+        );
+    }
+    if old.backend.kind != new.backend.kind {
+        notes.push("  backend.kind changes: another backend's arithmetic, so bits differ".into());
+    }
+    let hash = &new.hash()[..12];
+    if differ.is_empty() && notes.is_empty() {
+        eprintln!(
+            "resuming with layout changes only (config hash {} → {hash}); bits still match an \
+             uninterrupted run:\n{}",
+            &old_hash[..old_hash.len().min(12)],
+            layout.join("\n")
+        );
+        return;
+    }
+    differ.extend(notes);
+    eprintln!(
+        "warning: resuming with settings that differ from the checkpoint's (config hash {} → {hash}):\n{}\n\
+         warning: the resumed run's losses and weights will not match the bits of an uninterrupted run{}",
+        &old_hash[..old_hash.len().min(12)],
+        differ.join("\n"),
+        if layout.is_empty() { String::new() } else { format!("\nlayout changes:\n{}", layout.join("\n")) }
+    );
+}
