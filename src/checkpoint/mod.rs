@@ -166,15 +166,16 @@ pub fn list(root: &Path) -> Result<Listing, CheckpointError> {
     Ok((done, incomplete))
 }
 
-/// Keeps the newest `keep` checkpoints and every one whose step is a multiple
-/// of `keep_every` (0: none kept for good).
+/// Keeps the newest `keep` checkpoints, every one whose step is a multiple
+/// of `keep_every` (0: none kept for good), and the pinned ones (`crate::replay::pin`).
 fn retain(root: &Path, keep: usize, keep_every: u64) -> Result<(), CheckpointError> {
     let (done, _) = list(root)?;
+    let pinned = crate::replay::pinned_steps(root).map_err(io_err(&crate::replay::pin::pinned_path(root)))?;
     let n = done.len();
     for (i, (step, path)) in done.into_iter().enumerate() {
         let newest = i + keep >= n;
         let forever = keep_every > 0 && step % keep_every == 0;
-        if !newest && !forever {
+        if !newest && !forever && !pinned.contains(&step) {
             std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
         }
     }

@@ -373,7 +373,15 @@ pub fn train_on(
         progress: opts.progress,
         chaos_seed,
     };
-    let mut out = runtime()?.block_on(crate::actors::run(inputs)).map_err(|e| RunFailed(format!("{e:#}")))?;
+    let result = runtime()?.block_on(crate::actors::run(inputs));
+    // Some actors close their replay logs after the run's result is known.
+    if cfg.replay.record && !crate::replay::wait_closed(&opts.out_dir, std::time::Duration::from_secs(30)) {
+        eprintln!(
+            "warning: replay logs in {} still open after 30 s",
+            crate::replay::replay_dir(&opts.out_dir).display()
+        );
+    }
+    let mut out = result.map_err(|e| RunFailed(format!("{e:#}")))?;
     if out.stopped_early {
         eprintln!(
             "stopped by a signal after step {}; resume with --resume {}",
