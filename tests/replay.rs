@@ -144,8 +144,10 @@ fn a_checkpointer_that_writes_other_bytes_is_caught() {
     let (h, mut es) = LogReader::read_all(&path).unwrap();
     // A recording whose snapshot said another learning rate: the state.json
     // the replay writes is not the one recorded.
-    let lr = es[0].inputs.iter_mut().find(|b| b.name == "next_lr").unwrap();
-    *lr = pipewright::replay::Blob::f64("next_lr", 0.5);
+    let blob = es[0].inputs.iter_mut().find(|b| b.name == "state").unwrap();
+    let mut state: pipewright::checkpoint::StateFile = serde_json::from_str(&blob.to_str().unwrap()).unwrap();
+    state.lr_schedule.next_lr = 0.5;
+    *blob = pipewright::replay::Blob::str("state", &serde_json::to_string(&state).unwrap());
     let mut w = pipewright::replay::LogWriter::create(&path, &h).unwrap();
     for e in es {
         w.append(e).unwrap();
