@@ -117,12 +117,20 @@ enum Command {
     Replay {
         /// The run directory (it holds replay/<actor>.log).
         dir: PathBuf,
-        /// The actor to replay: coordinator, loader-R, stage-S, stage-S.R or reducer.
+        /// The actor to replay: coordinator, loader-R, stage-S, stage-S.R, reducer or checkpointer.
         #[arg(long, conflicts_with = "all", required_unless_present_any = ["all", "list"])]
         actor: Option<String>,
         /// Start at this step's checkpoint instead of the start of the run.
-        #[arg(long, value_name = "S")]
+        #[arg(long, value_name = "S", conflicts_with = "all")]
         from_step: Option<u64>,
+        /// Read the logs from this directory of the run instead of replay/, e.g.
+        /// replay.before-step-N: the part of a run before it resumed from step N.
+        #[arg(long, value_name = "DIR")]
+        log_dir: Option<PathBuf>,
+        /// Accept logs that stop early (a run that crashed or was killed): replay
+        /// the entries they hold and say so.
+        #[arg(long)]
+        allow_truncated: bool,
         /// Re-run the whole system from the recorded config and compare every actor's log.
         #[arg(long)]
         all: bool,
@@ -537,34 +545,38 @@ fn launch_args() -> Vec<std::ffi::OsString> {
 fn replay_command(
     dir: &std::path::Path,
     actor: Option<String>,
-    from_step: Option<u64>,
+    opts: pipewright::replay::run::ReplayOptions,
     all: bool,
     chaos_seed: Option<u64>,
     out: Option<PathBuf>,
     list: bool,
 ) -> Result<bool> {
-    use pipewright::replay::run::{recorded_actors, replay_actor, replay_all, Verdict};
+    use pipewright::replay::run::{actors_in, prepare_all, replay_actor, Verdict};
     if list {
-        for a in recorded_actors(dir)? {
-            let path = pipewright::replay::log_path(dir, &a);
-            let (h, entries) = pipewright::replay::LogReader::read_all(&path)?;
-            let payloads = if h.payloads { "with payloads" } else { "digests only" };
-            println!("{a:<14} {:>7} entries  {payloads}", entries.len());
+        let logs = opts.logs_dir(dir);
+        for a in actors_in(dir, &logs)? {
+            let path = logs.join(format!("{a}.log"));
+            let r = pipewright::replay::LogReader::read(&path, true)?;
+            let payloads = if r.header.payloads { "with payloads" } else { "digests only" };
+            let cut = if r.cut.is_some() { "  cut off (no end marker)" } else { "" };
+            println!("{a:<14} {:>7} entries  {payloads}{cut}", r.entries.len());
         }
         return Ok(true);
     }
     if all {
+        // Everything that can be refused is, before anything runs.
+        let run = prepare_all(dir, &opts)?;
         let tmp;
         let keep_out = out.is_some();
         let out = match out {
             Some(o) => o,
             None => {
-                tmp = tempfile_dir()?;
+                tmp = pipewright::replay::run::scratch_dir("all")?;
                 tmp.clone()
             }
         };
-        eprintln!("re-running the recorded config into {}", out.display());
-        let result = replay_all(dir, &out, chaos_seed);
+        eprintln!("re-running the recorded config from {} into {}", run.starts_from(), out.display());
+        let result = run.run(&out, chaos_seed);
         if !keep_out {
             let _ = std::fs::remove_dir_all(&out);
         }
@@ -585,21 +597,9 @@ fn replay_command(
         return Ok(same);
     }
     let actor = actor.expect("clap requires --actor without --all");
-    let v = replay_actor(dir, &actor, from_step)?;
+    let v = replay_actor(dir, &actor, &opts)?;
     println!("{v}");
     Ok(matches!(v, Verdict::Identical { .. }))
-}
-
-/// A fresh directory under the system's temp dir for `replay --all`'s re-run.
-fn tempfile_dir() -> Result<PathBuf> {
-    let base = std::env::temp_dir();
-    for i in 0..1000u32 {
-        let p = base.join(format!("pipewright-replay-{}-{i}", std::process::id()));
-        if std::fs::create_dir(&p).is_ok() {
-            return Ok(p);
-        }
-    }
-    anyhow::bail!("{}: cannot create a directory for the re-run", base.display())
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -637,8 +637,9 @@ fn run(cli: Cli) -> Result<()> {
             driver.finish(result.as_ref().err().map(|e| format!("{e:#}")));
             result
         }
-        Command::Replay { dir, actor, from_step, all, chaos_seed, out, list } => {
-            match replay_command(&dir, actor, from_step, all, chaos_seed, out, list) {
+        Command::Replay { dir, actor, from_step, log_dir, allow_truncated, all, chaos_seed, out, list } => {
+            let opts = pipewright::replay::run::ReplayOptions { from_step, log_dir, allow_truncated };
+            match replay_command(&dir, actor, opts, all, chaos_seed, out, list) {
                 Ok(true) => Ok(()),
                 Ok(false) => std::process::exit(1),
                 Err(e) => {

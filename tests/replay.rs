@@ -2,7 +2,9 @@
 //! system under scrambled delivery, and catch (and pin down) what differs.
 
 use pipewright::config::Config;
-use pipewright::replay::run::{compare_logs, recorded_actors, replay_actor, Verdict};
+use pipewright::replay::run::{
+    compare_logs, recorded_actors, replay_actor, replay_all, ReplayOptions, Verdict,
+};
 use pipewright::replay::{log_path, LogReader};
 use pipewright::train::run::{train_with, TrainOptions};
 use std::path::{Path, PathBuf};
@@ -27,19 +29,54 @@ fn config(extra: &[&str]) -> Config {
 }
 
 fn record(cfg: &Config, dir: &Path, chaos: Option<u64>) -> PathBuf {
+    record_from(cfg, dir, None, chaos)
+}
+
+fn record_from(cfg: &Config, dir: &Path, init: Option<&Path>, chaos: Option<u64>) -> PathBuf {
     let out = dir.join("run");
-    let opts = TrainOptions { out_dir: out.clone(), init: None, force: true, progress: false, resume: false };
+    let opts = TrainOptions {
+        out_dir: out.clone(),
+        init: init.map(Path::to_path_buf),
+        force: true,
+        progress: false,
+        resume: false,
+    };
     train_with(cfg, &opts, chaos).unwrap();
     out
 }
 
-fn assert_identical(run: &Path, actor: &str, from: Option<u64>) -> usize {
-    match replay_actor(run, actor, from).unwrap() {
-        Verdict::Identical { entries, .. } => {
+fn from(step: Option<u64>) -> ReplayOptions {
+    ReplayOptions { from_step: step, ..ReplayOptions::default() }
+}
+
+fn assert_identical(run: &Path, actor: &str, step: Option<u64>) -> usize {
+    match replay_actor(run, actor, &from(step)).unwrap() {
+        Verdict::Identical { entries, note: None, .. } => {
             assert!(entries > 0, "{actor}: nothing replayed");
             entries
         }
-        Verdict::Diverged(d) => panic!("{actor}: {d}"),
+        v => panic!("{actor}: {v}"),
+    }
+}
+
+fn assert_all_identical(verdicts: &[Verdict]) {
+    assert!(!verdicts.is_empty());
+    for v in verdicts {
+        assert!(matches!(v, Verdict::Identical { note: None, .. }), "{v}");
+    }
+}
+
+/// Byte offsets where each entry of a log ends (the trailer's start last).
+fn entry_ends(bytes: &[u8]) -> Vec<usize> {
+    let mut at = 16 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    let mut ends = Vec::new();
+    loop {
+        let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        if len == u64::MAX {
+            return ends;
+        }
+        at += 8 + len as usize + 32;
+        ends.push(at);
     }
 }
 
@@ -59,36 +96,84 @@ fn pipewright(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
 
 #[test]
 fn every_actor_kind_replays_alone_identically() {
-    // pp = 2 × dp = 2 on the arithmetic corpus with an evaluation: stages of both
-    // replicas, both loaders, the reducer and the coordinator (eval included).
+    // pp = 2 × dp = 2 on the arithmetic corpus with an evaluation and a
+    // checkpoint: stages of both replicas, both loaders, the reducer, the
+    // checkpointer and the coordinator (eval included).
     let cfg = config(&[
         "parallel.pp=2",
         "parallel.dp=2",
         "data.builtin=\"arithmetic\"",
         "train.eval_every=2",
+        "checkpoint.every=1",
         "replay.payloads=[\"all\"]",
     ]);
     let dir = tempfile::tempdir().unwrap();
     let run = record(&cfg, dir.path(), None);
     let actors = recorded_actors(&run).unwrap();
-    let want =
-        ["coordinator", "loader-0", "loader-1", "reducer", "stage-0", "stage-0.1", "stage-1", "stage-1.1"];
+    let want = [
+        "checkpointer",
+        "coordinator",
+        "loader-0",
+        "loader-1",
+        "reducer",
+        "stage-0",
+        "stage-0.1",
+        "stage-1",
+        "stage-1.1",
+    ];
     assert_eq!(actors, want);
     for a in want {
         assert_identical(&run, a, None);
+    }
+    // One checkpoint per step, each file compared by digest.
+    let (_, es) = LogReader::read_all(&log_path(&run, "checkpointer")).unwrap();
+    assert_eq!(es.iter().map(|e| e.step).collect::<Vec<_>>(), [1, 2, 3]);
+    let files: Vec<&str> = es[0].state.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(files, ["model.safetensors", "optimizer.safetensors", "state.json"]);
+    // The monitor's output is timing (ms, tokens/s): not recorded, and said so.
+    let e = replay_actor(&run, "monitor", &from(None)).unwrap_err().to_string();
+    assert!(e.contains("monitor is not recorded") && e.contains("timing"), "{e}");
+}
+
+#[test]
+fn a_checkpointer_that_writes_other_bytes_is_caught() {
+    let cfg = config(&["checkpoint.every=2", "replay.payloads=[\"checkpointer\"]"]);
+    let dir = tempfile::tempdir().unwrap();
+    let run = record(&cfg, dir.path(), None);
+    let path = log_path(&run, "checkpointer");
+    let (h, mut es) = LogReader::read_all(&path).unwrap();
+    // A recording whose snapshot said another learning rate: the state.json
+    // the replay writes is not the one recorded.
+    let blob = es[0].inputs.iter_mut().find(|b| b.name == "state").unwrap();
+    let mut state: pipewright::checkpoint::StateFile = serde_json::from_str(&blob.to_str().unwrap()).unwrap();
+    state.lr_schedule.next_lr = 0.5;
+    *blob = pipewright::replay::Blob::str("state", &serde_json::to_string(&state).unwrap());
+    let mut w = pipewright::replay::LogWriter::create(&path, &h).unwrap();
+    for e in es {
+        w.append(e).unwrap();
+    }
+    w.finish().unwrap();
+    match replay_actor(&run, "checkpointer", &from(None)).unwrap() {
+        Verdict::Diverged(d) => {
+            assert_eq!((d.step, d.kind.as_str()), (2, "Write"), "{d}");
+            assert!(d.what.contains("state `state.json`"), "{d}");
+        }
+        v => panic!("{v}"),
     }
 }
 
 #[test]
 fn digest_only_logs_replay_the_loader_and_coordinator_and_say_what_a_stage_needs() {
-    let cfg = config(&["parallel.pp=2"]);
+    let cfg = config(&["parallel.pp=2", "checkpoint.every=2"]);
     let dir = tempfile::tempdir().unwrap();
     let run = record(&cfg, dir.path(), None);
     assert_identical(&run, "loader-0", None);
     assert_identical(&run, "coordinator", None);
-    let e = replay_actor(&run, "stage-1", None).unwrap_err().to_string();
+    let e = replay_actor(&run, "stage-1", &from(None)).unwrap_err().to_string();
     assert!(e.contains("stage-1.log") && e.contains("--record-payloads stage-1"), "{e}");
-    let e = replay_actor(&run, "stage-7", None).unwrap_err().to_string();
+    let e = replay_actor(&run, "checkpointer", &from(None)).unwrap_err().to_string();
+    assert!(e.contains("checkpointer.log") && e.contains("--record-payloads checkpointer"), "{e}");
+    let e = replay_actor(&run, "stage-7", &from(None)).unwrap_err().to_string();
     assert!(e.contains("stage-7.log") && e.contains("stage-0, stage-1"), "{e}");
 }
 
@@ -129,7 +214,7 @@ fn interleaved_and_zero_bubble_stages_replay_identically_and_from_a_checkpoint()
         let later = assert_identical(&run, "stage-1", Some(2));
         assert!(later < all, "{later} vs {all}");
         assert_identical(&run, "coordinator", Some(2));
-        let e = replay_actor(&run, "stage-0", Some(3)).unwrap_err().to_string();
+        let e = replay_actor(&run, "stage-0", &from(Some(3))).unwrap_err().to_string();
         assert!(e.contains("no complete checkpoint of step 3") && e.contains("there are: 2, 4"), "{e}");
     }
 }
@@ -226,4 +311,181 @@ fn bad_replay_payload_names_are_refused_naming_the_field() {
     let o = ["parallel.pp=2".to_string(), "replay.payloads=[\"stage-1\", \"reducer\"]".to_string()];
     let e = Config::load(None, &o).unwrap().validate().unwrap_err().to_string();
     assert!(e.contains("\"reducer\""), "{e}");
+}
+
+#[test]
+fn a_run_from_init_weights_replays_identically_alone_and_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    // Weights to start from: what a short unrecorded run ends with.
+    let warm = dir.path().join("warm");
+    let mut c = config(&["train.steps=1"]);
+    c.replay.record = false;
+    let opts =
+        TrainOptions { out_dir: warm.clone(), init: None, force: true, progress: false, resume: false };
+    train_with(&c, &opts, None).unwrap();
+    let init = dir.path().join("init.safetensors");
+    std::fs::copy(warm.join("model.safetensors"), &init).unwrap();
+
+    let cfg = config(&["parallel.pp=2", "replay.payloads=[\"all\"]"]);
+    let run = record_from(&cfg, dir.path(), Some(&init), None);
+    for a in ["stage-0", "stage-1", "coordinator", "loader-0"] {
+        assert_identical(&run, a, None);
+    }
+    let out = dir.path().join("again");
+    assert_all_identical(&replay_all(&run, &out, &from(None), None).unwrap());
+
+    // The weights changed, or are gone: refused, naming the file.
+    let good = std::fs::read(&init).unwrap();
+    let mut other = good.clone();
+    let n = other.len();
+    other[n - 1] ^= 1;
+    std::fs::write(&init, &other).unwrap();
+    let e = replay_actor(&run, "stage-0", &from(None)).unwrap_err().to_string();
+    assert!(e.contains("init.safetensors") && e.contains("changed since the run"), "{e}");
+    std::fs::remove_file(&init).unwrap();
+    for e in [
+        replay_actor(&run, "stage-1", &from(None)).unwrap_err(),
+        replay_all(&run, &dir.path().join("again2"), &from(None), None).unwrap_err(),
+    ] {
+        let e = format!("{e:#}");
+        assert!(e.contains("init.safetensors") && e.contains("cannot read the --init weights"), "{e}");
+    }
+}
+
+#[test]
+fn a_log_cut_at_or_inside_an_entry_is_truncated_not_complete() {
+    let cfg = config(&["parallel.pp=2", "replay.payloads=[\"stage-1\"]"]);
+    let dir = tempfile::tempdir().unwrap();
+    let run = record(&cfg, dir.path(), None);
+    let r = run.to_str().unwrap();
+    let path = log_path(&run, "stage-1");
+    let good = std::fs::read(&path).unwrap();
+    let ends = entry_ends(&good);
+    assert!(ends.len() > 6);
+    for (cut, what) in [
+        (ends[4], "truncated after entry 4 (5 complete entries)"),
+        (ends[4] + 20, "truncated inside entry 5"),
+        (*ends.last().unwrap(), &format!("truncated after entry {}", ends.len() - 1) as &str),
+    ] {
+        std::fs::write(&path, &good[..cut]).unwrap();
+        let (code, out, err) = pipewright(&["replay", r, "--actor", "stage-1"], &[]);
+        assert_eq!(code, 2, "{cut}: {out}{err}");
+        assert!(err.contains("stage-1.log") && err.contains(what), "{err}");
+        assert!(err.contains("--allow-truncated"), "{err}");
+        // --all refuses before it runs anything.
+        let (code, out, err) = pipewright(&["replay", r, "--all"], &[]);
+        assert_eq!(code, 2, "{out}{err}");
+        assert!(err.contains("stage-1.log") && err.contains(what), "{err}");
+        assert!(!err.contains("re-running"), "{err}");
+    }
+    // With --allow-truncated: the entries present, and said so.
+    std::fs::write(&path, &good[..ends[4] + 20]).unwrap();
+    let (code, out, err) = pipewright(&["replay", r, "--actor", "stage-1", "--allow-truncated"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("stage-1: identical: 5 messages") && out.contains("as far as recorded"), "{out}");
+    let (code, out, err) = pipewright(&["replay", r, "--all", "--allow-truncated"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("stage-1: identical: 5 messages") && l.contains("cut inside entry 5")),
+        "{out}"
+    );
+    assert!(out.lines().any(|l| l.starts_with("stage-0: identical")), "{out}");
+    std::fs::write(&path, &good).unwrap();
+    let (code, out, _) = pipewright(&["replay", r, "--all"], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(!out.contains("as far as recorded"), "{out}");
+}
+
+#[test]
+fn a_resumed_run_replays_from_its_pinned_checkpoint_and_its_first_part_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let r = run.to_str().unwrap();
+    let mut args =
+        vec!["train", "--out", r, "--record-payloads", "all", "--max-restarts", "1", "--steps", "6"];
+    for s in [
+        "model.n_layer=2",
+        "model.n_embd=32",
+        "model.n_head=2",
+        "model.block_size=16",
+        "train.micro_batch_size=2",
+        "parallel.microbatches=4",
+        "parallel.pp=2",
+        "train.eval_every=0",
+        "checkpoint.every=1",
+        "checkpoint.keep=2",
+    ] {
+        args.extend(["--set", s]);
+    }
+    // Stage 1 fails once in step 3; the run finishes writing the checkpoint of
+    // step 3 it had handed over, and restarts from it.
+    let env = [("PIPEWRIGHT_FAULT", "stage=1,step=3,mb=0"), ("PIPEWRIGHT_FAULT_ONCE", "1")];
+    let (code, _, err) = pipewright(&args, &env);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("restarting from the latest checkpoint"), "{err}");
+    let dirs = pipewright::replay::run::log_dirs(&run);
+    assert_eq!(dirs, ["replay", "replay.before-step-3"]);
+    // Retention kept the two newest and the one the logs start from.
+    let (done, _) = pipewright::checkpoint::list(&run.join("checkpoints")).unwrap();
+    assert_eq!(done.iter().map(|d| d.0).collect::<Vec<_>>(), [3, 5, 6]);
+    assert_eq!(std::fs::read_to_string(run.join("checkpoints/pinned.json")).unwrap(), "[3]");
+
+    for (a, steps) in
+        [("stage-1", "(steps 3–5)"), ("coordinator", "(steps 3–6)"), ("checkpointer", "(steps 4–6)")]
+    {
+        let (code, out, err) = pipewright(&["replay", r, "--actor", a], &[]);
+        assert_eq!(code, 0, "{a}: {out}{err}");
+        assert!(out.contains(&format!("{a}: identical")) && out.contains(steps), "{out}");
+    }
+    let (code, out, err) = pipewright(&["replay", r, "--all"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("from the checkpoint of step 3"), "{err}");
+    assert!(out.contains("the whole run replayed identically"), "{out}");
+
+    // The part before the restart: stage 1 failed inside step 3, so its log
+    // has no end marker, nor has the coordinator's (the run did not complete).
+    let before = ["--log-dir", "replay.before-step-3"];
+    let (code, _, err) = pipewright(&[&["replay", r, "--actor", "stage-1"][..], &before].concat(), &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("replay.before-step-3/stage-1.log: truncated after entry"), "{err}");
+    let cmd = [&["replay", r, "--actor", "stage-1", "--allow-truncated"][..], &before].concat();
+    let (code, out, err) = pipewright(&cmd, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("stage-1: identical") && out.contains("as far as recorded"), "{out}");
+    let (code, out, err) = pipewright(&[&["replay", r, "--all"][..], &before].concat(), &[]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("--allow-truncated") && !err.contains("re-running"), "{err}");
+    let (code, out, err) =
+        pipewright(&[&["replay", r, "--all", "--allow-truncated"][..], &before].concat(), &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("coordinator: identical") && out.contains("the whole run replayed identically"),
+        "{out}"
+    );
+}
+
+#[test]
+fn from_step_refuses_a_checkpoint_of_another_run_naming_both_hashes() {
+    let extra = ["parallel.pp=2", "checkpoint.every=2", "train.steps=4", "replay.payloads=[\"stage-1\"]"];
+    let dir = tempfile::tempdir().unwrap();
+    let run = record(&config(&extra), dir.path(), None);
+    let other_dir = tempfile::tempdir().unwrap();
+    let other_cfg = config(&[&extra[..], &["train.seed=7"]].concat());
+    let other = record(&other_cfg, other_dir.path(), None);
+    assert_identical(&run, "stage-1", Some(2));
+    let step2 = |r: &Path| r.join("checkpoints").join(pipewright::checkpoint::step_dir_name(2));
+    std::fs::remove_dir_all(step2(&run)).unwrap();
+    std::fs::create_dir(step2(&run)).unwrap();
+    for f in ["model.safetensors", "optimizer.safetensors", "state.json"] {
+        std::fs::copy(step2(&other).join(f), step2(&run).join(f)).unwrap();
+    }
+    let hash = |r: &Path| LogReader::read_all(&log_path(r, "stage-1")).unwrap().0.config_hash;
+    let (mine, theirs) = (hash(&run), hash(&other));
+    assert_ne!(mine, theirs);
+    for a in ["stage-1", "coordinator"] {
+        let e = replay_actor(&run, a, &from(Some(2))).unwrap_err().to_string();
+        assert!(e.contains("step_00000002/state.json") && e.contains("belongs to another run"), "{e}");
+        assert!(e.contains(&theirs) && e.contains(&mine), "{e}");
+    }
 }

@@ -343,6 +343,11 @@ impl Actor for Coordinator {
         let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed, cluster } =
             inputs;
         let start_step = resume.as_ref().map_or(0, |r| r.state.step);
+        let origin = replay::Origin::new(&cfg, init.as_ref().map(|w| w.path.as_path()), resume.as_deref())?;
+        if let Some(a) = &origin.anchor {
+            // This run's logs start from that checkpoint: retention must keep it.
+            replay::pin(&run_dir, a.step)?;
+        }
         let scaler = match resume.as_ref().and_then(|r| r.state.loss_scaler.clone()) {
             Some(s) if cfg.optim.loss_scale == "dynamic" => Some(s),
             _ => crate::optim::scaler::LossScaler::from_config(&cfg.optim),
@@ -352,6 +357,7 @@ impl Actor for Coordinator {
             keep: cfg.checkpoint.keep,
             keep_every: cfg.checkpoint.keep_every as u64,
             coordinator: me.clone(),
+            log: replay::recorder(&cfg, &run_dir, "checkpointer", &origin)?,
         };
         let (checkpointer, _) = Actor::spawn_linked(
             Some(registered("checkpointer", id)),
@@ -368,7 +374,7 @@ impl Actor for Coordinator {
             Actor::spawn_linked(Some(registered("monitor", id)), Monitor, monitor_args, me.get_cell())
                 .await?;
         let reducer = if dp > 1 {
-            let log = replay::recorder(&cfg, &run_dir, "reducer", start_step)?;
+            let log = replay::recorder(&cfg, &run_dir, "reducer", &origin)?;
             let stage_rank = layout.schedule.stage_rank.clone();
             let args = ReducerArgs { dp, stages: all.clone(), stage_rank, log, chaos_seed };
             Some(Actor::spawn_linked(Some(registered("reducer", id)), Reducer, args, me.get_cell()).await?.0)
@@ -426,7 +432,7 @@ impl Actor for Coordinator {
                         coordinator: me.clone(),
                         reducer: reducer.clone(),
                     },
-                    log: replay::recorder(&cfg, &run_dir, &stage_name(rank, replica), start_step)?,
+                    log: replay::recorder(&cfg, &run_dir, &stage_name(rank, replica), &origin)?,
                     chaos_seed,
                     cores: mine,
                     latencies_us: Default::default(),
@@ -455,7 +461,7 @@ impl Actor for Coordinator {
                 has_val = d.val.is_some();
             }
             let name = format!("loader-{replica}");
-            let log = replay::recorder(&cfg, &run_dir, &name, start_step)?;
+            let log = replay::recorder(&cfg, &run_dir, &name, &origin)?;
             let args = LoaderArgs {
                 replica,
                 dp,
@@ -491,7 +497,7 @@ impl Actor for Coordinator {
                 reducer: reducer.clone(),
             });
         }
-        let log = replay::recorder(&cfg, &run_dir, "coordinator", start_step)?;
+        let log = replay::recorder(&cfg, &run_dir, "coordinator", &origin)?;
         me.send_message(CoordinatorMsg::Start)?;
         let links =
             Links { stages, loaders, reducer, monitor: Some(monitor), checkpointer: Some(checkpointer) };
@@ -562,20 +568,28 @@ impl Actor for Coordinator {
         for r in st.stages.iter().flatten() {
             r.stop(None);
         }
+        // Wait for them: ractor kills the children still running when this
+        // actor exits, and a killed actor's post_stop (which closes its replay
+        // log) never runs.
+        let wait = Some(std::time::Duration::from_secs(30));
         for l in &st.loaders {
-            l.stop(None);
+            let _ = l.stop_and_wait(None, wait).await;
         }
         if let Some(r) = &st.reducer {
-            r.stop(None);
+            let _ = r.stop_and_wait(None, wait).await;
         }
         if let Some(m) = &st.monitor {
             m.stop(None);
         }
+        // Writes already handed over finish first: a failed run keeps every
+        // checkpoint it reached (a stop would drop the queued ones).
         if let Some(c) = &st.checkpointer {
-            c.stop(None);
+            let _ = c.drain_and_wait(Some(std::time::Duration::from_secs(300))).await;
         }
+        // A completed run closed this log already (`maybe_done`); any other
+        // end leaves it without a trailer, so replay sees the run was cut off.
         if let Some(log) = &mut st.log {
-            if let Err(e) = log.finish() {
+            if let Err(e) = log.abandon() {
                 eprintln!("{e}");
             }
         }

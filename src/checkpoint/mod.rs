@@ -306,15 +306,16 @@ fn remove_leftovers(root: &Path) -> Result<(), CheckpointError> {
     Ok(())
 }
 
-/// Keeps the newest `keep` checkpoints and every one whose step is a multiple
-/// of `keep_every` (0: none kept for good).
+/// Keeps the newest `keep` checkpoints, every one whose step is a multiple
+/// of `keep_every` (0: none kept for good), and the pinned ones (`crate::replay::pin`).
 fn retain(root: &Path, keep: usize, keep_every: u64) -> Result<(), CheckpointError> {
     let (done, _) = list(root)?;
+    let pinned = crate::replay::pinned_steps(root).map_err(io_err(&crate::replay::pin::pinned_path(root)))?;
     let n = done.len();
     for (i, (step, path)) in done.into_iter().enumerate() {
         let newest = i + keep >= n;
         let forever = keep_every > 0 && step % keep_every == 0;
-        if !newest && !forever {
+        if !newest && !forever && !pinned.contains(&step) {
             // Renamed first: a kill mid-delete must not leave a checkpoint name
             // on a directory missing some of its files.
             let mut retired = path.as_os_str().to_owned();

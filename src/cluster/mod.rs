@@ -533,7 +533,9 @@ fn serve(
         )),
         None => None,
     };
-    let local = StageSet { fabric: fabric.clone(), cfg, layout, run_dir: run_dir.into(), init, resume };
+    let run_dir = std::path::PathBuf::from(run_dir);
+    let record = cfg.replay.record;
+    let local = StageSet { fabric: fabric.clone(), cfg, layout, run_dir: run_dir.clone(), init, resume };
     let (coordinator, stages) = rt.block_on(local.spawn()).map_err(ClusterError::Setup)?;
     fabric.send(0, frame::Frame::new(Kind::Ready { rank: spec.rank as u32 }));
     let outcome = loop {
@@ -575,6 +577,10 @@ fn serve(
         s.stop(None);
     }
     coordinator.stop(None);
+    // The stages' threads close their replay logs after this; the process must not end first.
+    if record && !crate::replay::wait_closed(&run_dir, Duration::from_secs(30)) {
+        eprintln!("rank {}: replay logs in {} still open after 30 s", spec.rank, run_dir.display());
+    }
     outcome
 }
 
@@ -643,7 +649,9 @@ impl StageSet {
         } else {
             None
         };
-        let start_step = resume.as_ref().map_or(0, |r| r.state.step);
+        let origin =
+            crate::replay::Origin::new(&cfg, init.as_ref().map(|w| w.path.as_path()), resume.as_deref())
+                .map_err(|e| e.to_string())?;
         let epoch = *fabric.epoch.lock().expect("epoch");
         let (pp, dp) = (layout.pp, layout.dp);
         // The same pinning rule as one process: a core per compute thread or none.
@@ -684,7 +692,7 @@ impl StageSet {
                         coordinator: coordinator.clone(),
                         reducer: reducer.clone(),
                     },
-                    log: crate::replay::recorder(&cfg, &run_dir, &name, start_step)
+                    log: crate::replay::recorder(&cfg, &run_dir, &name, &origin)
                         .map_err(|e| e.to_string())?,
                     chaos_seed: None,
                     cores: mine,

@@ -98,8 +98,31 @@ pub fn to_safetensors(
             safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches data"),
         )
     });
-    safetensors::serialize(views, Some(metadata))
-        .map_err(|e| WeightsError::Format { path: path.to_path_buf(), msg: e.to_string() })
+    let format = |msg: String| WeightsError::Format { path: path.to_path_buf(), msg };
+    let buf = safetensors::serialize(views, Some(metadata)).map_err(|e| format(e.to_string()))?;
+    sorted_header(buf).map_err(format)
+}
+
+/// safetensors writes the metadata map in `HashMap` order, which differs from
+/// one map to the next: the header is rewritten with sorted keys so that the
+/// same tensors always give the same bytes (replay compares checkpoint files
+/// by digest). Readers look tensors up by name and offsets, never by order.
+fn sorted_header(buf: Vec<u8>) -> Result<Vec<u8>, String> {
+    let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes")) as usize;
+    let mut head: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&buf[8..8 + n]).map_err(|e| e.to_string())?;
+    if let Some(m) = head.get_mut("__metadata__") {
+        let sorted: BTreeMap<String, serde_json::Value> =
+            serde_json::from_value(m.take()).map_err(|e| e.to_string())?;
+        *m = serde_json::to_value(sorted).map_err(|e| e.to_string())?;
+    }
+    let mut text = serde_json::to_vec(&head).map_err(|e| e.to_string())?;
+    text.resize(text.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + text.len() + buf.len() - 8 - n);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&buf[8 + n..]);
+    Ok(out)
 }
 
 /// Write to `path.tmp`, fsync, rename over `path`, fsync the directory.
@@ -277,5 +300,26 @@ mod tests {
         let extras = ["lm_head.weight", "transformer.h.0.attn.bias", "transformer.h.0.attn.masked_bias"];
         let w = file_of(&tiny(1), |n| format!("transformer.{n}"), &extras);
         w.check(&tiny(1)).unwrap();
+    }
+
+    #[test]
+    fn the_same_tensors_and_metadata_give_the_same_file_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (shape, data) = (vec![2usize, 3], vec![1.5f32; 6]);
+        let tensors: BTreeMap<String, (&[usize], &[f32])> =
+            [("b".to_string(), (&shape[..], &data[..])), ("a".to_string(), (&shape[..], &data[..]))].into();
+        let mut seen = Vec::new();
+        // Each HashMap iterates in its own order: enough maps to see two orders.
+        for i in 0..16 {
+            let meta: HashMap<String, String> =
+                [("format", "pt"), ("config", "x"), ("z", "1")].map(|(k, v)| (k.into(), v.into())).into();
+            let p = dir.path().join(format!("{i}.safetensors"));
+            save(&p, &tensors, meta).unwrap();
+            seen.push(std::fs::read(&p).unwrap());
+        }
+        assert!(seen.iter().all(|b| b == &seen[0]));
+        let loaded = load(&dir.path().join("0.safetensors")).unwrap();
+        assert_eq!(loaded.tensors["a"], (shape, data));
+        assert_eq!(loaded.metadata["format"], "pt");
     }
 }

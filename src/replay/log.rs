@@ -7,15 +7,22 @@
 //! tells a log that was altered after recording (any byte of any earlier frame
 //! changes every later digest) from one whose run really diverged. Frames are
 //! bincode 2 (serde); tensors are raw little-endian bytes.
+//!
+//! A log that was closed normally ends with a trailer: the length sentinel
+//! `u64::MAX`, the entry count and the final chain digest. Without it a file
+//! cut exactly at a frame boundary would look whole; with it, a missing
+//! trailer means the recording stopped early (a crash or a kill).
 
 use serde::{Deserialize, Serialize};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 pub const MAGIC: &[u8; 8] = b"PWREPLAY";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// No frame is larger: a corrupt length is refused before anything is allocated.
 const MAX_FRAME: u64 = 1 << 30;
+/// In place of a frame length: the trailer follows (entry count, chain digest).
+const TRAILER: u64 = u64::MAX;
 
 pub type Digest = [u8; 32];
 
@@ -30,6 +37,8 @@ pub enum DType {
     F64,
     /// Text (a path, a kind), UTF-8.
     Str,
+    /// A file's bytes: its digest and size (never the bytes themselves).
+    Bytes,
 }
 
 /// One tensor or scalar of a message: its digest, and its bytes when the log
@@ -84,6 +93,11 @@ impl Blob {
 
     pub fn str(name: &str, s: &str) -> Blob {
         Blob::new(name, DType::Str, s.len(), s.as_bytes(), true)
+    }
+
+    /// A file by its blake3 digest and size, as something written to disk.
+    pub fn file(name: &str, digest: Digest, size: u64) -> Blob {
+        Blob { name: name.to_string(), dtype: DType::Bytes, len: size, digest, data: None }
     }
 
     pub fn has_data(&self) -> bool {
@@ -187,6 +201,30 @@ pub struct Header {
     pub payloads: bool,
     /// The first optimizer step of the run (non-zero after a resume).
     pub start_step: u64,
+    /// The `--init` weights the run started from.
+    pub init: Option<FileRef>,
+    /// The checkpoint a resumed run started from.
+    pub anchor: Option<Anchor>,
+}
+
+/// A file an actor's starting state was read from, by path and content.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct FileRef {
+    /// Absolute where it could be made so, else as given.
+    pub path: String,
+    /// blake3 of the file, hex.
+    pub blake3: String,
+}
+
+/// The checkpoint a resumed run started from. Its state.json names the
+/// digests of the other files, so its digest stands for the whole checkpoint.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Anchor {
+    pub step: u64,
+    /// The config hash the checkpoint itself records.
+    pub config_hash: String,
+    /// blake3 of its state.json, hex.
+    pub state_blake3: String,
 }
 
 /// What can be wrong with a log file; every variant names the file.
@@ -200,6 +238,15 @@ pub enum LogError {
     Version { path: PathBuf, found: u32 },
     #[error("{path}: truncated inside entry {index} (byte {offset} of {size}): the recording was cut off")]
     Truncated { path: PathBuf, index: u64, offset: u64, size: u64 },
+    #[error(
+        "{path}: truncated after {}: no end marker follows, so the recording was cut off (the run crashed or was killed)",
+        after(*entries)
+    )]
+    NoTrailer { path: PathBuf, entries: u64 },
+    #[error("header of {path} cannot be decoded: {reason}")]
+    BadHeader { path: PathBuf, reason: String },
+    #[error("{path}: the end marker says {claimed} entries with another chain digest than the {entries} entries before it: the file is corrupt")]
+    BadTrailer { path: PathBuf, entries: u64, claimed: u64 },
     #[error("{path}: entry {index} at byte {offset} claims {len} bytes, more than a frame may hold: the file is corrupt")]
     BadLength { path: PathBuf, index: u64, offset: u64, len: u64 },
     #[error(
@@ -210,6 +257,20 @@ pub enum LogError {
     Corrupt { path: PathBuf, index: u64, offset: u64, reason: String },
     #[error("{path}: entry {index} has sequence number {seq}: the entries are out of order")]
     Sequence { path: PathBuf, index: u64, seq: u64 },
+}
+
+fn after(entries: u64) -> String {
+    match entries {
+        0 => "the header".into(),
+        n => format!("entry {} ({n} complete entries)", n - 1),
+    }
+}
+
+impl LogError {
+    /// The recording stopped early: what `--allow-truncated` accepts.
+    pub fn is_cut(&self) -> bool {
+        matches!(self, LogError::Truncated { .. } | LogError::NoTrailer { .. })
+    }
 }
 
 fn chain_seed(header: &[u8]) -> Digest {
@@ -265,9 +326,14 @@ impl LogWriter {
         self.out.flush().map_err(|error| LogError::Io { path, error })
     }
 
+    /// Writes the trailer and flushes: the log is whole.
     pub fn finish(mut self) -> Result<(), LogError> {
         let path = self.path.clone();
-        self.out.flush().map_err(|error| LogError::Io { path, error })
+        let io = |error| LogError::Io { path: path.clone(), error };
+        self.out.write_all(&TRAILER.to_le_bytes()).map_err(io)?;
+        self.out.write_all(&self.next_seq.to_le_bytes()).map_err(io)?;
+        self.out.write_all(&self.chain).map_err(io)?;
+        self.out.flush().map_err(io)
     }
 }
 
@@ -280,6 +346,8 @@ pub struct LogReader {
     offset: u64,
     size: u64,
     index: u64,
+    /// The trailer has been read.
+    done: bool,
 }
 
 impl LogReader {
@@ -308,26 +376,33 @@ impl LogReader {
         let mut hb = vec![0u8; hlen as usize];
         input.read_exact(&mut hb).map_err(io)?;
         let header: Header = bincode::serde::decode_from_slice(&hb, bincode_config())
-            .map_err(|e| LogError::Corrupt {
-                path: p.clone(),
-                index: 0,
-                offset: 16,
-                reason: format!("header: {e}"),
-            })?
+            .map_err(|e| LogError::BadHeader { path: p.clone(), reason: e.to_string() })?
             .0;
-        Ok(LogReader { path: p, input, header, chain: chain_seed(&hb), offset: 16 + hlen, size, index: 0 })
+        Ok(LogReader {
+            path: p,
+            input,
+            header,
+            chain: chain_seed(&hb),
+            offset: 16 + hlen,
+            size,
+            index: 0,
+            done: false,
+        })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// The next entry, or None at a clean end of file.
+    /// The next entry, or None at the trailer (which must end the file).
     pub fn next_entry(&mut self) -> Result<Option<Entry>, LogError> {
-        if self.offset == self.size {
+        if self.done {
             return Ok(None);
         }
         let (path, index, offset, size) = (self.path.clone(), self.index, self.offset, self.size);
+        if offset == size {
+            return Err(LogError::NoTrailer { path, entries: index });
+        }
         let truncated = || LogError::Truncated { path: path.clone(), index, offset, size };
         if size - offset < 8 {
             return Err(truncated());
@@ -335,6 +410,9 @@ impl LogReader {
         let mut lb = [0u8; 8];
         self.input.read_exact(&mut lb).map_err(|error| LogError::Io { path: path.clone(), error })?;
         let len = u64::from_le_bytes(lb);
+        if len == TRAILER {
+            return self.trailer().map(|_| None);
+        }
         if len > MAX_FRAME {
             return Err(LogError::BadLength { path, index, offset, len });
         }
@@ -374,15 +452,60 @@ impl LogReader {
         Ok(Some(e))
     }
 
-    /// Every entry (the whole log in memory).
-    pub fn read_all(path: &Path) -> Result<(Header, Vec<Entry>), LogError> {
-        let mut r = LogReader::open(path)?;
-        let mut v = Vec::new();
-        while let Some(e) = r.next_entry()? {
-            v.push(e);
+    fn trailer(&mut self) -> Result<(), LogError> {
+        let (path, entries, offset, size) = (self.path.clone(), self.index, self.offset, self.size);
+        if size - offset != 8 + 8 + 32 {
+            if size - offset < 8 + 8 + 32 {
+                return Err(LogError::Truncated { path, index: entries, offset, size });
+            }
+            return Err(LogError::Corrupt {
+                path,
+                index: entries,
+                offset,
+                reason: "bytes after the end marker".into(),
+            });
         }
-        Ok((r.header, v))
+        let mut b = [0u8; 40];
+        self.input.read_exact(&mut b).map_err(|error| LogError::Io { path: path.clone(), error })?;
+        let claimed = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+        if claimed != entries || b[8..] != self.chain {
+            return Err(LogError::BadTrailer { path, entries, claimed });
+        }
+        self.offset = size;
+        self.done = true;
+        Ok(())
     }
+
+    /// Every entry of a whole log (the whole log in memory).
+    pub fn read_all(path: &Path) -> Result<(Header, Vec<Entry>), LogError> {
+        let r = LogReader::read(path, false)?;
+        Ok((r.header, r.entries))
+    }
+
+    /// Every entry; with `allow_cut`, a log that stops early (no trailer, or a
+    /// last entry cut short) gives the entries before the cut and says why.
+    pub fn read(path: &Path, allow_cut: bool) -> Result<ReadLog, LogError> {
+        let mut r = LogReader::open(path)?;
+        let mut entries = Vec::new();
+        loop {
+            match r.next_entry() {
+                Ok(Some(e)) => entries.push(e),
+                Ok(None) => return Ok(ReadLog { header: r.header, entries, cut: None }),
+                Err(e) if allow_cut && e.is_cut() => {
+                    return Ok(ReadLog { header: r.header, entries, cut: Some(e) })
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// A log read into memory.
+pub struct ReadLog {
+    pub header: Header,
+    pub entries: Vec<Entry>,
+    /// Why the log stops early, when it has no end marker.
+    pub cut: Option<LogError>,
 }
 
 fn read_upto(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -407,6 +530,8 @@ mod tests {
             config_hash: "h".into(),
             payloads: true,
             start_step: 0,
+            init: None,
+            anchor: None,
         }
     }
 
@@ -454,7 +579,7 @@ mod tests {
         let p = dir.path().join("a.log");
         write(&p, 3);
         let full = std::fs::read(&p).unwrap();
-        for cut in [full.len() - 1, full.len() - 40, 20] {
+        for cut in [full.len() - 1, full.len() - 40, full.len() - 60, 20] {
             std::fs::write(&p, &full[..cut]).unwrap();
             let e = LogReader::read_all(&p).unwrap_err();
             assert!(matches!(e, LogError::Truncated { .. }), "{cut}: {e}");
@@ -470,8 +595,63 @@ mod tests {
         assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::NotALog { .. }));
         let mut huge = full[..full.len()].to_vec();
         let first_frame = 16 + u32::from_le_bytes(full[12..16].try_into().unwrap()) as usize;
-        huge[first_frame..first_frame + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        huge[first_frame..first_frame + 8].copy_from_slice(&(u64::MAX - 1).to_le_bytes());
         std::fs::write(&p, &huge).unwrap();
         assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::BadLength { .. }));
+    }
+
+    #[test]
+    fn a_log_cut_at_an_entry_boundary_is_not_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.log");
+        write(&p, 3);
+        let full = std::fs::read(&p).unwrap();
+        // Without the trailer: three whole entries and nothing to say the log ends.
+        std::fs::write(&p, &full[..full.len() - 48]).unwrap();
+        let e = LogReader::read_all(&p).unwrap_err();
+        assert!(matches!(e, LogError::NoTrailer { entries: 3, .. }), "{e}");
+        assert!(e.to_string().contains("a.log: truncated after entry 2 (3 complete entries)"), "{e}");
+        let r = LogReader::read(&p, true).unwrap();
+        assert_eq!(r.entries.len(), 3);
+        assert!(r.cut.is_some_and(|c| c.is_cut()));
+        // Only the header: nothing was recorded before the cut.
+        let first_frame = 16 + u32::from_le_bytes(full[12..16].try_into().unwrap()) as usize;
+        std::fs::write(&p, &full[..first_frame]).unwrap();
+        let e = LogReader::read_all(&p).unwrap_err();
+        assert!(e.to_string().contains("truncated after the header"), "{e}");
+        // Cut inside the second entry: the first is still readable when allowed.
+        std::fs::write(&p, &full[..first_frame + 20]).unwrap();
+        assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::Truncated { index: 0, .. }));
+        let second = {
+            let len = u64::from_le_bytes(full[first_frame..first_frame + 8].try_into().unwrap()) as usize;
+            first_frame + 8 + len + 32
+        };
+        std::fs::write(&p, &full[..second + 10]).unwrap();
+        let r = LogReader::read(&p, true).unwrap();
+        assert_eq!(r.entries.len(), 1);
+        assert!(matches!(r.cut, Some(LogError::Truncated { index: 1, .. })));
+        // A trailer that claims another count, and bytes after the trailer.
+        let mut t = full.clone();
+        let n = t.len();
+        t[n - 40] ^= 1;
+        std::fs::write(&p, &t).unwrap();
+        assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::BadTrailer { claimed: 2, .. }));
+        let mut t = full.clone();
+        t.push(0);
+        std::fs::write(&p, &t).unwrap();
+        assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::Corrupt { .. }));
+    }
+
+    #[test]
+    fn a_header_that_does_not_decode_is_named_as_the_header() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.log");
+        write(&p, 1);
+        let mut t = std::fs::read(&p).unwrap();
+        // The actor name's length, as bincode writes it: now far past the header.
+        t[16] = 250;
+        std::fs::write(&p, &t).unwrap();
+        let e = LogReader::read_all(&p).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("header of {} cannot be decoded: ", p.display())), "{e}");
     }
 }

@@ -19,14 +19,25 @@
 //! does now against the recorded log, entry by entry, and keeps the first
 //! divergence. The drivers in [`run`] rebuild one actor alone and feed it its
 //! recorded inputs.
+//!
+//! A log ends with a trailer only when its actor closed it; the coordinator
+//! closes its own only when the run completed, so a run that failed or was
+//! killed always leaves at least one log without one. Each header says where
+//! the run started ([`Origin`]): step 0 from fresh or `--init` weights, or a
+//! checkpoint, which [`pin`] keeps out of `checkpoint.keep`'s reach.
 
 pub mod log;
+pub mod pin;
 pub mod run;
 
-pub use log::{Blob, DType, Digest, Entry, Header, LogError, LogReader, LogWriter, Sent};
+pub use log::{
+    Anchor, Blob, DType, Digest, Entry, FileRef, Header, LogError, LogReader, LogWriter, ReadLog, Sent,
+};
+pub use pin::{pin, pinned_steps};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 pub fn replay_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("replay")
@@ -204,6 +215,8 @@ pub struct Checker {
     expected: Arc<Vec<Entry>>,
     next: usize,
     divergence: Arc<Mutex<Option<Divergence>>>,
+    /// The recording was cut off: entries past its end are not compared.
+    open_ended: bool,
 }
 
 impl Checker {
@@ -212,7 +225,12 @@ impl Checker {
         skip: usize,
         divergence: Arc<Mutex<Option<Divergence>>>,
     ) -> Checker {
-        Checker { expected, next: skip, divergence }
+        Checker { expected, next: skip, divergence, open_ended: false }
+    }
+
+    pub fn open_ended(mut self, yes: bool) -> Checker {
+        self.open_ended = yes;
+        self
     }
 
     fn check(&mut self, actor: &str, mut e: Entry) {
@@ -221,6 +239,9 @@ impl Checker {
             return;
         }
         let Some(rec) = self.expected.get(self.next) else {
+            if self.open_ended {
+                return;
+            }
             *slot = Some(Divergence {
                 actor: actor.to_string(),
                 seq: self.next as u64,
@@ -259,6 +280,46 @@ pub struct ActorLog {
     sink: Sink,
     /// The first write error; recording stops there and the run reports it.
     pub error: Option<String>,
+    /// Counts this log as open until it is closed or dropped.
+    _open: Option<OpenLog>,
+}
+
+/// Logs still open, by replay directory: a run is over for its caller only
+/// once every actor has closed its log (some close after the run's result is
+/// known, from threads nobody joins).
+static OPEN_LOGS: Mutex<BTreeMap<PathBuf, usize>> = Mutex::new(BTreeMap::new());
+static LOG_CLOSED: Condvar = Condvar::new();
+
+struct OpenLog(PathBuf);
+
+impl OpenLog {
+    fn new(dir: PathBuf) -> OpenLog {
+        *OPEN_LOGS.lock().expect("open logs").entry(dir.clone()).or_default() += 1;
+        OpenLog(dir)
+    }
+}
+
+impl Drop for OpenLog {
+    fn drop(&mut self) {
+        let mut open = OPEN_LOGS.lock().expect("open logs");
+        if let Some(n) = open.get_mut(&self.0) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.0);
+            }
+        }
+        LOG_CLOSED.notify_all();
+    }
+}
+
+/// Waits until every log under `run_dir/replay` is closed, at most `limit`;
+/// false if some are still open then.
+pub fn wait_closed(run_dir: &Path, limit: std::time::Duration) -> bool {
+    let dir = replay_dir(run_dir);
+    let open = OPEN_LOGS.lock().expect("open logs");
+    let (_open, timeout) =
+        LOG_CLOSED.wait_timeout_while(open, limit, |o| o.contains_key(&dir)).expect("open logs");
+    !timeout.timed_out()
 }
 
 impl ActorLog {
@@ -274,6 +335,7 @@ impl ActorLog {
             gathered: Vec::new(),
             sink: Sink::Write(Some(w)),
             error: None,
+            _open: Some(OpenLog::new(dir)),
         })
     }
 
@@ -287,6 +349,7 @@ impl ActorLog {
             gathered: Vec::new(),
             sink: Sink::Check(checker),
             error: None,
+            _open: None,
         }
     }
 
@@ -370,24 +433,91 @@ impl ActorLog {
         }
     }
 
-    /// Emits what is pending and flushes the file.
+    /// Emits what is pending, writes the trailer and closes the file: the
+    /// actor's part of the run is complete.
     pub fn finish(&mut self) -> Result<(), String> {
+        self.close(true)
+    }
+
+    /// Emits what is pending and closes the file without a trailer: the run
+    /// did not complete, and a replay must not take this log for a whole one.
+    pub fn abandon(&mut self) -> Result<(), String> {
+        self.close(false)
+    }
+
+    fn close(&mut self, whole: bool) -> Result<(), String> {
         if let Some(prev) = self.current.take() {
             self.emit(prev);
         }
+        // A gather cut short is in arrival order, not combination order:
+        // a cut-off log leaves it out rather than record an order that a
+        // re-run need not repeat.
         let g = std::mem::take(&mut self.gathered);
-        for e in g {
-            self.emit(e);
+        if whole {
+            for e in g {
+                self.emit(e);
+            }
         }
         if let Some(e) = &self.error {
             return Err(format!("replay log of {}: {e}", self.actor));
         }
         if let Sink::Write(w) = &mut self.sink {
-            if let Some(w) = w.take() {
-                w.finish().map_err(|e| e.to_string())?;
+            if let Some(mut w) = w.take() {
+                if whole {
+                    w.finish().map_err(|e| e.to_string())?;
+                } else {
+                    w.flush().map_err(|e| e.to_string())?;
+                }
             }
         }
+        self._open = None;
         Ok(())
+    }
+}
+
+/// Where a run starts, as every log's header records it.
+#[derive(Clone, Debug, Default)]
+pub struct Origin {
+    pub start_step: u64,
+    /// `--init` weights (a fresh run only: a resumed one starts from `anchor`).
+    pub init: Option<FileRef>,
+    pub anchor: Option<Anchor>,
+}
+
+/// blake3 of a file, hex.
+pub fn file_blake3(path: &Path) -> Result<String, LogError> {
+    let bytes = std::fs::read(path).map_err(|error| LogError::Io { path: path.to_path_buf(), error })?;
+    Ok(blake3::Hasher::new().update_rayon(&bytes).finalize().to_hex().to_string())
+}
+
+impl Origin {
+    /// The origin of a run that starts from `init` weights or resumes from
+    /// `resume`. The files are digested only when the run records.
+    pub fn new(
+        cfg: &crate::config::Config,
+        init: Option<&Path>,
+        resume: Option<&crate::checkpoint::Loaded>,
+    ) -> Result<Origin, LogError> {
+        let start_step = resume.map_or(0, |r| r.state.step);
+        if !cfg.replay.record {
+            return Ok(Origin { start_step, ..Origin::default() });
+        }
+        let anchor = match resume {
+            Some(r) => Some(Anchor {
+                step: r.state.step,
+                config_hash: r.state.config_hash.clone(),
+                state_blake3: file_blake3(&r.dir.join("state.json"))?,
+            }),
+            None => None,
+        };
+        let init = match init.filter(|_| resume.is_none()) {
+            Some(p) => Some(FileRef {
+                path: std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string(),
+                blake3: file_blake3(p)?,
+            }),
+            None => None,
+        };
+        Ok(Origin { start_step, init, anchor })
     }
 }
 
@@ -396,7 +526,7 @@ pub fn recorder(
     cfg: &crate::config::Config,
     run_dir: &Path,
     actor: &str,
-    start_step: u64,
+    origin: &Origin,
 ) -> Result<Option<ActorLog>, LogError> {
     if !cfg.replay.record {
         return Ok(None);
@@ -406,7 +536,9 @@ pub fn recorder(
         config: cfg.to_toml_string(),
         config_hash: cfg.hash(),
         payloads: keeps_payloads(&cfg.replay.payloads, actor),
-        start_step,
+        start_step: origin.start_step,
+        init: origin.init.clone(),
+        anchor: origin.anchor.clone(),
     };
     ActorLog::record(run_dir, actor, header).map(Some)
 }

@@ -2,7 +2,7 @@
 //! its recorded inputs in recorded order (`--actor`), or re-run the whole
 //! system and compare every actor's log (`--all`).
 
-use super::{compare, log_path, ActorLog, Checker, Divergence, Entry, Header, LogReader};
+use super::{compare, ActorLog, Checker, Divergence, Entry, Header, LogError, LogReader, ReadLog};
 use crate::actors::coordinator::{CoordinatorMsg, CoordinatorState, EvalKind, Links, StageReport};
 use crate::actors::data_loader::{LoaderArgs, LoaderMsg};
 use crate::actors::reducer::{ReducerArgs, ReducerMsg, ReducerState};
@@ -13,20 +13,57 @@ use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// How to replay a recorded run.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayOptions {
+    /// Start at this step's checkpoint instead of where the log starts.
+    pub from_step: Option<u64>,
+    /// The directory of logs, relative to the run directory (or absolute):
+    /// `replay` by default; `replay.before-step-N` for the part of a run
+    /// before it resumed from step N.
+    pub log_dir: Option<PathBuf>,
+    /// Accept logs without an end marker (a run that crashed or was killed):
+    /// replay the entries they hold, and say so.
+    pub allow_truncated: bool,
+}
+
+impl ReplayOptions {
+    pub fn logs_dir(&self, run_dir: &Path) -> PathBuf {
+        match &self.log_dir {
+            Some(d) => run_dir.join(d),
+            None => super::replay_dir(run_dir),
+        }
+    }
+}
+
 /// The outcome of replaying one actor.
 #[derive(Debug)]
 pub enum Verdict {
-    Identical { actor: String, entries: usize, first_step: u64, last_step: u64 },
+    Identical {
+        actor: String,
+        entries: usize,
+        first_step: u64,
+        last_step: u64,
+        /// What the verdict does not cover: a recording that stops early.
+        note: Option<String>,
+    },
     Diverged(Divergence),
 }
 
 impl std::fmt::Display for Verdict {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Verdict::Identical { actor, entries, first_step, last_step } => write!(
-                f,
-                "{actor}: identical: {entries} messages (steps {first_step}–{last_step}), every output and state digest matches"
-            ),
+            Verdict::Identical { actor, entries: 0, note, .. } => {
+                write!(f, "{actor}: identical: no messages recorded")?;
+                note.as_ref().map_or(Ok(()), |n| write!(f, "; {n}"))
+            }
+            Verdict::Identical { actor, entries, first_step, last_step, note } => {
+                write!(
+                    f,
+                    "{actor}: identical: {entries} messages (steps {first_step}–{last_step}), every output and state digest matches"
+                )?;
+                note.as_ref().map_or(Ok(()), |n| write!(f, "; {n}"))
+            }
             Verdict::Diverged(d) => write!(f, "{d}"),
         }
     }
@@ -34,12 +71,22 @@ impl std::fmt::Display for Verdict {
 
 /// Which actors a run recorded: the `*.log` names under `RUN/replay/`.
 pub fn recorded_actors(run_dir: &Path) -> Result<Vec<String>> {
-    let dir = super::replay_dir(run_dir);
+    actors_in(run_dir, &super::replay_dir(run_dir))
+}
+
+/// The `*.log` names under `logs`, a log directory of the run in `run_dir`.
+pub fn actors_in(run_dir: &Path, logs: &Path) -> Result<Vec<String>> {
     let mut names = Vec::new();
-    let rd = std::fs::read_dir(&dir)
-        .with_context(|| format!("{}: no replay logs (record a run with `train --record`)", dir.display()))?;
+    let rd = std::fs::read_dir(logs).with_context(|| {
+        let others = log_dirs(run_dir);
+        if others.is_empty() {
+            format!("{}: no replay logs (record a run with `train --record`)", logs.display())
+        } else {
+            format!("{}: no replay logs; this run has: {}", logs.display(), others.join(", "))
+        }
+    })?;
     for e in rd {
-        let p = e.with_context(|| format!("{}: cannot list", dir.display()))?.path();
+        let p = e.with_context(|| format!("{}: cannot list", logs.display()))?.path();
         if p.extension().is_some_and(|x| x == "log") {
             if let Some(stem) = p.file_stem().and_then(|s| s.to_str()) {
                 names.push(stem.to_string());
@@ -47,20 +94,58 @@ pub fn recorded_actors(run_dir: &Path) -> Result<Vec<String>> {
         }
     }
     names.sort();
+    if names.is_empty() {
+        bail!("{}: no replay logs (record a run with `train --record`)", logs.display());
+    }
     Ok(names)
 }
 
-fn read_log(run_dir: &Path, actor: &str) -> Result<(Header, Vec<Entry>, PathBuf)> {
-    let path = log_path(run_dir, actor);
+/// The log directories of a run: `replay`, and `replay.before-step-N` for
+/// each time it resumed while recording.
+pub fn log_dirs(run_dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(run_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| n == "replay" || n.starts_with("replay.before-step-"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// What to add to a cut-off log's error when it was refused.
+const ALLOW_HINT: &str = "`replay --allow-truncated` replays the entries it holds";
+
+fn read_log(logs: &Path, run_dir: &Path, actor: &str, allow_cut: bool) -> Result<(ReadLog, PathBuf)> {
+    let path = logs.join(format!("{actor}.log"));
     if !path.exists() {
-        let have = recorded_actors(run_dir).unwrap_or_default();
+        let have = actors_in(run_dir, logs).unwrap_or_default();
         bail!("{}: no such replay log; this run recorded: {}", path.display(), have.join(", "));
     }
-    let (h, entries) = LogReader::read_all(&path)?;
-    if h.actor != actor {
-        bail!("{}: the header names actor `{}`, not `{actor}`", path.display(), h.actor);
+    let log = match LogReader::read(&path, allow_cut) {
+        Err(e) if e.is_cut() => bail!("{e}; {ALLOW_HINT}"),
+        r => r?,
+    };
+    if log.header.actor != actor {
+        bail!("{}: the header names actor `{}`, not `{actor}`", path.display(), log.header.actor);
     }
-    Ok((h, entries, path))
+    Ok((log, path))
+}
+
+/// How a cut-off log limits a verdict, in words.
+fn cut_note(cut: &LogError, path: &Path) -> String {
+    let file = path.file_name().map_or_else(|| path.display().to_string(), |f| f.to_string_lossy().into());
+    match cut {
+        LogError::NoTrailer { entries, .. } => format!(
+            "as far as recorded: {file} has no end marker after its {entries} entries (the run was cut off)"
+        ),
+        LogError::Truncated { index, .. } => {
+            format!("as far as recorded: {file} is cut inside entry {index} (the run was cut off)")
+        }
+        other => other.to_string(),
+    }
 }
 
 fn config_of(h: &Header, path: &Path) -> Result<Config> {
@@ -72,9 +157,16 @@ fn config_of(h: &Header, path: &Path) -> Result<Config> {
     Ok(cfg)
 }
 
-/// The checkpoint the replay starts from: `--from-step`, or the one the
-/// recorded run itself resumed from.
-fn start_checkpoint(run_dir: &Path, step: u64) -> Result<Option<Arc<crate::checkpoint::Loaded>>> {
+/// The checkpoint of `step` in the run, checked to be the one the log
+/// `path` can start from: the very checkpoint a resumed run started from
+/// (its state.json's digest is in the header), or one this run wrote (its
+/// config hash is the log's).
+fn start_checkpoint(
+    run_dir: &Path,
+    header: &Header,
+    path: &Path,
+    step: u64,
+) -> Result<Option<Arc<crate::checkpoint::Loaded>>> {
     if step == 0 {
         return Ok(None);
     }
@@ -88,15 +180,70 @@ fn start_checkpoint(run_dir: &Path, step: u64) -> Result<Option<Arc<crate::check
             if have.is_empty() { "none".to_string() } else { have.join(", ") }
         );
     };
-    Ok(Some(Arc::new(crate::checkpoint::load(dir)?)))
+    let loaded = crate::checkpoint::load(dir)?;
+    let state = dir.join("state.json");
+    match header.anchor.as_ref().filter(|a| a.step == step) {
+        Some(a) => {
+            let now = super::file_blake3(&state)?;
+            if now != a.state_blake3 {
+                bail!(
+                    "{}: not the checkpoint this run resumed from: its blake3 is {now}, {} recorded {}",
+                    state.display(),
+                    path.display(),
+                    a.state_blake3
+                );
+            }
+        }
+        None if loaded.state.config_hash != header.config_hash => bail!(
+            "{}: the checkpoint of step {step} belongs to another run: its config hash is {}, {} was recorded with config hash {}",
+            state.display(),
+            loaded.state.config_hash,
+            path.display(),
+            header.config_hash
+        ),
+        None => {}
+    }
+    Ok(Some(Arc::new(loaded)))
 }
 
-/// Replays `actor` of the run in `run_dir` alone. `from_step` starts at that
-/// step's checkpoint (which must exist) instead of the run's start.
-pub fn replay_actor(run_dir: &Path, actor: &str, from_step: Option<u64>) -> Result<Verdict> {
-    let (header, entries, path) = read_log(run_dir, actor)?;
+/// The `--init` weights a run started from, checked against the digest its
+/// log recorded.
+fn init_weights(header: &Header, path: &Path) -> Result<Option<Arc<crate::model::io::LoadedWeights>>> {
+    let Some(init) = &header.init else { return Ok(None) };
+    let p = Path::new(&init.path);
+    let bytes = std::fs::read(p).with_context(|| {
+        format!(
+            "{}: cannot read the --init weights this run started from (named in {})",
+            p.display(),
+            path.display()
+        )
+    })?;
+    let now = blake3::Hasher::new().update_rayon(&bytes).finalize().to_hex().to_string();
+    if now != init.blake3 {
+        bail!(
+            "{}: the --init weights changed since the run: blake3 {now} now, {} recorded {}",
+            p.display(),
+            path.display(),
+            init.blake3
+        );
+    }
+    Ok(Some(Arc::new(crate::model::io::parse(p, &bytes)?)))
+}
+
+/// Replays `actor` of the run in `run_dir` alone: from where its log starts
+/// (fresh or `--init` weights, or the checkpoint a resumed run started from),
+/// or from the checkpoint of `--from-step`.
+pub fn replay_actor(run_dir: &Path, actor: &str, opts: &ReplayOptions) -> Result<Verdict> {
+    if actor == "monitor" {
+        bail!(
+            "the monitor is not recorded: what it writes (timings, tokens/s) depends on timing; \
+             its deterministic inputs are checked as the coordinator's `Step` messages to it"
+        );
+    }
+    let logs = opts.logs_dir(run_dir);
+    let (ReadLog { header, entries, cut }, path) = read_log(&logs, run_dir, actor, opts.allow_truncated)?;
     let cfg = config_of(&header, &path)?;
-    let start = from_step.unwrap_or(header.start_step);
+    let start = opts.from_step.unwrap_or(header.start_step);
     if start < header.start_step {
         bail!("--from-step {start}: the log of {actor} starts at step {}", header.start_step);
     }
@@ -111,7 +258,9 @@ pub fn replay_actor(run_dir: &Path, actor: &str, from_step: Option<u64>) -> Resu
     .unwrap_or(entries.len());
     let entries = Arc::new(entries);
     let slot: Arc<Mutex<Option<Divergence>>> = Arc::default();
-    let checker = Checker::new(entries.clone(), skip, slot.clone());
+    // A cut-off recording ends where it ends: what the actor does after its
+    // last recorded message is not a divergence.
+    let checker = Checker::new(entries.clone(), skip, slot.clone()).open_ended(cut.is_some());
     let log = ActorLog::check(actor, checker);
     let done = if actor.starts_with("stage-") {
         replay_one_stage(
@@ -132,7 +281,11 @@ pub fn replay_actor(run_dir: &Path, actor: &str, from_step: Option<u64>) -> Resu
         need_payloads(&header, &path, actor)?;
         replay_reducer(&cfg, &entries[skip..], log)?
     } else if actor == "coordinator" {
-        replay_coordinator(run_dir, &cfg, start, mid_run, &entries[skip..], log)?
+        let resume = start_checkpoint(run_dir, &header, &path, start)?;
+        replay_coordinator(run_dir, &cfg, start, mid_run, resume, &entries[skip..], log)?
+    } else if actor == "checkpointer" {
+        need_payloads(&header, &path, actor)?;
+        replay_checkpointer(&cfg, &entries[skip..], log)?
     } else {
         bail!("{}: `{actor}` is not an actor pipewright can replay", path.display());
     };
@@ -155,7 +308,13 @@ pub fn replay_actor(run_dir: &Path, actor: &str, from_step: Option<u64>) -> Resu
     }
     let first_step = entries.get(skip).map_or(start, |e| e.step);
     let last_step = entries.last().map_or(start, |e| e.step);
-    Ok(Verdict::Identical { actor: actor.to_string(), entries: entries.len() - skip, first_step, last_step })
+    Ok(Verdict::Identical {
+        actor: actor.to_string(),
+        entries: entries.len() - skip,
+        first_step,
+        last_step,
+        note: cut.map(|c| cut_note(&c, &path)),
+    })
 }
 
 fn need_payloads(h: &Header, path: &Path, actor: &str) -> Result<()> {
@@ -275,7 +434,8 @@ fn replay_one_stage(
     need_payloads(header, path, actor)?;
     let (rank, replica) = parse_stage_name(actor, cfg)?;
     let layout = Layout::from_config(cfg)?;
-    let resume = start_checkpoint(run_dir, start)?;
+    let resume = start_checkpoint(run_dir, header, path, start)?;
+    let init = if start == 0 { init_weights(header, path)? } else { None };
     // Rendezvous: the feeder hands over the next recorded input only when the
     // stage asks for one, and stops at the first divergence.
     let (tx, rx) = crossbeam_channel::bounded(0);
@@ -315,7 +475,7 @@ fn replay_one_stage(
         replica,
         cfg: cfg.clone(),
         layout,
-        init: None,
+        init,
         resume,
         links: crate::actors::stage::Links::Detached { failure: Default::default() },
         log: Some(log),
@@ -405,11 +565,11 @@ fn replay_coordinator(
     cfg: &Config,
     start: u64,
     mid_run: bool,
+    resume: Option<Arc<crate::checkpoint::Loaded>>,
     entries: &[Entry],
     log: ActorLog,
 ) -> Result<usize> {
     let layout = Layout::from_config(cfg)?;
-    let resume = start_checkpoint(run_dir, start)?;
     let scaler = match resume.as_ref().and_then(|r| r.state.loss_scaler.clone()) {
         Some(s) if cfg.optim.loss_scale == "dynamic" => Some(s),
         _ => crate::optim::scaler::LossScaler::from_config(&cfg.optim),
@@ -486,76 +646,244 @@ fn replay_coordinator(
     Ok(log.position())
 }
 
+/// Writes each recorded snapshot again into a scratch directory and checks
+/// the digests of the files against those the checkpointer wrote.
+fn replay_checkpointer(cfg: &Config, entries: &[Entry], mut log: ActorLog) -> Result<usize> {
+    let scratch = scratch_dir("checkpointer")?;
+    let result = rewrite_checkpoints(cfg, entries, &mut log, &scratch);
+    let _ = std::fs::remove_dir_all(&scratch);
+    result?;
+    log.finish().map_err(|e| anyhow!(e))?;
+    Ok(log.position())
+}
+
+fn rewrite_checkpoints(cfg: &Config, entries: &[Entry], log: &mut ActorLog, scratch: &Path) -> Result<()> {
+    use crate::actors::checkpointer::{snapshot_of, write};
+    let (keep, keep_every) = (cfg.checkpoint.keep, cfg.checkpoint.keep_every as u64);
+    for e in entries {
+        let (tensors, state) =
+            snapshot_of(e).map_err(|why| anyhow!("checkpointer: {}: {why}", e.describe()))?;
+        let (_, entry) = write(scratch, keep, keep_every, tensors, state, Some(true));
+        log.begin(entry.expect("a logged write gives its entry"));
+        log.end();
+    }
+    Ok(())
+}
+
+/// A fresh directory under the system's temp dir.
+pub fn scratch_dir(what: &str) -> Result<PathBuf> {
+    let base = std::env::temp_dir();
+    for i in 0..1000u32 {
+        let p = base.join(format!("pipewright-replay-{what}-{}-{i}", std::process::id()));
+        if std::fs::create_dir(&p).is_ok() {
+            return Ok(p);
+        }
+    }
+    bail!("{}: cannot create a scratch directory", base.display())
+}
+
 /// One actor's log against another run's: the first entry that differs.
 pub fn compare_logs(actor: &str, a: &Path, b: &Path) -> Result<Option<Divergence>> {
     let (_, ea) = LogReader::read_all(a)?;
     let (_, eb) = LogReader::read_all(b)?;
-    for (x, y) in ea.iter().zip(&eb) {
-        if let Some(d) = compare(actor, x, y) {
-            return Ok(Some(d));
-        }
-    }
-    if ea.len() != eb.len() {
-        let n = ea.len().min(eb.len());
-        let e = ea.get(n).or(eb.get(n)).expect("the longer log has entry n");
-        return Ok(Some(Divergence {
-            actor: actor.to_string(),
-            seq: n as u64,
-            step: e.step,
-            mb: e.mb,
-            kind: e.kind.clone(),
-            what: "the number of messages handled".into(),
-            recorded: format!("{} entries", ea.len()),
-            replayed: format!("{} entries", eb.len()),
-            diff: None,
-        }));
-    }
-    Ok(None)
+    Ok(first_difference(actor, &ea, &eb, false))
 }
 
-/// `replay --all`: runs the recorded config again (recording, into `out`) and
-/// compares every actor's log with the recording. One verdict per actor.
-pub fn replay_all(run_dir: &Path, out: &Path, chaos_seed: Option<u64>) -> Result<Vec<Verdict>> {
-    let actors = recorded_actors(run_dir)?;
-    if actors.is_empty() {
-        bail!(
-            "{}: no replay logs (record a run with `train --record`)",
-            super::replay_dir(run_dir).display()
-        );
+/// The first difference between recorded entries `ea` and re-run entries
+/// `eb`; with `prefix`, a recording that stops early only has to match as
+/// far as it goes.
+fn first_difference(actor: &str, ea: &[Entry], eb: &[Entry], prefix: bool) -> Option<Divergence> {
+    for (x, y) in ea.iter().zip(eb) {
+        if let Some(d) = compare(actor, x, y) {
+            return Some(d);
+        }
     }
-    let (header, _, path) = read_log(run_dir, &actors[0])?;
-    if header.start_step != 0 {
-        bail!(
-            "{}: the recording starts at step {} (a resumed run); replay --all re-runs from step 0 only",
-            path.display(),
-            header.start_step
-        );
+    if ea.len() == eb.len() || (prefix && ea.len() < eb.len()) {
+        return None;
     }
-    let cfg = config_of(&header, &path)?;
-    let opts = crate::train::run::TrainOptions {
-        out_dir: out.to_path_buf(),
-        init: None,
-        force: true,
-        progress: false,
-        resume: false,
-    };
-    crate::train::run::train_with(&cfg, &opts, chaos_seed)?;
-    let mut verdicts = Vec::new();
+    let n = ea.len().min(eb.len());
+    let e = ea.get(n).or(eb.get(n)).expect("the longer log has entry n");
+    Some(Divergence {
+        actor: actor.to_string(),
+        seq: n as u64,
+        step: e.step,
+        mb: e.mb,
+        kind: e.kind.clone(),
+        what: "the number of messages handled".into(),
+        recorded: format!("{} entries", ea.len()),
+        replayed: format!("{} entries", eb.len()),
+        diff: None,
+    })
+}
+
+/// What the run starts from when `replay --all` runs it again.
+enum Start {
+    Fresh,
+    /// `--init` weights, checked against their recorded digest.
+    Init(PathBuf),
+    /// The checkpoint a resumed run started from, checked likewise.
+    Checkpoint(PathBuf),
+}
+
+/// A recorded run, checked and ready to run again (`replay --all`):
+/// everything that can be refused is refused before anything runs.
+pub struct WholeRun {
+    logs: PathBuf,
+    actors: Vec<String>,
+    cfg: Config,
+    start: Start,
+    start_step: u64,
+    /// Logs without an end marker (accepted with `--allow-truncated`).
+    cut: Vec<(String, LogError)>,
+}
+
+/// Checks the recording of the run in `run_dir` for `replay --all`: every
+/// log readable and whole (or, with `allow_truncated`, cut off), all from
+/// one run, and its starting weights present and unchanged.
+pub fn prepare_all(run_dir: &Path, opts: &ReplayOptions) -> Result<WholeRun> {
+    if opts.from_step.is_some() {
+        bail!("--from-step: replay --all re-runs from where the recording starts");
+    }
+    let logs = opts.logs_dir(run_dir);
+    let actors = actors_in(run_dir, &logs)?;
+    let mut first: Option<(Header, PathBuf)> = None;
+    let mut cut = Vec::new();
     for a in &actors {
-        let (mine, theirs) = (log_path(run_dir, a), log_path(out, a));
-        let v = match compare_logs(a, &mine, &theirs)? {
-            Some(d) => Verdict::Diverged(d),
-            None => {
-                let (_, es) = LogReader::read_all(&mine)?;
-                Verdict::Identical {
-                    actor: a.clone(),
-                    entries: es.len(),
-                    first_step: es.first().map_or(0, |e| e.step),
-                    last_step: es.last().map_or(0, |e| e.step),
+        let path = logs.join(format!("{a}.log"));
+        // Entry by entry: only the chain, the order and the end are checked here.
+        let mut r = LogReader::open(&path)?;
+        loop {
+            match r.next_entry() {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) if e.is_cut() && opts.allow_truncated => {
+                    cut.push((a.clone(), e));
+                    break;
+                }
+                Err(e) if e.is_cut() => bail!("{e}; {ALLOW_HINT} and compares them with the re-run"),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let h = r.header;
+        match &first {
+            None => first = Some((h, path)),
+            Some((f, fp)) => {
+                if (&f.config_hash, f.start_step, &f.init, &f.anchor)
+                    != (&h.config_hash, h.start_step, &h.init, &h.anchor)
+                {
+                    bail!(
+                        "{} and {}: logs of different runs (their config or starting point differ)",
+                        fp.display(),
+                        path.display()
+                    );
                 }
             }
-        };
-        verdicts.push(v);
+        }
     }
-    Ok(verdicts)
+    let (header, path) = first.expect("at least one log");
+    let cfg = config_of(&header, &path)?;
+    cfg.validate()?;
+    crate::train::run::load_sources(&cfg)?;
+    let start = if header.start_step > 0 {
+        let c = start_checkpoint(run_dir, &header, &path, header.start_step)?.expect("step > 0");
+        Start::Checkpoint(c.dir.clone())
+    } else if let Some(init) = &header.init {
+        init_weights(&header, &path)?;
+        Start::Init(PathBuf::from(&init.path))
+    } else {
+        Start::Fresh
+    };
+    Ok(WholeRun { logs, actors, cfg, start, start_step: header.start_step, cut })
+}
+
+impl WholeRun {
+    /// Where the re-run starts, in words.
+    pub fn starts_from(&self) -> String {
+        match &self.start {
+            Start::Fresh => "step 0".into(),
+            Start::Init(p) => format!("step 0 with the --init weights {}", p.display()),
+            Start::Checkpoint(d) => format!("the checkpoint of step {} ({})", self.start_step, d.display()),
+        }
+    }
+
+    /// Runs the recorded config again (recording, into `out`) and compares
+    /// every actor's log with the recording. One verdict per actor.
+    pub fn run(&self, out: &Path, chaos_seed: Option<u64>) -> Result<Vec<Verdict>> {
+        let mut opts = crate::train::run::TrainOptions {
+            out_dir: out.to_path_buf(),
+            init: None,
+            force: true,
+            progress: false,
+            resume: false,
+        };
+        match &self.start {
+            Start::Fresh => {}
+            Start::Init(p) => opts.init = Some(p.clone()),
+            Start::Checkpoint(dir) => {
+                link_checkpoint(dir, out, self.start_step)?;
+                opts.resume = true;
+            }
+        }
+        crate::train::run::train_with(&self.cfg, &opts, chaos_seed)?;
+        // A run that was cut off: every actor stopped early, so each log only
+        // has to match the re-run as far as it goes.
+        let prefix = !self.cut.is_empty();
+        let mut verdicts = Vec::new();
+        for a in &self.actors {
+            let mine = self.logs.join(format!("{a}.log"));
+            let recorded = LogReader::read(&mine, prefix)?;
+            let (_, rerun) = LogReader::read_all(&super::log_path(out, a))?;
+            let es = &recorded.entries;
+            let v = match first_difference(a, es, &rerun, prefix) {
+                Some(d) => Verdict::Diverged(d),
+                None => {
+                    let note = match &recorded.cut {
+                        Some(c) => Some(format!("{}; the re-run handled {}", cut_note(c, &mine), rerun.len())),
+                        None if es.len() < rerun.len() => Some(format!(
+                            "as far as recorded: {a} stopped with the cut-off run and closed its log after {} entries; the re-run handled {}",
+                            es.len(),
+                            rerun.len()
+                        )),
+                        None => None,
+                    };
+                    Verdict::Identical {
+                        actor: a.clone(),
+                        entries: es.len(),
+                        first_step: es.first().map_or(self.start_step, |e| e.step),
+                        last_step: es.last().map_or(self.start_step, |e| e.step),
+                        note,
+                    }
+                }
+            };
+            verdicts.push(v);
+        }
+        Ok(verdicts)
+    }
+}
+
+/// Places the checkpoint in `dir` as the only one of the run in `out`, as
+/// hard links where the file system allows (checkpoint files are replaced,
+/// never written in place, so the original cannot change through them).
+fn link_checkpoint(dir: &Path, out: &Path, step: u64) -> Result<()> {
+    let to = crate::checkpoint::checkpoints_dir(out).join(crate::checkpoint::step_dir_name(step));
+    std::fs::create_dir_all(&to).with_context(|| format!("{}: cannot create", to.display()))?;
+    for e in std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))? {
+        let from = e.with_context(|| format!("{}: cannot list", dir.display()))?.path();
+        let dst = to.join(from.file_name().expect("a directory entry has a name"));
+        if std::fs::hard_link(&from, &dst).is_err() {
+            std::fs::copy(&from, &dst)
+                .with_context(|| format!("cannot copy {} to {}", from.display(), dst.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// `replay --all` in one call: [`prepare_all`], then [`WholeRun::run`].
+pub fn replay_all(
+    run_dir: &Path,
+    out: &Path,
+    opts: &ReplayOptions,
+    chaos_seed: Option<u64>,
+) -> Result<Vec<Verdict>> {
+    prepare_all(run_dir, opts)?.run(out, chaos_seed)
 }

@@ -424,6 +424,13 @@ pub fn train_on(
     };
     let rt = runtime()?;
     let result = rt.block_on(crate::actors::run(inputs));
+    // Some actors close their replay logs after the run's result is known.
+    if cfg.replay.record && !crate::replay::wait_closed(&opts.out_dir, std::time::Duration::from_secs(30)) {
+        eprintln!(
+            "warning: replay logs in {} still open after 30 s",
+            crate::replay::replay_dir(&opts.out_dir).display()
+        );
+    }
     if result.is_err() {
         // What did not stop after a failure (the error names it, see
         // recovery.shutdown_timeout_s) must not hold the process.
