@@ -18,19 +18,8 @@ echo "== sim backend: measured vs theoretical bubble and runtime overhead (1F1B,
 $bin bench --sim --schedule 1f1b --plot "$out/sim-1f1b.svg" 2>/dev/null | tee "$out/sim-1f1b.txt"
 $bin bench --sim --schedule gpipe --plot "$out/sim-gpipe.svg" 2>/dev/null | tee "$out/sim-gpipe.txt"
 
-echo "== tracing cost: the default model, 200 steps, with and without --trace"
-for t in "" "--trace"; do
-    $bin train --steps 200 --out "$out/trace-cost$t" --force $t --set train.eval_every=0 --set checkpoint.every=0 2>&1 \
-        | grep -E "^done" | sed "s/^/  ${t:-no trace}: /"
-done
-
-echo "== replay recording cost: the default model, 200 steps, with and without --record, alternated"
-for i in 1 2 3; do
-    for r in "" "--record"; do
-        $bin train --steps 200 --out "$out/record-cost$r" --force $r --set train.eval_every=0 --set checkpoint.every=0 2>&1 \
-            | grep -E "^done" | sed "s/^/  ${r:-no record}: /"
-    done
-done
+echo "== tracing and replay recording cost: the default model, with and without the flag, alternated"
+scripts/bench-overhead.sh "$out/overhead" "$bin"
 
 echo "== checkpoint pause, write and load, and the write's cost to training (bench-cpu model)"
 scripts/bench-checkpoint.sh "$out/ckpt" "$bin"

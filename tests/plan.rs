@@ -353,6 +353,12 @@ fn planned_step_times_match_runs_of_the_bench_model_within_20_percent() {
             format!("parallel.pp={pp}"),
             "parallel.microbatches=8".into(),
             "train.micro_batch_size=1".into(),
+            // One compute thread per rank at every pp, so what is compared is
+            // the schedule and how ranks share the cores. With pp = 1 on both
+            // threads the ratio also measured how one rank's small kernels
+            // scale over threads, which the planner takes as perfect: on a
+            // quiet box that read 0.89 in one run and under 0.8 in another.
+            "backend.threads=1".into(),
         ];
         let out = dir.path().join(format!("pp{pp}"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_pipewright"));
@@ -362,7 +368,10 @@ fn planned_step_times_match_runs_of_the_bench_model_within_20_percent() {
         }
         let (cpu0, wall0) = (children_cpu_s(), std::time::Instant::now());
         let run = cmd.output().unwrap();
-        let used = (children_cpu_s() - cpu0) / (wall0.elapsed().as_secs_f64() * cores as f64);
+        // The share of the cores the run could use (pp threads, at most all)
+        // that it got.
+        let usable = pp.min(cores) as f64;
+        let used = (children_cpu_s() - cpu0) / (wall0.elapsed().as_secs_f64() * usable);
         assert!(run.status.success(), "pp {pp}: {}", String::from_utf8_lossy(&run.stderr));
         let cfg = pipewright::config::Config::load(Some(std::path::Path::new(config)), &sets).unwrap();
         // Any rate will do: it cancels in the ratios.
@@ -374,7 +383,7 @@ fn planned_step_times_match_runs_of_the_bench_model_within_20_percent() {
     for &(pp, m, p, used) in &rows {
         report += &format!(
             "pp {pp}: measured {m:.1} ms ({:.3} of pp 1), planned {:.3} of pp 1, measured/planned {:.3}; \
-             the run had {:.0}% of the {cores} cores\n",
+             the run had {:.0}% of the cores it could use\n",
             m / m1,
             p / p1,
             (m / m1) / (p / p1),
