@@ -462,6 +462,15 @@ pub fn sim_plot(rows: &[SimRow]) -> String {
     )
 }
 
+/// A panel's x and y axes: lines along its bottom and left, `pad` in from the edges.
+fn panel_axes(w: f64, h: f64, pad: f64) -> String {
+    let (b, r) = (h - pad, w - pad);
+    format!(
+        "<line x1=\"{pad}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\
+         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{b}\" stroke=\"black\"/>\n"
+    )
+}
+
 const PLOT_COLOURS: [&str; 6] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"];
 
 /// Runtime overhead (%) per cell: x = log2 pp, points coloured by m / pp, the 3%
@@ -485,13 +494,7 @@ fn overhead_panel(rows: &[SimRow]) -> String {
         "<text x=\"{}\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">Runtime overhead: measured step ÷ ideal makespan − 1</text>\n",
         w / 2.0
     );
-    s += &format!(
-        "<line x1=\"{p}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/><line x1=\"{p}\" y1=\"{t}\" x2=\"{p}\" y2=\"{b}\" stroke=\"black\"/>\n",
-        p = pad,
-        b = h - pad,
-        r = w - pad,
-        t = pad
-    );
+    s += &panel_axes(w, h, pad);
     s += &format!(
         "<line x1=\"{pad}\" y1=\"{y3:.1}\" x2=\"{}\" y2=\"{y3:.1}\" stroke=\"#d62728\" stroke-dasharray=\"6 4\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\" fill=\"#d62728\">target 3%</text>\n",
         w - pad,
@@ -563,13 +566,7 @@ fn bubble_panel(rows: &[SimRow]) -> String {
         x(max),
         y(max)
     );
-    s += &format!(
-        "<line x1=\"{p}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/><line x1=\"{p}\" y1=\"{t}\" x2=\"{p}\" y2=\"{b}\" stroke=\"black\"/>\n",
-        p = pad,
-        b = h - pad,
-        r = w - pad,
-        t = pad
-    );
+    s += &panel_axes(w, h, pad);
     for i in 0..=5 {
         let v = max * i as f64 / 5.0;
         s += &format!("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{v:.2}</text>\n", x(v), h - pad + 16.0);

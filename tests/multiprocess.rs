@@ -19,6 +19,15 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     RUNS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A 2-step pp = 2 run into `dir`/run whose rank 0 gives up on a peer that
+/// never joins after `join_timeout` seconds (the refused-peer tests).
+fn refused_peer_args(dir: &Path, join_timeout: u32) -> Vec<String> {
+    let run = dir.join("run").display().to_string();
+    let flags =
+        ["--steps", "2", "--join-timeout", &join_timeout.to_string(), "--out", &run].map(String::from);
+    [model(&["parallel.pp=2"]), flags.to_vec()].concat()
+}
+
 /// The small model of tests/pipeline.rs (4 layers, so pp = 4 has one each).
 fn model(extra: &[&str]) -> Vec<String> {
     let mut sets = vec![
@@ -200,12 +209,7 @@ fn a_wrong_cookie_is_refused_and_logged() {
     let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let port = free_ports();
-    let args = [
-        model(&["parallel.pp=2"]),
-        vec!["--steps".into(), "2".into(), "--join-timeout".into(), "5".into()],
-        vec!["--out".into(), dir.path().join("run").display().to_string()],
-    ]
-    .concat();
+    let args = refused_peer_args(dir.path(), 5);
     let rank0 = worker(port, 0, 2, "right", &args);
     let intruder = finish(worker(port, 1, 2, "wrong", &args), Duration::from_secs(30), "intruder");
     assert!(!intruder.status.success());
@@ -336,12 +340,7 @@ fn a_certificate_from_another_ca_or_no_tls_is_refused_and_logged() {
     use pipewright::cluster::tls::{Tls, TlsFiles};
     let dir = tempfile::tempdir().unwrap();
     let port = free_ports();
-    let args = [
-        model(&["parallel.pp=2"]),
-        vec!["--steps".into(), "2".into(), "--join-timeout".into(), "8".into()],
-        vec!["--out".into(), dir.path().join("run").display().to_string()],
-    ]
-    .concat();
+    let args = refused_peer_args(dir.path(), 8);
     let rank0 = tls_worker(port, 0, "c00kie", Some(("node.pem", "node.key")), &args);
     // The data link: a certificate rank 0's CA did not sign, and no TLS at all,
     // each with the right cookie.

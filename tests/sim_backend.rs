@@ -155,3 +155,27 @@ fn jitter_varies_action_times_and_theory_from_measured_costs_holds() {
     });
     assert!(ok, "{}", seen.join("; "));
 }
+
+#[test]
+fn the_sim_plot_is_one_svg_with_both_panels_and_their_axes() {
+    let row = |pp, m, bubble: f64| pipewright::bench::SimRow {
+        pp,
+        microbatches: m,
+        schedule: "1f1b".into(),
+        measured_bubble: bubble + 0.01,
+        theory_bubble: bubble,
+        planned_bubble: bubble,
+        within_target: true,
+        overhead: 0.02,
+        step_ms: 10.0,
+        ideal_ms: 9.8,
+    };
+    let svg = pipewright::bench::sim_plot(&[row(2, 4, 0.2), row(4, 8, 0.27)]);
+    let doc = roxmltree::Document::parse(&svg).expect("well-formed SVG");
+    let black_lines = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("line") && n.attribute("stroke") == Some("black"))
+        .count();
+    assert_eq!(black_lines, 4, "an x and a y axis per panel");
+    assert!(svg.contains("target 3%") && svg.contains("Runtime overhead"));
+}
