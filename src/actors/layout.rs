@@ -36,11 +36,8 @@ impl Layout {
         let gpt = GptConfig::from_config(cfg);
         let p = &cfg.parallel;
         let kind: ScheduleKind = p.schedule.parse().map_err(|e| anyhow::anyhow!("parallel.schedule: {e}"))?;
-        let chunks = match kind {
-            ScheduleKind::Interleaved1F1B => p.chunks.max(2),
-            ScheduleKind::ZbV if p.chunks <= 2 => 2,
-            _ => p.chunks.max(1),
-        };
+        // Interleaved and ZB-V need at least two chunks: a config's 1 is raised.
+        let chunks = p.chunks.max(kind.default_chunks());
         if chunks > 1 && kind.default_chunks() == 1 {
             bail!("parallel.chunks: {chunks}: more than one chunk per rank needs parallel.schedule = \"interleaved\" or \"zb-v\"");
         }
