@@ -162,6 +162,14 @@ struct Scratch<X: Elem> {
     host_losses: Vec<f32>,
 }
 
+impl<X: Elem> Scratch<X> {
+    /// Σ of the per-token losses the head's cross-entropy left in `losses`, in f64.
+    fn loss_sum(&mut self, gpu: &Gpu) -> Result<f64> {
+        gpu.download_into(&self.losses, &mut self.host_losses)?;
+        Ok(self.host_losses.iter().map(|&l| l as f64).sum())
+    }
+}
+
 pub struct GpuPart<X: Elem> {
     pub cfg: GptConfig,
     pub spec: PartSpec,
@@ -556,8 +564,7 @@ impl<X: Elem> GpuPart<X> {
                     ensure(am.len() == n, || format!("argmax of {} for {n} tokens", am.len()))?;
                     gpu.download_into(&s.argmax, am)?;
                 }
-                gpu.download_into(&s.losses, &mut s.host_losses)?;
-                return Ok(s.host_losses.iter().map(|&l| l as f64).sum());
+                return s.loss_sum(gpu);
             }
             Mode::Train { dloss } => dloss,
         };
@@ -581,8 +588,7 @@ impl<X: Elem> GpuPart<X> {
             n,
             c,
         )?;
-        gpu.download_into(&s.losses, &mut s.host_losses)?;
-        Ok(s.host_losses.iter().map(|&l| l as f64).sum())
+        s.loss_sum(gpu)
     }
 
     /// Backward of microbatch `mb` (a full B). `dout` is the gradient of the
