@@ -832,14 +832,8 @@ impl<X: Elem> GpuPart<X> {
 
     /// Sets master weights (and their X copy), per tensor in this part's order.
     pub fn load_weights(&mut self, gpu: &Gpu, weights: &[&[f32]]) -> Result<()> {
-        ensure(weights.len() == self.tensors.len(), || {
-            format!("{} weight tensors given, the part has {}", weights.len(), self.tensors.len())
-        })?;
+        self.upload_per_tensor(gpu, "weight", weights, |p| &p.master)?;
         for (s, w) in self.tensors.iter().zip(weights) {
-            ensure(w.len() == s.numel, || {
-                format!("{}: {} values given, shape {:?}", s.name, w.len(), s.shape)
-            })?;
-            gpu.copy_to(&self.master, s.offset, w)?;
             let x: Vec<X> = w.iter().map(|&f| X::from_f32(f)).collect();
             gpu.copy_to(&self.params, s.offset, &x)?;
         }
@@ -858,13 +852,14 @@ impl<X: Elem> GpuPart<X> {
         &self,
         gpu: &Gpu,
         what: &str,
-        values: &[Vec<f32>],
+        values: &[impl AsRef<[f32]>],
         buf: impl Fn(&Self) -> &DeviceBuffer<f32>,
     ) -> Result<()> {
         ensure(values.len() == self.tensors.len(), || {
             format!("{} {what} tensors given, the part has {}", values.len(), self.tensors.len())
         })?;
         for (s, x) in self.tensors.iter().zip(values) {
+            let x = x.as_ref();
             ensure(x.len() == s.numel, || {
                 format!("{} {what}: {} values, expected {}", s.name, x.len(), s.numel)
             })?;
