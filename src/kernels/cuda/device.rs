@@ -224,27 +224,14 @@ impl Gpu {
 
     pub fn download<T: Copy + Default>(&self, buf: &DeviceBuffer<T>) -> Result<Vec<T>> {
         let mut host = vec![T::default(); buf.len];
-        if !host.is_empty() {
-            // SAFETY: sizes match; synchronized before `host` is read.
-            unsafe {
-                result::memcpy_dtoh_async(&mut host, buf.ptr, self.stream())?;
-                result::stream::synchronize(self.stream())?;
-            }
-        }
+        self.download_at(buf, 0, &mut host)?;
         Ok(host)
     }
 
     /// buf → host (same length), finished before returning; allocates nothing.
     pub fn download_into<T: Copy>(&self, buf: &DeviceBuffer<T>, host: &mut [T]) -> Result<()> {
         ensure(host.len() == buf.len, || format!("download of {} elements into {}", buf.len, host.len()))?;
-        if !host.is_empty() {
-            // SAFETY: sizes match; synchronized before `host` is read.
-            unsafe {
-                result::memcpy_dtoh_async(host, buf.ptr, self.stream())?;
-                result::stream::synchronize(self.stream())?;
-            }
-        }
-        Ok(())
+        self.download_at(buf, 0, host)
     }
 
     /// buf[offset..offset + host.len()] → host, finished before returning.

@@ -48,13 +48,13 @@ impl<'g, X: Elem> GpuModel<'g, X> {
             .collect();
         // One microbatch runs forward and backward before the next: one slot.
         let part = GpuPart::new(gpu, cfg, PartSpec::whole(&cfg), b, false, 1, &params)?;
-        let n = b * cfg.block_size;
+        let n = part.n();
         Ok(GpuModel { gpu, part, cfg, b, host_inputs: vec![0; n], host_targets: vec![0; n] })
     }
 
     /// Tokens per microbatch.
     pub fn n(&self) -> usize {
-        self.b * self.cfg.block_size
+        self.part.n()
     }
 
     /// AdamW updates applied so far.

@@ -162,6 +162,14 @@ struct Scratch<X: Elem> {
     host_losses: Vec<f32>,
 }
 
+impl<X: Elem> Scratch<X> {
+    /// Σ of the per-token losses the head's cross-entropy left in `losses`, in f64.
+    fn loss_sum(&mut self, gpu: &Gpu) -> Result<f64> {
+        gpu.download_into(&self.losses, &mut self.host_losses)?;
+        Ok(self.host_losses.iter().map(|&l| l as f64).sum())
+    }
+}
+
 pub struct GpuPart<X: Elem> {
     pub cfg: GptConfig,
     pub spec: PartSpec,
@@ -469,10 +477,7 @@ impl<X: Elem> GpuPart<X> {
                 ensure(!self.spec.embedding && x.len() == n * c, || {
                     format!("an activation of {} values given to a part expecting {}", x.len(), n * c)
                 })?;
-                for (h, &f) in self.s.host_x.iter_mut().zip(x) {
-                    *h = X::from_f32(f);
-                }
-                gpu.copy_to(&self.slots[k].stream[0], 0, &self.s.host_x)?;
+                upload_f32(gpu, &self.slots[k].stream[0], &mut self.s.host_x, x)?;
             }
             GpuInput::Device(fill) => {
                 ensure(!self.spec.embedding, || "an activation given to the first part".into())?;
@@ -484,13 +489,7 @@ impl<X: Elem> GpuPart<X> {
         }
         if !self.spec.head {
             let out = &self.slots[k].stream[self.n_blocks()];
-            if let Some(sink) = sink {
-                if sink(gpu, out)? {
-                    return Ok(GpuForward { output: Some(vec![]), loss_sum: None });
-                }
-            }
-            gpu.download_into(out, &mut self.s.host_x)?;
-            let y = self.s.host_x.iter().map(|x| x.to_f32()).collect();
+            let y = hand_over(gpu, out, &mut self.s.host_x, sink)?;
             return Ok(GpuForward { output: Some(y), loss_sum: None });
         }
         let targets = targets.ok_or_else(|| super::CudaError::Shape("the last part needs targets".into()))?;
@@ -565,8 +564,7 @@ impl<X: Elem> GpuPart<X> {
                     ensure(am.len() == n, || format!("argmax of {} for {n} tokens", am.len()))?;
                     gpu.download_into(&s.argmax, am)?;
                 }
-                gpu.download_into(&s.losses, &mut s.host_losses)?;
-                return Ok(s.host_losses.iter().map(|&l| l as f64).sum());
+                return s.loss_sum(gpu);
             }
             Mode::Train { dloss } => dloss,
         };
@@ -590,8 +588,7 @@ impl<X: Elem> GpuPart<X> {
             n,
             c,
         )?;
-        gpu.download_into(&s.losses, &mut s.host_losses)?;
-        Ok(s.host_losses.iter().map(|&l| l as f64).sum())
+        s.loss_sum(gpu)
     }
 
     /// Backward of microbatch `mb` (a full B). `dout` is the gradient of the
@@ -631,10 +628,7 @@ impl<X: Elem> GpuPart<X> {
                 ensure(d.len() == n * c, || {
                     format!("an output gradient of {} values, expected {}", d.len(), n * c)
                 })?;
-                for (h, &f) in self.s.host_x.iter_mut().zip(d) {
-                    *h = X::from_f32(f);
-                }
-                gpu.copy_to(&self.s.dres, 0, &self.s.host_x)?;
+                upload_f32(gpu, &self.s.dres, &mut self.s.host_x, d)?;
             }
             _ => {
                 return Err(super::CudaError::Shape(
@@ -654,13 +648,7 @@ impl<X: Elem> GpuPart<X> {
             embedding::embedding_backward(gpu, dwte, dwpe, &self.s.dres, owners, self.b, t, c)?;
             return Ok(None);
         }
-        if let Some(sink) = sink {
-            if sink(gpu, &self.s.dres)? {
-                return Ok(Some(vec![]));
-            }
-        }
-        gpu.download_into(&self.s.dres, &mut self.s.host_x)?;
-        Ok(Some(self.s.host_x.iter().map(|x| x.to_f32()).collect()))
+        Ok(Some(hand_over(gpu, &self.s.dres, &mut self.s.host_x, sink)?))
     }
 
     /// One block's backward: `dres` holds ∂L/∂(block output) on entry and
@@ -844,14 +832,8 @@ impl<X: Elem> GpuPart<X> {
 
     /// Sets master weights (and their X copy), per tensor in this part's order.
     pub fn load_weights(&mut self, gpu: &Gpu, weights: &[&[f32]]) -> Result<()> {
-        ensure(weights.len() == self.tensors.len(), || {
-            format!("{} weight tensors given, the part has {}", weights.len(), self.tensors.len())
-        })?;
+        self.upload_per_tensor(gpu, "weight", weights, |p| &p.master)?;
         for (s, w) in self.tensors.iter().zip(weights) {
-            ensure(w.len() == s.numel, || {
-                format!("{}: {} values given, shape {:?}", s.name, w.len(), s.shape)
-            })?;
-            gpu.copy_to(&self.master, s.offset, w)?;
             let x: Vec<X> = w.iter().map(|&f| X::from_f32(f)).collect();
             gpu.copy_to(&self.params, s.offset, &x)?;
         }
@@ -870,13 +852,14 @@ impl<X: Elem> GpuPart<X> {
         &self,
         gpu: &Gpu,
         what: &str,
-        values: &[Vec<f32>],
+        values: &[impl AsRef<[f32]>],
         buf: impl Fn(&Self) -> &DeviceBuffer<f32>,
     ) -> Result<()> {
         ensure(values.len() == self.tensors.len(), || {
             format!("{} {what} tensors given, the part has {}", values.len(), self.tensors.len())
         })?;
         for (s, x) in self.tensors.iter().zip(values) {
+            let x = x.as_ref();
             ensure(x.len() == s.numel, || {
                 format!("{} {what}: {} values, expected {}", s.name, x.len(), s.numel)
             })?;
@@ -896,6 +879,32 @@ impl<X: Elem> GpuPart<X> {
     pub fn poison_gradient(&mut self, gpu: &Gpu, i: usize, value: f32) -> Result<()> {
         gpu.copy_to(&self.grads, self.tensors[i].offset, &[value])
     }
+}
+
+/// f32 values from the host into `dst` as X, converted in the staging buffer
+/// `host` (as long as `src`), so nothing is allocated.
+fn upload_f32<X: Elem>(gpu: &Gpu, dst: &DeviceBuffer<X>, host: &mut [X], src: &[f32]) -> Result<()> {
+    for (h, &f) in host.iter_mut().zip(src) {
+        *h = X::from_f32(f);
+    }
+    gpu.copy_to(dst, 0, host)
+}
+
+/// A part's outgoing tensor: to `sink` when it takes it (then empty), else
+/// brought to the host as f32 through the staging buffer `host`.
+fn hand_over<X: Elem>(
+    gpu: &Gpu,
+    buf: &DeviceBuffer<X>,
+    host: &mut [X],
+    sink: Option<Sink<X>>,
+) -> Result<Vec<f32>> {
+    if let Some(sink) = sink {
+        if sink(gpu, buf)? {
+            return Ok(vec![]);
+        }
+    }
+    gpu.download_into(buf, host)?;
+    Ok(host.iter().map(|x| x.to_f32()).collect())
 }
 
 /// Ids must index the vocabulary; a bad one would read outside wte.
