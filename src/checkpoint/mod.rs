@@ -363,6 +363,9 @@ pub fn set_aside(dir: &Path) -> Result<PathBuf, CheckpointError> {
 pub struct Loaded {
     pub dir: PathBuf,
     pub state: StateFile,
+    /// blake3 of `state.json` as read, hex: it names the digests of the other
+    /// files, so it stands for the whole checkpoint.
+    pub state_blake3: String,
     pub weights: LoadedWeights,
     /// Moments by tensor name: (exp_avg, exp_avg_sq).
     pub moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
@@ -383,6 +386,7 @@ pub fn load_with(
 ) -> Result<Loaded, CheckpointError> {
     let sp = dir.join("state.json");
     let text = read(&sp).map_err(io_err(&sp))?;
+    let state_blake3 = blake3::hash(&text).to_hex().to_string();
     let state: StateFile = serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
         path: sp.clone(),
         reason: format!("not a checkpoint state: {e}"),
@@ -431,7 +435,7 @@ pub fn load_with(
         };
         moments.insert(name.clone(), (get("exp_avg")?, get("exp_avg_sq")?));
     }
-    Ok(Loaded { dir: dir.to_path_buf(), state, weights, moments })
+    Ok(Loaded { dir: dir.to_path_buf(), state, state_blake3, weights, moments })
 }
 
 #[cfg(test)]

@@ -502,14 +502,11 @@ impl Origin {
         if !cfg.replay.record {
             return Ok(Origin { start_step, ..Origin::default() });
         }
-        let anchor = match resume {
-            Some(r) => Some(Anchor {
-                step: r.state.step,
-                config_hash: r.state.config_hash.clone(),
-                state_blake3: file_blake3(&r.dir.join("state.json"))?,
-            }),
-            None => None,
-        };
+        let anchor = resume.map(|r| Anchor {
+            step: r.state.step,
+            config_hash: r.state.config_hash.clone(),
+            state_blake3: r.state_blake3.clone(),
+        });
         let init = match init.filter(|_| resume.is_none()) {
             Some(p) => Some(FileRef {
                 path: std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string(),

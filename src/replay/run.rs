@@ -184,8 +184,8 @@ fn start_checkpoint(
     let state = dir.join("state.json");
     match header.anchor.as_ref().filter(|a| a.step == step) {
         Some(a) => {
-            let now = super::file_blake3(&state)?;
-            if now != a.state_blake3 {
+            let now = &loaded.state_blake3;
+            if *now != a.state_blake3 {
                 bail!(
                     "{}: not the checkpoint this run resumed from: its blake3 is {now}, {} recorded {}",
                     state.display(),
