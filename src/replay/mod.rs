@@ -484,10 +484,15 @@ pub struct Origin {
     pub anchor: Option<Anchor>,
 }
 
+/// blake3 of `bytes`, hex.
+pub fn blake3_hex(bytes: &[u8]) -> String {
+    blake3::Hasher::new().update_rayon(bytes).finalize().to_hex().to_string()
+}
+
 /// blake3 of a file, hex.
 pub fn file_blake3(path: &Path) -> Result<String, LogError> {
     let bytes = std::fs::read(path).map_err(|error| LogError::Io { path: path.to_path_buf(), error })?;
-    Ok(blake3::Hasher::new().update_rayon(&bytes).finalize().to_hex().to_string())
+    Ok(blake3_hex(&bytes))
 }
 
 impl Origin {

@@ -218,7 +218,7 @@ fn init_weights(header: &Header, path: &Path) -> Result<Option<Arc<crate::model:
             path.display()
         )
     })?;
-    let now = blake3::Hasher::new().update_rayon(&bytes).finalize().to_hex().to_string();
+    let now = super::blake3_hex(&bytes);
     if now != init.blake3 {
         bail!(
             "{}: the --init weights changed since the run: blake3 {now} now, {} recorded {}",
