@@ -396,7 +396,7 @@ pub fn train_on(
         "backend": cfg.backend.kind,
         // Ranks outnumbering cores make every measured cost a time-shared one.
         "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "compute_threads": layout.threads_per_rank * layout.pp * layout.dp,
+        "compute_threads": threads,
     });
     let resumed_from = resume.as_ref().map(|r| r.state.step);
     let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
