@@ -131,10 +131,7 @@ fn mean(v: &[f64]) -> Option<f64> {
 }
 
 fn median(v: &[f64]) -> Option<f64> {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+    (!v.is_empty()).then(|| crate::trace::summary::median(v.to_vec()))
 }
 
 /// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
