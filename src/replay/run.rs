@@ -53,15 +53,14 @@ pub enum Verdict {
 impl std::fmt::Display for Verdict {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Verdict::Identical { actor, entries: 0, note, .. } => {
-                write!(f, "{actor}: identical: no messages recorded")?;
-                note.as_ref().map_or(Ok(()), |n| write!(f, "; {n}"))
-            }
             Verdict::Identical { actor, entries, first_step, last_step, note } => {
-                write!(
-                    f,
-                    "{actor}: identical: {entries} messages (steps {first_step}–{last_step}), every output and state digest matches"
-                )?;
+                match entries {
+                    0 => write!(f, "{actor}: identical: no messages recorded")?,
+                    _ => write!(
+                        f,
+                        "{actor}: identical: {entries} messages (steps {first_step}–{last_step}), every output and state digest matches"
+                    )?,
+                }
                 note.as_ref().map_or(Ok(()), |n| write!(f, "; {n}"))
             }
             Verdict::Diverged(d) => write!(f, "{d}"),
