@@ -149,6 +149,13 @@ impl Drop for Writing {
     }
 }
 
+/// `path` with `suffix` appended to its last component (`step_…` → `step_….retired`).
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(suffix);
+    PathBuf::from(p)
+}
+
 fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
 }
@@ -318,10 +325,9 @@ fn retain(root: &Path, keep: usize, keep_every: u64) -> Result<(), CheckpointErr
         if !newest && !forever && !pinned.contains(&step) {
             // Renamed first: a kill mid-delete must not leave a checkpoint name
             // on a directory missing some of its files.
-            let mut retired = path.as_os_str().to_owned();
-            retired.push(".retired");
+            let retired = with_suffix(&path, ".retired");
             std::fs::rename(&path, &retired).map_err(io_err(&path))?;
-            std::fs::remove_dir_all(&retired).map_err(io_err(Path::new(&retired)))?;
+            std::fs::remove_dir_all(&retired).map_err(io_err(&retired))?;
         }
     }
     Ok(())
@@ -347,13 +353,11 @@ pub fn newest_verified(root: &Path) -> Result<(Option<Loaded>, Damaged), Checkpo
 /// Renames a damaged checkpoint to `….damaged` so no later save of its step
 /// replaces it: it stays for inspection, never deleted. Returns the new name.
 pub fn set_aside(dir: &Path) -> Result<PathBuf, CheckpointError> {
-    let mut to = dir.as_os_str().to_owned();
-    to.push(".damaged");
-    let mut to = PathBuf::from(to);
+    let mut to = with_suffix(dir, ".damaged");
     let mut n = 1;
     while to.exists() {
         n += 1;
-        to = PathBuf::from(format!("{}.damaged.{n}", dir.display()));
+        to = with_suffix(dir, &format!(".damaged.{n}"));
     }
     std::fs::rename(dir, &to).map_err(io_err(dir))?;
     Ok(to)
