@@ -325,7 +325,7 @@ pub fn wait_closed(run_dir: &Path, limit: std::time::Duration) -> bool {
 impl ActorLog {
     pub fn record(run_dir: &Path, actor: &str, header: Header) -> Result<ActorLog, LogError> {
         let dir = replay_dir(run_dir);
-        std::fs::create_dir_all(&dir).map_err(|error| LogError::Io { path: dir.clone(), error })?;
+        std::fs::create_dir_all(&dir).map_err(LogError::io(&dir))?;
         let payloads = header.payloads;
         let w = LogWriter::create(&log_path(run_dir, actor), &header)?;
         Ok(ActorLog {
@@ -491,7 +491,7 @@ pub fn blake3_hex(bytes: &[u8]) -> String {
 
 /// blake3 of a file, hex.
 pub fn file_blake3(path: &Path) -> Result<String, LogError> {
-    let bytes = std::fs::read(path).map_err(|error| LogError::Io { path: path.to_path_buf(), error })?;
+    let bytes = std::fs::read(path).map_err(LogError::io(path))?;
     Ok(blake3_hex(&bytes))
 }
 
