@@ -149,6 +149,13 @@ impl Drop for Writing {
     }
 }
 
+/// `path` with `suffix` appended to its last component (`step_…` → `step_….retired`).
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(suffix);
+    PathBuf::from(p)
+}
+
 fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir))
 }
@@ -318,10 +325,9 @@ fn retain(root: &Path, keep: usize, keep_every: u64) -> Result<(), CheckpointErr
         if !newest && !forever && !pinned.contains(&step) {
             // Renamed first: a kill mid-delete must not leave a checkpoint name
             // on a directory missing some of its files.
-            let mut retired = path.as_os_str().to_owned();
-            retired.push(".retired");
+            let retired = with_suffix(&path, ".retired");
             std::fs::rename(&path, &retired).map_err(io_err(&path))?;
-            std::fs::remove_dir_all(&retired).map_err(io_err(Path::new(&retired)))?;
+            std::fs::remove_dir_all(&retired).map_err(io_err(&retired))?;
         }
     }
     Ok(())
@@ -347,13 +353,11 @@ pub fn newest_verified(root: &Path) -> Result<(Option<Loaded>, Damaged), Checkpo
 /// Renames a damaged checkpoint to `….damaged` so no later save of its step
 /// replaces it: it stays for inspection, never deleted. Returns the new name.
 pub fn set_aside(dir: &Path) -> Result<PathBuf, CheckpointError> {
-    let mut to = dir.as_os_str().to_owned();
-    to.push(".damaged");
-    let mut to = PathBuf::from(to);
+    let mut to = with_suffix(dir, ".damaged");
     let mut n = 1;
     while to.exists() {
         n += 1;
-        to = PathBuf::from(format!("{}.damaged.{n}", dir.display()));
+        to = with_suffix(dir, &format!(".damaged.{n}"));
     }
     std::fs::rename(dir, &to).map_err(io_err(dir))?;
     Ok(to)
@@ -363,6 +367,9 @@ pub fn set_aside(dir: &Path) -> Result<PathBuf, CheckpointError> {
 pub struct Loaded {
     pub dir: PathBuf,
     pub state: StateFile,
+    /// blake3 of `state.json` as read, hex: it names the digests of the other
+    /// files, so it stands for the whole checkpoint.
+    pub state_blake3: String,
     pub weights: LoadedWeights,
     /// Moments by tensor name: (exp_avg, exp_avg_sq).
     pub moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
@@ -383,6 +390,7 @@ pub fn load_with(
 ) -> Result<Loaded, CheckpointError> {
     let sp = dir.join("state.json");
     let text = read(&sp).map_err(io_err(&sp))?;
+    let state_blake3 = blake3::hash(&text).to_hex().to_string();
     let state: StateFile = serde_json::from_slice(&text).map_err(|e| CheckpointError::Invalid {
         path: sp.clone(),
         reason: format!("not a checkpoint state: {e}"),
@@ -431,7 +439,7 @@ pub fn load_with(
         };
         moments.insert(name.clone(), (get("exp_avg")?, get("exp_avg_sq")?));
     }
-    Ok(Loaded { dir: dir.to_path_buf(), state, weights, moments })
+    Ok(Loaded { dir: dir.to_path_buf(), state, state_blake3, weights, moments })
 }
 
 #[cfg(test)]

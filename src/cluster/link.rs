@@ -169,6 +169,20 @@ impl LinkStream {
         Ok(LinkStream { socket, reader, writer })
     }
 
+    /// `socket` to `peer` as a link: under TLS when `tls` is given (as the
+    /// connecting side when `client`), else plain.
+    fn open(
+        socket: TcpStream,
+        peer: SocketAddr,
+        tls: Option<&Tls>,
+        client: bool,
+    ) -> Result<LinkStream, LinkError> {
+        match tls {
+            Some(t) => LinkStream::over_tls(socket, t, client),
+            None => LinkStream::plain(socket).map_err(io(peer)),
+        }
+    }
+
     /// Runs the TLS handshake (as the connecting side when `client`).
     pub fn over_tls(mut socket: TcpStream, tls: &Tls, client: bool) -> Result<LinkStream, LinkError> {
         let peer = socket.peer_addr().map_err(io(SocketAddr::from(([0, 0, 0, 0], 0))))?;
@@ -204,10 +218,7 @@ pub fn connect(
     let s = TcpStream::connect_timeout(&addr, HANDSHAKE_TIMEOUT).map_err(io(addr))?;
     s.set_nodelay(true).map_err(io(addr))?;
     s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io(addr))?;
-    let mut s = match tls {
-        Some(t) => LinkStream::over_tls(s, t, true)?,
-        None => LinkStream::plain(s).map_err(io(addr))?,
-    };
+    let mut s = LinkStream::open(s, addr, tls, true)?;
     let nonce = random_bytes().map_err(io(addr))?;
     send(&mut s, addr, Kind::Hello { rank: me, world, listen: listen.to_string(), nonce })?;
     let (peer_rank, their_nonce) = match recv(&mut s, addr)? {
@@ -258,10 +269,7 @@ pub fn accept(
     let peer = s.peer_addr().map_err(io(SocketAddr::from(([0, 0, 0, 0], 0))))?;
     s.set_nodelay(true).map_err(io(peer))?;
     s.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io(peer))?;
-    let mut s = match tls {
-        Some(t) => LinkStream::over_tls(s, t, false)?,
-        None => LinkStream::plain(s).map_err(io(peer))?,
-    };
+    let mut s = LinkStream::open(s, peer, tls, false)?;
     let (rank, listen, nonce) = match recv(&mut s, peer)? {
         Kind::Hello { rank, world: w, listen, nonce } => {
             if w != world {

@@ -267,6 +267,11 @@ fn after(entries: u64) -> String {
 }
 
 impl LogError {
+    /// Maps an I/O error on `path` (`.map_err(LogError::io(path))`).
+    pub fn io(path: &Path) -> impl Fn(std::io::Error) -> LogError + Copy + '_ {
+        move |error| LogError::Io { path: path.to_path_buf(), error }
+    }
+
     /// The recording stopped early: what `--allow-truncated` accepts.
     pub fn is_cut(&self) -> bool {
         matches!(self, LogError::Truncated { .. } | LogError::NoTrailer { .. })
@@ -292,7 +297,7 @@ pub struct LogWriter {
 
 impl LogWriter {
     pub fn create(path: &Path, header: &Header) -> Result<LogWriter, LogError> {
-        let io = |error| LogError::Io { path: path.to_path_buf(), error };
+        let io = LogError::io(path);
         let file = std::fs::File::create(path).map_err(io)?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         let hb = bincode::serde::encode_to_vec(header, bincode_config()).expect("a header encodes");
@@ -307,7 +312,7 @@ impl LogWriter {
     pub fn append(&mut self, mut e: Entry) -> Result<(), LogError> {
         e.seq = self.next_seq;
         self.next_seq += 1;
-        let io = |error| LogError::Io { path: self.path.clone(), error };
+        let io = LogError::io(&self.path);
         let bytes = bincode::serde::encode_to_vec(&e, bincode_config()).map_err(|err| LogError::Corrupt {
             path: self.path.clone(),
             index: e.seq,
@@ -322,14 +327,12 @@ impl LogWriter {
     }
 
     pub fn flush(&mut self) -> Result<(), LogError> {
-        let path = self.path.clone();
-        self.out.flush().map_err(|error| LogError::Io { path, error })
+        self.out.flush().map_err(LogError::io(&self.path))
     }
 
     /// Writes the trailer and flushes: the log is whole.
     pub fn finish(mut self) -> Result<(), LogError> {
-        let path = self.path.clone();
-        let io = |error| LogError::Io { path: path.clone(), error };
+        let io = LogError::io(&self.path);
         self.out.write_all(&TRAILER.to_le_bytes()).map_err(io)?;
         self.out.write_all(&self.next_seq.to_le_bytes()).map_err(io)?;
         self.out.write_all(&self.chain).map_err(io)?;
@@ -353,7 +356,7 @@ pub struct LogReader {
 impl LogReader {
     pub fn open(path: &Path) -> Result<LogReader, LogError> {
         let p = path.to_path_buf();
-        let io = |error| LogError::Io { path: p.clone(), error };
+        let io = LogError::io(path);
         let file = std::fs::File::open(path).map_err(io)?;
         let size = file.metadata().map_err(io)?.len();
         let mut input = std::io::BufReader::with_capacity(1 << 20, file);
@@ -408,7 +411,7 @@ impl LogReader {
             return Err(truncated());
         }
         let mut lb = [0u8; 8];
-        self.input.read_exact(&mut lb).map_err(|error| LogError::Io { path: path.clone(), error })?;
+        self.input.read_exact(&mut lb).map_err(LogError::io(&path))?;
         let len = u64::from_le_bytes(lb);
         if len == TRAILER {
             return self.trailer().map(|_| None);
@@ -421,7 +424,7 @@ impl LogReader {
         }
         let mut bytes = vec![0u8; len as usize];
         let mut digest = [0u8; 32];
-        let io = |error| LogError::Io { path: path.clone(), error };
+        let io = LogError::io(&path);
         self.input.read_exact(&mut bytes).map_err(io)?;
         self.input.read_exact(&mut digest).map_err(io)?;
         let chain = chain_next(&self.chain, &bytes);
@@ -466,7 +469,7 @@ impl LogReader {
             });
         }
         let mut b = [0u8; 40];
-        self.input.read_exact(&mut b).map_err(|error| LogError::Io { path: path.clone(), error })?;
+        self.input.read_exact(&mut b).map_err(LogError::io(&path))?;
         let claimed = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
         if claimed != entries || b[8..] != self.chain {
             return Err(LogError::BadTrailer { path, entries, claimed });

@@ -325,7 +325,7 @@ pub fn wait_closed(run_dir: &Path, limit: std::time::Duration) -> bool {
 impl ActorLog {
     pub fn record(run_dir: &Path, actor: &str, header: Header) -> Result<ActorLog, LogError> {
         let dir = replay_dir(run_dir);
-        std::fs::create_dir_all(&dir).map_err(|error| LogError::Io { path: dir.clone(), error })?;
+        std::fs::create_dir_all(&dir).map_err(LogError::io(&dir))?;
         let payloads = header.payloads;
         let w = LogWriter::create(&log_path(run_dir, actor), &header)?;
         Ok(ActorLog {
@@ -484,10 +484,15 @@ pub struct Origin {
     pub anchor: Option<Anchor>,
 }
 
+/// blake3 of `bytes`, hex.
+pub fn blake3_hex(bytes: &[u8]) -> String {
+    blake3::Hasher::new().update_rayon(bytes).finalize().to_hex().to_string()
+}
+
 /// blake3 of a file, hex.
 pub fn file_blake3(path: &Path) -> Result<String, LogError> {
-    let bytes = std::fs::read(path).map_err(|error| LogError::Io { path: path.to_path_buf(), error })?;
-    Ok(blake3::Hasher::new().update_rayon(&bytes).finalize().to_hex().to_string())
+    let bytes = std::fs::read(path).map_err(LogError::io(path))?;
+    Ok(blake3_hex(&bytes))
 }
 
 impl Origin {
@@ -502,14 +507,11 @@ impl Origin {
         if !cfg.replay.record {
             return Ok(Origin { start_step, ..Origin::default() });
         }
-        let anchor = match resume {
-            Some(r) => Some(Anchor {
-                step: r.state.step,
-                config_hash: r.state.config_hash.clone(),
-                state_blake3: file_blake3(&r.dir.join("state.json"))?,
-            }),
-            None => None,
-        };
+        let anchor = resume.map(|r| Anchor {
+            step: r.state.step,
+            config_hash: r.state.config_hash.clone(),
+            state_blake3: r.state_blake3.clone(),
+        });
         let init = match init.filter(|_| resume.is_none()) {
             Some(p) => Some(FileRef {
                 path: std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).display().to_string(),

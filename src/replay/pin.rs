@@ -28,7 +28,7 @@ pub fn pinned_steps(checkpoints_dir: &Path) -> std::io::Result<Vec<u64>> {
 pub fn pin(run_dir: &Path, step: u64) -> Result<(), super::LogError> {
     let root = crate::checkpoint::checkpoints_dir(run_dir);
     let p = pinned_path(&root);
-    let io = |error| super::LogError::Io { path: p.clone(), error };
+    let io = super::LogError::io(&p);
     let mut steps = pinned_steps(&root).map_err(io)?;
     if steps.contains(&step) {
         return Ok(());

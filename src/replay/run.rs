@@ -53,15 +53,14 @@ pub enum Verdict {
 impl std::fmt::Display for Verdict {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Verdict::Identical { actor, entries: 0, note, .. } => {
-                write!(f, "{actor}: identical: no messages recorded")?;
-                note.as_ref().map_or(Ok(()), |n| write!(f, "; {n}"))
-            }
             Verdict::Identical { actor, entries, first_step, last_step, note } => {
-                write!(
-                    f,
-                    "{actor}: identical: {entries} messages (steps {first_step}–{last_step}), every output and state digest matches"
-                )?;
+                match entries {
+                    0 => write!(f, "{actor}: identical: no messages recorded")?,
+                    _ => write!(
+                        f,
+                        "{actor}: identical: {entries} messages (steps {first_step}–{last_step}), every output and state digest matches"
+                    )?,
+                }
                 note.as_ref().map_or(Ok(()), |n| write!(f, "; {n}"))
             }
             Verdict::Diverged(d) => write!(f, "{d}"),
@@ -184,8 +183,8 @@ fn start_checkpoint(
     let state = dir.join("state.json");
     match header.anchor.as_ref().filter(|a| a.step == step) {
         Some(a) => {
-            let now = super::file_blake3(&state)?;
-            if now != a.state_blake3 {
+            let now = &loaded.state_blake3;
+            if *now != a.state_blake3 {
                 bail!(
                     "{}: not the checkpoint this run resumed from: its blake3 is {now}, {} recorded {}",
                     state.display(),
@@ -218,7 +217,7 @@ fn init_weights(header: &Header, path: &Path) -> Result<Option<Arc<crate::model:
             path.display()
         )
     })?;
-    let now = blake3::Hasher::new().update_rayon(&bytes).finalize().to_hex().to_string();
+    let now = super::blake3_hex(&bytes);
     if now != init.blake3 {
         bail!(
             "{}: the --init weights changed since the run: blake3 {now} now, {} recorded {}",

@@ -272,7 +272,8 @@ fn lanes(trace: &Trace) -> BTreeMap<usize, Vec<usize>> {
     out
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The median of `xs`; 0 when there is none.
+pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     if xs.is_empty() {
         return 0.0;
     }

@@ -115,22 +115,21 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
             differ.push(line);
         }
     }
-    let same_batch = global_batch(old) == global_batch(new);
-    let lr_moves = {
-        let (o, n) = (LrSchedule::from_config(old), LrSchedule::from_config(new));
-        o.decay_bounds() != n.decay_bounds()
-    };
+    let (old_batch, new_batch) = (global_batch(old), global_batch(new));
+    let same_batch = old_batch == new_batch;
+    let old_decay = LrSchedule::from_config(old).decay_bounds();
+    let new_decay = LrSchedule::from_config(new).decay_bounds();
     let mut notes = Vec::new();
     if !same_batch {
-        let next = state.step * global_batch(new) as u64;
+        let next = state.step * new_batch as u64;
         let (lo, hi) = (next.min(state.data_cursor), next.max(state.data_cursor));
         let gap = if next > state.data_cursor { "skipped" } else { "read again" };
         notes.push(format!(
             "  the global batch changes: {} → {} sequences per step (dp·microbatches·micro_batch_size = \
              {}·{}·{} → {}·{}·{}); a step's data position is step × global batch, so the resumed run \
              reads from sequence {next} while the checkpoint's cursor is {}: sequences {lo}..{hi} are {gap}",
-            global_batch(old),
-            global_batch(new),
+            old_batch,
+            new_batch,
             old.parallel.dp,
             old.parallel.microbatches,
             old.train.micro_batch_size,
@@ -140,13 +139,10 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
             state.data_cursor
         ));
     }
-    if lr_moves && old.optim == new.optim {
+    if old_decay != new_decay && old.optim == new.optim {
         notes.push(format!(
             "  train.steps {} → {} moves the learning-rate schedule's decay ({:?} → {:?})",
-            old.train.steps,
-            new.train.steps,
-            LrSchedule::from_config(old).decay_bounds(),
-            LrSchedule::from_config(new).decay_bounds()
+            old.train.steps, new.train.steps, old_decay, new_decay
         ));
     }
     let dp_only = same_batch && old.parallel.dp != new.parallel.dp;

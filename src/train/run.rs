@@ -131,10 +131,7 @@ fn mean(v: &[f64]) -> Option<f64> {
 }
 
 fn median(v: &[f64]) -> Option<f64> {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    (n > 0).then(|| if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+    (!v.is_empty()).then(|| crate::trace::summary::median(v.to_vec()))
 }
 
 /// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
@@ -396,7 +393,7 @@ pub fn train_on(
         "backend": cfg.backend.kind,
         // Ranks outnumbering cores make every measured cost a time-shared one.
         "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "compute_threads": layout.threads_per_rank * layout.pp * layout.dp,
+        "compute_threads": threads,
     });
     let resumed_from = resume.as_ref().map(|r| r.state.step);
     let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
