@@ -242,12 +242,16 @@ impl CpuCompute {
     }
 }
 
+/// A checkpoint's AdamW moments (exp_avg, exp_avg_sq) of tensor `name`.
+fn moments_of<'c>(c: &'c Loaded, name: &str) -> Result<&'c (Vec<f32>, Vec<f32>), String> {
+    c.moments.get(name).ok_or_else(|| format!("checkpoint lacks moments of {name}"))
+}
+
 /// Loads a checkpoint's moments for `params` into `st`.
 pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<(), String> {
     st.t = c.state.adam_step;
     for (i, p) in params.iter().enumerate() {
-        let (m, v) =
-            c.moments.get(&p.name).ok_or_else(|| format!("checkpoint lacks moments of {}", p.name))?;
+        let (m, v) = moments_of(c, &p.name)?;
         st.m[i].copy_from_slice(m);
         st.v[i].copy_from_slice(v);
     }
@@ -479,15 +483,7 @@ mod gpu {
                 let mut part = GpuPart::<X>::new(&gpu, cfg, spec, b, recompute, slots.max(1), &params)
                     .map_err(|e| format!("GPU {} ({}): {e}", gpu.name, gpu_memory_hint(&e)))?;
                 if let Some(c) = resume {
-                    let (mut m, mut v) = (Vec::new(), Vec::new());
-                    for p in &params {
-                        let (pm, pv) = c
-                            .moments
-                            .get(&p.name)
-                            .ok_or_else(|| format!("checkpoint lacks moments of {}", p.name))?;
-                        m.push(pm.clone());
-                        v.push(pv.clone());
-                    }
+                    let (m, v) = moment_lists(c, params.iter().map(|p| p.name.as_str()))?;
                     part.load_moments(&gpu, &m, &v, c.state.adam_step).map_err(|e| e.to_string())?;
                 }
                 parts.push(part);
@@ -611,6 +607,20 @@ mod gpu {
             })?;
             link.recv(gpu, dst, dst.len())
         }
+    }
+
+    /// Per-tensor exp_avg and exp_avg_sq, as `GpuPart::load_moments` takes them.
+    type MomentLists = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+    /// A checkpoint's moments of the tensors `names`.
+    fn moment_lists<'n>(c: &Loaded, names: impl Iterator<Item = &'n str>) -> Result<MomentLists, String> {
+        let (mut m, mut v) = (Vec::new(), Vec::new());
+        for name in names {
+            let (pm, pv) = moments_of(c, name)?;
+            m.push(pm.clone());
+            v.push(pv.clone());
+        }
+        Ok((m, v))
     }
 
     fn gpu_memory_hint(e: &CudaError) -> &'static str {
@@ -801,7 +811,6 @@ mod gpu {
         fn restore(&mut self, c: &Loaded) -> Result<(), String> {
             for part in &mut self.parts {
                 let mut w = Vec::new();
-                let (mut m, mut v) = (Vec::new(), Vec::new());
                 for t in &part.tensors {
                     let (shape, data) =
                         c.weights.tensors.get(&t.name).ok_or_else(|| {
@@ -816,13 +825,8 @@ mod gpu {
                         ));
                     }
                     w.push(data.as_slice());
-                    let (pm, pv) = c
-                        .moments
-                        .get(&t.name)
-                        .ok_or_else(|| format!("checkpoint lacks moments of {}", t.name))?;
-                    m.push(pm.clone());
-                    v.push(pv.clone());
                 }
+                let (m, v) = moment_lists(c, part.tensors.iter().map(|t| t.name.as_str()))?;
                 part.load_weights(&self.gpu, &w).map_err(|e| e.to_string())?;
                 part.load_moments(&self.gpu, &m, &v, c.state.adam_step).map_err(|e| e.to_string())?;
             }

@@ -93,10 +93,11 @@ impl Actor for Reducer {
         msg: ReducerMsg,
         st: &mut ReducerHandle,
     ) -> Result<(), ActorProcessingErr> {
-        let tx = st.tx.clone().ok_or("reducer thread has exited")?;
+        let tx = st.tx.as_ref().ok_or("reducer thread has exited")?;
         match &mut st.chaos {
             Some(rng) => {
                 let delay = Duration::from_micros(rng.below(2000));
+                let tx = tx.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(delay).await;
                     let _ = tx.send(msg);

@@ -269,7 +269,7 @@ struct Worker {
     /// Shared with the actor, which records send → handle times.
     latencies_us: Arc<std::sync::Mutex<Vec<f64>>>,
     norms: Vec<(usize, f64)>,
-    fault: Option<(usize, u64, usize)>,
+    fault: Option<Fault>,
     dloss: f32,
     rec: Recorder,
     /// When the current action's inputs were all in hand (trace time, µs).
@@ -425,20 +425,30 @@ fn fault_fires() -> bool {
 /// `PIPEWRIGHT_FAULT=stage=S,step=N,mb=M` makes F of (S, M) at step N panic
 /// (`,kind=error`: the compute thread reports an error and ends instead): how
 /// the tests check that a failing stage is reported and nothing hangs.
-fn fault_from_env() -> Option<(usize, u64, usize)> {
+fn fault_from_env() -> Option<Fault> {
     let v = std::env::var("PIPEWRIGHT_FAULT").ok()?;
-    let mut f = (usize::MAX, u64::MAX, usize::MAX);
+    let mut f = Fault { stage: usize::MAX, step: u64::MAX, mb: usize::MAX, error: false };
     for kv in v.split(',') {
         let (k, val) = kv.split_once('=')?;
-        match k.trim() {
-            "stage" => f.0 = val.trim().parse().ok()?,
-            "step" => f.1 = val.trim().parse().ok()?,
-            "mb" => f.2 = val.trim().parse().ok()?,
-            "kind" if ["panic", "error"].contains(&val.trim()) => {}
+        match (k.trim(), val.trim()) {
+            ("stage", val) => f.stage = val.parse().ok()?,
+            ("step", val) => f.step = val.parse().ok()?,
+            ("mb", val) => f.mb = val.parse().ok()?,
+            ("kind", "panic") => f.error = false,
+            ("kind", "error") => f.error = true,
             _ => return None,
         }
     }
     Some(f)
+}
+
+/// A `PIPEWRIGHT_FAULT`: where F fails, and whether as an error or a panic.
+#[derive(Clone, Copy)]
+struct Fault {
+    stage: usize,
+    step: u64,
+    mb: usize,
+    error: bool,
 }
 
 impl Worker {
@@ -1183,8 +1193,9 @@ impl Worker {
         mode: Mode,
         argmax: Option<&mut [u32]>,
     ) -> Result<Option<f64>, Stopped> {
-        if phase == Phase::Train && self.fault == Some((stage, self.step, mb)) && fault_fires() {
-            if std::env::var("PIPEWRIGHT_FAULT").is_ok_and(|v| v.contains("kind=error")) {
+        let here = |f: &Fault| phase == Phase::Train && (f.stage, f.step, f.mb) == (stage, self.step, mb);
+        if let Some(fault) = self.fault.filter(here).filter(|_| fault_fires()) {
+            if fault.error {
                 let action = self.current.map(|a| a.to_string());
                 let error =
                     format!("injected error (PIPEWRIGHT_FAULT) in F of stage {stage}, microbatch {mb}");

@@ -293,20 +293,16 @@ impl Fabric {
                     self.step.fetch_max(step, Ordering::Relaxed);
                 }
                 let msg = wire::stage_msg(msg, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
-                {
-                    let _ = dest.send_message(msg);
-                    Ok(())
-                }
+                let _ = dest.send_message(msg);
+                Ok(())
             }
             Kind::Coordinator(c) => {
                 let dest = self.routes.get().and_then(|r| r.coordinator.clone()).ok_or_else(|| {
                     format!("{} sent a coordinator message to a process without one", who())
                 })?;
                 let msg = wire::coordinator_msg(c, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
-                {
-                    let _ = dest.send_message(msg);
-                    Ok(())
-                }
+                let _ = dest.send_message(msg);
+                Ok(())
             }
             Kind::Reduce { step, stage, replica } => {
                 let dest = self
@@ -316,10 +312,8 @@ impl Fabric {
                     .ok_or_else(|| format!("{} sent gradients to a process without a reducer", who()))?;
                 let msg = wire::reducer_msg(step, stage, replica, f.arrays)
                     .map_err(|e| format!("{}: {e}", who()))?;
-                {
-                    let _ = dest.send_message(msg);
-                    Ok(())
-                }
+                let _ = dest.send_message(msg);
+                Ok(())
             }
             Kind::Roster { config, config_hash, listen, run_dir, resume, init, nccl } => {
                 let _ = self.events.send(Event::Roster {
