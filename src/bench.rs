@@ -392,26 +392,32 @@ pub fn sim_rows(
     Ok(rows)
 }
 
-/// (mean bubble, mean step window in ms) of replica 0 over the steps after the first.
+/// (bubble, step window in ms) of replica 0: each the median over the steps
+/// after the first (the first also pays for start-up), the same summary
+/// `trace summary` gives for `step_ms`, so one step that the machine stalls
+/// (a preempted vCPU) does not stand for the runtime. A step's bubble is the
+/// mean over ranks of the share of its window the rank did not compute.
 pub fn measured_bubble(trace: &[crate::trace::Record], ranks: usize, steps: usize) -> (f64, f64) {
     let actions = |step: u64| {
         trace.iter().filter(move |r| r.step == step && r.replica == 0 && crate::trace::is_action(&r.name))
     };
     let first = if steps > 1 { 1 } else { 0 };
-    let (mut bubble, mut window, mut n) = (0.0, 0.0, 0.0);
+    let (mut bubbles, mut windows) = (Vec::new(), Vec::new());
     for step in first..steps as u64 {
         let start = actions(step).map(|r| r.start_us).fold(f64::INFINITY, f64::min);
         let end = actions(step).map(|r| r.start_us + r.dur_us).fold(f64::NEG_INFINITY, f64::max);
         let w = end - start;
         // Per rank: with several chunks a rank's stages share its time.
+        let mut bubble = 0.0;
         for rank in 0..ranks {
             let busy: f64 = actions(step).filter(|r| r.rank == rank).map(|r| r.dur_us).sum();
             bubble += 1.0 - busy / w;
         }
-        window += w;
-        n += 1.0;
+        bubbles.push(bubble / ranks as f64);
+        windows.push(w / 1e3);
     }
-    (bubble / (n * ranks as f64), window / n / 1e3)
+    use crate::trace::summary::median;
+    (median(bubbles), median(windows))
 }
 
 pub fn sim_table(rows: &[SimRow]) -> String {

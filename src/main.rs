@@ -232,6 +232,9 @@ enum Command {
         /// With --sim: where to write the plot.
         #[arg(long, default_value = "bench-sim.svg")]
         plot: PathBuf,
+        /// With --sim: only these cells, as PPxM (e.g. `8x32,32x256`); default the whole grid.
+        #[arg(long, value_delimiter = ',', value_parser = parse_cell)]
+        cells: Vec<(usize, usize)>,
         /// End with one JSON line holding the figures.
         #[arg(long)]
         json: bool,
@@ -698,17 +701,20 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Bench { sim: true, schedule, plot, json, .. } => {
-            let mut cells = vec![];
-            for p in [2, 4, 8, 16, 32] {
-                for k in [1, 2, 4, 8] {
-                    cells.push((p, p * k));
+        Command::Bench { sim: true, schedule, plot, json, cells, .. } => {
+            let mut cells = cells;
+            if cells.is_empty() {
+                for p in [2, 4, 8, 16, 32] {
+                    for k in [1, 2, 4, 8] {
+                        cells.push((p, p * k));
+                    }
                 }
             }
             eprintln!(
-                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 4 steps per cell, the last 3 timed"
+                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 6 steps per cell, \
+                 the median of the last 5"
             );
-            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 4)?;
+            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 6)?;
             print!("{}", pipewright::bench::sim_table(&rows));
             std::fs::write(&plot, pipewright::bench::sim_plot(&rows))
                 .with_context(|| format!("{}: cannot write", plot.display()))?;
@@ -813,4 +819,16 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// One `--cells` entry of `bench --sim`: `PPxM`, both at least 1.
+fn parse_cell(s: &str) -> Result<(usize, usize), String> {
+    let bad = || format!("{s:?}: expected PPxM with whole numbers of at least 1, e.g. 8x32");
+    let (p, m) = s.split_once(['x', 'X']).ok_or_else(bad)?;
+    let p: usize = p.trim().parse().map_err(|_| bad())?;
+    let m: usize = m.trim().parse().map_err(|_| bad())?;
+    if p == 0 || m == 0 {
+        return Err(bad());
+    }
+    Ok((p, m))
 }

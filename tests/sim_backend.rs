@@ -45,6 +45,114 @@ fn measured_bubbles_match_the_simulator_and_the_planner() {
     }
 }
 
+/// The issue's own cell at the bench's costs: pp = 8, m = 32, 2 ms forward and
+/// 4 ms backward, eight stage threads on however few cores CI has. Sleeping
+/// stages wake late when other processes hold the cores (two busy loops on a
+/// 2-core box double the step), so an attempt during which others used more
+/// than a quarter of the machine does not count as a miss; if every attempt
+/// was contended the test says SKIPPED, with the figures.
+#[test]
+fn headline_cell_bubble_matches_theory_at_bench_costs() {
+    let _turn = turn();
+    for schedule in ["1f1b", "gpipe"] {
+        let mut seen = Vec::new();
+        let mut quiet_attempts = 0;
+        let matched = (0..ATTEMPTS).any(|_| {
+            let before = CpuSample::now();
+            let r = sim_rows(schedule, &[(8, 32)], 2.0, 4.0, 6).unwrap().remove(0);
+            let others = before.others_share();
+            quiet_attempts += usize::from(others < 0.25);
+            seen.push(format!(
+                "bubble {:.4} vs theory {:.4} (overhead {:.2}%; other processes used {:.0}% of the cores)",
+                r.measured_bubble,
+                r.theory_bubble,
+                100.0 * r.overhead,
+                100.0 * others
+            ));
+            (r.measured_bubble - r.theory_bubble).abs() < 0.02
+        });
+        if !matched && quiet_attempts == 0 {
+            let msg = format!(
+                "SKIPPED headline_cell_bubble_matches_theory_at_bench_costs ({schedule}): other processes held \
+                 the cores during every attempt: {}",
+                seen.join("; ")
+            );
+            println!("{msg}");
+            eprintln!("{msg}");
+            continue;
+        }
+        assert!(matched, "{schedule} pp=8 m=32: {}", seen.join("; "));
+    }
+}
+
+/// Busy CPU time of the whole machine and of this process, to tell how much
+/// of the cores other processes (and the hypervisor's steal) took meanwhile.
+struct CpuSample {
+    machine_ticks: u64,
+    own_ticks: u64,
+    at: std::time::Instant,
+}
+
+impl CpuSample {
+    fn now() -> CpuSample {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        // user nice system idle iowait irq softirq steal: all but idle and iowait.
+        let f: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        let machine_ticks = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| f.get(i)).sum();
+        let own = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+        // utime and stime, fields 14 and 15, after the parenthesised name.
+        let rest = own.rsplit_once(')').map_or("", |(_, r)| r);
+        let g: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+        let own_ticks = g.get(11).copied().unwrap_or(0) + g.get(12).copied().unwrap_or(0);
+        CpuSample { machine_ticks, own_ticks, at: std::time::Instant::now() }
+    }
+
+    /// Share of all cores that others used since this sample (0 where /proc is absent).
+    fn others_share(&self) -> f64 {
+        let now = CpuSample::now();
+        let tick = 100.0; // USER_HZ on Linux
+        let others = now.machine_ticks.saturating_sub(self.machine_ticks) as f64
+            - now.own_ticks.saturating_sub(self.own_ticks) as f64;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        (others / tick / (self.at.elapsed().as_secs_f64() * cores)).max(0.0)
+    }
+}
+
+#[test]
+fn bench_sim_measures_the_cells_asked_for_and_refuses_malformed_ones() {
+    let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
+    let plot = dir.path().join("cells.svg");
+    let run = |cells: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args(["bench", "--sim", "--json", "--cells", cells, "--plot"])
+            .arg(&plot)
+            .output()
+            .unwrap()
+    };
+    let out = run("2x2,2X4");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let cells: Vec<(u64, u64)> =
+        rows.iter().map(|r| (r["pp"].as_u64().unwrap(), r["microbatches"].as_u64().unwrap())).collect();
+    assert_eq!(cells, [(2, 2), (2, 4)]);
+    assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
+    for bad in ["8y32", "0x4", "8x", "x8", "8x-1"] {
+        let out = run(bad);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad} accepted");
+        assert!(err.contains("--cells") && err.contains("PPxM"), "{bad}: {err}");
+    }
+}
+
 /// A sim run's config: pp stages of one layer each, `sets` on top.
 fn sim_config(pp: usize, m: usize, sets: &[String]) -> Vec<String> {
     let mut v: Vec<String> = vec![

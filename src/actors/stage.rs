@@ -312,11 +312,20 @@ impl SimCosts {
 
 /// Sleeps until `deadline`: the OS sleep for all but the last stretch, then
 /// yielding, so simulated actions end on time without hogging a core.
+///
+/// The stretch is long because on a shared 2-vCPU VM a woken thread can wait
+/// hundreds of µs for a core, and a stage that wakes late delays every stage
+/// after it. Alternating runs of `bench --sim --cells 8x32,32x256` (four
+/// rounds each) measured pp = 32, m = 256 at 4.6% overhead with 150 µs,
+/// 3.5% with a margin learnt from each thread's recent lateness, 2.75% with
+/// 600 µs; pp = 8 was the same with all three (about 2%). A yielding thread
+/// gives its core to any other that is ready, so the long stretch costs idle
+/// cycles, not other stages' time.
 fn sleep_until(deadline: Instant) {
-    const SPIN: Duration = Duration::from_micros(150);
+    const YIELD_FOR: Duration = Duration::from_micros(600);
     let now = Instant::now();
-    if deadline > now + SPIN {
-        std::thread::sleep(deadline - now - SPIN);
+    if deadline > now + YIELD_FOR {
+        std::thread::sleep(deadline - now - YIELD_FOR);
     }
     while Instant::now() < deadline {
         std::thread::yield_now();
@@ -1154,8 +1163,9 @@ impl Worker {
             _ => {}
         }
         self.compute_start = self.rec.now_us();
+        let start = Instant::now();
         let d = self.sim.as_mut().expect("sim backend").duration(a.kind, a.stage);
-        sleep_until(Instant::now() + d);
+        sleep_until(start + d);
         let (step, mb) = (self.step, a.mb);
         match a.kind {
             ActionKind::F if a.stage < last => {
