@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
 use pipewright::train::run::{train_on, RunFailed, StoppedBeforeStart, TrainOptions};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -714,7 +715,28 @@ fn run(cli: Cli) -> Result<()> {
                 "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 6 steps per cell, \
                  the median of the last 5"
             );
-            let rows = pipewright::bench::sim_rows(&schedule, &cells, 2.0, 4.0, 6)?;
+            // Bar length in expected milliseconds (steps × (m + p − 1) × (F + B)),
+            // so the ETA weighs pp = 32, m = 256 as the long cell it is.
+            let steps = 6;
+            let expected = |&(p, m): &(usize, usize)| (steps * (m + p - 1)) as u64 * 6;
+            let bar = if std::io::stderr().is_terminal() {
+                indicatif::ProgressBar::new(cells.iter().map(expected).sum())
+            } else {
+                indicatif::ProgressBar::hidden()
+            };
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:30.cyan/blue} {msg} [{elapsed_precise} < {eta_precise}]",
+                )
+                .expect("valid template"),
+            );
+            let mut rows = Vec::new();
+            for (i, cell) in cells.iter().enumerate() {
+                bar.set_message(format!("cell {}/{}: pp {} m {}", i + 1, cells.len(), cell.0, cell.1));
+                rows.extend(pipewright::bench::sim_rows(&schedule, &[*cell], 2.0, 4.0, steps)?);
+                bar.inc(expected(cell));
+            }
+            bar.finish_and_clear();
             print!("{}", pipewright::bench::sim_table(&rows));
             std::fs::write(&plot, pipewright::bench::sim_plot(&rows))
                 .with_context(|| format!("{}: cannot write", plot.display()))?;
