@@ -398,26 +398,28 @@ pub fn sim_rows(
 /// (a preempted vCPU) does not stand for the runtime. A step's bubble is the
 /// mean over ranks of the share of its window the rank did not compute.
 pub fn measured_bubble(trace: &[crate::trace::Record], ranks: usize, steps: usize) -> (f64, f64) {
-    let actions = |step: u64| {
-        trace.iter().filter(move |r| r.step == step && r.replica == 0 && crate::trace::is_action(&r.name))
-    };
-    let first = if steps > 1 { 1 } else { 0 };
-    let (mut bubbles, mut windows) = (Vec::new(), Vec::new());
-    for step in first..steps as u64 {
-        let start = actions(step).map(|r| r.start_us).fold(f64::INFINITY, f64::min);
-        let end = actions(step).map(|r| r.start_us + r.dur_us).fold(f64::NEG_INFINITY, f64::max);
-        let w = end - start;
+    let first = usize::from(steps > 1);
+    let n = steps - first;
+    // One pass over the trace: each timed step's window and each rank's busy time.
+    let mut window = vec![(f64::INFINITY, f64::NEG_INFINITY); n];
+    let mut busy = vec![vec![0.0; ranks]; n];
+    for r in trace.iter().filter(|r| r.replica == 0 && crate::trace::is_action(&r.name)) {
+        let Some(i) = (r.step as usize).checked_sub(first).filter(|&i| i < n) else { continue };
+        window[i].0 = window[i].0.min(r.start_us);
+        window[i].1 = window[i].1.max(r.start_us + r.dur_us);
         // Per rank: with several chunks a rank's stages share its time.
-        let mut bubble = 0.0;
-        for rank in 0..ranks {
-            let busy: f64 = actions(step).filter(|r| r.rank == rank).map(|r| r.dur_us).sum();
-            bubble += 1.0 - busy / w;
+        if let Some(b) = busy[i].get_mut(r.rank) {
+            *b += r.dur_us;
         }
-        bubbles.push(bubble / ranks as f64);
-        windows.push(w / 1e3);
     }
+    let widths: Vec<f64> = window.iter().map(|(start, end)| end - start).collect();
+    let bubbles = widths
+        .iter()
+        .zip(&busy)
+        .map(|(w, busy)| busy.iter().map(|b| 1.0 - b / w).sum::<f64>() / ranks as f64)
+        .collect();
     use crate::trace::summary::median;
-    (median(bubbles), median(windows))
+    (median(bubbles), median(widths.iter().map(|w| w / 1e3).collect()))
 }
 
 pub fn sim_table(rows: &[SimRow]) -> String {

@@ -22,6 +22,22 @@ fn run(args: &[&str]) -> (bool, String, String) {
 const TINY: [&str; 14] = [
     "--set",
     "parallel.pp=1",
+    TINY_SHAPE[0],
+    TINY_SHAPE[1],
+    TINY_SHAPE[2],
+    TINY_SHAPE[3],
+    TINY_SHAPE[4],
+    TINY_SHAPE[5],
+    TINY_SHAPE[6],
+    TINY_SHAPE[7],
+    "--set",
+    "train.micro_batch_size=2",
+    "--set",
+    "train.eval_batches=2",
+];
+
+/// The tiny model's shape alone.
+const TINY_SHAPE: [&str; 8] = [
     "--set",
     "model.n_layer=1",
     "--set",
@@ -30,10 +46,6 @@ const TINY: [&str; 14] = [
     "model.n_head=2",
     "--set",
     "model.block_size=16",
-    "--set",
-    "train.micro_batch_size=2",
-    "--set",
-    "train.eval_batches=2",
 ];
 
 fn tiny_train(out: &Path, extra: &[&str]) -> (bool, String, String) {
@@ -374,16 +386,6 @@ fn eval_takes_the_model_shape_from_the_weights() {
     let loss = serde_json::from_str::<serde_json::Value>(stdout.trim()).unwrap()["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss > 0.0);
     // A config whose pipeline does not fit the model is fine: eval runs no pipeline.
-    let shape = [
-        "--set",
-        "model.n_layer=1",
-        "--set",
-        "model.n_embd=16",
-        "--set",
-        "model.n_head=2",
-        "--set",
-        "model.block_size=16",
-    ];
     let mut args = vec![
         "eval",
         "--config",
@@ -396,7 +398,7 @@ fn eval_takes_the_model_shape_from_the_weights() {
         "4",
         "--json",
     ];
-    args.extend(shape);
+    args.extend(TINY_SHAPE);
     let (ok, stdout2, err) = run(&args);
     assert!(ok, "{err}");
     assert_eq!(stdout, stdout2, "the same weights and shape give the same loss");

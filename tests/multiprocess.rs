@@ -139,8 +139,13 @@ fn free_ports() -> u16 {
 
 /// `worker` as rank `rank` of `world`, with torchrun's variables.
 fn worker(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Child {
-    Command::new(BIN)
-        .arg("worker")
+    worker_command(port, rank, world, cookie, args).spawn().unwrap()
+}
+
+/// The command `worker` runs: torchrun's variables, the cookie, stderr kept.
+fn worker_command(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Command {
+    let mut c = Command::new(BIN);
+    c.arg("worker")
         .args(args)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
@@ -149,9 +154,8 @@ fn worker(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -
         .env("PIPEWRIGHT_COOKIE", cookie)
         .env_remove("PIPEWRIGHT_COOKIE_FILE")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stderr(Stdio::piped());
+    c
 }
 
 /// Waits for `child` at most `limit`; kills it and fails the test past that.
@@ -291,8 +295,7 @@ fn tls_flags(cert: &str, key: &str) -> Vec<String> {
 
 /// `worker` with TLS from the environment (no TLS when `cert` is None).
 fn tls_worker(port: u16, rank: usize, cookie: &str, cert: Option<(&str, &str)>, args: &[String]) -> Child {
-    let mut c = Command::new(BIN);
-    c.arg("worker").args(args);
+    let mut c = worker_command(port, rank, 2, cookie, args);
     for v in ["PIPEWRIGHT_TLS_CERT", "PIPEWRIGHT_TLS_KEY", "PIPEWRIGHT_TLS_CA"] {
         c.env_remove(v);
     }
@@ -301,16 +304,7 @@ fn tls_worker(port: u16, rank: usize, cookie: &str, cert: Option<(&str, &str)>, 
             .env("PIPEWRIGHT_TLS_KEY", fixture(key))
             .env("PIPEWRIGHT_TLS_CA", fixture("ca.pem"));
     }
-    c.env("RANK", rank.to_string())
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env("PIPEWRIGHT_COOKIE", cookie)
-        .env_remove("PIPEWRIGHT_COOKIE_FILE")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    c.spawn().unwrap()
 }
 
 #[test]

@@ -88,8 +88,8 @@ fn headline_cell_bubble_matches_theory_at_bench_costs() {
 /// Busy CPU time of the whole machine and of this process, to tell how much
 /// of the cores other processes (and the hypervisor's steal) took meanwhile.
 struct CpuSample {
-    machine_ticks: u64,
-    own_ticks: u64,
+    machine_s: f64,
+    own_s: f64,
     at: std::time::Instant,
 }
 
@@ -105,23 +105,27 @@ impl CpuSample {
             .skip(1)
             .filter_map(|x| x.parse().ok())
             .collect();
-        let machine_ticks = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| f.get(i)).sum();
-        let own = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-        // utime and stime, fields 14 and 15, after the parenthesised name.
-        let rest = own.rsplit_once(')').map_or("", |(_, r)| r);
-        let g: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
-        let own_ticks = g.get(11).copied().unwrap_or(0) + g.get(12).copied().unwrap_or(0);
-        CpuSample { machine_ticks, own_ticks, at: std::time::Instant::now() }
+        let ticks: u64 = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| f.get(i)).sum();
+        // SAFETY: sysconf and getrusage only read settings and fill the struct given.
+        let (per_s, own) = unsafe {
+            let mut u: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_SELF, &mut u);
+            (libc::sysconf(libc::_SC_CLK_TCK).max(1) as f64, u)
+        };
+        let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+        CpuSample {
+            machine_s: ticks as f64 / per_s,
+            own_s: t(own.ru_utime) + t(own.ru_stime),
+            at: std::time::Instant::now(),
+        }
     }
 
     /// Share of all cores that others used since this sample (0 where /proc is absent).
     fn others_share(&self) -> f64 {
         let now = CpuSample::now();
-        let tick = 100.0; // USER_HZ on Linux
-        let others = now.machine_ticks.saturating_sub(self.machine_ticks) as f64
-            - now.own_ticks.saturating_sub(self.own_ticks) as f64;
+        let others = (now.machine_s - self.machine_s) - (now.own_s - self.own_s);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-        (others / tick / (self.at.elapsed().as_secs_f64() * cores)).max(0.0)
+        (others / (self.at.elapsed().as_secs_f64() * cores)).max(0.0)
     }
 }
 
