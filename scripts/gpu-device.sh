@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# The device side of a GPU session, from .gpu-pack/ (scripts/gpu-pack.sh made
+# it): no Rust, no .git; the CUDA driver, PyTorch and NVIDIA's pip wheels.
+# One phase per device-tool command, each well inside its 10 minutes:
+#   check   gpu-check (every kernel against its CPU twin, whole steps, repeats),
+#           re-running what failed with CUDA_LAUNCH_BLOCKING=1 and cuBLASLt's
+#           log; then training through the actor runtime, pp = 1 against pp = 2
+#           (1F1B, GPipe; f32, bf16) on one GPU: the weights must match.
+#   bench   gpu-bench (GPT-2 124M, bf16, T = 1024), then PyTorch on the same
+#           micro-batch, eager and torch.compile.
+# Everything is written under /tmp/pw-gpu/PHASE; $OUT (or the 2nd argument)
+# receives three files: PHASE.tar.gz (all of it), PHASE-summary.json and
+# PHASE-summary.txt, the table that is also printed last. A failing step is
+# recorded in the summary and the phase goes on: what passed is never lost.
+#
+# usage: scripts/gpu-device.sh check|bench [outdir]
+# env:   BENCH_STEPS (default 20), GPU (ordinal, default 0), PIPEWRIGHT_BIN (a
+#        binary other than .gpu-pack/pipewright), PIPEWRIGHT_COMMIT
+set -uo pipefail
+PHASE="${1:?usage: gpu-device.sh check|bench [outdir]}"
+DEST="${2:-${OUT:?set OUT or pass an output directory}}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PACK="$ROOT/.gpu-pack"
+[ -f "$ROOT/COMMIT" ] && PACK="$ROOT" # run from inside the pack itself
+BIN="${PIPEWRIGHT_BIN:-$PACK/pipewright}"
+GPU="${GPU:-0}"
+STEPS="${BENCH_STEPS:-20}"
+WORK="/tmp/pw-gpu/$PHASE"
+rm -rf "$WORK" && mkdir -p "$WORK" "$DEST"
+[ -x "$BIN" ] || { echo "gpu-device: no binary at $BIN: run scripts/gpu-pack.sh and carry .gpu-pack" >&2; exit 2; }
+BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
+COMMIT="${PIPEWRIGHT_COMMIT:-$(cat "$PACK/COMMIT" 2>/dev/null || git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)}"
+export PIPEWRIGHT_KERNEL_CACHE=/tmp/pw-gpu/kernel-cache
+
+# NVRTC, cuBLASLt and NCCL from pip's NVIDIA wheels (nvidia/*/lib, nvidia/cu13/lib),
+# ahead of the path; the binary also looks for libnccl.so.2 there by itself.
+libs=$(python3 - <<'PY' 2>/dev/null || true
+import glob, os, site
+dirs = []
+for base in site.getsitepackages() + [site.getusersitepackages()]:
+    for d in sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib"))):
+        if glob.glob(os.path.join(d, "lib*.so*")):
+            dirs.append(d)
+print(":".join(dirs))
+PY
+)
+[ -n "$libs" ] && export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+{
+    echo "commit $COMMIT"
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+    echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+} >"$WORK/machine.txt"
+cat "$WORK/machine.txt"
+
+# Runs "$@" with a time limit, output to $WORK/$name.txt (and the terminal's tail).
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    echo "== $name"
+    timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.txt" 2>&1
+    local rc=$?
+    tail -n 40 "$WORK/$name.txt"
+    [ "$rc" -eq 124 ] && echo "$name: stopped after ${limit}s" | tee -a "$WORK/$name.txt"
+    echo "$rc" >"$WORK/$name.rc"
+    return "$rc"
+}
+
+phase_check() {
+    step gpu-check 240 "$BIN" gpu-check --device "$GPU"
+    # Each group that failed (or was running when the binary stopped) again,
+    # with launches synchronous (an error names the launch that made it) and
+    # cuBLASLt's log of every call and heuristic.
+    if [ "$(cat "$WORK/gpu-check.rc")" != 0 ]; then
+        groups=$( (grep '^FAIL' "$WORK/gpu-check.txt" | sed 's/^FAIL \[\([a-z_]*\)\].*/\1/'
+                   grep '^-- group ' "$WORK/gpu-check.txt" | tail -n 1 | cut -d' ' -f3) | sort -u)
+        for g in $groups; do
+            CUDA_LAUNCH_BLOCKING=1 CUBLASLT_LOG_LEVEL=5 CUBLASLT_LOG_FILE="$WORK/cublaslt-$g.log" \
+                step "gpu-check-$g-blocking" 120 "$BIN" gpu-check --device "$GPU" --only "$g"
+        done
+    fi
+    pipeline_runs
+}
+
+# pp = 1 against pp = 2 on one GPU: a small model with head size 64, random tokens.
+pipeline_runs() {
+    local small=(--set model.n_layer=4 --set model.n_embd=128 --set model.n_head=2 --set model.vocab_size=256
+        --set model.block_size=64 --set train.micro_batch_size=4 --set train.eval_every=0
+        --set 'data.builtin="random"' --set parallel.microbatches=4 --set 'backend.kind="cuda"' --steps 10 --force)
+    : >"$WORK/pipeline.txt"
+    for dtype in f32 bf16; do
+        for layout in "1 1f1b" "2 1f1b" "2 gpipe"; do
+            set -- $layout
+            local devs run="$WORK/train-$dtype-pp$1-$2"
+            devs="[$(printf "$GPU,%.0s" $(seq "$1") | sed 's/,$//')]"
+            step "train-$dtype-pp$1-$2" 120 "$BIN" train "${small[@]}" --set "backend.dtype=\"$dtype\"" \
+                --set "parallel.pp=$1" --set "parallel.schedule=\"$2\"" --set "backend.devices=$devs" --out "$run" >/dev/null
+            echo "$dtype pp$1-$2 $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["weights_digest"])' \
+                "$run/summary.json" 2>/dev/null || echo FAILED)" >>"$WORK/pipeline.txt"
+        done
+    done
+    cat "$WORK/pipeline.txt"
+}
+
+phase_bench() {
+    step gpu-bench 200 "$BIN" gpu-bench --device "$GPU" --steps "$STEPS" --json
+    local mb
+    mb=$(grep '^{' "$WORK/gpu-bench.txt" | tail -n 1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["micro_batch"])' 2>/dev/null)
+    local mbarg=()
+    [ -n "$mb" ] && mbarg=(--micro-batch "$mb")
+    CUDA_VISIBLE_DEVICES="$GPU" step torch-eager 100 python3 "$ROOT/scripts/torch_gpu_bench.py" "${mbarg[@]}" \
+        --steps "$STEPS" --no-compile --json
+    CUDA_VISIBLE_DEVICES="$GPU" step torch-compile 220 python3 "$ROOT/scripts/torch_gpu_bench.py" "${mbarg[@]}" \
+        --steps "$STEPS" --json
+}
+
+case "$PHASE" in
+check) phase_check ;;
+bench) phase_bench ;;
+*) echo "gpu-device: unknown phase $PHASE (check or bench)" >&2; exit 2 ;;
+esac
+
+python3 "$ROOT/scripts/gpu_summary.py" "$PHASE" "$WORK" "$COMMIT" "$DEST/$PHASE-summary.json" "$DEST/$PHASE-summary.txt"
+rc=$?
+tar czf "$DEST/$PHASE.tar.gz" -C /tmp/pw-gpu "$PHASE"
+echo "== $PHASE summary (commit $COMMIT)"
+cat "$DEST/$PHASE-summary.txt"
+exit "$rc"
