@@ -196,6 +196,10 @@ enum Command {
         /// GPU ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
+        /// Run one group of checks: layernorm, matmul, attention, elementwise,
+        /// crossentropy, embedding, adamw, norm, exactness or steps.
+        #[arg(long)]
+        only: Option<String>,
     },
     /// GPT-2 training throughput on one GPU (bf16, random tokens): tokens/s, ms/step and
     /// MFU against 989 TFLOP/s (H100 SXM bf16) and against cuBLASLt's rate measured here.
@@ -344,16 +348,17 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
-fn gpu_check(device: usize) -> anyhow::Result<()> {
+fn gpu_check(device: usize, only: Option<String>) -> anyhow::Result<()> {
     use pipewright::kernels::cuda::{check, Gpu};
+    let only =
+        only.map(|o| o.parse::<check::Group>()).transpose().map_err(|e| anyhow::anyhow!("--only: {e}"))?;
     let gpu = Gpu::new(device)?;
     println!("pipewright gpu-check: GPU {device}, {} (sm_{})", gpu.name, gpu.arch);
-    let mut checks = check::run_all(&gpu)?;
-    print!("{}", check::table(&checks));
-    println!("whole-model training steps, GPU against CPU:");
-    let steps = check::step_checks(&gpu)?;
-    print!("{}", check::table(&steps));
-    checks.extend(steps);
+    // Each line as soon as its check finishes, so a crash shows what ran before it.
+    let checks = check::run(&gpu, only, &mut |p| match p {
+        check::Progress::Started(g, tag) => println!("-- group {} {tag}", g.name()),
+        check::Progress::Finished(g, c) => println!("{}", check::line(g, c)),
+    })?;
     let failed = checks.iter().filter(|c| !c.passed()).count();
     anyhow::ensure!(failed == 0, "{failed} of {} GPU checks failed", checks.len());
     println!("all {} GPU checks passed", checks.len());
@@ -361,7 +366,7 @@ fn gpu_check(device: usize) -> anyhow::Result<()> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_check(_device: usize) -> anyhow::Result<()> {
+fn gpu_check(_device: usize, _only: Option<String>) -> anyhow::Result<()> {
     Err(pipewright::kernels::BackendError::NotBuilt.into())
 }
 
@@ -681,7 +686,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", pipewright::inspect::inspect(&path)?);
             Ok(())
         }
-        Command::GpuCheck { device } => gpu_check(device),
+        Command::GpuCheck { device, only } => gpu_check(device, only),
         Command::GpuBench(args) => gpu_bench(args),
         Command::Bench { transport: true, tls, json, .. } => {
             let tls = tls.load()?;

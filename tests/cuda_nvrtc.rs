@@ -68,3 +68,61 @@ fn the_cache_key_changes_with_architecture_precision_and_nvrtc_version() {
     assert_ne!(a, nvrtc::cache_key("attention", 90, false, (12, 8)).unwrap());
     assert!(nvrtc::cache_key("no-such-kernel", 90, false, (13, 0)).is_err());
 }
+
+/// The tensor-core attention kernels' registers, shared memory and spills,
+/// for sm_80 and sm_90 (bf16), printed as a table (docs/gpu.md keeps the
+/// figures): a kernel that spills or needs over 48 KiB of static shared
+/// memory fails here, before any GPU sees it.
+#[test]
+fn tensor_core_attention_fits_registers_and_static_shared_memory_without_spills() {
+    if !nvrtc_present() {
+        let required = std::env::var("PIPEWRIGHT_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        assert!(!required, "PIPEWRIGHT_REQUIRE_NVRTC=1 but NVRTC could not be loaded");
+        eprintln!("skipped: NVRTC could not be loaded");
+        return;
+    }
+    let mut problems = vec![];
+    for arch in [80, 90] {
+        let usage = nvrtc::usage("flash_attention", arch, false).expect("flash_attention compiles");
+        let mut names: Vec<&str> = usage.iter().map(|u| u.kernel.as_str()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "flash_backward_delta",
+                "flash_backward_dkdv_hs128",
+                "flash_backward_dkdv_hs64",
+                "flash_backward_dq_hs128",
+                "flash_backward_dq_hs64",
+                "flash_forward_hs128",
+                "flash_forward_hs64"
+            ]
+        );
+        for u in &usage {
+            eprintln!(
+                "sm_{arch} {:<28} {:>3} registers {:>6} B smem  spills {}/{} B",
+                u.kernel, u.registers, u.smem_bytes, u.spill_stores, u.spill_loads
+            );
+            if u.spill_stores + u.spill_loads > 0 || u.smem_bytes > 48 * 1024 || u.registers == 0 {
+                problems.push(format!("sm_{arch} {u:?}"));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+fn ptxas_reports_are_read_per_kernel() {
+    let log = "ptxas info    : 0 bytes gmem\n\
+        ptxas info    : Compiling entry function 'k1' for 'sm_90'\n\
+        ptxas info    : Function properties for k1\n\
+        ptxas         .     0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n\
+        ptxas info    : Used 225 registers, used 1 barriers, 43648 bytes smem, 404 bytes cmem[0]\n\
+        ptxas info    : Compiling entry function 'k2' for 'sm_90'\n\
+        ptxas info    : Used 29 registers, used 0 barriers, 392 bytes cmem[0]\n";
+    let u = nvrtc::parse_usage(log);
+    assert_eq!(u.len(), 2);
+    assert_eq!((u[0].kernel.as_str(), u[0].registers, u[0].smem_bytes), ("k1", 225, 43648));
+    assert_eq!((u[0].spill_stores, u[0].spill_loads), (8, 4));
+    assert_eq!((u[1].kernel.as_str(), u[1].registers, u[1].smem_bytes, u[1].spill_stores), ("k2", 29, 0, 0));
+}

@@ -10,6 +10,7 @@ pub mod adamw;
 pub mod attention;
 pub mod crossentropy;
 pub mod embedding;
+pub mod flash_attention;
 pub mod gelu;
 pub mod layernorm;
 pub mod math;

@@ -1,19 +1,57 @@
-//! Causal attention launchers (kernels/attention.cu), twin of
-//! kernels/cpu/attention.rs: qkv (B, T, 3C) X, out (B, T, C) X, lse (B, NH, T) f32.
-//! Head size 64 only (all GPT-2 sizes); other shapes are refused.
+//! Causal attention launchers: qkv (B, T, 3C) X, out (B, T, C) X, lse (B, NH, T) f32.
+//!
+//! Two kernel families compute the same thing. In bf16 storage, head sizes 64
+//! and 128 run on tensor cores (kernels/flash_attention.cu, FlashAttention-2
+//! style; CPU twin kernels/cpu/flash_attention.rs). The f32 storage path, the
+//! one checked against the CPU to 1e-5, keeps the CUDA-core kernels of
+//! kernels/attention.cu (twin kernels/cpu/attention.rs), head size 64 only:
+//! tensor cores would round its operands to bf16. Other shapes are refused.
 
 use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, Elem, Result};
 
+/// The head size the CUDA-core kernels take (every GPT-2 size).
 pub const HEAD_SIZE: usize = 64;
 const ROWS: usize = 64;
+/// Rows (queries or keys) per block of the tensor-core kernels.
+const FLASH_ROWS: usize = 64;
 
-fn check(c: usize, nh: usize) -> Result<()> {
-    ensure(nh > 0 && c == nh * HEAD_SIZE, || {
-        format!("the CUDA attention kernel needs head size {HEAD_SIZE}: n_embd {c} / n_head {nh}")
-    })
+/// Which kernels run one attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// kernels/flash_attention.cu for this head size (64 or 128).
+    TensorCore { head_size: usize },
+    /// kernels/attention.cu (head size 64).
+    CudaCore,
 }
 
+/// The kernels for storage X and n_embd `c` over `nh` heads, or why none fits.
+pub fn kernels_for<X: Elem>(c: usize, nh: usize) -> Result<Kernels> {
+    let hs = if nh > 0 && c.is_multiple_of(nh) { c / nh } else { 0 };
+    match (X::IS_F32, hs) {
+        (false, 64 | 128) => Ok(Kernels::TensorCore { head_size: hs }),
+        (true, HEAD_SIZE) => Ok(Kernels::CudaCore),
+        _ => Err(super::CudaError::Shape(format!(
+            "the CUDA attention kernels take head size 64 or 128 in bf16 and 64 in f32: \
+             n_embd {c} / n_head {nh} in {}",
+            if X::IS_F32 { "f32" } else { "bf16" }
+        ))),
+    }
+}
+
+/// The tensor-core kernel names for a head size.
+fn flash_name(kernel: &str, head_size: usize) -> &'static str {
+    match (kernel, head_size) {
+        ("forward", 64) => "flash_forward_hs64",
+        ("forward", _) => "flash_forward_hs128",
+        ("dq", 64) => "flash_backward_dq_hs64",
+        ("dq", _) => "flash_backward_dq_hs128",
+        (_, 64) => "flash_backward_dkdv_hs64",
+        _ => "flash_backward_dkdv_hs128",
+    }
+}
+
+/// out and lse from qkv (head sizes as `kernels_for` says).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<X: Elem>(
     gpu: &Gpu,
@@ -25,12 +63,17 @@ pub fn attention_forward<X: Elem>(
     c: usize,
     nh: usize,
 ) -> Result<()> {
-    check(c, nh)?;
+    let kernels = kernels_for::<X>(c, nh)?;
     ensure(out.len() >= b * t * c && qkv.len() >= b * t * 3 * c && lse.len() >= b * nh * t, || {
         format!("attention_forward: buffers for B={b} T={t} C={c}")
     })?;
-    let f = gpu.function::<X>("attention", "attention_forward")?;
     let (o, l, q, bi, ti, nhi) = (out.ptr(), lse.ptr(), qkv.ptr(), b as i32, t as i32, nh as i32);
+    if let Kernels::TensorCore { head_size } = kernels {
+        let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size))?;
+        let grid = (blocks(t, FLASH_ROWS), nh as u32, b as u32);
+        return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi]);
+    }
+    let f = gpu.function::<X>("attention", "attention_forward")?;
     gpu.launch(
         f,
         (blocks(t, ROWS), nh as u32, b as u32),
@@ -55,7 +98,7 @@ pub fn attention_backward<X: Elem>(
     c: usize,
     nh: usize,
 ) -> Result<()> {
-    check(c, nh)?;
+    let kernels = kernels_for::<X>(c, nh)?;
     ensure(
         dqkv.len() >= b * t * 3 * c
             && qkv.len() >= b * t * 3 * c
@@ -67,6 +110,16 @@ pub fn attention_backward<X: Elem>(
     )?;
     let (dq, de, dy, q, o, l) = (dqkv.ptr(), delta.ptr(), dout.ptr(), qkv.ptr(), out.ptr(), lse.ptr());
     let (bi, ti, nhi) = (b as i32, t as i32, nh as i32);
+    if let Kernels::TensorCore { head_size } = kernels {
+        let hsi = head_size as i32;
+        let f = gpu.function::<X>("flash_attention", "flash_backward_delta")?;
+        gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi, hsi])?;
+        let grid = (blocks(t, FLASH_ROWS), nh as u32, b as u32);
+        let f = gpu.function::<X>("flash_attention", flash_name("dq", head_size))?;
+        gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi])?;
+        let f = gpu.function::<X>("flash_attention", flash_name("dkdv", head_size))?;
+        return gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi]);
+    }
     let f = gpu.function::<X>("attention", "attention_backward_delta")?;
     gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi])?;
     let grid = (blocks(t, ROWS), nh as u32, b as u32);
@@ -75,4 +128,21 @@ pub fn attention_backward<X: Elem>(
     gpu.launch(f, grid, block, &mut args![dq, dy, q, l, de, bi, ti, nhi])?;
     let f = gpu.function::<X>("attention", "attention_backward_dkdv")?;
     gpu.launch(f, grid, block, &mut args![dq, dy, q, l, de, bi, ti, nhi])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cuda::Bf16;
+
+    #[test]
+    fn bf16_runs_head_sizes_64_and_128_on_tensor_cores_and_f32_keeps_the_cuda_core_kernels() {
+        assert_eq!(kernels_for::<Bf16>(768, 12).unwrap(), Kernels::TensorCore { head_size: 64 });
+        assert_eq!(kernels_for::<Bf16>(1024, 8).unwrap(), Kernels::TensorCore { head_size: 128 });
+        assert_eq!(kernels_for::<f32>(768, 12).unwrap(), Kernels::CudaCore);
+        let err = kernels_for::<f32>(1024, 8).unwrap_err().to_string();
+        assert!(err.contains("n_embd 1024 / n_head 8 in f32"), "{err}");
+        assert!(kernels_for::<Bf16>(96 * 4, 4).is_err());
+        assert!(kernels_for::<Bf16>(100, 0).is_err());
+    }
 }

@@ -197,6 +197,42 @@ fn attention_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
         };
         cx.push(&format!("attention_backward {name}"), &pick(&got), &pick(&dqkv));
     }
+    if !X::IS_F32 {
+        for hs in [64, 128] {
+            flash_against_twin(cx, hs)?;
+        }
+    }
+    Ok(())
+}
+
+/// The tensor-core kernels (bf16) against their CPU twin, which rounds P and
+/// dS to bf16 where the kernels do: what is left is bf16 storage of the
+/// outputs and the order of f32 sums (< 1e-2 relative, as every bf16 check).
+fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, hs: usize) -> Result<()> {
+    use cpu::flash_attention::{flash_attention_backward, flash_attention_forward, Rounding};
+    let gpu = cx.gpu;
+    let c = NH * hs;
+    let n = N * c;
+    let qkv = rounded::<X>(&randn(3 * n, 90 + hs as u64, 1.0));
+    let (mut out, mut lse) = (vec![0.0; n], vec![0.0; B * NH * T]);
+    flash_attention_forward(&mut out, &mut lse, &qkv, B, T, c, NH, Rounding::Bf16);
+    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(n)?, gpu.alloc::<f32>(B * NH * T)?);
+    attention::attention_forward(gpu, &gout, &glse, &gqkv, B, T, c, NH)?;
+    cx.push(&format!("flash forward hs{hs} out vs twin"), &cx.down(&gout)?, &out);
+    cx.push(&format!("flash forward hs{hs} lse vs twin"), &gpu.download(&glse)?, &lse);
+    let dout = rounded::<X>(&randn(n, 91 + hs as u64, 1.0));
+    let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
+    let mut dqkv = vec![0.0; 3 * n];
+    flash_attention_backward(&mut dqkv, &dout, &qkv, &gpu_out, &gpu_lse, B, T, c, NH, Rounding::Bf16);
+    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(3 * n)?, gpu.alloc::<f32>(B * NH * T)?);
+    attention::attention_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, c, NH)?;
+    let got = cx.down(&gdqkv)?;
+    for (part, name) in ["dq", "dk", "dv"].iter().enumerate() {
+        let pick = |v: &[f32]| -> Vec<f32> {
+            v.chunks(3 * c).flat_map(|row| row[part * c..(part + 1) * c].to_vec()).collect()
+        };
+        cx.push(&format!("flash backward hs{hs} {name} vs twin"), &pick(&got), &pick(&dqkv));
+    }
     Ok(())
 }
 
@@ -334,23 +370,132 @@ fn adamw_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     Ok(())
 }
 
-fn run_precision<X: Elem>(gpu: &Gpu, tag: &'static str, tol: f64) -> Result<Vec<Check>> {
+/// The checks in the order `gpu-check` runs them; `gpu-check --only NAME` runs one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Group {
+    Layernorm,
+    Matmul,
+    Attention,
+    Elementwise,
+    Crossentropy,
+    Embedding,
+    Adamw,
+    Norm,
+    Exactness,
+    Steps,
+}
+
+impl Group {
+    pub const ALL: [Group; 10] = [
+        Group::Layernorm,
+        Group::Matmul,
+        Group::Attention,
+        Group::Elementwise,
+        Group::Crossentropy,
+        Group::Embedding,
+        Group::Adamw,
+        Group::Norm,
+        Group::Exactness,
+        Group::Steps,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Layernorm => "layernorm",
+            Group::Matmul => "matmul",
+            Group::Attention => "attention",
+            Group::Elementwise => "elementwise",
+            Group::Crossentropy => "crossentropy",
+            Group::Embedding => "embedding",
+            Group::Adamw => "adamw",
+            Group::Norm => "norm",
+            Group::Exactness => "exactness",
+            Group::Steps => "steps",
+        }
+    }
+
+    /// Kernel groups run once per storage type (f32, then bf16).
+    fn per_precision(self) -> bool {
+        !matches!(self, Group::Exactness | Group::Steps)
+    }
+}
+
+impl std::str::FromStr for Group {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Group, String> {
+        Group::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Group::ALL.iter().map(|g| g.name()).collect();
+            format!("no check group {s:?}: expected one of {}", names.join(", "))
+        })
+    }
+}
+
+/// What `run` reports as it goes, so a crash still shows what ran before it.
+pub enum Progress<'a> {
+    /// A group starts (with its storage type, or "" for the whole-model groups).
+    Started(Group, &'static str),
+    Finished(Group, &'a Check),
+}
+
+fn run_precision<X: Elem>(
+    gpu: &Gpu,
+    g: Group,
+    tag: &'static str,
+    tol: f64,
+    out: &mut Vec<Check>,
+) -> Result<()> {
     let mut cx = Ctx::<X> { gpu, tag, tol, out: vec![], _x: std::marker::PhantomData };
-    layernorm_checks(&mut cx)?;
-    matmul_checks(&mut cx)?;
-    attention_checks(&mut cx)?;
-    elementwise_checks(&mut cx)?;
-    crossentropy_checks(&mut cx)?;
-    embedding_checks(&mut cx)?;
-    adamw_checks(&mut cx)?;
-    norm_checks(&mut cx)?;
-    Ok(cx.out)
+    let ran = match g {
+        Group::Layernorm => layernorm_checks(&mut cx),
+        Group::Matmul => matmul_checks(&mut cx),
+        Group::Attention => attention_checks(&mut cx),
+        Group::Elementwise => elementwise_checks(&mut cx),
+        Group::Crossentropy => crossentropy_checks(&mut cx),
+        Group::Embedding => embedding_checks(&mut cx),
+        Group::Adamw => adamw_checks(&mut cx),
+        Group::Norm => norm_checks(&mut cx),
+        Group::Exactness | Group::Steps => Ok(()),
+    };
+    // Checks made before an error are kept: they are reported with it.
+    out.append(&mut cx.out);
+    ran
+}
+
+/// Runs every group (or `only` one), reporting each check as it finishes;
+/// on an error, the checks that finished before it have been reported.
+pub fn run(gpu: &Gpu, only: Option<Group>, report: &mut dyn FnMut(Progress)) -> Result<Vec<Check>> {
+    let mut all = vec![];
+    for g in Group::ALL.into_iter().filter(|g| only.is_none_or(|o| o == *g)) {
+        let runs: &[(&'static str, bool)] =
+            if g.per_precision() { &[("f32", true), ("bf16", false)] } else { &[("", false)] };
+        for &(tag, f32) in runs {
+            report(Progress::Started(g, tag));
+            let mut out = vec![];
+            let ran = match g {
+                Group::Exactness => exactness_checks(gpu, &mut out),
+                Group::Steps => step_checks_into(gpu, &mut out),
+                _ if f32 => run_precision::<f32>(gpu, g, tag, 1e-5, &mut out),
+                _ => run_precision::<Bf16>(gpu, g, tag, 1e-2, &mut out),
+            };
+            for c in &out {
+                report(Progress::Finished(g, c));
+            }
+            all.append(&mut out);
+            ran.map_err(|e| e.in_group(g))?;
+        }
+    }
+    Ok(all)
+}
+
+/// One check as `gpu-check` prints it: verdict, [group], name, error, tolerance.
+pub fn line(g: Group, c: &Check) -> String {
+    let verdict = if c.passed() { "ok  " } else { "FAIL" };
+    format!("{verdict} [{}] {:<52} {:>10.3e}  (< {:.0e})", g.name(), c.name, c.rel_err, c.tol)
 }
 
 /// The global norm, the casts, and bit-identical repeats of the kernels whose
 /// reductions could drift between runs if they used atomics.
-fn exactness_checks(gpu: &Gpu) -> Result<Vec<Check>> {
-    let mut out = vec![];
+fn exactness_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     let x = randn(3_000_001, 70, 1.0);
     let (gx, partial, sum) = (gpu.upload(&x)?, gpu.alloc::<f32>(adamw::NORM_BLOCKS)?, gpu.alloc::<f32>(1)?);
     let got = adamw::sum_squares(gpu, &gx, &partial, &sum)?;
@@ -369,8 +514,8 @@ fn exactness_checks(gpu: &Gpu) -> Result<Vec<Check>> {
 
     let gb = gpu.alloc::<Bf16>(x.len())?;
     super::cast::cast_f32_to_bf16(gpu, &gb, &gx)?;
-    let host: Vec<u16> = x.iter().map(|&v| Bf16::from_f32(v).0).collect();
-    let dev: Vec<u16> = gpu.download(&gb)?.iter().map(|b| b.0).collect();
+    let host: Vec<u16> = x.iter().map(|&v| Bf16::from_f32(v).to_bits()).collect();
+    let dev: Vec<u16> = gpu.download(&gb)?.iter().map(|b| b.to_bits()).collect();
     let mismatches = host.iter().zip(&dev).filter(|(a, b)| a != b).count();
     out.push(Check {
         name: "cast f32 → bf16 equals the host's rounding".into(),
@@ -379,7 +524,7 @@ fn exactness_checks(gpu: &Gpu) -> Result<Vec<Check>> {
     });
     let back = gpu.alloc::<f32>(x.len())?;
     super::cast::cast_bf16_to_f32(gpu, &back, &gb)?;
-    let host_back: Vec<f32> = host.iter().map(|&h| Bf16(h).to_f32()).collect();
+    let host_back: Vec<f32> = host.iter().map(|&h| Bf16::from_bits(h).to_f32()).collect();
     out.push(Check {
         name: "cast bf16 → f32 is exact".into(),
         rel_err: bits_differ(&gpu.download(&back)?, &host_back),
@@ -429,7 +574,7 @@ fn exactness_checks(gpu: &Gpu) -> Result<Vec<Check>> {
         rel_err: bits_differ(&runs[0], &runs[1]),
         tol: 0.5,
     });
-    Ok(out)
+    Ok(())
 }
 
 /// 1.0 when any element's bits differ, else 0.0 (checked against tolerance 0.5).
@@ -442,11 +587,12 @@ fn bits_differ(a: &[f32], b: &[f32]) -> f64 {
     }
 }
 
-/// Every check, f32 path then bf16, then the exactness checks.
+/// Every kernel check (each group in f32, then bf16), then the exactness checks.
 pub fn run_all(gpu: &Gpu) -> Result<Vec<Check>> {
-    let mut all = run_precision::<f32>(gpu, "f32", 1e-5)?;
-    all.extend(run_precision::<Bf16>(gpu, "bf16", 1e-2)?);
-    all.extend(exactness_checks(gpu)?);
+    let mut all = vec![];
+    for g in Group::ALL.into_iter().filter(|&g| g != Group::Steps) {
+        all.extend(run(gpu, Some(g), &mut |_| {})?);
+    }
     Ok(all)
 }
 
@@ -665,12 +811,14 @@ fn pipeline_parts_match_one_part<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Ch
 /// The whole-model checks: GPU training steps against the CPU model's (f32
 /// and bf16), bit-identical repeats, and a pipeline cut against one part.
 pub fn step_checks(gpu: &Gpu) -> Result<Vec<Check>> {
-    let mut out = vec![];
-    step_vs_cpu::<f32>(gpu, "f32", &mut out)?;
-    step_vs_cpu::<Bf16>(gpu, "bf16", &mut out)?;
-    step_repeats::<f32>(gpu, "f32", &mut out)?;
-    step_repeats::<Bf16>(gpu, "bf16", &mut out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, "f32", &mut out)?;
-    pipeline_parts_match_one_part::<Bf16>(gpu, "bf16", &mut out)?;
-    Ok(out)
+    run(gpu, Some(Group::Steps), &mut |_| {})
+}
+
+fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
+    step_vs_cpu::<f32>(gpu, "f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, "bf16", out)?;
+    step_repeats::<f32>(gpu, "f32", out)?;
+    step_repeats::<Bf16>(gpu, "bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, "f32", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, "bf16", out)
 }

@@ -317,8 +317,23 @@ impl Gpu {
         // SAFETY: callers pass arguments matching the kernel's signature, and
         // device pointers of buffers that outlive the stream's work on them
         // (every buffer is freed only after a synchronize or on the same stream).
-        unsafe { result::launch_kernel(f, grid, block, 0, self.stream(), args)? };
-        Ok(())
+        unsafe { result::launch_kernel(f, grid, block, 0, self.stream(), args) }
+            .map_err(|err| CudaError::Launch { kernel: self.kernel_name(f), grid, block, err })
+    }
+
+    /// "file.cu:function (f32|bf16)" of a function `function` handed out (for errors).
+    fn kernel_name(&self, f: sys::CUfunction) -> String {
+        let modules = self.modules.borrow();
+        let mut names: Vec<String> = modules
+            .iter()
+            .flat_map(|((file, f32), m)| {
+                m.functions.iter().filter(|(_, &g)| g == f).map(move |(name, _)| {
+                    format!("kernels/{file}.cu:{name} ({})", if *f32 { "f32" } else { "bf16" })
+                })
+            })
+            .collect();
+        names.sort();
+        names.pop().unwrap_or_else(|| "an unknown kernel".into())
     }
 }
 

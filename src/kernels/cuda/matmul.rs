@@ -7,6 +7,13 @@
 //! heuristic's algorithm once; later calls reuse them (cudarc's safe `matmul`
 //! would run the heuristic on every call). The bias gradient is our own
 //! two-pass column sum (kernels/matmul.cu), deterministic.
+//!
+//! Alignment: cuBLASLt's heuristic assumes 256-byte aligned A, B, C and D
+//! unless told otherwise, and may pick a kernel that faults or reads wrong
+//! data on a pointer aligned to less. The part's layout aligns every tensor
+//! to 256 bytes (`part::ALIGN`), and each plan is also made for the real
+//! alignment of the pointers it runs on (part of its key), so a pointer
+//! aligned to less gets a kernel that allows it instead of a fault.
 
 use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, CudaError, Elem, Result};
@@ -36,6 +43,22 @@ pub struct GemmShape {
     pub bias: bool,
 }
 
+/// The largest power of two, at most 256, that divides a device address:
+/// what `CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES` is told.
+pub fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        return 256;
+    }
+    1u32 << ptr.trailing_zeros().min(8)
+}
+
+/// A plan is made for a shape and the alignment of A, B and C = D.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    shape: GemmShape,
+    align: [u32; 3],
+}
+
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     layouts: [sys::cublasLtMatrixLayout_t; 3],
@@ -58,7 +81,7 @@ impl Drop for Plan {
 pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: DeviceBuffer<u8>,
-    plans: HashMap<GemmShape, Plan>,
+    plans: HashMap<PlanKey, Plan>,
 }
 
 impl Drop for Blas {
@@ -96,12 +119,11 @@ impl Blas {
         self.plans.len()
     }
 
-    fn plan(&mut self, s: &GemmShape) -> Result<&Plan> {
-        if !self.plans.contains_key(s) {
-            let p = make_plan(self.handle, s)?;
-            self.plans.insert(*s, p);
+    fn plan(&mut self, key: PlanKey, bias: Option<u64>) -> Result<&Plan> {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.plans.entry(key) {
+            e.insert(make_plan(self.handle, &key, bias)?);
         }
-        Ok(self.plans.get(s).expect("inserted above"))
+        Ok(self.plans.get(&key).expect("inserted above"))
     }
 }
 
@@ -122,42 +144,87 @@ fn set_desc<T>(
     Ok(())
 }
 
-fn make_plan(handle: sys::cublasLtHandle_t, s: &GemmShape) -> Result<Plan> {
+fn blas_err<'a>(s: &'a GemmShape, what: &'static str) -> impl FnOnce(result::CublasError) -> CudaError + 'a {
+    move |err| CudaError::Matmul {
+        what,
+        m: s.m,
+        n: s.n,
+        k: s.k,
+        ta: s.trans_a,
+        tb: s.trans_b,
+        types: format!(
+            "A,B {} C,D {}",
+            if s.ab_f32 { "f32" } else { "bf16" },
+            if s.c_f32 { "f32" } else { "bf16" }
+        ),
+        bias: s.bias,
+        err,
+    }
+}
+
+fn set_pref<T>(
+    pref: sys::cublasLtMatmulPreference_t,
+    attr: sys::cublasLtMatmulPreferenceAttributes_t,
+    v: &T,
+) -> Result<()> {
+    // SAFETY: `v` is the attribute's documented type and lives through the call.
+    unsafe {
+        result::set_matmul_pref_attribute(
+            pref,
+            attr,
+            v as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )?
+    };
+    Ok(())
+}
+
+/// The descriptors and the heuristic's algorithm for one product. The bias
+/// pointer is set before the heuristic runs (its choice may depend on it).
+fn make_plan(handle: sys::cublasLtHandle_t, key: &PlanKey, bias: Option<u64>) -> Result<Plan> {
     use sys::cublasLtMatmulDescAttributes_t as A;
+    use sys::cublasLtMatmulPreferenceAttributes_t as P;
+    let s = &key.shape;
     let desc = result::create_matmul_desc(
         sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         sys::cudaDataType::CUDA_R_32F,
-    )?;
+    )
+    .map_err(blas_err(s, "creating the matmul descriptor"))?;
     let (ta, tb) = (s.trans_a as i32, s.trans_b as i32); // CUBLAS_OP_N = 0, CUBLAS_OP_T = 1
     set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &ta)?;
     set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &tb)?;
-    if s.bias {
+    if let Some(bias) = bias {
         let epilogue = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
         set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dtype(s.c_f32))?;
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
     }
     let (ar, ac) = if s.trans_a { (s.k, s.m) } else { (s.m, s.k) };
     let (br, bc) = if s.trans_b { (s.n, s.k) } else { (s.k, s.n) };
-    let a = result::create_matrix_layout(dtype(s.ab_f32), ar as u64, ac as u64, s.lda as i64)?;
-    let b = result::create_matrix_layout(dtype(s.ab_f32), br as u64, bc as u64, s.ldb as i64)?;
-    let c = result::create_matrix_layout(dtype(s.c_f32), s.m as u64, s.n as u64, s.ldc as i64)?;
-    let pref = result::create_matmul_pref()?;
-    let ws = WORKSPACE_BYTES as u64;
-    // SAFETY: a u64 for MAX_WORKSPACE_BYTES, as documented; pref destroyed below.
-    let heuristic = unsafe {
-        result::set_matmul_pref_attribute(
-            pref,
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &ws as *const u64 as *const c_void,
-            8,
-        )?;
-        let h = result::get_matmul_algo_heuristic(handle, desc, a, b, c, c, pref);
-        let _ = result::destroy_matmul_pref(pref);
-        h
+    let layout = |f32, r: usize, c: usize, ld: usize| {
+        result::create_matrix_layout(dtype(f32), r as u64, c as u64, ld as i64)
+            .map_err(blas_err(s, "creating a matrix layout"))
     };
+    let a = layout(s.ab_f32, ar, ac, s.lda)?;
+    let b = layout(s.ab_f32, br, bc, s.ldb)?;
+    let c = layout(s.c_f32, s.m, s.n, s.ldc)?;
     let plan = Plan { desc, layouts: [a, b, c], algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] } };
-    let h = heuristic.map_err(|e| CudaError::Shape(format!("cuBLASLt has no algorithm for {s:?}: {e:?}")))?;
-    Ok(Plan { algo: h.algo, ..plan })
+    let pref = result::create_matmul_pref().map_err(blas_err(s, "creating the preference"))?;
+    let [al_a, al_b, al_cd] = key.align;
+    let prefs = set_pref(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &(WORKSPACE_BYTES as u64))
+        .and_then(|_| set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a))
+        .and_then(|_| set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b))
+        .and_then(|_| set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_cd))
+        .and_then(|_| set_pref(pref, P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_cd));
+    // SAFETY: every handle is live; pref is destroyed once, here.
+    let heuristic = prefs.and_then(|_| {
+        unsafe { result::get_matmul_algo_heuristic(handle, desc, a, b, c, c, pref) }
+            .map_err(blas_err(s, "heuristic (no algorithm)"))
+    });
+    unsafe {
+        let _ = result::destroy_matmul_pref(pref);
+    }
+    Ok(Plan { algo: heuristic?.algo, ..plan })
 }
 
 /// D = op(A)·op(B) + beta·D (column-major), with the bias added per row of D
@@ -171,7 +238,8 @@ pub fn gemm(gpu: &Gpu, s: &GemmShape, a: u64, b: u64, d: u64, bias: Option<u64>,
     }
     let blas = guard.as_mut().expect("set above");
     let (handle, ws, ws_len) = (blas.handle, blas.workspace.ptr(), blas.workspace.bytes());
-    let plan = blas.plan(s)?;
+    let key = PlanKey { shape: *s, align: [alignment(a), alignment(b), alignment(d)] };
+    let plan = blas.plan(key, bias)?;
     if let Some(bias) = bias {
         set_desc(plan.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
     }
@@ -196,9 +264,9 @@ pub fn gemm(gpu: &Gpu, s: &GemmShape, a: u64, b: u64, d: u64, bias: Option<u64>,
             ws as *mut c_void,
             ws_len,
             gpu.stream() as sys::cudaStream_t,
-        )?;
+        )
     }
-    Ok(())
+    .map_err(blas_err(s, "matmul"))
 }
 
 /// How many products have been planned on this GPU.
@@ -328,4 +396,20 @@ pub fn bias_backward<X: Elem>(
     let f = gpu.function::<X>("matmul", "bias_backward_finish")?;
     let ch = chunks as i32;
     gpu.launch(f, (blocks(oc, 256), 1, 1), (256, 1, 1), &mut args![dbias, p, ch, oci])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pointers_alignment_is_its_largest_power_of_two_divisor_up_to_256() {
+        assert_eq!(alignment(0x7f00_0000_0000), 256);
+        assert_eq!(alignment(0x7f00_0000_0100), 256);
+        // 64 bf16 elements past a 256-byte boundary: the case the old layout made.
+        assert_eq!(alignment(0x7f00_0000_0000 + 128), 128);
+        assert_eq!(alignment(0x7f00_0000_0000 + 2), 2);
+        assert_eq!(alignment(0x7f00_0000_0000 + 6), 2);
+        assert_eq!(alignment(0x7f00_0000_0000 + 16), 16);
+    }
 }

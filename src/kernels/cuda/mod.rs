@@ -20,6 +20,7 @@ pub mod layernorm;
 pub mod matmul;
 pub mod model;
 pub mod nccl;
+pub mod nccl_lib;
 pub mod nvrtc;
 pub mod part;
 pub mod residual;
@@ -47,14 +48,43 @@ pub enum CudaError {
     Nvrtc(cudarc::nvrtc::result::NvrtcError),
     #[error("NVRTC compiling kernels/{file}.cu for {arch}:\n{log}")]
     Compile { file: String, arch: String, log: String },
-    #[error("NCCL could not be loaded (libnccl.so.2): install NCCL (PyPI's nvidia-nccl-cu12 or cu13 carries it) and put its lib directory on LD_LIBRARY_PATH")]
-    NoNccl,
+    /// What was tried and what to do (`nccl_lib::not_found`).
+    #[error("NCCL could not be loaded: {0}")]
+    NoNccl(String),
     #[error("NCCL: {0}")]
     Nccl(String),
     #[error("cuBLASLt: {0:?}")]
     Blas(cudarc::cublaslt::result::CublasError),
+    /// A kernel launch the driver refused, or whose earlier asynchronous
+    /// error it reported (run with CUDA_LAUNCH_BLOCKING=1 to pin it down).
+    #[error("launching {kernel} with grid {grid:?}, block {block:?}: {err}")]
+    Launch { kernel: String, grid: (u32, u32, u32), block: (u32, u32, u32), err: cudarc::driver::DriverError },
+    /// A cuBLASLt product that failed, with its shape (column-major, as cuBLASLt sees it).
+    #[error(
+        "cuBLASLt {what} for m={m} n={n} k={k} (transA {ta}, transB {tb}, {types}, bias {bias}): {err:?}"
+    )]
+    Matmul {
+        what: &'static str,
+        m: usize,
+        n: usize,
+        k: usize,
+        ta: bool,
+        tb: bool,
+        types: String,
+        bias: bool,
+        err: cudarc::cublaslt::result::CublasError,
+    },
     #[error("{0}")]
     Shape(String),
+    #[error("gpu-check group {group}: {source}")]
+    InCheck { group: &'static str, source: Box<CudaError> },
+}
+
+impl CudaError {
+    /// The same error, saying which `gpu-check` group it stopped.
+    pub fn in_group(self, g: check::Group) -> CudaError {
+        CudaError::InCheck { group: g.name(), source: Box::new(self) }
+    }
 }
 
 impl From<cudarc::driver::DriverError> for CudaError {
@@ -105,24 +135,10 @@ pub fn cublaslt_present() -> bool {
     unsafe { cudarc::cublaslt::sys::is_culib_present() }
 }
 
-/// bf16 as its 16 bits (the upper half of an f32).
-#[repr(transparent)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Bf16(pub u16);
-
-impl Bf16 {
-    /// Round to nearest even, as the kernels' `f32_to_bf16` does; NaN stays NaN.
-    pub fn from_f32(x: f32) -> Bf16 {
-        let u = x.to_bits();
-        if u & 0x7fff_ffff > 0x7f80_0000 {
-            return Bf16(((u >> 16) | 0x40) as u16);
-        }
-        Bf16((u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16)
-    }
-    pub fn to_f32(self) -> f32 {
-        f32::from_bits((self.0 as u32) << 16)
-    }
-}
+/// bf16 on the host: `half`'s, whose conversion rounds to nearest even and
+/// keeps NaN a NaN exactly as the kernels' `f32_to_bf16` (kernels/common.cuh)
+/// does, so the host and the GPU round the same value to the same bits.
+pub type Bf16 = half::bf16;
 
 /// A storage type the kernels are compiled for: `floatX` in kernels/common.cuh.
 pub trait Elem: Copy + Default + Send + Sync + 'static {
@@ -145,10 +161,10 @@ impl Elem for f32 {
 impl Elem for Bf16 {
     const IS_F32: bool = false;
     fn from_f32(x: f32) -> Self {
-        Bf16::from_f32(x)
+        half::bf16::from_f32(x)
     }
     fn to_f32(self) -> f32 {
-        Bf16::to_f32(self)
+        half::bf16::to_f32(self)
     }
 }
 
@@ -156,13 +172,34 @@ impl Elem for Bf16 {
 mod tests {
     use super::*;
 
+    /// The kernels' rounding (kernels/common.cuh `f32_to_bf16`), written out
+    /// here to hold `half`'s to it.
+    fn kernel_rounding(x: f32) -> u16 {
+        let u = x.to_bits();
+        if u & 0x7fff_ffff > 0x7f80_0000 {
+            return ((u >> 16) | 0x40) as u16;
+        }
+        (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16
+    }
+
+    #[test]
+    fn host_bf16_rounds_like_the_kernels_on_every_kind_of_value() {
+        let mut r = crate::rng::Rng::new(3, crate::rng::Purpose::Test, &[]);
+        let specials =
+            [0.0f32, -0.0, 1.0, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY, f32::NAN, -f32::NAN];
+        let random = (0..100_000).map(|_| f32::from_bits(r.below(1 << 32) as u32));
+        for x in specials.into_iter().chain(random) {
+            assert_eq!(Bf16::from_f32(x).to_bits(), kernel_rounding(x), "{x:e} ({:#010x})", x.to_bits());
+        }
+    }
+
     #[test]
     fn bf16_rounds_to_nearest_even() {
-        assert_eq!(Bf16::from_f32(1.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(1.0).to_bits(), 0x3f80);
         // 1 + 2^-8 lies halfway between 1 and 1 + 2^-7: ties go to the even one (1).
-        assert_eq!(Bf16::from_f32(1.0 + 1.0 / 256.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(1.0 + 1.0 / 256.0).to_bits(), 0x3f80);
         // 1 + 3·2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: even is 1 + 2^-6.
-        assert_eq!(Bf16::from_f32(1.0 + 3.0 / 256.0).0, 0x3f82);
+        assert_eq!(Bf16::from_f32(1.0 + 3.0 / 256.0).to_bits(), 0x3f82);
         assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
         assert_eq!(Bf16::from_f32(f32::INFINITY).to_f32(), f32::INFINITY);
         assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);

@@ -1,8 +1,9 @@
 //! NCCL, the GPU data plane between processes: communicators made from a
 //! unique id that travels over the cluster, point-to-point send and receive
 //! for activations and gradients, and the all-reduce across data-parallel
-//! replicas. libnccl is loaded at run time (cudarc's dynamic loading), so a
-//! build needs no NCCL and a machine without it gets an error, not a panic.
+//! replicas. libnccl is loaded at run time by `nccl_lib` (cudarc's loader
+//! misses the name PyPI's wheels ship), so a build needs no NCCL and a
+//! machine without it gets an error that says what was tried, not a panic.
 //!
 //! Every communicator here is used by exactly one thread on each member (a
 //! stage's compute thread, or its receive side), and point-to-point traffic
@@ -10,14 +11,14 @@
 //! the sender's order on both ends — what NCCL needs to match them. See
 //! `transfer.rs` for how stages use them.
 
+use super::nccl_lib::nccl;
 use super::{CudaError, DeviceBuffer, Gpu, Result};
-use cudarc::nccl::{result as nccl, sys};
+use cudarc::nccl::sys;
 use std::ffi::c_void;
 
-/// Whether libnccl can be loaded (from LD_LIBRARY_PATH or the system paths).
+/// Whether libnccl can be loaded (see `nccl_lib` for the names and folders tried).
 pub fn nccl_present() -> bool {
-    // SAFETY: only tries dlopen on the candidate names.
-    unsafe { sys::is_culib_present() }
+    nccl().is_ok()
 }
 
 /// An NCCL unique id: made once (by rank 0's process), sent to every member.
@@ -27,10 +28,10 @@ pub struct NcclId(pub Vec<u8>);
 impl NcclId {
     /// A fresh id (needs libnccl, not a GPU).
     pub fn new() -> Result<NcclId> {
-        if !nccl_present() {
-            return Err(CudaError::NoNccl);
-        }
-        let id = nccl::get_uniqueid().map_err(nccl_err)?;
+        let lib = nccl()?;
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        // SAFETY: one out-parameter of the right type.
+        lib.check("ncclGetUniqueId", unsafe { (lib.get_unique_id)(&mut id) })?;
         Ok(NcclId(id.internal.iter().map(|&c| c as u8).collect()))
     }
 
@@ -44,10 +45,6 @@ impl NcclId {
         }
         Ok(id)
     }
-}
-
-fn nccl_err(e: nccl::NcclError) -> CudaError {
-    CudaError::Nccl(format!("{:?}", e.0))
 }
 
 /// One member's handle of a communicator, bound to the GPU it was made on.
@@ -66,14 +63,13 @@ impl Comm {
     /// (whose context is bound to this thread). Blocks until every member
     /// has joined: all members must call this at the same time.
     pub fn init(gpu: &Gpu, id: &NcclId, size: usize, rank: usize) -> Result<Comm> {
-        if !nccl_present() {
-            return Err(CudaError::NoNccl);
-        }
+        let lib = nccl()?;
         gpu.bind()?;
         let raw = id.raw()?;
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` receives the new handle; the id is 128 valid bytes.
-        unsafe { nccl::comm_init_rank(&mut comm, size as i32, raw, rank as i32) }.map_err(nccl_err)?;
+        let code = unsafe { (lib.comm_init_rank)(&mut comm, size as i32, raw, rank as i32) };
+        lib.check(&format!("ncclCommInitRank (rank {rank} of {size})"), code)?;
         Ok(Comm { comm, rank, size })
     }
 
@@ -97,8 +93,9 @@ impl Comm {
         let p = buf.ptr_at(offset) as *const c_void;
         // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
         let stream = gpu.comm_stream() as sys::cudaStream_t;
-        unsafe { nccl::send(p, count, T::KIND, peer as i32, self.comm, stream) }.map_err(nccl_err)?;
-        Ok(())
+        let lib = nccl()?;
+        let code = unsafe { (lib.send)(p, count, T::KIND, peer as i32, self.comm, stream) };
+        lib.check(&format!("ncclSend of {count} elements to rank {peer}"), code)
     }
 
     /// Receives `count` elements from member `peer` into `buf` at element
@@ -115,9 +112,9 @@ impl Comm {
         super::ensure(offset + count <= buf.len(), || "NCCL receive past the buffer's end".into())?;
         let p = buf.ptr_at(offset) as *mut c_void;
         // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
-        unsafe { nccl::recv(p, count, T::KIND, peer as i32, self.comm, Self::stream(gpu)) }
-            .map_err(nccl_err)?;
-        Ok(())
+        let lib = nccl()?;
+        let code = unsafe { (lib.recv)(p, count, T::KIND, peer as i32, self.comm, Self::stream(gpu)) };
+        lib.check(&format!("ncclRecv of {count} elements from rank {peer}"), code)
     }
 
     /// Sums `count` f32s at `ptr` over every member, in place, on `gpu`'s
@@ -127,9 +124,10 @@ impl Comm {
     /// dp > 1 matches a CPU one to rounding, not bit for bit.
     pub fn all_reduce_sum(&self, gpu: &Gpu, ptr: u64, count: usize) -> Result<()> {
         let p = ptr as *mut c_void;
+        let lib = nccl()?;
         // SAFETY: the caller passes a live f32 range of `count` elements on this GPU.
-        unsafe {
-            nccl::all_reduce(
+        let code = unsafe {
+            (lib.all_reduce)(
                 p as *const c_void,
                 p,
                 count,
@@ -138,17 +136,18 @@ impl Comm {
                 self.comm,
                 Self::stream(gpu),
             )
-        }
-        .map_err(nccl_err)?;
-        Ok(())
+        };
+        lib.check(&format!("ncclAllReduce of {count} f32s"), code)
     }
 }
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        // SAFETY: made by comm_init_rank, destroyed once.
-        unsafe {
-            let _ = nccl::comm_destroy(self.comm);
+        // SAFETY: made by comm_init_rank (so the library is open), destroyed once.
+        if let Ok(lib) = nccl() {
+            unsafe {
+                let _ = (lib.comm_destroy)(self.comm);
+            }
         }
     }
 }

@@ -22,6 +22,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("cast", include_str!("../../../kernels/cast.cu")),
     ("crossentropy", include_str!("../../../kernels/crossentropy.cu")),
     ("embedding", include_str!("../../../kernels/embedding.cu")),
+    ("flash_attention", include_str!("../../../kernels/flash_attention.cu")),
     ("gelu", include_str!("../../../kernels/gelu.cu")),
     ("layernorm", include_str!("../../../kernels/layernorm.cu")),
     ("matmul", include_str!("../../../kernels/matmul.cu")),
@@ -65,6 +66,11 @@ fn options(arch: u32, f32: bool) -> Vec<String> {
 
 /// Compiles kernels/`file`.cu for `sm_{arch}` to a CUBIN (`f32`: the f32 storage path).
 pub fn compile(file: &str, arch: u32, f32: bool) -> Result<Compiled> {
+    compile_with(file, arch, f32, &[])
+}
+
+/// `compile` with options added (not part of the cache key: for reports only).
+pub fn compile_with(file: &str, arch: u32, f32: bool, extra: &[&str]) -> Result<Compiled> {
     if !super::nvrtc_present() {
         return Err(CudaError::NoNvrtc);
     }
@@ -88,7 +94,8 @@ pub fn compile(file: &str, arch: u32, f32: bool) -> Result<Compiled> {
         )
         .result()?;
     }
-    let opts = options(arch, f32);
+    let mut opts = options(arch, f32);
+    opts.extend(extra.iter().map(|o| o.to_string()));
     // SAFETY: prog was created above and is destroyed below, once.
     let compiled = unsafe { result::compile_program(prog, &opts) };
     let log = unsafe { result::get_program_log(prog) }.map(|l| c_chars_to_string(&l)).unwrap_or_default();
@@ -169,4 +176,51 @@ pub fn cubin_cached(file: &str, arch: u32, f32: bool) -> Result<Vec<u8>> {
         }
     }
     Ok(compiled.cubin)
+}
+
+/// What ptxas reports for one kernel.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub kernel: String,
+    pub registers: u32,
+    /// Static shared memory per block, bytes.
+    pub smem_bytes: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+}
+
+/// Registers, shared memory and spills of every kernel in kernels/`file`.cu
+/// for `sm_{arch}`, from ptxas's report (`--ptxas-options=-v`, which NVRTC 12
+/// and 13 pass on when compiling to a CUBIN).
+pub fn usage(file: &str, arch: u32, f32: bool) -> Result<Vec<Usage>> {
+    let c = compile_with(file, arch, f32, &["--ptxas-options=-v"])?;
+    Ok(parse_usage(&c.log))
+}
+
+/// Reads ptxas's `-v` report: per entry function, "Used N registers, …,
+/// M bytes smem" and "X bytes spill stores, Y bytes spill loads".
+pub fn parse_usage(log: &str) -> Vec<Usage> {
+    let number_before = |line: &str, unit: &str| -> u32 {
+        line.split(',')
+            .find_map(|part| {
+                part.trim().strip_suffix(unit).and_then(|n| n.trim().rsplit(' ').next()?.parse().ok())
+            })
+            .unwrap_or(0)
+    };
+    let mut out: Vec<Usage> = vec![];
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let kernel = rest.split('\'').next().unwrap_or_default().to_string();
+            out.push(Usage { kernel, registers: 0, smem_bytes: 0, spill_stores: 0, spill_loads: 0 });
+        } else if let Some(u) = out.last_mut() {
+            if line.contains("spill stores") {
+                u.spill_stores = number_before(line, "bytes spill stores");
+                u.spill_loads = number_before(line, "bytes spill loads");
+            } else if line.contains("registers") {
+                u.registers = number_before(line.split(':').nth(1).unwrap_or(line), "registers");
+                u.smem_bytes = number_before(line, "bytes smem");
+            }
+        }
+    }
+    out
 }

@@ -28,9 +28,35 @@ use crate::model::{GptConfig, Param};
 use crate::optim::Hyper;
 use std::collections::BTreeMap;
 
-/// Tensor offsets are multiples of this many elements (128 bytes in bf16), so
-/// every matrix handed to cuBLASLt is aligned for its fastest kernels.
-const ALIGN: usize = 64;
+/// Tensor offsets are multiples of this many elements: 256 bytes in bf16 (512
+/// in the f32 master weights and gradients), the alignment cuBLASLt's default
+/// heuristic assumes for A, B, C, D and the bias. 64 elements (128 bytes)
+/// left every tensor after one of 64 × odd elements (n_embd = 192, 320, …)
+/// misaligned for it; `matmul` also tells the heuristic each pointer's real
+/// alignment, so no pointer can be handed to a kernel that assumes more.
+pub const ALIGN: usize = 128;
+
+/// Where each tensor of a part starts in the flat parameter buffer, and the
+/// buffer's length: offsets in `params` order, each a multiple of `ALIGN`;
+/// wte takes `vp` rows.
+pub fn tensor_layout(params: &[Param], vp: usize, c: usize) -> (Vec<TensorSlot>, usize) {
+    let mut tensors = Vec::with_capacity(params.len());
+    let mut offset = 0;
+    for p in params {
+        let stored = if p.name == "wte.weight" { vp * c } else { p.numel() };
+        tensors.push(TensorSlot {
+            name: p.name.clone(),
+            shape: p.shape.clone(),
+            canonical: p.canonical,
+            offset,
+            numel: p.numel(),
+            stored,
+            decay: p.decays(),
+        });
+        offset = (offset + stored).div_ceil(ALIGN) * ALIGN;
+    }
+    (tensors, offset.max(1))
+}
 
 /// The vocabulary rounded up to a multiple of 128 (50257 → 50304, as llm.c).
 pub fn padded_vocab(v: usize) -> usize {
@@ -244,9 +270,7 @@ impl<X: Elem> GpuPart<X> {
         params: &[Param],
     ) -> Result<Self> {
         let (t, c, nh, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
-        ensure(nh > 0 && c == nh * attention::HEAD_SIZE, || {
-            format!("the CUDA kernels need head size {}: n_embd {c} / n_head {nh}", attention::HEAD_SIZE)
-        })?;
+        attention::kernels_for::<X>(c, nh)?;
         ensure(b > 0 && t > 0 && v > 0 && live > 0, || {
             format!("a GPU part needs B, T, V and live slots > 0 (B={b}, T={t}, V={v}, live={live})")
         })?;
@@ -255,22 +279,7 @@ impl<X: Elem> GpuPart<X> {
         ensure(n <= i32::MAX as usize / (4 * c) && n.saturating_mul(vp) < (1 << 40), || {
             format!("the CUDA kernels index with 32-bit rows: B·T = {n} is too many")
         })?;
-        let mut tensors = Vec::with_capacity(params.len());
-        let mut offset = 0;
-        for p in params {
-            let stored = if p.name == "wte.weight" { vp * c } else { p.numel() };
-            tensors.push(TensorSlot {
-                name: p.name.clone(),
-                shape: p.shape.clone(),
-                canonical: p.canonical,
-                offset,
-                numel: p.numel(),
-                stored,
-                decay: p.decays(),
-            });
-            offset = (offset + stored).div_ceil(ALIGN) * ALIGN;
-        }
-        let total = offset.max(1);
+        let (tensors, total) = tensor_layout(params, vp, c);
         let nb = spec.layers.len();
         let head = spec.head;
         let new_slot = || -> Result<Slot<X>> {
@@ -914,5 +923,44 @@ fn check_ids(ids: &[u32], v: usize, what: &str) -> Result<()> {
             Err(super::CudaError::Shape(format!("{what} id {} at {at} is not below vocab_size {v}", ids[at])))
         }
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::params::all_tensors;
+
+    fn params(cfg: &GptConfig) -> Vec<Param> {
+        all_tensors(cfg)
+            .into_iter()
+            .enumerate()
+            .map(|(canonical, (name, shape))| {
+                let n = shape.iter().product();
+                Param { name, shape, data: vec![0.0; n], grad: vec![], canonical }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_tensor_starts_256_byte_aligned_in_bf16_even_when_n_embd_is_64_times_odd() {
+        // n_embd = 192: biases of 192 and 576 elements are 64 × odd, the sizes
+        // that left the next tensor 128 bytes off a 256-byte boundary.
+        for c in [192, 320, 768] {
+            let cfg = GptConfig { n_layer: 2, n_head: c / 64, n_embd: c, vocab_size: 1000, block_size: 64 };
+            let ps = params(&cfg);
+            let (tensors, total) = tensor_layout(&ps, padded_vocab(cfg.vocab_size), c);
+            let mut end = 0;
+            for t in &tensors {
+                assert_eq!(t.offset * 2 % 256, 0, "{} at element {} (n_embd {c})", t.name, t.offset);
+                assert!(t.offset >= end, "{} overlaps the tensor before it", t.name);
+                end = t.offset + t.stored;
+            }
+            assert!(total >= end);
+            assert!(
+                tensors.iter().any(|t| t.numel % ALIGN != 0),
+                "the case under test: some tensor is not a multiple"
+            );
+        }
     }
 }
