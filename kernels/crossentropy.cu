@@ -6,23 +6,40 @@
 // One block per row; logits are overwritten by dlogits = (softmax − onehot)·dloss.
 #include "common.cuh"
 
+// The exponential sum runs in double: at V = 50 257 a peaked row's terms
+// (≈ 1e-8 beside the max's 1) fall below half a float ulp of the running sum
+// and were dropped, reading the loss low. Same fixed tree as block_sum, so the
+// bits stay the same run after run. `shared` holds 32 doubles.
+__device__ __forceinline__ double block_sum_f64(double v, double* shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? shared[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 extern "C" __global__ void crossentropy_forward_backward(floatX* logits, float* losses, const unsigned int* targets,
                                                          float dloss, int N, int V, int Vp) {
     __shared__ float shared[32];
+    __shared__ double shared64[32];
     int row = blockIdx.x;
     if (row >= N) return;
     floatX* x = logits + (size_t)row * Vp;
     float mx = NEG_INF;
     for (int i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, ldx(x[i]));
     mx = block_max(mx, shared);
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(ldx(x[i]) - mx);
-    s = block_sum(s, shared);
-    float lse = mx + logf(s);
+    double s = 0.0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) s += (double)expf(ldx(x[i]) - mx);
+    s = block_sum_f64(s, shared64);
+    double lse64 = (double)mx + log(s);
+    float lse = (float)lse64;
     unsigned int target = targets[row];
     if (threadIdx.x == 0) {
         // The launcher checks targets; a bad one still must not read out of the row.
-        losses[row] = target < (unsigned int)V ? lse - ldx(x[target]) : __int_as_float(0x7fc00000);
+        losses[row] = target < (unsigned int)V ? (float)(lse64 - (double)ldx(x[target])) : __int_as_float(0x7fc00000);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < Vp; i += blockDim.x) {
@@ -53,7 +70,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& at) {
 // twin's tie rule. Padding columns never take part.
 extern "C" __global__ void crossentropy_forward(const floatX* logits, float* losses, unsigned int* argmax,
                                                 const unsigned int* targets, int N, int V, int Vp) {
-    __shared__ float shared[32];
+    __shared__ double shared64[32];
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     int row = blockIdx.x;
@@ -79,12 +96,13 @@ extern "C" __global__ void crossentropy_forward(const floatX* logits, float* los
     mx = lane < nwarps ? best_v[lane] : NEG_INF;
     at = lane < nwarps ? best_i[lane] : 0x7fffffff;
     warp_argmax(mx, at);
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(ldx(x[i]) - mx);
-    s = block_sum(s, shared);
+    double s = 0.0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) s += (double)expf(ldx(x[i]) - mx);
+    s = block_sum_f64(s, shared64);
     if (threadIdx.x == 0) {
         unsigned int target = targets[row];
-        losses[row] = target < (unsigned int)V ? mx + logf(s) - ldx(x[target]) : __int_as_float(0x7fc00000);
+        losses[row] = target < (unsigned int)V ? (float)((double)mx + log(s) - (double)ldx(x[target]))
+                                               : __int_as_float(0x7fc00000);
         if (argmax) argmax[row] = (unsigned int)at;
     }
 }

@@ -784,6 +784,59 @@ impl Validator {
     }
 }
 
+/// Settings that are valid but probably not what was meant: said before a
+/// run starts, naming the field, never refused.
+impl Config {
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        out.extend(self.warmup_warning());
+        out.extend(self.microbatch_warning());
+        out
+    }
+
+    fn warmup_warning(&self) -> Option<String> {
+        let (w, steps) = (self.optim.warmup_steps, self.train.steps);
+        (w > 0 && w >= steps).then(|| {
+            format!(
+                "optim.warmup_steps = {w} covers all of train.steps = {steps}: the learning rate never leaves \
+                 warmup (at most {:.3e} of optim.lr = {}); lower optim.warmup_steps for a full run",
+                steps as f64 / w as f64,
+                self.optim.lr
+            )
+        })
+    }
+
+    fn microbatch_warning(&self) -> Option<String> {
+        let (p, m) = (self.parallel.pp, self.parallel.microbatches);
+        (m < p && m > 0).then(|| {
+            let bubble = (p - 1) as f64 / (m + p - 1) as f64;
+            format!(
+                "parallel.microbatches = {m} is fewer than parallel.pp = {p}: at most {m} of {p} ranks work at \
+                 once, a bubble of (p−1)/(m+p−1) = {:.0}% of each step; use at least {p} microbatches",
+                100.0 * bubble
+            )
+        })
+    }
+
+    /// `launch --nodes N`: the run's pp × dp ranks must split evenly over
+    /// the processes, checked before any process starts.
+    pub fn check_processes(&self, nodes: usize) -> Result<(), ConfigError> {
+        let (pp, dp) = (self.parallel.pp, self.parallel.dp);
+        let mut v = Validator::default();
+        v.check(
+            nodes >= 1 && (pp * dp).is_multiple_of(nodes.max(1)),
+            "parallel.pp × parallel.dp",
+            pp * dp,
+            format!(
+                "launch --nodes {nodes}: the {pp} × {dp} ranks must split evenly over the processes \
+                 (--nodes a divisor of {})",
+                pp * dp
+            ),
+        );
+        v.finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1266,5 +1319,32 @@ mod tests {
         assert_eq!(a.hash(), b.hash());
         b.train.seed += 1;
         assert_ne!(a.hash(), b.hash());
+    }
+
+    #[test]
+    fn warmup_over_the_whole_run_and_too_few_microbatches_are_warned_by_field() {
+        let mut c = Config::default();
+        c.train.steps = 50;
+        c.optim.warmup_steps = 100;
+        c.parallel.pp = 4;
+        c.parallel.microbatches = 2;
+        let w = c.warnings();
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(w[0].starts_with("optim.warmup_steps = 100 covers all of train.steps = 50"), "{}", w[0]);
+        assert!(w[1].starts_with("parallel.microbatches = 2 is fewer than parallel.pp = 4"), "{}", w[1]);
+        assert!(w[1].contains("= 60%"), "(4−1)/(2+4−1): {}", w[1]);
+        c.optim.warmup_steps = 10;
+        c.parallel.microbatches = 8;
+        assert!(c.warnings().is_empty());
+    }
+
+    #[test]
+    fn a_launch_whose_ranks_do_not_split_over_the_processes_is_refused() {
+        let mut c = Config::default();
+        c.parallel.pp = 2;
+        c.parallel.dp = 2;
+        assert!(c.check_processes(4).is_ok() && c.check_processes(2).is_ok());
+        let err = c.check_processes(3).unwrap_err().to_string();
+        assert!(err.contains("parallel.pp × parallel.dp") && err.contains("--nodes 3"), "{err}");
     }
 }

@@ -46,7 +46,28 @@ pub fn inspect(path: &Path) -> Result<String, InspectError> {
             "the header describes {expected_len} bytes but the file has {file_len} (truncated?)"
         )));
     }
-    Ok(render(&file_path, &metadata, file_len))
+    let mut out = render(&file_path, &metadata, file_len);
+    out.push_str(&hf_config_lines(&file_path));
+    Ok(out)
+}
+
+/// The shape a Hugging Face `config.json` beside the file gives (what `eval`
+/// and `train --init` would take from it), or why it cannot be used.
+fn hf_config_lines(file: &Path) -> String {
+    let folder = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    match crate::model::hf::read_shape(folder) {
+        Ok(None) => String::new(),
+        Ok(Some(s)) => format!(
+            "{}: GPT-2, n_layer = {}, n_head = {}, n_embd = {}, vocab_size = {}, n_positions = {}\n",
+            folder.join(crate::model::hf::HF_CONFIG_FILE).display(),
+            s.n_layer,
+            s.n_head,
+            s.n_embd,
+            s.vocab_size,
+            s.n_positions
+        ),
+        Err(e) => format!("{e} (eval and train --init cannot use it)\n"),
+    }
 }
 
 /// The JSON header and the file's length, read without touching tensor data.
@@ -258,6 +279,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = tiny_model(dir.path());
         assert_eq!(inspect(dir.path()).unwrap(), inspect(&path).unwrap());
+    }
+
+    #[test]
+    fn a_hugging_face_config_json_beside_the_weights_is_summarized() {
+        let dir = tempfile::tempdir().unwrap();
+        tiny_model(dir.path());
+        let cfg = crate::model::GptConfig { n_layer: 2, n_head: 1, n_embd: 4, vocab_size: 10, block_size: 8 };
+        std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
+        let out = inspect(dir.path()).unwrap();
+        assert!(
+            out.ends_with("GPT-2, n_layer = 2, n_head = 1, n_embd = 4, vocab_size = 10, n_positions = 8\n"),
+            "{out}"
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod config;
 pub mod data;
 pub mod fuzz;
+pub mod generate;
 pub mod inspect;
 pub mod kernels;
 pub mod model;

@@ -34,7 +34,13 @@ struct ConfigArgs {
 
 impl ConfigArgs {
     fn load(&self, steps: Option<usize>) -> Result<Config> {
-        let mut overrides = self.set.clone();
+        self.load_under(vec![], steps)
+    }
+
+    /// [`ConfigArgs::load`] with `first` applied before --set (so --set wins).
+    fn load_under(&self, first: Vec<String>, steps: Option<usize>) -> Result<Config> {
+        let mut overrides = first;
+        overrides.extend(self.set.iter().cloned());
         if let Some(s) = steps {
             overrides.push(format!("train.steps={s}"));
         }
@@ -164,10 +170,42 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Tokenize a text file into train.bin and val.bin (llm.c format).
+    /// Continue a prompt with saved weights, printing tokens as they come (CPU).
+    ///
+    /// The model's shape comes as in eval. The tokenizer follows the
+    /// vocabulary (256: bytes, 50257 or more: GPT-2's BPE) unless --tokenizer
+    /// says. Temperature 0 is greedy; the same --seed gives the same text.
+    Generate {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Weights (model.safetensors or a run directory).
+        #[arg(long)]
+        weights: PathBuf,
+        /// Text to continue [default: GPT-2's end-of-text token, or a newline for bytes].
+        #[arg(long, default_value = "")]
+        prompt: String,
+        /// Tokens to add after the prompt.
+        #[arg(long, default_value_t = 100)]
+        max_new_tokens: usize,
+        /// Softmax temperature; 0 picks the most likely token every time.
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Sample only among the K most likely tokens [default: all].
+        #[arg(long, value_name = "K")]
+        top_k: Option<usize>,
+        /// Seed of the sampling stream (the same seed gives the same text).
+        #[arg(long, default_value_t = 1337)]
+        seed: u64,
+        /// "bytes" or "gpt2" [default: from model.vocab_size].
+        #[arg(long)]
+        tokenizer: Option<String>,
+    },
+    /// Tokenize text files into train.bin and val.bin (llm.c format). Each file
+    /// is a document; GPT-2's end-of-text token (50256) separates documents.
     Prepare {
-        /// UTF-8 text file.
-        input: PathBuf,
+        /// Text files, or folders whose files are read in name order (UTF-8 for gpt2).
+        #[arg(required = true, num_args = 1..)]
+        input: Vec<PathBuf>,
         /// "bytes" (vocab 256) or "gpt2" (GPT-2's BPE, vocab 50257; no download).
         #[arg(long, default_value = "bytes")]
         tokenizer: String,
@@ -287,14 +325,17 @@ struct TrainArgs {
     /// Run directory [default: runs/<date>-<time>].
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Start from these weights (safetensors with GPT-2 names) instead of a fresh init.
-    #[arg(long, value_name = "W.safetensors")]
+    /// Start from these weights instead of a fresh init: safetensors with GPT-2
+    /// names, or a folder holding model.safetensors (a run, or a Hugging Face
+    /// save_pretrained folder, whose config.json then gives the model's shape).
+    #[arg(long, value_name = "W.safetensors|DIR")]
     init: Option<PathBuf>,
     /// Replace the outputs of an earlier run in --out.
     #[arg(long)]
     force: bool,
-    /// Continue the run in DIR from its latest complete checkpoint (same
-    /// config and overrides; the pipeline layout may differ).
+    /// Continue the run in DIR from its latest complete checkpoint, with
+    /// DIR/config.toml unless --config says otherwise (--set and flags on top;
+    /// what differs from the checkpoint's config is listed by key).
     #[arg(long, value_name = "DIR", conflicts_with = "out")]
     resume: Option<PathBuf>,
     /// When the run fails after starting (a stage errors or panics), resume it
@@ -460,7 +501,7 @@ fn default_run_dir() -> PathBuf {
 
 fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::Driver>) -> Result<()> {
     let TrainArgs {
-        config,
+        mut config,
         steps,
         out,
         init,
@@ -475,8 +516,32 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
     {
         let resuming = resume.is_some();
         let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
+        if resuming && config.config.is_none() {
+            // The run's own config, so a resume needs no flags it already had.
+            let own = out_dir.join("config.toml");
+            if own.is_file() {
+                eprintln!("config: {} (the run's own; --config to use another)", own.display());
+                config.config = Some(own);
+            }
+        }
         pipewright::train::signals::install(&out_dir)?;
-        let mut cfg = config.load(steps)?;
+        // An --init folder's config.json gives the model's shape (under --set).
+        let shape = match &init {
+            Some(dir) => pipewright::model::hf::read_shape(dir)?,
+            None => None,
+        };
+        if let (Some(s), Some(dir)) = (&shape, &init) {
+            eprintln!(
+                "model shape from {}: {} layers, {} heads, {} wide, vocab {}, {} positions",
+                dir.join(pipewright::model::hf::HF_CONFIG_FILE).display(),
+                s.n_layer,
+                s.n_head,
+                s.n_embd,
+                s.vocab_size,
+                s.n_positions
+            );
+        }
+        let mut cfg = config.load_under(shape.map(|s| s.overrides()).unwrap_or_default(), steps)?;
         cfg.trace.enabled |= trace;
         cfg.replay.record |= record || !record_payloads.is_empty();
         for a in record_payloads {
@@ -485,6 +550,9 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             }
         }
         cfg.validate()?;
+        for w in cfg.warnings() {
+            eprintln!("warning: {w}");
+        }
         eprintln!("pipewright train → {}", out_dir.display());
         let mut opts =
             TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
@@ -614,10 +682,12 @@ fn replay_command(
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train_command(args, None),
-        Command::Launch { nodes, port, tls, train: _ } => {
+        Command::Launch { nodes, port, tls, train } => {
             // Checked here so a bad file is one error, not one per process;
             // the workers get the same flags (or inherit the variables).
             tls.load()?;
+            // A layout the processes cannot hold is refused before any starts.
+            train.config.load(train.steps)?.check_processes(nodes)?;
             let args = launch_args();
             pipewright::cluster::launch(nodes, port, &args, std::time::Duration::from_secs(30))?;
             Ok(())
@@ -672,9 +742,38 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Command::Generate {
+            config,
+            weights,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
+            tokenizer,
+        } => {
+            let tokenizer = match tokenizer {
+                Some(t) => Some(t.parse::<Tokenizer>().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
+                None => None,
+            };
+            let req = pipewright::generate::GenerateRequest {
+                config: config.config.as_deref(),
+                overrides: &config.set,
+                weights: &weights,
+                tokenizer,
+                prompt: &prompt,
+                max_new_tokens,
+                sampling: pipewright::generate::Sampling { temperature, top_k, seed },
+            };
+            pipewright::generate::run(&req, &mut std::io::stdout().lock())?;
+            Ok(())
+        }
         Command::Prepare { input, tokenizer, out, val_fraction, force } => {
             let tok: Tokenizer = tokenizer.parse().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
-            let r = data::prepare(&input, tok, &out, val_fraction, force)?;
+            let r = data::prepare_all(&input, tok, &out, val_fraction, force)?;
+            if r.documents > 1 {
+                println!("{} documents", r.documents);
+            }
             println!("train: {} tokens → {}", r.train_tokens, r.train_path.display());
             if let Some(v) = &r.val_path {
                 println!("val:   {} tokens → {}", r.val_tokens, v.display());

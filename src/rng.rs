@@ -15,6 +15,8 @@ pub enum Purpose {
     Data = 3,
     /// Test inputs.
     Test = 4,
+    /// Sampling the next token in `generate`, keyed by the token's position.
+    Sample = 5,
 }
 
 /// splitmix64's finaliser: a bijective mix with good avalanche.

@@ -99,6 +99,7 @@ fn a_good_run_writes_every_output() {
     for key in ["steps", "final_loss", "val_loss", "tokens_per_s", "mfu", "weights_digest"] {
         assert!(summary.get(key).is_some(), "summary lacks {key}");
     }
+    assert_eq!(summary["val_loss_step"], 3, "val_loss is the last step's evaluation");
     // The same config and seed give the same weights, bit for bit.
     let again = dir.path().join("again");
     assert!(tiny_train(&again, &[]).0);
@@ -481,4 +482,123 @@ fn eval_batches_capped_by_a_short_val_file_are_recorded() {
 fn inspect_help_says_what_it_reads() {
     let (ok, help, _) = run(&["inspect", "--help"]);
     assert!(ok && help.contains("run or checkpoint directory"), "{help}");
+}
+
+/// The earlier run's weights as Hugging Face's `save_pretrained` writes a
+/// GPT2LMHeadModel: `transformer.` names, the tied `lm_head.weight`, no
+/// pipewright metadata, and the run's `config.json` beside them.
+fn hf_folder_of_the_earlier_run(dir: &Path) -> PathBuf {
+    let hf = dir.join("hf");
+    std::fs::create_dir_all(&hf).unwrap();
+    let edited = edited_weights(&hf, "model.safetensors", |t| {
+        let mut out: Vec<_> = t.into_iter().map(|(n, s, b)| (format!("transformer.{n}"), s, b)).collect();
+        let wte = out.iter().find(|(n, ..)| n == "transformer.wte.weight").unwrap().clone();
+        out.push(("lm_head.weight".into(), wte.1, wte.2));
+        out
+    });
+    assert_eq!(edited, hf.join("model.safetensors"));
+    std::fs::copy(earlier_run_fixture().join("config.json"), hf.join("config.json")).unwrap();
+    hf
+}
+
+#[test]
+fn a_hugging_face_folder_needs_no_shape_flags_in_eval_train_and_inspect() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = earlier_run_fixture();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["model_type"].as_str(), cfg["n_embd"].as_u64()), (Some("gpt2"), Some(16)));
+    assert_eq!(
+        (cfg["n_positions"].as_u64(), cfg["activation_function"].as_str()),
+        (Some(16), Some("gelu_new"))
+    );
+    let hf = hf_folder_of_the_earlier_run(dir.path());
+    let data = dir.path().join("val.bin");
+    let toks: Vec<u16> = (0..2000u16).map(|i| (i * 7) % 256).collect();
+    write_llmc(&data, &toks, 20240520, 1, 2000);
+    let eval = |w: &Path| {
+        let (ok, out, err) =
+            run(&["eval", "--weights", w.to_str().unwrap(), "--data", data.to_str().unwrap(), "--json"]);
+        assert!(ok, "{err}");
+        out
+    };
+    assert_eq!(eval(&hf), eval(run_dir), "the HF folder is the same model");
+
+    let (ok, text, _) = run(&["inspect", hf.to_str().unwrap()]);
+    assert!(ok && text.contains("config.json: GPT-2, n_layer = 1, n_head = 2, n_embd = 16"), "{text}");
+
+    // train --init DIR: the shape from config.json; only what is not the shape is set.
+    let out = dir.path().join("from-hf");
+    let o = out.to_str().unwrap();
+    let args = ["train", "--steps", "1", "--out", o, "--init", hf.to_str().unwrap()];
+    let mut all = args.to_vec();
+    all.extend([
+        "--set",
+        "parallel.pp=1",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "train.eval_batches=2",
+    ]);
+    let (ok, _, err) = run(&all);
+    assert!(ok && err.contains("model shape from"), "{err}");
+
+    // A smaller block_size crops the position table, and says so.
+    let (ok, _, err) = run(&[
+        "eval",
+        "--weights",
+        hf.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--set",
+        "model.block_size=8",
+    ]);
+    assert!(ok && err.contains("`transformer.wpe.weight` holds 16 positions; using the first 8"), "{err}");
+    // Errors name tensors as the file does.
+    let (ok, _, err) = run(&[
+        "eval",
+        "--weights",
+        hf.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--set",
+        "model.n_embd=32",
+    ]);
+    assert!(!ok && err.contains("`transformer.wte.weight`"), "{err}");
+}
+
+#[test]
+fn resume_takes_the_runs_config_toml_and_lists_changes_by_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = out.to_str().unwrap();
+    let (ok, _, err) = tiny_train(&out, &["--set", "checkpoint.every=2"]);
+    assert!(ok, "{err}");
+    // No shape flags: without the run's config.toml the default model would not fit.
+    let (ok, _, err) = run(&["train", "--steps", "4", "--resume", o]);
+    assert!(ok, "{err}");
+    assert!(err.contains("config.toml (the run's own"), "{err}");
+    let (ok, _, err) = run(&["train", "--steps", "5", "--resume", o, "--set", "model.n_layer=2"]);
+    assert!(!ok && err.contains("model.n_layer: 1 → 2"), "{err}");
+    assert!(!err.contains("ModelSection"), "{err}");
+}
+
+#[test]
+fn generate_continues_a_prompt_greedily_and_reproducibly() {
+    let w = earlier_run_fixture().to_str().unwrap().to_string();
+    let gen = |extra: &[&str]| {
+        let mut args = vec!["generate", "--weights", &w, "--prompt", "12+34=", "--max-new-tokens", "6"];
+        args.extend(extra);
+        let (ok, out, err) = run(&args);
+        assert!(ok, "{err}");
+        out
+    };
+    let greedy = gen(&["--temperature", "0"]);
+    assert!(greedy.starts_with("12+34="), "{greedy}");
+    assert!(greedy.ends_with('\n') && greedy.len() > "12+34=\n".len(), "{greedy:?}");
+    assert_eq!(greedy, gen(&["--temperature", "0", "--seed", "99"]), "greedy ignores the seed");
+    assert_eq!(gen(&["--seed", "5"]), gen(&["--seed", "5"]));
+    assert_eq!(gen(&["--top-k", "1", "--temperature", "3"]), greedy);
+    refused(run(&["generate", "--weights", &w, "--temperature=-1"]), &["--temperature"]);
+    refused(run(&["generate", "--weights", &w, "--top-k", "0"]), &["--top-k"]);
 }

@@ -119,17 +119,17 @@ fn lines_to_tokens(problems: impl Iterator<Item = Problem>, n_tokens: usize) -> 
 pub struct ArithmeticCorpus {
     /// Training problems only; at least `n_train_tokens` tokens, whole lines.
     pub train: Vec<u32>,
-    /// Held-out problems only, same format; a tenth of the train size (at
-    /// least 4096 tokens), for validation loss.
+    /// Held-out problems only, same format; at least `n_val_tokens` (and at
+    /// least 4096) tokens, for validation loss.
     pub val: Vec<u32>,
 }
 
 impl ArithmeticCorpus {
-    /// Deterministic in `seed`; a larger `n_train_tokens` extends the same
-    /// stream of problems rather than drawing a new one.
-    pub fn generate(seed: u64, n_train_tokens: usize) -> ArithmeticCorpus {
+    /// Deterministic in `seed`; a larger `n_train_tokens` or `n_val_tokens`
+    /// extends the same stream of problems rather than drawing a new one.
+    pub fn generate(seed: u64, n_train_tokens: usize, n_val_tokens: usize) -> ArithmeticCorpus {
         let train = lines_to_tokens(problems(seed, TRAIN_STREAM, false), n_train_tokens);
-        let val = lines_to_tokens(problems(seed, VAL_STREAM, true), (n_train_tokens / 10).max(4096));
+        let val = lines_to_tokens(problems(seed, VAL_STREAM, true), n_val_tokens.max(4096));
         ArithmeticCorpus { train, val }
     }
 }
@@ -287,7 +287,7 @@ mod tests {
 
     #[test]
     fn held_out_problems_never_appear_in_train() {
-        let c = ArithmeticCorpus::generate(1337, 300_000);
+        let c = ArithmeticCorpus::generate(1337, 300_000, 30_000);
         let train: BTreeSet<Problem> = lines(&c.train)
             .iter()
             .map(|l| Problem::parse(l).unwrap_or_else(|| panic!("bad train line {l:?}")))
@@ -317,14 +317,23 @@ mod tests {
 
     #[test]
     fn corpus_is_deterministic_in_the_seed_and_at_least_the_requested_size() {
-        let a = ArithmeticCorpus::generate(5, 10_000);
-        assert_eq!(a, ArithmeticCorpus::generate(5, 10_000));
-        assert_ne!(a.train, ArithmeticCorpus::generate(6, 10_000).train);
+        let a = ArithmeticCorpus::generate(5, 10_000, 5_000);
+        assert_eq!(a, ArithmeticCorpus::generate(5, 10_000, 5_000));
+        assert_ne!(a.train, ArithmeticCorpus::generate(6, 10_000, 5_000).train);
         assert!((10_000..10_000 + MAX_LINE_LEN).contains(&a.train.len()));
         assert!(a.val.len() >= 4096);
         assert!(a.train.iter().chain(&a.val).all(|&t| (t as usize) < VOCAB_SIZE));
-        let longer = ArithmeticCorpus::generate(5, 20_000);
+        let longer = ArithmeticCorpus::generate(5, 20_000, 5_000);
         assert_eq!(&longer.train[..a.train.len()], &a.train[..]);
+    }
+
+    /// Runs of different lengths must evaluate on the same held-out windows.
+    #[test]
+    fn held_out_text_does_not_depend_on_the_training_length() {
+        let short = ArithmeticCorpus::generate(5, 10_000, 9_000);
+        let long = ArithmeticCorpus::generate(5, 1_000_000, 9_000);
+        assert_eq!(short.val, long.val);
+        assert!(short.val.len() >= 9_000);
     }
 
     #[test]

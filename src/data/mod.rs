@@ -11,6 +11,6 @@ pub mod sampler;
 pub mod token_file;
 
 pub use arithmetic::{AnswerSpan, ArithmeticCorpus, EvalSet, Problem};
-pub use prepare::{prepare, PrepareReport, Tokenizer, DEFAULT_VAL_FRACTION};
+pub use prepare::{prepare, prepare_all, PrepareReport, Tokenizer, DEFAULT_VAL_FRACTION};
 pub use sampler::{Sampler, SamplerKind};
 pub use token_file::{write_llmc, DataError, FileFormat, TokenFile, TokenFormat, TokenSource};

@@ -26,6 +26,31 @@ impl Tokenizer {
             Tokenizer::Gpt2 => 50257,
         }
     }
+
+    /// The token that separates documents (GPT-2's `<|endoftext|>`); bytes have none.
+    pub fn end_of_text(self) -> Option<u32> {
+        match self {
+            Tokenizer::Bytes => None,
+            Tokenizer::Gpt2 => Some(50256),
+        }
+    }
+
+    /// Text as tokens; a literal `<|endoftext|>` is ordinary text.
+    pub fn encode(self, text: &str) -> Vec<u32> {
+        match self {
+            Tokenizer::Bytes => text.bytes().map(u32::from).collect(),
+            Tokenizer::Gpt2 => tiktoken_rs::r50k_base_singleton().encode_ordinary(text),
+        }
+    }
+
+    /// One token's bytes (a GPT-2 token may hold part of a UTF-8 character);
+    /// empty for an id the tokenizer does not know.
+    pub fn decode(self, token: u32) -> Vec<u8> {
+        match self {
+            Tokenizer::Bytes => u8::try_from(token).map(|b| vec![b]).unwrap_or_default(),
+            Tokenizer::Gpt2 => tiktoken_rs::r50k_base_singleton().decode_bytes(&[token]).unwrap_or_default(),
+        }
+    }
 }
 
 impl std::str::FromStr for Tokenizer {
@@ -48,6 +73,8 @@ pub const DEFAULT_VAL_FRACTION: f64 = 0.1;
 /// What `prepare` wrote.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrepareReport {
+    /// Files read, each one document.
+    pub documents: usize,
     pub tokenizer: Tokenizer,
     /// Put this in `model.vocab_size`.
     pub vocab_size: usize,
@@ -58,16 +85,30 @@ pub struct PrepareReport {
     pub val_tokens: usize,
 }
 
-/// Tokenizes `input` and writes `out_dir/train.bin` and (unless
+/// [`prepare_all`] for one text file.
+pub fn prepare(
+    input: &Path,
+    tokenizer: Tokenizer,
+    out_dir: &Path,
+    val_fraction: f64,
+    force: bool,
+) -> Result<PrepareReport, DataError> {
+    prepare_all(&[input.to_path_buf()], tokenizer, out_dir, val_fraction, force)
+}
+
+/// Tokenizes `inputs` (text files, or folders whose files are read in name
+/// order, subfolders included) and writes `out_dir/train.bin` and (unless
 /// `val_fraction` is 0) `out_dir/val.bin`; val is the last `val_fraction` of
-/// the tokens, rounded to a whole token, so no token is in both. Creates
-/// `out_dir` if needed. Refuses to replace existing outputs unless `force`.
+/// the tokens, rounded to a whole token, so no token is in both. Each file is
+/// one document; GPT-2's end-of-text token separates documents (bytes have
+/// none). Creates `out_dir` if needed. Refuses to replace existing outputs
+/// unless `force`.
 ///
 /// With `Bytes` the input may be any bytes; with `Gpt2` it must be UTF-8.
 /// Text is encoded as ordinary text: a literal `<|endoftext|>` in the file is
 /// tokenized as characters, not as the special token, as nanoGPT's scripts do.
-pub fn prepare(
-    input: &Path,
+pub fn prepare_all(
+    inputs: &[PathBuf],
     tokenizer: Tokenizer,
     out_dir: &Path,
     val_fraction: f64,
@@ -88,22 +129,19 @@ pub fn prepare(
             }
         }
     }
-
-    let bytes = fs::read(input).map_err(|error| {
-        if error.kind() == std::io::ErrorKind::NotFound {
-            DataError::Invalid { what: format!("text file {}: no such file", input.display()) }
-        } else {
-            DataError::Io { path: input.to_path_buf(), action: "read", error }
+    let files = documents(inputs)?;
+    let mut tokens: Vec<u32> = Vec::new();
+    for (i, file) in files.iter().enumerate() {
+        if i > 0 {
+            tokens.extend(tokenizer.end_of_text());
         }
-    })?;
-    let tokens: Vec<u32> = match tokenizer {
-        Tokenizer::Bytes => bytes.iter().map(|&b| b as u32).collect(),
-        Tokenizer::Gpt2 => {
-            let text = std::str::from_utf8(&bytes)
-                .map_err(|e| DataError::NotUtf8 { path: input.to_path_buf(), offset: e.valid_up_to() })?;
-            tiktoken_rs::r50k_base_singleton().encode_ordinary(text)
-        }
+        tokens.extend(tokenize_file(file, tokenizer)?);
+    }
+    let input = match files.as_slice() {
+        [one] => one.display().to_string(),
+        many => format!("{} files", many.len()),
     };
+    let input = Path::new(&input);
 
     let n = tokens.len();
     let n_val = (n as f64 * val_fraction).round() as usize;
@@ -129,12 +167,74 @@ pub fn prepare(
         write_llmc(vp, &tokens[n_train..], vocab_size)?;
     }
     Ok(PrepareReport {
+        documents: files.len(),
         tokenizer,
         vocab_size,
         train_path,
         train_tokens: n_train,
         val_path,
         val_tokens: n_val,
+    })
+}
+
+/// The files `inputs` name: files as given, folders' regular files in name
+/// order (subfolders too, hidden entries skipped), so a folder always gives
+/// the same token stream.
+fn documents(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, DataError> {
+    let mut out = Vec::new();
+    for input in inputs {
+        if input.is_dir() {
+            let before = out.len();
+            folder_files(input, &mut out)?;
+            if out.len() == before {
+                return Err(DataError::Invalid {
+                    what: format!("folder {}: holds no files", input.display()),
+                });
+            }
+        } else {
+            out.push(input.clone());
+        }
+    }
+    if out.is_empty() {
+        return Err(DataError::Invalid { what: "prepare: no input files given".into() });
+    }
+    Ok(out)
+}
+
+fn folder_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
+    let io = |error| DataError::Io { path: dir.to_path_buf(), action: "list", error };
+    let mut entries: Vec<PathBuf> =
+        fs::read_dir(dir).map_err(io)?.map(|e| e.map(|e| e.path())).collect::<Result<_, _>>().map_err(io)?;
+    entries.sort();
+    for p in entries {
+        if p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
+            continue;
+        }
+        if p.is_dir() {
+            folder_files(&p, out)?;
+        } else if p.is_file() {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// One document's tokens; non-UTF-8 text is refused for GPT-2, naming the file.
+fn tokenize_file(input: &Path, tokenizer: Tokenizer) -> Result<Vec<u32>, DataError> {
+    let bytes = fs::read(input).map_err(|error| {
+        if error.kind() == std::io::ErrorKind::NotFound {
+            DataError::Invalid { what: format!("text file {}: no such file", input.display()) }
+        } else {
+            DataError::Io { path: input.to_path_buf(), action: "read", error }
+        }
+    })?;
+    Ok(match tokenizer {
+        Tokenizer::Bytes => bytes.iter().map(|&b| b as u32).collect(),
+        Tokenizer::Gpt2 => {
+            let text = std::str::from_utf8(&bytes)
+                .map_err(|e| DataError::NotUtf8 { path: input.to_path_buf(), offset: e.valid_up_to() })?;
+            tiktoken_rs::r50k_base_singleton().encode_ordinary(text)
+        }
     })
 }
 
@@ -220,5 +320,48 @@ mod tests {
         let r = prepare(&input, Tokenizer::Bytes, dir.path(), 0.0, false).unwrap();
         assert_eq!((r.train_tokens, r.val_tokens, r.val_path), (TEXT.len(), 0, None));
         assert!(!dir.path().join("val.bin").exists());
+    }
+
+    #[test]
+    fn a_folder_is_its_files_in_name_order_separated_by_end_of_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let docs = dir.path().join("docs");
+        fs::create_dir_all(docs.join("sub")).unwrap();
+        fs::write(docs.join("b.txt"), "second").unwrap();
+        fs::write(docs.join("a.txt"), "first").unwrap();
+        fs::write(docs.join("sub/c.txt"), "third").unwrap();
+        fs::write(docs.join(".hidden"), "never").unwrap();
+        let r = prepare_all(std::slice::from_ref(&docs), Tokenizer::Gpt2, &dir.path().join("o"), 0.0, false)
+            .unwrap();
+        assert_eq!(r.documents, 3);
+        let bpe = tiktoken_rs::r50k_base().unwrap();
+        let mut want = bpe.encode_ordinary("first");
+        for doc in ["second", "third"] {
+            want.push(50256);
+            want.extend(bpe.encode_ordinary(doc));
+        }
+        assert_eq!(read_all(&r.train_path, 50257), want);
+        // Bytes have no end-of-text token: the files' bytes, back to back.
+        let extra = dir.path().join("z.txt");
+        fs::write(&extra, "!").unwrap();
+        let r = prepare_all(&[docs, extra], Tokenizer::Bytes, &dir.path().join("b"), 0.0, false).unwrap();
+        assert_eq!(
+            read_all(&r.train_path, 256),
+            "firstsecondthird!".bytes().map(u32::from).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn a_non_utf8_file_among_many_is_refused_by_name_unless_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("good.txt");
+        let bad = dir.path().join("latin1.txt");
+        fs::write(&good, "fine").unwrap();
+        fs::write(&bad, b"caf\xe9").unwrap();
+        let both = [good, bad];
+        let err = prepare_all(&both, Tokenizer::Gpt2, &dir.path().join("o"), 0.0, false).unwrap_err();
+        assert!(err.to_string().contains("latin1.txt") && err.to_string().contains("offset 3"), "{err}");
+        assert!(!dir.path().join("o").exists(), "a refusal writes nothing");
+        prepare_all(&both, Tokenizer::Bytes, &dir.path().join("o"), 0.0, false).unwrap();
     }
 }

@@ -148,6 +148,20 @@ pub struct LoadedWeights {
     pub path: PathBuf,
     pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
     pub metadata: HashMap<String, String>,
+    /// `transformer.` when the file names its tensors so (Hugging Face's
+    /// GPT2LMHeadModel): errors name tensors as the file does.
+    pub prefix: String,
+}
+
+/// Weights for a model of `cfg`'s shape from a safetensors file or a folder
+/// holding `model.safetensors` (a run, a checkpoint, a Hugging Face
+/// `save_pretrained` folder). A position table longer than `cfg.block_size`
+/// keeps its first rows, as nanoGPT crops GPT-2's 1024 (said on stderr).
+pub fn load_for(path: &Path, cfg: &GptConfig) -> Result<LoadedWeights, WeightsError> {
+    let file = if path.is_dir() { path.join(crate::inspect::MODEL_FILE) } else { path.to_path_buf() };
+    let mut w = load(&file)?;
+    w.fit(cfg)?;
+    Ok(w)
 }
 
 /// Reads a safetensors file. Accepts Hugging Face's `transformer.` prefix and
@@ -165,15 +179,22 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
     let (_, meta) = SafeTensors::read_metadata(buf).map_err(|e| fmt(e.to_string()))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
     let mut tensors = HashMap::new();
-    for (name, view) in st.tensors() {
-        let name = name.strip_prefix("transformer.").unwrap_or(&name).to_string();
+    let mut prefix = String::new();
+    for (file_name, view) in st.tensors() {
+        let name = match file_name.strip_prefix("transformer.") {
+            Some(n) => {
+                prefix = "transformer.".to_string();
+                n.to_string()
+            }
+            None => file_name.clone(),
+        };
         if name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
             continue;
         }
         if view.dtype() != Dtype::F32 {
             return Err(WeightsError::Dtype {
                 path: path.to_path_buf(),
-                name,
+                name: file_name,
                 got: format!("{:?}", view.dtype()),
             });
         }
@@ -181,10 +202,42 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
             view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         tensors.insert(name, (view.shape().to_vec(), data));
     }
-    Ok(LoadedWeights { path: path.to_path_buf(), tensors, metadata })
+    Ok(LoadedWeights { path: path.to_path_buf(), tensors, metadata, prefix })
 }
 
 impl LoadedWeights {
+    /// A tensor's name as the file spells it.
+    pub fn file_name(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// Crops the position table to `cfg.block_size` (saying so on stderr),
+    /// then checks every tensor against `cfg`.
+    pub fn fit(&mut self, cfg: &GptConfig) -> Result<(), WeightsError> {
+        if let Some(rows) = self.crop_positions(cfg.block_size) {
+            eprintln!(
+                "{}: `{}` holds {rows} positions; using the first {} (model.block_size)",
+                self.path.display(),
+                self.file_name("wpe.weight"),
+                cfg.block_size
+            );
+        }
+        self.check(cfg)
+    }
+
+    /// Keeps the first `block_size` rows of `wpe.weight` when it holds more;
+    /// returns how many it held.
+    pub fn crop_positions(&mut self, block_size: usize) -> Option<usize> {
+        let (shape, data) = self.tensors.get_mut("wpe.weight")?;
+        if shape.len() != 2 || shape[0] <= block_size {
+            return None;
+        }
+        let rows = shape[0];
+        data.truncate(block_size * shape[1]);
+        shape[0] = block_size;
+        Some(rows)
+    }
+
     /// Checks that every tensor of `cfg`'s model is present with its shape,
     /// and that there is nothing else: extra tensors mean the file was made
     /// for another model, and loading part of it would pass silently.
@@ -197,7 +250,7 @@ impl LoadedWeights {
             extra.sort();
             return Err(WeightsError::Unexpected {
                 path: self.path.clone(),
-                name: extra[0].clone(),
+                name: self.file_name(extra[0]),
                 count: extra.len(),
                 expected: all.len(),
                 n_layer: cfg.n_layer,
@@ -205,11 +258,17 @@ impl LoadedWeights {
         }
         for (name, expected) in all {
             match self.tensors.get(&name) {
-                None => return Err(WeightsError::Missing { path: self.path.clone(), name, expected }),
+                None => {
+                    return Err(WeightsError::Missing {
+                        path: self.path.clone(),
+                        name: self.file_name(&name),
+                        expected,
+                    })
+                }
                 Some((got, _)) if *got != expected => {
                     return Err(WeightsError::Shape {
                         path: self.path.clone(),
-                        name,
+                        name: self.file_name(&name),
                         got: got.clone(),
                         expected,
                     })
@@ -230,13 +289,13 @@ impl LoadedWeights {
         for p in params {
             let (shape, data) = self.tensors.get(&p.name).ok_or_else(|| WeightsError::Missing {
                 path: self.path.clone(),
-                name: p.name.clone(),
+                name: self.file_name(&p.name),
                 expected: p.shape.clone(),
             })?;
             if *shape != p.shape {
                 return Err(WeightsError::Shape {
                     path: self.path.clone(),
-                    name: p.name.clone(),
+                    name: self.file_name(&p.name),
                     got: shape.clone(),
                     expected: p.shape.clone(),
                 });
@@ -300,6 +359,37 @@ mod tests {
         let extras = ["lm_head.weight", "transformer.h.0.attn.bias", "transformer.h.0.attn.masked_bias"];
         let w = file_of(&tiny(1), |n| format!("transformer.{n}"), &extras);
         w.check(&tiny(1)).unwrap();
+    }
+
+    #[test]
+    fn errors_name_tensors_as_a_prefixed_file_names_them() {
+        let w = file_of(&tiny(1), |n| format!("transformer.{n}"), &["transformer.h.0.mlp.extra"]);
+        let err = w.check(&tiny(1)).unwrap_err().to_string();
+        assert!(err.contains("`transformer.h.0.mlp.extra`"), "{err}");
+        let w = file_of(&tiny(1), |n| format!("transformer.{n}"), &[]);
+        let wide = GptConfig { n_embd: 12, ..tiny(1) };
+        let err = w.check(&wide).unwrap_err().to_string();
+        assert!(err.contains("`transformer.wte.weight`"), "{err}");
+    }
+
+    #[test]
+    fn a_longer_position_table_is_cropped_to_block_size() {
+        let long = GptConfig { block_size: 10, ..tiny(1) };
+        let dir = tempfile::tempdir().unwrap();
+        let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = vec![];
+        for (n, s) in all_tensors(&long) {
+            let len: usize = s.iter().product();
+            owned.push((n, s, (0..len).map(|i| i as f32).collect()));
+        }
+        let map: BTreeMap<String, (&[usize], &[f32])> =
+            owned.iter().map(|(n, s, d)| (n.clone(), (s.as_slice(), d.as_slice()))).collect();
+        save(&dir.path().join("model.safetensors"), &map, HashMap::new()).unwrap();
+        let w = load_for(dir.path(), &tiny(1)).unwrap();
+        let (shape, data) = &w.tensors["wpe.weight"];
+        assert_eq!(shape, &vec![4, 8]);
+        assert_eq!(data, &(0..32).map(|i| i as f32).collect::<Vec<_>>());
+        let err = load_for(dir.path(), &GptConfig { block_size: 11, ..tiny(1) }).err().unwrap().to_string();
+        assert!(err.contains("`wpe.weight` has shape [10, 8], expected [11, 8]"), "{err}");
     }
 
     #[test]

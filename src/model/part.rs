@@ -361,6 +361,12 @@ impl ModelPart {
         self.wte_head_grad.fill(0.0);
     }
 
+    /// The head's logits (N, V) from the last evaluation forward (training
+    /// overwrites them with their gradient).
+    pub fn logits(&self) -> &[f32] {
+        &self.scratch.logits
+    }
+
     pub fn forward(&mut self, input: PartInput, targets: Option<&[u32]>, mode: Mode) -> ForwardOut {
         self.forward_with(input, targets, mode, None)
     }

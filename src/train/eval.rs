@@ -6,12 +6,43 @@
 //! what evaluation uses is validated: the model's shape and the token format.
 
 use super::engine::Engine;
-use crate::config::Config;
+use crate::config::{Config, DEFAULT_TOML};
 use crate::data::{FileFormat, Sampler, TokenFile, TokenSource};
-use crate::inspect::CONFIG_METADATA_KEY;
-use crate::model::{io, GptConfig};
+use crate::inspect::{CONFIG_METADATA_KEY, MODEL_FILE};
+use crate::model::{hf, io, GptConfig};
 use anyhow::{bail, Result};
 use std::path::Path;
+
+/// Saved weights and the config that gives their shape: `config` (with
+/// `overrides`) when given, else the config a run stored in the weights,
+/// else a Hugging Face `config.json` beside them (on the embedded default),
+/// else the embedded default. The model's part of the config is validated,
+/// a longer position table cropped to block_size and the tensors checked.
+pub fn load_model(
+    config: Option<&Path>,
+    overrides: &[String],
+    weights: &Path,
+) -> Result<(Config, io::LoadedWeights)> {
+    let file = if weights.is_dir() { weights.join(MODEL_FILE) } else { weights.to_path_buf() };
+    let mut w = io::load(&file)?;
+    let folder = file.parent().unwrap_or(Path::new("."));
+    let cfg = match (config, w.metadata.get(CONFIG_METADATA_KEY), hf::read_shape(folder)?) {
+        (Some(path), _, _) => Config::load(Some(path), overrides)?,
+        (None, Some(stored), _) => {
+            Config::parse(stored, &format!("{} (its stored config)", file.display()), overrides)?
+        }
+        (None, None, Some(shape)) => {
+            let mut all = shape.overrides();
+            all.extend_from_slice(overrides);
+            let origin = format!("{} on the embedded default", folder.join(hf::HF_CONFIG_FILE).display());
+            Config::parse(DEFAULT_TOML, &origin, &all)?
+        }
+        (None, None, None) => Config::load(None, overrides)?,
+    };
+    cfg.validate_for_eval()?;
+    w.fit(&GptConfig::from_config(&cfg))?;
+    Ok((cfg, w))
+}
 
 /// Mean loss of `weights` over the first `windows` windows of `data`;
 /// `config` and `overrides` as `--config` and `--set` give them.
@@ -25,21 +56,11 @@ pub fn eval_file(
     if windows == 0 {
         bail!("--batches: 0: expected at least one window");
     }
-    let weights = if weights.is_dir() { weights.join("model.safetensors") } else { weights.to_path_buf() };
-    let w = io::load(&weights)?;
-    let mut cfg = match (config, w.metadata.get(CONFIG_METADATA_KEY)) {
-        (Some(path), _) => Config::load(Some(path), overrides)?,
-        (None, Some(stored)) => {
-            Config::parse(stored, &format!("{} (its stored config)", weights.display()), overrides)?
-        }
-        (None, None) => Config::load(None, overrides)?,
-    };
+    let (mut cfg, w) = load_model(config, overrides, weights)?;
     // One window per microbatch, so --batches counts windows.
     cfg.train.micro_batch_size = 1;
     cfg.parallel.microbatches = 1;
-    cfg.validate_for_eval()?;
     let gpt = GptConfig::from_config(&cfg);
-    w.check(&gpt)?;
     let format: FileFormat = cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
     let file = TokenFile::open_as(data, gpt.vocab_size, format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;

@@ -40,10 +40,9 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
     let theirs = Config::parse(&loaded.state.config, &state_json.display().to_string(), &[])?;
     if theirs.model != cfg.model {
         bail!(
-            "{}: the checkpoint's [model] ({:?}) differs from this config's ({:?})",
+            "{}: the checkpoint's model differs from this config's (a resume keeps the model):\n{}",
             state_json.display(),
-            theirs.model,
-            cfg.model
+            changed_keys(&theirs, cfg, |k| k.starts_with("model.")).join("\n")
         );
     }
     loaded.weights.check(&GptConfig::from_config(cfg))?;
@@ -86,6 +85,22 @@ fn flatten(cfg: &Config) -> BTreeMap<String, String> {
     out
 }
 
+/// `  section.key: old → new` for each leaf that differs and `select` keeps,
+/// values in TOML (strings quoted), in key order; keys on one side only show
+/// `(absent)` on the other.
+fn changed_keys(old: &Config, new: &Config, select: impl Fn(&str) -> bool) -> Vec<String> {
+    let (a, b) = (flatten(old), flatten(new));
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let absent = "(absent)".to_string();
+    keys.into_iter()
+        .filter(|k| select(k))
+        .filter_map(|k| {
+            let (was, is) = (a.get(k).unwrap_or(&absent), b.get(k).unwrap_or(&absent));
+            (was != is).then(|| format!("  {k}: {was} → {is}"))
+        })
+        .collect()
+}
+
 /// Keys that decide only how the same computation is laid out or observed.
 fn layout_only(key: &str) -> bool {
     let section = key.split('.').next().unwrap_or(key);
@@ -100,21 +115,8 @@ fn global_batch(c: &Config) -> usize {
 /// Prints what changed since the checkpoint and whether bits can still match.
 fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
     let old_hash = &state.config_hash;
-    let (a, b) = (flatten(old), flatten(new));
-    let mut differ = Vec::new();
-    let mut layout = Vec::new();
-    for (k, v) in &b {
-        let was = a.get(k).map_or("(absent)", String::as_str);
-        if was == v {
-            continue;
-        }
-        let line = format!("  {k}: {was} → {v}");
-        if layout_only(k) {
-            layout.push(line);
-        } else {
-            differ.push(line);
-        }
-    }
+    let mut differ = changed_keys(old, new, |k| !layout_only(k));
+    let layout = changed_keys(old, new, layout_only);
     let (old_batch, new_batch) = (global_batch(old), global_batch(new));
     let same_batch = old_batch == new_batch;
     let old_decay = LrSchedule::from_config(old).decay_bounds();
@@ -175,4 +177,24 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
         differ.join("\n"),
         if layout.is_empty() { String::new() } else { format!("\nlayout changes:\n{}", layout.join("\n")) }
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_are_listed_as_toml_key_paths_and_values() {
+        let old = Config::default();
+        let mut new = old.clone();
+        new.model.n_layer += 1;
+        new.optim.lr = 0.5;
+        new.parallel.pp = 4;
+        let model = changed_keys(&old, &new, |k| k.starts_with("model."));
+        assert_eq!(model, [format!("  model.n_layer: {} → {}", old.model.n_layer, new.model.n_layer)]);
+        let all = changed_keys(&old, &new, |_| true).join("\n");
+        assert!(all.contains(&format!("  optim.lr: {} → 0.5", toml::Value::from(old.optim.lr))), "{all}");
+        assert!(all.contains("  parallel.pp: "), "{all}");
+        assert!(!all.contains("ModelSection") && !all.contains('{'), "{all}");
+    }
 }

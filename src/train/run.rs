@@ -68,6 +68,8 @@ pub struct Summary {
     pub steps: usize,
     pub final_loss: f64,
     pub val_loss: Option<f64>,
+    /// The step at which `val_loss` was measured (the last evaluation).
+    pub val_loss_step: Option<usize>,
     /// Held-out exact-match accuracy (the arithmetic corpus).
     pub exact_match: Option<f64>,
     pub tokens: u64,
@@ -178,7 +180,10 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
                 );
             }
             // Enough text that the run never repeats a window.
-            let corpus = ArithmeticCorpus::generate(seed, tokens_needed);
+            // The held-out text depends on what evaluation reads, never on
+            // train.steps, so runs of any length evaluate on the same windows.
+            let val_tokens = cfg.train.eval_batches * b * t + t + 1;
+            let corpus = ArithmeticCorpus::generate(seed, tokens_needed, val_tokens);
             let train = TokenSource::from_vec("builtin:arithmetic/train", corpus.train, vocab)?;
             let val = TokenSource::from_vec("builtin:arithmetic/val", corpus.val, vocab)?;
             let windows = EVAL_WINDOWS.div_ceil(b) * b;
@@ -233,8 +238,16 @@ impl Sources {
 }
 
 /// Outputs of a run; an out dir holding any of them belongs to an earlier run.
-const OUTPUTS: [&str; 7] =
-    ["metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json", "replay"];
+const OUTPUTS: [&str; 8] = [
+    "metrics.jsonl",
+    "summary.json",
+    "model.safetensors",
+    "config.toml",
+    "config.json",
+    "loss.svg",
+    "trace.json",
+    "replay",
+];
 
 /// Sets the config field at `path` to the value the run will use, saying so
 /// when it differs from the one given.
@@ -312,11 +325,7 @@ pub fn train_on(
     let cfg = &cfg;
     let data = (0..layout.dp).map(|_| sources.replica_data(cfg)).collect::<Result<Vec<_>>>()?;
     let init = match &opts.init {
-        Some(p) => {
-            let w = io::load(p)?;
-            w.check(&gpt)?;
-            Some(Arc::new(w))
-        }
+        Some(p) => Some(Arc::new(io::load_for(p, &gpt)?)),
         None => None,
     };
     let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
@@ -468,6 +477,7 @@ pub fn train_on(
         steps,
         final_loss: train_curve.last().map_or(f64::NAN, |l| l.1),
         val_loss: out.last_val,
+        val_loss_step: val_curve.last().map(|v| v.0),
         exact_match: out.last_exact_match,
         tokens: out.tokens,
         tokens_per_s,
@@ -502,6 +512,10 @@ pub fn train_on(
         io::write_atomic(&p, text.as_bytes()).with_context(|| format!("{}: cannot write", p.display()))
     };
     write("config.toml", &cfg.to_toml_string())?;
+    if !simulated {
+        // Beside model.safetensors, so transformers' from_pretrained(run_dir) opens the run.
+        write(crate::model::hf::HF_CONFIG_FILE, &crate::model::hf::config_json(&gpt))?;
+    }
     write("summary.json", &serde_json::to_string_pretty(&summary)?)?;
     write("loss.svg", &loss_svg(&train_curve, &val_curve, "pipewright: loss"))?;
     if cfg.trace.enabled {

@@ -300,6 +300,55 @@ fn crossentropy_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     Ok(())
 }
 
+/// GPT-2's vocabulary with peaked rows (peak term 1, each other ≈ 4e-8, below
+/// half an f32 ulp of 1), against an f64 reference of the same stored logits:
+/// each row's loss within 1e-5 of its own size, in both precisions, since only
+/// the summation can lose the tail.
+fn crossentropy_gpt2_vocab_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    const V50K: usize = 50_257;
+    const VP50K: usize = 50_304;
+    let gpu = cx.gpu;
+    let peaks = [0, 1, V50K / 2, V50K - 1, 64, 12_345];
+    let n = peaks.len();
+    let mut logits: Vec<f32> = randn(n * V50K, 42, 0.5).iter().map(|x| x - 17.0).collect();
+    for (row, &p) in peaks.iter().enumerate() {
+        logits[row * V50K + p] = 0.0;
+    }
+    let logits = rounded::<X>(&logits);
+    let targets: Vec<u32> =
+        peaks.iter().enumerate().map(|(i, &p)| if i % 2 == 0 { p } else { (p + 7) % V50K } as u32).collect();
+    let want: Vec<f64> = logits
+        .chunks(V50K)
+        .zip(&targets)
+        .map(|(row, &t)| {
+            let m = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+            let z: f64 = row.iter().map(|&x| (x as f64 - m).exp()).sum();
+            m + z.ln() - row[t as usize] as f64
+        })
+        .collect();
+    let mut padded = vec![0.0f32; n * VP50K];
+    for (row, src) in padded.chunks_mut(VP50K).zip(logits.chunks(V50K)) {
+        row[..V50K].copy_from_slice(src);
+    }
+    let (glosses, gt) = (gpu.alloc::<f32>(n)?, gpu.upload(&targets)?);
+    let row_err = |got: &[f32]| {
+        got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs() / w.abs()).fold(0.0, f64::max)
+    };
+    let gl = cx.up(&padded)?;
+    crossentropy::crossentropy_forward(gpu, &gl, &glosses, None, &gt, n, V50K, VP50K)?;
+    let eval = row_err(&gpu.download(&glosses)?);
+    crossentropy::crossentropy_forward_backward(gpu, &gl, &glosses, &gt, 1.0, n, V50K, VP50K)?;
+    let train = row_err(&gpu.download(&glosses)?);
+    for (name, err) in [("crossentropy_forward", eval), ("crossentropy_forward_backward", train)] {
+        cx.out.push(Check {
+            name: format!("{name} peaked V=50257 vs f64 ({})", cx.tag),
+            rel_err: err,
+            tol: 1e-5,
+        });
+    }
+    Ok(())
+}
+
 /// Per-tensor sums of squares and the f32 add of the tied gradient shares.
 fn norm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let gpu = cx.gpu;
@@ -450,7 +499,9 @@ fn run_precision<X: Elem>(
         Group::Matmul => matmul_checks(&mut cx),
         Group::Attention => attention_checks(&mut cx),
         Group::Elementwise => elementwise_checks(&mut cx),
-        Group::Crossentropy => crossentropy_checks(&mut cx),
+        Group::Crossentropy => {
+            crossentropy_checks(&mut cx).and_then(|()| crossentropy_gpt2_vocab_checks(&mut cx))
+        }
         Group::Embedding => embedding_checks(&mut cx),
         Group::Adamw => adamw_checks(&mut cx),
         Group::Norm => norm_checks(&mut cx),
