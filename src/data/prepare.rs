@@ -89,7 +89,8 @@ pub fn prepare(
         }
     }
 
-    let bytes = fs::read(input).map_err(|error| {
+    let cap = crate::fsutil::memory_cap();
+    let bytes = crate::fsutil::read_regular(input, cap, "this machine's memory holds").map_err(|error| {
         if error.kind() == std::io::ErrorKind::NotFound {
             DataError::Invalid { what: format!("text file {}: no such file", input.display()) }
         } else {
