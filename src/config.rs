@@ -392,7 +392,8 @@ impl Config {
             None => Config::parse(DEFAULT_TOML, DEFAULT_ORIGIN, overrides),
             Some(path) => {
                 let origin = path.display().to_string();
-                let text = std::fs::read_to_string(path)
+                let cap = "a config file may hold";
+                let text = crate::fsutil::read_regular_to_string(path, crate::fsutil::MAX_CONFIG_BYTES, cap)
                     .map_err(|error| ConfigError::Read { origin: origin.clone(), error })?;
                 Config::parse(&text, &origin, overrides)
             }
@@ -415,7 +416,8 @@ impl Config {
             let path = err.path().to_string();
             let message = err.inner().message().to_string();
             // A bad value that came from the command line is not the file's fault.
-            let origin = match overridden.iter().find(|(p, _)| *p == path) {
+            // The last `--set` of a key is the one in force.
+            let origin = match overridden.iter().rev().find(|(p, _)| *p == path) {
                 Some((_, arg)) => format!("--set {arg}"),
                 None => origin.to_string(),
             };

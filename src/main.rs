@@ -709,6 +709,7 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("--max-restarts: not supported for runs that span processes");
             }
             let cfg = train.config.load(train.steps)?;
+            pipewright::limits::check(&cfg)?;
             let layout = pipewright::actors::Layout::from_config(&cfg)?;
             let placement = pipewright::cluster::Placement::new(layout.pp, layout.dp, spec.world)?;
             let mut driver = pipewright::cluster::Driver::rendezvous(&spec, placement)?;

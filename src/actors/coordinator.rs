@@ -369,7 +369,12 @@ impl Actor for Coordinator {
         let (pp, dp) = (layout.pp, layout.dp);
         let epoch = cluster.as_ref().map_or_else(Instant::now, |f| *f.epoch.lock().expect("epoch"));
         let all: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>> = Arc::new(OnceLock::new());
-        let monitor_args = MonitorArgs { metrics, progress: Progress::new(cfg.train.steps, progress) };
+        let monitor_args = MonitorArgs {
+            metrics,
+            metrics_path: run_dir.join("metrics.jsonl"),
+            last_step: 0,
+            progress: Progress::new(cfg.train.steps, progress),
+        };
         let (monitor, _) =
             Actor::spawn_linked(Some(registered("monitor", id)), Monitor, monitor_args, me.get_cell())
                 .await?;
@@ -527,7 +532,13 @@ impl Actor for Coordinator {
         msg: CoordinatorMsg,
         st: &mut CoordinatorState,
     ) -> Result<(), ActorProcessingErr> {
-        st.on_message(msg)?;
+        // The run's own failure (nothing verifies to roll back to, …) is its
+        // result: returned as an actor error it would reach no one.
+        if let Err(e) = st.on_message(msg) {
+            st.finish(Err(e.to_string()));
+            me.stop(None);
+            return Ok(());
+        }
         if st.stopped {
             me.stop(None);
         }
@@ -578,8 +589,10 @@ impl Actor for Coordinator {
         if let Some(r) = &st.reducer {
             let _ = r.stop_and_wait(None, wait).await;
         }
+        // Drained, not stopped: the metrics of the steps before a failure
+        // (skipped ones included) are still in its mailbox.
         if let Some(m) = &st.monitor {
-            m.stop(None);
+            let _ = m.drain_and_wait(Some(std::time::Duration::from_secs(30))).await;
         }
         // Writes already handed over finish first: a failed run keeps every
         // checkpoint it reached (a stop would drop the queued ones).
@@ -1168,6 +1181,7 @@ impl CoordinatorState {
             exact_match: None,
             alert,
             loss_scale: self.scaler.is_some().then_some(scale),
+            repeated: false,
         });
         Ok(())
     }

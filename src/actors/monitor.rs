@@ -15,6 +15,10 @@ impl Message for MonitorMsg {}
 
 pub struct MonitorArgs {
     pub metrics: Option<std::io::BufWriter<std::fs::File>>,
+    /// Where `metrics` writes, for errors.
+    pub metrics_path: std::path::PathBuf,
+    /// The latest step written: a step not past it runs again after a rollback.
+    pub last_step: usize,
     pub progress: Progress,
 }
 
@@ -40,11 +44,13 @@ impl Actor for Monitor {
         st: &mut MonitorArgs,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            MonitorMsg::Step(m) => {
+            MonitorMsg::Step(mut m) => {
+                m.repeated = m.step <= st.last_step;
+                st.last_step = st.last_step.max(m.step);
                 if let Some(w) = &mut st.metrics {
-                    serde_json::to_writer(&mut *w, &m)?;
-                    w.write_all(b"\n")?;
-                    w.flush()?;
+                    append_line(w.get_mut(), &m).map_err(|e| {
+                        format!("{}: cannot append step {}: {e}", st.metrics_path.display(), m.step)
+                    })?;
                 }
                 st.progress.update(&m);
             }
@@ -52,4 +58,15 @@ impl Actor for Monitor {
         }
         Ok(())
     }
+}
+
+/// Appends one line whole, or nothing: a write cut short (a full disk) is
+/// cut back off, so metrics.jsonl never ends in half a line.
+fn append_line(f: &mut std::fs::File, m: &StepMetrics) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(m)?;
+    line.push(b'\n');
+    let before = f.metadata()?.len();
+    f.write_all(&line).inspect_err(|_| {
+        let _ = f.set_len(before);
+    })
 }

@@ -233,9 +233,54 @@ fn write_files(tmp: &Path, tensors: &[TensorState], state: &mut StateFile) -> Re
         }
     }
     let p = tmp.join("state.json");
-    let json = serde_json::to_string_pretty(state).expect("state serializes");
+    let json = seal(state);
     write_file(&p, json.as_bytes(), None)?;
     fsync_dir(tmp)
+}
+
+/// The key under which `state.json` records its own digest.
+pub const STATE_FILE: &str = "state.json";
+
+/// What stands in for `state.json`'s own digest while that digest is computed.
+const SEAL_PLACEHOLDER: &str = "(blake3 of this file with this text in place of its own digest)";
+
+/// `state` as the text of `state.json`, its `digests` holding the file's own
+/// blake3 (computed over the text with [`SEAL_PLACEHOLDER`] in its place): an
+/// edited step or any other flipped byte is then damage like a bad tensor file.
+pub fn seal(state: &mut StateFile) -> String {
+    state.digests.insert(STATE_FILE.to_string(), SEAL_PLACEHOLDER.to_string());
+    let text = serde_json::to_string_pretty(state).expect("state serializes");
+    let digest = blake3::hash(text.as_bytes()).to_hex().to_string();
+    state.digests.insert(STATE_FILE.to_string(), digest.clone());
+    text.replacen(&format!("\"{SEAL_PLACEHOLDER}\""), &format!("\"{digest}\""), 1)
+}
+
+/// Checks the seal [`seal`] put on `text`, the bytes of `state.json` at `path`.
+fn check_seal(path: &Path, text: &[u8], state: &StateFile) -> Result<(), CheckpointError> {
+    let invalid = |reason: String| CheckpointError::Invalid { path: path.to_path_buf(), reason };
+    let Some(want) = state.digests.get(STATE_FILE) else {
+        return Err(invalid(format!("no digest recorded for {STATE_FILE} itself: the file is damaged")));
+    };
+    let text = std::str::from_utf8(text).map_err(|e| invalid(format!("not UTF-8: {e}")))?;
+    let quoted = format!("\"{want}\"");
+    if text.matches(&quoted).count() != 1 {
+        return Err(invalid(format!("its own digest {want} does not appear exactly once: the file is damaged")));
+    }
+    let unsealed = text.replacen(&quoted, &format!("\"{SEAL_PLACEHOLDER}\""), 1);
+    let got = blake3::hash(unsealed.as_bytes()).to_hex().to_string();
+    if &got != want {
+        return Err(invalid(format!(
+            "blake3 digest {got} differs from the {want} it records for itself: the file is damaged"
+        )));
+    }
+    Ok(())
+}
+
+/// The step a checkpoint directory's name gives (`step_00000022`, `….old`), if it is one.
+fn step_of_dir(dir: &Path) -> Option<u64> {
+    let name = dir.file_name()?.to_str()?;
+    let rest = name.strip_prefix("step_")?;
+    rest.split('.').next()?.parse().ok()
 }
 
 /// Creates `path` with `bytes`, fsync'd. With `fill`, only that many bytes
@@ -378,7 +423,7 @@ pub struct Loaded {
 /// Reads and verifies one checkpoint directory: every file present, digests
 /// as recorded, tensors complete. Never modifies anything.
 pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
-    load_with(dir, |path| std::fs::read(path))
+    load_with(dir, |path| crate::fsutil::read_regular(path, crate::fsutil::memory_cap(), "memory holds"))
 }
 
 /// [`load`] with the caller reading the files (`read` gets each file's full
@@ -399,6 +444,13 @@ pub fn load_with(
         return Err(CheckpointError::Invalid {
             path: sp,
             reason: format!("format_version {} (this build reads {FORMAT_VERSION})", state.format_version),
+        });
+    }
+    check_seal(&sp, &text, &state)?;
+    if let Some(named) = step_of_dir(dir).filter(|&s| s != state.step) {
+        return Err(CheckpointError::Invalid {
+            path: sp,
+            reason: format!("step {} differs from the directory's step {named}: the file is damaged", state.step),
         });
     }
     let mut verified = |file: &str| -> Result<LoadedWeights, CheckpointError> {
@@ -560,5 +612,103 @@ mod tests {
         save(dir.path(), &tensors(3.0), state(4), 2, 0).unwrap();
         assert!(kept.join("model.safetensors").exists());
         assert_eq!(steps(&root), [2, 4]);
+    }
+
+    /// Every leaf of a JSON value by its path, `digests.state.json` (the seal itself) left out.
+    fn leaves(v: &serde_json::Value, path: String, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    leaves(v, if path.is_empty() { k.clone() } else { format!("{path}/{k}") }, out);
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for (i, v) in a.iter().enumerate() {
+                    leaves(v, format!("{path}/{i}"), out);
+                }
+            }
+            _ if path == "digests/state.json" => {}
+            _ => out.push(path),
+        }
+    }
+
+    /// `v` changed as a tamperer or a flipped bit would: a number off by one
+    /// bit, a string with one character changed, a bool negated.
+    fn tampered(v: &serde_json::Value) -> serde_json::Value {
+        use serde_json::Value;
+        match v {
+            Value::Number(n) if n.is_u64() => (n.as_u64().unwrap() ^ 8).into(),
+            Value::Number(n) => (n.as_f64().unwrap() * 1.5 + 1.0).into(),
+            Value::String(t) if t.is_empty() => "x".into(),
+            Value::String(t) => format!("{}{}", if t.starts_with('0') { '1' } else { '0' }, &t[1..]).into(),
+            Value::Bool(b) => (!b).into(),
+            Value::Null => 1.into(),
+            other => other.clone(),
+        }
+    }
+
+    #[test]
+    fn every_state_json_field_changed_is_damage_and_falls_back_to_the_older_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = checkpoints_dir(dir.path());
+        let mut s = state(22);
+        s.lr_schedule = LrPosition { kind: "wsd".into(), cooldown_until: 30, lr: 1e-3, ..Default::default() };
+        s.loss_scaler = None;
+        save(dir.path(), &tensors(1.0), state(20), 2, 0).unwrap();
+        save(dir.path(), &tensors(2.0), s, 2, 0).unwrap();
+        let sp = root.join("step_00000022/state.json");
+        let good = std::fs::read_to_string(&sp).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&good).unwrap();
+        let mut paths = Vec::new();
+        leaves(&value, String::new(), &mut paths);
+        for want in ["step", "adam_step", "tokens", "lr_schedule/cooldown_until", "digests/model.safetensors"] {
+            assert!(paths.iter().any(|p| p == want), "{want} not among {paths:?}");
+        }
+        for path in &paths {
+            let mut v = value.clone();
+            let leaf = v.pointer_mut(&format!("/{path}")).unwrap();
+            *leaf = tampered(leaf);
+            std::fs::write(&sp, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+            let err = load(&root.join("step_00000022")).err().unwrap_or_else(|| panic!("{path} changed: accepted"));
+            assert!(err.to_string().contains("step_00000022/"), "{path}: {err}");
+            let (loaded, damaged) = newest_verified(&root).unwrap();
+            assert_eq!(loaded.unwrap().state.step, 20, "{path}");
+            assert_eq!(damaged.len(), 1, "{path}");
+        }
+        // One flipped bit anywhere in the file, seal included.
+        for i in (0..good.len()).step_by(7) {
+            let mut bytes = good.clone().into_bytes();
+            bytes[i] ^= 1;
+            std::fs::write(&sp, &bytes).unwrap();
+            assert!(load(&root.join("step_00000022")).is_err(), "bit 0 of byte {i} flipped: accepted");
+        }
+        std::fs::write(&sp, &good).unwrap();
+        assert_eq!(load(&root.join("step_00000022")).unwrap().state.lr_schedule.cooldown_until, 30);
+    }
+
+    #[test]
+    fn a_state_json_whose_step_differs_from_its_directory_is_damage_even_when_sealed() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = checkpoints_dir(dir.path());
+        save(dir.path(), &tensors(1.0), state(22), 2, 0).unwrap();
+        // A whole checkpoint of step 32 copied under step 22's name: every digest holds.
+        save(dir.path(), &tensors(2.0), state(32), 2, 0).unwrap();
+        std::fs::remove_dir_all(root.join("step_00000022")).unwrap();
+        std::fs::rename(root.join("step_00000032"), root.join("step_00000022")).unwrap();
+        let err = load(&root.join("step_00000022")).err().unwrap().to_string();
+        assert!(err.contains("step_00000022/state.json") && err.contains("step 32 differs"), "{err}");
+    }
+
+    #[test]
+    fn a_state_json_without_its_own_digest_is_damage() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = checkpoints_dir(dir.path());
+        save(dir.path(), &tensors(1.0), state(2), 2, 0).unwrap();
+        let sp = root.join("step_00000002/state.json");
+        let mut s: StateFile = serde_json::from_str(&std::fs::read_to_string(&sp).unwrap()).unwrap();
+        s.digests.remove(STATE_FILE);
+        std::fs::write(&sp, serde_json::to_string_pretty(&s).unwrap()).unwrap();
+        let err = load(&root.join("step_00000002")).err().unwrap().to_string();
+        assert!(err.contains("no digest recorded for state.json"), "{err}");
     }
 }

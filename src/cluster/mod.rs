@@ -200,22 +200,24 @@ fn accept_links(
 }
 
 /// Turns node-server events into membership and failures.
-fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<Vec<bool>>>) {
+fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<node::Members>>) {
     let events = node.events.clone();
     std::thread::Builder::new()
         .name("node-events".into())
         .spawn(move || {
             while let Ok(e) = events.recv() {
                 match e {
-                    NodeEvent::Joined { name, .. } => {
-                        if let Some(r) = node::rank_of(&name).filter(|&r| r < fabric.world) {
-                            members.lock().expect("members")[r] = true;
+                    NodeEvent::Joined { name, addr } => {
+                        let Some(r) = node::rank_of(&name) else { continue };
+                        if let Err(why) = members.lock().expect("members").joined(r, &addr) {
+                            eprintln!("refused cluster node {name} at {addr}: {why}");
                         }
                     }
                     NodeEvent::Refused { addr, why } => eprintln!("refused cluster node {addr}: {why}"),
                     NodeEvent::Left { name, addr } => {
-                        if let Some(r) = node::rank_of(&name).filter(|&r| r < fabric.world) {
-                            members.lock().expect("members")[r] = false;
+                        let Some(r) = node::rank_of(&name) else { continue };
+                        // A refused newcomer's session: the rank's holder is still there.
+                        if members.lock().expect("members").left(r, &addr) {
                             // A peer that ends the run sends Shutdown on the data link and
                             // then exits; its node session can close before that frame is
                             // read here (a separate socket). Give it a moment first.
@@ -253,8 +255,8 @@ impl Driver {
             rt.block_on(Node::start(0, &cookie, spec.master.ip(), spec.master.port(), spec.tls.as_ref()))?;
         let (fabric, events) = Fabric::new(0, spec.world);
         let _ = fabric.placement.set(placement);
-        let members = Arc::new(Mutex::new(vec![false; spec.world]));
-        members.lock().expect("members")[0] = true;
+        let members = Arc::new(Mutex::new(node::Members::new(spec.world, false)));
+        members.lock().expect("members").set_own(0);
         pump_node_events(&node, fabric.clone(), members.clone());
         let listener = TcpListener::bind(spec.data_addr())
             .map_err(io_err(format!("cannot listen on {}", spec.data_addr())))?;
@@ -268,11 +270,12 @@ impl Driver {
         );
         let joined = |f: &Fabric| {
             let m = members.lock().expect("members");
-            f.missing().is_empty() && m.iter().all(|&x| x)
+            f.missing().is_empty() && m.all_present()
         };
         if !mesh::wait_until(spec.timeout, || joined(&fabric)) {
             let m = members.lock().expect("members").clone();
-            let missing: Vec<usize> = (1..spec.world).filter(|&r| !m[r] || !fabric.has_link(r)).collect();
+            let missing: Vec<usize> =
+                (1..spec.world).filter(|&r| !m.present(r) || !fabric.has_link(r)).collect();
             return Err(ClusterError::Join(format!(
                 "ranks {missing:?} did not join within {:?} (cluster node {}, data link {})",
                 spec.timeout,
@@ -403,7 +406,9 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
         |e| matches!(e, node::NodeError::Refused { .. } | node::NodeError::Tls { .. }),
     )?;
     let (fabric, events) = Fabric::new(spec.rank, spec.world);
-    let members = Arc::new(Mutex::new(vec![true; spec.world]));
+    let mut members = node::Members::new(spec.world, true);
+    members.set_own(spec.rank);
+    let members = Arc::new(Mutex::new(members));
     pump_node_events(&node, fabric.clone(), members);
     let listener = TcpListener::bind((ip, 0)).map_err(io_err(format!("cannot listen on {ip}")))?;
     let listen = listener.local_addr().map_err(io_err("listener address"))?.to_string();

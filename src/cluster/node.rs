@@ -58,6 +58,80 @@ pub fn rank_of(name: &str) -> Option<usize> {
     name.strip_prefix("pipewright-rank-")?.parse().ok()
 }
 
+/// Whose node session stands for one rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Member {
+    Absent,
+    /// Present from the start (a worker's view of its peers), session not yet seen.
+    Assumed,
+    /// The session from this address.
+    At(String),
+}
+
+/// Which session holds each rank. A second process with the right cookie
+/// claiming a rank already held (a duplicate `--rank`, or one started with
+/// another `--world`) is a newcomer to refuse: its session neither takes the
+/// rank over nor, when it closes, ends the run of the process that has it.
+#[derive(Clone, Debug)]
+pub struct Members(Vec<Member>);
+
+impl Members {
+    /// `world` ranks, all present (`assumed`) or none yet.
+    pub fn new(world: usize, assumed: bool) -> Members {
+        Members(vec![if assumed { Member::Assumed } else { Member::Absent }; world])
+    }
+
+    /// Rank `rank` is this process's own.
+    pub fn set_own(&mut self, rank: usize) {
+        if let Some(m) = self.0.get_mut(rank) {
+            *m = Member::At("(this process)".into());
+        }
+    }
+
+    /// A session from `addr` proved it holds the cookie as `rank`; Err says
+    /// why it does not count (the rank is held by another session, or is not
+    /// one of this run's).
+    pub fn joined(&mut self, rank: usize, addr: &str) -> Result<(), String> {
+        let world = self.0.len();
+        let Some(m) = self.0.get_mut(rank) else {
+            return Err(format!("rank {rank} is not one of this run's {world} processes"));
+        };
+        match m {
+            Member::At(held) if held != addr => {
+                Err(format!("rank {rank} is already held by {held}; the run goes on without the newcomer"))
+            }
+            _ => {
+                *m = Member::At(addr.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    /// A session from `addr` closed: true when it was the one holding `rank`
+    /// (the rank is then lost), false for a refused newcomer's.
+    pub fn left(&mut self, rank: usize, addr: &str) -> bool {
+        match self.0.get_mut(rank) {
+            Some(m @ Member::Assumed) => {
+                *m = Member::Absent;
+                true
+            }
+            Some(m) if *m == Member::At(addr.to_string()) => {
+                *m = Member::Absent;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub fn present(&self, rank: usize) -> bool {
+        self.0.get(rank).is_some_and(|m| *m != Member::Absent)
+    }
+
+    pub fn all_present(&self) -> bool {
+        (0..self.0.len()).all(|r| self.present(r))
+    }
+}
+
 struct Subscription {
     tx: Sender<NodeEvent>,
     authenticated: Mutex<HashSet<u64>>,
@@ -121,8 +195,13 @@ impl Node {
         let (tx, events) = crossbeam_channel::unbounded();
         // Under TLS a session only gets here once its certificate passed.
         let refusal = match tls {
-            Some(_) => "authentication failed (wrong cookie?)",
-            None => "authentication failed (wrong cookie, or a peer that runs TLS?)",
+            // ractor_cluster also ends the session of a second node under a
+            // name already connected (a duplicate rank) before it authenticates.
+            Some(_) => "authentication failed (wrong cookie, or a second process for a rank already held?)",
+            None => {
+                "authentication failed (wrong cookie, a peer that runs TLS, or a second process for a rank \
+                 already held?)"
+            }
         };
         let sub = Subscription { tx: tx.clone(), authenticated: Mutex::new(HashSet::new()), refusal };
         server
@@ -178,9 +257,10 @@ impl Node {
         // client's side of the handshake is done, so a refused certificate
         // shows here, as a session closed before authenticating.
         let hint = if self.tls.is_some() {
-            "wrong cookie, a certificate rank 0's CA did not sign, or rank 0 runs without TLS?"
+            "wrong cookie, a certificate rank 0's CA did not sign, rank 0 runs without TLS, or a live \
+             process of the run already holds this rank?"
         } else {
-            "wrong cookie, or rank 0 runs with TLS?"
+            "wrong cookie, rank 0 runs with TLS, or a live process of the run already holds this rank?"
         };
         let events = self.events.clone();
         let wait = tokio::task::spawn_blocking(move || match events.recv_timeout(timeout) {
@@ -229,5 +309,32 @@ async fn accept_tls(
                 Err(_) => refused(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")),
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod membership_tests {
+    use super::Members;
+
+    #[test]
+    fn a_duplicate_rank_is_refused_and_its_leaving_does_not_lose_the_rank() {
+        let mut m = Members::new(2, false);
+        m.set_own(0);
+        m.joined(1, "10.0.0.2:5000").unwrap();
+        assert!(m.all_present());
+        let why = m.joined(1, "10.0.0.3:6000").unwrap_err();
+        assert!(why.contains("rank 1 is already held by 10.0.0.2:5000"), "{why}");
+        assert!(!m.left(1, "10.0.0.3:6000"), "the newcomer leaving loses nothing");
+        assert!(m.present(1));
+        assert!(m.left(1, "10.0.0.2:5000"), "the real rank 1 leaving is a loss");
+        assert!(!m.present(1));
+    }
+
+    #[test]
+    fn a_rank_outside_the_world_is_refused_and_assumed_peers_count_until_they_leave() {
+        let mut m = Members::new(2, true);
+        assert!(m.joined(2, "a").unwrap_err().contains("not one of this run's 2 processes"));
+        assert!(!m.left(2, "a"));
+        assert!(m.left(1, "anywhere"), "a peer assumed present and never seen is lost when it leaves");
     }
 }

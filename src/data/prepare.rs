@@ -221,7 +221,8 @@ fn folder_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
 
 /// One document's tokens; non-UTF-8 text is refused for GPT-2, naming the file.
 fn tokenize_file(input: &Path, tokenizer: Tokenizer) -> Result<Vec<u32>, DataError> {
-    let bytes = fs::read(input).map_err(|error| {
+    let cap = crate::fsutil::memory_cap();
+    let bytes = crate::fsutil::read_regular(input, cap, "this machine's memory holds").map_err(|error| {
         if error.kind() == std::io::ErrorKind::NotFound {
             DataError::Invalid { what: format!("text file {}: no such file", input.display()) }
         } else {

@@ -188,7 +188,8 @@ impl TokenFile {
     /// `vocab_size`. A file that starts with llm.c's magic must be a valid
     /// llm.c file.
     pub fn open_as(path: &Path, vocab_size: usize, format: FileFormat) -> Result<TokenFile, DataError> {
-        let file = File::open(path).map_err(io_err(path, "open"))?;
+        // A FIFO, directory or device is refused here, not waited on or mapped.
+        let file = crate::fsutil::open_regular(path).map_err(io_err(path, "open"))?;
         let size = file.metadata().map_err(io_err(path, "stat"))?.len();
         let p = || path.to_path_buf();
         if size == 0 {

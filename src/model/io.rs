@@ -131,10 +131,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    {
-        let mut f = std::fs::File::create(&tmp)?;
+    let written = std::fs::File::create(&tmp).and_then(|mut f| {
         f.write_all(bytes)?;
-        f.sync_all()?;
+        f.sync_all()
+    });
+    if let Err(e) = written {
+        // A full disk: the partial copy only holds space, and the old file is untouched.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
     std::fs::rename(&tmp, path)?;
     if let Ok(d) = std::fs::File::open(dir) {
@@ -168,7 +172,9 @@ pub fn load_for(path: &Path, cfg: &GptConfig) -> Result<LoadedWeights, WeightsEr
 /// ignores what GPT-2 checkpoints carry beside the weights (`lm_head.weight`,
 /// which is tied to wte, and the attention mask buffers).
 pub fn load(path: &Path) -> Result<LoadedWeights, WeightsError> {
-    let buf = std::fs::read(path).map_err(|error| WeightsError::Io { path: path.to_path_buf(), error })?;
+    let cap = crate::fsutil::memory_cap();
+    let buf = crate::fsutil::read_regular(path, cap, "this machine's memory holds")
+        .map_err(|error| WeightsError::Io { path: path.to_path_buf(), error })?;
     parse(path, &buf)
 }
 

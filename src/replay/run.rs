@@ -782,6 +782,7 @@ pub fn prepare_all(run_dir: &Path, opts: &ReplayOptions) -> Result<WholeRun> {
     let (header, path) = first.expect("at least one log");
     let cfg = config_of(&header, &path)?;
     cfg.validate()?;
+    missing_logs(&logs, &actors, &cfg)?;
     crate::train::run::load_sources(&cfg)?;
     let start = if header.start_step > 0 {
         let c = start_checkpoint(run_dir, &header, &path, header.start_step)?.expect("step > 0");
@@ -827,6 +828,16 @@ impl WholeRun {
         // A run that was cut off: every actor stopped early, so each log only
         // has to match the re-run as far as it goes.
         let prefix = !self.cut.is_empty();
+        // An actor the re-run logged and the recording lacks was never compared.
+        let rerun_actors = actors_in(out, &super::replay_dir(out))?;
+        let unrecorded: Vec<String> = rerun_actors
+            .iter()
+            .filter(|a| !self.actors.contains(a))
+            .map(|a| self.logs.join(format!("{a}.log")).display().to_string())
+            .collect();
+        if !unrecorded.is_empty() {
+            bail!("{}: missing, though the re-run of the recorded config logged it", unrecorded.join(", "));
+        }
         let mut verdicts = Vec::new();
         for a in &self.actors {
             let mine = self.logs.join(format!("{a}.log"));
@@ -873,6 +884,34 @@ fn link_checkpoint(dir: &Path, out: &Path, step: u64) -> Result<()> {
             std::fs::copy(&from, &dst)
                 .with_context(|| format!("cannot copy {} to {}", from.display(), dst.display()))?;
         }
+    }
+    Ok(())
+}
+
+/// Refuses a recording without the log of an actor its config runs (the
+/// coordinator, every replica's loader and stages): a replay of the whole run
+/// compared without it would call a run identical that was never checked.
+fn missing_logs(logs: &Path, actors: &[String], cfg: &crate::config::Config) -> Result<()> {
+    let layout = crate::actors::Layout::from_config(cfg)?;
+    let mut want = vec!["coordinator".to_string()];
+    for replica in 0..layout.dp {
+        want.push(format!("loader-{replica}"));
+        for rank in 0..layout.pp {
+            want.push(crate::actors::coordinator::stage_name(rank, replica));
+        }
+    }
+    let missing: Vec<String> = want
+        .into_iter()
+        .filter(|a| !actors.contains(a))
+        .map(|a| logs.join(format!("{a}.log")).display().to_string())
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "{}: missing, though the recorded config runs {}: every actor's log is needed to replay the whole run \
+             (`replay --actor NAME` replays one of those present)",
+            missing.join(", "),
+            if missing.len() == 1 { "that actor" } else { "those actors" }
+        );
     }
     Ok(())
 }

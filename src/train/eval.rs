@@ -61,6 +61,7 @@ pub fn eval_file(
     cfg.train.micro_batch_size = 1;
     cfg.parallel.microbatches = 1;
     let gpt = GptConfig::from_config(&cfg);
+    super::finite::check_finite(&w, "--weights")?;
     let format: FileFormat = cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
     let file = TokenFile::open_as(data, gpt.vocab_size, format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;
@@ -74,5 +75,12 @@ pub fn eval_file(
     }
     let mut engine = Engine::new(&cfg);
     w.assign(&mut engine.part)?;
-    Ok(engine.evaluate(windows, |mb, inp, tgt| sampler.fill(mb as u64, inp, tgt), None))
+    let loss = engine.evaluate(windows, |mb, inp, tgt| sampler.fill(mb as u64, inp, tgt), None);
+    if !loss.is_finite() {
+        bail!(
+            "{}: the mean loss over {windows} windows is {loss}: the weights overflow on this data",
+            weights.display()
+        );
+    }
+    Ok(loss)
 }

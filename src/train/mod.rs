@@ -3,6 +3,8 @@
 
 pub mod engine;
 pub mod eval;
+pub mod finite;
+pub mod lock;
 pub mod plot;
 pub mod resume;
 pub mod run;

@@ -57,6 +57,10 @@ pub struct StepMetrics {
     /// The dynamic loss scale used at this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+    /// This step ran before and runs again after a rollback: the earlier row
+    /// of the same step above it is the one that was rolled back.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub repeated: bool,
 }
 
 fn null_is_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -306,6 +310,7 @@ pub fn train_on(
     cluster: Option<&mut crate::cluster::Driver>,
 ) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
+    crate::limits::check(cfg)?;
     let gpus = crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
@@ -325,9 +330,15 @@ pub fn train_on(
     let cfg = &cfg;
     let data = (0..layout.dp).map(|_| sources.replica_data(cfg)).collect::<Result<Vec<_>>>()?;
     let init = match &opts.init {
-        Some(p) => Some(Arc::new(io::load_for(p, &gpt)?)),
+        Some(p) => {
+            let w = io::load_for(p, &gpt)?;
+            super::finite::check_finite(&w, "--init")?;
+            Some(Arc::new(w))
+        }
         None => None,
     };
+    // A resume sets damaged checkpoints aside: the directory is this process's from here on.
+    let mut run_lock = if opts.resume { Some(super::lock::lock(&opts.out_dir)?) } else { None };
     let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
     // The machine's f32 matrix-product rate, the yardstick for MFU; measured
@@ -336,9 +347,16 @@ pub fn train_on(
     let on_cpu = cfg.backend.kind == "cpu";
     let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
     // Start-up ends here: a signal until now leaves nothing to save or undo.
+    super::signals::end_start_up();
     if super::signals::requested() {
         return Err(StoppedBeforeStart(opts.out_dir.clone()).into());
     }
+    // Before anything in the directory is looked at for replacing: a second
+    // process must not remove what a live run is writing.
+    let _run_lock = match run_lock.take() {
+        Some(l) => l,
+        None => super::lock::lock(&opts.out_dir)?,
+    };
     if !opts.force && !opts.resume {
         for f in OUTPUTS {
             let p = opts.out_dir.join(f);
@@ -406,6 +424,8 @@ pub fn train_on(
     });
     let resumed_from = resume.as_ref().map(|r| r.state.step);
     let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
+    // A resume at the last step runs no step and counts no token of its own.
+    let prior_tokens = resume.as_ref().map_or(0, |r| r.state.tokens);
     let fabric = match cluster {
         Some(d) => Some(d.start(
             cfg,
@@ -479,7 +499,7 @@ pub fn train_on(
         val_loss: out.last_val,
         val_loss_step: val_curve.last().map(|v| v.0),
         exact_match: out.last_exact_match,
-        tokens: out.tokens,
+        tokens: out.tokens.max(prior_tokens),
         tokens_per_s,
         train_seconds: out.train_seconds,
         mfu: model_gflops / peak,
@@ -668,6 +688,7 @@ mod tests {
             exact_match: None,
             alert: None,
             loss_scale: None,
+            repeated: false,
         }
     }
 

@@ -4,16 +4,21 @@
 //! and a message saying what was not saved.
 //!
 //! Installed as the command starts, so no moment of start-up falls to the
-//! default action (death by signal). The handler only counts and, the second
-//! time, writes a message prepared beforehand and `_exit`s: nothing that is
+//! default action (death by signal). Until [`end_start_up`] nothing has been
+//! written, so a signal then exits at once with status 0, whatever start-up
+//! is blocked in (a slow read, a large allocation). The handler only counts
+//! and writes messages prepared beforehand before `_exit`: nothing that is
 //! not async-signal-safe. The run polls [`requested`].
 
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 static RECEIVED: AtomicUsize = AtomicUsize::new(0);
 static SECOND_MESSAGE: OnceLock<Vec<u8>> = OnceLock::new();
+static START_UP_MESSAGE: OnceLock<Vec<u8>> = OnceLock::new();
+/// Start-up is under way: nothing written yet, so a signal may end the process outright.
+static STARTING: AtomicBool = AtomicBool::new(false);
 
 /// Exit status after a second signal: 128 + SIGINT, as shells report Ctrl-C.
 pub const FORCED_EXIT: i32 = 130;
@@ -27,6 +32,9 @@ pub fn install(run_dir: &Path) -> std::io::Result<()> {
         run_dir.display()
     );
     let _ = SECOND_MESSAGE.set(msg.into_bytes());
+    let early = format!("{}\n", crate::train::run::StoppedBeforeStart(run_dir.to_path_buf()));
+    let _ = START_UP_MESSAGE.set(early.into_bytes());
+    STARTING.store(true, Ordering::SeqCst);
     for sig in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: a zeroed sigaction is valid; the handler is async-signal-safe.
         let ok = unsafe {
@@ -44,6 +52,15 @@ pub fn install(run_dir: &Path) -> std::io::Result<()> {
 }
 
 extern "C" fn on_signal(_: libc::c_int) {
+    if STARTING.load(Ordering::SeqCst) {
+        if let Some(m) = START_UP_MESSAGE.get() {
+            // SAFETY: as below.
+            unsafe {
+                libc::write(2, m.as_ptr().cast(), m.len());
+            }
+        }
+        unsafe { libc::_exit(0) }
+    }
     if RECEIVED.fetch_add(1, Ordering::SeqCst) == 0 {
         return;
     }
@@ -59,4 +76,10 @@ extern "C" fn on_signal(_: libc::c_int) {
 /// Whether SIGINT or SIGTERM has arrived since [`install`].
 pub fn requested() -> bool {
     RECEIVED.load(Ordering::SeqCst) > 0
+}
+
+/// Start-up is over: from here a run may write, so a first signal asks for a
+/// clean stop instead of ending the process.
+pub fn end_start_up() {
+    STARTING.store(false, Ordering::SeqCst);
 }
