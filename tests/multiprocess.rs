@@ -172,12 +172,15 @@ fn every_dp_pp_schedule_process_count_and_resume_at_another_dp_gives_one_digest(
     }
     let two = [layout(2, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
     assert_eq!(launched(dir.path(), 2, &two), reference, "dp=2 × pp=2 over 2 processes");
-    train("resumed", &layout(1, &[]), "2", "--out");
-    assert_eq!(
-        train("resumed", &layout(4, &["parallel.pp=2"]), "3", "--resume"),
-        reference,
-        "resumed at dp=4"
-    );
+    // A dp = 1 run that stops in its last step (train.steps stays 3: the data
+    // stream depends on it), resumed from its checkpoint at dp = 4 × pp = 2.
+    let resumed = dir.path().join("resumed");
+    let mut c = Command::new(BIN);
+    c.arg("train").args(layout(1, &["checkpoint.every=1"])).args(["--steps", "3", "--out"]).arg(&resumed);
+    c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
+    assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops the run");
+    let at_dp4 = layout(4, &["parallel.pp=2", "checkpoint.every=1"]);
+    assert_eq!(train("resumed", &at_dp4, "3", "--resume"), reference, "resumed at dp=4");
 }
 
 /// A port P on 127.0.0.1 with P + 1 free too.
