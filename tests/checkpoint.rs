@@ -508,8 +508,11 @@ fn state_json_records_cursors_rng_and_lr_position_and_tokens_add_up_across_batch
     assert_eq!(m[7]["tokens"], 512 + 4 * 64);
 }
 
+/// Gradients are summed by one tree over the global microbatch index, so a
+/// run resumed at another dp (with the same global batch) is the uninterrupted
+/// run, bit for bit.
 #[test]
-fn a_pp4_checkpoint_resumed_at_dp2_agrees_with_the_uninterrupted_run_to_rounding() {
+fn a_pp4_checkpoint_resumed_at_dp2_lands_on_the_bits_of_the_uninterrupted_run() {
     let dir = tempfile::tempdir().unwrap();
     let full = full_run_with(dir.path(), "full", "9", &[], &[]);
     let out = dir.path().join("pp4-dp2");
@@ -527,23 +530,14 @@ fn a_pp4_checkpoint_resumed_at_dp2_agrees_with_the_uninterrupted_run_to_rounding
         &[],
     );
     assert!(ok, "{err}");
-    assert!(err.contains("agree with an uninterrupted run only to rounding"), "{err}");
-    // Steps before the checkpoint are the pp = 4 run's own: bit for bit.
-    assert_eq!(loss_bits(&out)[..6], loss_bits(&full)[..6]);
-    // After it, each replica sums its microbatches' gradients and the reducer
-    // adds the two sums: another order of float additions than one replica
-    // accumulating all four, so only rounding-level agreement.
-    let (a, b) = (metrics(&out), metrics(&full));
-    for step in 6..9 {
-        let (x, y) = (a[step]["loss"].as_f64().unwrap(), b[step]["loss"].as_f64().unwrap());
-        assert!((x - y).abs() <= 1e-5 * y.abs(), "step {}: {x} against {y}", step + 1);
-    }
+    assert!(err.contains("bits still match an uninterrupted run"), "{err}");
+    assert_eq!(loss_bits(&out), loss_bits(&full));
     let load = |d: &Path| pipewright::model::io::load(&d.join("model.safetensors")).unwrap().tensors;
     let (wa, wb) = (load(&out), load(&full));
+    assert_eq!(wa.len(), wb.len());
     for (name, (_, x)) in &wa {
-        let y = &wb[name].1;
-        let worst = x.iter().zip(y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
-        assert!(worst <= 1e-5, "{name}: weights differ by {worst}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(x) == bits(&wb[name].1), "{name}: weights differ");
     }
 }
 

@@ -126,6 +126,63 @@ fn a_run_across_processes_resumes_with_the_bits_of_one_process() {
     assert_eq!(digest(&split), digest(&single));
 }
 
+/// The layouts of one global batch of 8 microbatches (dp · microbatches = 8)
+/// all reach one weights digest: dp 1, 2, 4 × pp 1, 2 in one process,
+/// interleaved and ZB-H1 schedules at dp = 2 (their W and chunks fold
+/// microbatches out of order), dp = 2 × pp = 2 over two processes, and a dp = 1
+/// run resumed at dp = 4. Gradients are summed by one tree over the global
+/// microbatch index (`optim::grad_tree`) wherever they are computed.
+#[test]
+fn every_dp_pp_schedule_process_count_and_resume_at_another_dp_gives_one_digest() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    // A constant rate after warmup, so a 2-step run followed by a resume to 3
+    // sees the learning rates of one 3-step run.
+    let layout = |dp: usize, extra: &[&str]| {
+        let m = format!("parallel.microbatches={}", 8 / dp);
+        let dp = format!("parallel.dp={dp}");
+        let mut sets = vec!["optim.schedule=\"constant\"", "checkpoint.every=2", dp.as_str(), m.as_str()];
+        sets.extend_from_slice(extra);
+        model(&sets)
+    };
+    let train = |name: &str, args: &[String], steps: &str, flag: &str| {
+        let run = dir.path().join(name);
+        let mut c = Command::new(BIN);
+        c.arg("train").args(args).args(["--steps", steps]).arg(flag).arg(&run);
+        let o = run_to_end(c, Duration::from_secs(60));
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        digest(&run)
+    };
+    let reference = train("dp1-pp1", &layout(1, &[]), "3", "--out");
+    for (dp, pp) in [(1, 2), (2, 1), (2, 2), (4, 1), (4, 2)] {
+        let name = format!("dp{dp}-pp{pp}");
+        let pp = format!("parallel.pp={pp}");
+        assert_eq!(train(&name, &layout(dp, &[&pp]), "3", "--out"), reference, "{name}");
+    }
+    let schedules: [&[&str]; 2] = [
+        &["parallel.pp=2", "parallel.schedule=\"interleaved\"", "parallel.chunks=2"],
+        &["parallel.pp=2", "parallel.schedule=\"zb-h1\""],
+    ];
+    for (i, extra) in schedules.iter().enumerate() {
+        assert_eq!(
+            train(&format!("schedule{i}"), &layout(2, extra), "3", "--out"),
+            reference,
+            "dp=2 {extra:?}"
+        );
+    }
+    let two = [layout(2, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
+    assert_eq!(launched(dir.path(), 2, &two), reference, "dp=2 × pp=2 over 2 processes");
+    // A dp = 1 run that stops in its last step (train.steps stays 3: the data
+    // stream depends on it), resumed from its checkpoint at dp = 4 × pp = 2.
+    let resumed = dir.path().join("resumed");
+    let mut c = Command::new(BIN);
+    c.arg("train").args(layout(1, &["checkpoint.every=1"])).args(["--steps", "3", "--out"]).arg(&resumed);
+    c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
+    assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops the run");
+    let at_dp4 = layout(4, &["parallel.pp=2", "checkpoint.every=1"]);
+    assert_eq!(train("resumed", &at_dp4, "3", "--resume"), reference, "resumed at dp=4");
+}
+
 /// A port P on 127.0.0.1 with P + 1 free too.
 fn free_ports() -> u16 {
     loop {

@@ -15,6 +15,7 @@ use crate::checkpoint::{Loaded, TensorState};
 use crate::kernels::cpu::matmul::with_random_order;
 use crate::model::part::{MicroActs, Mode, PartInput};
 use crate::model::{ModelPart, Param};
+use crate::optim::grad_tree::{Leaf, PartTree, Span};
 use crate::optim::{self, AdamState, Hyper};
 use std::collections::BTreeMap;
 
@@ -193,6 +194,22 @@ pub trait StageCompute {
     fn combine_tied(&mut self, i: usize, other: Option<&[f32]>);
     /// Chunk `i`'s gradients, per tensor, moved out (for the reducer).
     fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>>;
+    /// Chunk `i`'s gradients as the nodes of the step's microbatch tree its
+    /// replica's block covers ([`crate::optim::grad_tree`]), moved out for
+    /// the reducer. A backend that sums its block in its own order hands it
+    /// over as one set.
+    fn take_grad_nodes(&mut self, i: usize, block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
+        vec![(Span { lo: block.start, hi: block.end }, self.take_grads(i))]
+    }
+    /// Sums chunk `i`'s tree nodes into its gradients when one replica holds
+    /// every microbatch (dp = 1).
+    fn finish_grad_tree(&mut self, _i: usize) {}
+    /// Whether gradients are summed by the microbatch tree, the tied
+    /// embedding's two shares apart (reduced over replicas one by one, then
+    /// added); otherwise the shares are added first and the sum reduced.
+    fn sums_by_tree(&self) -> bool {
+        false
+    }
     /// Replaces chunk `i`'s gradients (their sum over replicas).
     fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>);
     /// Per-tensor Σg² of chunk `i` as (canonical index, value).
@@ -228,17 +245,34 @@ pub struct CpuCompute {
     /// `PIPEWRIGHT_NONDET` names this stage: bias gradients summed in random order.
     nondet: bool,
     b: usize,
+    /// Each chunk's microbatch gradients, summed by the fixed tree.
+    trees: Vec<PartTree>,
 }
 
 impl CpuCompute {
+    /// `block` is the replica's microbatches as global indices within the
+    /// step, of `total` (dp · microbatches).
     pub fn new(
         parts: Vec<ModelPart>,
         adam: Vec<AdamState>,
         pool: rayon::ThreadPool,
         nondet: bool,
         b: usize,
+        block: std::ops::Range<usize>,
+        total: usize,
     ) -> Self {
-        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b }
+        let trees = parts.iter().map(|p| PartTree::new(p, block.clone(), total)).collect();
+        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees }
+    }
+
+    /// Most gradient sets any chunk's tree held at once (memory reports).
+    pub fn peak_tree_sets(&self) -> usize {
+        self.trees.iter().map(PartTree::peak_held).max().unwrap_or(0)
+    }
+
+    /// Global microbatch index of the replica's microbatch `mb`.
+    fn global(&self, i: usize, mb: usize) -> usize {
+        self.trees[i].block().start + mb
     }
 }
 
@@ -288,6 +322,8 @@ impl StageCompute for CpuCompute {
         });
         if let Some(acts) = out.acts {
             self.saved.insert((i, mb), acts);
+            let g = self.global(i, mb);
+            self.trees[i].push(&mut self.parts[i], Leaf::Head, g);
         }
         ChunkOutput { output: out.output, loss_sum: out.loss_sum }
     }
@@ -300,19 +336,25 @@ impl StageCompute for CpuCompute {
         dout: Option<Vec<f32>>,
     ) -> Option<Vec<f32>> {
         let nondet = self.nondet;
+        let g = self.global(i, mb);
         let part = &mut self.parts[i];
         if which == BackwardPart::Weight {
             self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
+            self.trees[i].push(part, Leaf::Body, g);
             return None;
         }
         let acts = self.saved.remove(&(i, mb)).expect("F ran before B");
-        self.pool.install(|| {
+        let dx = self.pool.install(|| {
             with_random_order(nondet, || match which {
                 BackwardPart::Full => part.backward(acts, dout),
                 BackwardPart::Input => part.backward_input(acts, dout, mb),
                 BackwardPart::Weight => unreachable!(),
             })
-        })
+        });
+        if which == BackwardPart::Full {
+            self.trees[i].push(part, Leaf::Body, g);
+        }
+        dx
     }
 
     fn live(&self, i: usize) -> (usize, usize) {
@@ -341,10 +383,21 @@ impl StageCompute for CpuCompute {
         self.parts[i].params.iter_mut().map(|p| std::mem::take(&mut p.grad)).collect()
     }
 
+    fn take_grad_nodes(&mut self, i: usize, _block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
+        self.trees[i].take_nodes(&self.parts[i])
+    }
+
+    fn sums_by_tree(&self) -> bool {
+        true
+    }
+
+    fn finish_grad_tree(&mut self, i: usize) {
+        let (tree, part) = (&mut self.trees[i], &mut self.parts[i]);
+        self.pool.install(|| tree.finish_local(part));
+    }
+
     fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
-        for (p, g) in self.parts[i].params.iter_mut().zip(grads) {
-            p.grad = g;
-        }
+        PartTree::set(&mut self.parts[i], grads);
     }
 
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {

@@ -9,6 +9,7 @@
 //! reports as it does any actor that stops during a run.
 
 use super::stage::StageMsg;
+use crate::optim::grad_tree::{self, Span};
 use crate::replay::{self, ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
 use crossbeam_channel::Sender;
@@ -18,7 +19,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub enum ReducerMsg {
-    Reduce { step: u64, stage: usize, replica: usize, grads: Vec<Vec<f32>> },
+    /// A replica's gradients of one stage as nodes of the step's microbatch
+    /// tree: `grads` holds `spans.len()` sets of the stage's tensors, one
+    /// after the other.
+    Reduce { step: u64, stage: usize, replica: usize, spans: Vec<Span>, grads: Vec<Vec<f32>> },
 }
 
 impl Message for ReducerMsg {}
@@ -41,10 +45,13 @@ pub struct Reducer;
 /// One stage's gradients, a vector per parameter tensor.
 type Grads = Vec<Vec<f32>>;
 
+/// A replica's tree nodes of one stage.
+type Nodes = Vec<(Span, Grads)>;
+
 pub struct ReducerState {
     args: ReducerArgs,
-    /// (step, stage) → gradients by replica.
-    pending: BTreeMap<(u64, usize), Vec<Option<Grads>>>,
+    /// (step, stage) → tree nodes by replica.
+    pending: BTreeMap<(u64, usize), Vec<Option<Nodes>>>,
     /// Log entries waiting for their step's gathers to complete, by (step, stage, replica).
     held: BTreeMap<(u64, usize, usize), Entry>,
     /// Completed gathers of steps still open.
@@ -123,6 +130,22 @@ impl Actor for Reducer {
     }
 }
 
+/// The spans of a Reduce as a log blob: (lo, hi) pairs.
+pub fn span_blob(spans: &[Span]) -> Blob {
+    let flat: Vec<u32> = spans.iter().flat_map(|s| [s.lo as u32, s.hi as u32]).collect();
+    Blob::u32s("spans", &flat, true)
+}
+
+/// A Reduce's flat list of tensors cut into one set per span.
+pub fn split_nodes(spans: Vec<Span>, grads: Grads) -> Result<Nodes, String> {
+    if spans.is_empty() || grads.len() % spans.len() != 0 {
+        return Err(format!("reducer: {} tensors do not split into {} tree nodes", grads.len(), spans.len()));
+    }
+    let per = grads.len() / spans.len();
+    let mut it = grads.into_iter();
+    Ok(spans.into_iter().map(|s| (s, it.by_ref().take(per).collect())).collect())
+}
+
 impl ReducerState {
     pub fn new(args: ReducerArgs) -> ReducerState {
         ReducerState { args, pending: BTreeMap::new(), held: BTreeMap::new(), done: BTreeMap::new() }
@@ -131,7 +154,7 @@ impl ReducerState {
     /// Handles one message; with no stage actors (replaying the reducer alone)
     /// the sums are only logged.
     pub fn on_message(&mut self, msg: ReducerMsg) -> Result<(), String> {
-        let ReducerMsg::Reduce { step, stage, replica, grads } = msg;
+        let ReducerMsg::Reduce { step, stage, replica, spans, grads } = msg;
         let dp = self.args.dp;
         let Some(&rank) = self.args.stage_rank.get(stage) else {
             return Err(format!("reducer: stage {stage} of {}", self.args.stage_rank.len()));
@@ -141,33 +164,26 @@ impl ReducerState {
         }
         if let Some(log) = &self.args.log {
             let keep = log.payloads();
-            let inputs =
-                grads.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)).collect();
+            let mut inputs = vec![span_blob(&spans)];
+            inputs.extend(grads.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)));
             let e = replay::entry(&super::coordinator::stage_name(rank, replica), "Reduce", step, replica)
                 .with_stage(stage)
                 .with_inputs(inputs);
             self.held.insert((step, stage, replica), e);
         }
+        let nodes = split_nodes(spans, grads)?;
         let slot = self.pending.entry((step, stage)).or_insert_with(|| (0..dp).map(|_| None).collect());
-        if slot[replica].replace(grads).is_some() {
+        if slot[replica].replace(nodes).is_some() {
             return Err(format!("reducer: replica {replica} sent stage {stage} of step {step} twice"));
         }
         if slot.iter().any(Option::is_none) {
             return Ok(());
         }
-        let mut parts: Vec<Vec<Vec<f32>>> =
-            self.pending.remove(&(step, stage)).unwrap().into_iter().map(|g| g.unwrap()).collect();
-        // Sum in replica order into replica 0's buffers: the fixed order is what
-        // makes every run's sum the same bits.
-        let (first, rest) = parts.split_at_mut(1);
-        for other in rest.iter() {
-            for (acc, g) in first[0].iter_mut().zip(other) {
-                for (a, &b) in acc.iter_mut().zip(g) {
-                    *a += b;
-                }
-            }
-        }
-        let sum = parts.swap_remove(0);
+        let nodes: Nodes =
+            self.pending.remove(&(step, stage)).unwrap().into_iter().flatten().flatten().collect();
+        // The replicas' blocks cover the step's microbatches: the last one ends at their count.
+        let total = nodes.iter().map(|(s, _)| s.hi).max().unwrap_or(0);
+        let sum = grad_tree::combine(nodes, total);
         if let Some(e) = self.held.get_mut(&(step, stage, dp - 1)) {
             let keep = self.args.log.as_ref().is_some_and(|l| l.payloads());
             let blobs: Vec<Blob> =

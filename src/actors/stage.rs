@@ -16,6 +16,7 @@ use super::layout::Layout;
 use super::reducer::ReducerMsg;
 use crate::model::part::Mode;
 use crate::model::{GptConfig, ModelPart};
+use crate::optim::grad_tree::Span;
 use crate::optim::{AdamState, Hyper};
 use crate::replay::{self, ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
@@ -593,7 +594,9 @@ impl Worker {
             .build()
             .map_err(|e| e.to_string())?;
         let nondet = std::env::var("PIPEWRIGHT_NONDET").is_ok_and(|v| v.split(',').any(|a| a.trim() == name));
-        Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b)))
+        let m = args.layout.microbatches;
+        let block = args.replica * m..(args.replica + 1) * m;
+        Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b, block, args.layout.dp * m)))
     }
 
     /// The rank's chunks on its GPU (`backend.devices`), with as many
@@ -1107,15 +1110,8 @@ impl Worker {
         }
         self.actions = actions;
         self.current = None;
-        let t = self.rec.now_us();
         if self.sim.is_none() {
-            self.combine_tied()?;
-        }
-        self.trace_rank("tied", t);
-        if self.layout.dp > 1 && self.sim.is_none() {
-            let t = self.rec.now_us();
-            self.reduce_over_replicas()?;
-            self.trace_rank("reduce", t);
+            self.sum_gradients()?;
         }
         if self.stages.contains(&last) && self.sim.is_none() && inf_fault(step) {
             let i = self.local(last);
@@ -1258,6 +1254,32 @@ impl Worker {
         Ok(())
     }
 
+    /// The step's gradients summed over microbatches and replicas. By the
+    /// microbatch tree, the tied embedding's shares are each reduced over the
+    /// replicas and then added; a backend without the tree adds them first.
+    fn sum_gradients(&mut self) -> Result<(), Stopped> {
+        let by_tree = self.compute.sums_by_tree();
+        if by_tree && self.layout.dp == 1 {
+            (0..self.stages.len()).for_each(|i| self.compute.finish_grad_tree(i));
+        }
+        if !by_tree {
+            let t = self.rec.now_us();
+            self.combine_tied()?;
+            self.trace_rank("tied", t);
+        }
+        if self.layout.dp > 1 {
+            let t = self.rec.now_us();
+            self.reduce_over_replicas()?;
+            self.trace_rank("reduce", t);
+        }
+        if by_tree {
+            let t = self.rec.now_us();
+            self.combine_tied()?;
+            self.trace_rank("tied", t);
+        }
+        Ok(())
+    }
+
     /// Both shares of the tied embedding's gradient, summed in one order on both
     /// ranks that hold a copy: embedding share + head share.
     fn combine_tied(&mut self) -> Result<(), Stopped> {
@@ -1298,15 +1320,19 @@ impl Worker {
     fn reduce_over_replicas(&mut self) -> Result<(), Stopped> {
         for i in 0..self.stages.len() {
             let stage = self.stages[i];
-            let grads = self.compute.take_grads(i);
+            let m = self.layout.microbatches;
+            let nodes = self.compute.take_grad_nodes(i, self.replica * m..(self.replica + 1) * m);
+            let spans: Vec<Span> = nodes.iter().map(|n| n.0).collect();
+            let grads: Vec<Vec<f32>> = nodes.into_iter().flat_map(|n| n.1).collect();
             if self.log.is_some() {
                 let keep = self.log.as_ref().is_some_and(|l| l.payloads());
-                let b = self.grad_blobs(stage, &grads, keep);
+                let mut b = vec![super::reducer::span_blob(&spans)];
+                b.extend(self.grad_blobs(stage, &grads, keep));
                 if let Some(log) = &mut self.log {
                     log.sent("reducer", "Reduce", None, b);
                 }
             }
-            let msg = ReducerMsg::Reduce { step: self.step, stage, replica: self.replica, grads };
+            let msg = ReducerMsg::Reduce { step: self.step, stage, replica: self.replica, spans, grads };
             match &self.links {
                 Links::Actors { reducer, .. } => {
                     reducer.as_ref().expect("dp > 1 has a reducer").send_message(msg).map_err(|_| Stopped)?

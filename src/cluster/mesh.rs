@@ -304,13 +304,13 @@ impl Fabric {
                 let _ = dest.send_message(msg);
                 Ok(())
             }
-            Kind::Reduce { step, stage, replica } => {
+            Kind::Reduce { step, stage, replica, spans } => {
                 let dest = self
                     .routes
                     .get()
                     .and_then(|r| r.reducer.clone())
                     .ok_or_else(|| format!("{} sent gradients to a process without a reducer", who()))?;
-                let msg = wire::reducer_msg(step, stage, replica, f.arrays)
+                let msg = wire::reducer_msg(step, stage, replica, spans, f.arrays)
                     .map_err(|e| format!("{}: {e}", who()))?;
                 let _ = dest.send_message(msg);
                 Ok(())

@@ -11,6 +11,7 @@ use crate::actors::reducer::ReducerMsg;
 use crate::actors::stage::{Phase, StageMsg};
 use crate::checkpoint::TensorState;
 use crate::model::Param;
+use crate::optim::grad_tree::Span;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
@@ -67,10 +68,13 @@ pub enum Kind {
         msg: StageKind,
     },
     Coordinator(CoordKind),
+    /// A replica's tree nodes of one stage: (lo, hi) per node; the frame's
+    /// arrays are the nodes' tensor sets one after the other.
     Reduce {
         step: u64,
         stage: u32,
         replica: u32,
+        spans: Vec<(u32, u32)>,
     },
     /// The run failed elsewhere; stop with this reason.
     Abort {
@@ -494,16 +498,24 @@ pub fn coordinator_msg(kind: CoordKind, arrays: Vec<Array>) -> Result<Coordinato
 }
 
 pub fn reducer_frame(msg: ReducerMsg) -> Frame {
-    let ReducerMsg::Reduce { step, stage, replica, grads } = msg;
+    let ReducerMsg::Reduce { step, stage, replica, spans, grads } = msg;
+    let spans = spans.iter().map(|s| (s.lo as u32, s.hi as u32)).collect();
     Frame::with(
-        Kind::Reduce { step, stage: stage as u32, replica: replica as u32 },
+        Kind::Reduce { step, stage: stage as u32, replica: replica as u32, spans },
         grads.into_iter().map(Array::F32).collect(),
     )
 }
 
-pub fn reducer_msg(step: u64, stage: u32, replica: u32, arrays: Vec<Array>) -> Result<ReducerMsg, WireError> {
+pub fn reducer_msg(
+    step: u64,
+    stage: u32,
+    replica: u32,
+    spans: Vec<(u32, u32)>,
+    arrays: Vec<Array>,
+) -> Result<ReducerMsg, WireError> {
     let n = arrays.len();
     let mut a = Arrays::new("Reduce", arrays, n)?;
     let grads = (0..n).map(|_| a.f32()).collect::<Result<_, _>>()?;
-    Ok(ReducerMsg::Reduce { step, stage: stage as usize, replica: replica as usize, grads })
+    let spans = spans.into_iter().map(|(lo, hi)| Span { lo: lo as usize, hi: hi as usize }).collect();
+    Ok(ReducerMsg::Reduce { step, stage: stage as usize, replica: replica as usize, spans, grads })
 }

@@ -4,6 +4,7 @@
 //! Global norms are summed per tensor in the model's canonical tensor order, so
 //! the result is the same bits however the model is split into parts.
 
+pub mod grad_tree;
 pub mod scaler;
 
 use crate::kernels::cpu::adamw::{adamw_update, sum_squares, AdamW};

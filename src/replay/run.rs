@@ -9,6 +9,7 @@ use crate::actors::reducer::{ReducerArgs, ReducerMsg, ReducerState};
 use crate::actors::stage::{replay_stage, Phase, StageArgs, StageMsg};
 use crate::actors::Layout;
 use crate::config::Config;
+use crate::optim::grad_tree::Span;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -551,9 +552,12 @@ fn replay_reducer(cfg: &Config, entries: &[Entry], log: ActorLog) -> Result<usiz
     let mut st = ReducerState::new(args);
     for e in entries {
         let err = |why: String| anyhow!("reducer: {}: {why}", e.describe());
-        let grads = e.inputs.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(err)?;
+        let (spans, tensors) = e.inputs.split_first().ok_or_else(|| err("holds no tree spans".into()))?;
+        let spans = spans.to_u32s().map_err(err)?;
+        let spans = spans.chunks(2).map(|p| Span { lo: p[0] as usize, hi: p[1] as usize }).collect();
+        let grads = tensors.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(err)?;
         let stage = e.stage.ok_or_else(|| err("names no stage".into()))? as usize;
-        let msg = ReducerMsg::Reduce { step: e.step, stage, replica: e.replica as usize, grads };
+        let msg = ReducerMsg::Reduce { step: e.step, stage, replica: e.replica as usize, spans, grads };
         st.on_message(msg).map_err(|e| anyhow!(e))?;
     }
     st.close_log().map_err(|e| anyhow!(e))

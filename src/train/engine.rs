@@ -1,10 +1,11 @@
 //! One optimizer step on one process without a pipeline: microbatches run
-//! forward and backward in order, gradients accumulate, the tied embedding's
-//! shares are combined, the global norm decides clipping or a skip, and AdamW
+//! forward and backward in order, their gradients summed by the microbatch
+//! tree (`optim::grad_tree`), the tied embedding's shares are combined, the global norm decides clipping or a skip, and AdamW
 //! updates. The actor runtime runs the same arithmetic spread over stages.
 
 use crate::model::part::{Mode, PartInput};
 use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::optim::grad_tree::{Leaf, PartTree};
 use crate::optim::{self, AdamState, Hyper};
 
 #[derive(Clone, Copy, Debug)]
@@ -23,8 +24,10 @@ pub struct Engine {
     pub adam: AdamState,
     pub hyper: Hyper,
     pub grad_clip: f64,
+    /// Microbatches per step: the global batch (dp · parallel.microbatches).
     pub microbatches: usize,
     pub pool: rayon::ThreadPool,
+    tree: PartTree,
     inputs: Vec<u32>,
     targets: Vec<u32>,
     /// Predictions of one microbatch in `evaluate`.
@@ -54,13 +57,16 @@ impl Engine {
             .build()
             .expect("thread pool");
         let n = b * gpt.block_size;
+        let microbatches = cfg.parallel.dp * cfg.parallel.microbatches;
+        let tree = PartTree::new(&part, 0..microbatches, microbatches);
         Engine {
             part,
             adam,
             hyper: Hyper::from_config(cfg),
             grad_clip: cfg.optim.grad_clip,
-            microbatches: cfg.parallel.microbatches,
+            microbatches,
             pool,
+            tree,
             inputs: vec![0; n],
             targets: vec![0; n],
             argmax: vec![0; n],
@@ -76,7 +82,8 @@ impl Engine {
     /// One optimizer step. `fill(mb, inputs, targets)` supplies microbatch `mb`.
     pub fn step(&mut self, lr: f64, mut fill: impl FnMut(usize, &mut [u32], &mut [u32]) + Send) -> StepStats {
         let dloss = 1.0 / self.tokens_per_step() as f32;
-        let Engine { part, adam, hyper, grad_clip, microbatches, pool, inputs, targets, norms, .. } = self;
+        let Engine { part, adam, hyper, grad_clip, microbatches, pool, inputs, targets, norms, tree, .. } =
+            self;
         pool.install(|| {
             part.zero_grads();
             let mut loss_sum = 0.0f64;
@@ -84,8 +91,11 @@ impl Engine {
                 fill(mb, inputs, targets);
                 let out = part.forward(PartInput::Tokens(inputs), Some(targets), Mode::Train { dloss });
                 loss_sum += out.loss_sum.expect("whole model computes the loss");
+                tree.push(part, Leaf::Head, mb);
                 part.backward(out.acts.expect("training keeps activations"), None);
+                tree.push(part, Leaf::Body, mb);
             }
+            tree.finish_local(part);
             part.combine_tied_grads(None);
             let loss = loss_sum * dloss as f64;
             optim::grad_sum_squares(part, norms);

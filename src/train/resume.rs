@@ -147,12 +147,15 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
             old.train.steps, new.train.steps, old_decay, new_decay
         ));
     }
-    let dp_only = same_batch && old.parallel.dp != new.parallel.dp;
+    // The CPU backend sums gradients by one tree over the global microbatch
+    // index whatever dp is; the GPU backend sums each replica's share and then
+    // the replicas, so another dp changes its rounding.
+    let dp_only = same_batch && old.parallel.dp != new.parallel.dp && new.backend.kind == "cuda";
     if dp_only {
         notes.push(
-            "  parallel.dp changes with the same global batch: the same data, but gradients are summed \
-             per replica and then across replicas, so results agree with an uninterrupted run only to \
-             rounding"
+            "  parallel.dp changes with the same global batch on backend.kind = \"cuda\": the same data, \
+             but gradients are summed per replica and then across replicas, so results agree with an \
+             uninterrupted run only to rounding"
                 .into(),
         );
     }

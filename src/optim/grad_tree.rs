@@ -1,0 +1,422 @@
+//! The one order in which a step's microbatch gradients are summed: a fixed
+//! binary tree over the *global* microbatch index, so the bits of the sum do
+//! not depend on how the microbatches are split over data-parallel replicas,
+//! pipeline stages or processes.
+//!
+//! Node (l, a) covers microbatches [a·2^l, (a+1)·2^l) ∩ [0, M); its sum is
+//! node(l−1, 2a) + node(l−1, 2a+1) elementwise, and a node whose right child
+//! is empty is its left child unchanged. A replica owns a contiguous block
+//! [s, e) of the M microbatches: a [`TreeSum`] folds its leaves (each
+//! microbatch's gradient, computed into a zeroed buffer) into the maximal
+//! nodes inside the block with a binary counter (O(log m) buffers), and
+//! [`combine`] joins the nodes of every block into the root by the same
+//! tree. One replica holding all of [0, M) runs the same adds itself.
+//!
+//! This module never decides *which* microbatches a replica owns: the data
+//! loader does (replica r of dp holds r·m … (r+1)·m − 1).
+
+use crate::model::ModelPart;
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+/// Gradients of a set of tensors, one vector per tensor.
+pub type Grads = Vec<Vec<f32>>;
+
+/// A tree node, named by the microbatches it covers ([lo, hi)). A node and
+/// its promotion (the parent whose right child is empty) cover the same
+/// microbatches and hold the same bits, so the span alone identifies it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Span {
+    pub lo: usize,
+    pub hi: usize,
+}
+
+/// `a += b`, tensor by tensor: the tree's one add.
+pub fn add_into(a: &mut Grads, b: &Grads) {
+    debug_assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter_mut().zip(b) {
+        debug_assert_eq!(x.len(), y.len());
+        for (p, &q) in x.iter_mut().zip(y) {
+            *p += q;
+        }
+    }
+}
+
+/// The levels of the tree over `total` microbatches: the root is (levels, 0).
+fn root_level(total: usize) -> u32 {
+    total.max(1).next_power_of_two().trailing_zeros()
+}
+
+/// The microbatches node (l, a) covers, clipped to [0, total).
+fn span_of(level: u32, index: usize, total: usize) -> Span {
+    let lo = (index << level).min(total);
+    let hi = ((index + 1) << level).min(total);
+    Span { lo, hi }
+}
+
+/// Folds one block's leaves, given in any order, into the maximal tree nodes
+/// inside the block. Leaves that arrive ahead of the next one in ascending
+/// order wait (chunked schedules may run W out of order); in-order leaves
+/// keep at most about 2·log₂ m nodes alive.
+pub struct TreeSum {
+    block: Range<usize>,
+    total: usize,
+    next: usize,
+    /// Nodes by (level, index), the newest last; each is a complete node.
+    stack: Vec<(u32, usize, Grads)>,
+    early: BTreeMap<usize, Grads>,
+    /// Freed buffers, reused for the next leaf.
+    spare: Vec<Grads>,
+    /// Most gradient sets held at once (stack + early), for reports.
+    pub peak_held: usize,
+}
+
+impl TreeSum {
+    pub fn new(block: Range<usize>, total: usize) -> TreeSum {
+        assert!(block.start <= block.end && block.end <= total, "block {block:?} of {total} microbatches");
+        TreeSum {
+            next: block.start,
+            block,
+            total,
+            stack: Vec::new(),
+            early: BTreeMap::new(),
+            spare: Vec::new(),
+            peak_held: 0,
+        }
+    }
+
+    pub fn block(&self) -> Range<usize> {
+        self.block.clone()
+    }
+
+    /// Adds microbatch `g`'s leaf gradient.
+    pub fn push(&mut self, g: usize, leaf: Grads) {
+        assert!(self.block.contains(&g), "microbatch {g} outside the block {:?}", self.block);
+        assert!(g >= self.next && !self.early.contains_key(&g), "microbatch {g}'s gradient arrived twice");
+        self.early.insert(g, leaf);
+        while let Some(leaf) = self.early.remove(&self.next) {
+            self.fold(self.next, leaf);
+            self.next += 1;
+        }
+        self.peak_held = self.peak_held.max(self.stack.len() + self.early.len());
+    }
+
+    fn fold(&mut self, g: usize, leaf: Grads) {
+        self.stack.push((0, g, leaf));
+        loop {
+            let n = self.stack.len();
+            let (l, a, _) = self.stack[n - 1];
+            if a % 2 == 0 {
+                // A left child whose right sibling is empty is its parent.
+                if span_of(l, a + 1, self.total).lo == self.total && l < root_level(self.total) {
+                    self.stack[n - 1].0 = l + 1;
+                    self.stack[n - 1].1 = a / 2;
+                    continue;
+                }
+                break;
+            }
+            if n < 2 || self.stack[n - 2].0 != l || self.stack[n - 2].1 != a - 1 {
+                break;
+            }
+            let (_, _, right) = self.stack.pop().expect("two nodes");
+            let left = self.stack.last_mut().expect("two nodes");
+            add_into(&mut left.2, &right);
+            left.0 = l + 1;
+            left.1 = a / 2;
+            self.spare.push(right);
+        }
+    }
+
+    /// Whether every leaf of the block has been folded.
+    pub fn complete(&self) -> bool {
+        self.next == self.block.end
+    }
+
+    /// The block's nodes in ascending order, ready for [`combine`]; the
+    /// accumulator is empty afterwards and may start the next step.
+    pub fn take_nodes(&mut self) -> Vec<(Span, Grads)> {
+        assert!(self.complete(), "block {:?} has folded microbatches up to {} only", self.block, self.next);
+        self.next = self.block.start;
+        let total = self.total;
+        self.stack.drain(..).map(|(l, a, g)| (span_of(l, a, total), g)).collect()
+    }
+
+    /// Returns a gradient set to the pool of buffers (after a reduction used it).
+    pub fn give_back(&mut self, g: Grads) {
+        self.spare.push(g);
+    }
+}
+
+/// The root of the tree over `total` microbatches from nodes that cover it
+/// (each block's [`TreeSum::take_nodes`], in any order). Nodes that do not
+/// form a cover of tree nodes (a backend that sums its block in its own order)
+/// are summed in ascending microbatch order instead.
+pub fn combine(nodes: Vec<(Span, Grads)>, total: usize) -> Grads {
+    let mut by_span: BTreeMap<Span, Grads> = BTreeMap::new();
+    for (s, g) in nodes {
+        assert!(by_span.insert(s, g).is_none(), "two gradient sets for microbatches {s:?}");
+    }
+    let tree_cover = covers(&by_span, root_level(total), 0, total);
+    if !tree_cover {
+        let mut it = by_span.into_values();
+        let mut sum = it.next().expect("at least one gradient set");
+        it.for_each(|g| add_into(&mut sum, &g));
+        return sum;
+    }
+    node_sum(&mut by_span, root_level(total), 0, total).expect("a non-empty tree")
+}
+
+fn covers(have: &BTreeMap<Span, Grads>, level: u32, index: usize, total: usize) -> bool {
+    let s = span_of(level, index, total);
+    if s.lo == s.hi || have.contains_key(&s) {
+        return true;
+    }
+    level > 0 && covers(have, level - 1, 2 * index, total) && covers(have, level - 1, 2 * index + 1, total)
+}
+
+fn node_sum(have: &mut BTreeMap<Span, Grads>, level: u32, index: usize, total: usize) -> Option<Grads> {
+    let s = span_of(level, index, total);
+    if s.lo == s.hi {
+        return None;
+    }
+    if let Some(g) = have.remove(&s) {
+        return Some(g);
+    }
+    let mut left = node_sum(have, level - 1, 2 * index, total).expect("a non-empty left child");
+    if let Some(right) = node_sum(have, level - 1, 2 * index + 1, total) {
+        add_into(&mut left, &right);
+    }
+    Some(left)
+}
+
+/// Which of a part's gradients an action writes: the head's (final LayerNorm
+/// and the head's share of the tied wte) in F, everything else in B or W.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leaf {
+    Head,
+    Body,
+}
+
+/// A model part's gradients summed by the tree: the head's tensors and the
+/// rest each in their own [`TreeSum`], since F writes the one and B/W the other.
+///
+/// The exchanged form ("part order") is one vector per parameter, then the
+/// head's share of the tied wte when the part has the head; the head-only
+/// part's copy of wte, whose gradient only the tied combination writes,
+/// travels as an empty vector.
+pub struct PartTree {
+    head: TreeSum,
+    body: TreeSum,
+    head_idx: Vec<usize>,
+    body_idx: Vec<usize>,
+    has_head: bool,
+}
+
+impl PartTree {
+    /// The tree of `part` for microbatches `block` of `total`.
+    pub fn new(part: &ModelPart, block: Range<usize>, total: usize) -> PartTree {
+        let spec = &part.spec;
+        let head_norm = if spec.head { vec![spec.head_base(), spec.head_base() + 1] } else { vec![] };
+        let wte_copy = (spec.head && !spec.embedding).then(|| spec.head_wte());
+        let body_idx =
+            (0..part.params.len()).filter(|i| !head_norm.contains(i) && Some(*i) != wte_copy).collect();
+        PartTree {
+            head: TreeSum::new(block.clone(), total),
+            body: TreeSum::new(block, total),
+            head_idx: head_norm,
+            body_idx,
+            has_head: spec.head,
+        }
+    }
+
+    /// Moves microbatch `g`'s finished gradients of kind `which` out of the
+    /// part into the tree, leaving zeroed buffers for the next microbatch.
+    pub fn push(&mut self, part: &mut ModelPart, which: Leaf, g: usize) {
+        if which == Leaf::Head && !self.has_head {
+            return;
+        }
+        let (tree, idx) = match which {
+            Leaf::Head => (&mut self.head, &self.head_idx),
+            Leaf::Body => (&mut self.body, &self.body_idx),
+        };
+        let mut fresh = match tree.spare.pop() {
+            Some(mut g) => {
+                g.iter_mut().for_each(|t| t.fill(0.0));
+                g
+            }
+            None => {
+                let mut v: Grads = idx.iter().map(|&i| vec![0.0; part.params[i].grad.len()]).collect();
+                if which == Leaf::Head {
+                    v.push(vec![0.0; part.wte_head_grad.len()]);
+                }
+                v
+            }
+        };
+        let mut leaf = Vec::with_capacity(fresh.len());
+        for (k, &i) in idx.iter().enumerate() {
+            leaf.push(std::mem::replace(&mut part.params[i].grad, std::mem::take(&mut fresh[k])));
+        }
+        if which == Leaf::Head {
+            leaf.push(std::mem::replace(&mut part.wte_head_grad, std::mem::take(&mut fresh[idx.len()])));
+        }
+        tree.push(g, leaf);
+    }
+
+    /// The replica's microbatches, as global indices within the step.
+    pub fn block(&self) -> Range<usize> {
+        self.body.block()
+    }
+
+    /// Gradient sets held (nodes and early leaves, both kinds), at most so far.
+    pub fn peak_held(&self) -> usize {
+        self.head.peak_held.max(self.body.peak_held)
+    }
+
+    /// The block's nodes in part order (see the type's comment).
+    pub fn take_nodes(&mut self, part: &ModelPart) -> Vec<(Span, Grads)> {
+        let body = self.body.take_nodes();
+        let head = if self.has_head { self.head.take_nodes() } else { Vec::new() };
+        let n = part.params.len();
+        let mut out = Vec::with_capacity(body.len());
+        let mut head = head.into_iter();
+        for (span, b) in body {
+            let mut full: Grads = vec![Vec::new(); n + usize::from(self.has_head)];
+            for (&i, g) in self.body_idx.iter().zip(b) {
+                full[i] = g;
+            }
+            if self.has_head {
+                let (hs, h) = head.next().expect("the head's nodes match the body's");
+                assert_eq!(hs, span, "the head's and the body's nodes cover the same microbatches");
+                let mut h = h.into_iter();
+                for &i in &self.head_idx {
+                    full[i] = h.next().expect("head tensors");
+                }
+                full[n] = h.next().expect("the head's wte share");
+            }
+            out.push((span, full));
+        }
+        out
+    }
+
+    /// Puts a part-order gradient set (a reduction's result) into the part;
+    /// empty vectors leave the tensor alone.
+    pub fn set(part: &mut ModelPart, grads: Grads) {
+        let n = part.params.len();
+        for (k, g) in grads.into_iter().enumerate() {
+            if g.is_empty() {
+                continue;
+            }
+            if k < n {
+                part.params[k].grad = g;
+            } else {
+                part.wte_head_grad = g;
+            }
+        }
+    }
+
+    /// Sums the block's nodes into the part itself: the whole reduction when
+    /// one replica holds every microbatch.
+    pub fn finish_local(&mut self, part: &mut ModelPart) {
+        let total = self.body.total;
+        let nodes = self.take_nodes(part);
+        PartTree::set(part, combine(nodes, total));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::{Purpose, Rng};
+
+    fn leaves(m: usize, len: usize) -> Vec<Grads> {
+        (0..m)
+            .map(|g| {
+                let mut r = Rng::new(11, Purpose::Test, &[g as u64]);
+                // Mixed magnitudes, so association changes the rounding.
+                vec![(0..len).map(|_| (r.normal() * 10f64.powi(r.below(7) as i32 - 3)) as f32).collect()]
+            })
+            .collect()
+    }
+
+    fn bits(g: &Grads) -> Vec<u32> {
+        g.iter().flatten().map(|x| x.to_bits()).collect()
+    }
+
+    fn block_nodes(ls: &[Grads], block: Range<usize>, order: &[usize]) -> Vec<(Span, Grads)> {
+        let mut t = TreeSum::new(block, ls.len());
+        for &g in order {
+            t.push(g, ls[g].clone());
+        }
+        t.take_nodes()
+    }
+
+    #[test]
+    fn every_block_split_of_1_to_12_microbatches_gives_the_whole_trees_bits() {
+        for m in 1..=12 {
+            let ls = leaves(m, 64);
+            let whole = combine(block_nodes(&ls, 0..m, &(0..m).collect::<Vec<_>>()), m);
+            for dp in (1..=m).filter(|d| m % d == 0) {
+                let per = m / dp;
+                let mut nodes = Vec::new();
+                // Blocks handed to the combination in reverse: arrival order must not matter.
+                for r in (0..dp).rev() {
+                    let b = r * per..(r + 1) * per;
+                    nodes.extend(block_nodes(&ls, b.clone(), &b.collect::<Vec<_>>()));
+                }
+                assert_eq!(bits(&combine(nodes, m)), bits(&whole), "M = {m}, dp = {dp}");
+            }
+        }
+    }
+
+    #[test]
+    fn leaves_out_of_order_give_the_bits_of_leaves_in_order() {
+        let m = 11;
+        let ls = leaves(m, 32);
+        let in_order = combine(block_nodes(&ls, 0..m, &(0..m).collect::<Vec<_>>()), m);
+        let shuffled = [3, 0, 10, 1, 2, 7, 5, 4, 9, 6, 8];
+        assert_eq!(bits(&combine(block_nodes(&ls, 0..m, &shuffled), m)), bits(&in_order));
+        let reversed: Vec<usize> = (0..m).rev().collect();
+        assert_eq!(bits(&combine(block_nodes(&ls, 0..m, &reversed), m)), bits(&in_order));
+    }
+
+    #[test]
+    fn the_tree_is_the_dyadic_pairing_and_differs_from_a_running_sum() {
+        let ls = leaves(6, 256);
+        let got = combine(block_nodes(&ls, 0..6, &[0, 1, 2, 3, 4, 5]), 6);
+        // ((g0+g1)+(g2+g3)) + (g4+g5)
+        let pair = |a: &Grads, b: &Grads| {
+            let mut s = a.clone();
+            add_into(&mut s, b);
+            s
+        };
+        let want = pair(&pair(&pair(&ls[0], &ls[1]), &pair(&ls[2], &ls[3])), &pair(&ls[4], &ls[5]));
+        assert_eq!(bits(&got), bits(&want));
+        let mut running = ls[0].clone();
+        ls[1..].iter().for_each(|g| add_into(&mut running, g));
+        assert_ne!(bits(&got), bits(&running), "the leaves should be chosen so association shows");
+    }
+
+    #[test]
+    fn in_order_leaves_keep_logarithmically_many_buffers() {
+        let m = 64;
+        let ls = leaves(m, 1);
+        let mut t = TreeSum::new(0..m, m);
+        for (g, l) in ls.into_iter().enumerate() {
+            t.push(g, l);
+        }
+        assert!(t.peak_held <= 7, "held {} gradient sets for 64 microbatches", t.peak_held);
+        assert_eq!(t.take_nodes().len(), 1);
+    }
+
+    #[test]
+    fn blocks_that_are_not_tree_nodes_sum_in_microbatch_order() {
+        let ls = leaves(6, 16);
+        // Two block sums of 3 (not tree nodes): the fallback adds them in order.
+        let a = Span { lo: 0, hi: 3 };
+        let b = Span { lo: 3, hi: 6 };
+        let got = combine(vec![(b, ls[1].clone()), (a, ls[0].clone())], 6);
+        let mut want = ls[0].clone();
+        add_into(&mut want, &ls[1]);
+        assert_eq!(bits(&got), bits(&want));
+    }
+}
