@@ -364,6 +364,7 @@ enum TraceCommand {
     /// Busy time, warmup/cooldown bubbles and waits per stage, measured vs theory bubble,
     /// the critical path of a step and the top causes of idle time.
     Summary {
+        /// trace.json from train --trace or schedule --trace.
         file: PathBuf,
         /// Print the figures as JSON.
         #[arg(long)]
@@ -371,7 +372,9 @@ enum TraceCommand {
     },
     /// Draw one step's lanes, measured above theory, as HTML (inline SVG) or SVG (by -o's extension).
     Render {
+        /// trace.json from train --trace or schedule --trace.
         file: PathBuf,
+        /// Where to write the picture (.html or .svg).
         #[arg(short, long, value_name = "timeline.html")]
         out: PathBuf,
         /// The step to draw [default: the step of median duration].
@@ -451,12 +454,16 @@ fn gpu_bench(_args: GpuBenchArgs) -> anyhow::Result<()> {
 #[derive(clap::Args)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct GpuBenchArgs {
+    /// Transformer blocks (n_layer).
     #[arg(long, default_value_t = 12)]
     layers: usize,
+    /// Embedding width (n_embd).
     #[arg(long, default_value_t = 768)]
     embd: usize,
+    /// Attention heads (n_head).
     #[arg(long, default_value_t = 12)]
     heads: usize,
+    /// Vocabulary size.
     #[arg(long, default_value_t = 50257)]
     vocab: usize,
     /// Sequence length T.
@@ -958,4 +965,30 @@ fn parse_cell(s: &str) -> Result<(usize, usize), String> {
         return Err(bad());
     }
     Ok((p, m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::CommandFactory;
+
+    /// Every argument of every command, nested ones included.
+    fn undescribed(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for a in cmd.get_arguments() {
+            let builtin = matches!(a.get_id().as_str(), "help" | "version");
+            if !builtin && !a.is_hide_set() && a.get_help().is_none() && a.get_long_help().is_none() {
+                out.push(format!("{path} {}", a.get_id()));
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            undescribed(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_help_argument_is_described() {
+        let mut missing = Vec::new();
+        undescribed(&Cli::command(), "pipewright", &mut missing);
+        assert!(missing.is_empty(), "arguments without a description: {missing:?}");
+    }
 }

@@ -100,6 +100,8 @@ fn a_good_run_writes_every_output() {
         assert!(summary.get(key).is_some(), "summary lacks {key}");
     }
     assert_eq!(summary["val_loss_step"], 3, "val_loss is the last step's evaluation");
+    let ran = std::fs::read_to_string(out.join("config.toml")).unwrap();
+    assert!(ran.contains("dtype = \"f32\""), "a CPU run computed in f32: {ran}");
     // The same config and seed give the same weights, bit for bit.
     let again = dir.path().join("again");
     assert!(tiny_train(&again, &[]).0);

@@ -42,10 +42,13 @@ pub struct PlanArgs {
     /// guessed from the GPT-3/LLaMA table.
     #[arg(long)]
     pub params: Option<f64>,
+    /// Transformer blocks (n_layer) [default: from the config or --params].
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Model width (n_embd) [default: from the config or --params].
     #[arg(long)]
     pub hidden: Option<usize>,
+    /// Attention heads (n_head) [default: from the config or --params].
     #[arg(long)]
     pub heads: Option<usize>,
     /// Sequence length T [default: 2048 without a config].
@@ -372,10 +375,10 @@ impl Plan {
         );
         let _ = writeln!(
             o,
-            "Time at MFU {:.2}: {:.3e} GPU-hours = {:.1} days on {} GPUs{}",
+            "Time at MFU {:.2}: {:.3e} GPU-hours = {} on {} GPUs{}",
             i.mfu,
             self.ideal.gpu_hours,
-            self.ideal.days,
+            duration(self.ideal.days),
             i.gpus,
             self.ideal.cost_usd.map(|c| format!(", ${}", si(c))).unwrap_or_default()
         );
@@ -451,14 +454,14 @@ impl Plan {
         } else {
             let _ = writeln!(
                 o,
-                "  #  tp pp  dp    m  b schedule         recomp    ZeRO  mem GB  bubble  step s   MFU   days{}",
+                "  #  tp pp  dp    m  b schedule         recomp    ZeRO  mem GB  bubble  step s   MFU       time{}",
                 if i.price.is_some() { "  cost $" } else { "" }
             );
         }
         for (k, c) in self.candidates.iter().take(5).enumerate() {
             let _ = writeln!(
                 o,
-                "  {}  {:>2} {:>2} {:>3} {:>4} {:>2} {:<16} {:<9} {:>4} {:>7.1} {:>6.1}% {:>7.2} {:>5.1}% {:>6.1}{}",
+                "  {}  {:>2} {:>2} {:>3} {:>4} {:>2} {:<16} {:<9} {:>4} {:>7.1} {:>6.1}% {:>7.2} {:>5.1}% {:>10}{}",
                 k + 1,
                 c.tp,
                 c.pp,
@@ -472,12 +475,29 @@ impl Plan {
                 100.0 * c.bubble,
                 c.step_s,
                 100.0 * c.mfu,
-                c.train_days,
+                duration(c.train_days),
                 c.cost_usd.map(|x| format!("  {}", si(x))).unwrap_or_default()
             );
             let _ = writeln!(o, "     why: {}", c.why);
         }
         o
+    }
+}
+
+/// A run's length in the unit that reads best: days from one day up, then
+/// hours, minutes, seconds ("0.0 days" said nothing about a short run).
+fn duration(days: f64) -> String {
+    let s = days * 86_400.0;
+    if !s.is_finite() {
+        "-".to_string()
+    } else if s >= 86_400.0 {
+        format!("{days:.1} days")
+    } else if s >= 3600.0 {
+        format!("{:.1} hours", s / 3600.0)
+    } else if s >= 60.0 {
+        format!("{:.1} min", s / 60.0)
+    } else {
+        format!("{s:.1} s")
     }
 }
 
@@ -509,4 +529,16 @@ pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
         }
         t
     })
+}
+
+#[cfg(test)]
+mod duration_tests {
+    #[test]
+    fn short_runs_read_in_hours_minutes_or_seconds() {
+        use super::duration;
+        assert_eq!(duration(3.3), "3.3 days");
+        assert_eq!(duration(5.0 / 24.0), "5.0 hours");
+        assert_eq!(duration(90.0 / 86_400.0), "1.5 min");
+        assert_eq!(duration(12.0 / 86_400.0), "12.0 s");
+    }
 }

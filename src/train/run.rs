@@ -319,8 +319,17 @@ pub fn train_on(
     // (and the copies in checkpoints, replay logs and the weights) is the
     // config that ran: reloaded, it gives the same layout and the same run.
     let mut cfg = cfg.clone();
-    let why = "interleaved 1F1B needs at least 2 chunks per rank";
+    let why = if cfg.parallel.schedule == "zb-v" {
+        "ZB-V runs each rank's two model chunks as a V"
+    } else {
+        "interleaved 1F1B needs at least 2 chunks per rank"
+    };
     resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
+    if cfg.backend.kind == "cpu" {
+        // The CPU backend computes in f32 whatever backend.dtype (a CUDA
+        // setting) says: config.toml records what ran.
+        cfg.backend.dtype = "f32".into();
+    }
     if let Some(v) = &sources.val {
         let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
         let held = cfg.train.eval_batches.min(windows.max(1));
