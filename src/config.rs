@@ -852,6 +852,13 @@ mod tests {
         Config::load(None, &overrides)
     }
 
+    #[test]
+    fn a_repeated_set_of_one_key_blames_the_last_which_is_the_one_in_force() {
+        let err = with_set(&["train.steps=5", "train.steps=five"]).unwrap_err().to_string();
+        assert!(err.starts_with("--set train.steps=five:"), "{err}");
+        assert_eq!(with_set(&["train.steps=five", "train.steps=5"]).unwrap().train.steps, 5, "the last wins");
+    }
+
     fn valid() -> Config {
         Config::load(None, &[]).unwrap()
     }

@@ -659,6 +659,8 @@ fn repeated_nan_steps_roll_back_to_the_last_checkpoint_with_a_lower_learning_rat
     assert_eq!(seventh.len(), 2);
     assert_eq!(seventh[0]["skipped"], true);
     assert_eq!(seventh[1]["skipped"], false);
+    // The row of the second run is marked; the first is the one rolled back.
+    assert_eq!((seventh[0].get("repeated"), &seventh[1]["repeated"]), (None, &serde_json::Value::Bool(true)));
     let lr = |x: &serde_json::Value| x["lr"].as_f64().unwrap();
     assert!((lr(seventh[1]) - 0.5 * lr(seventh[0])).abs() < 1e-12);
 }

@@ -264,7 +264,9 @@ fn check_seal(path: &Path, text: &[u8], state: &StateFile) -> Result<(), Checkpo
     let text = std::str::from_utf8(text).map_err(|e| invalid(format!("not UTF-8: {e}")))?;
     let quoted = format!("\"{want}\"");
     if text.matches(&quoted).count() != 1 {
-        return Err(invalid(format!("its own digest {want} does not appear exactly once: the file is damaged")));
+        return Err(invalid(format!(
+            "its own digest {want} does not appear exactly once: the file is damaged"
+        )));
     }
     let unsealed = text.replacen(&quoted, &format!("\"{SEAL_PLACEHOLDER}\""), 1);
     let got = blake3::hash(unsealed.as_bytes()).to_hex().to_string();
@@ -450,7 +452,10 @@ pub fn load_with(
     if let Some(named) = step_of_dir(dir).filter(|&s| s != state.step) {
         return Err(CheckpointError::Invalid {
             path: sp,
-            reason: format!("step {} differs from the directory's step {named}: the file is damaged", state.step),
+            reason: format!(
+                "step {} differs from the directory's step {named}: the file is damaged",
+                state.step
+            ),
         });
     }
     let mut verified = |file: &str| -> Result<LoadedWeights, CheckpointError> {
@@ -661,7 +666,8 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(&good).unwrap();
         let mut paths = Vec::new();
         leaves(&value, String::new(), &mut paths);
-        for want in ["step", "adam_step", "tokens", "lr_schedule/cooldown_until", "digests/model.safetensors"] {
+        for want in ["step", "adam_step", "tokens", "lr_schedule/cooldown_until", "digests/model.safetensors"]
+        {
             assert!(paths.iter().any(|p| p == want), "{want} not among {paths:?}");
         }
         for path in &paths {
@@ -669,7 +675,8 @@ mod tests {
             let leaf = v.pointer_mut(&format!("/{path}")).unwrap();
             *leaf = tampered(leaf);
             std::fs::write(&sp, serde_json::to_string_pretty(&v).unwrap()).unwrap();
-            let err = load(&root.join("step_00000022")).err().unwrap_or_else(|| panic!("{path} changed: accepted"));
+            let err =
+                load(&root.join("step_00000022")).err().unwrap_or_else(|| panic!("{path} changed: accepted"));
             assert!(err.to_string().contains("step_00000022/"), "{path}: {err}");
             let (loaded, damaged) = newest_verified(&root).unwrap();
             assert_eq!(loaded.unwrap().state.step, 20, "{path}");

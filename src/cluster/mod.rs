@@ -217,16 +217,25 @@ fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<node::M
                     NodeEvent::Left { name, addr } => {
                         let Some(r) = node::rank_of(&name) else { continue };
                         // A refused newcomer's session: the rank's holder is still there.
-                        if members.lock().expect("members").left(r, &addr) {
-                            // A peer that ends the run sends Shutdown on the data link and
-                            // then exits; its node session can close before that frame is
-                            // read here (a separate socket). Give it a moment first.
-                            mesh::wait_until(Duration::from_millis(500), || fabric.is_done());
-                            fabric.lost(
-                                r,
-                                &format!("left the cluster ({name} at {addr}: node session closed)"),
-                            );
+                        if !members.lock().expect("members").left(r, &addr) {
+                            continue;
                         }
+                        // ractor_cluster may close a rank's session when a newcomer
+                        // authenticates under the same name; the process is still
+                        // there. A process that is gone closes its data link too,
+                        // and that link's end reports it lost.
+                        if fabric.has_link(r) {
+                            eprintln!(
+                                "cluster node {name} at {addr}: session closed; the data link to rank {r} \
+                                 decides whether it is lost"
+                            );
+                            continue;
+                        }
+                        // A peer that ends the run sends Shutdown on the data link and
+                        // then exits; its node session can close before that frame is
+                        // read here (a separate socket). Give it a moment first.
+                        mesh::wait_until(Duration::from_millis(500), || fabric.is_done());
+                        fabric.lost(r, &format!("left the cluster ({name} at {addr}: node session closed)"));
                     }
                 }
             }

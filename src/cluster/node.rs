@@ -257,10 +257,10 @@ impl Node {
         // client's side of the handshake is done, so a refused certificate
         // shows here, as a session closed before authenticating.
         let hint = if self.tls.is_some() {
-            "wrong cookie, a certificate rank 0's CA did not sign, rank 0 runs without TLS, or a live \
-             process of the run already holds this rank?"
+            "wrong cookie, a live process of the run already holding this rank, a certificate rank 0's CA \
+             did not sign, or rank 0 runs without TLS?"
         } else {
-            "wrong cookie, rank 0 runs with TLS, or a live process of the run already holds this rank?"
+            "wrong cookie, a live process of the run already holding this rank, or rank 0 runs with TLS?"
         };
         let events = self.events.clone();
         let wait = tokio::task::spawn_blocking(move || match events.recv_timeout(timeout) {
