@@ -472,7 +472,8 @@ fn resuming_with_changed_settings_lists_each_change_and_warns_that_bits_will_dif
     let (ok, err) = resume(&out, &["--set", "parallel.pp=4", "--set", "checkpoint.keep=3"]);
     assert!(ok, "{err}");
     assert!(err.contains("layout changes only") && err.contains("parallel.pp: 2 → 4"), "{err}");
-    assert!(!err.contains("warning"), "{err}");
+    // Config warnings (a short run inside warmup) may appear; none about the bits.
+    assert!(!err.contains("warning: resuming") && !err.contains("will not match"), "{err}");
 }
 
 #[test]

@@ -40,7 +40,7 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
     let theirs = Config::parse(&loaded.state.config, &state_json.display().to_string(), &[])?;
     if theirs.model != cfg.model {
         bail!(
-            "{}: the checkpoint's model differs from this config's (a resume keeps the model):\n{}",
+            "{}: the checkpoint's [model] differs from this config's (a resume keeps the model):\n{}",
             state_json.display(),
             changed_keys(&theirs, cfg, |k| k.starts_with("model.")).join("\n")
         );
