@@ -138,7 +138,7 @@ pub fn span_blob(spans: &[Span]) -> Blob {
 
 /// A Reduce's flat list of tensors cut into one set per span.
 pub fn split_nodes(spans: Vec<Span>, grads: Grads) -> Result<Nodes, String> {
-    if spans.is_empty() || grads.len() % spans.len() != 0 {
+    if spans.is_empty() || !grads.len().is_multiple_of(spans.len()) {
         return Err(format!("reducer: {} tensors do not split into {} tree nodes", grads.len(), spans.len()));
     }
     let per = grads.len() / spans.len();
