@@ -604,3 +604,13 @@ fn generate_continues_a_prompt_greedily_and_reproducibly() {
     refused(run(&["generate", "--weights", &w, "--temperature=-1"]), &["--temperature"]);
     refused(run(&["generate", "--weights", &w, "--top-k", "0"]), &["--top-k"]);
 }
+
+#[test]
+fn a_launch_whose_ranks_cannot_split_over_the_processes_is_refused_before_any_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let (ok, _, err) =
+        run(&["launch", "--nodes", "3", "--out", out.to_str().unwrap(), "--set", "parallel.pp=2"]);
+    assert!(!ok && err.contains("parallel.pp × parallel.dp") && err.contains("--nodes 3"), "{err}");
+    assert!(!out.exists(), "nothing is written before the refusal");
+}
