@@ -298,8 +298,9 @@ impl StageCompute for CpuCompute {
     }
 
     fn zero_grads(&mut self) {
-        for p in &mut self.parts {
+        for (p, t) in self.parts.iter_mut().zip(&mut self.trees) {
             p.zero_grads();
+            t.reset();
         }
     }
 

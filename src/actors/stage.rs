@@ -1112,6 +1112,10 @@ impl Worker {
         self.current = None;
         if self.sim.is_none() {
             self.sum_gradients()?;
+        } else {
+            // No gradients to sum; the trace keeps the (empty) span real runs show.
+            let t = self.rec.now_us();
+            self.trace_rank("tied", t);
         }
         if self.stages.contains(&last) && self.sim.is_none() && inf_fault(step) {
             let i = self.local(last);

@@ -93,7 +93,14 @@ impl TreeSum {
     pub fn push(&mut self, g: usize, leaf: Grads) {
         assert!(self.block.contains(&g), "microbatch {g} outside the block {:?}", self.block);
         assert!(g >= self.next && !self.early.contains_key(&g), "microbatch {g}'s gradient arrived twice");
-        self.early.insert(g, leaf);
+        if g != self.next {
+            self.early.insert(g, leaf);
+            self.peak_held = self.peak_held.max(self.stack.len() + self.early.len());
+            return;
+        }
+        // In order: no map entry (the engine's steady state allocates nothing).
+        self.fold(g, leaf);
+        self.next += 1;
         while let Some(leaf) = self.early.remove(&self.next) {
             self.fold(self.next, leaf);
             self.next += 1;
@@ -127,6 +134,13 @@ impl TreeSum {
         }
     }
 
+    /// Drops a step's partial sums (a step that failed and is run again).
+    pub fn reset(&mut self) {
+        self.next = self.block.start;
+        self.spare.extend(self.stack.drain(..).map(|n| n.2));
+        self.spare.extend(std::mem::take(&mut self.early).into_values());
+    }
+
     /// Whether every leaf of the block has been folded.
     pub fn complete(&self) -> bool {
         self.next == self.block.end
@@ -141,9 +155,13 @@ impl TreeSum {
         self.stack.drain(..).map(|(l, a, g)| (span_of(l, a, total), g)).collect()
     }
 
-    /// Returns a gradient set to the pool of buffers (after a reduction used it).
-    pub fn give_back(&mut self, g: Grads) {
-        self.spare.push(g);
+    /// The root, when the block is every microbatch: with empty right halves
+    /// promoted as they complete, the stack then ends as that one node.
+    fn take_root(&mut self) -> Grads {
+        assert!(self.complete() && self.block == (0..self.total), "the root needs every microbatch");
+        assert_eq!(self.stack.len(), 1, "a whole block folds into the root");
+        self.next = self.block.start;
+        self.stack.pop().expect("the root").2
     }
 }
 
@@ -252,14 +270,20 @@ impl PartTree {
                 v
             }
         };
-        let mut leaf = Vec::with_capacity(fresh.len());
+        // The zeroed set goes into the part and the part's set becomes the leaf.
         for (k, &i) in idx.iter().enumerate() {
-            leaf.push(std::mem::replace(&mut part.params[i].grad, std::mem::take(&mut fresh[k])));
+            std::mem::swap(&mut part.params[i].grad, &mut fresh[k]);
         }
         if which == Leaf::Head {
-            leaf.push(std::mem::replace(&mut part.wte_head_grad, std::mem::take(&mut fresh[idx.len()])));
+            std::mem::swap(&mut part.wte_head_grad, &mut fresh[idx.len()]);
         }
-        tree.push(g, leaf);
+        tree.push(g, fresh);
+    }
+
+    /// Starts a step: partial sums of a step that did not finish are dropped.
+    pub fn reset(&mut self) {
+        self.head.reset();
+        self.body.reset();
     }
 
     /// The replica's microbatches, as global indices within the step.
@@ -315,11 +339,22 @@ impl PartTree {
     }
 
     /// Sums the block's nodes into the part itself: the whole reduction when
-    /// one replica holds every microbatch.
+    /// one replica holds every microbatch. The part's spent buffers join the
+    /// pool, so a steady-state step allocates nothing here.
     pub fn finish_local(&mut self, part: &mut ModelPart) {
-        let total = self.body.total;
-        let nodes = self.take_nodes(part);
-        PartTree::set(part, combine(nodes, total));
+        let mut root = self.body.take_root();
+        for (k, &i) in self.body_idx.iter().enumerate() {
+            std::mem::swap(&mut part.params[i].grad, &mut root[k]);
+        }
+        self.body.spare.push(root);
+        if self.has_head {
+            let mut root = self.head.take_root();
+            for (k, &i) in self.head_idx.iter().enumerate() {
+                std::mem::swap(&mut part.params[i].grad, &mut root[k]);
+            }
+            std::mem::swap(&mut part.wte_head_grad, &mut root[self.head_idx.len()]);
+            self.head.spare.push(root);
+        }
     }
 }
 
