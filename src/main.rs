@@ -560,6 +560,19 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
         for w in cfg.warnings() {
             eprintln!("warning: {w}");
         }
+        if cfg.parallel.layers_per_stage.is_empty() {
+            // An uneven split is a choice the user did not make: say which.
+            let layout = pipewright::actors::Layout::from_config(&cfg)?;
+            let split: Vec<usize> = layout.stages.iter().map(|s| s.layers.len()).collect();
+            if split.iter().any(|&n| n != split[0]) {
+                eprintln!(
+                    "model.n_layer = {} over {} stages splits as parallel.layers_per_stage = {split:?} \
+                     (earlier stages take the extra layers; set parallel.layers_per_stage to choose)",
+                    cfg.model.n_layer,
+                    split.len()
+                );
+            }
+        }
         eprintln!("pipewright train → {}", out_dir.display());
         let mut opts =
             TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };

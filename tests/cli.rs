@@ -614,3 +614,15 @@ fn a_launch_whose_ranks_cannot_split_over_the_processes_is_refused_before_any_st
     assert!(!ok && err.contains("parallel.pp × parallel.dp") && err.contains("--nodes 3"), "{err}");
     assert!(!out.exists(), "nothing is written before the refusal");
 }
+
+#[test]
+fn an_uneven_layer_split_is_said_with_the_field_to_choose_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let (ok, _, err) = tiny_train(&out, &["--set", "model.n_layer=3", "--set", "parallel.pp=2"]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("model.n_layer = 3 over 2 stages splits as parallel.layers_per_stage = [2, 1]"),
+        "{err}"
+    );
+}
