@@ -11,102 +11,23 @@
 //! in one process, and a rank passing to itself skips the mailbox.
 
 use super::compute::{BackwardPart, ChunkInput, CpuCompute, StageCompute};
-use super::coordinator::{CoordinatorMsg, EvalKind, Failure, StageReport};
 use super::layout::Layout;
+use super::protocol::{CoordinatorMsg, EvalKind, Failure, StageReport};
 use super::reducer::ReducerMsg;
 use crate::model::part::Mode;
 use crate::model::{GptConfig, ModelPart};
 use crate::optim::{AdamState, Hyper};
-use crate::replay::{self, ActorLog, Blob, Entry};
+use crate::replay::{ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
 use crate::schedule::{Action, ActionKind};
 use crate::trace::Recorder;
 use crossbeam_channel::{Receiver, Sender};
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Whether a message belongs to training or to a forward-only evaluation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Phase {
-    Train,
-    Eval,
-}
-
-pub enum StageMsg {
-    /// Walk the action list for optimizer step `step`.
-    /// `loss_scale` multiplies the loss gradient (dynamic loss scaling; 1 when off).
-    RunStep {
-        step: u64,
-        loss_scale: f32,
-    },
-    /// The coordinator's decision after the step's gradient norm.
-    Apply {
-        step: u64,
-        lr: f64,
-        clip: f32,
-        skip: bool,
-    },
-    /// Forward-only pass over `batches` microbatches (replica 0 only).
-    RunEval {
-        step: u64,
-        kind: EvalKind,
-        batches: usize,
-    },
-    Tokens {
-        phase: Phase,
-        step: u64,
-        mb: usize,
-        tokens: Vec<u32>,
-    },
-    Targets {
-        phase: Phase,
-        step: u64,
-        mb: usize,
-        targets: Vec<u32>,
-    },
-    /// The input of F on `stage`. `sent`: when it was sent, then (restamped by
-    /// the receiving stage's actor) when it arrived.
-    Activation {
-        phase: Phase,
-        step: u64,
-        stage: usize,
-        mb: usize,
-        data: Vec<f32>,
-        sent: Instant,
-    },
-    /// The gradient of `stage`'s output, for its B or I (`sent` as for `Activation`).
-    Gradient {
-        step: u64,
-        stage: usize,
-        mb: usize,
-        data: Vec<f32>,
-        sent: Instant,
-    },
-    /// The other rank's share of the tied embedding's gradient.
-    TiedShare {
-        step: u64,
-        data: Vec<f32>,
-    },
-    /// Gradients of `stage` summed over replicas.
-    Reduced {
-        step: u64,
-        stage: usize,
-        grads: Vec<Vec<f32>>,
-    },
-    /// Send the parameters to the coordinator (end of run).
-    SendWeights,
-    /// Copy parameters and AdamW moments for a checkpoint of step `step`.
-    Snapshot {
-        step: u64,
-    },
-    /// Reload parameters and moments from a checkpoint (a rollback).
-    Restore(Arc<crate::checkpoint::Loaded>),
-    Stop,
-}
-
-impl Message for StageMsg {}
+pub use super::protocol::{Phase, StageMsg};
 
 /// Buffer key: what a waiting action needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -117,12 +38,6 @@ enum Key {
     Grad(usize, usize),
     Tied,
     Reduced(usize),
-}
-
-enum Payload {
-    U32(Vec<u32>),
-    F32(Vec<f32>),
-    Grads(Vec<Vec<f32>>),
 }
 
 /// Where a stage's messages go.
@@ -259,7 +174,7 @@ struct Worker {
     hyper: Hyper,
     actions: Vec<Action>,
     rx: Receiver<StageMsg>,
-    inbox: BTreeMap<Key, Payload>,
+    inbox: BTreeMap<Key, StageMsg>,
     control: VecDeque<StageMsg>,
     links: Links,
     log: Option<ActorLog>,
@@ -538,7 +453,7 @@ impl Worker {
     fn prepare(args: &StageArgs) -> Result<Box<dyn StageCompute>, String> {
         // `PIPEWRIGHT_FAULT_START=stage-1`: that stage fails to start with an error,
         // for the test that a stage which never starts is reported and nothing hangs.
-        let name = super::coordinator::stage_name(args.rank, args.replica);
+        let name = super::protocol::stage_name(args.rank, args.replica);
         if std::env::var("PIPEWRIGHT_FAULT_START").is_ok_and(|v| v.split(',').any(|a| a.trim() == name)) {
             return Err("injected fault (PIPEWRIGHT_FAULT_START)".into());
         }
@@ -651,28 +566,28 @@ impl Worker {
 
     /// Files a data message in the inbox, or a control message in the queue.
     fn file(&mut self, msg: StageMsg) -> Result<(), Stopped> {
-        let (key, payload) = match msg {
-            StageMsg::Tokens { phase, mb, tokens, .. } => (Key::Tokens(phase, mb), Payload::U32(tokens)),
-            StageMsg::Targets { phase, mb, targets, .. } => (Key::Targets(phase, mb), Payload::U32(targets)),
-            StageMsg::Activation { phase, step, stage, mb, data, sent } => {
+        let key = match &msg {
+            StageMsg::Tokens { phase, mb, .. } => Key::Tokens(*phase, *mb),
+            StageMsg::Targets { phase, mb, .. } => Key::Targets(*phase, *mb),
+            &StageMsg::Activation { phase, step, stage, mb, sent, .. } => {
                 if phase == Phase::Train {
                     self.trace_recv(step, stage, stage - 1, mb, sent, "activation");
                 }
-                (Key::Act(phase, stage, mb), Payload::F32(data))
+                Key::Act(phase, stage, mb)
             }
-            StageMsg::Gradient { step, stage, mb, data, sent } => {
+            &StageMsg::Gradient { step, stage, mb, sent, .. } => {
                 self.trace_recv(step, stage, stage + 1, mb, sent, "gradient");
-                (Key::Grad(stage, mb), Payload::F32(data))
+                Key::Grad(stage, mb)
             }
-            StageMsg::TiedShare { data, .. } => (Key::Tied, Payload::F32(data)),
-            StageMsg::Reduced { stage, grads, .. } => (Key::Reduced(stage), Payload::Grads(grads)),
+            StageMsg::TiedShare { .. } => Key::Tied,
+            StageMsg::Reduced { stage, .. } => Key::Reduced(*stage),
             StageMsg::Stop => return Err(Stopped),
-            other => {
-                self.control.push_back(other);
+            _ => {
+                self.control.push_back(msg);
                 return Ok(());
             }
         };
-        let prev = self.inbox.insert(key, payload);
+        let prev = self.inbox.insert(key, msg);
         assert!(prev.is_none(), "rank {} received {key:?} twice", self.rank);
         Ok(())
     }
@@ -693,7 +608,7 @@ impl Worker {
         }
     }
 
-    fn wait_for(&mut self, key: Key) -> Result<Payload, Stopped> {
+    fn wait_for(&mut self, key: Key) -> Result<StageMsg, Stopped> {
         let p = self.wait_for_unlogged(key)?;
         if self.log.is_some() {
             let e = self.data_entry(key, &p);
@@ -705,55 +620,34 @@ impl Worker {
     }
 
     /// The log entry of a data message taken from the inbox.
-    fn data_entry(&self, key: Key, p: &Payload) -> Entry {
+    fn data_entry(&self, key: Key, msg: &StageMsg) -> Entry {
         let keep = self.log.as_ref().is_some_and(|l| l.payloads());
-        let loader = format!("loader-{}", self.replica);
-        let name_of = |stage: usize| super::coordinator::stage_name(self.layout.rank_of(stage), self.replica);
-        let (from, kind, phase, stage, mb) = match key {
-            Key::Tokens(ph, mb) => (loader, "Tokens", ph, None, Some(mb)),
-            Key::Targets(ph, mb) => (loader, "Targets", ph, None, Some(mb)),
-            Key::Act(ph, s, mb) => (name_of(s - 1), "Activation", ph, Some(s), Some(mb)),
-            Key::Grad(s, mb) => (name_of(s + 1), "Gradient", Phase::Train, Some(s), Some(mb)),
+        let name_of = |stage: usize| super::protocol::stage_name(self.layout.rank_of(stage), self.replica);
+        let from = match key {
+            Key::Tokens(..) | Key::Targets(..) => format!("loader-{}", self.replica),
+            Key::Act(_, s, _) => name_of(s - 1),
+            Key::Grad(s, _) => name_of(s + 1),
             Key::Tied => {
                 let last = self.layout.last_stage();
-                let other = if self.stages.contains(&0) { last } else { 0 };
-                (name_of(other), "TiedShare", Phase::Train, None, None)
+                name_of(if self.stages.contains(&0) { last } else { 0 })
             }
-            Key::Reduced(s) => ("reducer".to_string(), "Reduced", Phase::Train, Some(s), None),
+            Key::Reduced(_) => "reducer".to_string(),
         };
-        let inputs = match p {
-            Payload::U32(v) => vec![Blob::u32s(if kind == "Tokens" { "tokens" } else { "targets" }, v, keep)],
-            Payload::F32(v) => vec![Blob::f32s("data", v, keep)],
-            Payload::Grads(g) => self.grad_blobs(stage.expect("Reduced names its stage"), g, keep),
-        };
-        let mut e = replay::entry(&from, kind, self.step, self.replica).with_eval(phase == Phase::Eval);
-        e.stage = stage.map(|s| s as u64);
-        e.mb = mb.map(|m| m as u64);
-        e.with_inputs(inputs)
+        let grad_name = |stage: usize, k: usize| self.param_name(self.local(stage), k);
+        msg.logged(keep, &grad_name).entry(&from, self.step, self.replica)
     }
 
     /// A stage's gradients (in parameter order) as blobs named by parameter.
     fn grad_blobs(&self, stage: usize, grads: &[Vec<f32>], keep: bool) -> Vec<Blob> {
         let i = self.local(stage);
-        grads.iter().enumerate().map(|(k, g)| self.param_blob(i, k, g, keep)).collect()
+        grads.iter().enumerate().map(|(k, g)| Blob::f32s(&self.param_name(i, k), g, keep)).collect()
     }
 
-    fn param_blob(&self, part: usize, k: usize, data: &[f32], keep: bool) -> Blob {
-        match self.compute.param_name(part, k) {
-            Some(name) => Blob::f32s(&name, data, keep),
-            None => Blob::f32s(&format!("tensor.{k}"), data, keep),
-        }
+    fn param_name(&self, part: usize, k: usize) -> String {
+        self.compute.param_name(part, k).unwrap_or_else(|| format!("tensor.{k}"))
     }
 
-    /// Logs a message this stage sends (digests computed only when recording).
-    fn log_sent(&mut self, to: &str, kind: &str, mb: Option<usize>, blobs: impl FnOnce(bool) -> Vec<Blob>) {
-        if let Some(log) = &mut self.log {
-            let b = blobs(log.payloads());
-            log.sent(to, kind, mb.map(|m| m as u64), b);
-        }
-    }
-
-    fn wait_for_unlogged(&mut self, key: Key) -> Result<Payload, Stopped> {
+    fn wait_for_unlogged(&mut self, key: Key) -> Result<StageMsg, Stopped> {
         if let Some(p) = self.inbox.remove(&key) {
             return Ok(p);
         }
@@ -827,14 +721,16 @@ impl Worker {
 
     fn wait_f32(&mut self, key: Key) -> Result<Vec<f32>, Stopped> {
         match self.wait_for(key)? {
-            Payload::F32(v) => Ok(v),
+            StageMsg::Activation { data, .. }
+            | StageMsg::Gradient { data, .. }
+            | StageMsg::TiedShare { data, .. } => Ok(data),
             _ => unreachable!("{key:?} carries f32"),
         }
     }
 
     fn wait_u32(&mut self, key: Key) -> Result<Vec<u32>, Stopped> {
         match self.wait_for(key)? {
-            Payload::U32(v) => Ok(v),
+            StageMsg::Tokens { tokens: v, .. } | StageMsg::Targets { targets: v, .. } => Ok(v),
             _ => unreachable!("{key:?} carries u32"),
         }
     }
@@ -846,15 +742,9 @@ impl Worker {
     }
 
     fn send_to_rank(&mut self, rank: usize, msg: StageMsg) -> Result<(), Stopped> {
-        if self.log.is_some() {
-            let to = super::coordinator::stage_name(rank, self.replica);
-            let (kind, mb, data) = match &msg {
-                StageMsg::Activation { mb, data, .. } => ("Activation", Some(*mb), data),
-                StageMsg::Gradient { mb, data, .. } => ("Gradient", Some(*mb), data),
-                StageMsg::TiedShare { data, .. } => ("TiedShare", None, data),
-                _ => unreachable!("stages send each other tensors only"),
-            };
-            self.log_sent(&to, kind, mb, |keep| vec![Blob::f32s("data", data, keep)]);
+        if let Some(log) = &mut self.log {
+            let to = super::protocol::stage_name(rank, self.replica);
+            msg.logged(log.payloads(), &super::protocol::no_grad_names).record_sent(log, &to);
         }
         // Evaluation traffic has its "eval" spans; sends and receives are the step's.
         let eval = matches!(msg, StageMsg::Activation { phase: Phase::Eval, .. });
@@ -967,34 +857,7 @@ impl Worker {
 
     fn log_report(&mut self, msg: &CoordinatorMsg) {
         if let Some(log) = &mut self.log {
-            let keep = log.payloads();
-            let (kind, blobs) = match msg {
-                CoordinatorMsg::StageDone(r) => ("StageDone", stage_done_blobs(r)),
-                CoordinatorMsg::Applied { .. } => ("Applied", vec![]),
-                CoordinatorMsg::Restored { .. } => ("Restored", vec![]),
-                CoordinatorMsg::EvalDone { kind, loss_sum, tokens, predictions, .. } => (
-                    "EvalDone",
-                    vec![
-                        Blob::str("kind", eval_kind_name(*kind)),
-                        Blob::f64("loss_sum", *loss_sum),
-                        Blob::f64("tokens", *tokens as f64),
-                        Blob::u32s("predictions", predictions, true),
-                    ],
-                ),
-                CoordinatorMsg::Weights { params, .. } => {
-                    ("Weights", params.iter().map(|p| Blob::f32s(&p.name, &p.data, keep)).collect())
-                }
-                CoordinatorMsg::Snapshot { tensors, adam_step, .. } => {
-                    let mut b = vec![Blob::f64("adam_step", *adam_step as f64)];
-                    for t in tensors {
-                        b.push(Blob::f32s(&t.name, &t.data, keep));
-                        b.push(Blob::f32s(&format!("{}.exp_avg", t.name), &t.exp_avg, keep));
-                        b.push(Blob::f32s(&format!("{}.exp_avg_sq", t.name), &t.exp_avg_sq, keep));
-                    }
-                    ("Snapshot", b)
-                }
-                _ => ("Other", vec![]),
-            };
+            let (kind, blobs) = msg.logged(log.payloads(), true);
             log.sent("coordinator", kind, None, blobs);
         }
     }
@@ -1007,28 +870,7 @@ impl Worker {
 
     /// The log entry of a control message from the coordinator.
     fn control_entry(&self, msg: &StageMsg) -> Entry {
-        let e = |kind: &str, step: u64| replay::entry("coordinator", kind, step, self.replica);
-        match msg {
-            StageMsg::RunStep { step, loss_scale } => {
-                e("RunStep", *step).with_inputs(vec![Blob::f64("loss_scale", *loss_scale as f64)])
-            }
-            StageMsg::Apply { step, lr, clip, skip } => e("Apply", *step).with_inputs(vec![
-                Blob::f64("lr", *lr),
-                Blob::f64("clip", *clip as f64),
-                Blob::f64("skip", *skip as u8 as f64),
-            ]),
-            StageMsg::RunEval { step, kind, batches } => {
-                e("RunEval", *step).with_eval(true).with_inputs(vec![
-                    Blob::str("kind", eval_kind_name(*kind)),
-                    Blob::f64("batches", *batches as f64),
-                ])
-            }
-            StageMsg::SendWeights => e("SendWeights", self.step),
-            StageMsg::Snapshot { step } => e("Snapshot", *step),
-            StageMsg::Restore(c) => e("Restore", c.state.step)
-                .with_inputs(vec![Blob::str("checkpoint", &c.dir.display().to_string())]),
-            _ => e("Other", self.step),
-        }
+        msg.logged(false, &super::protocol::no_grad_names).entry("coordinator", self.step, self.replica)
     }
 
     /// Digests of the parameters after an optimizer step (or a rollback).
@@ -1317,7 +1159,7 @@ impl Worker {
         for i in 0..self.stages.len() {
             let stage = self.stages[i];
             let grads = match self.wait_for(Key::Reduced(stage))? {
-                Payload::Grads(g) => g,
+                StageMsg::Reduced { grads, .. } => grads,
                 _ => unreachable!(),
             };
             self.compute.set_grads(i, grads);
@@ -1355,22 +1197,5 @@ impl Worker {
             self.report(CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens: batches * n, predictions });
         }
         Ok(())
-    }
-}
-
-pub fn stage_done_blobs(r: &StageReport) -> Vec<Blob> {
-    let index: Vec<u32> = r.grad_sumsq.iter().map(|x| x.0 as u32).collect();
-    let sumsq: Vec<f64> = r.grad_sumsq.iter().map(|x| x.1).collect();
-    let mut b = vec![Blob::u32s("grad_sumsq.index", &index, true), Blob::f64s("grad_sumsq", &sumsq, true)];
-    if let Some(l) = r.loss_sum {
-        b.push(Blob::f64("loss_sum", l));
-    }
-    b
-}
-
-pub fn eval_kind_name(k: EvalKind) -> &'static str {
-    match k {
-        EvalKind::Val => "val",
-        EvalKind::ExactMatch => "exact_match",
     }
 }

@@ -289,7 +289,7 @@ impl Fabric {
                             who()
                         )
                     })?;
-                if let Some(step) = step_of(&msg) {
+                if let Some(step) = msg.step() {
                     self.step.fetch_max(step, Ordering::Relaxed);
                 }
                 let msg = wire::stage_msg(msg, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
@@ -360,17 +360,6 @@ impl Fabric {
             }
             other => Err(format!("{} sent an unexpected {} frame", who(), kind_name(&other))),
         }
-    }
-}
-
-fn step_of(k: &wire::StageKind) -> Option<u64> {
-    use wire::StageKind::*;
-    match k {
-        RunStep { step, .. } | Apply { step, .. } | Tokens { step, .. } | Activation { step, .. } => {
-            Some(*step)
-        }
-        Gradient { step, .. } | TiedShare { step } | Reduced { step, .. } => Some(*step),
-        _ => None,
     }
 }
 
