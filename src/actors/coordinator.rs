@@ -279,7 +279,7 @@ impl Actor for Coordinator {
             (_, kind) if kind != "cuda" => None,
             (Some(f), _) => f.gpu_plan.get().cloned(),
             (None, _) => Some(Arc::new(
-                super::compute::GpuPlan::make(&layout, |_, _| 0, 0).map_err(|e| format!("NCCL: {e}"))?,
+                super::stage::nccl::GpuPlan::make(&layout, |_, _| 0, 0).map_err(|e| format!("NCCL: {e}"))?,
             )),
         };
         let mut stages = Vec::new();

@@ -45,7 +45,7 @@ pub enum Kind {
         resume: Option<String>,
         init: Option<String>,
         /// GPU runs: the NCCL ids of the communicators that cross processes.
-        nccl: Vec<(crate::actors::compute::NcclKey, Vec<u8>)>,
+        nccl: Vec<(crate::actors::stage::nccl::NcclKey, Vec<u8>)>,
     },
     /// A worker's stages are up and its links to every peer are open.
     Ready {
