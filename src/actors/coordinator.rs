@@ -12,63 +12,19 @@ use super::data_loader::{DataLoader, LoaderArgs, LoaderMsg};
 use super::layout::Layout;
 use super::monitor::{Monitor, MonitorArgs, MonitorMsg};
 use super::reducer::{Reducer, ReducerArgs, ReducerMsg};
-use super::stage::{StageActor, StageArgs, StageMsg};
+use super::stage::{StageActor, StageArgs};
 use crate::config::Config;
 use crate::data::{EvalSet, Sampler};
 use crate::model::{io::LoadedWeights, Param};
 use crate::optim::{self, LrSchedule};
 use crate::replay::{self, ActorLog, Blob};
 use crate::train::run::{Progress, StepMetrics};
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokio::sync::oneshot;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EvalKind {
-    /// Mean loss over validation windows.
-    Val,
-    /// Exact-match accuracy on held-out problems.
-    ExactMatch,
-}
-
-#[derive(Debug, Clone)]
-pub struct Failure {
-    pub actor: String,
-    pub step: u64,
-    pub action: Option<String>,
-    pub error: String,
-}
-
-impl Failure {
-    pub fn new(
-        rank: usize,
-        replica: usize,
-        step: u64,
-        action: Option<String>,
-        error: impl Into<String>,
-    ) -> Self {
-        Failure { actor: stage_name(rank, replica), step, action, error: error.into() }
-    }
-}
-
-impl std::fmt::Display for Failure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} failed at step {}", self.actor, self.step)?;
-        if let Some(a) = &self.action {
-            write!(f, " during {a} (stage {}, microbatch {})", stage_of(a), mb_of(a))?;
-        }
-        write!(f, ": {}", self.error)
-    }
-}
-
-fn stage_of(action: &str) -> &str {
-    action.split(['F', 'B', 'I', 'W']).next().unwrap_or("?")
-}
-
-fn mb_of(action: &str) -> &str {
-    action.rsplit(['F', 'B', 'I', 'W']).next().unwrap_or("?")
-}
+pub use super::protocol::{stage_name, CoordinatorMsg, EvalKind, Failure, StageMsg, StageReport};
 
 /// ractor's registry is process-wide: runs in one process (tests, the bench's
 /// layouts) register their actors under their own run number, `name#run`.
@@ -79,74 +35,6 @@ fn registered(name: &str, run: u64) -> String {
 fn plain_name(registered: &str) -> &str {
     registered.split('#').next().unwrap_or(registered)
 }
-
-/// Actor names as the replay log will use them: stage-R (replica 0), stage-R.K.
-pub fn stage_name(rank: usize, replica: usize) -> String {
-    if replica == 0 {
-        format!("stage-{rank}")
-    } else {
-        format!("stage-{rank}.{replica}")
-    }
-}
-
-pub struct StageReport {
-    pub rank: usize,
-    pub replica: usize,
-    pub step: u64,
-    /// (canonical tensor index, Σg²), replica 0 only.
-    pub grad_sumsq: Vec<(usize, f64)>,
-    /// Σ loss over the step's microbatches, from the rank holding the last stage.
-    pub loss_sum: Option<f64>,
-}
-
-pub enum CoordinatorMsg {
-    Start,
-    StageDone(StageReport),
-    Applied {
-        rank: usize,
-        replica: usize,
-        step: u64,
-    },
-    EvalDone {
-        step: u64,
-        kind: EvalKind,
-        loss_sum: f64,
-        tokens: usize,
-        predictions: Vec<u32>,
-    },
-    Weights {
-        rank: usize,
-        replica: usize,
-        params: Vec<Param>,
-        latencies_us: Vec<f64>,
-        peak_live_bytes: usize,
-        trace: Vec<crate::trace::Record>,
-    },
-    Failed(Failure),
-    /// A stage's copy of its parameters and moments for the checkpoint of `step`.
-    Snapshot {
-        rank: usize,
-        step: u64,
-        tensors: Vec<crate::checkpoint::TensorState>,
-        adam_step: u64,
-    },
-    /// The checkpointer finished writing the checkpoint of `step`.
-    Saved {
-        step: u64,
-        ms: f64,
-        path: std::path::PathBuf,
-    },
-    CheckpointFailed(String),
-    /// A stage reloaded the rollback checkpoint.
-    Restored {
-        rank: usize,
-        replica: usize,
-    },
-    /// SIGINT or SIGTERM: checkpoint at the next step boundary and stop.
-    StopRequested,
-}
-
-impl Message for CoordinatorMsg {}
 
 pub struct RunData {
     pub train: Sampler,
@@ -396,7 +284,7 @@ impl Actor for Coordinator {
             (_, kind) if kind != "cuda" => None,
             (Some(f), _) => f.gpu_plan.get().cloned(),
             (None, _) => Some(Arc::new(
-                super::compute::GpuPlan::make(&layout, |_, _| 0, 0).map_err(|e| format!("NCCL: {e}"))?,
+                super::stage::nccl::GpuPlan::make(&layout, |_, _| 0, 0).map_err(|e| format!("NCCL: {e}"))?,
             )),
         };
         let mut stages = Vec::new();
@@ -681,54 +569,32 @@ impl CoordinatorState {
     /// (replica, rank) order when their gather completes, so the log does not
     /// depend on the order they arrived in.
     fn log_handled(&mut self, msg: &CoordinatorMsg) {
+        let last = self.layout.rank_of(self.layout.last_stage());
         let Some(log) = &mut self.log else { return };
-        let gathered = |kind: &str, rank: usize, replica: usize, step: u64, inputs: Vec<Blob>| {
-            replay::entry(&stage_name(rank, replica), kind, step, replica)
-                .with_stage(rank)
-                .with_inputs(inputs)
-        };
-        match msg {
-            CoordinatorMsg::Start => log.begin(replay::entry("coordinator", "Start", self.step, 0)),
-            CoordinatorMsg::StageDone(r) => log.gather(gathered(
-                "StageDone",
-                r.rank,
-                r.replica,
-                r.step,
-                super::stage::stage_done_blobs(r),
-            )),
-            CoordinatorMsg::Applied { rank, replica, step } => {
-                log.gather(gathered("Applied", *rank, *replica, *step, vec![]))
+        let sender =
+            |rank: usize, replica: usize, step: u64| (stage_name(rank, replica), step, replica, Some(rank));
+        let (from, step, replica, rank) = match msg {
+            CoordinatorMsg::Start => ("coordinator".to_string(), self.step, 0, None),
+            CoordinatorMsg::StageDone(r) => sender(r.rank, r.replica, r.step),
+            CoordinatorMsg::Applied { rank, replica, step } => sender(*rank, *replica, *step),
+            CoordinatorMsg::Restored { rank, replica } | CoordinatorMsg::Weights { rank, replica, .. } => {
+                sender(*rank, *replica, self.step)
             }
-            CoordinatorMsg::Restored { rank, replica } => {
-                log.gather(gathered("Restored", *rank, *replica, self.step, vec![]))
-            }
-            CoordinatorMsg::Weights { rank, replica, .. } => {
-                log.gather(gathered("Weights", *rank, *replica, self.step, vec![]))
-            }
-            CoordinatorMsg::Snapshot { rank, step, adam_step, .. } => log.gather(gathered(
-                "Snapshot",
-                *rank,
-                0,
-                *step,
-                vec![Blob::f64("adam_step", *adam_step as f64)],
-            )),
-            CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens, predictions } => {
-                let last = self.layout.rank_of(self.layout.last_stage());
-                let e = replay::entry(&stage_name(last, 0), "EvalDone", *step, 0)
-                    .with_eval(true)
-                    .with_inputs(vec![
-                        Blob::str("kind", super::stage::eval_kind_name(*kind)),
-                        Blob::f64("loss_sum", *loss_sum),
-                        Blob::f64("tokens", *tokens as f64),
-                        Blob::u32s("predictions", predictions, true),
-                    ]);
-                log.begin(e)
-            }
+            CoordinatorMsg::Snapshot { rank, step, .. } => sender(*rank, 0, *step),
+            CoordinatorMsg::EvalDone { step, .. } => (stage_name(last, 0), *step, 0, None),
             // Their timing is the point, not their content: left out (see crate::replay).
             CoordinatorMsg::Saved { .. }
             | CoordinatorMsg::CheckpointFailed(_)
             | CoordinatorMsg::StopRequested
-            | CoordinatorMsg::Failed(_) => {}
+            | CoordinatorMsg::Failed(_) => return,
+        };
+        let (kind, blobs) = msg.logged(log.payloads(), false);
+        let mut e = replay::entry(&from, kind, step, replica).with_inputs(blobs);
+        e.stage = rank.map(|r| r as u64);
+        match msg {
+            CoordinatorMsg::Start => log.begin(e),
+            CoordinatorMsg::EvalDone { .. } => log.begin(e.with_eval(true)),
+            _ => log.gather(e),
         }
     }
 
@@ -859,8 +725,8 @@ impl CoordinatorState {
 
     fn send_stage(&mut self, replica: usize, rank: usize, msg: StageMsg) -> Result<(), ActorProcessingErr> {
         if self.log.is_some() {
-            let (kind, blobs) = stage_msg_blobs(&msg);
-            self.log_sent(&stage_name(rank, replica), kind, || blobs);
+            let logged = msg.logged(false, &super::protocol::no_grad_names);
+            self.log_sent(&stage_name(rank, replica), logged.kind, || logged.blobs);
         }
         if let Some(r) = self.stages.get(replica).and_then(|v| v.get(rank)) {
             r.send_message(msg)?;
@@ -884,8 +750,8 @@ impl CoordinatorState {
             LoaderMsg::Eval { kind, batches, .. } => (
                 "Eval",
                 vec![
-                    Blob::str("kind", super::stage::eval_kind_name(*kind)),
-                    Blob::f64("batches", *batches as f64),
+                    Blob::str(super::protocol::key::EVAL_KIND, kind.name()),
+                    Blob::f64(super::protocol::key::BATCHES, *batches as f64),
                 ],
             ),
         };
@@ -908,34 +774,6 @@ impl CoordinatorState {
             m.send_message(msg)?;
         }
         Ok(())
-    }
-}
-
-/// A stage control message's kind and scalars, as the stage logs them too.
-fn stage_msg_blobs(msg: &StageMsg) -> (&'static str, Vec<Blob>) {
-    match msg {
-        StageMsg::RunStep { loss_scale, .. } => {
-            ("RunStep", vec![Blob::f64("loss_scale", *loss_scale as f64)])
-        }
-        StageMsg::Apply { lr, clip, skip, .. } => (
-            "Apply",
-            vec![
-                Blob::f64("lr", *lr),
-                Blob::f64("clip", *clip as f64),
-                Blob::f64("skip", *skip as u8 as f64),
-            ],
-        ),
-        StageMsg::RunEval { kind, batches, .. } => (
-            "RunEval",
-            vec![
-                Blob::str("kind", super::stage::eval_kind_name(*kind)),
-                Blob::f64("batches", *batches as f64),
-            ],
-        ),
-        StageMsg::SendWeights => ("SendWeights", vec![]),
-        StageMsg::Snapshot { .. } => ("Snapshot", vec![]),
-        StageMsg::Restore(c) => ("Restore", vec![Blob::str("checkpoint", &c.dir.display().to_string())]),
-        _ => ("Other", vec![]),
     }
 }
 

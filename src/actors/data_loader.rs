@@ -82,8 +82,8 @@ impl LoaderArgs {
                 LoaderMsg::Eval { step, kind, batches } => {
                     replay::entry("coordinator", "Eval", *step, self.replica).with_eval(true).with_inputs(
                         vec![
-                            Blob::str("kind", super::stage::eval_kind_name(*kind)),
-                            Blob::f64("batches", *batches as f64),
+                            Blob::str(super::protocol::key::EVAL_KIND, kind.name()),
+                            Blob::f64(super::protocol::key::BATCHES, *batches as f64),
                         ],
                     )
                 }
@@ -134,18 +134,20 @@ impl LoaderArgs {
         tokens: Vec<u32>,
         targets: Vec<u32>,
     ) -> Result<(), String> {
+        let tokens = StageMsg::Tokens { phase, step, mb, tokens };
+        let targets = StageMsg::Targets { phase, step, mb, targets };
         if let Some(log) = &mut self.log {
             let keep = log.payloads();
-            let first = super::coordinator::stage_name(self.first_rank, self.replica);
-            let last = super::coordinator::stage_name(self.last_rank, self.replica);
-            log.sent(&first, "Tokens", Some(mb as u64), vec![Blob::u32s("tokens", &tokens, keep)]);
-            log.sent(&last, "Targets", Some(mb as u64), vec![Blob::u32s("targets", &targets, keep)]);
+            let first = super::protocol::stage_name(self.first_rank, self.replica);
+            let last = super::protocol::stage_name(self.last_rank, self.replica);
+            tokens.logged(keep, &super::protocol::no_grad_names).record_sent(log, &first);
+            targets.logged(keep, &super::protocol::no_grad_names).record_sent(log, &last);
         }
         let Some(stages) = self.stages.get() else { return Ok(()) };
         let ranks = &stages[self.replica];
         let failed = |e| format!("loader-{}: {e}", self.replica);
-        ranks[self.first_rank].send_message(StageMsg::Tokens { phase, step, mb, tokens }).map_err(failed)?;
-        ranks[self.last_rank].send_message(StageMsg::Targets { phase, step, mb, targets }).map_err(failed)
+        ranks[self.first_rank].send_message(tokens).map_err(failed)?;
+        ranks[self.last_rank].send_message(targets).map_err(failed)
     }
 }
 

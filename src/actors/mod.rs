@@ -10,6 +10,8 @@
 //! - `reducer`: sums gradients over data-parallel replicas in replica order.
 //! - `monitor`: metrics.jsonl and the progress display.
 //! - `checkpointer`: writes checkpoints in the background.
+//! - `protocol`: every message kind, declared once, and its encodings (frame
+//!   header + tensors for the wire, named blobs for the replay log).
 //!
 //! Schedules come from `crate::schedule` as data; nothing here decides an
 //! order of work. Every message type is declared with `impl Message` (ractor's
@@ -21,6 +23,7 @@ pub mod coordinator;
 pub mod data_loader;
 pub mod layout;
 pub mod monitor;
+pub mod protocol;
 pub mod reducer;
 pub mod stage;
 

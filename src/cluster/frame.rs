@@ -67,18 +67,12 @@ pub struct Header {
 }
 
 /// One tensor of a frame's payload.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Array {
-    F32(Vec<f32>),
-    U32(Vec<u32>),
-}
+pub use crate::actors::protocol::Array;
 
-impl Array {
-    fn info(&self) -> (Elem, u64) {
-        match self {
-            Array::F32(v) => (Elem::F32, v.len() as u64),
-            Array::U32(v) => (Elem::U32, v.len() as u64),
-        }
+fn info(a: &Array) -> (Elem, u64) {
+    match a {
+        Array::F32(v) => (Elem::F32, v.len() as u64),
+        Array::U32(v) => (Elem::U32, v.len() as u64),
     }
 }
 
@@ -104,7 +98,7 @@ fn config() -> impl bincode::config::Config {
 
 /// Writes one frame; `scratch` is reused between calls to avoid reallocating.
 pub fn write_frame(w: &mut impl Write, frame: &Frame, scratch: &mut Vec<u8>) -> Result<(), FrameError> {
-    let header = Header { kind: frame.kind.clone(), arrays: frame.arrays.iter().map(Array::info).collect() };
+    let header = Header { kind: frame.kind.clone(), arrays: frame.arrays.iter().map(info).collect() };
     let head =
         bincode::serde::encode_to_vec(&header, config()).map_err(|e| FrameError::Header(e.to_string()))?;
     let payload: u64 = header.arrays.iter().map(|(_, n)| 4 * n).sum();

@@ -77,7 +77,7 @@ pub enum Event {
         run_dir: String,
         resume: Option<String>,
         init: Option<String>,
-        nccl: Vec<(crate::actors::compute::NcclKey, Vec<u8>)>,
+        nccl: Vec<(crate::actors::stage::nccl::NcclKey, Vec<u8>)>,
     },
     Ready(usize),
     Abort(String),
@@ -133,7 +133,7 @@ pub struct Fabric {
     pub placement: OnceLock<Placement>,
     /// GPU runs: which ranks share this process, and the NCCL ids of the links
     /// and all-reduces that cross processes (made on rank 0, sent in the roster).
-    pub gpu_plan: OnceLock<Arc<crate::actors::compute::GpuPlan>>,
+    pub gpu_plan: OnceLock<Arc<crate::actors::stage::nccl::GpuPlan>>,
     /// On rank 0: each worker's clock alignment, as it reported it.
     clocks: Mutex<Vec<ClockEstimate>>,
 }
@@ -289,7 +289,7 @@ impl Fabric {
                             who()
                         )
                     })?;
-                if let Some(step) = step_of(&msg) {
+                if let Some(step) = msg.step() {
                     self.step.fetch_max(step, Ordering::Relaxed);
                 }
                 let msg = wire::stage_msg(msg, f.arrays).map_err(|e| format!("{}: {e}", who()))?;
@@ -360,17 +360,6 @@ impl Fabric {
             }
             other => Err(format!("{} sent an unexpected {} frame", who(), kind_name(&other))),
         }
-    }
-}
-
-fn step_of(k: &wire::StageKind) -> Option<u64> {
-    use wire::StageKind::*;
-    match k {
-        RunStep { step, .. } | Apply { step, .. } | Tokens { step, .. } | Activation { step, .. } => {
-            Some(*step)
-        }
-        Gradient { step, .. } | TiedShare { step } | Reduced { step, .. } => Some(*step),
-        _ => None,
     }
 }
 

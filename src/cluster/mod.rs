@@ -316,7 +316,7 @@ impl Driver {
         if cfg.backend.kind == "cuda" {
             let layout = Layout::from_config(cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
             let f = self.fabric.clone();
-            let plan = crate::actors::compute::GpuPlan::make(&layout, |r, k| f.owner(r, k), 0)
+            let plan = crate::actors::stage::nccl::GpuPlan::make(&layout, |r, k| f.owner(r, k), 0)
                 .map_err(|e| ClusterError::Setup(format!("NCCL: {e}")))?;
             nccl = plan.nccl.iter().map(|(k, id)| (*k, id.clone())).collect();
             let _ = self.fabric.gpu_plan.set(Arc::new(plan));
@@ -507,8 +507,12 @@ fn serve(
     let _ = fabric.placement.set(placement.clone());
     if cfg.backend.kind == "cuda" {
         let ids = nccl.into_iter().collect();
-        let plan =
-            crate::actors::compute::GpuPlan::from_ids(&layout, |r, k| placement.owner(r, k), spec.rank, ids);
+        let plan = crate::actors::stage::nccl::GpuPlan::from_ids(
+            &layout,
+            |r, k| placement.owner(r, k),
+            spec.rank,
+            ids,
+        );
         let _ = fabric.gpu_plan.set(Arc::new(plan));
     }
     fabric.set_started();

@@ -3,10 +3,11 @@
 //! system and compare every actor's log (`--all`).
 
 use super::{compare, ActorLog, Checker, Divergence, Entry, Header, LogError, LogReader, ReadLog};
-use crate::actors::coordinator::{CoordinatorMsg, CoordinatorState, EvalKind, Links, StageReport};
+use crate::actors::coordinator::{CoordinatorState, Links};
 use crate::actors::data_loader::{LoaderArgs, LoaderMsg};
+use crate::actors::protocol::{CoordinatorMsg, EvalKind, StageMsg};
 use crate::actors::reducer::{ReducerArgs, ReducerMsg, ReducerState};
-use crate::actors::stage::{replay_stage, Phase, StageArgs, StageMsg};
+use crate::actors::stage::{replay_stage, StageArgs};
 use crate::actors::Layout;
 use crate::config::Config;
 use crate::optim::grad_tree::Span;
@@ -328,78 +329,9 @@ fn need_payloads(h: &Header, path: &Path, actor: &str) -> Result<()> {
     Ok(())
 }
 
-fn blob_err<'a>(e: &'a Entry, path: &'a Path) -> impl Fn(String) -> anyhow::Error + 'a {
-    move |why| anyhow!("{}: {}: {why}", path.display(), e.describe())
-}
-
 /// The message a stage received, rebuilt from its log entry.
 fn stage_msg(e: &Entry, path: &Path, run_dir: &Path) -> Result<StageMsg> {
-    let err = blob_err(e, path);
-    let f64_of = |name: &str| e.input(name).and_then(|b| b.to_f64()).map_err(&err);
-    let phase = if e.eval { Phase::Eval } else { Phase::Train };
-    let mb = e.mb.unwrap_or(0) as usize;
-    let stage = e.stage.unwrap_or(0) as usize;
-    let step = e.step;
-    let f32_data = || e.input("data").and_then(|b| b.to_f32s()).map_err(&err);
-    Ok(match e.kind.as_str() {
-        "RunStep" => StageMsg::RunStep { step, loss_scale: f64_of("loss_scale")? as f32 },
-        "Apply" => StageMsg::Apply {
-            step,
-            lr: f64_of("lr")?,
-            clip: f64_of("clip")? as f32,
-            skip: f64_of("skip")? != 0.0,
-        },
-        "RunEval" => StageMsg::RunEval {
-            step,
-            kind: eval_kind(&e.input("kind").and_then(|b| b.to_str()).map_err(&err)?).map_err(&err)?,
-            batches: f64_of("batches")? as usize,
-        },
-        "SendWeights" => StageMsg::SendWeights,
-        "Snapshot" => StageMsg::Snapshot { step },
-        "Restore" => {
-            let dir = e.input("checkpoint").and_then(|b| b.to_str()).map_err(&err)?;
-            let dir = if Path::new(&dir).is_absolute() { PathBuf::from(dir) } else { run_dir.join(dir) };
-            StageMsg::Restore(Arc::new(crate::checkpoint::load(&dir)?))
-        }
-        "Tokens" => StageMsg::Tokens {
-            phase,
-            step,
-            mb,
-            tokens: e.input("tokens").and_then(|b| b.to_u32s()).map_err(&err)?,
-        },
-        "Targets" => StageMsg::Targets {
-            phase,
-            step,
-            mb,
-            targets: e.input("targets").and_then(|b| b.to_u32s()).map_err(&err)?,
-        },
-        "Activation" => StageMsg::Activation {
-            phase,
-            step,
-            stage,
-            mb,
-            data: f32_data()?,
-            sent: std::time::Instant::now(),
-        },
-        "Gradient" => {
-            StageMsg::Gradient { step, stage, mb, data: f32_data()?, sent: std::time::Instant::now() }
-        }
-        "TiedShare" => StageMsg::TiedShare { step, data: f32_data()? },
-        "Reduced" => StageMsg::Reduced {
-            step,
-            stage,
-            grads: e.inputs.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(&err)?,
-        },
-        other => bail!("{}: {}: a stage does not handle `{other}`", path.display(), e.describe()),
-    })
-}
-
-fn eval_kind(s: &str) -> Result<EvalKind, String> {
-    match s {
-        "val" => Ok(EvalKind::Val),
-        "exact_match" => Ok(EvalKind::ExactMatch),
-        other => Err(format!("unknown evaluation `{other}`")),
-    }
+    StageMsg::from_entry(e, run_dir).map_err(|why| anyhow!("{}: {}: {why}", path.display(), e.describe()))
 }
 
 fn parse_stage_name(actor: &str, cfg: &Config) -> Result<(usize, usize)> {
@@ -527,7 +459,12 @@ fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) ->
             "Train" => LoaderMsg::Train { step: e.step },
             "Eval" => {
                 let err = |why: String| anyhow!("{actor}: {}: {why}", e.describe());
-                let kind = eval_kind(&e.input("kind").and_then(|b| b.to_str()).map_err(err)?).map_err(err)?;
+                let kind = EvalKind::from_name(
+                    &e.input(crate::actors::protocol::key::EVAL_KIND)
+                        .and_then(|b| b.to_str())
+                        .map_err(err)?,
+                )
+                .map_err(err)?;
                 let batches = e.input("batches").and_then(|b| b.to_f64()).map_err(err)? as usize;
                 LoaderMsg::Eval { step: e.step, kind, batches }
             }
@@ -598,47 +535,8 @@ fn replay_coordinator(
         st.start_unlogged().map_err(|e| anyhow!("coordinator: starting at step {start}: {e}"))?;
     }
     for e in entries {
-        let err = |why: String| anyhow!("coordinator: {}: {why}", e.describe());
-        let f64_of = |name: &str| e.input(name).and_then(|b| b.to_f64()).map_err(err);
-        let rank = e.stage.unwrap_or(0) as usize;
-        let replica = e.replica as usize;
-        let msg = match e.kind.as_str() {
-            "Start" => CoordinatorMsg::Start,
-            "StageDone" => {
-                let index = e.input("grad_sumsq.index").and_then(|b| b.to_u32s()).map_err(err)?;
-                let sumsq = e.input("grad_sumsq").and_then(|b| b.to_f64s()).map_err(err)?;
-                let loss_sum = match e.input("loss_sum") {
-                    Ok(b) => Some(b.to_f64().map_err(err)?),
-                    Err(_) => None,
-                };
-                let grad_sumsq = index.into_iter().map(|i| i as usize).zip(sumsq).collect();
-                CoordinatorMsg::StageDone(StageReport { rank, replica, step: e.step, grad_sumsq, loss_sum })
-            }
-            "Applied" => CoordinatorMsg::Applied { rank, replica, step: e.step },
-            "Restored" => CoordinatorMsg::Restored { rank, replica },
-            "Weights" => CoordinatorMsg::Weights {
-                rank,
-                replica,
-                params: vec![],
-                latencies_us: vec![],
-                peak_live_bytes: 0,
-                trace: vec![],
-            },
-            "Snapshot" => CoordinatorMsg::Snapshot {
-                rank,
-                step: e.step,
-                tensors: vec![],
-                adam_step: f64_of("adam_step")? as u64,
-            },
-            "EvalDone" => CoordinatorMsg::EvalDone {
-                step: e.step,
-                kind: eval_kind(&e.input("kind").and_then(|b| b.to_str()).map_err(err)?).map_err(err)?,
-                loss_sum: f64_of("loss_sum")?,
-                tokens: f64_of("tokens")? as usize,
-                predictions: e.input("predictions").and_then(|b| b.to_u32s()).map_err(err)?,
-            },
-            other => bail!("coordinator: {}: not a message the coordinator logs (`{other}`)", e.describe()),
-        };
+        let msg =
+            CoordinatorMsg::from_entry(e).map_err(|why| anyhow!("coordinator: {}: {why}", e.describe()))?;
         st.on_message(msg).map_err(|x| anyhow!("coordinator: {}: {x}", e.describe()))?;
         if st.is_stopped() {
             break;

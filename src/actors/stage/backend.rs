@@ -1,0 +1,133 @@
+//! Builds what a rank computes with, from the config's backend: its chunks
+//! (initial, `--init` or resumed tensors) with their optimizer state on CPU
+//! cores or a GPU, or the simulated backend.
+
+use super::super::compute::{CpuCompute, StageCompute};
+use super::faults::Faults;
+use super::sim::SimCompute;
+use super::StageArgs;
+use crate::model::{GptConfig, ModelPart};
+use crate::optim::AdamState;
+
+/// The rank's compute, or why it could not start.
+pub fn build(args: &StageArgs, faults: &Faults) -> Result<Box<dyn StageCompute>, String> {
+    let name = super::super::protocol::stage_name(args.rank, args.replica);
+    if faults.fails_to_start(&name) {
+        return Err("injected fault (PIPEWRIGHT_FAULT_START)".into());
+    }
+    let cfg = &args.cfg;
+    if cfg.backend.kind == "sim" {
+        pin_here(&args.cores);
+        let stages = args.layout.stages_of(args.rank);
+        let last = args.layout.last_stage();
+        return Ok(Box::new(SimCompute::new(cfg, stages, last, args.rank, args.replica)));
+    }
+    let gpt = GptConfig::from_config(cfg);
+    let mut chunks = Vec::new();
+    for s in args.layout.stages_of(args.rank) {
+        let spec = args.layout.stages[s].clone();
+        let mut params = crate::model::part::part_params(&gpt, &spec, cfg.train.seed);
+        if let Some(w) = &args.init {
+            w.assign_params(&mut params).map_err(|e| e.to_string())?;
+        }
+        if let Some(c) = &args.resume {
+            c.weights.assign_params(&mut params).map_err(|e| e.to_string())?;
+        }
+        chunks.push((spec, params));
+    }
+    if cfg.backend.kind == "cuda" {
+        return build_gpu(args, chunks);
+    }
+    build_cpu(args, chunks, faults.nondeterministic(&name))
+}
+
+/// The compute thread itself is the pool's first worker, so a rank with one
+/// thread runs its kernels where it stands, with no hand-off.
+fn pin_here(cores: &[core_affinity::CoreId]) {
+    if let Some(&core) = cores.first() {
+        core_affinity::set_for_current(core);
+    }
+}
+
+fn build_cpu(
+    args: &StageArgs,
+    chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
+    nondet: bool,
+) -> Result<Box<dyn StageCompute>, String> {
+    let cfg = &args.cfg;
+    let gpt = GptConfig::from_config(cfg);
+    let b = cfg.train.micro_batch_size;
+    let mut parts = Vec::new();
+    let mut adam = Vec::new();
+    for (spec, params) in chunks {
+        let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params);
+        let mut st = AdamState::new(&part);
+        if let Some(c) = &args.resume {
+            super::super::compute::load_moments(&part.params, &mut st, c)?;
+        }
+        parts.push(part);
+        adam.push(st);
+    }
+    let cores = args.cores.clone();
+    pin_here(&cores);
+    let (rank, replica) = (args.rank, args.replica);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(args.layout.threads_per_rank)
+        .use_current_thread()
+        .thread_name(move |i| format!("stage-{rank}.{replica}-compute-{i}"))
+        .start_handler(move |i| {
+            if !cores.is_empty() {
+                core_affinity::set_for_current(cores[i % cores.len()]);
+            }
+        })
+        .build()
+        .map_err(|e| e.to_string())?;
+    let m = args.layout.microbatches;
+    let block = args.replica * m..(args.replica + 1) * m;
+    Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b, block, args.layout.dp * m)))
+}
+
+/// The rank's chunks on its GPU (`backend.devices`), with as many
+/// activation slots per chunk as the schedule keeps microbatches alive there.
+#[cfg(feature = "cuda")]
+fn build_gpu(
+    args: &StageArgs,
+    chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
+) -> Result<Box<dyn StageCompute>, String> {
+    use super::super::compute::{GpuCompute, GpuPlace};
+    use crate::kernels::cuda::{Bf16, Gpu};
+    let cfg = &args.cfg;
+    let devices = &cfg.backend.devices;
+    let pp = args.layout.pp;
+    let ordinal = match devices.len() {
+        0 => 0,
+        n if n == pp => devices[args.rank],
+        _ => devices[args.replica * pp + args.rank],
+    };
+    let gpu = Gpu::new(ordinal).map_err(|e| format!("backend.devices: GPU {ordinal}: {e}"))?;
+    let peak =
+        args.layout.schedule.simulate(&crate::schedule::Costs::unit()).map_err(|e| e.to_string())?.peak_live;
+    let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
+    let (gpt, b, rc) = (GptConfig::from_config(cfg), cfg.train.micro_batch_size, cfg.train.recompute);
+    let resume = args.resume.as_deref();
+    let place = || GpuPlace {
+        layout: &args.layout,
+        rank: args.rank,
+        replica: args.replica,
+        plan: args.gpu_plan.clone(),
+        host_only: args.log.is_some(),
+    };
+    Ok(if cfg.backend.dtype == "f32" {
+        Box::new(GpuCompute::<f32>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
+    } else {
+        Box::new(GpuCompute::<Bf16>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn build_gpu(
+    _args: &StageArgs,
+    _chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
+) -> Result<Box<dyn StageCompute>, String> {
+    Err(crate::kernels::BackendError::NotBuilt.to_string())
+}

@@ -1,0 +1,350 @@
+//! How a stage's executor talks to the rest of the run: the `Comm` trait, and
+//! its in-process implementation over actors (`ActorComm`).
+//!
+//! Point-to-point messages are keyed by (phase, kind, stage, microbatch): a
+//! message that arrives before it is needed waits in an inbox under its key,
+//! so the work done — and every bit of its result — never depends on arrival
+//! order. Collectives run over named groups of ranks in a fixed order; their
+//! default bodies are built from the point-to-point calls and today's reducer
+//! actor, so a wrapper such as `Recorded` sees every message, and a transport
+//! with collectives of its own (NCCL) overrides them.
+//!
+//! `ActorComm` never computes and never decides an order of work: it files,
+//! waits, sends, and records the trace's send, receive and wait marks.
+
+use super::super::layout::Layout;
+use super::super::protocol::{CoordinatorMsg, Failure, Phase, StageMsg};
+use super::super::reducer::ReducerMsg;
+use super::Links;
+use crate::optim::grad_tree::Span;
+use crate::replay::ActorLog;
+use crate::trace::Recorder;
+use crossbeam_channel::Receiver;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, VecDeque};
+use std::rc::Rc;
+use std::time::Instant;
+
+/// Raised inside the compute thread to unwind out of a step on `Stop`.
+pub struct Stopped;
+
+/// What a waiting action needs: a point-to-point message's (phase, kind, stage, mb).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Key {
+    Tokens(Phase, usize),
+    Targets(Phase, usize),
+    Act(Phase, usize, usize),
+    Grad(usize, usize),
+    Tied,
+    Reduced(usize),
+}
+
+impl Key {
+    /// The key a data message is filed under; `None` for a control message.
+    pub fn of(msg: &StageMsg) -> Option<Key> {
+        Some(match *msg {
+            StageMsg::Tokens { phase, mb, .. } => Key::Tokens(phase, mb),
+            StageMsg::Targets { phase, mb, .. } => Key::Targets(phase, mb),
+            StageMsg::Activation { phase, stage, mb, .. } => Key::Act(phase, stage, mb),
+            StageMsg::Gradient { stage, mb, .. } => Key::Grad(stage, mb),
+            StageMsg::TiedShare { .. } => Key::Tied,
+            StageMsg::Reduced { stage, .. } => Key::Reduced(stage),
+            _ => return None,
+        })
+    }
+
+    /// What a key stands for, in a trace's words.
+    pub fn describe(self) -> String {
+        match self {
+            Key::Tokens(..) => "tokens from the data loader".into(),
+            Key::Targets(..) => "targets from the data loader".into(),
+            Key::Act(_, s, _) => format!("activation from stage {}", s - 1),
+            Key::Grad(s, _) => format!("gradient from stage {}", s + 1),
+            Key::Tied => "the other share of the tied embedding gradient".into(),
+            Key::Reduced(_) => "gradients reduced over replicas".into(),
+        }
+    }
+}
+
+/// The groups of ranks a collective runs over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Group {
+    /// The same pipeline rank in every data-parallel replica, in replica order.
+    Replicas,
+    /// The ranks holding a copy of the tied embedding (the first and last
+    /// stage), in stage order.
+    Tied,
+}
+
+/// Where a wait happens, for the trace: the step, and the stage and
+/// microbatch of the action waiting (the rank's first stage and none between actions).
+#[derive(Clone, Copy, Debug)]
+pub struct At {
+    pub step: u64,
+    pub stage: usize,
+    pub mb: Option<usize>,
+}
+
+pub trait Comm {
+    /// The next control message from the coordinator; data messages that
+    /// arrive meanwhile are filed.
+    fn next_control(&mut self) -> Result<StageMsg, Stopped>;
+    /// The point-to-point message under `key`, waiting for it if need be.
+    fn recv(&mut self, key: Key, at: At) -> Result<StageMsg, Stopped>;
+    /// Sends a point-to-point message to pipeline rank `rank` of this replica
+    /// (this rank included: it skips the mailbox).
+    fn send(&mut self, rank: usize, msg: StageMsg) -> Result<(), Stopped>;
+    /// Hands gradients to the reducer actor (the in-process replica group).
+    fn to_reducer(&mut self, msg: ReducerMsg) -> Result<(), Stopped>;
+    /// A report for the coordinator.
+    fn report(&mut self, msg: CoordinatorMsg);
+    /// This stage failed: tell whoever supervises it.
+    fn fail(&mut self, f: Failure);
+    /// The replay log, when this stage keeps one.
+    fn log(&mut self) -> Option<&mut ActorLog> {
+        None
+    }
+    /// The replay log, closed or not, handed back at the end of a replay.
+    fn take_log(&mut self) -> Option<ActorLog> {
+        None
+    }
+
+    /// Each (stage, tree spans, gradients) of `parts` summed over `group`, in group order
+    /// on every member; the sums come back in the order of `parts`.
+    fn reduce_ordered(
+        &mut self,
+        group: Group,
+        step: u64,
+        replica: usize,
+        parts: Vec<(usize, Vec<Span>, Vec<Vec<f32>>)>,
+        at: At,
+    ) -> Result<Vec<Vec<Vec<f32>>>, Stopped> {
+        assert_eq!(group, Group::Replicas, "only replica gradients go through the reducer");
+        let stages: Vec<usize> = parts.iter().map(|p| p.0).collect();
+        for (stage, spans, grads) in parts {
+            self.to_reducer(ReducerMsg::Reduce { step, stage, replica, spans, grads })?;
+        }
+        let mut sums = Vec::with_capacity(stages.len());
+        for stage in stages {
+            match self.recv(Key::Reduced(stage), at)? {
+                StageMsg::Reduced { grads, .. } => sums.push(grads),
+                _ => unreachable!("Key::Reduced holds Reduced"),
+            }
+        }
+        Ok(sums)
+    }
+
+    /// Sends `mine` to the other members of `group` (pipeline ranks `peers`)
+    /// and returns their contributions, in group order. `mine` is moved, not
+    /// copied: the tied embedding's share is the largest gradient there is.
+    fn all_gather(
+        &mut self,
+        group: Group,
+        step: u64,
+        peers: &[usize],
+        mine: Vec<f32>,
+        at: At,
+    ) -> Result<Vec<Vec<f32>>, Stopped> {
+        assert!(group == Group::Tied && peers.len() == 1, "the tied group has two members");
+        self.send(peers[0], StageMsg::TiedShare { step, data: mine })?;
+        match self.recv(Key::Tied, at)? {
+            StageMsg::TiedShare { data, .. } => Ok(vec![data]),
+            _ => unreachable!("Key::Tied holds TiedShare"),
+        }
+    }
+}
+
+/// The in-process `Comm`: a crossbeam channel from the stage's actor in, actor
+/// references out.
+pub struct ActorComm {
+    rank: usize,
+    replica: usize,
+    /// The rank's first stage: where sends that name no stage are traced.
+    first_stage: usize,
+    rx: Receiver<StageMsg>,
+    inbox: BTreeMap<Key, StageMsg>,
+    control: VecDeque<StageMsg>,
+    links: Links,
+    rec: Rc<RefCell<Recorder>>,
+}
+
+impl ActorComm {
+    pub fn new(
+        layout: &Layout,
+        rank: usize,
+        replica: usize,
+        rx: Receiver<StageMsg>,
+        links: Links,
+        rec: Rc<RefCell<Recorder>>,
+    ) -> ActorComm {
+        let first_stage = layout.stages_of(rank)[0];
+        ActorComm {
+            rank,
+            replica,
+            first_stage,
+            rx,
+            inbox: BTreeMap::new(),
+            control: VecDeque::new(),
+            links,
+            rec,
+        }
+    }
+
+    /// Files a data message in the inbox, or a control message in the queue.
+    fn file(&mut self, msg: StageMsg) -> Result<(), Stopped> {
+        let Some(key) = Key::of(&msg) else {
+            if let StageMsg::Stop = msg {
+                return Err(Stopped);
+            }
+            self.control.push_back(msg);
+            return Ok(());
+        };
+        match msg {
+            StageMsg::Activation { phase: Phase::Train, step, stage, mb, sent, .. } => {
+                self.trace_recv(step, stage, stage - 1, mb, sent, "activation")
+            }
+            StageMsg::Gradient { step, stage, mb, sent, .. } => {
+                self.trace_recv(step, stage, stage + 1, mb, sent, "gradient")
+            }
+            _ => {}
+        }
+        let prev = self.inbox.insert(key, msg);
+        assert!(prev.is_none(), "rank {} received {key:?} twice", self.rank);
+        Ok(())
+    }
+
+    fn take_next(&mut self) -> Result<(), Stopped> {
+        match self.rx.recv() {
+            Ok(m) => self.file(m),
+            Err(_) => Err(Stopped),
+        }
+    }
+
+    /// A receive instant on `stage`: when `what` of microbatch `mb` from `from`
+    /// reached this stage, whether or not anything was waiting for it yet.
+    fn trace_recv(&mut self, step: u64, stage: usize, from: usize, mb: usize, arrived: Instant, what: &str) {
+        let mut rec = self.rec.borrow_mut();
+        if !rec.enabled {
+            return;
+        }
+        let r = crate::trace::Record {
+            replica: self.replica,
+            stage,
+            rank: self.rank,
+            name: "recv".into(),
+            step,
+            mb: Some(mb),
+            start_us: rec.us_of(arrived),
+            detail: Some(format!("{what} from stage {from}")),
+            peer: Some(from),
+            ..Default::default()
+        };
+        rec.push(r);
+    }
+
+    /// A send span, from `start` to now, on the sending stage.
+    fn trace_send(&mut self, start: f64, step: u64, rank: usize, msg: SendOf) {
+        let mut rec = self.rec.borrow_mut();
+        let (from, to, mb, what) = msg;
+        let end = rec.now_us();
+        rec.push(crate::trace::Record {
+            replica: self.replica,
+            stage: from.unwrap_or(self.first_stage),
+            rank: self.rank,
+            name: "send".into(),
+            step,
+            mb,
+            start_us: start,
+            dur_us: end - start,
+            detail: Some(match to {
+                Some(t) => format!("{what} to stage {t}"),
+                None => format!("{what} to rank {rank}"),
+            }),
+            peer: to,
+            ..Default::default()
+        });
+    }
+}
+
+/// (sending stage, receiving stage, microbatch, what) of a message between stages.
+type SendOf = (Option<usize>, Option<usize>, Option<usize>, &'static str);
+
+fn send_of(msg: &StageMsg) -> SendOf {
+    match msg {
+        StageMsg::Activation { stage, mb, .. } => (Some(stage - 1), Some(*stage), Some(*mb), "activation"),
+        StageMsg::Gradient { stage, mb, .. } => (Some(stage + 1), Some(*stage), Some(*mb), "gradient"),
+        _ => (None, None, None, "tied embedding gradient share"),
+    }
+}
+
+impl Comm for ActorComm {
+    fn next_control(&mut self) -> Result<StageMsg, Stopped> {
+        loop {
+            if let Some(m) = self.control.pop_front() {
+                return Ok(m);
+            }
+            self.take_next()?;
+        }
+    }
+
+    fn recv(&mut self, key: Key, at: At) -> Result<StageMsg, Stopped> {
+        if let Some(m) = self.inbox.remove(&key) {
+            return Ok(m);
+        }
+        let t0 = self.rec.borrow().now_us();
+        loop {
+            self.take_next()?;
+            if let Some(m) = self.inbox.remove(&key) {
+                let mut rec = self.rec.borrow_mut();
+                if rec.enabled {
+                    let detail = Some(key.describe());
+                    rec.span(self.replica, self.rank, at.stage, "wait", at.step, at.mb, t0, detail, None);
+                }
+                return Ok(m);
+            }
+        }
+    }
+
+    fn send(&mut self, rank: usize, msg: StageMsg) -> Result<(), Stopped> {
+        // Evaluation traffic has its "eval" spans; sends and receives are the step's.
+        let eval = matches!(msg, StageMsg::Activation { phase: Phase::Eval, .. });
+        let traced = {
+            let rec = self.rec.borrow();
+            (rec.enabled && !eval).then(|| (rec.now_us(), msg.header().step().unwrap_or(0), send_of(&msg)))
+        };
+        let sent = if rank == self.rank {
+            self.file(msg)
+        } else {
+            match &self.links {
+                Links::Actors { peers, .. } => {
+                    let peers = peers.get().expect("peers are set before the first step");
+                    peers[rank].send_message(msg).map_err(|_| Stopped)
+                }
+                Links::Detached { .. } => Ok(()),
+            }
+        };
+        if let Some((start, step, of)) = traced {
+            self.trace_send(start, step, rank, of);
+        }
+        sent
+    }
+
+    fn to_reducer(&mut self, msg: ReducerMsg) -> Result<(), Stopped> {
+        match &self.links {
+            Links::Actors { reducer, .. } => {
+                reducer.as_ref().expect("dp > 1 has a reducer").send_message(msg).map_err(|_| Stopped)
+            }
+            Links::Detached { .. } => Ok(()),
+        }
+    }
+
+    fn report(&mut self, msg: CoordinatorMsg) {
+        if let Links::Actors { coordinator, .. } = &self.links {
+            let _ = coordinator.send_message(msg);
+        }
+    }
+
+    fn fail(&mut self, f: Failure) {
+        self.links.fail(f);
+    }
+}

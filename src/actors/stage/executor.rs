@@ -1,0 +1,417 @@
+//! The executor: walks the rank's action list from the schedule — forward,
+//! backward, evaluation — and, after the last action, combines the tied
+//! embedding's shares and reduces gradients over replicas. It computes through
+//! `StageCompute` and talks through `Comm`; it holds no schedule logic, no
+//! transport, no log formatting and no fault knobs.
+
+use super::super::compute::{BackwardPart, ChunkInput, StageCompute};
+use super::super::layout::Layout;
+use super::super::protocol::{CoordinatorMsg, EvalKind, Failure, Phase, StageMsg, StageReport};
+use super::comm::{At, Comm, Group, Key, Stopped};
+use super::faults::{Faulty, InjectedError};
+use super::panic_text;
+use crate::model::part::Mode;
+use crate::model::GptConfig;
+use crate::optim::grad_tree::Span;
+use crate::optim::Hyper;
+use crate::replay::Blob;
+use crate::schedule::{Action, ActionKind};
+use crate::trace::Recorder;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+pub struct Executor {
+    pub rank: usize,
+    pub replica: usize,
+    pub layout: Layout,
+    pub gpt: GptConfig,
+    /// Global stage ids held here, ascending; chunk i of `compute` is stages[i].
+    pub stages: Vec<usize>,
+    pub compute: Faulty<dyn StageCompute>,
+    pub comm: Box<dyn Comm>,
+    pub hyper: Hyper,
+    pub actions: Vec<Action>,
+    pub step: u64,
+    /// The action being executed, for failure reports.
+    pub current: Option<Action>,
+    /// Shared with the actor, which records send → handle times.
+    pub latencies_us: Arc<Mutex<Vec<f64>>>,
+    pub norms: Vec<(usize, f64)>,
+    /// The loss gradient's scale before loss scaling: 1 / (tokens of a step).
+    pub dloss: f32,
+    pub rec: Rc<RefCell<Recorder>>,
+    /// When the current action's inputs were all in hand (trace time, µs).
+    pub compute_start: f64,
+}
+
+fn action_name(kind: ActionKind) -> &'static str {
+    match kind {
+        ActionKind::F => "F",
+        ActionKind::B => "B",
+        ActionKind::I => "I",
+        ActionKind::W => "W",
+    }
+}
+
+impl Executor {
+    /// Handles control messages until `Stop` (or a closed channel); a panic is
+    /// reported as a failure naming this rank, step and action.
+    pub fn run(&mut self) {
+        while let Ok(msg) = self.comm.next_control() {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle_control(msg)));
+            match result {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) | Ok(Err(Stopped)) => break,
+                Err(p) => {
+                    let action = self.current.map(|a| a.to_string());
+                    if let Some(InjectedError(e)) = p.downcast_ref::<InjectedError>() {
+                        // An injected error ends the stage like an error, not a panic.
+                        let f = Failure::new(self.rank, self.replica, self.step, action, e.clone());
+                        self.comm.fail(f);
+                        break;
+                    }
+                    let f = Failure::new(self.rank, self.replica, self.step, action, panic_text(&p));
+                    self.comm.fail(f);
+                    return;
+                }
+            }
+        }
+        if let Some(log) = self.comm.log() {
+            if let Err(e) = log.finish() {
+                let f = Failure::new(self.rank, self.replica, self.step, None, e);
+                self.comm.fail(f);
+            }
+        }
+    }
+
+    fn local(&self, stage: usize) -> usize {
+        self.stages.iter().position(|&s| s == stage).expect("stage held by this rank")
+    }
+
+    /// Where a wait now happens, for the trace.
+    fn at(&self) -> At {
+        match self.current {
+            Some(a) => At { step: self.step, stage: a.stage, mb: Some(a.mb) },
+            None => At { step: self.step, stage: self.stages[0], mb: None },
+        }
+    }
+
+    fn recv_f32(&mut self, key: Key) -> Result<Vec<f32>, Stopped> {
+        match self.comm.recv(key, self.at())? {
+            StageMsg::Activation { data, .. }
+            | StageMsg::Gradient { data, .. }
+            | StageMsg::TiedShare { data, .. } => Ok(data),
+            _ => unreachable!("{key:?} carries f32"),
+        }
+    }
+
+    fn recv_u32(&mut self, key: Key) -> Result<Vec<u32>, Stopped> {
+        match self.comm.recv(key, self.at())? {
+            StageMsg::Tokens { tokens: v, .. } | StageMsg::Targets { targets: v, .. } => Ok(v),
+            _ => unreachable!("{key:?} carries u32"),
+        }
+    }
+
+    /// Delivers to the rank holding `stage`.
+    fn send_to_stage(&mut self, stage: usize, msg: StageMsg) -> Result<(), Stopped> {
+        let rank = self.layout.rank_of(stage);
+        self.comm.send(rank, msg)
+    }
+
+    /// Records the action just finished (from when its inputs were in hand).
+    fn trace_action(&mut self, a: Action) {
+        let mut rec = self.rec.borrow_mut();
+        if !rec.enabled {
+            return;
+        }
+        let live = Some(self.compute.live(self.local(a.stage)));
+        let (start, name) = (self.compute_start, action_name(a.kind));
+        rec.span(self.replica, self.rank, a.stage, name, self.step, Some(a.mb), start, None, live);
+    }
+
+    /// Records a span on this rank's first stage (optimizer, reduction, …).
+    fn trace_rank(&mut self, name: &str, start: f64) {
+        let mut rec = self.rec.borrow_mut();
+        rec.span(self.replica, self.rank, self.stages[0], name, self.step, None, start, None, None);
+    }
+
+    fn now_us(&self) -> f64 {
+        self.rec.borrow().now_us()
+    }
+
+    /// Returns false when the worker should exit.
+    fn handle_control(&mut self, msg: StageMsg) -> Result<bool, Stopped> {
+        match msg {
+            StageMsg::RunStep { step, loss_scale } => self.run_step(step, loss_scale)?,
+            StageMsg::Apply { step, lr, clip, skip } => {
+                assert_eq!(step, self.step);
+                let t = self.now_us();
+                if !skip {
+                    self.compute.adamw(self.hyper, lr, clip);
+                }
+                self.trace_rank("optimizer", t);
+                self.log_params();
+                self.comm.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
+            }
+            StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
+            StageMsg::SendWeights => self.send_weights(),
+            StageMsg::Snapshot { step } => {
+                let t = self.now_us();
+                let (tensors, adam_step) = self.compute.snapshot();
+                self.trace_rank("checkpoint", t);
+                self.comm.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
+            }
+            StageMsg::Restore(c) => {
+                if let Err(e) = self.compute.restore(&c) {
+                    panic!("{e}");
+                }
+                self.log_params();
+                self.comm.report(CoordinatorMsg::Restored { rank: self.rank, replica: self.replica });
+            }
+            StageMsg::Stop => return Ok(false),
+            _ => unreachable!("data messages are filed, not handled"),
+        }
+        Ok(true)
+    }
+
+    /// The end of the run: parameters (replica 0's stand for all), message
+    /// latencies and the trace, to the coordinator.
+    fn send_weights(&mut self) {
+        let params = match self.replica {
+            0 => self.compute.params(),
+            _ => vec![],
+        };
+        let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
+        let peak_live_bytes = self.compute.peak_live_bytes();
+        let trace = std::mem::take(&mut self.rec.borrow_mut().records);
+        self.comm.report(CoordinatorMsg::Weights {
+            rank: self.rank,
+            replica: self.replica,
+            params,
+            latencies_us: latencies,
+            peak_live_bytes,
+            trace,
+        });
+    }
+
+    /// Digests of the parameters after an optimizer step (or a rollback).
+    fn log_params(&mut self) {
+        if let Some(log) = self.comm.log() {
+            let keep = log.payloads();
+            let mut blobs = Vec::new();
+            self.compute.visit_params(&mut |_, name, data| blobs.push(Blob::f32s(name, data, keep)));
+            log.state(blobs);
+        }
+    }
+
+    fn run_step(&mut self, step: u64, loss_scale: f32) -> Result<(), Stopped> {
+        self.step = step;
+        self.compute.begin_step(step);
+        self.compute.zero_grads();
+        let last = self.layout.last_stage();
+        let mut loss_sum = 0.0f64;
+        let actions = std::mem::take(&mut self.actions);
+        for &a in &actions {
+            self.current = Some(a);
+            match a.kind {
+                ActionKind::F => {
+                    let mode = Mode::Train { dloss: self.dloss * loss_scale };
+                    if let Some(l) = self.forward(Phase::Train, a.stage, a.mb, mode, None)? {
+                        loss_sum += l;
+                    }
+                }
+                ActionKind::B => self.backward(a.stage, a.mb, BackwardPart::Full)?,
+                ActionKind::I => self.backward(a.stage, a.mb, BackwardPart::Input)?,
+                ActionKind::W => self.backward(a.stage, a.mb, BackwardPart::Weight)?,
+            }
+            self.trace_action(a);
+        }
+        self.actions = actions;
+        self.current = None;
+        let trains = self.compute.has_gradients();
+        if trains {
+            self.sum_gradients()?;
+        }
+        let mut sumsq = Vec::new();
+        if self.replica == 0 && trains {
+            for i in 0..self.stages.len() {
+                self.compute.grad_sum_squares(i, &mut self.norms);
+                sumsq.extend_from_slice(&self.norms);
+            }
+        }
+        let holds_last = self.stages.contains(&last);
+        self.comm.report(CoordinatorMsg::StageDone(StageReport {
+            rank: self.rank,
+            replica: self.replica,
+            step,
+            grad_sumsq: sumsq,
+            loss_sum: holds_last.then_some(loss_sum),
+        }));
+        Ok(())
+    }
+
+    /// F of (stage, mb). Returns the microbatch's loss sum on the last stage.
+    fn forward(
+        &mut self,
+        phase: Phase,
+        stage: usize,
+        mb: usize,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+    ) -> Result<Option<f64>, Stopped> {
+        let last = self.layout.last_stage();
+        let tokens = if stage == 0 { Some(self.recv_u32(Key::Tokens(phase, mb))?) } else { None };
+        let act = if stage > 0 { Some(self.recv_f32(Key::Act(phase, stage, mb))?) } else { None };
+        let targets = if stage == last { Some(self.recv_u32(Key::Targets(phase, mb))?) } else { None };
+        self.compute_start = self.now_us();
+        let i = self.local(stage);
+        let input = match (&tokens, act) {
+            (Some(t), _) => ChunkInput::Tokens(t),
+            (None, Some(a)) => ChunkInput::Activation(a),
+            _ => unreachable!("F has tokens or an activation"),
+        };
+        let out = self.compute.forward(i, mb, input, targets.as_deref(), mode, argmax);
+        if let Some(y) = out.output {
+            let step = self.step;
+            let msg =
+                StageMsg::Activation { phase, step, stage: stage + 1, mb, data: y, sent: Instant::now() };
+            self.send_to_stage(stage + 1, msg)?;
+        }
+        Ok(out.loss_sum)
+    }
+
+    fn backward(&mut self, stage: usize, mb: usize, which: BackwardPart) -> Result<(), Stopped> {
+        let last = self.layout.last_stage();
+        let i = self.local(stage);
+        self.compute_start = self.now_us();
+        if which == BackwardPart::Weight {
+            self.compute.backward(i, mb, which, None);
+            return Ok(());
+        }
+        let dout = if stage < last { Some(self.recv_f32(Key::Grad(stage, mb))?) } else { None };
+        self.compute_start = self.now_us();
+        if let Some(g) = self.compute.backward(i, mb, which, dout) {
+            let msg =
+                StageMsg::Gradient { step: self.step, stage: stage - 1, mb, data: g, sent: Instant::now() };
+            self.send_to_stage(stage - 1, msg)?;
+        }
+        Ok(())
+    }
+
+    /// The step's gradients summed over microbatches and replicas. By the
+    /// microbatch tree, the tied embedding's shares are each reduced over the
+    /// replicas and then added; a backend without the tree adds them first.
+    fn sum_gradients(&mut self) -> Result<(), Stopped> {
+        let by_tree = self.compute.sums_by_tree();
+        if by_tree && self.layout.dp == 1 {
+            (0..self.stages.len()).for_each(|i| self.compute.finish_grad_tree(i));
+        }
+        if !by_tree {
+            let t = self.now_us();
+            self.combine_tied()?;
+            self.trace_rank("tied", t);
+        }
+        if self.layout.dp > 1 {
+            let t = self.now_us();
+            self.reduce_over_replicas()?;
+            self.trace_rank("reduce", t);
+        }
+        if by_tree {
+            let t = self.now_us();
+            self.combine_tied()?;
+            self.trace_rank("tied", t);
+        }
+        Ok(())
+    }
+
+    /// Both shares of the tied embedding's gradient, summed in one order on both
+    /// ranks that hold a copy: embedding share + head share.
+    fn combine_tied(&mut self) -> Result<(), Stopped> {
+        let last = self.layout.last_stage();
+        let (first_here, last_here) = (self.stages.contains(&0), self.stages.contains(&last));
+        if last == 0 {
+            self.compute.combine_tied(0, None);
+            return Ok(());
+        }
+        if first_here && last_here {
+            let (a, b) = (self.local(0), self.local(last));
+            let embed = self.compute.tied_share(a);
+            let head = self.compute.tied_share(b);
+            self.compute.combine_tied(a, Some(&head));
+            self.compute.combine_tied(b, Some(&embed));
+            return Ok(());
+        }
+        for (here, mine, other) in [(first_here, 0, last), (last_here, last, 0)] {
+            if !here {
+                continue;
+            }
+            let i = self.local(mine);
+            let share = self.compute.tied_share(i);
+            let peer = [self.layout.rank_of(other)];
+            let theirs = self.comm.all_gather(Group::Tied, self.step, &peer, share, self.at())?;
+            self.compute.combine_tied(i, Some(&theirs[0]));
+        }
+        Ok(())
+    }
+
+    /// Sends each part's gradients to the reducer and takes back their sum over replicas.
+    fn reduce_over_replicas(&mut self) -> Result<(), Stopped> {
+        let m = self.layout.microbatches;
+        let block = self.replica * m..(self.replica + 1) * m;
+        let parts = (0..self.stages.len())
+            .map(|i| {
+                let nodes = self.compute.take_grad_nodes(i, block.clone());
+                let spans: Vec<Span> = nodes.iter().map(|n| n.0).collect();
+                (self.stages[i], spans, nodes.into_iter().flat_map(|n| n.1).collect())
+            })
+            .collect();
+        let sums = self.comm.reduce_ordered(Group::Replicas, self.step, self.replica, parts, self.at())?;
+        for (i, grads) in sums.into_iter().enumerate() {
+            self.compute.set_grads(i, grads);
+        }
+        Ok(())
+    }
+
+    /// Forward-only microbatches through every stage, in microbatch order.
+    fn run_eval(&mut self, step: u64, kind: EvalKind, batches: usize) -> Result<(), Stopped> {
+        self.step = step;
+        let last = self.layout.last_stage();
+        let want_argmax = kind == EvalKind::ExactMatch && self.stages.contains(&last);
+        let n = self.compute.micro_batch() * self.gpt.block_size;
+        let mut predictions = Vec::with_capacity(if want_argmax { batches * n } else { 0 });
+        let mut argmax = vec![0u32; if want_argmax { n } else { 0 }];
+        let mut loss_sum = 0.0;
+        let stages = self.stages.clone();
+        for mb in 0..batches {
+            for &s in &stages {
+                let am = (want_argmax && s == last).then_some(argmax.as_mut_slice());
+                let result = self.forward(Phase::Eval, s, mb, Mode::Eval, am)?;
+                let start = self.compute_start;
+                self.rec.borrow_mut().span(
+                    self.replica,
+                    self.rank,
+                    s,
+                    "eval",
+                    step,
+                    Some(mb),
+                    start,
+                    None,
+                    None,
+                );
+                if let Some(l) = result {
+                    loss_sum += l;
+                    if want_argmax {
+                        predictions.extend_from_slice(&argmax);
+                    }
+                }
+            }
+        }
+        if stages.contains(&last) {
+            let msg = CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens: batches * n, predictions };
+            self.comm.report(msg);
+        }
+        Ok(())
+    }
+}
