@@ -31,6 +31,14 @@ pub struct Span {
     pub hi: usize,
 }
 
+/// Most partial sums a replica's tree holds at once when its `m` leaves come
+/// in ascending order: one node per binary digit of the count (the planner's
+/// figure; schedules that finish microbatches out of order hold their early
+/// leaves too).
+pub fn held_sets(m: usize) -> usize {
+    (usize::BITS - m.leading_zeros()) as usize
+}
+
 /// `a += b`, tensor by tensor: the tree's one add.
 pub fn add_into(a: &mut Grads, b: &Grads) {
     debug_assert_eq!(a.len(), b.len());
@@ -440,6 +448,7 @@ mod tests {
             t.push(g, l);
         }
         assert!(t.peak_held <= 7, "held {} gradient sets for 64 microbatches", t.peak_held);
+        assert_eq!(held_sets(64), 7, "the planner's figure is the bound this test holds");
         assert_eq!(t.take_nodes().len(), 1);
     }
 

@@ -31,7 +31,8 @@ pub struct CpuRank {
     /// Bytes those microbatches keep for their backward.
     pub activation_bytes: f64,
     /// Buffers a stage holds whatever is alive: backward scratch, attention tiles,
-    /// the head's logits and its share of the tied embedding's gradient.
+    /// the head's logits and its share of the tied embedding's gradient, and the
+    /// partial sums of the microbatch gradient tree.
     pub workspace_bytes: f64,
     pub total_bytes: f64,
     /// FLOPs of one microbatch's forward over this rank's stages.
@@ -132,6 +133,15 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
                     workspace += 4.0 * (nf * c + nf * v + v * c);
                 }
                 activations += live * per_mb;
+            }
+            if cfg.backend.kind != "sim" {
+                // Each microbatch's gradients are a leaf of the fixed reduction tree
+                // (optim::grad_tree): besides the part's own set, up to
+                // `held_sets(m)` partial sums live at once, the head's wte share with them.
+                let head_share =
+                    if layout.stages_of(rank).iter().any(|&s| layout.stages[s].head) { v * c } else { 0.0 };
+                let sets = crate::optim::grad_tree::held_sets(layout.microbatches) as f64;
+                workspace += sets * 4.0 * (params + head_share);
             }
             let state_bytes = STATE_BYTES_PER_PARAM * params;
             CpuRank {
