@@ -3,6 +3,8 @@
 //! it resumes with; a damaged checkpoint is named and an older one used;
 //! nothing saved before is ever lost; signals and failures end a run cleanly.
 
+mod common;
+use common::{kill_at_random_moment, tmps, wait_for_steps, Kill};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -141,17 +143,6 @@ fn a_run_with_a_skipped_step_resumes_and_restarts_to_the_uninterrupted_bits() {
     assert_eq!(digest(&out), want);
 }
 
-/// The checkpoints being written (or cut short) in `root`, by name and inode:
-/// a write that starts over under the same name is another directory.
-fn tmps(root: &Path) -> Vec<(String, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(d) = std::fs::read_dir(root) else { return vec![] };
-    d.flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
-        .filter_map(|e| Some((e.file_name().to_string_lossy().into(), e.metadata().ok()?.ino())))
-        .collect()
-}
-
 #[test]
 fn sigkill_at_random_moments_mid_write_included_never_costs_a_complete_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
@@ -185,32 +176,17 @@ fn sigkill_at_random_moments_mid_write_included_never_costs_a_complete_checkpoin
         };
         // `.tmp`s left by earlier kills, told apart from this process's own writes.
         let stale = tmps(&root);
-        let writing = || tmps(&root).iter().any(|t| !stale.contains(t));
         let mut child = cmd(&args, &["--set", "parallel.pp=2", "--set", "checkpoint.every=1"])
             .env(slow.0, slow.1)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        let t = Instant::now();
-        if attempt % 2 == 0 {
-            // Wait for a checkpoint write of this process to begin, then kill within it.
-            while !writing() && child.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(20) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            std::thread::sleep(Duration::from_millis(rng % 20));
-        } else {
-            std::thread::sleep(Duration::from_millis(whole / 10 + rng % (whole * 8 / 10)));
-        }
-        let finished = child.try_wait().unwrap();
+        let Kill { finished, mid_write: during } =
+            kill_at_random_moment(&mut child, attempt, &mut rng, whole, 20, &root, &stale);
         if finished.is_none() {
-            child.kill().unwrap();
-            child.wait().unwrap();
             kills += 1;
-            mid_write += writing() as usize;
+            mid_write += during as usize;
         }
         let mut err = String::new();
         std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
@@ -264,18 +240,6 @@ fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
         assert!(ok, "{name}: {err}");
         assert_eq!(digest(&out), want, "{name}");
     }
-}
-
-/// Waits until training is under way (`n` metrics lines).
-fn wait_for_steps(out: &Path, n: usize) {
-    for _ in 0..1000 {
-        if std::fs::read_to_string(out.join("metrics.jsonl")).map(|t| t.lines().count() >= n).unwrap_or(false)
-        {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("{}: training never got under way", out.display());
 }
 
 #[test]

@@ -7,6 +7,8 @@
 //!
 //! Heavy: `sigkill_storm_…` (≥ 15 kills and resumes, ~1 minute on 2 cores).
 
+mod common;
+use common::{free_ports, kill_at_random_moment, run_to_end, tmps, wait_for_steps, Kill};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -43,18 +45,8 @@ fn with_env(mut c: Command, key: &str, value: &str) -> Command {
 
 /// Runs `c` to its end; one that is still running after a minute hangs (a
 /// FIFO waited on): it is killed and the test fails saying so.
-fn finish(mut c: Command) -> Output {
-    let mut child = c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let until = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > until {
-            let _ = child.kill();
-            let o = child.wait_with_output().unwrap();
-            panic!("hung (killed after 60 s): {}", String::from_utf8_lossy(&o.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
+fn finish(c: Command) -> Output {
+    run_to_end(c, Duration::from_secs(60))
 }
 
 fn err_of(o: &Output) -> String {
@@ -222,14 +214,6 @@ fn corruption_matrix_every_checkpoint_file_damaged_every_way_is_refused_naming_t
 }
 
 // ---- 2: one process per run directory ----
-
-fn wait_for_steps(out: &Path, n: usize) {
-    let until = Instant::now() + Duration::from_secs(120);
-    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(true, |t| t.lines().count() < n) {
-        assert!(Instant::now() < until, "{}: training never got under way", out.display());
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
 
 #[test]
 fn a_second_process_on_a_live_run_directory_is_refused_naming_the_holder_and_the_live_run_is_unharmed() {
@@ -482,15 +466,6 @@ fn a_full_disk_fails_naming_the_file_keeps_earlier_checkpoints_and_leaves_no_tem
 
 // ---- the SIGKILL storm ----
 
-fn tmps(root: &Path) -> Vec<(String, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(d) = std::fs::read_dir(root) else { return vec![] };
-    d.flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
-        .filter_map(|e| Some((e.file_name().to_string_lossy().into(), e.metadata().ok()?.ino())))
-        .collect()
-}
-
 #[test]
 fn sigkill_storm_of_fifteen_kills_mid_write_included_ends_on_the_uninterrupted_bits_with_every_step_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -509,29 +484,15 @@ fn sigkill_storm_of_fifteen_kills_mid_write_included_ends_on_the_uninterrupted_b
         }
         let flag = if out.exists() { "--resume" } else { "--out" };
         let stale = tmps(&root);
-        let writing = || tmps(&root).iter().any(|t| !stale.contains(t));
         let mut child = train(&["--steps", "12", flag, s(&out)], &extra)
             .env("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "20")
             .spawn()
             .unwrap();
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        let t = Instant::now();
-        if attempt % 2 == 0 {
-            while !writing() && child.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(20) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            std::thread::sleep(Duration::from_millis(rng % 15));
-        } else {
-            std::thread::sleep(Duration::from_millis(whole / 10 + rng % (whole * 8 / 10)));
-        }
-        let finished = child.try_wait().unwrap();
+        let Kill { finished, mid_write: during } =
+            kill_at_random_moment(&mut child, attempt, &mut rng, whole, 15, &root, &stale);
         if finished.is_none() {
-            child.kill().unwrap();
-            child.wait().unwrap();
             kills += 1;
-            mid_write += writing() as usize;
+            mid_write += during as usize;
         }
         let o = child.wait_with_output().unwrap();
         let err = err_of(&o);
@@ -550,30 +511,8 @@ fn sigkill_storm_of_fifteen_kills_mid_write_included_ends_on_the_uninterrupted_b
 
 // ---- 3: a peer with the right cookie but the wrong settings ----
 
-/// A port P on 127.0.0.1 with P + 1 free too (cluster node and data link).
-fn free_ports() -> u16 {
-    loop {
-        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
-
 fn worker(port: u16, rank: usize, world: usize, args: &[String]) -> Command {
-    let mut c = Command::new(BIN);
-    c.arg("worker")
-        .args(args)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env("PIPEWRIGHT_COOKIE", "h4rden")
-        .env_remove("PIPEWRIGHT_COOKIE_FILE")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    c
+    common::worker_command(port, rank, world, "h4rden", args)
 }
 
 #[test]

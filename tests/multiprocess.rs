@@ -3,10 +3,12 @@
 //! cookie or a certificate from another CA is refused, garbage on a data port
 //! costs the run nothing, and a bad TLS file is an error naming it.
 
+mod common;
+use common::{free_ports, run_to_end};
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_pipewright");
@@ -49,20 +51,6 @@ fn digest(run: &Path) -> String {
     let text = std::fs::read_to_string(run.join("summary.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["weights_digest"].as_str().unwrap().to_string()
-}
-
-fn run_to_end(mut cmd: Command, limit: Duration) -> Output {
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let until = Instant::now() + limit;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > until {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!("still running after {limit:?}: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
 }
 
 fn text(o: &Output) -> String {
@@ -183,36 +171,9 @@ fn every_dp_pp_schedule_process_count_and_resume_at_another_dp_gives_one_digest(
     assert_eq!(train("resumed", &at_dp4, "3", "--resume"), reference, "resumed at dp=4");
 }
 
-/// A port P on 127.0.0.1 with P + 1 free too.
-fn free_ports() -> u16 {
-    loop {
-        let a = TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
-
 /// `worker` as rank `rank` of `world`, with torchrun's variables.
 fn worker(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Child {
-    worker_command(port, rank, world, cookie, args).spawn().unwrap()
-}
-
-/// The command `worker` runs: torchrun's variables, the cookie, stderr kept.
-fn worker_command(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Command {
-    let mut c = Command::new(BIN);
-    c.arg("worker")
-        .args(args)
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env("PIPEWRIGHT_COOKIE", cookie)
-        .env_remove("PIPEWRIGHT_COOKIE_FILE")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
-    c
+    common::worker_command(port, rank, world, cookie, args).spawn().unwrap()
 }
 
 /// Waits for `child` at most `limit`; kills it and fails the test past that.
@@ -352,7 +313,7 @@ fn tls_flags(cert: &str, key: &str) -> Vec<String> {
 
 /// `worker` with TLS from the environment (no TLS when `cert` is None).
 fn tls_worker(port: u16, rank: usize, cookie: &str, cert: Option<(&str, &str)>, args: &[String]) -> Child {
-    let mut c = worker_command(port, rank, 2, cookie, args);
+    let mut c = common::worker_command(port, rank, 2, cookie, args);
     for v in ["PIPEWRIGHT_TLS_CERT", "PIPEWRIGHT_TLS_KEY", "PIPEWRIGHT_TLS_CA"] {
         c.env_remove(v);
     }
