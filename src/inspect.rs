@@ -34,7 +34,7 @@ pub enum InspectError {
 /// in names compared as numbers so `h.2` comes before `h.10`), the total
 /// parameter count and the `__metadata__` entries.
 pub fn inspect(path: &Path) -> Result<String, InspectError> {
-    let file_path = if path.is_dir() { path.join(MODEL_FILE) } else { path.to_path_buf() };
+    let file_path = crate::model::io::weights_file(path);
     let (header, file_len) = read_header(&file_path)?;
     let bad = |reason: String| InspectError::Format { path: file_path.clone(), reason };
     // safetensors' Metadata checks that offsets tile the data without gaps and

@@ -425,7 +425,8 @@ pub struct Loaded {
 /// Reads and verifies one checkpoint directory: every file present, digests
 /// as recorded, tensors complete. Never modifies anything.
 pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
-    load_with(dir, |path| crate::fsutil::read_regular(path, crate::fsutil::memory_cap(), "memory holds"))
+    let cap = crate::fsutil::memory_cap();
+    load_with(dir, |path| crate::fsutil::read_regular(path, cap, "memory holds"))
 }
 
 /// [`load`] with the caller reading the files (`read` gets each file's full

@@ -157,13 +157,22 @@ pub struct LoadedWeights {
     pub prefix: String,
 }
 
+/// The safetensors file a weights argument names: the path itself, or a
+/// folder's `model.safetensors` (a run, a checkpoint, a `save_pretrained` folder).
+pub fn weights_file(path: &Path) -> std::path::PathBuf {
+    if path.is_dir() {
+        path.join(crate::inspect::MODEL_FILE)
+    } else {
+        path.to_path_buf()
+    }
+}
+
 /// Weights for a model of `cfg`'s shape from a safetensors file or a folder
 /// holding `model.safetensors` (a run, a checkpoint, a Hugging Face
 /// `save_pretrained` folder). A position table longer than `cfg.block_size`
 /// keeps its first rows, as nanoGPT crops GPT-2's 1024 (said on stderr).
 pub fn load_for(path: &Path, cfg: &GptConfig) -> Result<LoadedWeights, WeightsError> {
-    let file = if path.is_dir() { path.join(crate::inspect::MODEL_FILE) } else { path.to_path_buf() };
-    let mut w = load(&file)?;
+    let mut w = load(&weights_file(path))?;
     w.fit(cfg)?;
     Ok(w)
 }

@@ -8,7 +8,7 @@
 use super::engine::Engine;
 use crate::config::{Config, DEFAULT_TOML};
 use crate::data::{FileFormat, Sampler, TokenFile, TokenSource};
-use crate::inspect::{CONFIG_METADATA_KEY, MODEL_FILE};
+use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{hf, io, GptConfig};
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -23,7 +23,7 @@ pub fn load_model(
     overrides: &[String],
     weights: &Path,
 ) -> Result<(Config, io::LoadedWeights)> {
-    let file = if weights.is_dir() { weights.join(MODEL_FILE) } else { weights.to_path_buf() };
+    let file = io::weights_file(weights);
     let mut w = io::load(&file)?;
     let folder = file.parent().unwrap_or(Path::new("."));
     let cfg = match (config, w.metadata.get(CONFIG_METADATA_KEY), hf::read_shape(folder)?) {

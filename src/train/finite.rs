@@ -14,15 +14,15 @@ pub fn check_finite(w: &LoadedWeights, what: &str) -> Result<()> {
     names.sort();
     for name in names {
         let (shape, data) = &w.tensors[name];
-        let bad: Vec<usize> =
-            data.iter().enumerate().filter(|(_, x)| !x.is_finite()).map(|(i, _)| i).collect();
-        if let Some(&first) = bad.first() {
+        // A scan that allocates nothing for the (usual) clean tensor.
+        if let Some(first) = data.iter().position(|x| !x.is_finite()) {
+            let bad = data[first..].iter().filter(|x| !x.is_finite()).count();
             bail!(
                 "{what} {}: tensor `{name}` (shape {shape:?}) holds {} non-finite value{} (the first, element \
                  {first}, is {}): training or evaluating from it gives only NaN",
                 w.path.display(),
-                bad.len(),
-                if bad.len() == 1 { "" } else { "s" },
+                bad,
+                if bad == 1 { "" } else { "s" },
                 data[first]
             );
         }
