@@ -37,6 +37,15 @@ impl LossScaler {
         })
     }
 
+    /// The scaler a run starts with: a resumed run's saved one when the
+    /// config still asks for dynamic scaling, else a fresh one (or none).
+    pub fn for_run(c: &crate::config::OptimSection, saved: Option<LossScaler>) -> Option<Self> {
+        match saved {
+            Some(s) if c.loss_scale == "dynamic" => Some(s),
+            _ => LossScaler::from_config(c),
+        }
+    }
+
     /// Updates the scale after a step; `overflow` when its gradients were not finite.
     pub fn update(&mut self, overflow: bool) {
         if overflow {

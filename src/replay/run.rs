@@ -510,10 +510,8 @@ fn replay_coordinator(
     log: ActorLog,
 ) -> Result<usize> {
     let layout = Layout::from_config(cfg)?;
-    let scaler = match resume.as_ref().and_then(|r| r.state.loss_scaler.clone()) {
-        Some(s) if cfg.optim.loss_scale == "dynamic" => Some(s),
-        _ => crate::optim::scaler::LossScaler::from_config(&cfg.optim),
-    };
+    let saved = resume.as_ref().and_then(|r| r.state.loss_scaler.clone());
+    let scaler = crate::optim::scaler::LossScaler::for_run(&cfg.optim, saved);
     let sources = crate::train::run::load_sources(cfg)?;
     let links = Links { stages: vec![], loaders: vec![], reducer: None, monitor: None, checkpointer: None };
     let mut st = CoordinatorState::new(

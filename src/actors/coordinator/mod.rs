@@ -8,18 +8,27 @@
 //! failure anywhere (a stage's error or panic, an actor dying) ends the run
 //! with an error naming the actor, step and microbatch; nothing waits forever.
 
+mod assembly;
+mod outbox;
+mod recovery;
+mod run;
+
+pub use outbox::Links;
+pub use run::{run, RunData, RunInputs, RunOutcome};
+
 use super::data_loader::{DataLoader, LoaderArgs, LoaderMsg};
 use super::layout::Layout;
 use super::monitor::{Monitor, MonitorArgs, MonitorMsg};
 use super::reducer::{Reducer, ReducerArgs, ReducerMsg};
 use super::stage::{StageActor, StageArgs};
 use crate::config::Config;
-use crate::data::{EvalSet, Sampler};
-use crate::model::{io::LoadedWeights, Param};
-use crate::optim::{self, LrSchedule};
-use crate::replay::{self, ActorLog, Blob};
+use crate::data::EvalSet;
+use crate::model::Param;
+use crate::optim::{self, scaler::LossScaler, LrSchedule};
+use crate::replay::{self, ActorLog};
 use crate::train::run::{Progress, StepMetrics};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use recovery::{Recovery, Verdict};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokio::sync::oneshot;
@@ -34,125 +43,6 @@ fn registered(name: &str, run: u64) -> String {
 
 fn plain_name(registered: &str) -> &str {
     registered.split('#').next().unwrap_or(registered)
-}
-
-pub struct RunData {
-    pub train: Sampler,
-    pub val: Option<Sampler>,
-    pub eval_set: Option<Arc<EvalSet>>,
-}
-
-pub struct RunInputs {
-    /// Where checkpoints go (`run_dir/checkpoints/`).
-    pub run_dir: std::path::PathBuf,
-    /// Resume from this checkpoint (its step is the first step run).
-    pub resume: Option<Arc<crate::checkpoint::Loaded>>,
-    pub cfg: Config,
-    pub layout: Layout,
-    pub data: Vec<RunData>,
-    pub init: Option<Arc<LoadedWeights>>,
-    pub metrics: Option<std::io::BufWriter<std::fs::File>>,
-    pub progress: bool,
-    pub chaos_seed: Option<u64>,
-    /// Set when the run spans processes: stages owned elsewhere are reached
-    /// through it, and the trace clock is the fabric's.
-    pub cluster: Option<Arc<crate::cluster::Fabric>>,
-}
-
-#[derive(Debug, Default)]
-pub struct RunOutcome {
-    /// Parameters of replica 0, every stage (a tied copy may appear twice).
-    pub params: Vec<Param>,
-    pub losses: Vec<f64>,
-    pub train_curve: Vec<(usize, f64)>,
-    pub val_curve: Vec<(usize, f64)>,
-    pub last_val: Option<f64>,
-    pub last_exact_match: Option<f64>,
-    pub skipped: usize,
-    pub train_seconds: f64,
-    /// Tokens trained on, summed over every segment of a resumed run.
-    pub tokens: u64,
-    /// Tokens processed by this process (rolled-back steps count twice).
-    pub tokens_this_run: u64,
-    /// Send → actor handle time of every activation and gradient message, µs.
-    pub message_latency_us: Vec<f64>,
-    /// Peak activation bytes held per rank (replica 0).
-    pub peak_live_bytes: Vec<usize>,
-    /// Trace records of every replica's stages and of the checkpointer (empty unless tracing).
-    pub trace: Vec<crate::trace::Record>,
-    /// Training paused while stages copied their state, per checkpoint, ms.
-    pub checkpoint_pause_ms: Vec<f64>,
-    /// Background write time per checkpoint, ms.
-    pub checkpoint_write_ms: Vec<f64>,
-    pub checkpoints: Vec<std::path::PathBuf>,
-    /// The run stopped at a signal before its last step.
-    pub stopped_early: bool,
-    /// Steps completed when the run ended (counting those before a resume).
-    pub steps_done: u64,
-    /// Rollbacks to a checkpoint after repeated skipped steps.
-    pub rollbacks: usize,
-}
-
-/// Runs a whole training run on actors and returns what it produced.
-pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
-    static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let (tx, rx) = oneshot::channel();
-    let shutdown = std::time::Duration::from_secs_f64(inputs.cfg.recovery.shutdown_timeout_s);
-    let (coord, handle) = Actor::spawn(Some(registered("coordinator", id)), Coordinator, (inputs, tx, id))
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
-    let actors = coord.get_children();
-    // SIGINT / SIGTERM (crate::train::signals): a checkpoint at the next step
-    // boundary, then a clean exit.
-    let signals = {
-        let coord = coord.clone();
-        tokio::spawn(async move {
-            while !crate::train::signals::requested() {
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            }
-            eprintln!(
-                "signal: saving a checkpoint at the next step boundary, then stopping (again: exit at once)"
-            );
-            let _ = coord.send_message(CoordinatorMsg::StopRequested);
-        })
-    };
-    let result = rx.await.map_err(|_| anyhow::anyhow!("the coordinator stopped without a result"))?;
-    signals.abort();
-    let Err(failure) = result else {
-        let _ = handle.await;
-        return result.map_err(|f| anyhow::anyhow!("{f}"));
-    };
-    // The coordinator's stop kills its children; a checkpoint write already
-    // under way finishes on its own thread, and is waited for: a whole
-    // checkpoint is worth it, a hung disk is not.
-    let stopped = |a: &ractor::ActorCell| a.get_status() == ractor::ActorStatus::Stopped;
-    let all_stopped = async {
-        let _ = handle.await;
-        while !actors.iter().all(stopped) || !crate::checkpoint::writes_in_flight().is_empty() {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    };
-    if tokio::time::timeout(shutdown, all_stopped).await.is_err() {
-        let mut stuck: Vec<String> = actors
-            .iter()
-            .chain(std::iter::once(&coord.get_cell()))
-            .filter(|a| !stopped(a))
-            .map(|a| {
-                a.get_name().map_or_else(|| format!("actor {}", a.get_id()), |n| plain_name(&n).to_string())
-            })
-            .collect();
-        stuck.sort();
-        for step in crate::checkpoint::writes_in_flight() {
-            stuck.push(format!("checkpointer (writing the checkpoint of step {step})"));
-        }
-        anyhow::bail!(
-            "{failure}\n{} did not stop within {} s of the failure (recovery.shutdown_timeout_s); exiting anyway",
-            stuck.join(", "),
-            shutdown.as_secs_f64()
-        );
-    }
-    anyhow::bail!("{failure}")
 }
 
 pub struct Coordinator;
@@ -208,12 +98,8 @@ pub struct CoordinatorState {
     snapshot_started: Instant,
     writes_pending: usize,
     stop_requested: bool,
-    /// (loss, grad norm) of recent non-skipped steps, for the spike detector.
-    window: std::collections::VecDeque<(f64, f64)>,
-    consecutive_skips: usize,
-    /// After a rollback, the LR is scaled until this step.
-    cooldown_until: u64,
-    scaler: Option<crate::optim::scaler::LossScaler>,
+    recovery: Recovery,
+    scaler: Option<LossScaler>,
     /// The run's trace clock, when tracing: the checkpointer's writes get a track.
     trace_epoch: Option<Instant>,
 }
@@ -236,10 +122,8 @@ impl Actor for Coordinator {
             // This run's logs start from that checkpoint: retention must keep it.
             replay::pin(&run_dir, a.step)?;
         }
-        let scaler = match resume.as_ref().and_then(|r| r.state.loss_scaler.clone()) {
-            Some(s) if cfg.optim.loss_scale == "dynamic" => Some(s),
-            _ => crate::optim::scaler::LossScaler::from_config(&cfg.optim),
-        };
+        let scaler =
+            LossScaler::for_run(&cfg.optim, resume.as_ref().and_then(|r| r.state.loss_scaler.clone()));
         let ck_args = super::checkpointer::CheckpointerArgs {
             run_dir: run_dir.clone(),
             keep: cfg.checkpoint.keep,
@@ -499,15 +383,6 @@ impl Actor for Coordinator {
     }
 }
 
-/// The actors the coordinator sends to (all empty when replaying it alone).
-pub struct Links {
-    pub stages: Vec<Vec<ActorRef<StageMsg>>>,
-    pub loaders: Vec<ActorRef<LoaderMsg>>,
-    pub reducer: Option<ActorRef<ReducerMsg>>,
-    pub monitor: Option<ActorRef<MonitorMsg>>,
-    pub checkpointer: Option<ActorRef<super::checkpointer::CheckpointerMsg>>,
-}
-
 impl CoordinatorState {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -515,7 +390,7 @@ impl CoordinatorState {
         cfg: Config,
         layout: Layout,
         start_step: u64,
-        scaler: Option<crate::optim::scaler::LossScaler>,
+        scaler: Option<LossScaler>,
         eval_set: Option<Arc<EvalSet>>,
         has_val: bool,
         links: Links,
@@ -527,6 +402,7 @@ impl CoordinatorState {
             (dp * layout.microbatches * cfg.train.micro_batch_size * cfg.model.block_size) as u64;
         CoordinatorState {
             sched: LrSchedule::from_config(&cfg),
+            recovery: Recovery::new(&cfg.recovery),
             steps: cfg.train.steps as u64,
             weights: vec![None; pp],
             run_dir,
@@ -557,50 +433,8 @@ impl CoordinatorState {
             snapshot_started: Instant::now(),
             writes_pending: 0,
             stop_requested: false,
-            window: Default::default(),
-            consecutive_skips: 0,
-            cooldown_until: 0,
             scaler,
             trace_epoch: None,
-        }
-    }
-
-    /// Logs a handled message: gathered messages (one per rank) are logged in
-    /// (replica, rank) order when their gather completes, so the log does not
-    /// depend on the order they arrived in.
-    fn log_handled(&mut self, msg: &CoordinatorMsg) {
-        let last = self.layout.rank_of(self.layout.last_stage());
-        let Some(log) = &mut self.log else { return };
-        let sender =
-            |rank: usize, replica: usize, step: u64| (stage_name(rank, replica), step, replica, Some(rank));
-        let (from, step, replica, rank) = match msg {
-            CoordinatorMsg::Start => ("coordinator".to_string(), self.step, 0, None),
-            CoordinatorMsg::StageDone(r) => sender(r.rank, r.replica, r.step),
-            CoordinatorMsg::Applied { rank, replica, step } => sender(*rank, *replica, *step),
-            CoordinatorMsg::Restored { rank, replica } | CoordinatorMsg::Weights { rank, replica, .. } => {
-                sender(*rank, *replica, self.step)
-            }
-            CoordinatorMsg::Snapshot { rank, step, .. } => sender(*rank, 0, *step),
-            CoordinatorMsg::EvalDone { step, .. } => (stage_name(last, 0), *step, 0, None),
-            // Their timing is the point, not their content: left out (see crate::replay).
-            CoordinatorMsg::Saved { .. }
-            | CoordinatorMsg::CheckpointFailed(_)
-            | CoordinatorMsg::StopRequested
-            | CoordinatorMsg::Failed(_) => return,
-        };
-        let (kind, blobs) = msg.logged(log.payloads(), false);
-        let mut e = replay::entry(&from, kind, step, replica).with_inputs(blobs);
-        e.stage = rank.map(|r| r as u64);
-        match msg {
-            CoordinatorMsg::Start => log.begin(e),
-            CoordinatorMsg::EvalDone { .. } => log.begin(e.with_eval(true)),
-            _ => log.gather(e),
-        }
-    }
-
-    fn gather_done(&mut self) {
-        if let Some(log) = &mut self.log {
-            log.gather_done();
         }
     }
 
@@ -716,83 +550,6 @@ impl CoordinatorState {
     pub fn is_stopped(&self) -> bool {
         self.stopped
     }
-
-    fn log_sent(&mut self, to: &str, kind: &str, blobs: impl FnOnce() -> Vec<Blob>) {
-        if let Some(log) = &mut self.log {
-            log.sent(to, kind, None, blobs());
-        }
-    }
-
-    fn send_stage(&mut self, replica: usize, rank: usize, msg: StageMsg) -> Result<(), ActorProcessingErr> {
-        if self.log.is_some() {
-            let logged = msg.logged(false, &super::protocol::no_grad_names);
-            self.log_sent(&stage_name(rank, replica), logged.kind, || logged.blobs);
-        }
-        if let Some(r) = self.stages.get(replica).and_then(|v| v.get(rank)) {
-            r.send_message(msg)?;
-        }
-        Ok(())
-    }
-
-    /// Sends `msg()` to every stage of replicas `0..replicas`, in (replica, rank) order.
-    fn send_stages(&mut self, replicas: usize, msg: impl Fn() -> StageMsg) -> Result<(), ActorProcessingErr> {
-        for replica in 0..replicas {
-            for rank in 0..self.layout.pp {
-                self.send_stage(replica, rank, msg())?;
-            }
-        }
-        Ok(())
-    }
-
-    fn send_loader(&mut self, replica: usize, msg: LoaderMsg) -> Result<(), ActorProcessingErr> {
-        let (kind, blobs) = match &msg {
-            LoaderMsg::Train { .. } => ("Train", vec![]),
-            LoaderMsg::Eval { kind, batches, .. } => (
-                "Eval",
-                vec![
-                    Blob::str(super::protocol::key::EVAL_KIND, kind.name()),
-                    Blob::f64(super::protocol::key::BATCHES, *batches as f64),
-                ],
-            ),
-        };
-        self.log_sent(&format!("loader-{replica}"), kind, || blobs);
-        if let Some(l) = self.loaders.get(replica) {
-            l.send_message(msg)?;
-        }
-        Ok(())
-    }
-
-    fn send_monitor(&mut self, msg: MonitorMsg) -> Result<(), ActorProcessingErr> {
-        if self.log.is_some() {
-            let (kind, blobs) = match &msg {
-                MonitorMsg::Step(m) => ("Step", metrics_blobs(m)),
-                MonitorMsg::Finish => ("Finish", vec![]),
-            };
-            self.log_sent("monitor", kind, || blobs);
-        }
-        if let Some(m) = &self.monitor {
-            m.send_message(msg)?;
-        }
-        Ok(())
-    }
-}
-
-/// The deterministic fields of a step's metrics (no timings).
-fn metrics_blobs(m: &StepMetrics) -> Vec<Blob> {
-    let mut b = vec![
-        Blob::f64("step", m.step as f64),
-        Blob::f64("loss", m.loss),
-        Blob::f64("lr", m.lr),
-        Blob::f64("grad_norm", m.grad_norm),
-        Blob::f64("skipped", m.skipped as u8 as f64),
-    ];
-    for (name, v) in [("val_loss", m.val_loss), ("exact_match", m.exact_match), ("loss_scale", m.loss_scale)]
-    {
-        if let Some(v) = v {
-            b.push(Blob::f64(name, v));
-        }
-    }
-    b
 }
 
 fn check(ok: bool, what: &str) -> Result<(), ActorProcessingErr> {
@@ -839,51 +596,25 @@ impl CoordinatorState {
 
     /// Every stage's copy is in: hand them to the checkpointer and go on.
     fn snapshots_done(&mut self) -> Result<(), ActorProcessingErr> {
-        let mut tensors = Vec::new();
-        let mut seen = std::collections::BTreeSet::new();
-        let mut adam_step = 0;
-        for s in self.snapshots.iter_mut() {
-            let (ts, t) = s.take().expect("snapshot");
-            adam_step = t;
-            for tensor in ts {
-                // The head's copy of the tied wte equals the embedding's; keep one.
-                if seen.insert(tensor.name.clone()) {
-                    tensors.push(tensor);
-                }
-            }
-        }
+        let snapshots = self.snapshots.iter_mut().map(|s| s.take().expect("snapshot"));
+        let (tensors, adam_step) = assembly::merge(snapshots);
         self.out.checkpoint_pause_ms.push(self.snapshot_started.elapsed().as_secs_f64() * 1e3);
-        // Replica r of step s reads from global microbatch (s·dp + r)·m (see data_loader).
-        let (dp, m) = (self.layout.dp as u64, self.layout.microbatches as u64);
-        let b = self.cfg.train.micro_batch_size as u64;
-        let state = crate::checkpoint::StateFile {
-            format_version: crate::checkpoint::FORMAT_VERSION,
+        let state = assembly::state_file(assembly::RunPosition {
+            cfg: &self.cfg,
+            sched: &self.sched,
             step: self.step,
             adam_step,
             tokens: self.tokens_seen(),
             skipped_steps: self.out.skipped,
-            data_cursor: self.step * dp * m * b,
-            data_cursors: (0..dp).map(|r| (self.step * dp + r) * m * b).collect(),
-            rng: crate::checkpoint::RngState {
-                seed: self.cfg.train.seed,
-                step: self.step,
-                note: crate::checkpoint::RNG_NOTE.into(),
-            },
-            lr_schedule: self.lr_position(),
-            config: self.cfg.to_toml_string(),
-            config_hash: self.cfg.hash(),
-            digests: Default::default(),
+            next_lr: self.lr_of(self.step),
+            cooldown_until: self.recovery.cooldown_until(),
+            dp: self.layout.dp,
+            microbatches: self.layout.microbatches,
             loss_scaler: self.scaler.clone(),
-        };
+        });
         self.writes_pending += 1;
         if self.log.is_some() {
-            let blobs = vec![
-                Blob::f64("step", state.step as f64),
-                Blob::f64("adam_step", state.adam_step as f64),
-                Blob::f64("tokens", state.tokens as f64),
-                Blob::f64("data_cursor", state.data_cursor as f64),
-                Blob::f64("next_lr", state.lr_schedule.next_lr),
-            ];
+            let blobs = assembly::logged(&state);
             self.log_sent("checkpointer", "Write", || blobs);
         }
         match &self.checkpointer {
@@ -901,7 +632,7 @@ impl CoordinatorState {
     /// Takes up a resumed run's counters where its checkpoint left them.
     pub fn continue_from(&mut self, state: &crate::checkpoint::StateFile) {
         self.tokens_base = (state.step, state.tokens);
-        self.cooldown_until = state.lr_schedule.cooldown_until;
+        self.recovery.continue_cooldown(state.lr_schedule.cooldown_until);
     }
 
     /// Tokens trained on before the current step.
@@ -911,28 +642,7 @@ impl CoordinatorState {
 
     /// The learning rate of 0-based `step`, a rollback's cooldown included.
     fn lr_of(&self, step: u64) -> f64 {
-        let lr = self.sched.lr(step as usize);
-        if step < self.cooldown_until {
-            lr * self.cfg.recovery.lr_factor
-        } else {
-            lr
-        }
-    }
-
-    fn lr_position(&self) -> crate::checkpoint::LrPosition {
-        let (decay_start, decay_end) = self.sched.decay_bounds();
-        crate::checkpoint::LrPosition {
-            kind: self.cfg.optim.schedule.clone(),
-            step: self.step,
-            warmup_steps: self.sched.warmup_steps as u64,
-            decay_start: decay_start as u64,
-            decay_end: decay_end as u64,
-            lr: self.sched.lr,
-            min_lr: self.sched.min_lr,
-            next_lr: self.lr_of(self.step),
-            cooldown_until: self.cooldown_until,
-            cooldown_factor: self.cfg.recovery.lr_factor,
-        }
+        self.recovery.lr(self.sched.lr(step as usize), step)
     }
 
     fn finish(&mut self, result: Result<(), String>) {
@@ -973,32 +683,13 @@ impl CoordinatorState {
         let grad_norm = optim::global_norm(&mut self.norms) / scale;
         let loss_sum: f64 = self.reports.iter().filter_map(|r| r.loss_sum).sum();
         let loss = loss_sum / self.tokens_per_step as f64;
-        let mut skip = !loss.is_finite() || !grad_norm.is_finite();
-        let overflow = self.scaler.is_some() && loss.is_finite() && !grad_norm.is_finite();
-        let mut alert = None;
-        if overflow {
-            alert =
-                Some(format!("gradients overflowed at loss scale {scale}: update skipped, scale backs off"));
-        } else if skip {
-            alert = Some(format!("non-finite loss ({loss}) or gradient norm ({grad_norm}): update skipped"));
-        } else if let Some(a) = self.spike(loss, grad_norm) {
-            skip = self.cfg.recovery.spike_skip;
-            alert = Some(if skip { format!("{a}; update skipped") } else { a });
-        }
+        let Verdict { skip, overflow, alert } =
+            self.recovery.judge(loss, grad_norm, self.scaler.as_ref().map(|_| scale));
         if let Some(a) = &alert {
             eprintln!("step {}: {a}", self.step + 1);
         }
         if let Some(sc) = &mut self.scaler {
             sc.update(overflow);
-        }
-        if skip && !overflow {
-            self.consecutive_skips += 1;
-        } else if !skip {
-            self.consecutive_skips = 0;
-            self.window.push_back((loss, grad_norm));
-            if self.window.len() > self.cfg.recovery.spike_window {
-                self.window.pop_front();
-            }
         }
         // AdamW multiplies each gradient by this: the clip factor, unscaled.
         let clip = optim::clip_coefficient(grad_norm, self.cfg.optim.grad_clip) / scale as f32;
@@ -1022,31 +713,6 @@ impl CoordinatorState {
             repeated: false,
         });
         Ok(())
-    }
-
-    /// A loss above spike_factor × the window's mean, or a gradient norm
-    /// spike_zscore deviations above its mean, over the last non-skipped steps.
-    fn spike(&self, loss: f64, grad_norm: f64) -> Option<String> {
-        let r = &self.cfg.recovery;
-        let n = self.window.len();
-        if n < r.spike_window.min(10) || !loss.is_finite() || !grad_norm.is_finite() {
-            return None;
-        }
-        let mean_loss = self.window.iter().map(|w| w.0).sum::<f64>() / n as f64;
-        if r.spike_factor > 0.0 && loss > r.spike_factor * mean_loss {
-            return Some(format!("loss spike: {loss:.4} > {} × rolling mean {mean_loss:.4}", r.spike_factor));
-        }
-        if r.spike_zscore > 0.0 {
-            let mean = self.window.iter().map(|w| w.1).sum::<f64>() / n as f64;
-            let var = self.window.iter().map(|w| (w.1 - mean).powi(2)).sum::<f64>() / n as f64;
-            let z = (grad_norm - mean) / var.sqrt().max(1e-12);
-            if z > r.spike_zscore {
-                return Some(format!(
-                    "gradient-norm spike: {grad_norm:.4} is {z:.1} σ above the rolling mean {mean:.4}"
-                ));
-            }
-        }
-        None
     }
 
     fn step_applied(&mut self) -> Result<(), ActorProcessingErr> {
@@ -1138,7 +804,7 @@ impl CoordinatorState {
         let Some(loaded) = loaded else {
             return Err(format!(
                 "{} consecutive steps skipped (last: step {}) and no checkpoint in {} verifies to roll back to",
-                self.consecutive_skips,
+                self.recovery.consecutive_skips(),
                 self.step,
                 root.display()
             )
@@ -1149,16 +815,14 @@ impl CoordinatorState {
         let loaded = Arc::new(loaded);
         eprintln!(
             "{} consecutive steps skipped: rolling back to {} and scaling the learning rate by {} for {} steps",
-            self.consecutive_skips,
+            self.recovery.consecutive_skips(),
             dir.display(),
             self.cfg.recovery.lr_factor,
             self.cfg.recovery.cooldown_steps
         );
         self.out.rollbacks += 1;
-        self.consecutive_skips = 0;
-        self.window.clear();
+        self.recovery.rolled_back_to(ck_step);
         self.step = ck_step;
-        self.cooldown_until = ck_step + self.cfg.recovery.cooldown_steps as u64;
         self.waiting = Waiting::Restored;
         self.acks = 0;
         self.send_stages(self.layout.dp, || StageMsg::Restore(loaded.clone()))
@@ -1169,8 +833,7 @@ impl CoordinatorState {
             self.send_monitor(MonitorMsg::Step(m))?;
         }
         self.step += 1;
-        let max = self.cfg.recovery.max_skips;
-        if max > 0 && self.consecutive_skips >= max {
+        if self.recovery.roll_back_due() {
             return self.roll_back();
         }
         let every = self.cfg.checkpoint.every as u64;

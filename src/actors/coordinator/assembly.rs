@@ -1,0 +1,149 @@
+//! Checkpoint assembly: every rank's snapshot, and the run's counters, into
+//! what the checkpointer writes (the tensors once each, `state.json`, the
+//! learning-rate position). Plain data in, plain data out: no actors, no I/O.
+
+use crate::checkpoint::{LrPosition, RngState, StateFile, TensorState, FORMAT_VERSION, RNG_NOTE};
+use crate::config::Config;
+use crate::optim::{scaler::LossScaler, LrSchedule};
+use crate::replay::Blob;
+
+/// One rank's copy of its tensors and its AdamW step count.
+pub type Snapshot = (Vec<TensorState>, u64);
+
+/// The ranks' snapshots, in rank order, as one list of tensors with the
+/// AdamW step (every rank's is the same; the last one read stands).
+pub fn merge(snapshots: impl IntoIterator<Item = Snapshot>) -> (Vec<TensorState>, u64) {
+    let mut tensors = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut adam_step = 0;
+    for (ts, t) in snapshots {
+        adam_step = t;
+        for tensor in ts {
+            // The head's copy of the tied wte equals the embedding's; keep one.
+            if seen.insert(tensor.name.clone()) {
+                tensors.push(tensor);
+            }
+        }
+    }
+    (tensors, adam_step)
+}
+
+/// Where the run stands at a step boundary: what `state.json` records.
+pub struct RunPosition<'a> {
+    pub cfg: &'a Config,
+    pub sched: &'a LrSchedule,
+    /// Steps completed; the resumed run starts with this one.
+    pub step: u64,
+    pub adam_step: u64,
+    pub tokens: u64,
+    pub skipped_steps: usize,
+    /// The learning rate of `step`, a cooldown included.
+    pub next_lr: f64,
+    pub cooldown_until: u64,
+    pub dp: usize,
+    pub microbatches: usize,
+    pub loss_scaler: Option<LossScaler>,
+}
+
+/// `state.json` of the checkpoint taken at `p.step`.
+pub fn state_file(p: RunPosition) -> StateFile {
+    // Replica r of step s reads from global microbatch (s·dp + r)·m (see data_loader).
+    let (dp, m) = (p.dp as u64, p.microbatches as u64);
+    let b = p.cfg.train.micro_batch_size as u64;
+    StateFile {
+        format_version: FORMAT_VERSION,
+        step: p.step,
+        adam_step: p.adam_step,
+        tokens: p.tokens,
+        skipped_steps: p.skipped_steps,
+        data_cursor: p.step * dp * m * b,
+        data_cursors: (0..dp).map(|r| (p.step * dp + r) * m * b).collect(),
+        rng: RngState { seed: p.cfg.train.seed, step: p.step, note: RNG_NOTE.into() },
+        lr_schedule: lr_position(&p),
+        config: p.cfg.to_toml_string(),
+        config_hash: p.cfg.hash(),
+        digests: Default::default(),
+        loss_scaler: p.loss_scaler,
+    }
+}
+
+fn lr_position(p: &RunPosition) -> LrPosition {
+    let (decay_start, decay_end) = p.sched.decay_bounds();
+    LrPosition {
+        kind: p.cfg.optim.schedule.clone(),
+        step: p.step,
+        warmup_steps: p.sched.warmup_steps as u64,
+        decay_start: decay_start as u64,
+        decay_end: decay_end as u64,
+        lr: p.sched.lr,
+        min_lr: p.sched.min_lr,
+        next_lr: p.next_lr,
+        cooldown_until: p.cooldown_until,
+        cooldown_factor: p.cfg.recovery.lr_factor,
+    }
+}
+
+/// The checkpointer's `Write` as the coordinator's replay log records it.
+pub fn logged(state: &StateFile) -> Vec<Blob> {
+    vec![
+        Blob::f64("step", state.step as f64),
+        Blob::f64("adam_step", state.adam_step as f64),
+        Blob::f64("tokens", state.tokens as f64),
+        Blob::f64("data_cursor", state.data_cursor as f64),
+        Blob::f64("next_lr", state.lr_schedule.next_lr),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(name: &str, v: f32) -> TensorState {
+        TensorState {
+            name: name.into(),
+            shape: vec![1],
+            data: vec![v],
+            exp_avg: vec![0.0],
+            exp_avg_sq: vec![0.0],
+        }
+    }
+
+    #[test]
+    fn the_tied_embedding_is_written_once_from_the_first_rank_holding_it() {
+        let (ts, adam) = merge([
+            (vec![tensor("wte", 1.0), tensor("h0.w", 2.0)], 7),
+            (vec![tensor("h1.w", 3.0), tensor("wte", 9.0)], 7),
+        ]);
+        let names: Vec<_> = ts.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["wte", "h0.w", "h1.w"]);
+        assert_eq!(ts[0].data, [1.0]);
+        assert_eq!(adam, 7);
+    }
+
+    #[test]
+    fn data_cursors_count_global_microbatches_per_replica() {
+        let mut cfg = Config::default();
+        cfg.train.micro_batch_size = 2;
+        let sched = LrSchedule::from_config(&cfg);
+        let s = state_file(RunPosition {
+            cfg: &cfg,
+            sched: &sched,
+            step: 3,
+            adam_step: 2,
+            tokens: 100,
+            skipped_steps: 1,
+            next_lr: 0.25,
+            cooldown_until: 5,
+            dp: 2,
+            microbatches: 4,
+            loss_scaler: None,
+        });
+        // Step 3 of dp 2 × m 4 × b 2: replica r starts at microbatch (3·2 + r)·4.
+        assert_eq!(s.data_cursor, 48);
+        assert_eq!(s.data_cursors, [48, 56]);
+        assert_eq!((s.lr_schedule.next_lr, s.lr_schedule.cooldown_until), (0.25, 5));
+        assert_eq!(s.config_hash, cfg.hash());
+        let blobs = logged(&s);
+        assert_eq!(blobs.len(), 5);
+    }
+}
