@@ -10,6 +10,8 @@
 //! - `reducer`: sums gradients over data-parallel replicas in replica order.
 //! - `monitor`: metrics.jsonl and the progress display.
 //! - `checkpointer`: writes checkpoints in the background.
+//! - `topology`: spawns a run's actors and links them (one process, a cluster
+//!   worker's share, or the arguments of one actor replayed alone).
 //! - `protocol`: every message kind, declared once, and its encodings (frame
 //!   header + tensors for the wire, named blobs for the replay log).
 //!
@@ -26,6 +28,7 @@ pub mod monitor;
 pub mod protocol;
 pub mod reducer;
 pub mod stage;
+pub mod topology;
 
 pub use coordinator::{run, RunInputs, RunOutcome};
 pub use layout::Layout;

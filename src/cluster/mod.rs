@@ -20,8 +20,9 @@ pub mod wire;
 
 pub use mesh::{ClockEstimate, Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
 
-use crate::actors::coordinator::{stage_name, CoordinatorMsg, Failure};
-use crate::actors::stage::{Links, StageActor, StageArgs, StageMsg};
+use crate::actors::coordinator::{CoordinatorMsg, Failure};
+use crate::actors::stage::StageMsg;
+use crate::actors::topology::{Host, Topology};
 use crate::actors::Layout;
 use crate::config::Config;
 use link::Cookie;
@@ -30,7 +31,7 @@ use node::{Node, NodeEvent};
 use ractor::{Actor, ActorRef};
 use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::Path;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use wire::Kind;
 
@@ -670,63 +671,25 @@ impl StageSet {
         let origin =
             crate::replay::Origin::new(&cfg, init.as_ref().map(|w| w.path.as_path()), resume.as_deref())
                 .map_err(|e| e.to_string())?;
-        let epoch = *fabric.epoch.lock().expect("epoch");
-        let (pp, dp) = (layout.pp, layout.dp);
-        // The same pinning rule as one process: a core per compute thread or none.
-        let cores = core_affinity::get_core_ids().unwrap_or_default();
-        let cores = if layout.threads_per_rank * pp * dp <= cores.len() { cores } else { vec![] };
-        let mut routes = vec![vec![None; pp]; dp];
-        let mut local = Vec::new();
-        for (replica, route) in routes.iter_mut().enumerate() {
-            let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
-            let mut refs = Vec::new();
-            for (rank, slot) in route.iter_mut().enumerate() {
-                let owner = fabric.owner(replica, rank);
-                if owner != fabric.me {
-                    let args = RemoteStageArgs { fabric: fabric.clone(), replica, rank, owner };
-                    let (r, _) = Actor::spawn_linked(None, RemoteStage, args, coordinator.get_cell())
-                        .await
-                        .map_err(e)?;
-                    refs.push(r);
-                    continue;
-                }
-                let k = replica * pp + rank;
-                let t = layout.threads_per_rank;
-                let mine = if cores.is_empty() {
-                    vec![]
-                } else {
-                    (0..t).map(|i| cores[(k * t + i) % cores.len()]).collect()
-                };
-                let name = stage_name(rank, replica);
-                let args = StageArgs {
-                    rank,
-                    replica,
-                    cfg: cfg.clone(),
-                    layout: layout.clone(),
-                    init: init.clone(),
-                    resume: resume.clone(),
-                    links: Links::Actors {
-                        peers: peers.clone(),
-                        coordinator: coordinator.clone(),
-                        reducer: reducer.clone(),
-                    },
-                    log: crate::replay::recorder(&cfg, &run_dir, &name, &origin)
-                        .map_err(|e| e.to_string())?,
-                    chaos_seed: None,
-                    cores: mine,
-                    latencies_us: Default::default(),
-                    trace_epoch: cfg.trace.enabled.then_some(epoch),
-                    gpu_plan: fabric.gpu_plan.get().cloned(),
-                };
-                let (r, _) = Actor::spawn_linked(Some(name), StageActor, args, coordinator.get_cell())
-                    .await
-                    .map_err(e)?;
-                *slot = Some(r.clone());
-                local.push(r.clone());
-                refs.push(r);
-            }
-            let _ = peers.set(refs);
-        }
+        let trace_epoch = cfg.trace.enabled.then(|| *fabric.epoch.lock().expect("epoch"));
+        let topology = Topology {
+            gpu_plan: fabric.gpu_plan.get().cloned(),
+            cfg,
+            layout,
+            run_dir,
+            origin: Some(origin),
+            init,
+            resume,
+            chaos_seed: None,
+            trace_epoch,
+        };
+        let host = Host::Worker(fabric.clone());
+        let stages = topology
+            .spawn_stages(&host, &coordinator, reducer, coordinator.get_cell())
+            .await
+            .map_err(|e| e.to_string())?;
+        let routes = host.local_routes(&stages);
+        let local = routes.iter().flatten().flatten().cloned().collect();
         fabric.set_routes(Routes { stages: routes, coordinator: None, reducer: None });
         Ok((coordinator, local))
     }

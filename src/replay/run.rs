@@ -4,10 +4,11 @@
 
 use super::{compare, ActorLog, Checker, Divergence, Entry, Header, LogError, LogReader, ReadLog};
 use crate::actors::coordinator::{CoordinatorState, Links};
-use crate::actors::data_loader::{LoaderArgs, LoaderMsg};
+use crate::actors::data_loader::LoaderMsg;
 use crate::actors::protocol::{CoordinatorMsg, EvalKind, StageMsg};
-use crate::actors::reducer::{ReducerArgs, ReducerMsg, ReducerState};
-use crate::actors::stage::{replay_stage, StageArgs};
+use crate::actors::reducer::{ReducerMsg, ReducerState};
+use crate::actors::stage::replay_stage;
+use crate::actors::topology::Topology;
 use crate::actors::Layout;
 use crate::config::Config;
 use crate::optim::grad_tree::Span;
@@ -400,22 +401,10 @@ fn replay_one_stage(
             }
         })
     };
-    let args = StageArgs {
-        // Replaying one stage alone: its tensors come from the log, in host memory.
-        gpu_plan: None,
-        rank,
-        replica,
-        cfg: cfg.clone(),
-        layout,
-        init,
-        resume,
-        links: crate::actors::stage::Links::Detached { failure: Default::default() },
-        log: Some(log),
-        chaos_seed: None,
-        cores: vec![],
-        latencies_us: Default::default(),
-        trace_epoch: None,
-    };
+    // Replaying one stage alone: its tensors come from the log, in host memory.
+    let detached = crate::actors::stage::Links::Detached { failure: Default::default() };
+    let mut args = alone(cfg, layout, init, resume).stage_args(replica, rank, detached, vec![])?;
+    args.log = Some(log);
     // A thread of its own: the stage's thread pool adopts the thread it starts on.
     let result = std::thread::Builder::new()
         .name(format!("replay-{actor}"))
@@ -431,6 +420,28 @@ fn replay_one_stage(
     Ok(log.map_or(0, |l| l.position()))
 }
 
+/// The topology of one actor replayed alone: nothing to spawn, no log of its
+/// own opened (it checks against the recorded one), no chaos, no trace, and
+/// tensors in host memory.
+fn alone(
+    cfg: &Config,
+    layout: Layout,
+    init: Option<Arc<crate::model::io::LoadedWeights>>,
+    resume: Option<Arc<crate::checkpoint::Loaded>>,
+) -> Topology {
+    Topology {
+        cfg: cfg.clone(),
+        layout,
+        run_dir: PathBuf::new(),
+        origin: None,
+        init,
+        resume,
+        chaos_seed: None,
+        trace_epoch: None,
+        gpu_plan: None,
+    }
+}
+
 fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) -> Result<usize> {
     let replica: usize = actor
         .strip_prefix("loader-")
@@ -440,20 +451,8 @@ fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) ->
     let layout = Layout::from_config(cfg)?;
     let sources = crate::train::run::load_sources(cfg)?;
     let d = sources.replica_data(cfg)?;
-    let mut st = LoaderArgs {
-        replica,
-        dp: layout.dp,
-        microbatches: layout.microbatches,
-        micro_batch_size: cfg.train.micro_batch_size,
-        block_size: cfg.model.block_size,
-        train: d.train,
-        val: d.val,
-        eval_set: d.eval_set,
-        stages: Arc::new(OnceLock::new()),
-        first_rank: layout.rank_of(0),
-        last_rank: layout.rank_of(layout.last_stage()),
-        log: Some(log),
-    };
+    let mut st = alone(cfg, layout, None, None).loader_args(replica, d, Arc::new(OnceLock::new()))?;
+    st.log = Some(log);
     for e in entries {
         let msg = match e.kind.as_str() {
             "Train" => LoaderMsg::Train { step: e.step },
@@ -479,13 +478,8 @@ fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) ->
 
 fn replay_reducer(cfg: &Config, entries: &[Entry], log: ActorLog) -> Result<usize> {
     let layout = Layout::from_config(cfg)?;
-    let args = ReducerArgs {
-        dp: layout.dp,
-        stages: Arc::new(OnceLock::new()),
-        stage_rank: layout.schedule.stage_rank.clone(),
-        log: Some(log),
-        chaos_seed: None,
-    };
+    let mut args = alone(cfg, layout, None, None).reducer_args(Arc::new(OnceLock::new()))?;
+    args.log = Some(log);
     let mut st = ReducerState::new(args);
     for e in entries {
         let err = |why: String| anyhow!("reducer: {}: {why}", e.describe());

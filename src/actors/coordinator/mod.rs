@@ -7,45 +7,41 @@
 //! and tells every stage to apply AdamW. Evaluations run between steps. A
 //! failure anywhere (a stage's error or panic, an actor dying) ends the run
 //! with an error naming the actor, step and microbatch; nothing waits forever.
+//!
+//! This file is the step state machine ([`CoordinatorState`], no I/O but its
+//! sends), driven by ractor and by replay alike. Beside it: `actor` (the
+//! ractor shell), `run` (a whole run's inputs, outcome and shutdown),
+//! `recovery` (skip/spike verdicts and the roll-back rule, pure), `assembly`
+//! (snapshots into what the checkpointer writes, pure) and `outbox` (every
+//! send and its replay-log form). Spawning lives in `actors::topology`.
 
+mod actor;
 mod assembly;
 mod outbox;
 mod recovery;
 mod run;
 
+pub use actor::Coordinator;
 pub use outbox::Links;
 pub use run::{run, RunData, RunInputs, RunOutcome};
 
-use super::data_loader::{DataLoader, LoaderArgs, LoaderMsg};
+use super::data_loader::LoaderMsg;
 use super::layout::Layout;
-use super::monitor::{Monitor, MonitorArgs, MonitorMsg};
-use super::reducer::{Reducer, ReducerArgs, ReducerMsg};
-use super::stage::{StageActor, StageArgs};
+use super::monitor::MonitorMsg;
+use super::reducer::ReducerMsg;
 use crate::config::Config;
 use crate::data::EvalSet;
 use crate::model::Param;
 use crate::optim::{self, scaler::LossScaler, LrSchedule};
-use crate::replay::{self, ActorLog};
-use crate::train::run::{Progress, StepMetrics};
-use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use crate::replay::ActorLog;
+use crate::train::run::StepMetrics;
+use ractor::{ActorProcessingErr, ActorRef};
 use recovery::{Recovery, Verdict};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
 
 pub use super::protocol::{stage_name, CoordinatorMsg, EvalKind, Failure, StageMsg, StageReport};
-
-/// ractor's registry is process-wide: runs in one process (tests, the bench's
-/// layouts) register their actors under their own run number, `name#run`.
-fn registered(name: &str, run: u64) -> String {
-    format!("{name}#{run}")
-}
-
-fn plain_name(registered: &str) -> &str {
-    registered.split('#').next().unwrap_or(registered)
-}
-
-pub struct Coordinator;
 
 enum Waiting {
     StageDone,
@@ -102,285 +98,6 @@ pub struct CoordinatorState {
     scaler: Option<LossScaler>,
     /// The run's trace clock, when tracing: the checkpointer's writes get a track.
     trace_epoch: Option<Instant>,
-}
-
-impl Actor for Coordinator {
-    type Msg = CoordinatorMsg;
-    type State = CoordinatorState;
-    type Arguments = (RunInputs, oneshot::Sender<Result<RunOutcome, String>>, u64);
-
-    async fn pre_start(
-        &self,
-        me: ActorRef<CoordinatorMsg>,
-        (inputs, reply, id): Self::Arguments,
-    ) -> Result<CoordinatorState, ActorProcessingErr> {
-        let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed, cluster } =
-            inputs;
-        let start_step = resume.as_ref().map_or(0, |r| r.state.step);
-        let origin = replay::Origin::new(&cfg, init.as_ref().map(|w| w.path.as_path()), resume.as_deref())?;
-        if let Some(a) = &origin.anchor {
-            // This run's logs start from that checkpoint: retention must keep it.
-            replay::pin(&run_dir, a.step)?;
-        }
-        let scaler =
-            LossScaler::for_run(&cfg.optim, resume.as_ref().and_then(|r| r.state.loss_scaler.clone()));
-        let ck_args = super::checkpointer::CheckpointerArgs {
-            run_dir: run_dir.clone(),
-            keep: cfg.checkpoint.keep,
-            keep_every: cfg.checkpoint.keep_every as u64,
-            coordinator: me.clone(),
-            log: replay::recorder(&cfg, &run_dir, "checkpointer", &origin)?,
-        };
-        let (checkpointer, _) = Actor::spawn_linked(
-            Some(registered("checkpointer", id)),
-            super::checkpointer::Checkpointer,
-            ck_args,
-            me.get_cell(),
-        )
-        .await?;
-        let (pp, dp) = (layout.pp, layout.dp);
-        let epoch = cluster.as_ref().map_or_else(Instant::now, |f| *f.epoch.lock().expect("epoch"));
-        let all: Arc<OnceLock<Vec<Vec<ActorRef<StageMsg>>>>> = Arc::new(OnceLock::new());
-        let monitor_args = MonitorArgs {
-            metrics,
-            metrics_path: run_dir.join("metrics.jsonl"),
-            last_step: 0,
-            progress: Progress::new(cfg.train.steps, progress),
-        };
-        let (monitor, _) =
-            Actor::spawn_linked(Some(registered("monitor", id)), Monitor, monitor_args, me.get_cell())
-                .await?;
-        let reducer = if dp > 1 {
-            let log = replay::recorder(&cfg, &run_dir, "reducer", &origin)?;
-            let stage_rank = layout.schedule.stage_rank.clone();
-            let args = ReducerArgs { dp, stages: all.clone(), stage_rank, log, chaos_seed };
-            Some(Actor::spawn_linked(Some(registered("reducer", id)), Reducer, args, me.get_cell()).await?.0)
-        } else {
-            None
-        };
-        // Pin only when every compute thread can have a core of its own: two busy
-        // ranks pinned to one core cannot borrow an idle neighbour.
-        let cores = core_affinity::get_core_ids().unwrap_or_default();
-        let cores = if layout.threads_per_rank * pp * dp <= cores.len() { cores } else { vec![] };
-        // GPU runs: in one process every rank is local; across processes the
-        // driver made the plan (and its NCCL ids) when it sent the roster.
-        let gpu_plan = match (&cluster, cfg.backend.kind.as_str()) {
-            (_, kind) if kind != "cuda" => None,
-            (Some(f), _) => f.gpu_plan.get().cloned(),
-            (None, _) => Some(Arc::new(
-                super::stage::nccl::GpuPlan::make(&layout, |_, _| 0, 0).map_err(|e| format!("NCCL: {e}"))?,
-            )),
-        };
-        let mut stages = Vec::new();
-        for replica in 0..dp {
-            let peers: Arc<OnceLock<Vec<ActorRef<StageMsg>>>> = Arc::new(OnceLock::new());
-            let mut refs = Vec::new();
-            for rank in 0..pp {
-                if let Some(f) = cluster.as_ref().filter(|f| f.owner(replica, rank) != f.me) {
-                    let args = crate::cluster::RemoteStageArgs {
-                        fabric: f.clone(),
-                        replica,
-                        rank,
-                        owner: f.owner(replica, rank),
-                    };
-                    let name = registered(&format!("remote-{}", stage_name(rank, replica)), id);
-                    let (r, _) =
-                        Actor::spawn_linked(Some(name), crate::cluster::RemoteStage, args, me.get_cell())
-                            .await?;
-                    refs.push(r);
-                    continue;
-                }
-                let k = replica * pp + rank;
-                let t = layout.threads_per_rank;
-                let mine = if cores.is_empty() {
-                    vec![]
-                } else {
-                    (0..t).map(|i| cores[(k * t + i) % cores.len()]).collect()
-                };
-                let args = StageArgs {
-                    rank,
-                    replica,
-                    cfg: cfg.clone(),
-                    layout: layout.clone(),
-                    init: init.clone(),
-                    resume: resume.clone(),
-                    links: super::stage::Links::Actors {
-                        peers: peers.clone(),
-                        coordinator: me.clone(),
-                        reducer: reducer.clone(),
-                    },
-                    log: replay::recorder(&cfg, &run_dir, &stage_name(rank, replica), &origin)?,
-                    chaos_seed,
-                    cores: mine,
-                    latencies_us: Default::default(),
-                    trace_epoch: cfg.trace.enabled.then_some(epoch),
-                    gpu_plan: gpu_plan.clone(),
-                };
-                let (r, _) = Actor::spawn_linked(
-                    Some(registered(&stage_name(rank, replica), id)),
-                    StageActor,
-                    args,
-                    me.get_cell(),
-                )
-                .await?;
-                refs.push(r);
-            }
-            let _ = peers.set(refs.clone());
-            stages.push(refs);
-        }
-        let _ = all.set(stages.clone());
-        let mut loaders = Vec::new();
-        let mut eval_set = None;
-        let mut has_val = false;
-        for (replica, d) in data.into_iter().enumerate() {
-            if replica == 0 {
-                eval_set = d.eval_set.clone();
-                has_val = d.val.is_some();
-            }
-            let name = format!("loader-{replica}");
-            let log = replay::recorder(&cfg, &run_dir, &name, &origin)?;
-            let args = LoaderArgs {
-                replica,
-                dp,
-                microbatches: layout.microbatches,
-                micro_batch_size: cfg.train.micro_batch_size,
-                block_size: cfg.model.block_size,
-                train: d.train,
-                val: d.val,
-                eval_set: d.eval_set,
-                stages: all.clone(),
-                first_rank: layout.rank_of(0),
-                last_rank: layout.rank_of(layout.last_stage()),
-                log,
-            };
-            loaders.push(
-                Actor::spawn_linked(Some(registered(&name, id)), DataLoader, args, me.get_cell()).await?.0,
-            );
-        }
-        if let Some(f) = &cluster {
-            let local = stages
-                .iter()
-                .enumerate()
-                .map(|(replica, refs)| {
-                    refs.iter()
-                        .enumerate()
-                        .map(|(rank, r)| (f.owner(replica, rank) == f.me).then(|| r.clone()))
-                        .collect()
-                })
-                .collect();
-            f.set_routes(crate::cluster::Routes {
-                stages: local,
-                coordinator: Some(me.clone()),
-                reducer: reducer.clone(),
-            });
-        }
-        let log = replay::recorder(&cfg, &run_dir, "coordinator", &origin)?;
-        me.send_message(CoordinatorMsg::Start)?;
-        let links =
-            Links { stages, loaders, reducer, monitor: Some(monitor), checkpointer: Some(checkpointer) };
-        let trace_epoch = cfg.trace.enabled.then_some(epoch);
-        let mut st = CoordinatorState::new(
-            run_dir,
-            cfg,
-            layout,
-            start_step,
-            scaler,
-            eval_set,
-            has_val,
-            links,
-            log,
-            Some(reply),
-        );
-        st.trace_epoch = trace_epoch;
-        if let Some(r) = &resume {
-            st.continue_from(&r.state);
-        }
-        Ok(st)
-    }
-
-    async fn handle(
-        &self,
-        me: ActorRef<CoordinatorMsg>,
-        msg: CoordinatorMsg,
-        st: &mut CoordinatorState,
-    ) -> Result<(), ActorProcessingErr> {
-        // The run's own failure (nothing verifies to roll back to, …) is its
-        // result: returned as an actor error it would reach no one.
-        if let Err(e) = st.on_message(msg) {
-            st.finish(Err(e.to_string()));
-            me.stop(None);
-            return Ok(());
-        }
-        if st.stopped {
-            me.stop(None);
-        }
-        Ok(())
-    }
-
-    async fn handle_supervisor_evt(
-        &self,
-        me: ActorRef<CoordinatorMsg>,
-        evt: SupervisionEvent,
-        st: &mut CoordinatorState,
-    ) -> Result<(), ActorProcessingErr> {
-        match evt {
-            SupervisionEvent::ActorFailed(cell, err) => {
-                let name =
-                    cell.get_name().map(|n| plain_name(&n).to_string()).unwrap_or_else(|| "an actor".into());
-                st.finish(Err(format!("{name} failed at step {}: {err}", st.step)));
-                me.stop(None);
-            }
-            SupervisionEvent::ActorTerminated(cell, _, reason) if !matches!(st.waiting, Waiting::Done) => {
-                let name =
-                    cell.get_name().map(|n| plain_name(&n).to_string()).unwrap_or_else(|| "an actor".into());
-                let why = reason.unwrap_or_else(|| "no reason given".into());
-                st.finish(Err(format!("{name} stopped unexpectedly at step {}: {why}", st.step)));
-                me.stop(None);
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    async fn post_stop(
-        &self,
-        _me: ActorRef<CoordinatorMsg>,
-        st: &mut CoordinatorState,
-    ) -> Result<(), ActorProcessingErr> {
-        st.waiting = Waiting::Done;
-        for r in st.stages.iter().flatten() {
-            r.stop(None);
-        }
-        // Wait for them: ractor kills the children still running when this
-        // actor exits, and a killed actor's post_stop (which closes its replay
-        // log) never runs.
-        let wait = Some(std::time::Duration::from_secs(30));
-        for l in &st.loaders {
-            let _ = l.stop_and_wait(None, wait).await;
-        }
-        if let Some(r) = &st.reducer {
-            let _ = r.stop_and_wait(None, wait).await;
-        }
-        // Drained, not stopped: the metrics of the steps before a failure
-        // (skipped ones included) are still in its mailbox.
-        if let Some(m) = &st.monitor {
-            let _ = m.drain_and_wait(Some(std::time::Duration::from_secs(30))).await;
-        }
-        // Writes already handed over finish first: a failed run keeps every
-        // checkpoint it reached (a stop would drop the queued ones).
-        if let Some(c) = &st.checkpointer {
-            let _ = c.drain_and_wait(Some(std::time::Duration::from_secs(300))).await;
-        }
-        // A completed run closed this log already (`maybe_done`); any other
-        // end leaves it without a trailer, so replay sees the run was cut off.
-        if let Some(log) = &mut st.log {
-            if let Err(e) = log.abandon() {
-                eprintln!("{e}");
-            }
-        }
-        st.finish(Err("the run was stopped".into()));
-        Ok(())
-    }
 }
 
 impl CoordinatorState {

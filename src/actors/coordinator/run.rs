@@ -1,8 +1,9 @@
 //! A whole run on actors: what goes in, what comes out, and waiting for the
 //! coordinator's result (signals, the shutdown deadline after a failure).
 
-use super::{plain_name, registered, Coordinator, CoordinatorMsg};
+use super::{Coordinator, CoordinatorMsg};
 use crate::actors::layout::Layout;
+use crate::actors::topology::{plain_name, registered};
 use crate::config::Config;
 use crate::data::{EvalSet, Sampler};
 use crate::model::{io::LoadedWeights, Param};
