@@ -153,7 +153,7 @@ pub fn pipeline_rows(
         c.parallel.microbatches = microbatches;
         c.train.steps = steps;
         c.train.eval_every = 0;
-        c.data.builtin = "random".into();
+        c.data.builtin = crate::config::Builtin::Random;
         c.data.train.clear();
         c.data.val.clear();
         let (summary, out) = run_quietly(&c, &format!("pp{pp}"))?;
@@ -174,7 +174,7 @@ pub fn pipeline_rows(
         let q = |f: f64| if lat.is_empty() { 0.0 } else { lat[((lat.len() - 1) as f64 * f) as usize] };
         rows.push(PipelineRow {
             pp,
-            schedule: c.parallel.schedule.clone(),
+            schedule: c.parallel.schedule.name().to_string(),
             tokens_per_s: summary.tokens_per_s,
             ms_per_step: summary.train_seconds * 1e3 / steps as f64,
             gflops: summary.model_gflops,

@@ -9,8 +9,85 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::data::sampler::SamplerKind;
+pub use crate::data::token_file::FileFormat;
+pub use crate::schedule::ScheduleKind;
+
 /// The embedded default config: `pipewright train` with no arguments runs this.
 pub const DEFAULT_TOML: &str = include_str!("../configs/default.toml");
+
+/// A closed set of choices a config names in TOML by a fixed lower-case name.
+/// serde reads and writes the names (an unknown one is refused with the field
+/// and the names accepted); `name()` is the same text for messages.
+macro_rules! choice {
+    ($(#[$m:meta])* pub enum $t:ident { $($(#[$vm:meta])* $v:ident = $n:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+        pub enum $t { $($(#[$vm])* #[serde(rename = $n)] $v),+ }
+
+        impl $t {
+            pub fn name(self) -> &'static str {
+                match self { $($t::$v => $n),+ }
+            }
+        }
+
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+choice! {
+    /// What the stages compute with (`backend.kind`).
+    pub enum BackendKind {
+        Cpu = "cpu",
+        /// Stages sleep for the `[sim]` costs instead of computing.
+        Sim = "sim",
+        /// Stages on GPUs (a build with the `cuda` feature and a GPU at run time).
+        Cuda = "cuda",
+    }
+}
+
+choice! {
+    /// The storage type of weights and activations on a GPU (`backend.dtype`).
+    pub enum Dtype {
+        Bf16 = "bf16",
+        F32 = "f32",
+    }
+}
+
+choice! {
+    /// Loss scaling for reduced precision (`optim.loss_scale`).
+    pub enum LossScaling {
+        None = "none",
+        Dynamic = "dynamic",
+    }
+}
+
+choice! {
+    /// The learning-rate curve (`optim.schedule`).
+    pub enum LrShape {
+        /// Warmup, then a cosine down to min_lr.
+        Cosine = "cosine",
+        /// Warmup-stable-decay.
+        Wsd = "wsd",
+        Constant = "constant",
+    }
+}
+
+choice! {
+    /// A corpus made in memory instead of token files (`data.builtin`).
+    pub enum Builtin {
+        /// No built-in corpus: read `data.train` (and `data.val`).
+        Files = "",
+        /// The default's addition task.
+        Arithmetic = "arithmetic",
+        /// Uniformly random tokens, for benchmarks: nothing to learn, nothing to read.
+        Random = "random",
+    }
+}
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -122,16 +199,16 @@ pub struct DataSection {
     /// Generated corpus used instead of files: "arithmetic" (the default's
     /// addition task), "random" (uniformly random tokens made in memory, for
     /// benchmarks: nothing to learn, nothing to read), or "" for files.
-    pub builtin: String,
+    pub builtin: Builtin,
     /// Training token file (llm.c `.bin`, or nanoGPT raw uint16).
     pub train: String,
     /// Validation token file; empty means no validation.
     pub val: String,
     /// "shuffled" (a seeded permutation of windows per epoch) or "sequential".
-    pub sampler: String,
+    pub sampler: SamplerKind,
     /// Token file layout: "auto" (llm.c by its magic, else raw uint16; a
     /// header with another magic is refused), "llmc" (llm.c only) or "raw".
-    pub format: String,
+    pub format: FileFormat,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -157,7 +234,7 @@ pub struct OptimSection {
     pub min_lr: f64,
     pub warmup_steps: usize,
     /// "cosine" (warmup then cosine to min_lr), "wsd" (warmup-stable-decay) or "constant".
-    pub schedule: String,
+    pub schedule: LrShape,
     /// For "wsd": the fraction of steps spent decaying linearly to min_lr at the end.
     pub decay_frac: f64,
     pub weight_decay: f64,
@@ -167,7 +244,7 @@ pub struct OptimSection {
     /// Global-norm clipping threshold; 0 disables clipping.
     pub grad_clip: f64,
     /// "none" or "dynamic" (loss scaling for reduced precision; exact on f32).
-    pub loss_scale: String,
+    pub loss_scale: LossScaling,
     /// Initial scale (a power of two).
     pub loss_scale_init: f64,
     /// Clean steps before the scale doubles.
@@ -192,7 +269,7 @@ pub struct ParallelSection {
     /// Microbatches per optimizer step (per replica): the gradient-accumulation count.
     pub microbatches: usize,
     /// Pipeline schedule: "1f1b", "gpipe", "interleaved", "zb-h1" or "zb-v".
-    pub schedule: String,
+    pub schedule: ScheduleKind,
     /// Model chunks per rank (interleaved 1F1B's v); stages = pp · chunks.
     pub chunks: usize,
     /// Blocks per stage, in stage order; empty means an even split.
@@ -204,7 +281,7 @@ pub struct ParallelSection {
 pub struct BackendSection {
     /// "cpu"; "sim": stages sleep for the `[sim]` costs instead of computing;
     /// "cuda": stages on GPUs (a build with the `cuda` feature and a GPU at run time).
-    pub kind: String,
+    pub kind: BackendKind,
     /// Compute threads; 0 means one per available core.
     pub threads: usize,
     /// With kind = "cuda": the GPU ordinal of each pipeline rank, in rank
@@ -215,7 +292,7 @@ pub struct BackendSection {
     /// With kind = "cuda": the storage type of weights and activations,
     /// "bf16" (training) or "f32" (the path the CPU twin checks use).
     /// Master weights, gradients and AdamW moments are f32 either way.
-    pub dtype: String,
+    pub dtype: Dtype,
 }
 
 /// The simulated backend: each action takes a set time and moves a tiny
@@ -256,11 +333,11 @@ impl Default for ModelSection {
 impl Default for DataSection {
     fn default() -> Self {
         DataSection {
-            builtin: String::new(),
+            builtin: Builtin::Files,
             train: String::new(),
             val: String::new(),
-            sampler: "shuffled".into(),
-            format: "auto".into(),
+            sampler: SamplerKind::Shuffled,
+            format: FileFormat::Auto,
         }
     }
 }
@@ -284,14 +361,14 @@ impl Default for OptimSection {
             lr: 6e-4,
             min_lr: 6e-5,
             warmup_steps: 100,
-            schedule: "cosine".into(),
+            schedule: LrShape::Cosine,
             decay_frac: 0.2,
             weight_decay: 0.1,
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             grad_clip: 1.0,
-            loss_scale: "none".into(),
+            loss_scale: LossScaling::None,
             loss_scale_init: 65536.0,
             loss_scale_growth_interval: 1000,
             loss_scale_hysteresis: 2,
@@ -308,7 +385,7 @@ impl Default for ParallelSection {
             pp: 1,
             dp: 1,
             microbatches: 1,
-            schedule: "1f1b".into(),
+            schedule: ScheduleKind::OneFOneB,
             chunks: 1,
             layers_per_stage: Vec::new(),
         }
@@ -317,7 +394,7 @@ impl Default for ParallelSection {
 
 impl Default for BackendSection {
     fn default() -> Self {
-        BackendSection { kind: "cpu".into(), threads: 0, devices: vec![], dtype: "bf16".into() }
+        BackendSection { kind: BackendKind::Cpu, threads: 0, devices: vec![], dtype: Dtype::Bf16 }
     }
 }
 
@@ -440,9 +517,7 @@ impl Config {
         }
 
         let d = &self.data;
-        v.one_of("data.sampler", &d.sampler, &["shuffled", "sequential"]);
-        v.one_of("data.builtin", &d.builtin, &["", "arithmetic", "random"]);
-        if d.builtin.is_empty() {
+        if d.builtin == Builtin::Files {
             v.check(
                 !d.train.is_empty(),
                 "data.train",
@@ -459,7 +534,7 @@ impl Config {
                     quoted(value),
                     format!(
                         "must be empty when data.builtin = {} (a built-in corpus reads no files)",
-                        quoted(&d.builtin)
+                        quoted(d.builtin.name())
                     ),
                 );
             }
@@ -478,7 +553,6 @@ impl Config {
         );
         // warmup_steps > train.steps is allowed on purpose: a short trial run
         // (`--steps 3`) of a long config simply stays in warmup.
-        v.one_of("optim.schedule", &o.schedule, &["cosine", "wsd", "constant"]);
         v.check(
             o.decay_frac > 0.0 && o.decay_frac <= 1.0,
             "optim.decay_frac",
@@ -514,26 +588,25 @@ impl Config {
             p.pp,
             format!("must be <= model.n_layer ({}): every stage needs at least one block", m.n_layer),
         );
-        v.one_of("parallel.schedule", &p.schedule, &["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"]);
         v.check(
-            p.chunks >= 1 && (p.chunks == 1 || p.schedule == "interleaved" || (p.chunks == 2 && p.schedule == "zb-v")),
+            p.chunks >= 1 && p.schedule.chunks_for(p.chunks).is_some(),
             "parallel.chunks",
             p.chunks,
             "must be >= 1, and more than 1 only with parallel.schedule = \"interleaved\" (or 2 with \"zb-v\")",
         );
         v.check(
-            !(p.schedule.starts_with("zb-") && self.train.recompute),
+            !(p.schedule.splits_backward() && self.train.recompute),
             "train.recompute",
             self.train.recompute,
             "the split backward of the zero-bubble schedules (zb-h1, zb-v) keeps activations until W; \
              recompute is not supported with them",
         );
 
-        v.one_of("backend.kind", &self.backend.kind, &["cpu", "sim", "cuda"]);
         let devices = &self.backend.devices;
         v.check(
             devices.is_empty()
-                || (self.backend.kind == "cuda" && (devices.len() == p.pp || devices.len() == p.pp * p.dp)),
+                || (self.backend.kind == BackendKind::Cuda
+                    && (devices.len() == p.pp || devices.len() == p.pp * p.dp)),
             "backend.devices",
             format!("{devices:?}"),
             format!(
@@ -543,11 +616,10 @@ impl Config {
                 p.pp * p.dp
             ),
         );
-        v.one_of("backend.dtype", &self.backend.dtype, &["bf16", "f32"]);
         v.check(
-            self.backend.kind != "cuda" || !p.schedule.starts_with("zb"),
+            self.backend.kind != BackendKind::Cuda || !p.schedule.splits_backward(),
             "parallel.schedule",
-            &p.schedule,
+            p.schedule,
             "the split backward (I and W) of zero-bubble schedules is built for the CPU backend only; \
              with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
         );
@@ -565,7 +637,6 @@ impl Config {
             format!("must be finite and >= sim.weight_ms ({}) >= 0", sim.weight_ms),
         );
         v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
-        v.one_of("optim.loss_scale", &o.loss_scale, &["none", "dynamic"]);
         let pow2 = |x: f64| x > 0.0 && x.is_finite() && x.log2().fract() == 0.0;
         v.check(
             pow2(o.loss_scale_init),
@@ -676,7 +747,6 @@ impl Config {
         v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
         // One position predicts the next: a window of one token has no target.
         v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
-        v.one_of("data.format", &self.data.format, &["auto", "llmc", "raw"]);
     }
 
     /// Whether `name` is an actor of a run with this config (or "all").
@@ -765,16 +835,6 @@ impl Validator {
                 expected: expected.into(),
             });
         }
-    }
-
-    fn one_of(&mut self, path: &str, value: &str, allowed: &[&str]) {
-        let list: Vec<String> = allowed.iter().map(|a| quoted(a)).collect();
-        self.check(
-            allowed.contains(&value),
-            path,
-            quoted(value),
-            format!("expected one of {}", list.join(", ")),
-        );
     }
 
     fn finish(self) -> Result<(), ConfigError> {
@@ -899,7 +959,7 @@ mod tests {
     fn embedded_default_loads_and_validates() {
         let config = valid();
         config.validate().unwrap();
-        assert_eq!(config.data.builtin, "arithmetic");
+        assert_eq!(config.data.builtin, Builtin::Arithmetic);
     }
 
     #[test]
@@ -993,7 +1053,7 @@ mod tests {
     fn set_override_takes_unquoted_text_as_a_string() {
         let config = with_set(&["data.builtin=", "data.train=data/foo.bin"]).unwrap();
         assert_eq!(config.data.train, "data/foo.bin");
-        assert_eq!(config.data.builtin, "");
+        assert_eq!(config.data.builtin, Builtin::Files);
         config.validate().unwrap();
     }
 
@@ -1094,32 +1154,63 @@ mod tests {
         assert_eq!(refused(&c, "model.block_size"), "model.block_size: 1: must be >= 2");
     }
 
+    /// Asserts that `--set field=value` is refused while the config is read,
+    /// naming the override, the field and every accepted name.
+    fn unknown_choice(field: &str, value: &str, accepted: &[&str]) {
+        let set = format!("{field}={value}");
+        let err = with_set(&[&set]).expect_err("an unknown name should be refused");
+        assert!(matches!(err, ConfigError::Schema { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(msg.starts_with(&format!("--set {set}: {field}: unknown variant `{value}`")), "{msg}");
+        let names: Vec<String> = accepted.iter().map(|a| format!("`{a}`")).collect();
+        let listed = match names.as_slice() {
+            [a, b] => format!("expected {a} or {b}"),
+            _ => format!("expected one of {}", names.join(", ")),
+        };
+        assert!(msg.ends_with(&listed), "{msg}");
+        for ok in accepted {
+            let c = with_set(&[&format!("{field}={ok}")]).unwrap();
+            let again = Config::parse(&c.to_toml_string(), "resolved", &[]).unwrap();
+            assert_eq!(again, c, "{field} = {ok:?} round-trips");
+        }
+    }
+
     #[test]
     fn sampler_must_be_known() {
-        let mut c = valid();
-        c.data.sampler = "random".into();
-        let err = refused(&c, "data.sampler");
-        assert!(err.contains("\"shuffled\", \"sequential\""), "{err}");
+        unknown_choice("data.sampler", "random", &["sequential", "shuffled"]);
     }
 
     #[test]
     fn token_file_format_must_be_known() {
-        assert_eq!(valid().data.format, "auto");
-        let mut c = valid();
-        c.data.format = "bin".into();
-        let err = refused(&c, "data.format");
-        assert!(err.contains("\"auto\", \"llmc\", \"raw\""), "{err}");
+        assert_eq!(valid().data.format, FileFormat::Auto);
+        unknown_choice("data.format", "bin", &["auto", "llmc", "raw"]);
     }
 
     #[test]
     fn lr_schedule_must_be_known() {
-        let mut c = valid();
-        c.optim.schedule = "linear".into();
-        refused(&c, "optim.schedule");
-        for ok in ["cosine", "wsd", "constant"] {
-            c.optim.schedule = ok.into();
-            c.validate().unwrap();
-        }
+        unknown_choice("optim.schedule", "linear", &["cosine", "wsd", "constant"]);
+    }
+
+    #[test]
+    fn loss_scale_must_be_known() {
+        unknown_choice("optim.loss_scale", "static", &["none", "dynamic"]);
+    }
+
+    #[test]
+    fn backend_kind_and_dtype_must_be_known() {
+        unknown_choice("backend.kind", "tpu", &["cpu", "sim", "cuda"]);
+        unknown_choice("backend.dtype", "fp8", &["bf16", "f32"]);
+    }
+
+    #[test]
+    fn chunks_rule_is_the_schedules_own() {
+        use ScheduleKind::*;
+        assert_eq!(OneFOneB.chunks_for(1), Some(1));
+        assert_eq!(OneFOneB.chunks_for(2), None);
+        assert_eq!(Interleaved1F1B.chunks_for(1), Some(2));
+        assert_eq!(Interleaved1F1B.chunks_for(3), Some(3));
+        assert_eq!(ZbV.chunks_for(1), Some(2));
+        assert_eq!(ZbV.chunks_for(3), None);
     }
 
     #[test]
@@ -1202,11 +1293,9 @@ mod tests {
 
     #[test]
     fn pipeline_schedule_must_be_known() {
-        let mut c = valid();
-        c.parallel.schedule = "zbh1".into();
-        refused(&c, "parallel.schedule");
-        c.parallel.schedule = "gpipe".into();
-        c.validate().unwrap();
+        unknown_choice("parallel.schedule", "zbh1", &["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]);
+        // A schedule loaded from JSON has a kind no config can name.
+        assert!(with_set(&["parallel.schedule=custom"]).is_err());
     }
 
     #[test]
@@ -1229,14 +1318,14 @@ mod tests {
         let mut c = valid();
         c.parallel.chunks = 2;
         refused(&c, "parallel.chunks");
-        c.parallel.schedule = "interleaved".into();
+        c.parallel.schedule = ScheduleKind::Interleaved1F1B;
         c.validate().unwrap();
     }
 
     #[test]
     fn zero_bubble_refuses_recompute() {
         let mut c = valid();
-        c.parallel.schedule = "zb-h1".into();
+        c.parallel.schedule = ScheduleKind::ZbH1;
         c.train.recompute = true;
         refused(&c, "train.recompute");
     }
@@ -1244,7 +1333,7 @@ mod tests {
     #[test]
     fn cuda_devices_map_every_stage_and_need_the_cuda_backend() {
         let mut c = valid();
-        c.backend.kind = "cuda".into();
+        c.backend.kind = BackendKind::Cuda;
         c.parallel.pp = 2;
         c.backend.devices = vec![0, 0];
         c.validate().unwrap();
@@ -1260,30 +1349,27 @@ mod tests {
         c.validate().unwrap();
         c.parallel.dp = 1;
         c.backend.devices = vec![0, 0];
-        c.backend.dtype = "fp8".into();
-        refused(&c, "backend.dtype");
-        c.backend.dtype = "f32".into();
-        c.parallel.schedule = "zb-h1".into();
+        c.backend.dtype = Dtype::F32;
+        c.parallel.schedule = ScheduleKind::ZbH1;
         refused(&c, "parallel.schedule");
-        c.parallel.schedule = "1f1b".into();
-        c.backend.kind = "cpu".into();
+        c.parallel.schedule = ScheduleKind::OneFOneB;
+        c.backend.kind = BackendKind::Cpu;
         c.backend.devices = vec![0, 1];
         refused(&c, "backend.devices");
     }
 
     #[test]
     fn builtin_corpus_must_be_known() {
+        unknown_choice("data.builtin", "shakespeare", &["", "arithmetic", "random"]);
         let mut c = valid();
-        c.data.builtin = "shakespeare".into();
-        refused(&c, "data.builtin");
-        c.data.builtin = "random".into();
+        c.data.builtin = Builtin::Random;
         c.validate().unwrap();
     }
 
     #[test]
     fn file_corpus_needs_a_train_file() {
         let mut c = valid();
-        c.data.builtin = String::new();
+        c.data.builtin = Builtin::Files;
         let err = refused(&c, "data.train");
         assert!(err.starts_with("data.train: \"\": a token file is required"), "{err}");
         c.data.train = "data/train.bin".into();
@@ -1305,10 +1391,30 @@ mod tests {
         let mut c = valid();
         c.model.n_head = 3;
         c.optim.lr = -1.0;
-        c.backend.kind = "tpu".into();
+        c.optim.eps = 0.0;
         let err = c.validate().unwrap_err();
         assert_eq!(err.problems().len(), 3, "{err}");
         assert_eq!(err.to_string().lines().count(), 3);
+    }
+
+    #[test]
+    fn resolved_toml_writes_each_choice_by_its_name() {
+        let mut c = valid();
+        c.backend.kind = BackendKind::Cuda;
+        c.parallel.schedule = ScheduleKind::ZbV;
+        let text = c.to_toml_string();
+        for line in [
+            "builtin = \"arithmetic\"",
+            "sampler = \"shuffled\"",
+            "format = \"auto\"",
+            "schedule = \"cosine\"",
+            "loss_scale = \"none\"",
+            "schedule = \"zb-v\"",
+            "kind = \"cuda\"",
+            "dtype = \"bf16\"",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //! a refusal is always right and a run that passes may still be too big for
 //! memory someone else holds.
 
-use crate::config::{Config, ConfigError, Problem};
+use crate::config::{BackendKind, Builtin, Config, ConfigError, Problem};
 
 /// What this machine offers, as read from the OS.
 #[derive(Clone, Copy, Debug)]
@@ -97,15 +97,15 @@ pub fn memory_need(cfg: &Config) -> MemoryNeed {
     // f32 weights and gradients per replica, and at least one replica's
     // worth of AdamW moments (however they are sharded). The sim backend
     // computes nothing and holds no tensors; a GPU run keeps one f32 copy here.
-    let model_states = match cfg.backend.kind.as_str() {
-        "sim" => 0.0,
-        "cpu" => 8.0 * p * dp + 8.0 * p,
-        _ => 4.0 * p,
+    let model_states = match cfg.backend.kind {
+        BackendKind::Sim => 0.0,
+        BackendKind::Cpu => 8.0 * p * dp + 8.0 * p,
+        BackendKind::Cuda => 4.0 * p,
     };
     // One microbatch in flight per replica: each layer's f32 input (all that
     // full recompute keeps), one layer's attention scores while it computes,
     // and the logits with their gradient.
-    let activations = if cfg.backend.kind == "cpu" {
+    let activations = if cfg.backend.kind == BackendKind::Cpu {
         dp * 4.0 * (l * b * t * c + b * nh * t * t + 2.0 * b * t * v)
     } else {
         0.0
@@ -121,11 +121,11 @@ fn data_bytes(cfg: &Config) -> f64 {
         * p.microbatches as f64
         * cfg.train.micro_batch_size as f64
         * cfg.model.block_size as f64;
-    match cfg.data.builtin.as_str() {
+    match cfg.data.builtin {
         // u32 tokens, generated from text at least as long.
-        "arithmetic" => 5.0 * tokens,
-        "random" => 4.0 * tokens.min((1u64 << 26) as f64),
-        _ => 0.0,
+        Builtin::Arithmetic => 5.0 * tokens,
+        Builtin::Random => 4.0 * tokens.min((1u64 << 26) as f64),
+        Builtin::Files => 0.0,
     }
 }
 
@@ -160,7 +160,7 @@ fn biggest_memory_field(cfg: &Config) -> (&'static str, String) {
         ("model.vocab_size", v),
         ("train.micro_batch_size", b),
         ("parallel.dp", cfg.parallel.dp as f64),
-        ("train.steps", if cfg.data.builtin.is_empty() { 0.0 } else { cfg.train.steps as f64 }),
+        ("train.steps", if cfg.data.builtin == Builtin::Files { 0.0 } else { cfg.train.steps as f64 }),
     ];
     let (field, _) =
         shares.iter().copied().fold(("model.n_embd", f64::MIN), |a, x| if x.1 > a.1 { x } else { a });

@@ -594,7 +594,7 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                 Err(e) => return Err(e),
             }
         };
-        if cfg.backend.kind == "sim" {
+        if cfg.backend.kind == pipewright::config::BackendKind::Sim {
             // Nothing is computed: what the sim measures is the runtime against the schedule.
             let ideal = pipewright::plan::cpu::sim_step_ms(&cfg)?;
             let step_ms = s.train_seconds * 1e3 / s.steps.max(1) as f64;

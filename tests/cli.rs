@@ -245,6 +245,25 @@ fn bad_config_never_touches_an_earlier_run() {
 }
 
 #[test]
+fn an_unknown_choice_is_refused_naming_its_field_and_the_accepted_names() {
+    refused_without_touching_an_earlier_run(
+        &["--set", "backend.kind=tpu"],
+        &["--set backend.kind=tpu: backend.kind: unknown variant `tpu`, expected one of `cpu`, `sim`, `cuda`"],
+    );
+    refused_without_touching_an_earlier_run(
+        &["--set", "optim.loss_scale=static"],
+        &["optim.loss_scale: unknown variant `static`, expected `none` or `dynamic`"],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("sched.toml");
+    std::fs::write(&file, "[parallel]\nschedule = \"zbh1\"\n").unwrap();
+    refused_without_touching_an_earlier_run(
+        &["--config", file.to_str().unwrap()],
+        &["sched.toml: parallel.schedule: unknown variant `zbh1`, expected one of `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-v`"],
+    );
+}
+
+#[test]
 fn bad_token_files_never_touch_an_earlier_run() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

@@ -4,7 +4,7 @@
 
 use crate::config::Config;
 use crate::model::{GptConfig, PartSpec};
-use crate::schedule::{self, Schedule, ScheduleKind};
+use crate::schedule::{self, Schedule};
 use anyhow::{bail, Result};
 
 #[derive(Clone, Debug)]
@@ -35,12 +35,13 @@ impl Layout {
     pub fn from_config(cfg: &Config) -> Result<Layout> {
         let gpt = GptConfig::from_config(cfg);
         let p = &cfg.parallel;
-        let kind: ScheduleKind = p.schedule.parse().map_err(|e| anyhow::anyhow!("parallel.schedule: {e}"))?;
-        // Interleaved and ZB-V need at least two chunks: a config's 1 is raised.
-        let chunks = p.chunks.max(kind.default_chunks());
-        if chunks > 1 && kind.default_chunks() == 1 {
-            bail!("parallel.chunks: {chunks}: more than one chunk per rank needs parallel.schedule = \"interleaved\" or \"zb-v\"");
-        }
+        let kind = p.schedule;
+        let Some(chunks) = kind.chunks_for(p.chunks) else {
+            bail!(
+                "parallel.chunks: {}: more than one chunk per rank needs parallel.schedule = \"interleaved\" (or 2 with \"zb-v\")",
+                p.chunks
+            );
+        };
         let n_stages = p.pp * chunks;
         let layers = if p.layers_per_stage.is_empty() {
             if n_stages > gpt.n_layer {
@@ -76,8 +77,8 @@ impl Layout {
             first += n;
         }
         let schedule = schedule::build(kind, p.pp, p.microbatches, chunks)
-            .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule))?;
-        check_schedule(&schedule, &format!("parallel.schedule = {:?}", p.schedule))?;
+            .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule.name()))?;
+        check_schedule(&schedule, &format!("parallel.schedule = {:?}", p.schedule.name()))?;
         let total = crate::train::engine::thread_count(cfg.backend.threads);
         let threads_per_rank = (total / (p.pp * p.dp)).max(1);
         Ok(Layout {

@@ -113,6 +113,29 @@ pub struct Spawned {
 }
 
 impl Topology {
+    /// The topology of a run that records from where it starts (`init`
+    /// weights or the `resume` checkpoint); no chaos, trace or GPU plan yet.
+    pub fn new(
+        cfg: Config,
+        layout: Layout,
+        run_dir: PathBuf,
+        init: Option<Arc<crate::model::io::LoadedWeights>>,
+        resume: Option<Arc<crate::checkpoint::Loaded>>,
+    ) -> Result<Topology, LogError> {
+        let origin = replay::Origin::new(&cfg, init.as_ref().map(|w| w.path.as_path()), resume.as_deref())?;
+        Ok(Topology {
+            cfg,
+            layout,
+            run_dir,
+            origin: Some(origin),
+            init,
+            resume,
+            chaos_seed: None,
+            trace_epoch: None,
+            gpu_plan: None,
+        })
+    }
+
     /// `actor`'s replay log, when the run records.
     fn log(&self, actor: &str) -> Result<Option<ActorLog>, LogError> {
         match &self.origin {

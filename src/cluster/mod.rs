@@ -314,7 +314,7 @@ impl Driver {
             )));
         }
         let mut nccl = vec![];
-        if cfg.backend.kind == "cuda" {
+        if cfg.backend.kind == crate::config::BackendKind::Cuda {
             let layout = Layout::from_config(cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
             let f = self.fabric.clone();
             let plan = crate::actors::stage::nccl::GpuPlan::make(&layout, |r, k| f.owner(r, k), 0)
@@ -506,7 +506,7 @@ fn serve(
     let layout = Layout::from_config(&cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
     let placement = Placement::new(layout.pp, layout.dp, spec.world)?;
     let _ = fabric.placement.set(placement.clone());
-    if cfg.backend.kind == "cuda" {
+    if cfg.backend.kind == crate::config::BackendKind::Cuda {
         let ids = nccl.into_iter().collect();
         let plan = crate::actors::stage::nccl::GpuPlan::from_ids(
             &layout,
@@ -668,21 +668,10 @@ impl StageSet {
         } else {
             None
         };
-        let origin =
-            crate::replay::Origin::new(&cfg, init.as_ref().map(|w| w.path.as_path()), resume.as_deref())
-                .map_err(|e| e.to_string())?;
         let trace_epoch = cfg.trace.enabled.then(|| *fabric.epoch.lock().expect("epoch"));
-        let topology = Topology {
-            gpu_plan: fabric.gpu_plan.get().cloned(),
-            cfg,
-            layout,
-            run_dir,
-            origin: Some(origin),
-            init,
-            resume,
-            chaos_seed: None,
-            trace_epoch,
-        };
+        let mut topology = Topology::new(cfg, layout, run_dir, init, resume).map_err(|e| e.to_string())?;
+        topology.trace_epoch = trace_epoch;
+        topology.gpu_plan = fabric.gpu_plan.get().cloned();
         let host = Host::Worker(fabric.clone());
         let stages = topology
             .spawn_stages(&host, &coordinator, reducer, coordinator.get_cell())

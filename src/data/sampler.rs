@@ -17,8 +17,9 @@ use std::sync::Arc;
 use super::token_file::{DataError, TokenSource};
 use crate::rng::{Purpose, Rng};
 
-/// The order in which windows are visited.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The order in which windows are visited (`data.sampler`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum SamplerKind {
     /// Windows 0, 1, 2, … and wrap around.
     Sequential,

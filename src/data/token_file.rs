@@ -119,7 +119,8 @@ pub enum TokenFormat {
 }
 
 /// How a token file's layout is chosen (`data.format`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum FileFormat {
     /// llm.c when the file starts with its magic; raw uint16 otherwise, unless
     /// the first 1024 bytes are an llm.c header with another magic (a file from

@@ -31,8 +31,11 @@ impl From<cuda::CudaError> for BackendError {
 /// for "cuda", that this build has the feature and every listed GPU opens.
 /// Returns the names of the distinct GPUs the run uses (none off "cuda"). Never
 /// panics, with or without a driver.
-pub fn check_backend(kind: &str, devices: &[usize]) -> Result<Vec<String>, BackendError> {
-    if kind != "cuda" {
+pub fn check_backend(
+    kind: crate::config::BackendKind,
+    devices: &[usize],
+) -> Result<Vec<String>, BackendError> {
+    if kind != crate::config::BackendKind::Cuda {
         return Ok(vec![]);
     }
     #[cfg(not(feature = "cuda"))]

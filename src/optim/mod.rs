@@ -31,12 +31,14 @@ pub struct LrSchedule {
     pub total_steps: usize,
 }
 
+use crate::config::LrShape;
+
 impl LrSchedule {
     pub fn from_config(c: &crate::config::Config) -> Self {
-        let kind = match c.optim.schedule.as_str() {
-            "wsd" => ScheduleKind::Wsd { decay_frac: c.optim.decay_frac },
-            "constant" => ScheduleKind::Constant,
-            _ => ScheduleKind::Cosine,
+        let kind = match c.optim.schedule {
+            LrShape::Wsd => ScheduleKind::Wsd { decay_frac: c.optim.decay_frac },
+            LrShape::Constant => ScheduleKind::Constant,
+            LrShape::Cosine => ScheduleKind::Cosine,
         };
         LrSchedule {
             kind,

@@ -23,9 +23,11 @@ pub struct LossScaler {
     pub hysteresis_tracker: u64,
 }
 
+use crate::config::LossScaling;
+
 impl LossScaler {
     pub fn from_config(c: &crate::config::OptimSection) -> Option<Self> {
-        (c.loss_scale == "dynamic").then_some(LossScaler {
+        (c.loss_scale == LossScaling::Dynamic).then_some(LossScaler {
             scale: c.loss_scale_init,
             growth_interval: c.loss_scale_growth_interval as u64,
             growth_factor: c.loss_scale_growth_factor,
@@ -41,7 +43,7 @@ impl LossScaler {
     /// config still asks for dynamic scaling, else a fresh one (or none).
     pub fn for_run(c: &crate::config::OptimSection, saved: Option<LossScaler>) -> Option<Self> {
         match saved {
-            Some(s) if c.loss_scale == "dynamic" => Some(s),
+            Some(s) if c.loss_scale == LossScaling::Dynamic => Some(s),
             _ => LossScaler::from_config(c),
         }
     }

@@ -11,7 +11,7 @@
 
 use super::flops::ModelShape;
 use crate::actors::Layout;
-use crate::config::Config;
+use crate::config::{BackendKind, Config};
 use crate::model::GptConfig;
 use crate::schedule::{ActionKind, Costs, Schedule};
 use anyhow::Result;
@@ -85,8 +85,8 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
     let b = cfg.train.micro_batch_size;
     let n = b * gpt.block_size;
     let nf = n as f64;
-    let costs = match cfg.backend.kind.as_str() {
-        "sim" => sim_costs(cfg),
+    let costs = match cfg.backend.kind {
+        BackendKind::Sim => sim_costs(cfg),
         _ => stage_costs(&layout, &shape, gpt.vocab_size, n).0,
     };
     let report = layout.schedule.simulate(&costs)?;
@@ -134,7 +134,7 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
                 }
                 activations += live * per_mb;
             }
-            if cfg.backend.kind != "sim" {
+            if cfg.backend.kind != BackendKind::Sim {
                 // Each microbatch's gradients are a leaf of the fixed reduction tree
                 // (optim::grad_tree): besides the part's own set, up to
                 // `held_sets(m)` partial sums live at once, the head's wte share with them.

@@ -509,8 +509,10 @@ pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
     let cpu = match &args.config {
         Some(path) => {
             let cfg = Config::load(Some(path), &[]).map_err(|e| err("--config", e.to_string()))?;
-            match cfg.backend.kind.as_str() {
-                "cpu" => Some(cpu::plan(&cfg).map_err(|e| err("--config", format!("{e:#}")))?),
+            match cfg.backend.kind {
+                crate::config::BackendKind::Cpu => {
+                    Some(cpu::plan(&cfg).map_err(|e| err("--config", format!("{e:#}")))?)
+                }
                 _ => None,
             }
         }

@@ -29,20 +29,27 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-/// Which builder made a schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Which builder made a schedule; a config names one (`parallel.schedule`)
+/// by [`ScheduleKind::name`], the only spelling read or written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ScheduleKind {
     /// All forwards, then all backwards (backwards in microbatch order).
+    #[serde(rename = "gpipe")]
     GPipe,
     /// One forward one backward after a warmup of p − r − 1 forwards on rank r.
+    #[serde(rename = "1f1b")]
     OneFOneB,
     /// 1F1B over v ≥ 2 model chunks per rank (Megatron-LM's interleaving).
+    #[serde(rename = "interleaved")]
     Interleaved1F1B,
     /// Zero-bubble H1: backward split into I (input) and W (weights), W deferred.
+    #[serde(rename = "zb-h1")]
     ZbH1,
     /// Zero-bubble V: two chunks per rank placed in a V, split backward.
+    #[serde(rename = "zb-v")]
     ZbV,
-    /// Loaded from JSON and not equal to any built schedule.
+    /// Loaded from JSON and not equal to any built schedule: no config names it.
+    #[serde(rename = "custom", skip_deserializing)]
     Custom,
 }
 
@@ -62,6 +69,24 @@ impl ScheduleKind {
             ScheduleKind::Interleaved1F1B | ScheduleKind::ZbV => 2,
             _ => 1,
         }
+    }
+
+    /// The chunks per rank a run with `configured` chunks uses, or `None` if
+    /// this kind cannot: interleaved runs any v (at least 2: a configured 1 is
+    /// raised), ZB-V exactly 2 (likewise), the others 1.
+    pub fn chunks_for(self, configured: usize) -> Option<usize> {
+        let v = configured.max(self.default_chunks());
+        let ok = match self {
+            ScheduleKind::Interleaved1F1B => true,
+            ScheduleKind::ZbV => v == 2,
+            _ => v == 1,
+        };
+        ok.then_some(v)
+    }
+
+    /// The zero-bubble kinds, whose backward is split into I and W.
+    pub fn splits_backward(self) -> bool {
+        matches!(self, ScheduleKind::ZbH1 | ScheduleKind::ZbV)
     }
 
     pub fn name(self) -> &'static str {

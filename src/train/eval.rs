@@ -7,7 +7,7 @@
 
 use super::engine::Engine;
 use crate::config::{Config, DEFAULT_TOML};
-use crate::data::{FileFormat, Sampler, TokenFile, TokenSource};
+use crate::data::{Sampler, TokenFile, TokenSource};
 use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{hf, io, GptConfig};
 use anyhow::{bail, Result};
@@ -62,8 +62,7 @@ pub fn eval_file(
     cfg.parallel.microbatches = 1;
     let gpt = GptConfig::from_config(&cfg);
     super::finite::check_finite(&w, "--weights")?;
-    let format: FileFormat = cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
-    let file = TokenFile::open_as(data, gpt.vocab_size, format)?;
+    let file = TokenFile::open_as(data, gpt.vocab_size, cfg.data.format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;
     if (windows as u64) > sampler.n_windows() {
         bail!(

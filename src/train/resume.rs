@@ -150,7 +150,9 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
     // The CPU backend sums gradients by one tree over the global microbatch
     // index whatever dp is; the GPU backend sums each replica's share and then
     // the replicas, so another dp changes its rounding.
-    let dp_only = same_batch && old.parallel.dp != new.parallel.dp && new.backend.kind == "cuda";
+    let dp_only = same_batch
+        && old.parallel.dp != new.parallel.dp
+        && new.backend.kind == crate::config::BackendKind::Cuda;
     if dp_only {
         notes.push(
             "  parallel.dp changes with the same global batch on backend.kind = \"cuda\": the same data, \

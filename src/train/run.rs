@@ -10,8 +10,8 @@ use super::plot::loss_svg;
 use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
 use crate::bench::gemm_peak;
-use crate::config::Config;
-use crate::data::{ArithmeticCorpus, EvalSet, FileFormat, Sampler, SamplerKind, TokenFile, TokenSource};
+use crate::config::{BackendKind, Builtin, Config, Dtype, ScheduleKind};
+use crate::data::{ArithmeticCorpus, EvalSet, Sampler, TokenFile, TokenSource};
 use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{io, GptConfig};
 use crate::rng::{Purpose, Rng};
@@ -175,8 +175,8 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
     let (t, b, seed) = (cfg.model.block_size, cfg.train.micro_batch_size, cfg.train.seed);
     let vocab = cfg.model.vocab_size;
     let tokens_needed = cfg.train.steps * cfg.parallel.dp * cfg.parallel.microbatches * b * t + t + 1;
-    match cfg.data.builtin.as_str() {
-        "arithmetic" => {
+    match cfg.data.builtin {
+        Builtin::Arithmetic => {
             if vocab < crate::data::arithmetic::VOCAB_SIZE {
                 bail!(
                     "model.vocab_size: {vocab}: the arithmetic corpus is bytes and needs at least {}",
@@ -197,7 +197,7 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
                 eval_set: Some(Arc::new(EvalSet::new(seed, t, windows)?)),
             })
         }
-        "random" => {
+        Builtin::Random => {
             let n = tokens_needed.min(1 << 26);
             let mut r = Rng::new(seed, Purpose::Data, &[0xb]);
             let tokens = (0..n).map(|_| r.below(vocab as u64) as u32).collect();
@@ -207,10 +207,9 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
                 eval_set: None,
             })
         }
-        _ => {
-            let format: FileFormat =
-                cfg.data.format.parse().map_err(|e| anyhow::anyhow!("data.format: {e}"))?;
-            let open = |p: &str| TokenFile::open_as(Path::new(p), vocab, format).map(TokenSource::from);
+        Builtin::Files => {
+            let open =
+                |p: &str| TokenFile::open_as(Path::new(p), vocab, cfg.data.format).map(TokenSource::from);
             let train = open(&cfg.data.train)?;
             let val = if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val)?)) };
             Ok(Sources { train: Arc::new(train), val, eval_set: None })
@@ -222,7 +221,7 @@ impl Sources {
     /// Samplers for one data-parallel replica (each samples by global sequence number).
     pub fn replica_data(&self, cfg: &Config) -> Result<RunData> {
         let (t, b, seed) = (cfg.model.block_size, cfg.train.micro_batch_size, cfg.train.seed);
-        let kind: SamplerKind = cfg.data.sampler.parse().map_err(|e| anyhow::anyhow!("data.sampler: {e}"))?;
+        let kind = cfg.data.sampler;
         let val = match &self.val {
             Some(v) => {
                 let s = Sampler::eval(v.clone(), t, b)?;
@@ -311,7 +310,7 @@ pub fn train_on(
 ) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
     crate::limits::check(cfg)?;
-    let gpus = crate::kernels::check_backend(&cfg.backend.kind, &cfg.backend.devices)?;
+    let gpus = crate::kernels::check_backend(cfg.backend.kind, &cfg.backend.devices)?;
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
@@ -319,16 +318,16 @@ pub fn train_on(
     // (and the copies in checkpoints, replay logs and the weights) is the
     // config that ran: reloaded, it gives the same layout and the same run.
     let mut cfg = cfg.clone();
-    let why = if cfg.parallel.schedule == "zb-v" {
+    let why = if cfg.parallel.schedule == ScheduleKind::ZbV {
         "ZB-V runs each rank's two model chunks as a V"
     } else {
         "interleaved 1F1B needs at least 2 chunks per rank"
     };
     resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
-    if cfg.backend.kind == "cpu" {
+    if cfg.backend.kind == BackendKind::Cpu {
         // The CPU backend computes in f32 whatever backend.dtype (a CUDA
         // setting) says: config.toml records what ran.
-        cfg.backend.dtype = "f32".into();
+        cfg.backend.dtype = Dtype::F32;
     }
     if let Some(v) = &sources.val {
         let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
@@ -352,8 +351,8 @@ pub fn train_on(
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
     // The machine's f32 matrix-product rate, the yardstick for MFU; measured
     // before and after training and the better figure kept.
-    let simulated = cfg.backend.kind == "sim";
-    let on_cpu = cfg.backend.kind == "cpu";
+    let simulated = cfg.backend.kind == BackendKind::Sim;
+    let on_cpu = cfg.backend.kind == BackendKind::Cpu;
     let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
     // Start-up ends here: a signal until now leaves nothing to save or undo.
     super::signals::end_start_up();
@@ -489,12 +488,12 @@ pub fn train_on(
     out.skipped += prior_skipped;
     let steps = out.steps_done as usize;
     let tokens_per_s = out.tokens_this_run as f64 / out.train_seconds.max(1e-9);
-    let (peak, peak_source) = match cfg.backend.kind.as_str() {
-        "cpu" => (
+    let (peak, peak_source) = match cfg.backend.kind {
+        BackendKind::Cpu => (
             gemm_peak(threads).max(peak_before),
             format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
         ),
-        "cuda" => {
+        BackendKind::Cuda => {
             let (flops, source) = crate::kernels::gpu_peak_flops(&gpus);
             (flops / 1e9, source)
         }

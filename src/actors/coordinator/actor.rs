@@ -6,6 +6,7 @@
 use super::{CoordinatorMsg, CoordinatorState, Links, RunInputs, RunOutcome, Waiting};
 use crate::actors::monitor::MonitorArgs;
 use crate::actors::topology::{plain_name, Host, Spawned, Topology};
+use crate::config::BackendKind;
 use crate::optim::scaler::LossScaler;
 use crate::replay;
 use crate::train::run::Progress;
@@ -30,19 +31,14 @@ impl Actor for Coordinator {
         let RunInputs { run_dir, resume, cfg, layout, data, init, metrics, progress, chaos_seed, cluster } =
             inputs;
         let start_step = resume.as_ref().map_or(0, |r| r.state.step);
-        let origin = replay::Origin::new(&cfg, init.as_ref().map(|w| w.path.as_path()), resume.as_deref())?;
-        if let Some(a) = &origin.anchor {
-            // This run's logs start from that checkpoint: retention must keep it.
-            replay::pin(&run_dir, a.step)?;
-        }
         let scaler =
             LossScaler::for_run(&cfg.optim, resume.as_ref().and_then(|r| r.state.loss_scaler.clone()));
         let epoch = cluster.as_ref().map_or_else(Instant::now, |f| *f.epoch.lock().expect("epoch"));
         let trace_epoch = cfg.trace.enabled.then_some(epoch);
         // GPU runs: in one process every rank is local; across processes the
         // driver made the plan (and its NCCL ids) when it sent the roster.
-        let gpu_plan = match (&cluster, cfg.backend.kind.as_str()) {
-            (_, kind) if kind != "cuda" => None,
+        let gpu_plan = match (&cluster, cfg.backend.kind) {
+            (_, kind) if kind != BackendKind::Cuda => None,
             (Some(f), _) => f.gpu_plan.get().cloned(),
             (None, _) => Some(Arc::new(
                 crate::actors::stage::nccl::GpuPlan::make(&layout, |_, _| 0, 0)
@@ -57,17 +53,14 @@ impl Actor for Coordinator {
             last_step: 0,
             progress: Progress::new(cfg.train.steps, progress),
         };
-        let topology = Topology {
-            cfg,
-            layout,
-            run_dir,
-            origin: Some(origin),
-            init,
-            resume,
-            chaos_seed,
-            trace_epoch,
-            gpu_plan,
-        };
+        let mut topology = Topology::new(cfg, layout, run_dir, init, resume)?;
+        if let Some(a) = topology.origin.as_ref().and_then(|o| o.anchor.as_ref()) {
+            // This run's logs start from that checkpoint: retention must keep it.
+            replay::pin(&topology.run_dir, a.step)?;
+        }
+        topology.chaos_seed = chaos_seed;
+        topology.trace_epoch = trace_epoch;
+        topology.gpu_plan = gpu_plan;
         let host = Host::Run { id, fabric: cluster.clone() };
         let spawned = topology.spawn_run(&host, &me, data, monitor_args).await?;
         if let Some(f) = &cluster {

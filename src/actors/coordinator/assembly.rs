@@ -70,7 +70,7 @@ pub fn state_file(p: RunPosition) -> StateFile {
 fn lr_position(p: &RunPosition) -> LrPosition {
     let (decay_start, decay_end) = p.sched.decay_bounds();
     LrPosition {
-        kind: p.cfg.optim.schedule.clone(),
+        kind: p.cfg.optim.schedule.name().to_string(),
         step: p.step,
         warmup_steps: p.sched.warmup_steps as u64,
         decay_start: decay_start as u64,

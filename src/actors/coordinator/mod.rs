@@ -29,7 +29,7 @@ use super::data_loader::LoaderMsg;
 use super::layout::Layout;
 use super::monitor::MonitorMsg;
 use super::reducer::ReducerMsg;
-use crate::config::Config;
+use crate::config::{BackendKind, Config};
 use crate::data::EvalSet;
 use crate::model::Param;
 use crate::optim::{self, scaler::LossScaler, LrSchedule};
@@ -446,7 +446,7 @@ impl CoordinatorState {
         self.out.losses.push(m.loss);
         self.out.train_curve.push((done as usize, m.loss));
         let every = self.cfg.train.eval_every as u64;
-        let simulated = self.cfg.backend.kind == "sim";
+        let simulated = self.cfg.backend.kind == BackendKind::Sim;
         let due = !simulated && ((every > 0 && done.is_multiple_of(every)) || done == self.steps);
         if due && self.has_val {
             self.start_eval(EvalKind::Val)
@@ -555,7 +555,7 @@ impl CoordinatorState {
         }
         let every = self.cfg.checkpoint.every as u64;
         let due = (every > 0 && self.step.is_multiple_of(every)) || self.stop_requested;
-        if due && self.cfg.backend.kind != "sim" {
+        if due && self.cfg.backend.kind != BackendKind::Sim {
             self.waiting = Waiting::Snapshots;
             self.snapshot_started = Instant::now();
             let step = self.step;

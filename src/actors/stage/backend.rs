@@ -6,6 +6,7 @@ use super::super::compute::{CpuCompute, StageCompute};
 use super::faults::Faults;
 use super::sim::SimCompute;
 use super::StageArgs;
+use crate::config::BackendKind;
 use crate::model::{GptConfig, ModelPart};
 use crate::optim::AdamState;
 
@@ -16,7 +17,7 @@ pub fn build(args: &StageArgs, faults: &Faults) -> Result<Box<dyn StageCompute>,
         return Err("injected fault (PIPEWRIGHT_FAULT_START)".into());
     }
     let cfg = &args.cfg;
-    if cfg.backend.kind == "sim" {
+    if cfg.backend.kind == BackendKind::Sim {
         pin_here(&args.cores);
         let stages = args.layout.stages_of(args.rank);
         let last = args.layout.last_stage();
@@ -35,7 +36,7 @@ pub fn build(args: &StageArgs, faults: &Faults) -> Result<Box<dyn StageCompute>,
         }
         chunks.push((spec, params));
     }
-    if cfg.backend.kind == "cuda" {
+    if cfg.backend.kind == BackendKind::Cuda {
         return build_gpu(args, chunks);
     }
     build_cpu(args, chunks, faults.nondeterministic(&name))
@@ -117,7 +118,7 @@ fn build_gpu(
         plan: args.gpu_plan.clone(),
         host_only: args.log.is_some(),
     };
-    Ok(if cfg.backend.dtype == "f32" {
+    Ok(if cfg.backend.dtype == crate::config::Dtype::F32 {
         Box::new(GpuCompute::<f32>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
     } else {
         Box::new(GpuCompute::<Bf16>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
