@@ -21,13 +21,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Whether a message belongs to training or to a forward-only evaluation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum Phase {
     Train,
     Eval,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EvalKind {
     /// Mean loss over validation windows.
     Val,
@@ -57,14 +57,6 @@ impl EvalKind {
         } else {
             EvalKind::Val
         }
-    }
-}
-
-fn phase_of(train: bool) -> Phase {
-    if train {
-        Phase::Train
-    } else {
-        Phase::Eval
     }
 }
 
@@ -139,6 +131,11 @@ pub struct StageReport {
     pub loss_sum: Option<f64>,
 }
 
+/// A stage's messages. Serde writes a message's scalars (a frame's header,
+/// through `cluster::wire`); its tensors are skipped there and travel as raw
+/// arrays beside it, split out and put back by [`StageMsg::into_parts`] /
+/// [`StageMsg::from_parts`] from the one table of them, [`StageMsg::tensors`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum StageMsg {
     /// Walk the action list for optimizer step `step`.
     /// `loss_scale` multiplies the loss gradient (dynamic loss scaling; 1 when off).
@@ -163,12 +160,14 @@ pub enum StageMsg {
         phase: Phase,
         step: u64,
         mb: usize,
+        #[serde(skip)]
         tokens: Vec<u32>,
     },
     Targets {
         phase: Phase,
         step: u64,
         mb: usize,
+        #[serde(skip)]
         targets: Vec<u32>,
     },
     /// The input of F on `stage`. `sent`: when it was sent, then (restamped by
@@ -178,26 +177,32 @@ pub enum StageMsg {
         step: u64,
         stage: usize,
         mb: usize,
+        #[serde(skip)]
         data: Vec<f32>,
-        sent: Instant,
+        #[serde(skip)]
+        sent: Sent,
     },
     /// The gradient of `stage`'s output, for its B or I (`sent` as for `Activation`).
     Gradient {
         step: u64,
         stage: usize,
         mb: usize,
+        #[serde(skip)]
         data: Vec<f32>,
-        sent: Instant,
+        #[serde(skip)]
+        sent: Sent,
     },
     /// The other rank's share of the tied embedding's gradient.
     TiedShare {
         step: u64,
+        #[serde(skip)]
         data: Vec<f32>,
     },
     /// Gradients of `stage` summed over replicas.
     Reduced {
         step: u64,
         stage: usize,
+        #[serde(skip)]
         grads: Vec<Vec<f32>>,
     },
     /// Send the parameters to the coordinator (end of run).
@@ -207,8 +212,41 @@ pub enum StageMsg {
         step: u64,
     },
     /// Reload parameters and moments from a checkpoint (a rollback).
-    Restore(Arc<crate::checkpoint::Loaded>),
+    Restore(Checkpoint),
     Stop,
+}
+
+/// A rollback's checkpoint. It crosses a link, and a log, as its directory
+/// (processes share the run's filesystem) and is read again where it arrives.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub dir: String,
+    #[serde(skip)]
+    loaded: Option<Arc<crate::checkpoint::Loaded>>,
+}
+
+impl Checkpoint {
+    pub fn new(loaded: Arc<crate::checkpoint::Loaded>) -> Checkpoint {
+        Checkpoint { dir: loaded.dir.display().to_string(), loaded: Some(loaded) }
+    }
+
+    /// The checkpoint as read: a message a stage handles has been through
+    /// [`StageMsg::from_parts`] (or was made in this process), which read it.
+    pub fn loaded(&self) -> &crate::checkpoint::Loaded {
+        self.loaded.as_ref().expect("a delivered Restore holds its checkpoint")
+    }
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Checkpoint({})", self.dir)
+    }
+}
+
+impl PartialEq for Checkpoint {
+    fn eq(&self, other: &Checkpoint) -> bool {
+        self.dir == other.dir
+    }
 }
 
 impl Message for StageMsg {}
@@ -278,63 +316,6 @@ pub struct ProtocolError {
 
 fn bad(what: &'static str, why: impl Into<String>) -> ProtocolError {
     ProtocolError { what, why: why.into() }
-}
-
-/// A stage message's scalars: the header of its frame, the fields of its log entry.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum StageKind {
-    RunStep {
-        step: u64,
-        loss_scale: f32,
-    },
-    Apply {
-        step: u64,
-        lr: f64,
-        clip: f32,
-        skip: bool,
-    },
-    RunEval {
-        step: u64,
-        exact_match: bool,
-        batches: u64,
-    },
-    Tokens {
-        train: bool,
-        step: u64,
-        mb: u32,
-    },
-    Targets {
-        train: bool,
-        step: u64,
-        mb: u32,
-    },
-    Activation {
-        train: bool,
-        step: u64,
-        stage: u32,
-        mb: u32,
-    },
-    Gradient {
-        step: u64,
-        stage: u32,
-        mb: u32,
-    },
-    TiedShare {
-        step: u64,
-    },
-    Reduced {
-        step: u64,
-        stage: u32,
-    },
-    SendWeights,
-    Snapshot {
-        step: u64,
-    },
-    /// Reload the checkpoint in this directory (a rollback; needs a shared filesystem).
-    Restore {
-        dir: String,
-    },
-    Stop,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -414,6 +395,10 @@ impl Arrays {
         }
     }
 
+    fn has_more(&self) -> bool {
+        self.it.len() > 0
+    }
+
     fn u32(&mut self) -> Result<Vec<u32>, ProtocolError> {
         match self.it.next() {
             Some(Array::U32(v)) => Ok(v),
@@ -427,117 +412,6 @@ pub fn f32_arrays(what: &'static str, arrays: Vec<Array>) -> Result<Vec<Vec<f32>
     let n = arrays.len();
     let mut a = Arrays::new(what, arrays, n)?;
     (0..n).map(|_| a.f32()).collect()
-}
-
-impl StageKind {
-    /// The kind's name in logs and error messages.
-    pub fn name(&self) -> &'static str {
-        match self {
-            StageKind::RunStep { .. } => "RunStep",
-            StageKind::Apply { .. } => "Apply",
-            StageKind::RunEval { .. } => "RunEval",
-            StageKind::Tokens { .. } => "Tokens",
-            StageKind::Targets { .. } => "Targets",
-            StageKind::Activation { .. } => "Activation",
-            StageKind::Gradient { .. } => "Gradient",
-            StageKind::TiedShare { .. } => "TiedShare",
-            StageKind::Reduced { .. } => "Reduced",
-            StageKind::SendWeights => "SendWeights",
-            StageKind::Snapshot { .. } => "Snapshot",
-            StageKind::Restore { .. } => "Restore",
-            StageKind::Stop => "Stop",
-        }
-    }
-
-    /// The optimizer step the message belongs to (`None`: it names none).
-    pub fn step(&self) -> Option<u64> {
-        use StageKind::*;
-        match self {
-            RunStep { step, .. }
-            | Apply { step, .. }
-            | RunEval { step, .. }
-            | Tokens { step, .. }
-            | Targets { step, .. }
-            | Activation { step, .. }
-            | Gradient { step, .. }
-            | TiedShare { step }
-            | Reduced { step, .. }
-            | Snapshot { step } => Some(*step),
-            SendWeights | Restore { .. } | Stop => None,
-        }
-    }
-
-    /// (stage, microbatch, evaluation traffic) as a log entry's fields.
-    fn entry_fields(&self) -> (Option<usize>, Option<usize>, bool) {
-        match *self {
-            StageKind::RunEval { .. } => (None, None, true),
-            StageKind::Tokens { train, mb, .. } | StageKind::Targets { train, mb, .. } => {
-                (None, Some(mb as usize), !train)
-            }
-            StageKind::Activation { train, stage, mb, .. } => {
-                (Some(stage as usize), Some(mb as usize), !train)
-            }
-            StageKind::Gradient { stage, mb, .. } => (Some(stage as usize), Some(mb as usize), false),
-            StageKind::Reduced { stage, .. } => (Some(stage as usize), None, false),
-            _ => (None, None, false),
-        }
-    }
-
-    /// The scalars a log entry keeps as blobs (the rest are entry fields).
-    fn scalar_blobs(&self) -> Vec<Blob> {
-        match self {
-            StageKind::RunStep { loss_scale, .. } => vec![Blob::f64(key::LOSS_SCALE, *loss_scale as f64)],
-            StageKind::Apply { lr, clip, skip, .. } => vec![
-                Blob::f64(key::LR, *lr),
-                Blob::f64(key::CLIP, *clip as f64),
-                Blob::f64(key::SKIP, *skip as u8 as f64),
-            ],
-            StageKind::RunEval { exact_match, batches, .. } => vec![
-                Blob::str(key::EVAL_KIND, EvalKind::from_exact_match(*exact_match).name()),
-                Blob::f64(key::BATCHES, *batches as f64),
-            ],
-            StageKind::Restore { dir } => vec![Blob::str(key::CHECKPOINT, dir)],
-            _ => vec![],
-        }
-    }
-
-    /// The header a log entry describes; `Restore`'s directory is taken
-    /// relative to `run_dir`.
-    fn of_entry(e: &Entry, run_dir: &std::path::Path) -> Result<StageKind, String> {
-        let f64_of = |name: &str| e.input(name).and_then(|b| b.to_f64());
-        let (step, train) = (e.step, !e.eval);
-        let stage = e.stage.unwrap_or(0) as u32;
-        let mb = e.mb.unwrap_or(0) as u32;
-        Ok(match e.kind.as_str() {
-            "RunStep" => StageKind::RunStep { step, loss_scale: f64_of(key::LOSS_SCALE)? as f32 },
-            "Apply" => StageKind::Apply {
-                step,
-                lr: f64_of(key::LR)?,
-                clip: f64_of(key::CLIP)? as f32,
-                skip: f64_of(key::SKIP)? != 0.0,
-            },
-            "RunEval" => StageKind::RunEval {
-                step,
-                exact_match: EvalKind::from_name(&e.input(key::EVAL_KIND)?.to_str()?)?
-                    == EvalKind::ExactMatch,
-                batches: f64_of(key::BATCHES)? as u64,
-            },
-            "Tokens" => StageKind::Tokens { train, step, mb },
-            "Targets" => StageKind::Targets { train, step, mb },
-            "Activation" => StageKind::Activation { train, step, stage, mb },
-            "Gradient" => StageKind::Gradient { step, stage, mb },
-            "TiedShare" => StageKind::TiedShare { step },
-            "Reduced" => StageKind::Reduced { step, stage },
-            "SendWeights" => StageKind::SendWeights,
-            "Snapshot" => StageKind::Snapshot { step },
-            "Restore" => {
-                let dir = std::path::PathBuf::from(e.input(key::CHECKPOINT)?.to_str()?);
-                let dir = if dir.is_absolute() { dir } else { run_dir.join(dir) };
-                StageKind::Restore { dir: dir.display().to_string() }
-            }
-            other => return Err(format!("a stage does not handle `{other}`")),
-        })
-    }
 }
 
 /// How a message appears in a replay log: its kind and step, the stage and
@@ -575,114 +449,215 @@ pub fn no_grad_names(_stage: usize, k: usize) -> String {
     format!("tensor.{k}")
 }
 
+/// When a data message was sent, then (restamped by the receiving stage's
+/// actor) when it arrived. Not part of what the message says: equal whatever
+/// the time, and not carried across a link (the receiver stamps its own).
+#[derive(Clone, Copy, Debug)]
+pub struct Sent(pub Instant);
+
+impl Sent {
+    pub fn now() -> Sent {
+        Sent(Instant::now())
+    }
+}
+
+impl Default for Sent {
+    fn default() -> Sent {
+        Sent::now()
+    }
+}
+
+impl PartialEq for Sent {
+    fn eq(&self, _: &Sent) -> bool {
+        true
+    }
+}
+
+/// One tensor field of a message: token ids logged under their key, one f32
+/// tensor logged as `key::DATA`, or a gradient list (each logged under its
+/// parameter's name).
+enum Tensor<U, F, L> {
+    U32(&'static str, U),
+    F32(F),
+    F32s(L),
+}
+
+type TensorRef<'a> = Tensor<&'a Vec<u32>, &'a Vec<f32>, &'a Vec<Vec<f32>>>;
+type TensorMut<'a> = Tensor<&'a mut Vec<u32>, &'a mut Vec<f32>, &'a mut Vec<Vec<f32>>>;
+
+/// The table of every message's tensor fields, written once and expanded
+/// for reading (logs) and for moving tensors out and in (frames, replay).
+macro_rules! tensor_table {
+    ($(#[$m:meta])* fn $name:ident($self_ty:ty) -> $out:ty) => {
+        $(#[$m])*
+        fn $name(self: $self_ty) -> Vec<$out> {
+            match self {
+                StageMsg::Tokens { tokens, .. } => vec![Tensor::U32(key::TOKENS, tokens)],
+                StageMsg::Targets { targets, .. } => vec![Tensor::U32(key::TARGETS, targets)],
+                StageMsg::Activation { data, .. }
+                | StageMsg::Gradient { data, .. }
+                | StageMsg::TiedShare { data, .. } => vec![Tensor::F32(data)],
+                StageMsg::Reduced { grads, .. } => vec![Tensor::F32s(grads)],
+                _ => vec![],
+            }
+        }
+    };
+}
+
 impl StageMsg {
-    /// The message's scalars.
-    pub fn header(&self) -> StageKind {
-        let train = |p: &Phase| *p == Phase::Train;
+    tensor_table!(fn tensors(&Self) -> TensorRef<'_>);
+    tensor_table!(fn tensors_mut(&mut Self) -> TensorMut<'_>);
+
+    /// The kind's name in logs and error messages.
+    pub fn name(&self) -> &'static str {
         match self {
-            StageMsg::RunStep { step, loss_scale } => {
-                StageKind::RunStep { step: *step, loss_scale: *loss_scale }
-            }
-            StageMsg::Apply { step, lr, clip, skip } => {
-                StageKind::Apply { step: *step, lr: *lr, clip: *clip, skip: *skip }
-            }
-            StageMsg::RunEval { step, kind, batches } => StageKind::RunEval {
-                step: *step,
-                exact_match: *kind == EvalKind::ExactMatch,
-                batches: *batches as u64,
-            },
-            StageMsg::Tokens { phase, step, mb, .. } => {
-                StageKind::Tokens { train: train(phase), step: *step, mb: *mb as u32 }
-            }
-            StageMsg::Targets { phase, step, mb, .. } => {
-                StageKind::Targets { train: train(phase), step: *step, mb: *mb as u32 }
-            }
-            StageMsg::Activation { phase, step, stage, mb, .. } => StageKind::Activation {
-                train: train(phase),
-                step: *step,
-                stage: *stage as u32,
-                mb: *mb as u32,
-            },
-            StageMsg::Gradient { step, stage, mb, .. } => {
-                StageKind::Gradient { step: *step, stage: *stage as u32, mb: *mb as u32 }
-            }
-            StageMsg::TiedShare { step, .. } => StageKind::TiedShare { step: *step },
-            StageMsg::Reduced { step, stage, .. } => StageKind::Reduced { step: *step, stage: *stage as u32 },
-            StageMsg::SendWeights => StageKind::SendWeights,
-            StageMsg::Snapshot { step } => StageKind::Snapshot { step: *step },
-            StageMsg::Restore(c) => StageKind::Restore { dir: c.dir.display().to_string() },
-            StageMsg::Stop => StageKind::Stop,
+            StageMsg::RunStep { .. } => "RunStep",
+            StageMsg::Apply { .. } => "Apply",
+            StageMsg::RunEval { .. } => "RunEval",
+            StageMsg::Tokens { .. } => "Tokens",
+            StageMsg::Targets { .. } => "Targets",
+            StageMsg::Activation { .. } => "Activation",
+            StageMsg::Gradient { .. } => "Gradient",
+            StageMsg::TiedShare { .. } => "TiedShare",
+            StageMsg::Reduced { .. } => "Reduced",
+            StageMsg::SendWeights => "SendWeights",
+            StageMsg::Snapshot { .. } => "Snapshot",
+            StageMsg::Restore(_) => "Restore",
+            StageMsg::Stop => "Stop",
         }
     }
 
-    /// Header and tensors, the tensors moved out (no copy).
-    pub fn into_parts(self) -> (StageKind, Vec<Array>) {
-        let kind = self.header();
-        let arrays = match self {
-            StageMsg::Tokens { tokens: v, .. } | StageMsg::Targets { targets: v, .. } => vec![Array::U32(v)],
-            StageMsg::Activation { data, .. }
-            | StageMsg::Gradient { data, .. }
-            | StageMsg::TiedShare { data, .. } => {
-                vec![Array::F32(data)]
-            }
-            StageMsg::Reduced { grads, .. } => grads.into_iter().map(Array::F32).collect(),
-            _ => vec![],
-        };
-        (kind, arrays)
+    /// The optimizer step the message belongs to (`None`: it names none).
+    pub fn step(&self) -> Option<u64> {
+        use StageMsg::*;
+        match self {
+            RunStep { step, .. }
+            | Apply { step, .. }
+            | RunEval { step, .. }
+            | Tokens { step, .. }
+            | Targets { step, .. }
+            | Activation { step, .. }
+            | Gradient { step, .. }
+            | TiedShare { step, .. }
+            | Reduced { step, .. }
+            | Snapshot { step } => Some(*step),
+            SendWeights | Restore(_) | Stop => None,
+        }
     }
 
-    /// The message a header and its tensors make. `Restore` reads its checkpoint here.
-    pub fn from_parts(kind: StageKind, arrays: Vec<Array>) -> Result<StageMsg, ProtocolError> {
-        let now = Instant::now();
-        let what = kind.name();
-        let expect = |n: usize, arrays: Vec<Array>| Arrays::new(what, arrays, n);
-        Ok(match kind {
-            StageKind::RunStep { step, loss_scale } => StageMsg::RunStep { step, loss_scale },
-            StageKind::Apply { step, lr, clip, skip } => StageMsg::Apply { step, lr, clip, skip },
-            StageKind::RunEval { step, exact_match, batches } => StageMsg::RunEval {
-                step,
-                kind: EvalKind::from_exact_match(exact_match),
-                batches: batches as usize,
-            },
-            StageKind::Tokens { train, step, mb } => StageMsg::Tokens {
-                phase: phase_of(train),
-                step,
-                mb: mb as usize,
-                tokens: expect(1, arrays)?.u32()?,
-            },
-            StageKind::Targets { train, step, mb } => StageMsg::Targets {
-                phase: phase_of(train),
-                step,
-                mb: mb as usize,
-                targets: expect(1, arrays)?.u32()?,
-            },
-            StageKind::Activation { train, step, stage, mb } => StageMsg::Activation {
-                phase: phase_of(train),
-                step,
-                stage: stage as usize,
-                mb: mb as usize,
-                data: expect(1, arrays)?.f32()?,
-                sent: now,
-            },
-            StageKind::Gradient { step, stage, mb } => StageMsg::Gradient {
-                step,
-                stage: stage as usize,
-                mb: mb as usize,
-                data: expect(1, arrays)?.f32()?,
-                sent: now,
-            },
-            StageKind::TiedShare { step } => StageMsg::TiedShare { step, data: expect(1, arrays)?.f32()? },
-            StageKind::Reduced { step, stage } => {
-                StageMsg::Reduced { step, stage: stage as usize, grads: f32_arrays(what, arrays)? }
+    /// The message with its tensors moved out (no copy): a frame's header
+    /// (serde writes its scalars) and its arrays.
+    pub fn into_parts(mut self) -> (StageMsg, Vec<Array>) {
+        let mut arrays = Vec::new();
+        for t in self.tensors_mut() {
+            match t {
+                Tensor::U32(_, v) => arrays.push(Array::U32(std::mem::take(v))),
+                Tensor::F32(v) => arrays.push(Array::F32(std::mem::take(v))),
+                Tensor::F32s(l) => arrays.extend(std::mem::take(l).into_iter().map(Array::F32)),
             }
-            StageKind::SendWeights => StageMsg::SendWeights,
-            StageKind::Snapshot { step } => StageMsg::Snapshot { step },
-            StageKind::Restore { dir } => {
-                let loaded = crate::checkpoint::load(std::path::Path::new(&dir))
-                    .map_err(|e| bad("Restore", format!("{dir}: {e}")))?;
-                StageMsg::Restore(Arc::new(loaded))
+        }
+        (self, arrays)
+    }
+
+    /// The message a header and its arrays make. `Restore` reads its checkpoint here.
+    pub fn from_parts(mut head: StageMsg, arrays: Vec<Array>) -> Result<StageMsg, ProtocolError> {
+        let what = head.name();
+        let mut slots = head.tensors_mut();
+        let list = slots.iter().any(|t| matches!(t, Tensor::F32s(_)));
+        let expected = if list { arrays.len() } else { slots.len() };
+        let mut a = Arrays::new(what, arrays, expected)?;
+        for t in slots.iter_mut() {
+            match t {
+                Tensor::U32(_, v) => **v = a.u32()?,
+                Tensor::F32(v) => **v = a.f32()?,
+                Tensor::F32s(l) => {
+                    **l = std::iter::from_fn(|| a.has_more().then(|| a.f32())).collect::<Result<_, _>>()?
+                }
             }
-            StageKind::Stop => StageMsg::Stop,
+        }
+        head.read_checkpoint()?;
+        Ok(head)
+    }
+
+    /// A `Restore` that arrived as its directory reads the checkpoint.
+    fn read_checkpoint(&mut self) -> Result<(), ProtocolError> {
+        if let StageMsg::Restore(c) = self {
+            if c.loaded.is_none() {
+                let loaded = crate::checkpoint::load(std::path::Path::new(&c.dir))
+                    .map_err(|e| bad("Restore", format!("{}: {e}", c.dir)))?;
+                c.loaded = Some(Arc::new(loaded));
+            }
+        }
+        Ok(())
+    }
+
+    /// (stage, microbatch, evaluation traffic) as a log entry's fields.
+    fn entry_fields(&self) -> (Option<usize>, Option<usize>, bool) {
+        let eval = |p: &Phase| *p == Phase::Eval;
+        match self {
+            StageMsg::RunEval { .. } => (None, None, true),
+            StageMsg::Tokens { phase, mb, .. } | StageMsg::Targets { phase, mb, .. } => {
+                (None, Some(*mb), eval(phase))
+            }
+            StageMsg::Activation { phase, stage, mb, .. } => (Some(*stage), Some(*mb), eval(phase)),
+            StageMsg::Gradient { stage, mb, .. } => (Some(*stage), Some(*mb), false),
+            StageMsg::Reduced { stage, .. } => (Some(*stage), None, false),
+            _ => (None, None, false),
+        }
+    }
+
+    /// The scalars a log entry keeps as blobs (the rest are entry fields).
+    fn scalar_blobs(&self) -> Vec<Blob> {
+        match self {
+            StageMsg::RunStep { loss_scale, .. } => vec![Blob::f64(key::LOSS_SCALE, *loss_scale as f64)],
+            StageMsg::Apply { lr, clip, skip, .. } => vec![
+                Blob::f64(key::LR, *lr),
+                Blob::f64(key::CLIP, *clip as f64),
+                Blob::f64(key::SKIP, *skip as u8 as f64),
+            ],
+            StageMsg::RunEval { kind, batches, .. } => {
+                vec![Blob::str(key::EVAL_KIND, kind.name()), Blob::f64(key::BATCHES, *batches as f64)]
+            }
+            StageMsg::Restore(c) => vec![Blob::str(key::CHECKPOINT, &c.dir)],
+            _ => vec![],
+        }
+    }
+
+    /// The message a log entry describes, tensors not yet filled in;
+    /// `Restore`'s directory is taken relative to `run_dir`.
+    fn head_of_entry(e: &Entry, run_dir: &std::path::Path) -> Result<StageMsg, String> {
+        let f64_of = |name: &str| e.input(name).and_then(|b| b.to_f64());
+        let (step, phase) = (e.step, if e.eval { Phase::Eval } else { Phase::Train });
+        let stage = e.stage.unwrap_or(0) as usize;
+        let mb = e.mb.unwrap_or(0) as usize;
+        let (data, sent) = (vec![], Sent::now());
+        Ok(match e.kind.as_str() {
+            "RunStep" => StageMsg::RunStep { step, loss_scale: f64_of(key::LOSS_SCALE)? as f32 },
+            "Apply" => StageMsg::Apply {
+                step,
+                lr: f64_of(key::LR)?,
+                clip: f64_of(key::CLIP)? as f32,
+                skip: f64_of(key::SKIP)? != 0.0,
+            },
+            "RunEval" => StageMsg::RunEval {
+                step,
+                kind: EvalKind::from_name(&e.input(key::EVAL_KIND)?.to_str()?)?,
+                batches: f64_of(key::BATCHES)? as usize,
+            },
+            "Tokens" => StageMsg::Tokens { phase, step, mb, tokens: vec![] },
+            "Targets" => StageMsg::Targets { phase, step, mb, targets: vec![] },
+            "Activation" => StageMsg::Activation { phase, step, stage, mb, data, sent },
+            "Gradient" => StageMsg::Gradient { step, stage, mb, data, sent },
+            "TiedShare" => StageMsg::TiedShare { step, data },
+            "Reduced" => StageMsg::Reduced { step, stage, grads: vec![] },
+            "SendWeights" => StageMsg::SendWeights,
+            "Snapshot" => StageMsg::Snapshot { step },
+            "Restore" => {
+                let dir = std::path::PathBuf::from(e.input(key::CHECKPOINT)?.to_str()?);
+                let dir = if dir.is_absolute() { dir } else { run_dir.join(dir) };
+                StageMsg::Restore(Checkpoint { dir: dir.display().to_string(), loaded: None })
+            }
+            other => return Err(format!("a stage does not handle `{other}`")),
         })
     }
 
@@ -690,42 +665,36 @@ impl StageMsg {
     /// `Reduced`'s gradients by `grad_name(stage, k)` (the parameter's name).
     /// `keep`: store tensor bytes, not only their digests.
     pub fn logged(&self, keep: bool, grad_name: &dyn Fn(usize, usize) -> String) -> Logged {
-        let kind = self.header();
-        let (stage, mb, eval) = kind.entry_fields();
-        let mut blobs = kind.scalar_blobs();
-        match self {
-            StageMsg::Tokens { tokens, .. } => blobs.push(Blob::u32s(key::TOKENS, tokens, keep)),
-            StageMsg::Targets { targets, .. } => blobs.push(Blob::u32s(key::TARGETS, targets, keep)),
-            StageMsg::Activation { data, .. }
-            | StageMsg::Gradient { data, .. }
-            | StageMsg::TiedShare { data, .. } => blobs.push(Blob::f32s(key::DATA, data, keep)),
-            StageMsg::Reduced { stage, grads, .. } => blobs
-                .extend(grads.iter().enumerate().map(|(k, g)| Blob::f32s(&grad_name(*stage, k), g, keep))),
-            _ => {}
+        let (stage, mb, eval) = self.entry_fields();
+        let mut blobs = self.scalar_blobs();
+        for t in self.tensors() {
+            match t {
+                Tensor::U32(name, v) => blobs.push(Blob::u32s(name, v, keep)),
+                Tensor::F32(v) => blobs.push(Blob::f32s(key::DATA, v, keep)),
+                Tensor::F32s(l) => blobs.extend(
+                    l.iter().enumerate().map(|(k, g)| Blob::f32s(&grad_name(stage.unwrap_or(0), k), g, keep)),
+                ),
+            }
         }
         let step = match self {
-            StageMsg::Restore(c) => Some(c.state.step),
-            _ => kind.step(),
+            StageMsg::Restore(c) => c.loaded.as_ref().map(|l| l.state.step),
+            _ => self.step(),
         };
-        Logged { kind: kind.name(), step, stage, mb, eval, blobs }
+        Logged { kind: self.name(), step, stage, mb, eval, blobs }
     }
 
     /// The message a log entry recorded (its tensors must have been kept).
     pub fn from_entry(e: &Entry, run_dir: &std::path::Path) -> Result<StageMsg, String> {
-        let kind = StageKind::of_entry(e, run_dir)?;
-        let tensor = |name: &str| e.input(name);
-        let arrays = match &kind {
-            StageKind::Tokens { .. } => vec![Array::U32(tensor(key::TOKENS)?.to_u32s()?)],
-            StageKind::Targets { .. } => vec![Array::U32(tensor(key::TARGETS)?.to_u32s()?)],
-            StageKind::Activation { .. } | StageKind::Gradient { .. } | StageKind::TiedShare { .. } => {
-                vec![Array::F32(tensor(key::DATA)?.to_f32s()?)]
+        let mut msg = StageMsg::head_of_entry(e, run_dir)?;
+        for t in msg.tensors_mut() {
+            match t {
+                Tensor::U32(name, v) => *v = e.input(name)?.to_u32s()?,
+                Tensor::F32(v) => *v = e.input(key::DATA)?.to_f32s()?,
+                Tensor::F32s(l) => *l = e.inputs.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>()?,
             }
-            StageKind::Reduced { .. } => {
-                e.inputs.iter().map(|b| b.to_f32s().map(Array::F32)).collect::<Result<_, _>>()?
-            }
-            _ => vec![],
-        };
-        StageMsg::from_parts(kind, arrays).map_err(|x| x.to_string())
+        }
+        msg.read_checkpoint().map_err(|x| x.to_string())?;
+        Ok(msg)
     }
 }
 
@@ -962,11 +931,6 @@ impl CoordinatorMsg {
 mod tests {
     use super::*;
 
-    fn header_round_trip(msg: StageMsg) -> StageKind {
-        let (kind, arrays) = msg.into_parts();
-        StageMsg::from_parts(kind.clone(), arrays).expect("decodes").header()
-    }
-
     #[test]
     fn a_stage_message_survives_frame_parts_and_a_log_entry() {
         let msgs = [
@@ -979,23 +943,28 @@ mod tests {
                 stage: 2,
                 mb: 3,
                 data: vec![1.5],
-                sent: Instant::now(),
+                sent: Sent::now(),
             },
             StageMsg::Reduced { step: 4, stage: 1, grads: vec![vec![1.0], vec![2.0, 3.0]] },
         ];
         for m in msgs {
-            let want = m.header();
             let entry = m.logged(true, &|s, k| format!("s{s}.{k}")).entry("x", 0, 0);
             let back = StageMsg::from_entry(&entry, std::path::Path::new("/")).expect("entry decodes");
-            assert_eq!(back.header(), want);
-            assert_eq!(header_round_trip(back), want);
+            assert_eq!(back, m);
+            let (head, arrays) = back.into_parts();
+            assert!(head.tensors().iter().all(|t| match t {
+                Tensor::U32(_, v) => v.is_empty(),
+                Tensor::F32(v) => v.is_empty(),
+                Tensor::F32s(l) => l.is_empty(),
+            }));
+            assert_eq!(StageMsg::from_parts(head, arrays).expect("decodes"), m);
         }
     }
 
     #[test]
     fn a_frame_with_the_wrong_arrays_is_an_error_naming_the_kind() {
-        let kind = StageKind::Gradient { step: 0, stage: 1, mb: 0 };
-        let e = StageMsg::from_parts(kind, vec![Array::U32(vec![1])]).err().expect("rejected");
+        let head = StageMsg::Gradient { step: 0, stage: 1, mb: 0, data: vec![], sent: Sent::now() };
+        let e = StageMsg::from_parts(head, vec![Array::U32(vec![1])]).expect_err("rejected");
         assert!(e.to_string().contains("Gradient"), "{e}");
     }
 }

@@ -5,7 +5,8 @@
 use super::frame::{read_frame, write_frame, Array, Frame};
 use super::link::LinkStream;
 use super::tls::Tls;
-use super::wire::{Kind, StageKind};
+use super::wire::Kind;
+use crate::actors::protocol::{Phase, Sent, StageMsg};
 use serde::Serialize;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -29,7 +30,14 @@ fn activation(n: usize) -> Frame {
         Kind::Stage {
             replica: 0,
             rank: 1,
-            msg: StageKind::Activation { train: true, step: 0, stage: 1, mb: 0 },
+            msg: StageMsg::Activation {
+                phase: Phase::Train,
+                step: 0,
+                stage: 1,
+                mb: 0,
+                data: vec![],
+                sent: Sent::now(),
+            },
         },
         vec![Array::F32(vec![0.5; n])],
     )

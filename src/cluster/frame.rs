@@ -234,7 +234,8 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, FrameError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::wire::{Kind, StageKind};
+    use crate::actors::protocol::{Phase, Sent, StageMsg};
+    use crate::cluster::wire::Kind;
     use crate::rng::{Purpose, Rng};
 
     fn sample() -> Frame {
@@ -242,7 +243,14 @@ mod tests {
             Kind::Stage {
                 replica: 1,
                 rank: 2,
-                msg: StageKind::Activation { train: true, step: 7, stage: 3, mb: 5 },
+                msg: StageMsg::Activation {
+                    phase: Phase::Train,
+                    step: 7,
+                    stage: 3,
+                    mb: 5,
+                    data: vec![],
+                    sent: Sent::now(),
+                },
             },
             vec![
                 Array::F32(vec![1.5, -0.0, f32::NAN, f32::MIN_POSITIVE, 3.25e-39]),

@@ -10,7 +10,7 @@ use crate::actors::reducer::ReducerMsg;
 use crate::optim::grad_tree::Span;
 use serde::{Deserialize, Serialize};
 
-pub use crate::actors::protocol::{CoordKind, ProtocolError as WireError, StageKind, TensorMeta};
+pub use crate::actors::protocol::{CoordKind, ProtocolError as WireError, TensorMeta};
 
 /// Link handshake and membership, then the run's messages.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -52,10 +52,11 @@ pub enum Kind {
     Ready {
         rank: u32,
     },
+    /// `msg` is the header: the message with its tensors moved to the frame's arrays.
     Stage {
         replica: u32,
         rank: u32,
-        msg: StageKind,
+        msg: StageMsg,
     },
     Coordinator(CoordKind),
     /// A replica's tree nodes of one stage: (lo, hi) per node; the frame's
@@ -102,7 +103,7 @@ pub fn stage_frame(replica: usize, rank: usize, msg: StageMsg) -> Option<Frame> 
 }
 
 /// The `StageMsg` a stage frame carries. `Restore` reads its checkpoint here.
-pub fn stage_msg(kind: StageKind, arrays: Vec<Array>) -> Result<StageMsg, WireError> {
+pub fn stage_msg(kind: StageMsg, arrays: Vec<Array>) -> Result<StageMsg, WireError> {
     StageMsg::from_parts(kind, arrays)
 }
 

@@ -28,6 +28,7 @@ pub use run::{run, RunData, RunInputs, RunOutcome};
 use super::data_loader::LoaderMsg;
 use super::layout::Layout;
 use super::monitor::MonitorMsg;
+use super::protocol::Checkpoint;
 use super::reducer::ReducerMsg;
 use crate::config::{BackendKind, Config};
 use crate::data::EvalSet;
@@ -542,7 +543,7 @@ impl CoordinatorState {
         self.step = ck_step;
         self.waiting = Waiting::Restored;
         self.acks = 0;
-        self.send_stages(self.layout.dp, || StageMsg::Restore(loaded.clone()))
+        self.send_stages(self.layout.dp, || StageMsg::Restore(Checkpoint::new(loaded.clone())))
     }
 
     fn end_step(&mut self) -> Result<(), ActorProcessingErr> {

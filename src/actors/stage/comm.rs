@@ -201,10 +201,10 @@ impl ActorComm {
         };
         match msg {
             StageMsg::Activation { phase: Phase::Train, step, stage, mb, sent, .. } => {
-                self.trace_recv(step, stage, stage - 1, mb, sent, "activation")
+                self.trace_recv(step, stage, stage - 1, mb, sent.0, "activation")
             }
             StageMsg::Gradient { step, stage, mb, sent, .. } => {
-                self.trace_recv(step, stage, stage + 1, mb, sent, "gradient")
+                self.trace_recv(step, stage, stage + 1, mb, sent.0, "gradient")
             }
             _ => {}
         }
@@ -310,7 +310,7 @@ impl Comm for ActorComm {
         let eval = matches!(msg, StageMsg::Activation { phase: Phase::Eval, .. });
         let traced = {
             let rec = self.rec.borrow();
-            (rec.enabled && !eval).then(|| (rec.now_us(), msg.header().step().unwrap_or(0), send_of(&msg)))
+            (rec.enabled && !eval).then(|| (rec.now_us(), msg.step().unwrap_or(0), send_of(&msg)))
         };
         let sent = if rank == self.rank {
             self.file(msg)

@@ -6,7 +6,7 @@
 
 use super::super::compute::{BackwardPart, ChunkInput, StageCompute};
 use super::super::layout::Layout;
-use super::super::protocol::{CoordinatorMsg, EvalKind, Failure, Phase, StageMsg, StageReport};
+use super::super::protocol::{CoordinatorMsg, EvalKind, Failure, Phase, Sent, StageMsg, StageReport};
 use super::comm::{At, Comm, Group, Key, Stopped};
 use super::faults::{Faulty, InjectedError};
 use super::panic_text;
@@ -20,7 +20,6 @@ use crate::trace::Recorder;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 pub struct Executor {
     pub rank: usize,
@@ -164,7 +163,7 @@ impl Executor {
                 self.comm.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
             }
             StageMsg::Restore(c) => {
-                if let Err(e) = self.compute.restore(&c) {
+                if let Err(e) = self.compute.restore(c.loaded()) {
                     panic!("{e}");
                 }
                 self.log_params();
@@ -275,8 +274,7 @@ impl Executor {
         let out = self.compute.forward(i, mb, input, targets.as_deref(), mode, argmax);
         if let Some(y) = out.output {
             let step = self.step;
-            let msg =
-                StageMsg::Activation { phase, step, stage: stage + 1, mb, data: y, sent: Instant::now() };
+            let msg = StageMsg::Activation { phase, step, stage: stage + 1, mb, data: y, sent: Sent::now() };
             self.send_to_stage(stage + 1, msg)?;
         }
         Ok(out.loss_sum)
@@ -294,7 +292,7 @@ impl Executor {
         self.compute_start = self.now_us();
         if let Some(g) = self.compute.backward(i, mb, which, dout) {
             let msg =
-                StageMsg::Gradient { step: self.step, stage: stage - 1, mb, data: g, sent: Instant::now() };
+                StageMsg::Gradient { step: self.step, stage: stage - 1, mb, data: g, sent: Sent::now() };
             self.send_to_stage(stage - 1, msg)?;
         }
         Ok(())

@@ -27,7 +27,7 @@ mod recorded;
 mod sim;
 
 use super::layout::Layout;
-use super::protocol::{CoordinatorMsg, Failure};
+use super::protocol::{CoordinatorMsg, Failure, Sent};
 use super::reducer::ReducerMsg;
 use crate::replay::ActorLog;
 use crate::rng::{Purpose, Rng};
@@ -126,11 +126,11 @@ impl Actor for StageActor {
     ) -> Result<(), ActorProcessingErr> {
         let mut msg = msg;
         if let StageMsg::Activation { sent, .. } | StageMsg::Gradient { sent, .. } = &mut msg {
-            let us = sent.elapsed().as_secs_f64() * 1e6;
+            let us = sent.0.elapsed().as_secs_f64() * 1e6;
             st.latencies_us.lock().expect("latency log").push(us);
             // From here on `sent` is when the message reached this stage: the
             // trace's receive instant, however long it then waits in the inbox.
-            *sent = Instant::now();
+            *sent = Sent::now();
         }
         // Every message the compute thread files by key rather than handles in order.
         let data = comm::Key::of(&msg).is_some();
