@@ -50,14 +50,6 @@ impl EvalKind {
             other => Err(format!("unknown evaluation `{other}`")),
         }
     }
-
-    fn from_exact_match(exact_match: bool) -> EvalKind {
-        if exact_match {
-            EvalKind::ExactMatch
-        } else {
-            EvalKind::Val
-        }
-    }
 }
 
 /// Names of the blobs a message's payload is logged under.
@@ -89,7 +81,7 @@ pub fn stage_name(rank: usize, replica: usize) -> String {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Failure {
     pub actor: String,
     pub step: u64,
@@ -121,6 +113,7 @@ impl std::fmt::Display for Failure {
     }
 }
 
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StageReport {
     pub rank: usize,
     pub replica: usize,
@@ -251,6 +244,10 @@ impl PartialEq for Checkpoint {
 
 impl Message for StageMsg {}
 
+/// Messages to the coordinator. As for [`StageMsg`], serde writes the scalars
+/// (parameter and tensor names and shapes included) and the tensors travel
+/// beside them as arrays, by the one table [`CoordinatorMsg::tensors_mut`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum CoordinatorMsg {
     Start,
     StageDone(StageReport),
@@ -264,6 +261,7 @@ pub enum CoordinatorMsg {
         kind: EvalKind,
         loss_sum: f64,
         tokens: usize,
+        #[serde(skip)]
         predictions: Vec<u32>,
     },
     Weights {
@@ -316,62 +314,6 @@ pub struct ProtocolError {
 
 fn bad(what: &'static str, why: impl Into<String>) -> ProtocolError {
     ProtocolError { what, why: why.into() }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TensorMeta {
-    pub name: String,
-    pub shape: Vec<u64>,
-    pub canonical: u64,
-}
-
-/// A coordinator message's scalars (the header of its frame).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum CoordKind {
-    StageDone {
-        rank: u32,
-        replica: u32,
-        step: u64,
-        grad_sumsq: Vec<(u64, f64)>,
-        loss_sum: Option<f64>,
-    },
-    Applied {
-        rank: u32,
-        replica: u32,
-        step: u64,
-    },
-    EvalDone {
-        step: u64,
-        exact_match: bool,
-        loss_sum: f64,
-        tokens: u64,
-    },
-    /// Arrays: each parameter's data, then its gradient.
-    Weights {
-        rank: u32,
-        replica: u32,
-        params: Vec<TensorMeta>,
-        latencies_us: Vec<f64>,
-        peak_live_bytes: u64,
-        trace: Vec<crate::trace::Record>,
-    },
-    Failed {
-        actor: String,
-        step: u64,
-        action: Option<String>,
-        error: String,
-    },
-    /// Arrays: each tensor's data, exp_avg, exp_avg_sq.
-    Snapshot {
-        rank: u32,
-        step: u64,
-        tensors: Vec<TensorMeta>,
-        adam_step: u64,
-    },
-    Restored {
-        rank: u32,
-        replica: u32,
-    },
 }
 
 /// The arrays of a message, taken one at a time with their types checked.
@@ -504,6 +446,41 @@ macro_rules! tensor_table {
     };
 }
 
+/// Moves the tensors out of a message, in table order.
+fn take_arrays(slots: Vec<TensorMut<'_>>) -> Vec<Array> {
+    let mut arrays = Vec::new();
+    for t in slots {
+        match t {
+            Tensor::U32(_, v) => arrays.push(Array::U32(std::mem::take(v))),
+            Tensor::F32(v) => arrays.push(Array::F32(std::mem::take(v))),
+            Tensor::F32s(l) => arrays.extend(std::mem::take(l).into_iter().map(Array::F32)),
+        }
+    }
+    arrays
+}
+
+/// Puts a frame's arrays back into a `what` message's tensors, checking
+/// their number and types (a gradient list takes every array there is).
+fn fill_arrays(
+    what: &'static str,
+    mut slots: Vec<TensorMut<'_>>,
+    arrays: Vec<Array>,
+) -> Result<(), ProtocolError> {
+    let list = slots.iter().any(|t| matches!(t, Tensor::F32s(_)));
+    let expected = if list { arrays.len() } else { slots.len() };
+    let mut a = Arrays::new(what, arrays, expected)?;
+    for t in slots.iter_mut() {
+        match t {
+            Tensor::U32(_, v) => **v = a.u32()?,
+            Tensor::F32(v) => **v = a.f32()?,
+            Tensor::F32s(l) => {
+                **l = std::iter::from_fn(|| a.has_more().then(|| a.f32())).collect::<Result<_, _>>()?
+            }
+        }
+    }
+    Ok(())
+}
+
 impl StageMsg {
     tensor_table!(fn tensors(&Self) -> TensorRef<'_>);
     tensor_table!(fn tensors_mut(&mut Self) -> TensorMut<'_>);
@@ -548,33 +525,14 @@ impl StageMsg {
     /// The message with its tensors moved out (no copy): a frame's header
     /// (serde writes its scalars) and its arrays.
     pub fn into_parts(mut self) -> (StageMsg, Vec<Array>) {
-        let mut arrays = Vec::new();
-        for t in self.tensors_mut() {
-            match t {
-                Tensor::U32(_, v) => arrays.push(Array::U32(std::mem::take(v))),
-                Tensor::F32(v) => arrays.push(Array::F32(std::mem::take(v))),
-                Tensor::F32s(l) => arrays.extend(std::mem::take(l).into_iter().map(Array::F32)),
-            }
-        }
+        let arrays = take_arrays(self.tensors_mut());
         (self, arrays)
     }
 
     /// The message a header and its arrays make. `Restore` reads its checkpoint here.
     pub fn from_parts(mut head: StageMsg, arrays: Vec<Array>) -> Result<StageMsg, ProtocolError> {
         let what = head.name();
-        let mut slots = head.tensors_mut();
-        let list = slots.iter().any(|t| matches!(t, Tensor::F32s(_)));
-        let expected = if list { arrays.len() } else { slots.len() };
-        let mut a = Arrays::new(what, arrays, expected)?;
-        for t in slots.iter_mut() {
-            match t {
-                Tensor::U32(_, v) => **v = a.u32()?,
-                Tensor::F32(v) => **v = a.f32()?,
-                Tensor::F32s(l) => {
-                    **l = std::iter::from_fn(|| a.has_more().then(|| a.f32())).collect::<Result<_, _>>()?
-                }
-            }
-        }
+        fill_arrays(what, head.tensors_mut(), arrays)?;
         head.read_checkpoint()?;
         Ok(head)
     }
@@ -698,137 +656,60 @@ impl StageMsg {
     }
 }
 
-fn meta_of(name: &str, shape: &[usize], canonical: usize) -> TensorMeta {
-    TensorMeta {
-        name: name.to_string(),
-        shape: shape.iter().map(|&d| d as u64).collect(),
-        canonical: canonical as u64,
-    }
-}
-
-fn shape_of(meta: &TensorMeta) -> Vec<usize> {
-    meta.shape.iter().map(|&d| d as usize).collect()
-}
-
 impl CoordinatorMsg {
+    /// The kind's name in logs and error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            CoordinatorMsg::Start => "Start",
+            CoordinatorMsg::StageDone(_) => "StageDone",
+            CoordinatorMsg::Applied { .. } => "Applied",
+            CoordinatorMsg::EvalDone { .. } => "EvalDone",
+            CoordinatorMsg::Weights { .. } => "Weights",
+            CoordinatorMsg::Failed(_) => "Failed",
+            CoordinatorMsg::Snapshot { .. } => "Snapshot",
+            CoordinatorMsg::Saved { .. } => "Saved",
+            CoordinatorMsg::CheckpointFailed(_) => "CheckpointFailed",
+            CoordinatorMsg::Restored { .. } => "Restored",
+            CoordinatorMsg::StopRequested => "StopRequested",
+        }
+    }
+
+    /// The message's tensors, in frame order: each parameter's data then its
+    /// gradient; each snapshot tensor's data, exp_avg, exp_avg_sq.
+    fn tensors_mut(&mut self) -> Vec<TensorMut<'_>> {
+        match self {
+            CoordinatorMsg::EvalDone { predictions, .. } => vec![Tensor::U32(key::PREDICTIONS, predictions)],
+            CoordinatorMsg::Weights { params, .. } => {
+                params.iter_mut().flat_map(|p| [Tensor::F32(&mut p.data), Tensor::F32(&mut p.grad)]).collect()
+            }
+            CoordinatorMsg::Snapshot { tensors, .. } => tensors
+                .iter_mut()
+                .flat_map(|t| {
+                    [Tensor::F32(&mut t.data), Tensor::F32(&mut t.exp_avg), Tensor::F32(&mut t.exp_avg_sq)]
+                })
+                .collect(),
+            _ => vec![],
+        }
+    }
+
     /// Header and tensors. `None`: the message only exists inside rank 0.
-    pub fn into_parts(self) -> Option<(CoordKind, Vec<Array>)> {
-        Some(match self {
-            CoordinatorMsg::StageDone(r) => (
-                CoordKind::StageDone {
-                    rank: r.rank as u32,
-                    replica: r.replica as u32,
-                    step: r.step,
-                    grad_sumsq: r.grad_sumsq.iter().map(|&(i, s)| (i as u64, s)).collect(),
-                    loss_sum: r.loss_sum,
-                },
-                vec![],
-            ),
-            CoordinatorMsg::Applied { rank, replica, step } => {
-                (CoordKind::Applied { rank: rank as u32, replica: replica as u32, step }, vec![])
-            }
-            CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens, predictions } => (
-                CoordKind::EvalDone {
-                    step,
-                    exact_match: kind == EvalKind::ExactMatch,
-                    loss_sum,
-                    tokens: tokens as u64,
-                },
-                vec![Array::U32(predictions)],
-            ),
-            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
-                let meta = params.iter().map(|p| meta_of(&p.name, &p.shape, p.canonical)).collect();
-                let mut arrays = Vec::with_capacity(2 * params.len());
-                for p in params {
-                    arrays.push(Array::F32(p.data));
-                    arrays.push(Array::F32(p.grad));
-                }
-                let kind = CoordKind::Weights {
-                    rank: rank as u32,
-                    replica: replica as u32,
-                    params: meta,
-                    latencies_us,
-                    peak_live_bytes: peak_live_bytes as u64,
-                    trace,
-                };
-                (kind, arrays)
-            }
-            CoordinatorMsg::Failed(f) => {
-                (CoordKind::Failed { actor: f.actor, step: f.step, action: f.action, error: f.error }, vec![])
-            }
-            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step } => {
-                let meta = tensors.iter().map(|t| meta_of(&t.name, &t.shape, 0)).collect();
-                let mut arrays = Vec::with_capacity(3 * tensors.len());
-                for t in tensors {
-                    arrays.extend([Array::F32(t.data), Array::F32(t.exp_avg), Array::F32(t.exp_avg_sq)]);
-                }
-                (CoordKind::Snapshot { rank: rank as u32, step, tensors: meta, adam_step }, arrays)
-            }
-            CoordinatorMsg::Restored { rank, replica } => {
-                (CoordKind::Restored { rank: rank as u32, replica: replica as u32 }, vec![])
-            }
+    pub fn into_parts(mut self) -> Option<(CoordinatorMsg, Vec<Array>)> {
+        match self {
             CoordinatorMsg::Start
             | CoordinatorMsg::Saved { .. }
             | CoordinatorMsg::CheckpointFailed(_)
-            | CoordinatorMsg::StopRequested => return None,
-        })
+            | CoordinatorMsg::StopRequested => None,
+            _ => {
+                let arrays = take_arrays(self.tensors_mut());
+                Some((self, arrays))
+            }
+        }
     }
 
-    pub fn from_parts(kind: CoordKind, arrays: Vec<Array>) -> Result<CoordinatorMsg, ProtocolError> {
-        Ok(match kind {
-            CoordKind::StageDone { rank, replica, step, grad_sumsq, loss_sum } => {
-                CoordinatorMsg::StageDone(StageReport {
-                    rank: rank as usize,
-                    replica: replica as usize,
-                    step,
-                    grad_sumsq: grad_sumsq.into_iter().map(|(i, s)| (i as usize, s)).collect(),
-                    loss_sum,
-                })
-            }
-            CoordKind::Applied { rank, replica, step } => {
-                CoordinatorMsg::Applied { rank: rank as usize, replica: replica as usize, step }
-            }
-            CoordKind::EvalDone { step, exact_match, loss_sum, tokens } => CoordinatorMsg::EvalDone {
-                step,
-                kind: EvalKind::from_exact_match(exact_match),
-                loss_sum,
-                tokens: tokens as usize,
-                predictions: Arrays::new("EvalDone", arrays, 1)?.u32()?,
-            },
-            CoordKind::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
-                let mut a = Arrays::new("Weights", arrays, 2 * params.len())?;
-                let mut out = Vec::with_capacity(params.len());
-                for m in &params {
-                    let (data, grad) = (a.f32()?, a.f32()?);
-                    let (name, shape, canonical) = (m.name.clone(), shape_of(m), m.canonical as usize);
-                    out.push(Param { name, shape, data, grad, canonical });
-                }
-                CoordinatorMsg::Weights {
-                    rank: rank as usize,
-                    replica: replica as usize,
-                    params: out,
-                    latencies_us,
-                    peak_live_bytes: peak_live_bytes as usize,
-                    trace,
-                }
-            }
-            CoordKind::Failed { actor, step, action, error } => {
-                CoordinatorMsg::Failed(Failure { actor, step, action, error })
-            }
-            CoordKind::Snapshot { rank, step, tensors, adam_step } => {
-                let mut a = Arrays::new("Snapshot", arrays, 3 * tensors.len())?;
-                let mut out = Vec::with_capacity(tensors.len());
-                for m in &tensors {
-                    let (name, shape) = (m.name.clone(), shape_of(m));
-                    let (data, exp_avg, exp_avg_sq) = (a.f32()?, a.f32()?, a.f32()?);
-                    out.push(TensorState { name, shape, data, exp_avg, exp_avg_sq });
-                }
-                CoordinatorMsg::Snapshot { rank: rank as usize, step, tensors: out, adam_step }
-            }
-            CoordKind::Restored { rank, replica } => {
-                CoordinatorMsg::Restored { rank: rank as usize, replica: replica as usize }
-            }
-        })
+    pub fn from_parts(mut head: CoordinatorMsg, arrays: Vec<Array>) -> Result<CoordinatorMsg, ProtocolError> {
+        let what = head.name();
+        fill_arrays(what, head.tensors_mut(), arrays)?;
+        Ok(head)
     }
 
     /// The message's kind and blobs as a log records them. `tensors`: include
@@ -959,6 +840,62 @@ mod tests {
             }));
             assert_eq!(StageMsg::from_parts(head, arrays).expect("decodes"), m);
         }
+    }
+
+    #[test]
+    fn a_coordinator_message_survives_frame_parts() {
+        let param = |name: &str, data: Vec<f32>, grad: Vec<f32>| Param {
+            name: name.into(),
+            shape: vec![data.len()],
+            data,
+            grad,
+            canonical: 3,
+        };
+        let tensor = TensorState {
+            name: "h.0.mlp.c_fc.weight".into(),
+            shape: vec![1],
+            data: vec![1.0],
+            exp_avg: vec![2.0],
+            exp_avg_sq: vec![3.0],
+        };
+        let msgs = [
+            CoordinatorMsg::Weights {
+                rank: 1,
+                replica: 0,
+                params: vec![
+                    param("wte.weight", vec![1.0, 2.0], vec![0.5, -0.5]),
+                    param("b", vec![3.0], vec![]),
+                ],
+                latencies_us: vec![1.5],
+                peak_live_bytes: 7,
+                trace: vec![],
+            },
+            CoordinatorMsg::Snapshot {
+                rank: 0,
+                step: 4,
+                tensors: vec![tensor.clone(), tensor],
+                adam_step: 3,
+            },
+            CoordinatorMsg::EvalDone {
+                step: 2,
+                kind: EvalKind::ExactMatch,
+                loss_sum: 1.25,
+                tokens: 9,
+                predictions: vec![4, 5],
+            },
+            CoordinatorMsg::StageDone(StageReport {
+                rank: 1,
+                replica: 1,
+                step: 2,
+                grad_sumsq: vec![(0, 0.5)],
+                loss_sum: None,
+            }),
+        ];
+        for m in msgs {
+            let (head, arrays) = m.clone().into_parts().expect("crosses processes");
+            assert_eq!(CoordinatorMsg::from_parts(head, arrays).expect("decodes"), m);
+        }
+        assert!(CoordinatorMsg::StopRequested.into_parts().is_none(), "rank 0's own");
     }
 
     #[test]

@@ -20,13 +20,17 @@ use std::path::{Path, PathBuf};
 
 pub const FORMAT_VERSION: u32 = 1;
 
-/// One tensor as a checkpoint holds it.
-#[derive(Clone, Debug)]
+/// One tensor as a checkpoint holds it. Serde writes its name and shape
+/// only: messages carry the tensors beside it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TensorState {
     pub name: String,
     pub shape: Vec<usize>,
+    #[serde(skip)]
     pub data: Vec<f32>,
+    #[serde(skip)]
     pub exp_avg: Vec<f32>,
+    #[serde(skip)]
     pub exp_avg_sq: Vec<f32>,
 }
 

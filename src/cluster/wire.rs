@@ -10,7 +10,7 @@ use crate::actors::reducer::ReducerMsg;
 use crate::optim::grad_tree::Span;
 use serde::{Deserialize, Serialize};
 
-pub use crate::actors::protocol::{CoordKind, ProtocolError as WireError, TensorMeta};
+pub use crate::actors::protocol::ProtocolError as WireError;
 
 /// Link handshake and membership, then the run's messages.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -58,7 +58,8 @@ pub enum Kind {
         rank: u32,
         msg: StageMsg,
     },
-    Coordinator(CoordKind),
+    /// The header of a coordinator message (its tensors in the frame's arrays).
+    Coordinator(CoordinatorMsg),
     /// A replica's tree nodes of one stage: (lo, hi) per node; the frame's
     /// arrays are the nodes' tensor sets one after the other.
     Reduce {
@@ -113,7 +114,7 @@ pub fn coordinator_frame(msg: CoordinatorMsg) -> Option<Frame> {
     Some(Frame::with(Kind::Coordinator(kind), arrays))
 }
 
-pub fn coordinator_msg(kind: CoordKind, arrays: Vec<Array>) -> Result<CoordinatorMsg, WireError> {
+pub fn coordinator_msg(kind: CoordinatorMsg, arrays: Vec<Array>) -> Result<CoordinatorMsg, WireError> {
     CoordinatorMsg::from_parts(kind, arrays)
 }
 

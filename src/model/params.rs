@@ -37,12 +37,15 @@ impl GptConfig {
     }
 }
 
-/// One parameter tensor with its gradient accumulator.
-#[derive(Clone, Debug)]
+/// One parameter tensor with its gradient accumulator. Serde writes its
+/// name, shape and position only: messages carry the tensors beside it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Param {
     pub name: String,
     pub shape: Vec<usize>,
+    #[serde(skip)]
     pub data: Vec<f32>,
+    #[serde(skip)]
     pub grad: Vec<f32>,
     /// Position in `all_tensors` order, the order global sums run in.
     pub canonical: usize,
