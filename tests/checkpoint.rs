@@ -112,6 +112,24 @@ fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
     }
 }
 
+/// A sequence's training tokens are a function of the seed and its global
+/// index alone, never of train.steps: a 2-step run resumed to 3 steps reads
+/// what a 3-step run reads. The learning rate is pinned (constant after one
+/// warmup step) so that the data is the only thing the step count could move.
+#[test]
+fn a_run_resumed_to_more_steps_ends_with_the_bits_of_a_run_that_long_from_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let constant_lr = ["--set", "optim.schedule=constant", "--set", "optim.warmup_steps=1"];
+    let full = full_run_with(dir.path(), "three", "3", &constant_lr, &[]);
+    let short = full_run_with(dir.path(), "two", "2", &constant_lr, &[]);
+    let s = short.to_str().unwrap();
+    let (ok, err) = run(&["train", "--steps", "3", "--resume", s], &constant_lr, &[]);
+    assert!(ok, "{err}");
+    assert!(err.contains("step 2"), "resumes from the checkpoint of step 2: {err}");
+    assert_eq!(digest(&short), digest(&full), "2 steps resumed to 3 against 3 steps");
+    assert_eq!(loss_bits(&short), loss_bits(&full), "every step's loss and gradient norm, to the bit");
+}
+
 #[test]
 fn a_run_with_a_skipped_step_resumes_and_restarts_to_the_uninterrupted_bits() {
     let dir = tempfile::tempdir().unwrap();
