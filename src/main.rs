@@ -523,6 +523,7 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
     {
         let resuming = resume.is_some();
         let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
+        let own_config = resuming && config.config.is_none() && out_dir.join("config.toml").is_file();
         if resuming && config.config.is_none() {
             // The run's own config, so a resume needs no flags it already had.
             let own = out_dir.join("config.toml");
@@ -549,6 +550,12 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             );
         }
         let mut cfg = config.load_under(shape.map(|s| s.overrides()).unwrap_or_default(), steps)?;
+        let split_given = config.set.iter().any(|s| s.trim_start().starts_with("parallel.layers_per_stage"));
+        if own_config && !split_given {
+            if let Some(note) = pipewright::train::resume::refit_stored_split(&mut cfg) {
+                eprintln!("{note}");
+            }
+        }
         cfg.trace.enabled |= trace;
         cfg.replay.record |= record || !record_payloads.is_empty();
         for a in record_payloads {

@@ -615,6 +615,33 @@ fn a_launch_whose_ranks_cannot_split_over_the_processes_is_refused_before_any_st
     assert!(!out.exists(), "nothing is written before the refusal");
 }
 
+fn layers_per_stage(run: &Path) -> Vec<usize> {
+    pipewright::config::Config::load(Some(&run.join("config.toml")), &[]).unwrap().parallel.layers_per_stage
+}
+
+#[test]
+fn config_toml_records_the_layer_split_and_a_resume_at_another_pp_refits_only_a_stored_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = out.to_str().unwrap();
+    let three = ["--set", "model.n_layer=3", "--set", "parallel.pp=2", "--set", "checkpoint.every=2"];
+    let (ok, _, err) = tiny_train(&out, &three);
+    assert!(ok, "{err}");
+    assert_eq!(layers_per_stage(&out), [2, 1], "the split that ran, not []");
+    // The stored split has two entries; three stages need three: the even split, said by field.
+    let (ok, _, err) = run(&["train", "--steps", "4", "--resume", o, "--set", "parallel.pp=3"]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("parallel.layers_per_stage: the run's config.toml recorded [2, 1] for 2 stages"),
+        "{err}"
+    );
+    assert_eq!(layers_per_stage(&out), [1, 1, 1]);
+    // A split given on the command line is the user's: a misfit is refused.
+    let given = ["train", "--steps", "5", "--resume", o, "--set", "parallel.pp=1"];
+    let (ok, _, err) = run(&[&given[..], &["--set", "parallel.layers_per_stage=[2, 1]"]].concat());
+    assert!(!ok && err.contains("parallel.layers_per_stage: [2, 1]: expected 1 entries"), "{err}");
+}
+
 #[test]
 fn an_uneven_layer_split_is_said_with_the_field_to_choose_it() {
     let dir = tempfile::tempdir().unwrap();

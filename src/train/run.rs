@@ -328,6 +328,9 @@ pub fn train_on(
         "interleaved 1F1B needs at least 2 chunks per rank"
     };
     resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
+    // The split that ran, even when it was the default: a reload of
+    // config.toml then builds the same stages whatever the default becomes.
+    cfg.parallel.layers_per_stage = layout.stages.iter().map(|s| s.layers.len()).collect();
     if cfg.backend.kind == "cpu" {
         // The CPU backend computes in f32 whatever backend.dtype (a CUDA
         // setting) says: config.toml records what ran.
