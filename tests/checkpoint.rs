@@ -260,6 +260,46 @@ fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
     }
 }
 
+/// config.toml is written when a run starts, so one killed before its end
+/// resumes with `train --resume DIR` alone, to the bits of the uninterrupted
+/// run; a resume that is refused leaves it as it was.
+#[test]
+fn a_run_killed_before_its_end_resumes_from_its_own_config_toml_without_its_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--set", "parallel.pp=2", "--set", "optim.lr=0.002", "--set", "train.seed=7"];
+    let want = digest(&full_run_with(dir.path(), "full", "60", &flags[2..], &[]));
+    let out = dir.path().join("killed");
+    let o = out.to_str().unwrap();
+    let mut child =
+        cmd(&["train", "--steps", "60", "--out", o], &flags).stderr(Stdio::null()).spawn().unwrap();
+    let first = out.join("checkpoints").join(pipewright::checkpoint::step_dir_name(2));
+    let until = Instant::now() + Duration::from_secs(120);
+    while !first.join("state.json").exists() {
+        assert!(Instant::now() < until, "no checkpoint of step 2");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.join("summary.json").exists(), "killed before its end");
+    let written = std::fs::read(out.join("config.toml")).expect("config.toml from the run's start");
+
+    let resume = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args(["train", "--resume", o])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (ok, err) = resume(&["--set", "model.n_embd=64"]);
+    assert!(!ok && err.contains("[model]"), "{err}");
+    assert_eq!(std::fs::read(out.join("config.toml")).unwrap(), written, "a refused resume changes nothing");
+    let (ok, err) = resume(&[]);
+    assert!(ok && err.contains("config.toml (the run's own"), "{err}");
+    assert_eq!(digest(&out), want);
+}
+
 #[test]
 fn a_signal_during_start_up_exits_cleanly_and_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();

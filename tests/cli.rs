@@ -357,7 +357,7 @@ fn bad_init_weights_never_touch_an_earlier_run() {
 #[test]
 fn force_after_a_failure_midway_leaves_no_earlier_outputs_beside_partial_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, _) = earlier_run_in(dir.path());
+    let (out, earlier) = earlier_run_in(dir.path());
     let mut args = vec!["train", "--steps", "3", "--force", "--out", out.to_str().unwrap()];
     args.extend(TINY);
     let status = bin()
@@ -368,9 +368,12 @@ fn force_after_a_failure_midway_leaves_no_earlier_outputs_beside_partial_ones() 
         .unwrap();
     assert!(!status.success(), "the injected fault should fail the run");
     let left = snapshot(&out);
-    for f in ["summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json"] {
+    for f in ["summary.json", "model.safetensors", "loss.svg", "trace.json"] {
         assert!(!left.contains_key(f), "{f} of the earlier run survived --force: {:?}", left.keys());
     }
+    // config.toml is the failed run's own, written when it started (the earlier run's traced).
+    assert_ne!(left.get("config.toml"), earlier.get("config.toml"), "the earlier run's config.toml survived");
+    assert!(left.contains_key("config.toml"), "a run that started leaves its config.toml");
     let metrics = String::from_utf8(left.get("metrics.jsonl").cloned().unwrap_or_default()).unwrap();
     assert!(metrics.lines().count() < 3, "metrics of the earlier run are mixed in: {metrics}");
 }
@@ -632,7 +635,9 @@ fn config_toml_records_the_layer_split_and_a_resume_at_another_pp_refits_only_a_
     let (ok, _, err) = run(&["train", "--steps", "4", "--resume", o, "--set", "parallel.pp=3"]);
     assert!(ok, "{err}");
     assert!(
-        err.contains("parallel.layers_per_stage: the run's config.toml recorded [2, 1] for 2 stages"),
+        err.contains(
+            "parallel.layers_per_stage: the run's config.toml recorded [2, 1] (3 layers over 2 stages)"
+        ),
         "{err}"
     );
     assert_eq!(layers_per_stage(&out), [1, 1, 1]);

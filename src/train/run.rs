@@ -418,6 +418,13 @@ pub fn train_on(
     }
     io::write_atomic(&metrics_path, kept.as_bytes())
         .with_context(|| format!("{}: cannot write", metrics_path.display()))?;
+    // At the start, not the end: a run that dies before it finishes still
+    // leaves the config it ran with, so `--resume DIR` needs none of its flags.
+    // Every refusal is behind us, so an earlier run's copy is replaced only
+    // by the config of the run that now continues it.
+    let config_path = opts.out_dir.join("config.toml");
+    io::write_atomic(&config_path, cfg.to_toml_string().as_bytes())
+        .with_context(|| format!("{}: cannot write", config_path.display()))?;
     let metrics = std::io::BufWriter::new(
         std::fs::OpenOptions::new()
             .append(true)
@@ -546,7 +553,6 @@ pub fn train_on(
         let p = opts.out_dir.join(name);
         io::write_atomic(&p, text.as_bytes()).with_context(|| format!("{}: cannot write", p.display()))
     };
-    write("config.toml", &cfg.to_toml_string())?;
     if !simulated {
         // Beside model.safetensors, so transformers' from_pretrained(run_dir) opens the run.
         write(crate::model::hf::HF_CONFIG_FILE, &crate::model::hf::config_json(&gpt))?;
