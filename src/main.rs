@@ -614,14 +614,20 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             );
         } else {
             eprintln!(
-                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
+                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s{}",
                 s.steps,
                 s.final_loss,
                 s.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
-                s.exact_match.map(|e| format!(", held-out exact match {:.1}%", 100.0 * e)).unwrap_or_default(),
+                s.exact_match
+                    .map(|e| format!(", held-out exact match {:.1}%", 100.0 * e))
+                    .unwrap_or_default(),
                 s.tokens_per_s,
                 s.model_gflops,
-                100.0 * s.mfu
+                match (s.gemm_util, s.mfu) {
+                    (Some(u), _) => format!(" (gemm_util {:.0}%: of the gemm rate measured here)", 100.0 * u),
+                    (_, Some(m)) => format!(" (MFU {:.1}% of the datasheet peak)", 100.0 * m),
+                    _ => String::new(),
+                }
             );
             eprintln!("weights digest {}", s.weights_digest);
         }

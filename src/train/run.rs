@@ -81,8 +81,14 @@ pub struct Summary {
     pub tokens: u64,
     pub tokens_per_s: f64,
     pub train_seconds: f64,
-    /// Model FLOPs per second over the measured peak (see peak_gflops).
-    pub mfu: f64,
+    /// CPU: model FLOP/s over the gemm rate measured on the run's threads
+    /// (peak_gflops). A share of what this machine's gemm reaches, not an MFU,
+    /// so it is not called one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gemm_util: Option<f64>,
+    /// CUDA: model FLOP/s over the GPUs' bf16 dense datasheet peak (peak_gflops).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
     pub model_gflops: f64,
     pub peak_gflops: f64,
     pub peak_source: String,
@@ -356,7 +362,7 @@ pub fn train_on(
     let mut run_lock = if opts.resume { Some(super::lock::lock(&opts.out_dir)?) } else { None };
     let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
-    // The machine's f32 matrix-product rate, the yardstick for MFU; measured
+    // The machine's f32 matrix-product rate, the yardstick for gemm_util; measured
     // before and after training and the better figure kept.
     let simulated = cfg.backend.kind == "sim";
     let on_cpu = cfg.backend.kind == "cpu";
@@ -524,7 +530,8 @@ pub fn train_on(
         tokens: out.tokens.max(prior_tokens),
         tokens_per_s,
         train_seconds: out.train_seconds,
-        mfu: model_gflops / peak,
+        gemm_util: on_cpu.then_some(model_gflops / peak),
+        mfu: (!on_cpu && !simulated).then_some(model_gflops / peak),
         model_gflops,
         peak_gflops: peak,
         peak_source,
