@@ -369,6 +369,10 @@ enum TraceCommand {
         /// Print the figures as JSON.
         #[arg(long)]
         json: bool,
+        /// Summarize one data-parallel replica alone (a dp > 1 run's trace
+        /// holds all of them; the default averages over every replica).
+        #[arg(long, value_name = "R")]
+        replica: Option<usize>,
     },
     /// Draw one step's lanes, measured above theory, as HTML (inline SVG) or SVG (by -o's extension).
     Render {
@@ -960,8 +964,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Trace(TraceCommand::Summary { file, json }) => {
-            let s = pipewright::trace::summary::summarize(&pipewright::trace::summary::load(&file)?)?;
+        Command::Trace(TraceCommand::Summary { file, json, replica }) => {
+            let mut trace = pipewright::trace::summary::load(&file)?;
+            if let Some(r) = replica {
+                trace = trace.replica(r)?;
+            }
+            let s = pipewright::trace::summary::summarize(&trace)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s.to_json())?);
             } else {
