@@ -608,6 +608,12 @@ fn generate_continues_a_prompt_greedily_and_reproducibly() {
     assert_eq!(gen(&["--top-k", "1", "--temperature", "3"]), greedy);
     refused(run(&["generate", "--weights", &w, "--temperature=-1"]), &["--temperature"]);
     refused(run(&["generate", "--weights", &w, "--top-k", "0"]), &["--top-k"]);
+    // A cuda config: this build (no cuda feature) says so before printing anything.
+    let (ok, out, err) =
+        run(&["generate", "--weights", &w, "--temperature", "0", "--set", "backend.kind=\"cuda\""]);
+    assert!(!ok && err.contains("backend.kind") && out.is_empty(), "{out}{err}");
+    #[cfg(not(feature = "cuda"))]
+    assert!(err.contains("--features cuda"), "{err}");
 }
 
 #[test]
