@@ -563,4 +563,10 @@ fn plan_gpu_cpu_lays_the_config_out_on_this_machine() {
     let json: serde_json::Value = serde_json::from_str(&plan_text(&["--gpu", "cpu", "--json"])).unwrap();
     assert_eq!(json["cpu"]["ranks"].as_array().unwrap().len(), 2, "the default's pp = 2");
     assert!(json["step_ms"].as_f64().unwrap() > 0.0);
+    let out = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["plan", "--gpu", "cpu", "--params", "7e9"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--params") && err.contains("--gpu cpu"), "{err}");
 }

@@ -654,6 +654,23 @@ pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
 /// machine's CPU backend, its step timed at `--mfu` of a gemm rate measured
 /// here on the run's threads.
 fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
+    // The config is the plan here: flags that shape a GPU search would be ignored silently.
+    let gpu_only = [
+        ("--params", args.params.is_some()),
+        ("--layers", args.layers.is_some()),
+        ("--hidden", args.hidden.is_some()),
+        ("--heads", args.heads.is_some()),
+        ("--seq", args.seq.is_some()),
+        ("--vocab", args.vocab.is_some()),
+        ("--tokens", args.tokens.is_some()),
+        ("--gpus", args.gpus.is_some()),
+        ("--price", args.price.is_some()),
+        ("--micro-batch", args.micro_batch.is_some()),
+        ("--global-batch", args.global_batch.is_some()),
+    ];
+    if let Some((flag, _)) = gpu_only.iter().find(|f| f.1) {
+        return Err(err(flag, "does not apply with --gpu cpu, which plans the config as it is (--config or the embedded default)"));
+    }
     let cfg = Config::load(args.config.as_deref(), &[]).map_err(|e| err("--config", e.to_string()))?;
     let fail = |e: anyhow::Error| err("--config", format!("{e:#}"));
     let layout = cpu::plan(&cfg).map_err(fail)?;
