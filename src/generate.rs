@@ -38,6 +38,12 @@ pub enum GenerateError {
     )]
     OutOfVocabulary { token: u32, offset: usize, vocab: usize },
     #[error(
+        "--temperature: {0}: backend.kind = \"cuda\" generates greedily only (the GPU forward hands back \
+         each position's most likely token, not its logits); pass --temperature 0, or --set \
+         backend.kind=\"cpu\" to sample"
+    )]
+    GpuSampling(f64),
+    #[error(
         "model.vocab_size = {0}: no tokenizer of that size is known (bytes: up to 256, gpt2: 50257 or \
          more); pass --tokenizer"
     )]
@@ -226,21 +232,89 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     let prompt = encode_prompt(tok, req.prompt, gpt.vocab_size)?;
     let mut part = ModelPart::new(gpt, PartSpec::whole(&gpt), 1, cfg.train.seed, false);
     weights.assign(&mut part)?;
-    let threads = crate::train::engine::thread_count(cfg.backend.threads);
-    let mut g = Generator::new(part, threads);
+    // The GPUs of a cuda config (none otherwise); a build without the
+    // feature says so here, before anything is printed.
+    let on_gpu = !crate::kernels::check_backend(cfg.backend.kind, &cfg.backend.devices)?.is_empty();
+    let greedy = req.sampling.temperature == 0.0 || req.sampling.top_k == Some(1);
+    if on_gpu && !greedy {
+        return Err(GenerateError::GpuSampling(req.sampling.temperature).into());
+    }
     out.write_all(req.prompt.as_bytes())?;
     out.flush()?;
     let mut failed = None;
-    let new = g.generate(&prompt, req.max_new_tokens, &req.sampling, |t| {
+    let mut print = |t: u32| {
         if failed.is_none() {
             failed = out.write_all(&tok.decode(t)).and_then(|_| out.flush()).err();
         }
-    });
+    };
+    let new = if on_gpu {
+        gpu_greedy(&cfg, &part, &prompt, req.max_new_tokens, &mut print)?
+    } else {
+        let threads = crate::train::engine::thread_count(cfg.backend.threads);
+        Generator::new(part, threads).generate(&prompt, req.max_new_tokens, &req.sampling, print)
+    };
     if let Some(e) = failed {
         return Err(e.into());
     }
     writeln!(out)?;
     Ok(new)
+}
+
+/// Greedy generation on the config's first GPU: the whole model in one GPU
+/// part, each new token the argmax of a forward over the window (the same
+/// window and crop as the CPU's `Generator`). Not run on a GPU yet.
+#[cfg(feature = "cuda")]
+fn gpu_greedy(
+    cfg: &crate::config::Config,
+    part: &ModelPart,
+    prompt: &[u32],
+    max_new: usize,
+    on_token: &mut dyn FnMut(u32),
+) -> anyhow::Result<Vec<u32>> {
+    use crate::kernels::cuda::{model::GpuModel, Bf16, Gpu};
+    let ordinal = cfg.backend.devices.first().copied().unwrap_or(0);
+    let gpu = Gpu::new(ordinal).map_err(|e| anyhow::anyhow!("backend.devices: GPU {ordinal}: {e}"))?;
+    let weights: Vec<&[f32]> = part.params.iter().map(|p| p.data.as_slice()).collect();
+    // The storage type the trainer would use (actors/stage/backend.rs chooses the same way).
+    if cfg.backend.dtype == crate::config::Dtype::F32 {
+        greedy_on(GpuModel::<f32>::new(&gpu, part.cfg, 1, &weights)?, prompt, max_new, on_token)
+    } else {
+        greedy_on(GpuModel::<Bf16>::new(&gpu, part.cfg, 1, &weights)?, prompt, max_new, on_token)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn greedy_on<X: crate::kernels::cuda::Elem>(
+    mut model: crate::kernels::cuda::model::GpuModel<X>,
+    prompt: &[u32],
+    max_new: usize,
+    on_token: &mut dyn FnMut(u32),
+) -> anyhow::Result<Vec<u32>> {
+    let t = model.cfg.block_size;
+    let (mut window, mut argmax) = (vec![0u32; t], vec![0u32; t]);
+    let mut tokens = prompt.to_vec();
+    for _ in 0..max_new {
+        let seen = &tokens[tokens.len().saturating_sub(t)..];
+        window.fill(0);
+        window[..seen.len()].copy_from_slice(seen);
+        model.predict(&window, &mut argmax)?;
+        let next = argmax[seen.len() - 1];
+        tokens.push(next);
+        on_token(next);
+    }
+    Ok(tokens.split_off(prompt.len()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_greedy(
+    _: &crate::config::Config,
+    _: &ModelPart,
+    _: &[u32],
+    _: usize,
+    _: &mut dyn FnMut(u32),
+) -> anyhow::Result<Vec<u32>> {
+    // check_backend refuses a cuda config in a build without the feature first.
+    Err(crate::kernels::BackendError::NotBuilt.into())
 }
 
 #[cfg(test)]

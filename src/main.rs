@@ -369,6 +369,10 @@ enum TraceCommand {
         /// Print the figures as JSON.
         #[arg(long)]
         json: bool,
+        /// Summarize one data-parallel replica alone (a dp > 1 run's trace
+        /// holds all of them; the default averages over every replica).
+        #[arg(long, value_name = "R")]
+        replica: Option<usize>,
     },
     /// Draw one step's lanes, measured above theory, as HTML (inline SVG) or SVG (by -o's extension).
     Render {
@@ -523,6 +527,7 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
     {
         let resuming = resume.is_some();
         let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
+        let own_config = resuming && config.config.is_none() && out_dir.join("config.toml").is_file();
         if resuming && config.config.is_none() {
             // The run's own config, so a resume needs no flags it already had.
             let own = out_dir.join("config.toml");
@@ -549,6 +554,12 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             );
         }
         let mut cfg = config.load_under(shape.map(|s| s.overrides()).unwrap_or_default(), steps)?;
+        let split_given = config.set.iter().any(|s| s.trim_start().starts_with("parallel.layers_per_stage"));
+        if own_config && !split_given {
+            if let Some(note) = pipewright::train::resume::refit_stored_split(&mut cfg) {
+                eprintln!("{note}");
+            }
+        }
         cfg.trace.enabled |= trace;
         cfg.replay.record |= record || !record_payloads.is_empty();
         for a in record_payloads {
@@ -607,14 +618,20 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             );
         } else {
             eprintln!(
-                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s ({:.0}% of the measured gemm rate)",
+                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s{}",
                 s.steps,
                 s.final_loss,
                 s.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
-                s.exact_match.map(|e| format!(", held-out exact match {:.1}%", 100.0 * e)).unwrap_or_default(),
+                s.exact_match
+                    .map(|e| format!(", held-out exact match {:.1}%", 100.0 * e))
+                    .unwrap_or_default(),
                 s.tokens_per_s,
                 s.model_gflops,
-                100.0 * s.mfu
+                match (s.gemm_util, s.mfu) {
+                    (Some(u), _) => format!(" (gemm_util {:.0}%: of the gemm rate measured here)", 100.0 * u),
+                    (_, Some(m)) => format!(" (MFU {:.1}% of the datasheet peak)", 100.0 * m),
+                    _ => String::new(),
+                }
             );
             eprintln!("weights digest {}", s.weights_digest);
         }
@@ -947,8 +964,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Trace(TraceCommand::Summary { file, json }) => {
-            let s = pipewright::trace::summary::summarize(&pipewright::trace::summary::load(&file)?)?;
+        Command::Trace(TraceCommand::Summary { file, json, replica }) => {
+            let mut trace = pipewright::trace::summary::load(&file)?;
+            if let Some(r) = replica {
+                trace = trace.replica(r)?;
+            }
+            let s = pipewright::trace::summary::summarize(&trace)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s.to_json())?);
             } else {

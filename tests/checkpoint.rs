@@ -112,6 +112,24 @@ fn a_crashed_run_resumed_at_any_layout_ends_with_the_uninterrupted_bits() {
     }
 }
 
+/// A sequence's training tokens are a function of the seed and its global
+/// index alone, never of train.steps: a 2-step run resumed to 3 steps reads
+/// what a 3-step run reads. The learning rate is pinned (constant after one
+/// warmup step) so that the data is the only thing the step count could move.
+#[test]
+fn a_run_resumed_to_more_steps_ends_with_the_bits_of_a_run_that_long_from_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let constant_lr = ["--set", "optim.schedule=constant", "--set", "optim.warmup_steps=1"];
+    let full = full_run_with(dir.path(), "three", "3", &constant_lr, &[]);
+    let short = full_run_with(dir.path(), "two", "2", &constant_lr, &[]);
+    let s = short.to_str().unwrap();
+    let (ok, err) = run(&["train", "--steps", "3", "--resume", s], &constant_lr, &[]);
+    assert!(ok, "{err}");
+    assert!(err.contains("step 2"), "resumes from the checkpoint of step 2: {err}");
+    assert_eq!(digest(&short), digest(&full), "2 steps resumed to 3 against 3 steps");
+    assert_eq!(loss_bits(&short), loss_bits(&full), "every step's loss and gradient norm, to the bit");
+}
+
 #[test]
 fn a_run_with_a_skipped_step_resumes_and_restarts_to_the_uninterrupted_bits() {
     let dir = tempfile::tempdir().unwrap();
@@ -240,6 +258,46 @@ fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
         assert!(ok, "{name}: {err}");
         assert_eq!(digest(&out), want, "{name}");
     }
+}
+
+/// config.toml is written when a run starts, so one killed before its end
+/// resumes with `train --resume DIR` alone, to the bits of the uninterrupted
+/// run; a resume that is refused leaves it as it was.
+#[test]
+fn a_run_killed_before_its_end_resumes_from_its_own_config_toml_without_its_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let flags = ["--set", "parallel.pp=2", "--set", "optim.lr=0.002", "--set", "train.seed=7"];
+    let want = digest(&full_run_with(dir.path(), "full", "60", &flags[2..], &[]));
+    let out = dir.path().join("killed");
+    let o = out.to_str().unwrap();
+    let mut child =
+        cmd(&["train", "--steps", "60", "--out", o], &flags).stderr(Stdio::null()).spawn().unwrap();
+    let first = out.join("checkpoints").join(pipewright::checkpoint::step_dir_name(2));
+    let until = Instant::now() + Duration::from_secs(120);
+    while !first.join("state.json").exists() {
+        assert!(Instant::now() < until, "no checkpoint of step 2");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.join("summary.json").exists(), "killed before its end");
+    let written = std::fs::read(out.join("config.toml")).expect("config.toml from the run's start");
+
+    let resume = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .args(["train", "--resume", o])
+            .args(extra)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (ok, err) = resume(&["--set", "model.n_embd=64"]);
+    assert!(!ok && err.contains("[model]"), "{err}");
+    assert_eq!(std::fs::read(out.join("config.toml")).unwrap(), written, "a refused resume changes nothing");
+    let (ok, err) = resume(&[]);
+    assert!(ok && err.contains("config.toml (the run's own"), "{err}");
+    assert_eq!(digest(&out), want);
 }
 
 #[test]

@@ -96,9 +96,11 @@ fn a_good_run_writes_every_output() {
     assert!(lines[2].get("val_loss").is_some(), "the last step evaluates");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    for key in ["steps", "final_loss", "val_loss", "tokens_per_s", "mfu", "weights_digest"] {
+    for key in ["steps", "final_loss", "val_loss", "tokens_per_s", "gemm_util", "weights_digest"] {
         assert!(summary.get(key).is_some(), "summary lacks {key}");
     }
+    // A share of the gemm rate measured here is not an MFU, so a CPU run does not call it one.
+    assert!(summary.get("mfu").is_none(), "a CPU summary claims an mfu: {summary}");
     assert_eq!(summary["val_loss_step"], 3, "val_loss is the last step's evaluation");
     let ran = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(ran.contains("dtype = \"f32\""), "a CPU run computed in f32: {ran}");
@@ -376,7 +378,7 @@ fn bad_init_weights_never_touch_an_earlier_run() {
 #[test]
 fn force_after_a_failure_midway_leaves_no_earlier_outputs_beside_partial_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let (out, _) = earlier_run_in(dir.path());
+    let (out, earlier) = earlier_run_in(dir.path());
     let mut args = vec!["train", "--steps", "3", "--force", "--out", out.to_str().unwrap()];
     args.extend(TINY);
     let status = bin()
@@ -387,9 +389,12 @@ fn force_after_a_failure_midway_leaves_no_earlier_outputs_beside_partial_ones() 
         .unwrap();
     assert!(!status.success(), "the injected fault should fail the run");
     let left = snapshot(&out);
-    for f in ["summary.json", "model.safetensors", "config.toml", "loss.svg", "trace.json"] {
+    for f in ["summary.json", "model.safetensors", "loss.svg", "trace.json"] {
         assert!(!left.contains_key(f), "{f} of the earlier run survived --force: {:?}", left.keys());
     }
+    // config.toml is the failed run's own, written when it started (the earlier run's traced).
+    assert_ne!(left.get("config.toml"), earlier.get("config.toml"), "the earlier run's config.toml survived");
+    assert!(left.contains_key("config.toml"), "a run that started leaves its config.toml");
     let metrics = String::from_utf8(left.get("metrics.jsonl").cloned().unwrap_or_default()).unwrap();
     assert!(metrics.lines().count() < 3, "metrics of the earlier run are mixed in: {metrics}");
 }
@@ -622,6 +627,12 @@ fn generate_continues_a_prompt_greedily_and_reproducibly() {
     assert_eq!(gen(&["--top-k", "1", "--temperature", "3"]), greedy);
     refused(run(&["generate", "--weights", &w, "--temperature=-1"]), &["--temperature"]);
     refused(run(&["generate", "--weights", &w, "--top-k", "0"]), &["--top-k"]);
+    // A cuda config: this build (no cuda feature) says so before printing anything.
+    let (ok, out, err) =
+        run(&["generate", "--weights", &w, "--temperature", "0", "--set", "backend.kind=\"cuda\""]);
+    assert!(!ok && err.contains("backend.kind") && out.is_empty(), "{out}{err}");
+    #[cfg(not(feature = "cuda"))]
+    assert!(err.contains("--features cuda"), "{err}");
 }
 
 #[test]
@@ -632,6 +643,35 @@ fn a_launch_whose_ranks_cannot_split_over_the_processes_is_refused_before_any_st
         run(&["launch", "--nodes", "3", "--out", out.to_str().unwrap(), "--set", "parallel.pp=2"]);
     assert!(!ok && err.contains("parallel.pp × parallel.dp") && err.contains("--nodes 3"), "{err}");
     assert!(!out.exists(), "nothing is written before the refusal");
+}
+
+fn layers_per_stage(run: &Path) -> Vec<usize> {
+    pipewright::config::Config::load(Some(&run.join("config.toml")), &[]).unwrap().parallel.layers_per_stage
+}
+
+#[test]
+fn config_toml_records_the_layer_split_and_a_resume_at_another_pp_refits_only_a_stored_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = out.to_str().unwrap();
+    let three = ["--set", "model.n_layer=3", "--set", "parallel.pp=2", "--set", "checkpoint.every=2"];
+    let (ok, _, err) = tiny_train(&out, &three);
+    assert!(ok, "{err}");
+    assert_eq!(layers_per_stage(&out), [2, 1], "the split that ran, not []");
+    // The stored split has two entries; three stages need three: the even split, said by field.
+    let (ok, _, err) = run(&["train", "--steps", "4", "--resume", o, "--set", "parallel.pp=3"]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains(
+            "parallel.layers_per_stage: the run's config.toml recorded [2, 1] (3 layers over 2 stages)"
+        ),
+        "{err}"
+    );
+    assert_eq!(layers_per_stage(&out), [1, 1, 1]);
+    // A split given on the command line is the user's: a misfit is refused.
+    let given = ["train", "--steps", "5", "--resume", o, "--set", "parallel.pp=1"];
+    let (ok, _, err) = run(&[&given[..], &["--set", "parallel.layers_per_stage=[2, 1]"]].concat());
+    assert!(!ok && err.contains("parallel.layers_per_stage: [2, 1]: expected 1 entries"), "{err}");
 }
 
 #[test]

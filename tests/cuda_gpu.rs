@@ -104,3 +104,46 @@ fn without_a_gpu_a_cuda_run_is_refused_with_the_reason() {
     assert!(err.contains("no CUDA driver"), "{err}");
     assert!(!out.join("metrics.jsonl").exists(), "a refused run wrote outputs");
 }
+
+/// `generate --temperature 0` on the GPU (f32) writes what the CPU writes for
+/// the same weights, and refuses to sample there. (A near-tie between two
+/// logits could flip an argmax between the backends' summation orders; a
+/// trained model's top tokens are far apart.)
+#[test]
+fn greedy_generation_on_the_gpu_writes_the_cpus_text() {
+    let Some(_gpu) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let pw = || std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"));
+    let shape =
+        ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "parallel.pp=1", "optim.warmup_steps=10"];
+    let mut c = pw();
+    c.args(["train", "--steps", "200", "--out"]).arg(&run);
+    for s in shape {
+        c.arg("--set").arg(s);
+    }
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let generate = |extra: &[&str]| {
+        let o = pw()
+            .args(["generate", "--weights"])
+            .arg(&run)
+            .args(["--prompt", "347+285=", "--max-new-tokens", "20"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let cuda = ["--set", "backend.kind=\"cuda\"", "--set", "backend.dtype=\"f32\""];
+    let (ok, cpu_text, err) = generate(&["--temperature", "0"]);
+    assert!(ok, "{err}");
+    let (ok, gpu_text, err) = generate(&[&["--temperature", "0"][..], &cuda[..]].concat());
+    assert!(ok, "{err}");
+    assert_eq!(gpu_text, cpu_text);
+    let (ok, _, err) = generate(&[&["--temperature", "0.8"][..], &cuda[..]].concat());
+    assert!(!ok && err.contains("--temperature") && err.contains("greedily"), "{err}");
+}

@@ -457,9 +457,11 @@ fn a_full_disk_fails_naming_the_file_keeps_earlier_checkpoints_and_leaves_no_tem
     assert_eq!(tmp_names(&out), Vec::<String>::new());
 
     // metrics.jsonl itself fills the disk: named, and only whole lines in it.
+    // (config.toml, written when the run starts, is let fit.)
     let out = dir.path().join("metrics");
+    let limit = std::fs::metadata(run.join("config.toml")).unwrap().len() + 1000;
     let err =
-        refused(with_file_limit(train(&["--steps", "50", "--out", s(&out)], &["checkpoint.every=0"]), 1000));
+        refused(with_file_limit(train(&["--steps", "50", "--out", s(&out)], &["checkpoint.every=0"]), limit));
     assert!(err.contains(&format!("{}: cannot append step", out.join("metrics.jsonl").display())), "{err}");
     assert!(!metrics(&out).is_empty());
 }

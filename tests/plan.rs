@@ -196,8 +196,12 @@ fn search_never_proposes_a_config_over_memory() {
             assert!(worst <= inp.gpu.usable_bytes());
             assert!((0.0..1.0).contains(&c.bubble) && c.step_s > 0.0 && c.mfu <= inp.mfu + 1e-9);
         }
-        let steps: Vec<f64> = r.candidates.iter().map(|c| c.step_s).collect();
-        assert!(steps.windows(2).all(|w| w[0] <= w[1]), "ranked fastest first");
+        // Fastest first among the layouts the trainer runs, then among the rest.
+        for group in [true, false] {
+            let steps: Vec<f64> =
+                r.candidates.iter().filter(|c| c.lacks.is_none() == group).map(|c| c.step_s).collect();
+            assert!(steps.windows(2).all(|w| w[0] <= w[1]), "ranked fastest first");
+        }
     }
     // GPT-3 175B cannot fit on 8 A100s in any layout: 2.8 TB of model states.
     let mut tiny = inputs().remove(2);
@@ -432,4 +436,137 @@ fn step_time_attempt() -> Attempt {
     } else {
         Attempt::Missed(report)
     }
+}
+
+/// A layout the trainer lacks a feature for is marked with what it lacks, and
+/// never ranked above one it runs; the rule lives in `plan::runnable`.
+#[test]
+fn layouts_the_trainer_cannot_run_are_marked_and_ranked_below_those_it_can() {
+    use pipewright::plan::{runnable, Backend};
+    for inp in inputs() {
+        let r = search(&inp);
+        let first_lacking = r.candidates.iter().position(|c| c.lacks.is_some()).unwrap_or(r.candidates.len());
+        assert!(r.candidates[first_lacking..].iter().all(|c| c.lacks.is_some()), "runnable after lacking");
+        for c in &r.candidates {
+            assert_eq!(
+                c.lacks.is_some(),
+                c.tp > 1 || c.zero > 0 || c.recompute == memory::Recompute::Selective
+            );
+        }
+    }
+    assert!(
+        search(&inputs()[0]).candidates[0].lacks.is_none(),
+        "a 7B on 512 H100s has a layout that runs today"
+    );
+    let layout = |tp, zero| MemLayout {
+        tp,
+        pp: 2,
+        dp: 4,
+        chunks: 1,
+        micro_batch: 1,
+        recompute: memory::Recompute::None,
+        zero,
+    };
+    assert_eq!(runnable(&layout(1, 0), Backend::Cuda), Ok(()));
+    assert!(runnable(&layout(2, 0), Backend::Cpu).unwrap_err().contains("tp > 1"));
+    assert!(runnable(&layout(1, 3), Backend::Cuda).unwrap_err().contains("ZeRO-2 and ZeRO-3"));
+}
+
+fn plan_text(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_pipewright")).arg("plan").args(args).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// (start, end) of each header label: labels are separated by two or more spaces.
+fn label_spans(header: &str) -> Vec<(usize, usize, String)> {
+    let c: Vec<char> = header.chars().collect();
+    let mut spans = Vec::new();
+    let mut j = 0;
+    while j < c.len() {
+        if c[j] == ' ' {
+            j += 1;
+            continue;
+        }
+        let start = j;
+        while j < c.len() && !(c[j] == ' ' && c.get(j + 1).is_none_or(|&n| n == ' ')) {
+            j += 1;
+        }
+        spans.push((start, j, c[start..j].iter().collect()));
+    }
+    spans
+}
+
+/// The headline time is the top row's, and every row of the layouts table
+/// lines up under its header: numbers end where their label ends, words start
+/// where theirs starts.
+#[test]
+fn the_headline_time_is_the_top_rows_and_the_table_columns_line_up() {
+    // A long run (days) and a short one (hours, minutes), priced: cells of many widths.
+    for tokens in ["2e12", "2e9"] {
+        let text = plan_text(&["--params", "7e9", "--tokens", tokens, "--gpus", "512", "--price", "2.5"]);
+        let lines: Vec<&str> = text.lines().collect();
+        let head = lines.iter().position(|l| l.trim_start().starts_with("#  tp")).expect("a table");
+        let rows: Vec<Vec<char>> = lines[head + 1..]
+            .iter()
+            .filter(|l| l.starts_with("  ") && !l.starts_with("     "))
+            .map(|l| l.chars().collect())
+            .collect();
+        assert_eq!(rows.len(), 5, "{text}");
+        let spans = label_spans(lines[head]);
+        assert_eq!(spans.len(), 16, "{:?}", spans);
+        let blank = |r: &[char], j: usize| r.get(j).is_none_or(|&c| c == ' ');
+        let mut cells = Vec::new();
+        for r in &rows {
+            let shown: String = r.iter().collect();
+            let mut row_cells = Vec::new();
+            for (start, end, label) in &spans {
+                let (s, e) = if ["schedule", "recomp", "runs"].contains(&label.as_str()) {
+                    assert!(
+                        !blank(r, *start) && blank(r, start - 1),
+                        "{label} starts elsewhere:\n{}\n{shown}",
+                        lines[head]
+                    );
+                    let e = (*start..r.len()).find(|&j| blank(r, j) && blank(r, j + 1)).unwrap_or(r.len());
+                    (*start, e)
+                } else {
+                    assert!(
+                        !blank(r, end - 1) && blank(r, *end),
+                        "{label} ends elsewhere:\n{}\n{shown}",
+                        lines[head]
+                    );
+                    let s = (0..*end)
+                        .rev()
+                        .find(|&j| blank(r, j) && blank(r, j.wrapping_sub(1)))
+                        .map_or(0, |j| j + 1);
+                    (s, *end)
+                };
+                row_cells.push((label.clone(), r[s..e].iter().collect::<String>()));
+            }
+            cells.push(row_cells);
+        }
+        let top_time = &cells[0].iter().find(|(l, _)| l == "time").unwrap().1;
+        let headline = lines.iter().find(|l| l.starts_with("Time: ")).expect("a headline");
+        assert!(
+            headline.starts_with(&format!("Time: {top_time} on 512 GPUs")),
+            "{headline}\nrow 1: {:?}",
+            cells[0]
+        );
+    }
+}
+
+#[test]
+fn plan_gpu_cpu_lays_the_config_out_on_this_machine() {
+    let text = plan_text(&["--gpu", "cpu"]);
+    assert!(text.contains("this config on pipewright's CPU backend"), "{text}");
+    assert!(text.contains("ms per step") && text.contains("for 1500 steps"), "{text}");
+    let json: serde_json::Value = serde_json::from_str(&plan_text(&["--gpu", "cpu", "--json"])).unwrap();
+    assert_eq!(json["cpu"]["ranks"].as_array().unwrap().len(), 2, "the default's pp = 2");
+    assert!(json["step_ms"].as_f64().unwrap() > 0.0);
+    let out = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["plan", "--gpu", "cpu", "--params", "7e9"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--params") && err.contains("--gpu cpu"), "{err}");
 }

@@ -102,6 +102,63 @@ fn problems(seed: u64, stream: u64, held_out: bool) -> impl Iterator<Item = Prob
     std::iter::repeat_with(move || Problem::random(&mut rng)).filter(move |p| p.is_held_out() == held_out)
 }
 
+/// Lines in the training text. Its length never follows `train.steps`, so a
+/// sequence's tokens depend on the seed and its global index alone (a 2-step
+/// run resumed to 3 reads what a 3-step run reads). 2^21 lines are 27M tokens,
+/// nine times the default run's 3.1M; nothing is stored, so size costs only
+/// the shuffled sampler's permutation (4 bytes a window).
+pub const TRAIN_LINES: usize = 1 << 21;
+
+/// The training text as a function of (seed, position): line k is the first
+/// training-side problem drawn from a stream keyed by k, so any window is
+/// generated on demand, in any order, without the lines before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TrainText {
+    seed: u64,
+}
+
+impl TrainText {
+    pub fn new(seed: u64) -> TrainText {
+        TrainText { seed }
+    }
+
+    /// Tokens in the text: `TRAIN_LINES` lines of `MAX_LINE_LEN` bytes.
+    pub fn len(&self) -> usize {
+        TRAIN_LINES * MAX_LINE_LEN
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The problem on line `k`.
+    pub fn problem(&self, k: usize) -> Problem {
+        let mut rng = Rng::new(self.seed, Purpose::Data, &[STREAM, TRAIN_STREAM, k as u64]);
+        loop {
+            let p = Problem::random(&mut rng);
+            if !p.is_held_out() {
+                return p;
+            }
+        }
+    }
+
+    /// Copies tokens `[start, start + out.len())` into `out`; panics past the end.
+    pub fn window(&self, start: usize, out: &mut [u32]) {
+        assert!(start + out.len() <= self.len(), "window past the arithmetic text's {} tokens", self.len());
+        let mut done = 0;
+        while done < out.len() {
+            let at = start + done;
+            let (k, offset) = (at / MAX_LINE_LEN, at % MAX_LINE_LEN);
+            let line = self.problem(k).line();
+            let n = (MAX_LINE_LEN - offset).min(out.len() - done);
+            for (o, b) in out[done..done + n].iter_mut().zip(&line.as_bytes()[offset..offset + n]) {
+                *o = *b as u32;
+            }
+            done += n;
+        }
+    }
+}
+
 /// Whole lines from `problems` until at least `n_tokens` bytes.
 fn lines_to_tokens(problems: impl Iterator<Item = Problem>, n_tokens: usize) -> Vec<u32> {
     let mut out = Vec::with_capacity(n_tokens + MAX_LINE_LEN);
@@ -117,7 +174,8 @@ fn lines_to_tokens(problems: impl Iterator<Item = Problem>, n_tokens: usize) -> 
 /// The generated train and validation tokens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ArithmeticCorpus {
-    /// Training problems only; at least `n_train_tokens` tokens, whole lines.
+    /// Training problems only; at least `n_train_tokens` tokens, whole lines:
+    /// the start of `TrainText`.
     pub train: Vec<u32>,
     /// Held-out problems only, same format; at least `n_val_tokens` (and at
     /// least 4096) tokens, for validation loss.
@@ -128,7 +186,9 @@ impl ArithmeticCorpus {
     /// Deterministic in `seed`; a larger `n_train_tokens` or `n_val_tokens`
     /// extends the same stream of problems rather than drawing a new one.
     pub fn generate(seed: u64, n_train_tokens: usize, n_val_tokens: usize) -> ArithmeticCorpus {
-        let train = lines_to_tokens(problems(seed, TRAIN_STREAM, false), n_train_tokens);
+        let text = TrainText::new(seed);
+        let lines = n_train_tokens.div_ceil(MAX_LINE_LEN).min(TRAIN_LINES);
+        let train = (0..lines).flat_map(|k| text.problem(k).line().into_bytes()).map(u32::from).collect();
         let val = lines_to_tokens(problems(seed, VAL_STREAM, true), n_val_tokens.max(4096));
         ArithmeticCorpus { train, val }
     }
@@ -325,6 +385,23 @@ mod tests {
         assert!(a.train.iter().chain(&a.val).all(|&t| (t as usize) < VOCAB_SIZE));
         let longer = ArithmeticCorpus::generate(5, 20_000, 5_000);
         assert_eq!(&longer.train[..a.train.len()], &a.train[..]);
+    }
+
+    /// Any window of the training text, read alone, is that stretch of its lines.
+    #[test]
+    fn train_text_windows_are_generated_by_position_alone() {
+        let text = TrainText::new(5);
+        let lines = ArithmeticCorpus::generate(5, 2_000, 0).train;
+        for (start, len) in [(0, 66), (7, 65), (1_300, 17), (1_001, 1)] {
+            let mut out = vec![0; len];
+            text.window(start, &mut out);
+            assert_eq!(out, lines[start..start + len], "window at {start}");
+        }
+        let last = text.len() - 13;
+        let mut out = vec![0; 13];
+        text.window(last, &mut out);
+        let line: String = out.iter().map(|&t| t as u8 as char).collect();
+        assert!(Problem::parse(line.trim_end()).is_some_and(|p| !p.is_held_out()), "{line:?}");
     }
 
     /// Runs of different lengths must evaluate on the same held-out windows.

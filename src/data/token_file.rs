@@ -380,12 +380,34 @@ fn read_i32(bytes: &[u8], index: usize) -> i32 {
     i32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
 }
 
-/// Where training or validation tokens come from: a checked file, or an
-/// in-memory corpus (the generated default).
+/// Where training or validation tokens come from: a checked file, an
+/// in-memory corpus, or a generated text whose every token is a function of
+/// (seed, position) and which is never held in memory.
 #[derive(Debug)]
 pub enum TokenSource {
     File(TokenFile),
     Memory { name: String, tokens: Vec<u32> },
+    Arithmetic { name: String, text: super::arithmetic::TrainText },
+    Random(RandomText),
+}
+
+/// Uniformly random tokens, token i drawn from a stream keyed by (seed, i).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RandomText {
+    pub seed: u64,
+    pub vocab_size: usize,
+    pub len: usize,
+}
+
+impl RandomText {
+    fn window(&self, start: usize, out: &mut [u32]) {
+        assert!(start + out.len() <= self.len, "window past the random text's {} tokens", self.len);
+        for (i, o) in out.iter_mut().enumerate() {
+            let mut r =
+                crate::rng::Rng::new(self.seed, crate::rng::Purpose::Data, &[0xb, (start + i) as u64]);
+            *o = r.below(self.vocab_size as u64) as u32;
+        }
+    }
 }
 
 impl TokenSource {
@@ -415,7 +437,8 @@ impl TokenSource {
     pub fn name(&self) -> String {
         match self {
             TokenSource::File(f) => f.path().display().to_string(),
-            TokenSource::Memory { name, .. } => name.clone(),
+            TokenSource::Memory { name, .. } | TokenSource::Arithmetic { name, .. } => name.clone(),
+            TokenSource::Random(_) => "builtin:random".into(),
         }
     }
 
@@ -423,6 +446,8 @@ impl TokenSource {
         match self {
             TokenSource::File(f) => f.len(),
             TokenSource::Memory { tokens, .. } => tokens.len(),
+            TokenSource::Arithmetic { text, .. } => text.len(),
+            TokenSource::Random(r) => r.len,
         }
     }
 
@@ -435,6 +460,8 @@ impl TokenSource {
         match self {
             TokenSource::File(f) => f.window(start, out),
             TokenSource::Memory { tokens, .. } => out.copy_from_slice(&tokens[start..start + out.len()]),
+            TokenSource::Arithmetic { text, .. } => text.window(start, out),
+            TokenSource::Random(r) => r.window(start, out),
         }
     }
 }

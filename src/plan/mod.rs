@@ -63,7 +63,8 @@ pub struct PlanArgs {
     /// Number of GPUs G.
     #[arg(long)]
     pub gpus: Option<usize>,
-    /// a100, h100 or h200.
+    /// a100, h100 or h200; or cpu: the config (--config, else the embedded
+    /// default) on this machine's CPU backend, timed at a gemm rate measured here.
     #[arg(long, default_value = "h100")]
     pub gpu: String,
     /// Model FLOPs utilisation the compute runs at.
@@ -85,6 +86,51 @@ pub struct PlanArgs {
     /// Print the plan as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The backend a planned layout would train on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+}
+
+/// Whether pipewright's trainer runs `layout` on `backend` today; Err says
+/// what it lacks. The one place that knows which parallel features exist, so
+/// the planner marks a layout the trainer would refuse instead of proposing it.
+pub fn runnable(layout: &memory::MemLayout, backend: Backend) -> Result<(), &'static str> {
+    if layout.tp > 1 {
+        return Err("tensor parallelism (tp > 1) is not implemented");
+    }
+    match (layout.zero, backend) {
+        (0, _) => {}
+        // ZeRO-1 is being added for the CPU backend: when parallel.zero = 1
+        // lands, this arm becomes `(1, Backend::Cpu) => {}`.
+        (1, _) => return Err("ZeRO-1 is not implemented yet"),
+        _ => return Err("ZeRO-2 and ZeRO-3 are not implemented"),
+    }
+    if layout.recompute == Recompute::Selective {
+        return Err("selective recompute is not a setting (train.recompute recomputes whole blocks)");
+    }
+    Ok(())
+}
+
+/// What `--gpu` names: a GPU of the table, or this machine's CPU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Target {
+    Gpu(Gpu),
+    Cpu,
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Target, String> {
+        if s.eq_ignore_ascii_case("cpu") {
+            return Ok(Target::Cpu);
+        }
+        s.parse().map(Target::Gpu).map_err(|e: String| format!("{e}, or cpu (this machine)"))
+    }
 }
 
 /// A bad input; `flag` names the flag (or config field) at fault.
@@ -373,15 +419,27 @@ impl Plan {
             i.tokens / i.params,
             flops::chinchilla_loss(i.params, i.tokens)
         );
-        let _ = writeln!(
-            o,
-            "Time at MFU {:.2}: {:.3e} GPU-hours = {} on {} GPUs{}",
-            i.mfu,
+        // The headline is the top layout's time, the row the user would run;
+        // the overhead-free figure stays beside it as the bound it is.
+        let ideal = format!(
+            "{:.3e} GPU-hours = {} on {} GPUs{}",
             self.ideal.gpu_hours,
             duration(self.ideal.days),
             i.gpus,
             self.ideal.cost_usd.map(|c| format!(", ${}", si(c))).unwrap_or_default()
         );
+        let _ = match self.candidates.first() {
+            Some(c) => writeln!(
+                o,
+                "Time: {} on {} GPUs{} with layout 1 below (its bubble and communication included); at MFU {:.2} \
+                 with neither: {ideal}",
+                duration(c.train_days),
+                i.gpus,
+                c.cost_usd.map(|x| format!(", ${}", si(x))).unwrap_or_default(),
+                i.mfu
+            ),
+            None => writeln!(o, "Time at MFU {:.2} (no layout fits, see below): {ideal}", i.mfu),
+        };
         let m = &self.memory;
         let _ = writeln!(
             o,
@@ -452,33 +510,91 @@ impl Plan {
         } else if self.candidates.is_empty() {
             let _ = writeln!(o, "  none fits: more GPUs, a larger GPU, or a smaller --micro-batch");
         } else {
-            let _ = writeln!(
-                o,
-                "  #  tp pp  dp    m  b schedule         recomp    ZeRO  mem GB  bubble  step s   MFU       time{}",
-                if i.price.is_some() { "  cost $" } else { "" }
-            );
+            o += &self.layout_table();
         }
-        for (k, c) in self.candidates.iter().take(5).enumerate() {
-            let _ = writeln!(
-                o,
-                "  {}  {:>2} {:>2} {:>3} {:>4} {:>2} {:<16} {:<9} {:>4} {:>7.1} {:>6.1}% {:>7.2} {:>5.1}% {:>10}{}",
-                k + 1,
-                c.tp,
-                c.pp,
-                c.dp,
-                c.microbatches,
-                c.micro_batch,
-                c.schedule,
-                c.recompute.name(),
-                c.zero,
-                c.memory_bytes / 1e9,
-                100.0 * c.bubble,
-                c.step_s,
-                100.0 * c.mfu,
-                duration(c.train_days),
-                c.cost_usd.map(|x| format!("  {}", si(x))).unwrap_or_default()
-            );
-            let _ = writeln!(o, "     why: {}", c.why);
+        o
+    }
+}
+
+impl Plan {
+    /// The top five layouts, one row each with its why below it. Every column
+    /// is as wide as its widest cell (header included), numbers right-aligned,
+    /// words left-aligned, so rows line up whatever the values.
+    fn layout_table(&self) -> String {
+        let priced = self.input.price.is_some();
+        let mut head = vec![
+            ("#", false),
+            ("tp", false),
+            ("pp", false),
+            ("dp", false),
+            ("m", false),
+            ("b", false),
+            ("schedule", true),
+            ("recomp", true),
+            ("ZeRO", false),
+            ("mem GB", false),
+            ("bubble", false),
+            ("step s", false),
+            ("MFU", false),
+            ("time", false),
+        ];
+        if priced {
+            head.push(("cost $", false));
+        }
+        head.push(("runs", true));
+        let top: Vec<&search::Candidate> = self.candidates.iter().take(5).collect();
+        let rows: Vec<Vec<String>> = top
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let mut r = vec![
+                    (k + 1).to_string(),
+                    c.tp.to_string(),
+                    c.pp.to_string(),
+                    c.dp.to_string(),
+                    c.microbatches.to_string(),
+                    c.micro_batch.to_string(),
+                    c.schedule.clone(),
+                    c.recompute.name().to_string(),
+                    c.zero.to_string(),
+                    format!("{:.1}", c.memory_bytes / 1e9),
+                    format!("{:.1}%", 100.0 * c.bubble),
+                    format!("{:.2}", c.step_s),
+                    format!("{:.1}%", 100.0 * c.mfu),
+                    duration(c.train_days),
+                ];
+                if priced {
+                    r.push(c.cost_usd.map(si).unwrap_or_default());
+                }
+                r.push(if c.lacks.is_some() { "no" } else { "yes" }.to_string());
+                r
+            })
+            .collect();
+        let widths: Vec<usize> = (0..head.len())
+            .map(|j| {
+                rows.iter()
+                    .map(|r| r[j].chars().count())
+                    .chain([head[j].0.chars().count()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        let line = |cells: Vec<&str>| {
+            let padded: Vec<String> = cells
+                .iter()
+                .zip(&widths)
+                .zip(&head)
+                .map(|((c, &w), &(_, left))| if left { format!("{c:<w$}") } else { format!("{c:>w$}") })
+                .collect();
+            format!("  {}\n", padded.join("  ").trim_end())
+        };
+        let mut o = line(head.iter().map(|h| h.0).collect());
+        for (r, c) in rows.iter().zip(&top) {
+            o += &line(r.iter().map(String::as_str).collect());
+            match c.lacks {
+                Some(what) => o += &format!("     cannot run in pipewright yet: {what}; {}\n", c.why),
+                None => o += &format!("     why: {}\n", c.why),
+            }
         }
         o
     }
@@ -505,6 +621,9 @@ fn duration(days: f64) -> String {
 /// With a CPU config, the plan also holds `cpu`: the config's own layout on
 /// pipewright's CPU backend (memory per rank, the schedule's bubble).
 pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
+    if args.gpu.parse::<Target>().map_err(|e| err("--gpu", e))? == Target::Cpu {
+        return cpu_cli(args);
+    }
     let p = plan(&resolve(args)?);
     let cpu = match &args.config {
         Some(path) => {
@@ -531,6 +650,71 @@ pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
         }
         t
     })
+}
+
+/// `plan --gpu cpu`: the config (or the embedded default) laid out on this
+/// machine's CPU backend, its step timed at `--mfu` of a gemm rate measured
+/// here on the run's threads.
+fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
+    // The config is the plan here: flags that shape a GPU search would be ignored silently.
+    let gpu_only = [
+        ("--params", args.params.is_some()),
+        ("--layers", args.layers.is_some()),
+        ("--hidden", args.hidden.is_some()),
+        ("--heads", args.heads.is_some()),
+        ("--seq", args.seq.is_some()),
+        ("--vocab", args.vocab.is_some()),
+        ("--tokens", args.tokens.is_some()),
+        ("--gpus", args.gpus.is_some()),
+        ("--price", args.price.is_some()),
+        ("--micro-batch", args.micro_batch.is_some()),
+        ("--global-batch", args.global_batch.is_some()),
+    ];
+    if let Some((flag, _)) = gpu_only.iter().find(|f| f.1) {
+        return Err(err(flag, "does not apply with --gpu cpu, which plans the config as it is (--config or the embedded default)"));
+    }
+    let cfg = Config::load(args.config.as_deref(), &[]).map_err(|e| err("--config", e.to_string()))?;
+    let fail = |e: anyhow::Error| err("--config", format!("{e:#}"));
+    let layout = cpu::plan(&cfg).map_err(fail)?;
+    let threads = crate::train::engine::thread_count(cfg.backend.threads);
+    let gemm_gflops = crate::bench::gemm_peak(threads);
+    let step_ms = cpu::step_ms(&cfg, gemm_gflops * args.mfu, threads).map_err(fail)?;
+    let run_s = step_ms * cfg.train.steps as f64 / 1e3;
+    if args.json {
+        let v = serde_json::json!({
+            "cpu": layout,
+            "gemm_gflops": gemm_gflops,
+            "threads": threads,
+            "mfu": args.mfu,
+            "step_ms": step_ms,
+            "steps": cfg.train.steps,
+            "run_seconds": run_s,
+        });
+        return Ok(format!("{v}\n"));
+    }
+    let gpt = crate::model::GptConfig::from_config(&cfg);
+    let m = &cfg.model;
+    let mut t = format!(
+        "model: {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}\n",
+        si(gpt.num_params() as f64),
+        m.n_layer,
+        m.n_embd,
+        m.n_head,
+        m.block_size,
+        m.vocab_size
+    );
+    t += &format!(
+        "Time at {:.0}% of the gemm rate measured here ({gemm_gflops:.0} GFLOP/s on {threads} threads): \
+         {step_ms:.1} ms per step, {} for {} steps (pp {}, dp {}, {} microbatches, {})\n",
+        100.0 * args.mfu,
+        duration(run_s / 86_400.0),
+        cfg.train.steps,
+        cfg.parallel.pp,
+        cfg.parallel.dp,
+        cfg.parallel.microbatches,
+        cfg.parallel.schedule
+    );
+    Ok(t + &layout.text())
 }
 
 #[cfg(test)]

@@ -95,6 +95,16 @@ pub struct Candidate {
     pub train_days: f64,
     pub cost_usd: Option<f64>,
     pub why: String,
+    /// What pipewright's trainer lacks to run this layout (see [`super::runnable`]);
+    /// None when it runs today.
+    pub lacks: Option<&'static str>,
+}
+
+/// Layouts the trainer runs first, then the fastest, then the smallest.
+fn order(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
+    (a.lacks.is_some().cmp(&b.lacks.is_some()))
+        .then(a.step_s.total_cmp(&b.step_s))
+        .then(a.memory_bytes.total_cmp(&b.memory_bytes))
 }
 
 /// The search's result: fitting layouts, fastest first (best per tp, pp, schedule),
@@ -172,7 +182,8 @@ pub fn search(inp: &SearchInput) -> SearchResult {
                 for (kind, v) in kinds {
                     let Ok(sched) = schedule::build(kind, pp, m, v) else { continue };
                     let Ok(unit) = sched.simulate(&Costs::unit()) else { continue };
-                    let zeros: &[u8] = if dp == 1 { &[0] } else { &[1, 3] };
+                    // ZeRO-0 too: as fast as ZeRO-1, and what the trainer runs today.
+                    let zeros: &[u8] = if dp == 1 { &[0] } else { &[0, 1, 3] };
                     for &zero in zeros {
                         for recompute in Recompute::ALL {
                             tried += 1;
@@ -189,7 +200,8 @@ pub fn search(inp: &SearchInput) -> SearchResult {
                                 evaluate(inp, &layout, kind, &sched, worst, compute_s, attn_fwd_share);
                             c.live_microbatches = unit.peak_live.clone();
                             let key = (tp, pp, kind.name().to_string());
-                            if best.get(&key).is_none_or(|old| c.step_s < old.step_s) {
+                            c.lacks = super::runnable(&layout, super::Backend::Cuda).err();
+                            if best.get(&key).is_none_or(|old| order(&c, old).is_lt()) {
                                 best.insert(key, c);
                             }
                         }
@@ -199,7 +211,7 @@ pub fn search(inp: &SearchInput) -> SearchResult {
         }
     }
     let mut candidates: Vec<Candidate> = best.into_values().collect();
-    candidates.sort_by(|a, b| a.step_s.total_cmp(&b.step_s).then(a.memory_bytes.total_cmp(&b.memory_bytes)));
+    candidates.sort_by(order);
     SearchResult {
         candidates,
         layouts_tried: tried,
@@ -312,6 +324,7 @@ fn evaluate(
         train_days: train_s / 86_400.0,
         cost_usd,
         why,
+        lacks: None,
     }
 }
 

@@ -75,6 +75,36 @@ pub struct NumDiff {
     pub index: usize,
     pub differing: usize,
     pub len: usize,
+    /// The blob the elements are of (a parameter's name for weights, optimizer
+    /// state and gradients; `grad_sumsq` for a stage's per-tensor Σg²).
+    pub tensor: String,
+    /// For `grad_sumsq`: the canonical index of the parameter whose Σg² is
+    /// element `index`, and its name once [`Divergence::name_params`] knew the model.
+    pub param: Option<(usize, Option<String>)>,
+}
+
+impl NumDiff {
+    /// Where the largest difference is, named: `h.2.attn.c_attn.weight[1234]`,
+    /// or `grad_sumsq[3] (the Σg² of h.0.attn.c_attn.weight)`.
+    pub fn at(&self) -> String {
+        let element = format!("{}[{}]", self.tensor, self.index);
+        match &self.param {
+            Some((_, Some(name))) => format!("{element} (the Σg² of {name})"),
+            Some((c, None)) => format!("{element} (the Σg² of canonical tensor {c})"),
+            None => element,
+        }
+    }
+}
+
+impl Divergence {
+    /// Names the parameter a `grad_sumsq` difference is of, from the model the
+    /// log was recorded with (a stage reports its Σg² by canonical index).
+    pub fn name_params(mut self, cfg: &crate::model::GptConfig) -> Divergence {
+        if let Some(NumDiff { param: Some((c, name)), .. }) = &mut self.diff {
+            *name = crate::model::params::all_tensors(cfg).get(*c).map(|t| t.0.clone());
+        }
+        self
+    }
 }
 
 impl fmt::Display for Divergence {
@@ -91,8 +121,12 @@ impl fmt::Display for Divergence {
         if let Some(d) = &self.diff {
             write!(
                 f,
-                "; max abs diff {:.3e}, max rel diff {:.3e} (at element {}; {} of {} elements differ)",
-                d.max_abs, d.max_rel, d.index, d.differing, d.len
+                "; max abs diff {:.3e}, max rel diff {:.3e} (at {}; {} of {} elements differ)",
+                d.max_abs,
+                d.max_rel,
+                d.at(),
+                d.differing,
+                d.len
             )?;
         }
         Ok(())
@@ -119,7 +153,15 @@ fn num_diff(a: &Blob, b: &Blob) -> Option<NumDiff> {
     if x.len() != y.len() {
         return None;
     }
-    let mut d = NumDiff { max_abs: 0.0, max_rel: 0.0, index: 0, differing: 0, len: x.len() };
+    let mut d = NumDiff {
+        max_abs: 0.0,
+        max_rel: 0.0,
+        index: 0,
+        differing: 0,
+        len: x.len(),
+        tensor: a.name.clone(),
+        param: None,
+    };
     for (i, (&p, &q)) in x.iter().zip(&y).enumerate() {
         if p.to_bits() == q.to_bits() {
             continue;
@@ -149,7 +191,14 @@ fn compare_blobs(
         if a.digest != b.digest || a.len != b.len || a.dtype != b.dtype {
             let rs = format!("{} {:?}[{}]", short(&a.digest), a.dtype, a.len);
             let ns = format!("{} {:?}[{}]", short(&b.digest), b.dtype, b.len);
-            return Some((format!("{what} `{}`", a.name), rs, ns, num_diff(a, b)));
+            let mut diff = num_diff(a, b);
+            if let Some(d) = diff.as_mut().filter(|_| a.name == crate::actors::protocol::key::GRAD_SUMSQ) {
+                // Its sibling blob says which parameter each Σg² is of.
+                let index = rec.iter().find(|b| b.name == crate::actors::protocol::key::GRAD_SUMSQ_INDEX);
+                let canonical = index.and_then(|b| b.to_u32s().ok()).and_then(|ix| ix.get(d.index).copied());
+                d.param = canonical.map(|c| (c as usize, None));
+            }
+            return Some((format!("{what} `{}`", a.name), rs, ns, diff));
         }
     }
     None
@@ -581,5 +630,55 @@ impl Entry {
     pub fn with_inputs(mut self, inputs: Vec<Blob>) -> Entry {
         self.inputs = inputs;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::actors::protocol::key as protocol_key;
+
+    fn entry(state: Vec<Blob>, inputs: Vec<Blob>) -> Entry {
+        Entry {
+            seq: 3,
+            from: "coordinator".into(),
+            kind: "Apply".into(),
+            step: 1,
+            eval: false,
+            stage: Some(0),
+            mb: None,
+            replica: 0,
+            inputs,
+            sent: vec![],
+            state,
+        }
+    }
+
+    #[test]
+    fn a_divergence_names_the_parameter_and_element_it_is_in() {
+        let w: Vec<f32> = (0..2000).map(|i| i as f32).collect();
+        let mut moved = w.clone();
+        moved[1234] += 0.5;
+        let rec = entry(vec![Blob::f32s("h.2.attn.c_attn.weight", &w, true)], vec![]);
+        let now = entry(vec![Blob::f32s("h.2.attn.c_attn.weight", &moved, true)], vec![]);
+        let d = compare("stage-1", &rec, &now).expect("a divergence");
+        assert!(
+            d.to_string().contains("(at h.2.attn.c_attn.weight[1234]; 1 of 2000 elements differ)"),
+            "{d}"
+        );
+
+        // A stage's Σg² list: element 1 is the Σg² of canonical tensor 3 (h.0.ln_1.bias).
+        let sums = |x: f64| {
+            vec![
+                Blob::u32s(protocol_key::GRAD_SUMSQ_INDEX, &[2, 3], true),
+                Blob::f64s(protocol_key::GRAD_SUMSQ, &[1.0, x], true),
+            ]
+        };
+        let d =
+            compare("stage-0", &entry(vec![], sums(2.0)), &entry(vec![], sums(2.5))).expect("a divergence");
+        assert!(d.to_string().contains("grad_sumsq[1] (the Σg² of canonical tensor 3)"), "{d}");
+        let cfg = crate::model::GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 10, block_size: 4 };
+        let named = d.name_params(&cfg).to_string();
+        assert!(named.contains("(at grad_sumsq[1] (the Σg² of h.0.ln_1.bias);"), "{named}");
     }
 }

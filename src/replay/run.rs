@@ -11,6 +11,7 @@ use crate::actors::stage::replay_stage;
 use crate::actors::topology::Topology;
 use crate::actors::Layout;
 use crate::config::Config;
+use crate::model::GptConfig;
 use crate::optim::grad_tree::Span;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -292,7 +293,7 @@ pub fn replay_actor(run_dir: &Path, actor: &str, opts: &ReplayOptions) -> Result
         bail!("{}: `{actor}` is not an actor pipewright can replay", path.display());
     };
     if let Some(d) = slot.lock().expect("divergence slot").take() {
-        return Ok(Verdict::Diverged(d));
+        return Ok(Verdict::Diverged(d.name_params(&GptConfig::from_config(&cfg))));
     }
     if done < entries.len() {
         let e = &entries[done];
@@ -577,9 +578,10 @@ pub fn scratch_dir(what: &str) -> Result<PathBuf> {
 
 /// One actor's log against another run's: the first entry that differs.
 pub fn compare_logs(actor: &str, a: &Path, b: &Path) -> Result<Option<Divergence>> {
-    let (_, ea) = LogReader::read_all(a)?;
+    let (header, ea) = LogReader::read_all(a)?;
     let (_, eb) = LogReader::read_all(b)?;
-    Ok(first_difference(actor, &ea, &eb, false))
+    let gpt = GptConfig::from_config(&config_of(&header, a)?);
+    Ok(first_difference(actor, &ea, &eb, false).map(|d| d.name_params(&gpt)))
 }
 
 /// The first difference between recorded entries `ea` and re-run entries
@@ -739,7 +741,7 @@ impl WholeRun {
             let (_, rerun) = LogReader::read_all(&super::log_path(out, a))?;
             let es = &recorded.entries;
             let v = match first_difference(a, es, &rerun, prefix) {
-                Some(d) => Verdict::Diverged(d),
+                Some(d) => Verdict::Diverged(d.name_params(&GptConfig::from_config(&self.cfg))),
                 None => {
                     let note = match &recorded.cut {
                         Some(c) => Some(format!("{}; the re-run handled {}", cut_note(c, &mine), rerun.len())),

@@ -67,6 +67,8 @@ pub struct TraceMeta {
     /// Cores of the machine that ran it, and the compute threads one process ran there.
     pub cores: Option<usize>,
     pub compute_threads: Option<usize>,
+    /// Set when the figures are of one data-parallel replica (`--replica`).
+    pub replica: Option<usize>,
 }
 
 /// A parsed trace: its layout and the spans that matter for bubbles.
@@ -76,6 +78,31 @@ pub struct Trace {
     pub meta: TraceMeta,
     pub actions: Vec<Span>,
     pub waits: Vec<Span>,
+}
+
+impl Trace {
+    /// Replica `r`'s spans alone, renumbered as replica 0 so that every figure
+    /// (the step windows, the median step's critical path) is of that replica;
+    /// `meta.replica` says which it was.
+    pub fn replica(mut self, r: usize) -> Result<Trace, TraceError> {
+        let dp = self.meta.dp;
+        if r >= dp {
+            return Err(TraceError::Empty {
+                path: self.path,
+                reason: format!(
+                    "--replica {r}: the trace holds {dp} data-parallel replica(s), 0 to {}",
+                    dp - 1
+                ),
+            });
+        }
+        self.actions.retain(|s| s.replica == r);
+        self.waits.retain(|s| s.replica == r);
+        for s in self.actions.iter_mut().chain(self.waits.iter_mut()) {
+            s.replica = 0;
+        }
+        self.meta.replica = Some(r);
+        Ok(self)
+    }
 }
 
 /// Reads and parses `path`.
@@ -154,6 +181,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Trace, TraceError> {
         backend: m.and_then(|m| m.get("backend")).and_then(Value::as_str).map(str::to_string),
         cores: field("cores"),
         compute_threads: field("compute_threads"),
+        replica: None,
     };
     Ok(Trace { path: path.into(), meta, actions, waits })
 }
@@ -574,7 +602,7 @@ impl Summary {
         let m = &self.meta;
         json!({
             "trace": self.path.display().to_string(),
-            "schedule": m.schedule, "pp": m.pp, "dp": m.dp, "chunks": m.chunks,
+            "schedule": m.schedule, "pp": m.pp, "dp": m.dp, "replica": m.replica, "chunks": m.chunks,
             "microbatches": m.microbatches, "stage_count": m.stages,
             "steps": self.steps, "counted_steps": self.counted_steps,
             "bubble_frac": self.bubble_frac,
@@ -609,11 +637,12 @@ impl Summary {
         let mut o = String::new();
         let _ = writeln!(
             o,
-            "{}: {} schedule, pp {}, dp {}, {} chunk(s) per rank, {} microbatches, steps {:?} (figures over {:?})",
+            "{}: {} schedule, pp {}, dp {}{}, {} chunk(s) per rank, {} microbatches, steps {:?} (figures over {:?})",
             self.path.display(),
             m.schedule.as_deref().unwrap_or("unknown"),
             m.pp,
             m.dp,
+            m.replica.map(|r| format!(" (replica {r} only)")).unwrap_or_default(),
             m.chunks,
             m.microbatches,
             self.steps,
@@ -773,6 +802,38 @@ mod tests {
         assert_eq!(s.counted_steps, vec![1, 2]);
         assert_eq!(s.bubble_frac, 0.5);
         assert_eq!(s.step_ms, 4.0);
+    }
+
+    #[test]
+    fn one_replica_of_a_dp_trace_is_summarized_alone() {
+        // Replica 0 takes 1 ms an action (window 4 ms); replica 1's first
+        // forward takes 3 ms, so its window is 6 ms and its lanes' shares differ.
+        let mut r = vec![
+            rec(0, "F", 0, Some(0), 0.0, 1000.0),
+            rec(1, "F", 0, Some(0), 1000.0, 1000.0),
+            rec(1, "B", 0, Some(0), 2000.0, 1000.0),
+            rec(0, "B", 0, Some(0), 3000.0, 1000.0),
+        ];
+        for (stage, kind, start, dur) in [
+            (0, "F", 0.0, 3000.0),
+            (1, "F", 3000.0, 1000.0),
+            (1, "B", 4000.0, 1000.0),
+            (0, "B", 5000.0, 1000.0),
+        ] {
+            r.push(Record { replica: 1, ..rec(stage, kind, 0, Some(0), start, dur) });
+        }
+        let meta = json!({"schedule": "1f1b", "pp": 2, "dp": 2, "chunks": 1, "microbatches": 1});
+        let trace = parse(&chrome_json(&r, meta).to_string(), Path::new("dp.json")).unwrap();
+        let one = summarize(&trace.clone().replica(1).unwrap()).unwrap();
+        // Window 0..6 ms: stage 0 busy 4 of 6, stage 1 busy 2 of 6.
+        assert_eq!(one.step_ms, 6.0);
+        assert_eq!((one.lanes[0].busy_frac, one.lanes[1].busy_frac), (4.0 / 6.0, 2.0 / 6.0));
+        assert!(one.text().contains("dp 2 (replica 1 only)"), "{}", one.text());
+        assert_eq!(one.to_json()["replica"], 1);
+        let zero = summarize(&trace.clone().replica(0).unwrap()).unwrap();
+        assert_eq!(zero.step_ms, 4.0);
+        let e = trace.replica(2).unwrap_err().to_string();
+        assert!(e.contains("dp.json") && e.contains("--replica 2") && e.contains("2 data-parallel"), "{e}");
     }
 
     #[test]

@@ -66,6 +66,39 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
     Ok(Some(loaded))
 }
 
+/// For a resume that took the run's own config.toml: the layer split it
+/// recorded has one entry per stage of the run that wrote it, so at another
+/// pp or chunks count it no longer fits; it is dropped for the even default,
+/// and the returned note says so. (A split given on the command line is the
+/// user's and is checked like any other, so a misfit stays an error there.)
+/// A split that no longer sums to model.n_layer goes too, so that a changed
+/// model is refused for what it is, against the checkpoint's [model].
+pub fn refit_stored_split(cfg: &mut Config) -> Option<String> {
+    let stored = &cfg.parallel.layers_per_stage;
+    if stored.is_empty() {
+        return None;
+    }
+    let mut even = cfg.clone();
+    even.parallel.layers_per_stage.clear();
+    // A layout that fails even so is refused later, with its own message.
+    let stages = crate::actors::Layout::from_config(&even).ok()?.n_stages();
+    let layers = stored.iter().sum::<usize>();
+    if stored.len() == stages && layers == cfg.model.n_layer {
+        return None;
+    }
+    let note = format!(
+        "parallel.layers_per_stage: the run's config.toml recorded {stored:?} ({layers} layers over {} \
+         stages); this resume has {} layers over {stages} (pp × chunks = {} × {}), so the even split is \
+         used (--set parallel.layers_per_stage to choose another)",
+        stored.len(),
+        cfg.model.n_layer,
+        even.parallel.pp,
+        stages / even.parallel.pp.max(1)
+    );
+    cfg.parallel.layers_per_stage.clear();
+    Some(note)
+}
+
 /// Every leaf of the config as `section.key` → its TOML text.
 fn flatten(cfg: &Config) -> BTreeMap<String, String> {
     let table: toml::Table = toml::from_str(&cfg.to_toml_string()).expect("a config's own TOML parses");

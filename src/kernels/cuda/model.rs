@@ -57,6 +57,21 @@ impl<'g, X: Elem> GpuModel<'g, X> {
         self.part.n()
     }
 
+    /// The most likely next token at each of the microbatch's N positions, from
+    /// a forward in evaluation (nothing kept): a step of greedy generation.
+    pub fn predict(&mut self, tokens: &[u32], argmax: &mut [u32]) -> Result<()> {
+        ensure(tokens.len() == self.n() && argmax.len() == self.n(), || {
+            format!("predict takes N = {} tokens, got {} (argmax {})", self.n(), tokens.len(), argmax.len())
+        })?;
+        self.host_inputs.copy_from_slice(tokens);
+        // The evaluation forward also forms a loss against these targets; it is not read.
+        self.host_targets.fill(0);
+        let input = GpuInput::Tokens(&self.host_inputs);
+        let targets = Some(self.host_targets.as_slice());
+        self.part.forward(self.gpu, 0, input, targets, Mode::Eval, Some(argmax), None)?;
+        Ok(())
+    }
+
     /// AdamW updates applied so far.
     pub fn adam_t(&self) -> u64 {
         self.part.adam_t
