@@ -269,7 +269,8 @@ impl Actor for Coordinator {
         let reducer = if dp > 1 {
             let log = replay::recorder(&cfg, &run_dir, "reducer", &origin)?;
             let stage_rank = layout.schedule.stage_rank.clone();
-            let args = ReducerArgs { dp, stages: all.clone(), stage_rank, log, chaos_seed };
+            let zero = cfg.parallel.zero == 1;
+            let args = ReducerArgs { dp, stages: all.clone(), stage_rank, log, chaos_seed, zero };
             Some(Actor::spawn_linked(Some(registered("reducer", id)), Reducer, args, me.get_cell()).await?.0)
         } else {
             None
@@ -1179,7 +1180,9 @@ impl CoordinatorState {
             self.waiting = Waiting::Snapshots;
             self.snapshot_started = Instant::now();
             let step = self.step;
-            return self.send_stages(1, || StageMsg::Snapshot { step });
+            // Under ZeRO-1 every replica holds a shard of the moments: all take part.
+            let replicas = if self.cfg.parallel.zero == 1 { self.layout.dp } else { 1 };
+            return self.send_stages(replicas, || StageMsg::Snapshot { step });
         }
         if self.stop_requested {
             self.out.stopped_early = self.step < self.steps;

@@ -194,11 +194,19 @@ pub enum StageMsg {
         step: u64,
         data: Vec<f32>,
     },
-    /// Gradients of `stage` summed over replicas.
+    /// Gradients of `stage` summed over replicas (under ZeRO-1, this replica's
+    /// shard of each tensor).
     Reduced {
         step: u64,
         stage: usize,
         grads: Vec<Vec<f32>>,
+    },
+    /// ZeRO-1: `stage`'s tensors gathered whole from every replica's shard
+    /// (the updated parameters, or for a checkpoint the AdamW moments).
+    Gathered {
+        step: u64,
+        stage: usize,
+        tensors: Vec<Vec<f32>>,
     },
     /// Send the parameters to the coordinator (end of run).
     SendWeights,
@@ -326,6 +334,10 @@ pub enum StageKind {
         step: u64,
         stage: u32,
     },
+    Gathered {
+        step: u64,
+        stage: u32,
+    },
     SendWeights,
     Snapshot {
         step: u64,
@@ -442,6 +454,7 @@ impl StageKind {
             StageKind::Gradient { .. } => "Gradient",
             StageKind::TiedShare { .. } => "TiedShare",
             StageKind::Reduced { .. } => "Reduced",
+            StageKind::Gathered { .. } => "Gathered",
             StageKind::SendWeights => "SendWeights",
             StageKind::Snapshot { .. } => "Snapshot",
             StageKind::Restore { .. } => "Restore",
@@ -462,6 +475,7 @@ impl StageKind {
             | Gradient { step, .. }
             | TiedShare { step }
             | Reduced { step, .. }
+            | Gathered { step, .. }
             | Snapshot { step } => Some(*step),
             SendWeights | Restore { .. } | Stop => None,
         }
@@ -478,7 +492,9 @@ impl StageKind {
                 (Some(stage as usize), Some(mb as usize), !train)
             }
             StageKind::Gradient { stage, mb, .. } => (Some(stage as usize), Some(mb as usize), false),
-            StageKind::Reduced { stage, .. } => (Some(stage as usize), None, false),
+            StageKind::Reduced { stage, .. } | StageKind::Gathered { stage, .. } => {
+                (Some(stage as usize), None, false)
+            }
             _ => (None, None, false),
         }
     }
@@ -528,6 +544,7 @@ impl StageKind {
             "Gradient" => StageKind::Gradient { step, stage, mb },
             "TiedShare" => StageKind::TiedShare { step },
             "Reduced" => StageKind::Reduced { step, stage },
+            "Gathered" => StageKind::Gathered { step, stage },
             "SendWeights" => StageKind::SendWeights,
             "Snapshot" => StageKind::Snapshot { step },
             "Restore" => {
@@ -608,6 +625,9 @@ impl StageMsg {
             }
             StageMsg::TiedShare { step, .. } => StageKind::TiedShare { step: *step },
             StageMsg::Reduced { step, stage, .. } => StageKind::Reduced { step: *step, stage: *stage as u32 },
+            StageMsg::Gathered { step, stage, .. } => {
+                StageKind::Gathered { step: *step, stage: *stage as u32 }
+            }
             StageMsg::SendWeights => StageKind::SendWeights,
             StageMsg::Snapshot { step } => StageKind::Snapshot { step: *step },
             StageMsg::Restore(c) => StageKind::Restore { dir: c.dir.display().to_string() },
@@ -625,7 +645,9 @@ impl StageMsg {
             | StageMsg::TiedShare { data, .. } => {
                 vec![Array::F32(data)]
             }
-            StageMsg::Reduced { grads, .. } => grads.into_iter().map(Array::F32).collect(),
+            StageMsg::Reduced { grads: v, .. } | StageMsg::Gathered { tensors: v, .. } => {
+                v.into_iter().map(Array::F32).collect()
+            }
             _ => vec![],
         };
         (kind, arrays)
@@ -675,6 +697,9 @@ impl StageMsg {
             StageKind::Reduced { step, stage } => {
                 StageMsg::Reduced { step, stage: stage as usize, grads: f32_arrays(what, arrays)? }
             }
+            StageKind::Gathered { step, stage } => {
+                StageMsg::Gathered { step, stage: stage as usize, tensors: f32_arrays(what, arrays)? }
+            }
             StageKind::SendWeights => StageMsg::SendWeights,
             StageKind::Snapshot { step } => StageMsg::Snapshot { step },
             StageKind::Restore { dir } => {
@@ -701,6 +726,8 @@ impl StageMsg {
             | StageMsg::TiedShare { data, .. } => blobs.push(Blob::f32s(key::DATA, data, keep)),
             StageMsg::Reduced { stage, grads, .. } => blobs
                 .extend(grads.iter().enumerate().map(|(k, g)| Blob::f32s(&grad_name(*stage, k), g, keep))),
+            StageMsg::Gathered { tensors, .. } => blobs
+                .extend(tensors.iter().enumerate().map(|(k, t)| Blob::f32s(&format!("tensor.{k}"), t, keep))),
             _ => {}
         }
         let step = match self {
@@ -720,7 +747,7 @@ impl StageMsg {
             StageKind::Activation { .. } | StageKind::Gradient { .. } | StageKind::TiedShare { .. } => {
                 vec![Array::F32(tensor(key::DATA)?.to_f32s()?)]
             }
-            StageKind::Reduced { .. } => {
+            StageKind::Reduced { .. } | StageKind::Gathered { .. } => {
                 e.inputs.iter().map(|b| b.to_f32s().map(Array::F32)).collect::<Result<_, _>>()?
             }
             _ => vec![],
@@ -982,6 +1009,7 @@ mod tests {
                 sent: Instant::now(),
             },
             StageMsg::Reduced { step: 4, stage: 1, grads: vec![vec![1.0], vec![2.0, 3.0]] },
+            StageMsg::Gathered { step: 5, stage: 2, tensors: vec![vec![], vec![4.0, 5.0]] },
         ];
         for m in msgs {
             let want = m.header();

@@ -98,7 +98,7 @@ impl Engine {
             tree.finish_local(part);
             part.combine_tied_grads(None);
             let loss = loss_sum * dloss as f64;
-            optim::grad_sum_squares(part, norms);
+            optim::grad_sum_squares(part, optim::zero::Shard::WHOLE, norms);
             let grad_norm = optim::global_norm(norms);
             let skipped = !loss.is_finite() || !grad_norm.is_finite();
             if !skipped {
