@@ -172,7 +172,7 @@ fn every_dp_pp_schedule_process_count_and_resume_at_another_dp_gives_one_digest(
 }
 
 /// ZeRO-1 keeps the bits of zero = 0 and dp = 1: dp 2, 4 × pp 1, 2 in one
-/// process, dp = 2 × pp = 2 over two processes, and a zero = 1 dp = 2
+/// process, dp = 2 × pp = 2 over two and four processes, and a zero = 1 dp = 2
 /// checkpoint (moments gathered whole from the replicas' shards) resumed at
 /// zero = 0 dp = 1 and at zero = 1 dp = 4 × pp = 2. Shards are whole blocks of
 /// each tensor, the update is elementwise, and the gradient norm is summed per
@@ -204,6 +204,7 @@ fn zero_1_at_every_dp_pp_process_count_and_resume_at_another_layout_gives_the_di
     }
     let two = [layout(2, 1, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
     assert_eq!(launched(dir.path(), 2, &two), reference, "zero=1 dp=2 × pp=2 over 2 processes");
+    assert_eq!(launched(dir.path(), 4, &two), reference, "zero=1 dp=2 × pp=2 over 4 processes");
     // A zero = 1 dp = 2 run that stops in its last step, resumed from its
     // checkpoint of step 2 in two copies: at zero = 0 dp = 1, and at zero = 1 dp = 4 × pp = 2.
     let stopped = dir.path().join("stopped");

@@ -162,15 +162,23 @@ fn two_and_four_replicas_give_the_bits_of_one_with_the_same_global_batch() {
 /// ZeRO-1 (each replica keeps the AdamW moments of its shard, gradients come
 /// reduce-scattered, updated shards are gathered) gives the bits of dp = 1
 /// with replicas' gradients and shards reaching the reducer in scrambled
-/// order, and its checkpoints hold the same tensors and moments as dp = 1's.
+/// order, under 1F1B, ZB-H1 and interleaving (two chunks a rank, so two
+/// gathers), and its checkpoints hold the same tensors and moments as dp = 1's.
 #[test]
 fn zero_1_gives_the_bits_and_checkpoints_of_dp_1_under_scrambled_delivery() {
     let cfg = |extra: &[&str]| config(&[&["parallel.pp=2", "checkpoint.every=1"], extra].concat());
     let (one, one_ckpt) = train_keeping_checkpoint(&cfg(&[]), None);
-    let layouts: [&[&str]; 3] = [
+    let layouts: [&[&str]; 4] = [
         &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=1"],
         &["parallel.dp=4", "parallel.microbatches=2", "parallel.zero=1"],
         &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=1", "parallel.schedule=\"zb-h1\""],
+        &[
+            "parallel.dp=2",
+            "parallel.microbatches=4",
+            "parallel.zero=1",
+            "parallel.schedule=\"interleaved\"",
+            "parallel.chunks=2",
+        ],
     ];
     for (seed, extra) in (11..).zip(layouts) {
         let (run, ckpt) = train_keeping_checkpoint(&cfg(extra), Some(seed));

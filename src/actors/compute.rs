@@ -115,7 +115,7 @@ pub trait StageCompute {
     }
     /// ZeRO-1: replaces chunk `i`'s parameters with whole tensors (their
     /// shards gathered from every replica).
-    fn set_params(&mut self, _i: usize, _params: Vec<Vec<f32>>) {
+    fn set_params(&mut self, _i: usize, _params: &[Vec<f32>]) {
         unreachable!("ZeRO-1 runs on the CPU backend only: the config refuses the rest")
     }
     /// Overwrites a gradient element of chunk `i` (the overflow fault knob).
@@ -154,6 +154,8 @@ pub struct CpuCompute {
     trees: Vec<PartTree>,
     /// The elements whose optimizer state this replica keeps (ZeRO-1).
     shard: Shard,
+    /// Each tensor's first norm slot (`optim::zero::first_slots`).
+    first_slots: Vec<usize>,
 }
 
 impl CpuCompute {
@@ -170,7 +172,8 @@ impl CpuCompute {
     ) -> Self {
         let trees = parts.iter().map(|p| PartTree::new(p, block.clone(), total)).collect();
         let shard = adam.first().map_or(Shard::WHOLE, |a| a.shard);
-        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard }
+        let first_slots = parts.first().map_or(Vec::new(), |p| optim::zero::first_slots(&p.cfg));
+        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard, first_slots }
     }
 
     /// Most gradient sets any chunk's tree held at once (memory reports).
@@ -337,18 +340,18 @@ impl StageCompute for CpuCompute {
     }
 
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
-        let (part, shard) = (&self.parts[i], self.shard);
-        self.pool.install(|| optim::grad_sum_squares(part, shard, out));
+        let (part, shard, first) = (&self.parts[i], self.shard, &self.first_slots);
+        self.pool.install(|| optim::grad_sum_squares(part, shard, first, out));
     }
 
     fn param_shards(&self, i: usize) -> Vec<Vec<f32>> {
         self.parts[i].params.iter().map(|p| p.data[self.shard.range(p.numel())].to_vec()).collect()
     }
 
-    fn set_params(&mut self, i: usize, params: Vec<Vec<f32>>) {
+    fn set_params(&mut self, i: usize, params: &[Vec<f32>]) {
         for (p, data) in self.parts[i].params.iter_mut().zip(params) {
             assert_eq!(data.len(), p.numel(), "{}: a gathered tensor is whole", p.name);
-            p.data = data;
+            p.data.copy_from_slice(data);
         }
     }
 

@@ -202,11 +202,12 @@ pub enum StageMsg {
         grads: Vec<Vec<f32>>,
     },
     /// ZeRO-1: `stage`'s tensors gathered whole from every replica's shard
-    /// (the updated parameters, or for a checkpoint the AdamW moments).
+    /// (the updated parameters, or for a checkpoint the AdamW moments). Shared:
+    /// in one process every replica reads the one copy the reducer made.
     Gathered {
         step: u64,
         stage: usize,
-        tensors: Vec<Vec<f32>>,
+        tensors: Arc<Vec<Vec<f32>>>,
     },
     /// Send the parameters to the coordinator (end of run).
     SendWeights,
@@ -645,8 +646,10 @@ impl StageMsg {
             | StageMsg::TiedShare { data, .. } => {
                 vec![Array::F32(data)]
             }
-            StageMsg::Reduced { grads: v, .. } | StageMsg::Gathered { tensors: v, .. } => {
-                v.into_iter().map(Array::F32).collect()
+            StageMsg::Reduced { grads, .. } => grads.into_iter().map(Array::F32).collect(),
+            StageMsg::Gathered { tensors, .. } => {
+                let tensors = Arc::try_unwrap(tensors).unwrap_or_else(|shared| shared.to_vec());
+                tensors.into_iter().map(Array::F32).collect()
             }
             _ => vec![],
         };
@@ -697,9 +700,11 @@ impl StageMsg {
             StageKind::Reduced { step, stage } => {
                 StageMsg::Reduced { step, stage: stage as usize, grads: f32_arrays(what, arrays)? }
             }
-            StageKind::Gathered { step, stage } => {
-                StageMsg::Gathered { step, stage: stage as usize, tensors: f32_arrays(what, arrays)? }
-            }
+            StageKind::Gathered { step, stage } => StageMsg::Gathered {
+                step,
+                stage: stage as usize,
+                tensors: Arc::new(f32_arrays(what, arrays)?),
+            },
             StageKind::SendWeights => StageMsg::SendWeights,
             StageKind::Snapshot { step } => StageMsg::Snapshot { step },
             StageKind::Restore { dir } => {
@@ -1009,7 +1014,7 @@ mod tests {
                 sent: Instant::now(),
             },
             StageMsg::Reduced { step: 4, stage: 1, grads: vec![vec![1.0], vec![2.0, 3.0]] },
-            StageMsg::Gathered { step: 5, stage: 2, tensors: vec![vec![], vec![4.0, 5.0]] },
+            StageMsg::Gathered { step: 5, stage: 2, tensors: Arc::new(vec![vec![], vec![4.0, 5.0]]) },
         ];
         for m in msgs {
             let want = m.header();

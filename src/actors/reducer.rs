@@ -276,10 +276,11 @@ impl ReducerState {
         let by_replica: Vec<Grads> =
             self.shards.remove(&(step, stage)).unwrap().into_iter().flatten().collect();
         let whole = crate::optim::zero::concat_shards(by_replica).map_err(|e| format!("reducer: {e}"))?;
+        let whole = Arc::new(whole);
         self.log_gathered(step, stage, rank, &whole);
         let Some(stages) = self.args.stages.get() else { return Ok(()) };
         for replica in stages.iter().take(dp) {
-            let msg = StageMsg::Gathered { step, stage, tensors: whole.clone() };
+            let msg = StageMsg::Gathered { step, stage, tensors: Arc::clone(&whole) };
             replica[rank].send_message(msg).map_err(|e| format!("reducer: {e}"))?;
         }
         Ok(())

@@ -96,9 +96,10 @@ impl LrSchedule {
 /// Σg² of each block of a part's tensors that `shard` owns, as (norm slot,
 /// value). The head's copy of the tied wte is left out when another part owns
 /// the embedding: the embedding's part reports the combined gradient once.
-pub fn grad_sum_squares(part: &ModelPart, shard: zero::Shard, out: &mut Vec<(usize, f64)>) {
+/// `first` is `zero::first_slots` of the model, made once by the caller: a
+/// steady-state step allocates nothing.
+pub fn grad_sum_squares(part: &ModelPart, shard: zero::Shard, first: &[usize], out: &mut Vec<(usize, f64)>) {
     out.clear();
-    let first = zero::first_slots(&part.cfg);
     for p in &part.params {
         if p.name == "wte.weight" && !part.spec.embedding {
             continue;

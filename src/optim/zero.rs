@@ -10,9 +10,9 @@
 //! (zero = 0, dp = 1) or shards of them. This module owns no buffers and does
 //! no communication.
 
-use crate::kernels::cpu::adamw::sum_squares;
 use crate::model::params::all_tensors;
 use crate::model::GptConfig;
+use rayon::prelude::*;
 use std::ops::Range;
 
 /// Elements per block: small enough that the test models' matrices split
@@ -71,11 +71,17 @@ pub fn first_slots(cfg: &GptConfig) -> Vec<usize> {
         .collect()
 }
 
-/// Σg² of each owned block of `grad`, as (norm slot, value), appended to `out`.
+/// Σg² of each owned block of `grad`, as (norm slot, value), appended to
+/// `out`. Each block is one sequential f64 sum, so its bits depend on nothing
+/// but its elements; blocks are summed in parallel.
 pub fn block_sum_squares(grad: &[f32], first_slot: usize, shard: Shard, out: &mut Vec<(usize, f64)>) {
-    for b in shard.blocks(grad.len()) {
-        out.push((first_slot + b, sum_squares(&grad[block_range(grad.len(), b)])));
-    }
+    let blocks = shard.blocks(grad.len());
+    let start = out.len();
+    out.resize(start + blocks.len(), (0, 0.0));
+    out[start..].par_iter_mut().zip(blocks.into_par_iter()).for_each(|(o, b)| {
+        let s = grad[block_range(grad.len(), b)].iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        *o = (first_slot + b, s);
+    });
 }
 
 /// Each tensor's shard for `shard`, copied out (a reduce-scatter's share).

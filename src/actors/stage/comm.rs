@@ -159,7 +159,7 @@ pub trait Comm {
         (stage, replica): (usize, usize),
         shards: Vec<Vec<f32>>,
         at: At,
-    ) -> Result<Vec<Vec<f32>>, Stopped> {
+    ) -> Result<std::sync::Arc<Vec<Vec<f32>>>, Stopped> {
         assert_eq!(group, Group::Replicas, "shards are gathered over replicas");
         self.to_reducer(ReducerMsg::Gather { step, stage, replica, shards })?;
         match self.recv(Key::Gathered(stage), at)? {

@@ -398,7 +398,7 @@ impl Executor {
         for i in 0..self.stages.len() {
             let shards = self.compute.param_shards(i);
             let whole = self.gather(self.step, self.stages[i], shards)?;
-            self.compute.set_params(i, whole);
+            self.compute.set_params(i, &whole);
         }
         Ok(())
     }
@@ -418,12 +418,10 @@ impl Executor {
             let mut shards: Vec<Vec<f32>> =
                 chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg)).collect();
             shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg_sq)));
-            let mut whole = self.gather(step, self.stages[i], shards)?.into_iter();
-            for t in chunk.iter_mut() {
-                t.exp_avg = whole.next().expect("exp_avg of every tensor");
-            }
-            for t in chunk.iter_mut() {
-                t.exp_avg_sq = whole.next().expect("exp_avg_sq of every tensor");
+            let whole = self.gather(step, self.stages[i], shards)?;
+            let (m, v) = whole.split_at(n);
+            for ((t, m), v) in chunk.iter_mut().zip(m).zip(v) {
+                (t.exp_avg, t.exp_avg_sq) = (m.clone(), v.clone());
             }
         }
         Ok(())
@@ -431,7 +429,12 @@ impl Executor {
 
     /// `step` keys the gather: a checkpoint's (the next step) follows the
     /// update's of the step before and precedes the next update's.
-    fn gather(&mut self, step: u64, stage: usize, shards: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>, Stopped> {
+    fn gather(
+        &mut self,
+        step: u64,
+        stage: usize,
+        shards: Vec<Vec<f32>>,
+    ) -> Result<Arc<Vec<Vec<f32>>>, Stopped> {
         let at = self.at();
         self.comm.all_gather_shards(Group::Replicas, step, (stage, self.replica), shards, at)
     }

@@ -236,7 +236,7 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn param_shards(&self, i: usize) -> Vec<Vec<f32>> {
         self.inner.param_shards(i)
     }
-    fn set_params(&mut self, i: usize, params: Vec<Vec<f32>>) {
+    fn set_params(&mut self, i: usize, params: &[Vec<f32>]) {
         self.inner.set_params(i, params)
     }
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
