@@ -274,6 +274,10 @@ pub struct ParallelSection {
     pub chunks: usize,
     /// Blocks per stage, in stage order; empty means an even split.
     pub layers_per_stage: Vec<usize>,
+    /// ZeRO stage: 0 (every replica keeps all optimizer state) or 1 (each
+    /// replica keeps the AdamW moments of its shard of every tensor; needs
+    /// dp > 1 and the CPU backend). The weights are the same bits either way.
+    pub zero: u8,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -388,6 +392,7 @@ impl Default for ParallelSection {
             schedule: ScheduleKind::OneFOneB,
             chunks: 1,
             layers_per_stage: Vec::new(),
+            zero: 0,
         }
     }
 }
@@ -602,6 +607,7 @@ impl Config {
              recompute is not supported with them",
         );
 
+        self.check_zero(&mut v);
         let devices = &self.backend.devices;
         v.check(
             devices.is_empty()
@@ -719,6 +725,24 @@ impl Config {
     /// Checks only what evaluating saved weights on a token file uses: the
     /// model's shape and the token file format. Pipeline, optimizer and
     /// training settings are left alone: `eval` never reads them.
+    /// ZeRO-1 shares optimizer state out between replicas, so it needs more
+    /// than one, and only the CPU backend implements it.
+    fn check_zero(&self, v: &mut Validator) {
+        let p = &self.parallel;
+        v.check(p.zero <= 1, "parallel.zero", p.zero, "must be 0 or 1");
+        if p.zero == 1 {
+            let why = "parallel.zero = 1 shares optimizer state between replicas: needs parallel.dp >= 2";
+            v.check(p.dp >= 2, "parallel.dp", p.dp, why);
+            let kind = self.backend.kind;
+            v.check(
+                kind == BackendKind::Cpu,
+                "backend.kind",
+                kind.name(),
+                "must be \"cpu\" with parallel.zero = 1 (ZeRO-1 runs on the CPU backend only)",
+            );
+        }
+    }
+
     pub fn validate_for_eval(&self) -> Result<(), ConfigError> {
         let mut v = Validator::default();
         self.check_model(&mut v);
@@ -1320,6 +1344,25 @@ mod tests {
         refused(&c, "parallel.chunks");
         c.parallel.schedule = ScheduleKind::Interleaved1F1B;
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn zero_is_0_or_1_and_1_needs_replicas_and_the_cpu_backend() {
+        let mut c = valid();
+        c.parallel.dp = 2;
+        c.parallel.zero = 1;
+        c.validate().unwrap();
+        c.parallel.zero = 2;
+        let err = refused(&c, "parallel.zero");
+        assert!(err.contains("must be 0 or 1"), "{err}");
+        c.parallel.zero = 1;
+        c.parallel.dp = 1;
+        let err = refused(&c, "parallel.dp");
+        assert!(err.contains("parallel.zero = 1") && err.contains("parallel.dp >= 2"), "{err}");
+        c.parallel.dp = 2;
+        c.backend.kind = BackendKind::Sim;
+        let err = refused(&c, "backend.kind");
+        assert!(err.contains("\"cpu\"") && err.contains("parallel.zero = 1"), "{err}");
     }
 
     #[test]

@@ -688,6 +688,25 @@ fn repeated_nan_steps_roll_back_to_the_last_checkpoint_with_a_lower_learning_rat
     assert!((lr(seventh[1]) - 0.5 * lr(seventh[0])).abs() < 1e-12);
 }
 
+/// A rollback under ZeRO-1 reloads each replica's shard of the moments from
+/// the whole tensors on disk, so it lands where dp = 1's rollback does.
+#[test]
+fn a_zero_1_rollback_lands_on_the_bits_of_a_dp_1_rollback() {
+    let dir = tempfile::tempdir().unwrap();
+    let rolled_back = |name: &str, layout: &[&str]| {
+        let out = dir.path().join(name);
+        let mut extra = vec!["--set", "recovery.max_skips=3", "--set", "optim.warmup_steps=0"];
+        extra.extend(layout.iter().flat_map(|s| ["--set", s]));
+        let args = ["train", "--steps", "10", "--out", out.to_str().unwrap()];
+        let (ok, err) = run(&args, &extra, &[("PIPEWRIGHT_FAULT_NAN", "4,5,6")]);
+        assert!(ok && err.contains("rolling back to"), "{name}: {err}");
+        digest(&out)
+    };
+    let one = rolled_back("dp1", &[]);
+    let zero = rolled_back("zero1", &["parallel.dp=2", "parallel.microbatches=2", "parallel.zero=1"]);
+    assert_eq!(zero, one);
+}
+
 /// A run that learns for a while, then meets a poisoned batch (every target
 /// one random token) at 0-based step `SPIKE`.
 const SPIKE: usize = 30;

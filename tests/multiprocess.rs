@@ -171,6 +171,69 @@ fn every_dp_pp_schedule_process_count_and_resume_at_another_dp_gives_one_digest(
     assert_eq!(train("resumed", &at_dp4, "3", "--resume"), reference, "resumed at dp=4");
 }
 
+/// ZeRO-1 keeps the bits of zero = 0 and dp = 1: dp 2, 4 × pp 1, 2 in one
+/// process, dp = 2 × pp = 2 over two and four processes, and a zero = 1 dp = 2
+/// checkpoint (moments gathered whole from the replicas' shards) resumed at
+/// zero = 0 dp = 1 and at zero = 1 dp = 4 × pp = 2. Shards are whole blocks of
+/// each tensor, the update is elementwise, and the gradient norm is summed per
+/// block in one order whoever holds the blocks (`optim::zero`).
+#[test]
+fn zero_1_at_every_dp_pp_process_count_and_resume_at_another_layout_gives_the_digest_of_dp_1() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let layout = |dp: usize, zero: u8, extra: &[&str]| {
+        let m = format!("parallel.microbatches={}", 8 / dp);
+        let (dp, zero) = (format!("parallel.dp={dp}"), format!("parallel.zero={zero}"));
+        let mut sets = vec!["optim.schedule=\"constant\"", "checkpoint.every=2", &dp, &m, &zero];
+        sets.extend_from_slice(extra);
+        model(&sets)
+    };
+    let train = |name: &str, args: &[String], flag: &str| {
+        let run = dir.path().join(name);
+        let mut c = Command::new(BIN);
+        c.arg("train").args(args).args(["--steps", "3"]).arg(flag).arg(&run);
+        let o = run_to_end(c, Duration::from_secs(60));
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        digest(&run)
+    };
+    let reference = train("dp1", &layout(1, 0, &[]), "--out");
+    for (dp, pp) in [(2, 1), (2, 2), (4, 1), (4, 2)] {
+        let name = format!("zero1-dp{dp}-pp{pp}");
+        let pp = format!("parallel.pp={pp}");
+        assert_eq!(train(&name, &layout(dp, 1, &[&pp]), "--out"), reference, "{name}");
+    }
+    let two = [layout(2, 1, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
+    assert_eq!(launched(dir.path(), 2, &two), reference, "zero=1 dp=2 × pp=2 over 2 processes");
+    assert_eq!(launched(dir.path(), 4, &two), reference, "zero=1 dp=2 × pp=2 over 4 processes");
+    // A zero = 1 dp = 2 run that stops in its last step, resumed from its
+    // checkpoint of step 2 in two copies: at zero = 0 dp = 1, and at zero = 1 dp = 4 × pp = 2.
+    let stopped = dir.path().join("stopped");
+    let mut c = Command::new(BIN);
+    c.arg("train").args(layout(2, 1, &["checkpoint.every=1"])).args(["--steps", "3", "--out"]).arg(&stopped);
+    c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
+    assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops the run");
+    for (name, args) in [
+        ("at-dp1", layout(1, 0, &["checkpoint.every=1"])),
+        ("at-dp4", layout(4, 1, &["parallel.pp=2", "checkpoint.every=1"])),
+    ] {
+        copy_dir(&stopped, &dir.path().join(name));
+        assert_eq!(train(name, &args, "--resume"), reference, "zero=1 dp=2 checkpoint resumed {name}");
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
+
 /// `worker` as rank `rank` of `world`, with torchrun's variables.
 fn worker(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Child {
     common::worker_command(port, rank, world, cookie, args).spawn().unwrap()

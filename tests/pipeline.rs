@@ -30,13 +30,13 @@ type Run = (Summary, Vec<f64>, Vec<(String, Vec<f32>)>);
 
 fn train(cfg: &Config, chaos: Option<u64>) -> Run {
     let dir = tempfile::tempdir().unwrap();
-    let opts = TrainOptions {
-        out_dir: dir.path().join("run"),
-        init: None,
-        force: false,
-        progress: false,
-        resume: false,
-    };
+    train_in(dir.path(), cfg, chaos)
+}
+
+/// A run into `dir`/run.
+fn train_in(dir: &std::path::Path, cfg: &Config, chaos: Option<u64>) -> Run {
+    let opts =
+        TrainOptions { out_dir: dir.join("run"), init: None, force: false, progress: false, resume: false };
     let (s, out) = train_with(cfg, &opts, chaos).unwrap();
     let mut params: Vec<(String, Vec<f32>)> =
         out.params.iter().map(|p| (p.name.clone(), p.data.clone())).collect();
@@ -157,6 +157,56 @@ fn two_and_four_replicas_give_the_bits_of_one_with_the_same_global_batch() {
         e.step(sched.lr(step), |mb, inp, tgt| data.train.fill(((step * m + mb) * b) as u64, inp, tgt));
     }
     assert_eq!(pipewright::model::io::weights_digest(&[&e.part]), one.0.weights_digest, "engine");
+}
+
+/// ZeRO-1 (each replica keeps the AdamW moments of its shard, gradients come
+/// reduce-scattered, updated shards are gathered) gives the bits of dp = 1
+/// with replicas' gradients and shards reaching the reducer in scrambled
+/// order, under 1F1B, ZB-H1 and interleaving (two chunks a rank, so two
+/// gathers), and its checkpoints hold the same tensors and moments as dp = 1's.
+#[test]
+fn zero_1_gives_the_bits_and_checkpoints_of_dp_1_under_scrambled_delivery() {
+    let cfg = |extra: &[&str]| config(&[&["parallel.pp=2", "checkpoint.every=1"], extra].concat());
+    let (one, one_ckpt) = train_keeping_checkpoint(&cfg(&[]), None);
+    let layouts: [&[&str]; 4] = [
+        &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=1"],
+        &["parallel.dp=4", "parallel.microbatches=2", "parallel.zero=1"],
+        &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=1", "parallel.schedule=\"zb-h1\""],
+        &[
+            "parallel.dp=2",
+            "parallel.microbatches=4",
+            "parallel.zero=1",
+            "parallel.schedule=\"interleaved\"",
+            "parallel.chunks=2",
+        ],
+    ];
+    for (seed, extra) in (11..).zip(layouts) {
+        let (run, ckpt) = train_keeping_checkpoint(&cfg(extra), Some(seed));
+        assert_same_bits(&one, &run, &format!("{extra:?} under chaos seed {seed}"));
+        assert_eq!(ckpt, one_ckpt, "{extra:?}: the last checkpoint's tensors and moments");
+    }
+}
+
+/// Every tensor of a checkpoint with its moments, by name.
+type Tensors = Vec<(String, Vec<f32>, Vec<f32>, Vec<f32>)>;
+
+/// A run, and its last checkpoint's tensors and moments.
+fn train_keeping_checkpoint(cfg: &Config, chaos: Option<u64>) -> (Run, Tensors) {
+    let dir = tempfile::tempdir().unwrap();
+    let run = train_in(dir.path(), cfg, chaos);
+    let last = dir.path().join("run/checkpoints").join(format!("step_{:08}", cfg.train.steps));
+    let c = pipewright::checkpoint::load(&last).unwrap();
+    let mut tensors: Tensors = c
+        .weights
+        .tensors
+        .iter()
+        .map(|(name, (_, data))| {
+            let (m, v) = c.moments[name].clone();
+            (name.clone(), data.clone(), m, v)
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    (run, tensors)
 }
 
 #[test]

@@ -135,6 +135,37 @@ fn every_actor_kind_replays_alone_identically() {
     assert!(e.contains("monitor is not recorded") && e.contains("timing"), "{e}");
 }
 
+/// ZeRO-1's reduce-scatter and gathers (of updated shards, and of moments
+/// for each checkpoint) are logged by the stages and the reducer, replay
+/// alone identically, and log the same under scrambled delivery.
+#[test]
+fn a_zero_1_run_replays_every_actor_alone_and_logs_the_same_under_scrambled_delivery() {
+    let cfg = config(&[
+        "parallel.pp=2",
+        "parallel.dp=2",
+        "parallel.zero=1",
+        "checkpoint.every=1",
+        "replay.payloads=[\"all\"]",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let run = record(&cfg, dir.path(), None);
+    let actors = recorded_actors(&run).unwrap();
+    for a in &actors {
+        assert_identical(&run, a, None);
+    }
+    let (_, es) = LogReader::read_all(&log_path(&run, "reducer")).unwrap();
+    // Two stages × two replicas, each sending shards of its updated
+    // parameters (3 steps) and of its moments (checkpoints at steps 1, 2, 3).
+    let gathers = es.iter().filter(|e| e.kind == "Gather").count();
+    assert_eq!(gathers, 2 * 2 * (3 + 3));
+    let d = tempfile::tempdir().unwrap();
+    let scrambled = record(&cfg, d.path(), Some(5));
+    for a in &actors {
+        let diff = compare_logs(a, &log_path(&run, a), &log_path(&scrambled, a)).unwrap();
+        assert!(diff.is_none(), "{a}: {}", diff.unwrap());
+    }
+}
+
 #[test]
 fn a_checkpointer_that_writes_other_bytes_is_caught() {
     let cfg = config(&["checkpoint.every=2", "replay.payloads=[\"checkpointer\"]"]);

@@ -16,6 +16,7 @@ use crate::kernels::cpu::matmul::with_random_order;
 use crate::model::part::{MicroActs, Mode, PartInput};
 use crate::model::{ModelPart, Param};
 use crate::optim::grad_tree::{Leaf, PartTree, Span};
+use crate::optim::zero::Shard;
 use crate::optim::{self, AdamState, Hyper};
 use std::collections::BTreeMap;
 
@@ -100,10 +101,23 @@ pub trait StageCompute {
     fn sums_by_tree(&self) -> bool {
         false
     }
-    /// Replaces chunk `i`'s gradients (their sum over replicas).
+    /// Replaces chunk `i`'s gradients (their sum over replicas); under ZeRO-1,
+    /// the shard of each tensor this replica owns.
     fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>);
-    /// Per-tensor Σg² of chunk `i` as (canonical index, value).
+    /// Σg² of chunk `i`'s gradients as (norm slot, value): per owned block on
+    /// the CPU (see `optim::zero`), per tensor under its first slot's
+    /// canonical index on GPUs (same order, other bits).
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>);
+    /// ZeRO-1: copies of the owned elements of chunk `i`'s parameters, one
+    /// vector per tensor (what this replica updated).
+    fn param_shards(&self, _i: usize) -> Vec<Vec<f32>> {
+        unreachable!("ZeRO-1 runs on the CPU backend only: the config refuses the rest")
+    }
+    /// ZeRO-1: replaces chunk `i`'s parameters with whole tensors (their
+    /// shards gathered from every replica).
+    fn set_params(&mut self, _i: usize, _params: &[Vec<f32>]) {
+        unreachable!("ZeRO-1 runs on the CPU backend only: the config refuses the rest")
+    }
     /// Overwrites a gradient element of chunk `i` (the overflow fault knob).
     fn poison_grad(&mut self, i: usize, value: f32);
     /// One AdamW step of every chunk, gradients scaled by `clip`.
@@ -114,7 +128,8 @@ pub trait StageCompute {
     fn param_name(&self, i: usize, k: usize) -> Option<String>;
     /// Copies of every parameter (the end of a run).
     fn params(&self) -> Vec<Param>;
-    /// Parameters and AdamW moments for a checkpoint, with AdamW's step count.
+    /// Parameters and AdamW moments for a checkpoint, with AdamW's step count;
+    /// under ZeRO-1 the moments are this replica's shard of each tensor.
     fn snapshot(&self) -> (Vec<TensorState>, u64);
     /// Loads parameters and moments from a checkpoint (a rollback).
     fn restore(&mut self, c: &Loaded) -> Result<(), String>;
@@ -137,6 +152,10 @@ pub struct CpuCompute {
     b: usize,
     /// Each chunk's microbatch gradients, summed by the fixed tree.
     trees: Vec<PartTree>,
+    /// The elements whose optimizer state this replica keeps (ZeRO-1).
+    shard: Shard,
+    /// Each tensor's first norm slot (`optim::zero::first_slots`).
+    first_slots: Vec<usize>,
 }
 
 impl CpuCompute {
@@ -152,7 +171,9 @@ impl CpuCompute {
         total: usize,
     ) -> Self {
         let trees = parts.iter().map(|p| PartTree::new(p, block.clone(), total)).collect();
-        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees }
+        let shard = adam.first().map_or(Shard::WHOLE, |a| a.shard);
+        let first_slots = parts.first().map_or(Vec::new(), |p| optim::zero::first_slots(&p.cfg));
+        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard, first_slots }
     }
 
     /// Most gradient sets any chunk's tree held at once (memory reports).
@@ -171,15 +192,39 @@ fn moments_of<'c>(c: &'c Loaded, name: &str) -> Result<&'c (Vec<f32>, Vec<f32>),
     c.moments.get(name).ok_or_else(|| format!("checkpoint lacks moments of {name}"))
 }
 
-/// Loads a checkpoint's moments for `params` into `st`.
+/// Loads a checkpoint's moments for `params` into `st`: the elements its
+/// shard owns of the whole tensors on disk.
 pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<(), String> {
     st.t = c.state.adam_step;
     for (i, p) in params.iter().enumerate() {
         let (m, v) = moments_of(c, &p.name)?;
-        st.m[i].copy_from_slice(m);
-        st.v[i].copy_from_slice(v);
+        let r = st.shard.range(p.numel());
+        st.m[i].copy_from_slice(&m[r.clone()]);
+        st.v[i].copy_from_slice(&v[r]);
     }
     Ok(())
+}
+
+/// Puts a replica's shard of each reduced gradient (part order, the head's
+/// wte share last) into the part's whole-length gradients; the elements it
+/// does not own are zero and never read.
+fn set_grad_shards(part: &mut ModelPart, shard: Shard, grads: Vec<Vec<f32>>) {
+    let n = part.params.len();
+    let wte = part.cfg.vocab_size * part.cfg.n_embd;
+    for (k, g) in grads.into_iter().enumerate() {
+        let (numel, target) = match k < n {
+            true => (part.params[k].numel(), &mut part.params[k].grad),
+            false => (wte, &mut part.wte_head_grad),
+        };
+        target.resize(numel, 0.0);
+        let r = shard.range(numel);
+        if g.is_empty() && !r.is_empty() {
+            // A tensor the reduction does not carry (the head's copy of wte).
+            continue;
+        }
+        assert_eq!(g.len(), r.len(), "tensor {k}'s shard of {numel} elements");
+        target[r].copy_from_slice(&g);
+    }
 }
 
 impl StageCompute for CpuCompute {
@@ -288,12 +333,26 @@ impl StageCompute for CpuCompute {
     }
 
     fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
-        PartTree::set(&mut self.parts[i], grads);
+        match self.shard == Shard::WHOLE {
+            true => PartTree::set(&mut self.parts[i], grads),
+            false => set_grad_shards(&mut self.parts[i], self.shard, grads),
+        }
     }
 
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
-        let part = &self.parts[i];
-        self.pool.install(|| optim::grad_sum_squares(part, out));
+        let (part, shard, first) = (&self.parts[i], self.shard, &self.first_slots);
+        self.pool.install(|| optim::grad_sum_squares(part, shard, first, out));
+    }
+
+    fn param_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        self.parts[i].params.iter().map(|p| p.data[self.shard.range(p.numel())].to_vec()).collect()
+    }
+
+    fn set_params(&mut self, i: usize, params: &[Vec<f32>]) {
+        for (p, data) in self.parts[i].params.iter_mut().zip(params) {
+            assert_eq!(data.len(), p.numel(), "{}: a gathered tensor is whole", p.name);
+            p.data.copy_from_slice(data);
+        }
     }
 
     fn poison_grad(&mut self, i: usize, value: f32) {

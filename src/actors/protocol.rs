@@ -1,8 +1,8 @@
 //! The runtime's messages, declared once: what stages, loaders and the
 //! coordinator say to each other, and the two ways a message leaves an actor.
 //!
-//! - As a frame (`cluster::wire`): a serde header (`StageKind`, `CoordKind`)
-//!   carrying every scalar, plus the tensors as raw arrays, bit for bit.
+//! - As a frame (`cluster::wire`): the message itself as a serde header (its
+//!   tensor fields skipped) carrying every scalar, plus the tensors as raw arrays, bit for bit.
 //! - As a replay log entry (`replay`): the header's kind name, step, stage and
 //!   microbatch as entry fields, the other scalars and the tensors as named
 //!   blobs (`key::*`).
@@ -191,12 +191,22 @@ pub enum StageMsg {
         #[serde(skip)]
         data: Vec<f32>,
     },
-    /// Gradients of `stage` summed over replicas.
+    /// Gradients of `stage` summed over replicas (under ZeRO-1, this replica's
+    /// shard of each tensor).
     Reduced {
         step: u64,
         stage: usize,
         #[serde(skip)]
         grads: Vec<Vec<f32>>,
+    },
+    /// ZeRO-1: `stage`'s tensors gathered whole from every replica's shard
+    /// (the updated parameters, or for a checkpoint the AdamW moments). Shared:
+    /// in one process every replica reads the one copy the reducer made.
+    Gathered {
+        step: u64,
+        stage: usize,
+        #[serde(skip)]
+        tensors: Arc<Vec<Vec<f32>>>,
     },
     /// Send the parameters to the coordinator (end of run).
     SendWeights,
@@ -430,7 +440,7 @@ type TensorMut<'a> = Tensor<&'a mut Vec<u32>, &'a mut Vec<f32>, &'a mut Vec<Vec<
 /// The table of every message's tensor fields, written once and expanded
 /// for reading (logs) and for moving tensors out and in (frames, replay).
 macro_rules! tensor_table {
-    ($(#[$m:meta])* fn $name:ident($self_ty:ty) -> $out:ty) => {
+    ($(#[$m:meta])* fn $name:ident($self_ty:ty) -> $out:ty, shared: $shared:path) => {
         $(#[$m])*
         fn $name(self: $self_ty) -> Vec<$out> {
             match self {
@@ -440,10 +450,22 @@ macro_rules! tensor_table {
                 | StageMsg::Gradient { data, .. }
                 | StageMsg::TiedShare { data, .. } => vec![Tensor::F32(data)],
                 StageMsg::Reduced { grads, .. } => vec![Tensor::F32s(grads)],
+                StageMsg::Gathered { tensors, .. } => vec![Tensor::F32s($shared(tensors))],
                 _ => vec![],
             }
         }
     };
+}
+
+fn shared_ref(tensors: &Arc<Vec<Vec<f32>>>) -> &Vec<Vec<f32>> {
+    tensors
+}
+
+/// Only a message leaving the process (or one being built from a log) is
+/// written through this, so the copy `make_mut` makes of a shared list is
+/// the copy a frame needs anyway.
+fn shared_mut(tensors: &mut Arc<Vec<Vec<f32>>>) -> &mut Vec<Vec<f32>> {
+    Arc::make_mut(tensors)
 }
 
 /// Moves the tensors out of a message, in table order.
@@ -482,8 +504,8 @@ fn fill_arrays(
 }
 
 impl StageMsg {
-    tensor_table!(fn tensors(&Self) -> TensorRef<'_>);
-    tensor_table!(fn tensors_mut(&mut Self) -> TensorMut<'_>);
+    tensor_table!(fn tensors(&Self) -> TensorRef<'_>, shared: shared_ref);
+    tensor_table!(fn tensors_mut(&mut Self) -> TensorMut<'_>, shared: shared_mut);
 
     /// The kind's name in logs and error messages.
     pub fn name(&self) -> &'static str {
@@ -497,6 +519,7 @@ impl StageMsg {
             StageMsg::Gradient { .. } => "Gradient",
             StageMsg::TiedShare { .. } => "TiedShare",
             StageMsg::Reduced { .. } => "Reduced",
+            StageMsg::Gathered { .. } => "Gathered",
             StageMsg::SendWeights => "SendWeights",
             StageMsg::Snapshot { .. } => "Snapshot",
             StageMsg::Restore(_) => "Restore",
@@ -517,6 +540,7 @@ impl StageMsg {
             | Gradient { step, .. }
             | TiedShare { step, .. }
             | Reduced { step, .. }
+            | Gathered { step, .. }
             | Snapshot { step } => Some(*step),
             SendWeights | Restore(_) | Stop => None,
         }
@@ -559,7 +583,7 @@ impl StageMsg {
             }
             StageMsg::Activation { phase, stage, mb, .. } => (Some(*stage), Some(*mb), eval(phase)),
             StageMsg::Gradient { stage, mb, .. } => (Some(*stage), Some(*mb), false),
-            StageMsg::Reduced { stage, .. } => (Some(*stage), None, false),
+            StageMsg::Reduced { stage, .. } | StageMsg::Gathered { stage, .. } => (Some(*stage), None, false),
             _ => (None, None, false),
         }
     }
@@ -608,6 +632,7 @@ impl StageMsg {
             "Gradient" => StageMsg::Gradient { step, stage, mb, data, sent },
             "TiedShare" => StageMsg::TiedShare { step, data },
             "Reduced" => StageMsg::Reduced { step, stage, grads: vec![] },
+            "Gathered" => StageMsg::Gathered { step, stage, tensors: Arc::new(vec![]) },
             "SendWeights" => StageMsg::SendWeights,
             "Snapshot" => StageMsg::Snapshot { step },
             "Restore" => {
@@ -624,6 +649,8 @@ impl StageMsg {
     /// `keep`: store tensor bytes, not only their digests.
     pub fn logged(&self, keep: bool, grad_name: &dyn Fn(usize, usize) -> String) -> Logged {
         let (stage, mb, eval) = self.entry_fields();
+        // Gathered tensors are parameters or moments: numbered, not named.
+        let grad_name = if matches!(self, StageMsg::Gathered { .. }) { &no_grad_names } else { grad_name };
         let mut blobs = self.scalar_blobs();
         for t in self.tensors() {
             match t {
@@ -827,6 +854,7 @@ mod tests {
                 sent: Sent::now(),
             },
             StageMsg::Reduced { step: 4, stage: 1, grads: vec![vec![1.0], vec![2.0, 3.0]] },
+            StageMsg::Gathered { step: 5, stage: 2, tensors: Arc::new(vec![vec![], vec![4.0, 5.0]]) },
         ];
         for m in msgs {
             let entry = m.logged(true, &|s, k| format!("s{s}.{k}")).entry("x", 0, 0);

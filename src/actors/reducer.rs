@@ -1,6 +1,10 @@
 //! Data-parallel gradient reduction: for each stage, the gradients of every
 //! replica are summed in replica order (0 + 1 + 2 …) and the sum is sent back
 //! to every replica, so all replicas apply the same update and stay identical.
+//! Under ZeRO-1 each replica gets only its shard of the sum (a reduce-scatter:
+//! the tree is elementwise, so a shard of the root has the root's bits), and
+//! the reducer also gathers the replicas' shards whole (`Gather`) and sends
+//! them to every replica.
 //!
 //! As with a stage, the actor only owns the mailbox and supervision: its handler
 //! forwards each message (through the chaos shim when testing) to a thread that
@@ -10,6 +14,7 @@
 
 use super::stage::StageMsg;
 use crate::optim::grad_tree::{self, Span};
+use crate::optim::zero::Shard;
 use crate::replay::{self, ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
 use crossbeam_channel::Sender;
@@ -23,6 +28,10 @@ pub enum ReducerMsg {
     /// tree: `grads` holds `spans.len()` sets of the stage's tensors, one
     /// after the other.
     Reduce { step: u64, stage: usize, replica: usize, spans: Vec<Span>, grads: Vec<Vec<f32>> },
+    /// ZeRO-1: a replica's shard of each of `stage`'s tensors (updated
+    /// parameters, or AdamW moments for a checkpoint), to be sent whole to
+    /// every replica.
+    Gather { step: u64, stage: usize, replica: usize, shards: Vec<Vec<f32>> },
 }
 
 impl Message for ReducerMsg {}
@@ -38,6 +47,8 @@ pub struct ReducerArgs {
     /// Test transport: deliver each gradient after a random delay, so replicas'
     /// contributions reach the sum in a scrambled order.
     pub chaos_seed: Option<u64>,
+    /// ZeRO-1: send each replica its shard of a sum, not the whole.
+    pub zero: bool,
 }
 
 pub struct Reducer;
@@ -56,6 +67,11 @@ pub struct ReducerState {
     held: BTreeMap<(u64, usize, usize), Entry>,
     /// Completed gathers of steps still open.
     done: BTreeMap<u64, usize>,
+    /// ZeRO-1 gathers: (step, stage) → shards by replica, and their log
+    /// entries and completed count as for reductions.
+    shards: BTreeMap<(u64, usize), Vec<Option<Grads>>>,
+    shards_held: BTreeMap<(u64, usize, usize), Entry>,
+    shards_done: BTreeMap<u64, usize>,
 }
 
 /// The actor's side: where messages go, and the thread to wait for at the end.
@@ -130,6 +146,11 @@ impl Actor for Reducer {
     }
 }
 
+/// Tensors as log blobs, `tensor.k`.
+fn tensor_blobs(tensors: &Grads, keep: bool) -> Vec<Blob> {
+    tensors.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)).collect()
+}
+
 /// The spans of a Reduce as a log blob: (lo, hi) pairs.
 pub fn span_blob(spans: &[Span]) -> Blob {
     let flat: Vec<u32> = spans.iter().flat_map(|s| [s.lo as u32, s.hi as u32]).collect();
@@ -148,20 +169,39 @@ pub fn split_nodes(spans: Vec<Span>, grads: Grads) -> Result<Nodes, String> {
 
 impl ReducerState {
     pub fn new(args: ReducerArgs) -> ReducerState {
-        ReducerState { args, pending: BTreeMap::new(), held: BTreeMap::new(), done: BTreeMap::new() }
+        ReducerState {
+            args,
+            pending: BTreeMap::new(),
+            held: BTreeMap::new(),
+            done: BTreeMap::new(),
+            shards: BTreeMap::new(),
+            shards_held: BTreeMap::new(),
+            shards_done: BTreeMap::new(),
+        }
+    }
+
+    /// The rank holding `stage`, or an error naming a stage or replica out of range.
+    fn rank_of(&self, stage: usize, replica: usize) -> Result<usize, String> {
+        let Some(&rank) = self.args.stage_rank.get(stage) else {
+            return Err(format!("reducer: stage {stage} of {}", self.args.stage_rank.len()));
+        };
+        if replica >= self.args.dp {
+            return Err(format!("reducer: replica {replica} of {}", self.args.dp));
+        }
+        Ok(rank)
     }
 
     /// Handles one message; with no stage actors (replaying the reducer alone)
     /// the sums are only logged.
     pub fn on_message(&mut self, msg: ReducerMsg) -> Result<(), String> {
-        let ReducerMsg::Reduce { step, stage, replica, spans, grads } = msg;
-        let dp = self.args.dp;
-        let Some(&rank) = self.args.stage_rank.get(stage) else {
-            return Err(format!("reducer: stage {stage} of {}", self.args.stage_rank.len()));
+        let (step, stage, replica, spans, grads) = match msg {
+            ReducerMsg::Reduce { step, stage, replica, spans, grads } => (step, stage, replica, spans, grads),
+            ReducerMsg::Gather { step, stage, replica, shards } => {
+                return self.on_gather(step, stage, replica, shards)
+            }
         };
-        if replica >= dp {
-            return Err(format!("reducer: replica {replica} of {dp}"));
-        }
+        let dp = self.args.dp;
+        let rank = self.rank_of(stage, replica)?;
         if let Some(log) = &self.args.log {
             let keep = log.payloads();
             let mut inputs = vec![span_blob(&spans)];
@@ -184,13 +224,17 @@ impl ReducerState {
         // The replicas' blocks cover the step's microbatches: the last one ends at their count.
         let total = nodes.iter().map(|(s, _)| s.hi).max().unwrap_or(0);
         let sum = grad_tree::combine(nodes, total);
+        let zero = self.args.zero;
+        let part_of = |r: usize| match zero {
+            true => crate::optim::zero::shards_of(&sum, Shard { replica: r, dp }),
+            false => sum.clone(),
+        };
         if let Some(e) = self.held.get_mut(&(step, stage, dp - 1)) {
             let keep = self.args.log.as_ref().is_some_and(|l| l.payloads());
-            let blobs: Vec<Blob> =
-                sum.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)).collect();
             for r in 0..dp {
-                let to = super::coordinator::stage_name(rank, r);
-                e.sent.push(replay::Sent { to, kind: "Reduced".into(), mb: None, blobs: blobs.clone() });
+                let blobs = tensor_blobs(&part_of(r), keep);
+                let to = super::protocol::stage_name(rank, r);
+                e.sent.push(replay::Sent { to, kind: "Reduced".into(), mb: None, blobs });
             }
             let n = self.done.entry(step).or_insert(0);
             *n += 1;
@@ -201,12 +245,74 @@ impl ReducerState {
         }
         let Some(stages) = self.args.stages.get() else { return Ok(()) };
         let failed = |e| format!("reducer: {e}");
-        for replica in stages.iter().take(dp).skip(1) {
+        for (r, replica) in stages.iter().enumerate().take(dp).skip(1) {
             replica[rank]
-                .send_message(StageMsg::Reduced { step, stage, grads: sum.clone() })
+                .send_message(StageMsg::Reduced { step, stage, grads: part_of(r) })
                 .map_err(failed)?;
         }
-        stages[0][rank].send_message(StageMsg::Reduced { step, stage, grads: sum }).map_err(failed)
+        let grads = if zero { part_of(0) } else { sum };
+        stages[0][rank].send_message(StageMsg::Reduced { step, stage, grads }).map_err(failed)
+    }
+
+    /// A replica's shards of `stage`'s tensors; once every replica's are in,
+    /// each tensor is its shards in replica order, sent to every replica.
+    fn on_gather(&mut self, step: u64, stage: usize, replica: usize, shards: Grads) -> Result<(), String> {
+        let (dp, rank) = (self.args.dp, self.rank_of(stage, replica)?);
+        if let Some(log) = &self.args.log {
+            let e = replay::entry(&super::coordinator::stage_name(rank, replica), "Gather", step, replica)
+                .with_stage(stage)
+                .with_inputs(tensor_blobs(&shards, log.payloads()));
+            self.shards_held.insert((step, stage, replica), e);
+        }
+        let slot = self.shards.entry((step, stage)).or_insert_with(|| (0..dp).map(|_| None).collect());
+        if slot[replica].replace(shards).is_some() {
+            return Err(format!(
+                "reducer: replica {replica} sent its shards of stage {stage}, step {step} twice"
+            ));
+        }
+        if slot.iter().any(Option::is_none) {
+            return Ok(());
+        }
+        let by_replica: Vec<Grads> =
+            self.shards.remove(&(step, stage)).unwrap().into_iter().flatten().collect();
+        let whole = crate::optim::zero::concat_shards(by_replica).map_err(|e| format!("reducer: {e}"))?;
+        let whole = Arc::new(whole);
+        self.log_gathered(step, stage, rank, &whole);
+        let Some(stages) = self.args.stages.get() else { return Ok(()) };
+        for replica in stages.iter().take(dp) {
+            let msg = StageMsg::Gathered { step, stage, tensors: Arc::clone(&whole) };
+            replica[rank].send_message(msg).map_err(|e| format!("reducer: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Records a completed gather; once every stage's gather of the step is in,
+    /// logs them in (stage, replica) order, whatever order they arrived in.
+    fn log_gathered(&mut self, step: u64, stage: usize, rank: usize, whole: &Grads) {
+        let Some(log) = &mut self.args.log else { return };
+        let dp = self.args.dp;
+        if let Some(e) = self.shards_held.get_mut(&(step, stage, dp - 1)) {
+            let blobs = tensor_blobs(whole, log.payloads());
+            for r in 0..dp {
+                let to = super::protocol::stage_name(rank, r);
+                e.sent.push(replay::Sent { to, kind: "Gathered".into(), mb: None, blobs: blobs.clone() });
+            }
+        }
+        let n = self.shards_done.entry(step).or_insert(0);
+        *n += 1;
+        if *n < self.args.stage_rank.len() {
+            return;
+        }
+        self.shards_done.remove(&step);
+        let held = std::mem::take(&mut self.shards_held);
+        for (key, e) in held {
+            if key.0 == step {
+                log.begin(e);
+            } else {
+                self.shards_held.insert(key, e);
+            }
+        }
+        log.end();
     }
 
     /// Flushes and closes the log; returns how far a replay got.

@@ -315,6 +315,17 @@ impl Fabric {
                 let _ = dest.send_message(msg);
                 Ok(())
             }
+            Kind::Gather { step, stage, replica } => {
+                let dest = self
+                    .routes
+                    .get()
+                    .and_then(|r| r.reducer.clone())
+                    .ok_or_else(|| format!("{} sent shards to a process without a reducer", who()))?;
+                let msg = wire::gather_msg(step, stage, replica, f.arrays)
+                    .map_err(|e| format!("{}: {e}", who()))?;
+                let _ = dest.send_message(msg);
+                Ok(())
+            }
             Kind::Roster { config, config_hash, listen, run_dir, resume, init, nccl } => {
                 let _ = self.events.send(Event::Roster {
                     config,

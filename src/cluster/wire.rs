@@ -68,6 +68,12 @@ pub enum Kind {
         replica: u32,
         spans: Vec<(u32, u32)>,
     },
+    /// ZeRO-1: a replica's shard of each of a stage's tensors (the arrays).
+    Gather {
+        step: u64,
+        stage: u32,
+        replica: u32,
+    },
     /// The run failed elsewhere; stop with this reason.
     Abort {
         reason: String,
@@ -119,12 +125,28 @@ pub fn coordinator_msg(kind: CoordinatorMsg, arrays: Vec<Array>) -> Result<Coord
 }
 
 pub fn reducer_frame(msg: ReducerMsg) -> Frame {
-    let ReducerMsg::Reduce { step, stage, replica, spans, grads } = msg;
-    let spans = spans.iter().map(|s| (s.lo as u32, s.hi as u32)).collect();
-    Frame::with(
-        Kind::Reduce { step, stage: stage as u32, replica: replica as u32, spans },
-        grads.into_iter().map(Array::F32).collect(),
-    )
+    let (stage, replica) = match &msg {
+        ReducerMsg::Reduce { stage, replica, .. } | ReducerMsg::Gather { stage, replica, .. } => {
+            (*stage as u32, *replica as u32)
+        }
+    };
+    match msg {
+        ReducerMsg::Reduce { step, spans, grads, .. } => {
+            let spans = spans.iter().map(|s| (s.lo as u32, s.hi as u32)).collect();
+            Frame::with(
+                Kind::Reduce { step, stage, replica, spans },
+                grads.into_iter().map(Array::F32).collect(),
+            )
+        }
+        ReducerMsg::Gather { step, shards, .. } => {
+            Frame::with(Kind::Gather { step, stage, replica }, shards.into_iter().map(Array::F32).collect())
+        }
+    }
+}
+
+pub fn gather_msg(step: u64, stage: u32, replica: u32, arrays: Vec<Array>) -> Result<ReducerMsg, WireError> {
+    let shards = protocol::f32_arrays("Gather", arrays)?;
+    Ok(ReducerMsg::Gather { step, stage: stage as usize, replica: replica as usize, shards })
 }
 
 pub fn reducer_msg(

@@ -1,13 +1,15 @@
 //! The optimizer step: learning-rate schedules, global-norm clipping and AdamW
 //! state for the parameters of one model part.
 //!
-//! Global norms are summed per tensor in the model's canonical tensor order, so
-//! the result is the same bits however the model is split into parts.
+//! Global norms are summed per block of each tensor, in the model's canonical
+//! tensor order and block order within a tensor (see `zero`), so the result is
+//! the same bits however the model is split into parts or shards.
 
 pub mod grad_tree;
 pub mod scaler;
+pub mod zero;
 
-use crate::kernels::cpu::adamw::{adamw_update, sum_squares, AdamW};
+use crate::kernels::cpu::adamw::{adamw_update, AdamW};
 use crate::kernels::profile::{timed, Kernel};
 use crate::model::params::all_tensors;
 use crate::model::{GptConfig, ModelPart};
@@ -93,16 +95,18 @@ impl LrSchedule {
     }
 }
 
-/// Per-tensor Σg² of a part, as (canonical tensor index, value). The head's copy
-/// of the tied wte is left out when another part owns the embedding: the
-/// embedding's part reports the combined gradient once.
-pub fn grad_sum_squares(part: &ModelPart, out: &mut Vec<(usize, f64)>) {
+/// Σg² of each block of a part's tensors that `shard` owns, as (norm slot,
+/// value). The head's copy of the tied wte is left out when another part owns
+/// the embedding: the embedding's part reports the combined gradient once.
+/// `first` is `zero::first_slots` of the model, made once by the caller: a
+/// steady-state step allocates nothing.
+pub fn grad_sum_squares(part: &ModelPart, shard: zero::Shard, first: &[usize], out: &mut Vec<(usize, f64)>) {
     out.clear();
     for p in &part.params {
         if p.name == "wte.weight" && !part.spec.embedding {
             continue;
         }
-        out.push((p.canonical, timed(Kernel::GradNorm, || sum_squares(&p.grad))));
+        timed(Kernel::GradNorm, || zero::block_sum_squares(&p.grad, first[p.canonical], shard, out));
     }
 }
 
@@ -126,12 +130,14 @@ pub fn clip_coefficient(norm: f64, max_norm: f64) -> f32 {
     }
 }
 
-/// AdamW moments for every parameter of one part.
+/// AdamW moments for every parameter of one part, for the elements its
+/// shard owns (all of them unless ZeRO-1 shares them out).
 pub struct AdamState {
     pub m: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
     /// Updates applied so far (the bias-correction step count).
     pub t: u64,
+    pub shard: zero::Shard,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -167,21 +173,26 @@ impl Hyper {
 
 impl AdamState {
     pub fn new(part: &ModelPart) -> Self {
-        AdamState {
-            m: part.params.iter().map(|p| vec![0.0; p.numel()]).collect(),
-            v: part.params.iter().map(|p| vec![0.0; p.numel()]).collect(),
-            t: 0,
-        }
+        Self::sharded(part, zero::Shard::WHOLE)
     }
 
-    /// One AdamW step over the part's parameters with their (combined) gradients.
+    /// Moments for the elements `shard` owns of each of the part's tensors.
+    pub fn sharded(part: &ModelPart, shard: zero::Shard) -> Self {
+        let zeros = || part.params.iter().map(|p| vec![0.0; shard.range(p.numel()).len()]).collect();
+        AdamState { m: zeros(), v: zeros(), t: 0, shard }
+    }
+
+    /// One AdamW step over the owned elements of the part's parameters with
+    /// their (combined) gradients; the rest of each tensor is left as it is.
     pub fn step(&mut self, part: &mut ModelPart, hp: Hyper, lr: f64, clip: f32) {
         self.t += 1;
         let h = hp.adamw(lr, self.t);
         for (i, p) in part.params.iter_mut().enumerate() {
             let decay = p.decays();
+            let r = self.shard.range(p.numel());
             timed(Kernel::AdamW, || {
-                adamw_update(&mut p.data, &p.grad, &mut self.m[i], &mut self.v[i], &h, decay, clip)
+                let (data, grad) = (&mut p.data[r.clone()], &p.grad[r.clone()]);
+                adamw_update(data, grad, &mut self.m[i], &mut self.v[i], &h, decay, clip)
             });
         }
     }

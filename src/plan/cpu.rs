@@ -20,6 +20,17 @@ use serde::Serialize;
 /// f32 weights, gradients and both AdamW moments: 4 B each, no separate master copy.
 pub const STATE_BYTES_PER_PARAM: f64 = 16.0;
 
+/// Bytes per parameter a replica keeps: under ZeRO-1 its share of the moments
+/// (1/dp, to a block: `optim::zero`); the f32 weights are the master copy and
+/// every replica needs them whole for its forward.
+pub fn state_bytes_per_param(dp: usize, zero: u8) -> f64 {
+    let moments = 8.0;
+    match zero {
+        0 => STATE_BYTES_PER_PARAM,
+        _ => STATE_BYTES_PER_PARAM - moments + moments / dp as f64,
+    }
+}
+
 /// One pipeline rank of one replica.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CpuRank {
@@ -143,7 +154,7 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
                 let sets = crate::optim::grad_tree::held_sets(layout.microbatches) as f64;
                 workspace += sets * 4.0 * (params + head_share);
             }
-            let state_bytes = STATE_BYTES_PER_PARAM * params;
+            let state_bytes = state_bytes_per_param(layout.dp, cfg.parallel.zero) * params;
             CpuRank {
                 rank,
                 params,
@@ -309,7 +320,7 @@ impl CpuPlan {
     pub fn text(&self) -> String {
         let mb = |x: f64| x / 1e6;
         let mut s = String::from(
-            "\nthis config on pipewright's CPU backend (f32 states 16 B/param; activations kept for backward)\n",
+            "\nthis config on pipewright's CPU backend (f32 states 16 B/param, 8 + 8/dp under ZeRO-1; activations kept for backward)\n",
         );
         s += &format!(
             "  {:>4} {:>10} {:>11} {:>5} {:>14} {:>13} {:>10}\n",
@@ -393,5 +404,17 @@ mod tests {
         let wte = (gpt.vocab_size * gpt.n_embd) as f64;
         assert_eq!(counted, gpt.num_params() as f64 + wte);
         assert!(p.ranks.iter().all(|r| r.state_bytes == 16.0 * r.params));
+    }
+
+    #[test]
+    fn zero_1_shares_the_moments_out_over_the_replicas() {
+        let mut cfg = bench_config(1, 2);
+        cfg.parallel.dp = 2;
+        let whole = plan(&cfg).unwrap();
+        cfg.parallel.zero = 1;
+        let sharded = plan(&cfg).unwrap();
+        let params = whole.ranks[0].params;
+        assert_eq!(whole.ranks[0].state_bytes - sharded.ranks[0].state_bytes, 4.0 * params);
+        assert_eq!(whole.process_bytes - sharded.process_bytes, 2.0 * 4.0 * params);
     }
 }

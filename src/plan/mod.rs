@@ -104,9 +104,8 @@ pub fn runnable(layout: &memory::MemLayout, backend: Backend) -> Result<(), &'st
     }
     match (layout.zero, backend) {
         (0, _) => {}
-        // ZeRO-1 is being added for the CPU backend: when parallel.zero = 1
-        // lands, this arm becomes `(1, Backend::Cpu) => {}`.
-        (1, _) => return Err("ZeRO-1 is not implemented yet"),
+        (1, Backend::Cpu) => {}
+        (1, _) => return Err("ZeRO-1 runs on the CPU backend only (parallel.zero = 1)"),
         _ => return Err("ZeRO-2 and ZeRO-3 are not implemented"),
     }
     if layout.recompute == Recompute::Selective {

@@ -484,6 +484,13 @@ fn replay_reducer(cfg: &Config, entries: &[Entry], log: ActorLog) -> Result<usiz
     let mut st = ReducerState::new(args);
     for e in entries {
         let err = |why: String| anyhow!("reducer: {}: {why}", e.describe());
+        if e.kind == "Gather" {
+            let shards = e.inputs.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(err)?;
+            let stage = e.stage.ok_or_else(|| err("names no stage".into()))? as usize;
+            let msg = ReducerMsg::Gather { step: e.step, stage, replica: e.replica as usize, shards };
+            st.on_message(msg).map_err(|e| anyhow!(e))?;
+            continue;
+        }
         let (spans, tensors) = e.inputs.split_first().ok_or_else(|| err("holds no tree spans".into()))?;
         let spans = spans.to_u32s().map_err(err)?;
         let spans = spans.chunks(2).map(|p| Span { lo: p[0] as usize, hi: p[1] as usize }).collect();

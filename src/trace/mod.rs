@@ -27,8 +27,9 @@ pub struct Record {
     pub stage: usize,
     pub rank: usize,
     /// "F", "B", "I", "W" (actions); "wait", "send", "recv" (an instant: when a
-    /// message reached the stage's actor), "optimizer", "reduce", "tied", "eval",
-    /// "checkpoint" (a stage copying its state) or "checkpoint write".
+    /// message reached the stage's actor), "optimizer", "reduce", "tied", "gather"
+    /// (ZeRO-1's updated shards), "eval", "checkpoint" (a stage copying its state)
+    /// or "checkpoint write".
     pub name: String,
     pub step: u64,
     /// Microbatch for actions and for waits, sends and receives of one microbatch.

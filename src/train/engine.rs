@@ -33,6 +33,8 @@ pub struct Engine {
     /// Predictions of one microbatch in `evaluate`.
     argmax: Vec<u32>,
     norms: Vec<(usize, f64)>,
+    /// Each tensor's first norm slot (`optim::zero::first_slots`).
+    first_slots: Vec<usize>,
 }
 
 /// Compute threads: the configured count, or one per available core.
@@ -71,6 +73,7 @@ impl Engine {
             targets: vec![0; n],
             argmax: vec![0; n],
             norms: Vec::new(),
+            first_slots: optim::zero::first_slots(&GptConfig::from_config(cfg)),
         }
     }
 
@@ -82,8 +85,20 @@ impl Engine {
     /// One optimizer step. `fill(mb, inputs, targets)` supplies microbatch `mb`.
     pub fn step(&mut self, lr: f64, mut fill: impl FnMut(usize, &mut [u32], &mut [u32]) + Send) -> StepStats {
         let dloss = 1.0 / self.tokens_per_step() as f32;
-        let Engine { part, adam, hyper, grad_clip, microbatches, pool, inputs, targets, norms, tree, .. } =
-            self;
+        let Engine {
+            part,
+            adam,
+            hyper,
+            grad_clip,
+            microbatches,
+            pool,
+            inputs,
+            targets,
+            norms,
+            tree,
+            first_slots,
+            ..
+        } = self;
         pool.install(|| {
             part.zero_grads();
             let mut loss_sum = 0.0f64;
@@ -98,7 +113,7 @@ impl Engine {
             tree.finish_local(part);
             part.combine_tied_grads(None);
             let loss = loss_sum * dloss as f64;
-            optim::grad_sum_squares(part, norms);
+            optim::grad_sum_squares(part, optim::zero::Shard::WHOLE, first_slots, norms);
             let grad_norm = optim::global_norm(norms);
             let skipped = !loss.is_finite() || !grad_norm.is_finite();
             if !skipped {

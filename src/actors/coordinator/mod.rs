@@ -560,7 +560,9 @@ impl CoordinatorState {
             self.waiting = Waiting::Snapshots;
             self.snapshot_started = Instant::now();
             let step = self.step;
-            return self.send_stages(1, || StageMsg::Snapshot { step });
+            // Under ZeRO-1 every replica holds a shard of the moments: all take part.
+            let replicas = if self.cfg.parallel.zero == 1 { self.layout.dp } else { 1 };
+            return self.send_stages(replicas, || StageMsg::Snapshot { step });
         }
         if self.stop_requested {
             self.out.stopped_early = self.step < self.steps;

@@ -50,6 +50,14 @@ fn pin_here(cores: &[core_affinity::CoreId]) {
     }
 }
 
+/// The elements of each tensor whose optimizer state this replica keeps.
+fn zero_shard(args: &StageArgs) -> crate::optim::zero::Shard {
+    match args.cfg.parallel.zero {
+        0 => crate::optim::zero::Shard::WHOLE,
+        _ => crate::optim::zero::Shard { replica: args.replica, dp: args.layout.dp },
+    }
+}
+
 fn build_cpu(
     args: &StageArgs,
     chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
@@ -62,7 +70,7 @@ fn build_cpu(
     let mut adam = Vec::new();
     for (spec, params) in chunks {
         let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params);
-        let mut st = AdamState::new(&part);
+        let mut st = AdamState::sharded(&part, zero_shard(args));
         if let Some(c) = &args.resume {
             super::super::compute::load_moments(&part.params, &mut st, c)?;
         }

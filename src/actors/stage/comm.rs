@@ -37,6 +37,7 @@ pub enum Key {
     Grad(usize, usize),
     Tied,
     Reduced(usize),
+    Gathered(usize),
 }
 
 impl Key {
@@ -49,6 +50,7 @@ impl Key {
             StageMsg::Gradient { stage, mb, .. } => Key::Grad(stage, mb),
             StageMsg::TiedShare { .. } => Key::Tied,
             StageMsg::Reduced { stage, .. } => Key::Reduced(stage),
+            StageMsg::Gathered { stage, .. } => Key::Gathered(stage),
             _ => return None,
         })
     }
@@ -62,6 +64,7 @@ impl Key {
             Key::Grad(s, _) => format!("gradient from stage {}", s + 1),
             Key::Tied => "the other share of the tied embedding gradient".into(),
             Key::Reduced(_) => "gradients reduced over replicas".into(),
+            Key::Gathered(_) => "shards gathered from every replica".into(),
         }
     }
 }
@@ -132,6 +135,37 @@ pub trait Comm {
             }
         }
         Ok(sums)
+    }
+
+    /// As `reduce_ordered`, but each member gets back only its shard of each
+    /// sum (ZeRO-1, see `optim::zero`): the reducer knows the run's setting.
+    fn reduce_scatter(
+        &mut self,
+        group: Group,
+        step: u64,
+        replica: usize,
+        parts: Vec<(usize, Vec<Span>, Vec<Vec<f32>>)>,
+        at: At,
+    ) -> Result<Vec<Vec<Vec<f32>>>, Stopped> {
+        self.reduce_ordered(group, step, replica, parts, at)
+    }
+
+    /// ZeRO-1: this member's shard of each of `stage`'s tensors, gathered with
+    /// every other member's in group order; every member gets the whole tensors.
+    fn all_gather_shards(
+        &mut self,
+        group: Group,
+        step: u64,
+        (stage, replica): (usize, usize),
+        shards: Vec<Vec<f32>>,
+        at: At,
+    ) -> Result<std::sync::Arc<Vec<Vec<f32>>>, Stopped> {
+        assert_eq!(group, Group::Replicas, "shards are gathered over replicas");
+        self.to_reducer(ReducerMsg::Gather { step, stage, replica, shards })?;
+        match self.recv(Key::Gathered(stage), at)? {
+            StageMsg::Gathered { tensors, .. } => Ok(tensors),
+            _ => unreachable!("Key::Gathered holds Gathered"),
+        }
     }
 
     /// Sends `mine` to the other members of `group` (pipeline ranks `peers`)

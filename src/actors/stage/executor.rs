@@ -43,6 +43,9 @@ pub struct Executor {
     pub rec: Rc<RefCell<Recorder>>,
     /// When the current action's inputs were all in hand (trace time, µs).
     pub compute_start: f64,
+    /// ZeRO-1: this replica keeps and updates its shard of the optimizer
+    /// state; gradients come reduce-scattered, parameters are gathered after.
+    pub zero: bool,
 }
 
 fn action_name(kind: ActionKind) -> &'static str {
@@ -151,6 +154,11 @@ impl Executor {
                     self.compute.adamw(self.hyper, lr, clip);
                 }
                 self.trace_rank("optimizer", t);
+                if self.zero && !skip {
+                    let t = self.now_us();
+                    self.gather_params()?;
+                    self.trace_rank("gather", t);
+                }
                 self.log_params();
                 self.comm.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
             }
@@ -158,9 +166,14 @@ impl Executor {
             StageMsg::SendWeights => self.send_weights(),
             StageMsg::Snapshot { step } => {
                 let t = self.now_us();
-                let (tensors, adam_step) = self.compute.snapshot();
+                let (mut tensors, adam_step) = self.compute.snapshot();
+                if self.zero {
+                    self.gather_moments(step, &mut tensors)?;
+                }
                 self.trace_rank("checkpoint", t);
-                self.comm.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
+                if self.replica == 0 {
+                    self.comm.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
+                }
             }
             StageMsg::Restore(c) => {
                 if let Err(e) = self.compute.restore(c.loaded()) {
@@ -234,7 +247,8 @@ impl Executor {
             self.sum_gradients()?;
         }
         let mut sumsq = Vec::new();
-        if self.replica == 0 && trains {
+        // Under ZeRO-1 each replica holds the blocks of its shard only.
+        if (self.replica == 0 || self.zero) && trains {
             for i in 0..self.stages.len() {
                 self.compute.grad_sum_squares(i, &mut self.norms);
                 sumsq.extend_from_slice(&self.norms);
@@ -365,11 +379,62 @@ impl Executor {
                 (self.stages[i], spans, nodes.into_iter().flat_map(|n| n.1).collect())
             })
             .collect();
-        let sums = self.comm.reduce_ordered(Group::Replicas, self.step, self.replica, parts, self.at())?;
+        let (step, replica, at) = (self.step, self.replica, self.at());
+        let sums = match self.zero {
+            true => self.comm.reduce_scatter(Group::Replicas, step, replica, parts, at)?,
+            false => self.comm.reduce_ordered(Group::Replicas, step, replica, parts, at)?,
+        };
         for (i, grads) in sums.into_iter().enumerate() {
             self.compute.set_grads(i, grads);
         }
         Ok(())
+    }
+
+    /// ZeRO-1, after the update: every replica's updated shards gathered, so
+    /// each holds the whole parameters again.
+    fn gather_params(&mut self) -> Result<(), Stopped> {
+        for i in 0..self.stages.len() {
+            let shards = self.compute.param_shards(i);
+            let whole = self.gather(self.step, self.stages[i], shards)?;
+            self.compute.set_params(i, &whole);
+        }
+        Ok(())
+    }
+
+    /// ZeRO-1, for a checkpoint: each tensor's AdamW moments gathered whole
+    /// from every replica's shard, so the checkpoint is layout-independent.
+    fn gather_moments(
+        &mut self,
+        step: u64,
+        tensors: &mut [crate::checkpoint::TensorState],
+    ) -> Result<(), Stopped> {
+        let mut rest = tensors;
+        for i in 0..self.stages.len() {
+            let n = (0..).take_while(|&k| self.compute.param_name(i, k).is_some()).count();
+            let (chunk, tail) = std::mem::take(&mut rest).split_at_mut(n);
+            rest = tail;
+            let mut shards: Vec<Vec<f32>> =
+                chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg)).collect();
+            shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg_sq)));
+            let whole = self.gather(step, self.stages[i], shards)?;
+            let (m, v) = whole.split_at(n);
+            for ((t, m), v) in chunk.iter_mut().zip(m).zip(v) {
+                (t.exp_avg, t.exp_avg_sq) = (m.clone(), v.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// `step` keys the gather: a checkpoint's (the next step) follows the
+    /// update's of the step before and precedes the next update's.
+    fn gather(
+        &mut self,
+        step: u64,
+        stage: usize,
+        shards: Vec<Vec<f32>>,
+    ) -> Result<Arc<Vec<Vec<f32>>>, Stopped> {
+        let at = self.at();
+        self.comm.all_gather_shards(Group::Replicas, step, (stage, self.replica), shards, at)
     }
 
     /// Forward-only microbatches through every stage, in microbatch order.

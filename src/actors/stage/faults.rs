@@ -233,6 +233,12 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32) {
         self.inner.adamw(hyper, lr, clip)
     }
+    fn param_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        self.inner.param_shards(i)
+    }
+    fn set_params(&mut self, i: usize, params: &[Vec<f32>]) {
+        self.inner.set_params(i, params)
+    }
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
         self.inner.visit_params(f)
     }

@@ -247,6 +247,7 @@ fn build(mut args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Ex
         dloss,
         rec,
         compute_start: 0.0,
+        zero: cfg.parallel.zero == 1,
     })
 }
 

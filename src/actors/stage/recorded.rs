@@ -57,7 +57,7 @@ impl<C: Comm + ?Sized> Recorded<C> {
                 let last = self.layout.last_stage();
                 name_of(if self.stages.contains(&0) { last } else { 0 })
             }
-            Key::Reduced(_) => "reducer".to_string(),
+            Key::Reduced(_) | Key::Gathered(_) => "reducer".to_string(),
         }
     }
 
@@ -98,12 +98,21 @@ impl<C: Comm + ?Sized> Comm for Recorded<C> {
     }
 
     fn to_reducer(&mut self, msg: ReducerMsg) -> Result<(), Stopped> {
-        let ReducerMsg::Reduce { stage, spans, grads, .. } = &msg;
         let keep = self.keep();
-        let mut blobs = vec![super::super::reducer::span_blob(spans)];
-        blobs.extend(grads.iter().enumerate().map(|(k, g)| Blob::f32s(&self.grad_name(*stage, k), g, keep)));
+        let (kind, blobs) = match &msg {
+            ReducerMsg::Reduce { stage, spans, grads, .. } => {
+                let mut blobs = vec![super::super::reducer::span_blob(spans)];
+                let named = |(k, g): (usize, &Vec<f32>)| Blob::f32s(&self.grad_name(*stage, k), g, keep);
+                blobs.extend(grads.iter().enumerate().map(named));
+                ("Reduce", blobs)
+            }
+            ReducerMsg::Gather { shards, .. } => {
+                let named = |(k, s): (usize, &Vec<f32>)| Blob::f32s(&format!("tensor.{k}"), s, keep);
+                ("Gather", shards.iter().enumerate().map(named).collect())
+            }
+        };
         if let Some(log) = &mut self.log {
-            log.sent("reducer", "Reduce", None, blobs);
+            log.sent("reducer", kind, None, blobs);
         }
         self.inner.to_reducer(msg)
     }

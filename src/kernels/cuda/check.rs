@@ -696,7 +696,8 @@ fn cpu_step(part: &mut ModelPart, adam: &mut AdamState, step: u64) -> StepStats 
     }
     part.combine_tied_grads(None);
     let mut norms = vec![];
-    optim::grad_sum_squares(part, &mut norms);
+    let first = optim::zero::first_slots(&part.cfg);
+    optim::grad_sum_squares(part, optim::zero::Shard::WHOLE, &first, &mut norms);
     let grad_norm = optim::global_norm(&mut norms);
     adam.step(part, STEP_HYPER, STEP_LR, optim::clip_coefficient(grad_norm, STEP_CLIP));
     StepStats { loss: loss_sum * dloss as f64, grad_norm, lr: STEP_LR, skipped: false }
