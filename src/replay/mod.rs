@@ -78,8 +78,9 @@ pub struct NumDiff {
     /// The blob the elements are of (a parameter's name for weights, optimizer
     /// state and gradients; `grad_sumsq` for a stage's per-tensor Σg²).
     pub tensor: String,
-    /// For `grad_sumsq`: the canonical index of the parameter whose Σg² is
-    /// element `index`, and its name once [`Divergence::name_params`] knew the model.
+    /// For `grad_sumsq`: the norm slot (a block of a parameter, `optim::zero`)
+    /// whose Σg² is element `index`, and the block named once
+    /// [`Divergence::name_params`] knew the model.
     pub param: Option<(usize, Option<String>)>,
 }
 
@@ -90,7 +91,7 @@ impl NumDiff {
         let element = format!("{}[{}]", self.tensor, self.index);
         match &self.param {
             Some((_, Some(name))) => format!("{element} (the Σg² of {name})"),
-            Some((c, None)) => format!("{element} (the Σg² of canonical tensor {c})"),
+            Some((slot, None)) => format!("{element} (the Σg² of norm slot {slot})"),
             None => element,
         }
     }
@@ -98,12 +99,33 @@ impl NumDiff {
 
 impl Divergence {
     /// Names the parameter a `grad_sumsq` difference is of, from the model the
-    /// log was recorded with (a stage reports its Σg² by canonical index).
+    /// log was recorded with (a stage reports its Σg² by norm slot: one per
+    /// block of each tensor, tensors in canonical order).
     pub fn name_params(mut self, cfg: &crate::model::GptConfig) -> Divergence {
-        if let Some(NumDiff { param: Some((c, name)), .. }) = &mut self.diff {
-            *name = crate::model::params::all_tensors(cfg).get(*c).map(|t| t.0.clone());
+        if let Some(NumDiff { param: Some((slot, name)), .. }) = &mut self.diff {
+            *name = slot_name(cfg, *slot);
         }
         self
+    }
+}
+
+/// `h.0.mlp.c_fc.weight` for a one-block tensor's slot, else
+/// `h.0.mlp.c_fc.weight, block 7 (elements 7168..8192)`.
+fn slot_name(cfg: &crate::model::GptConfig, slot: usize) -> Option<String> {
+    use crate::optim::zero;
+    let first = zero::first_slots(cfg);
+    let c = first.partition_point(|&f| f <= slot).checked_sub(1)?;
+    let tensors = crate::model::params::all_tensors(cfg);
+    let (name, shape) = tensors.get(c)?;
+    let numel: usize = shape.iter().product();
+    let block = slot - first[c];
+    match zero::blocks(numel) {
+        1 if block == 0 => Some(name.clone()),
+        n if block < n => {
+            let end = ((block + 1) * zero::BLOCK).min(numel);
+            Some(format!("{name}, block {block} (elements {}..{end})", block * zero::BLOCK))
+        }
+        _ => None,
     }
 }
 
@@ -667,7 +689,8 @@ mod tests {
             "{d}"
         );
 
-        // A stage's Σg² list: element 1 is the Σg² of canonical tensor 3 (h.0.ln_1.bias).
+        // A stage's Σg² list: element 1 is the Σg² of norm slot 3 (h.0.ln_1.bias:
+        // every tensor of this model is one block).
         let sums = |x: f64| {
             vec![
                 Blob::u32s(protocol_key::GRAD_SUMSQ_INDEX, &[2, 3], true),
@@ -676,9 +699,14 @@ mod tests {
         };
         let d =
             compare("stage-0", &entry(vec![], sums(2.0)), &entry(vec![], sums(2.5))).expect("a divergence");
-        assert!(d.to_string().contains("grad_sumsq[1] (the Σg² of canonical tensor 3)"), "{d}");
+        assert!(d.to_string().contains("grad_sumsq[1] (the Σg² of norm slot 3)"), "{d}");
         let cfg = crate::model::GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 10, block_size: 4 };
         let named = d.name_params(&cfg).to_string();
         assert!(named.contains("(at grad_sumsq[1] (the Σg² of h.0.ln_1.bias);"), "{named}");
+        // A wider model: wte (64·64 = 4 blocks) takes slots 0..4, wpe (4·64) slot 4.
+        let wide =
+            crate::model::GptConfig { n_layer: 1, n_head: 2, n_embd: 64, vocab_size: 64, block_size: 4 };
+        assert_eq!(slot_name(&wide, 2).as_deref(), Some("wte.weight, block 2 (elements 2048..3072)"));
+        assert_eq!(slot_name(&wide, 4).as_deref(), Some("wpe.weight"));
     }
 }
