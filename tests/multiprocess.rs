@@ -114,73 +114,21 @@ fn a_run_across_processes_resumes_with_the_bits_of_one_process() {
     assert_eq!(digest(&split), digest(&single));
 }
 
-/// The layouts of one global batch of 8 microbatches (dp · microbatches = 8)
-/// all reach one weights digest: dp 1, 2, 4 × pp 1, 2 in one process,
-/// interleaved and ZB-H1 schedules at dp = 2 (their W and chunks fold
-/// microbatches out of order), dp = 2 × pp = 2 over two processes, and a dp = 1
-/// run resumed at dp = 4. Gradients are summed by one tree over the global
-/// microbatch index (`optim::grad_tree`) wherever they are computed.
-#[test]
-fn every_dp_pp_schedule_process_count_and_resume_at_another_dp_gives_one_digest() {
-    let _serial = one_at_a_time();
-    let dir = tempfile::tempdir().unwrap();
-    // A constant rate after warmup, so a 2-step run followed by a resume to 3
-    // sees the learning rates of one 3-step run.
-    let layout = |dp: usize, extra: &[&str]| {
-        let m = format!("parallel.microbatches={}", 8 / dp);
-        let dp = format!("parallel.dp={dp}");
-        let mut sets = vec!["optim.schedule=\"constant\"", "checkpoint.every=2", dp.as_str(), m.as_str()];
-        sets.extend_from_slice(extra);
-        model(&sets)
-    };
-    let train = |name: &str, args: &[String], steps: &str, flag: &str| {
-        let run = dir.path().join(name);
-        let mut c = Command::new(BIN);
-        c.arg("train").args(args).args(["--steps", steps]).arg(flag).arg(&run);
-        let o = run_to_end(c, Duration::from_secs(60));
-        assert!(o.status.success(), "{name}: {}", text(&o));
-        digest(&run)
-    };
-    let reference = train("dp1-pp1", &layout(1, &[]), "3", "--out");
-    for (dp, pp) in [(1, 2), (2, 1), (2, 2), (4, 1), (4, 2)] {
-        let name = format!("dp{dp}-pp{pp}");
-        let pp = format!("parallel.pp={pp}");
-        assert_eq!(train(&name, &layout(dp, &[&pp]), "3", "--out"), reference, "{name}");
-    }
-    let schedules: [&[&str]; 2] = [
-        &["parallel.pp=2", "parallel.schedule=\"interleaved\"", "parallel.chunks=2"],
-        &["parallel.pp=2", "parallel.schedule=\"zb-h1\""],
-    ];
-    for (i, extra) in schedules.iter().enumerate() {
-        assert_eq!(
-            train(&format!("schedule{i}"), &layout(2, extra), "3", "--out"),
-            reference,
-            "dp=2 {extra:?}"
-        );
-    }
-    let two = [layout(2, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
-    assert_eq!(launched(dir.path(), 2, &two), reference, "dp=2 × pp=2 over 2 processes");
-    // A dp = 1 run that stops in its last step (train.steps stays 3: the data
-    // stream depends on it), resumed from its checkpoint at dp = 4 × pp = 2.
-    let resumed = dir.path().join("resumed");
-    let mut c = Command::new(BIN);
-    c.arg("train").args(layout(1, &["checkpoint.every=1"])).args(["--steps", "3", "--out"]).arg(&resumed);
-    c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
-    assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops the run");
-    let at_dp4 = layout(4, &["parallel.pp=2", "checkpoint.every=1"]);
-    assert_eq!(train("resumed", &at_dp4, "3", "--resume"), reference, "resumed at dp=4");
-}
-
-/// ZeRO-1 keeps the bits of zero = 0 and dp = 1: dp 2, 4 × pp 1, 2 in one
-/// process, dp = 2 × pp = 2 over two and four processes, and a zero = 1 dp = 2
+/// The same bits whatever the layout: dp 1/2/4 × pp 1/2 × ZeRO 0/1 in one
+/// process, interleaved and ZB-H1 (whose W actions finish microbatches out of
+/// order), dp = 2 × pp = 2 over two processes (ZeRO 0 and 1) and four (ZeRO 1),
+/// a dp = 1 run resumed at dp = 4 × pp = 2 with ZeRO-1, and a ZeRO-1 dp = 2
 /// checkpoint (moments gathered whole from the replicas' shards) resumed at
-/// zero = 0 dp = 1 and at zero = 1 dp = 4 × pp = 2. Shards are whole blocks of
-/// each tensor, the update is elementwise, and the gradient norm is summed per
-/// block in one order whoever holds the blocks (`optim::zero`).
+/// dp = 1. Gradients are summed by one tree over the global microbatch index
+/// (`optim::grad_tree`) wherever they are computed; ZeRO-1's shards are whole
+/// blocks of each tensor and the norm is summed per block in one order
+/// whoever holds the blocks (`optim::zero`).
 #[test]
-fn zero_1_at_every_dp_pp_process_count_and_resume_at_another_layout_gives_the_digest_of_dp_1() {
+fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_one_digest() {
     let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
+    // A constant rate after warmup, so a run stopped in its last step and
+    // resumed sees the learning rates of one uninterrupted run.
     let layout = |dp: usize, zero: u8, extra: &[&str]| {
         let m = format!("parallel.microbatches={}", 8 / dp);
         let (dp, zero) = (format!("parallel.dp={dp}"), format!("parallel.zero={zero}"));
@@ -196,41 +144,49 @@ fn zero_1_at_every_dp_pp_process_count_and_resume_at_another_layout_gives_the_di
         assert!(o.status.success(), "{name}: {}", text(&o));
         digest(&run)
     };
-    let reference = train("dp1", &layout(1, 0, &[]), "--out");
-    for (dp, pp) in [(2, 1), (2, 2), (4, 1), (4, 2)] {
-        let name = format!("zero1-dp{dp}-pp{pp}");
+    let reference = train("dp1-pp1", &layout(1, 0, &[]), "--out");
+    let table =
+        [(1, 2, 0), (2, 1, 0), (2, 2, 0), (4, 1, 0), (4, 2, 0), (2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1)];
+    for (dp, pp, zero) in table {
+        let name = format!("dp{dp}-pp{pp}-zero{zero}");
         let pp = format!("parallel.pp={pp}");
-        assert_eq!(train(&name, &layout(dp, 1, &[&pp]), "--out"), reference, "{name}");
+        assert_eq!(train(&name, &layout(dp, zero, &[&pp]), "--out"), reference, "{name}");
     }
-    let two = [layout(2, 1, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
-    assert_eq!(launched(dir.path(), 2, &two), reference, "zero=1 dp=2 × pp=2 over 2 processes");
-    assert_eq!(launched(dir.path(), 4, &two), reference, "zero=1 dp=2 × pp=2 over 4 processes");
-    // A zero = 1 dp = 2 run that stops in its last step, resumed from its
-    // checkpoint of step 2 in two copies: at zero = 0 dp = 1, and at zero = 1 dp = 4 × pp = 2.
-    let stopped = dir.path().join("stopped");
-    let mut c = Command::new(BIN);
-    c.arg("train").args(layout(2, 1, &["checkpoint.every=1"])).args(["--steps", "3", "--out"]).arg(&stopped);
-    c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
-    assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops the run");
-    for (name, args) in [
-        ("at-dp1", layout(1, 0, &["checkpoint.every=1"])),
-        ("at-dp4", layout(4, 1, &["parallel.pp=2", "checkpoint.every=1"])),
-    ] {
-        copy_dir(&stopped, &dir.path().join(name));
-        assert_eq!(train(name, &args, "--resume"), reference, "zero=1 dp=2 checkpoint resumed {name}");
+    let schedules: [&[&str]; 2] = [
+        &["parallel.pp=2", "parallel.schedule=\"interleaved\"", "parallel.chunks=2"],
+        &["parallel.pp=2", "parallel.schedule=\"zb-h1\""],
+    ];
+    for (i, extra) in schedules.iter().enumerate() {
+        let name = format!("schedule{i}");
+        assert_eq!(train(&name, &layout(2, 0, extra), "--out"), reference, "dp=2 {extra:?}");
     }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let target = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &target);
-        } else {
-            std::fs::copy(e.path(), target).unwrap();
-        }
+    for (zero, nodes) in [(0, 2), (1, 2), (1, 4)] {
+        let args = [layout(2, zero, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
+        let what = format!("zero={zero} dp=2 × pp=2 over {nodes} processes");
+        let under = dir.path().join(format!("zero{zero}"));
+        std::fs::create_dir_all(&under).unwrap();
+        assert_eq!(launched(&under, nodes, &args), reference, "{what}");
+    }
+    // Runs that stop in their last step, resumed from their checkpoint of
+    // step 2 at another layout.
+    let resumes = [
+        (
+            "dp1",
+            layout(1, 0, &["checkpoint.every=1"]),
+            layout(4, 1, &["parallel.pp=2", "checkpoint.every=1"]),
+        ),
+        ("zero1-dp2", layout(2, 1, &["checkpoint.every=1"]), layout(1, 0, &["checkpoint.every=1"])),
+    ];
+    for (name, first, then) in resumes {
+        let run = dir.path().join(name);
+        let mut c = Command::new(BIN);
+        c.arg("train").args(first).args(["--steps", "3", "--out"]).arg(&run);
+        c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
+        assert!(
+            !run_to_end(c, Duration::from_secs(60)).status.success(),
+            "{name}: the injected fault stops it"
+        );
+        assert_eq!(train(name, &then, "--resume"), reference, "{name} resumed at another layout");
     }
 }
 
