@@ -299,12 +299,19 @@ fn forward_spans(dir: &std::path::Path) -> Vec<(u64, u64, u64)> {
 fn two_traced_runs_in_one_process_each_write_only_their_own_records() {
     let dir = tempfile::tempdir().unwrap();
     let layouts = [(2usize, 1usize), (4, 2)];
+    // Both runs start together and run long enough to record at the same time.
+    let together = std::sync::Arc::new(std::sync::Barrier::new(layouts.len()));
     let runs: Vec<_> = layouts
         .iter()
         .enumerate()
         .map(|(i, &(pp, dp))| {
-            let cfg =
-                config(&["trace.enabled=true", &format!("parallel.pp={pp}"), &format!("parallel.dp={dp}")]);
+            let sets = [
+                "trace.enabled=true",
+                "train.steps=12",
+                &format!("parallel.pp={pp}"),
+                &format!("parallel.dp={dp}"),
+            ];
+            let cfg = config(&sets);
             let out_dir = dir.path().join(format!("run{i}"));
             let opts = TrainOptions {
                 out_dir: out_dir.clone(),
@@ -313,14 +320,18 @@ fn two_traced_runs_in_one_process_each_write_only_their_own_records() {
                 progress: false,
                 resume: false,
             };
-            std::thread::spawn(move || train_with(&cfg, &opts, None).map(|_| out_dir).unwrap())
+            let together = together.clone();
+            std::thread::spawn(move || {
+                together.wait();
+                train_with(&cfg, &opts, None).map(|_| out_dir).unwrap()
+            })
         })
         .collect();
     for (run, (pp, dp)) in runs.into_iter().zip(layouts) {
         let out_dir = run.join().unwrap();
         let spans = forward_spans(&out_dir);
-        // 3 steps × 8 microbatches on every stage of every replica, and nothing else.
-        assert_eq!(spans.len(), 3 * 8 * pp * dp, "pp={pp} dp={dp}");
-        assert!(spans.iter().all(|&(r, s, step)| (r as usize) < dp && (s as usize) < pp && step < 3));
+        // 12 steps × 8 microbatches on every stage of every replica, and nothing else.
+        assert_eq!(spans.len(), 12 * 8 * pp * dp, "pp={pp} dp={dp}");
+        assert!(spans.iter().all(|&(r, s, step)| (r as usize) < dp && (s as usize) < pp && step < 12));
     }
 }

@@ -239,24 +239,26 @@ mod tests {
     use crate::trace::Recorder;
 
     /// Each thread plays one stage of its own run: replica 0, rank 0 in both.
-    fn record_steps(run: RunTrace, kind: &'static str, steps: u64) -> Vec<Record> {
-        let rec = Recorder::new(Some(run), 0, 0);
+    fn record_steps(rec: &Recorder, kind: &'static str, steps: u64) {
         for step in 0..steps {
             let span = rec.span(0, kind, step, Some(step as usize), None, None);
             span.record("live_n", 1).record("live_bytes", 64);
             drop(span);
             rec.recv(step, 1, 0, 0, Instant::now(), "activation");
         }
-        rec.take()
     }
 
     #[test]
     fn two_runs_in_one_process_keep_separate_records() {
         let (a, b) = (RunTrace::start(Instant::now()), RunTrace::start(Instant::now()));
         assert_ne!(a.id(), b.id());
-        let ta = std::thread::spawn(move || record_steps(a, "F", 300));
-        let tb = std::thread::spawn(move || record_steps(b, "B", 200));
-        let (ra, rb) = (ta.join().unwrap(), tb.join().unwrap());
+        let (rec_a, rec_b) = (Recorder::new(Some(a), 0, 0), Recorder::new(Some(b), 0, 0));
+        // Both runs hold records before either is taken out.
+        std::thread::scope(|s| {
+            s.spawn(|| record_steps(&rec_a, "F", 300));
+            s.spawn(|| record_steps(&rec_b, "B", 200));
+        });
+        let (ra, rb) = (rec_a.take(), rec_b.take());
         assert_eq!(ra.len(), 600);
         assert_eq!(rb.len(), 400);
         assert!(ra.iter().all(|r| r.name == "F" || r.name == "recv"));
