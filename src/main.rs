@@ -388,10 +388,50 @@ enum TraceCommand {
 }
 
 fn main() {
+    init_logging();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// The library's events print on stderr as the plain lines users have always
+/// seen (no time, level or target); RUST_LOG chooses which (by default
+/// pipewright's, info and up). The trace's record layer sits beside it with
+/// a filter of its own, so RUST_LOG never changes what a trace holds.
+fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::{EnvFilter, Layer};
+    let records_off = format!("{}=off", pipewright::trace::layer::TARGET);
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("pipewright=info"))
+        .add_directive(records_off.parse().expect("a target directive"));
+    let lines = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .event_format(PlainLines)
+        .with_filter(filter);
+    let subscriber = tracing_subscriber::registry().with(lines).with(pipewright::trace::layer::layer());
+    // Nothing else in the process sets one first.
+    let _ = tracing::subscriber::set_global_default(subscriber);
+}
+
+/// An event as its message alone (and any other fields after it).
+struct PlainLines;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for PlainLines
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut w: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        ctx.field_format().format_fields(w.by_ref(), event)?;
+        writeln!(w)
     }
 }
 

@@ -333,3 +333,55 @@ fn overflowing_gradients_skip_the_step_and_back_the_scale_off() {
     assert_eq!(s["rollbacks"], 0, "an overflow is the scaler's business, not a failure (max_skips = 1)");
     assert_eq!(s["skipped_steps"], 1);
 }
+
+/// The F actions in `dir`'s trace.json, as (replica, stage, step).
+fn forward_spans(dir: &std::path::Path) -> Vec<(u64, u64, u64)> {
+    let text = std::fs::read_to_string(dir.join("trace.json")).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let is_forward =
+        |e: &&serde_json::Value| e["cat"] == "action" && e["name"].as_str().unwrap().starts_with('F');
+    let arg = |e: &serde_json::Value, k: &str| e["args"][k].as_u64().unwrap();
+    events.iter().filter(is_forward).map(|e| (arg(e, "replica"), arg(e, "stage"), arg(e, "step"))).collect()
+}
+
+#[test]
+fn two_traced_runs_in_one_process_each_write_only_their_own_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let layouts = [(2usize, 1usize), (4, 2)];
+    // Both runs start together and run long enough to record at the same time.
+    let together = std::sync::Arc::new(std::sync::Barrier::new(layouts.len()));
+    let runs: Vec<_> = layouts
+        .iter()
+        .enumerate()
+        .map(|(i, &(pp, dp))| {
+            let sets = [
+                "trace.enabled=true",
+                "train.steps=12",
+                &format!("parallel.pp={pp}"),
+                &format!("parallel.dp={dp}"),
+            ];
+            let cfg = config(&sets);
+            let out_dir = dir.path().join(format!("run{i}"));
+            let opts = TrainOptions {
+                out_dir: out_dir.clone(),
+                init: None,
+                force: false,
+                progress: false,
+                resume: false,
+            };
+            let together = together.clone();
+            std::thread::spawn(move || {
+                together.wait();
+                train_with(&cfg, &opts, None).map(|_| out_dir).unwrap()
+            })
+        })
+        .collect();
+    for (run, (pp, dp)) in runs.into_iter().zip(layouts) {
+        let out_dir = run.join().unwrap();
+        let spans = forward_spans(&out_dir);
+        // 12 steps × 8 microbatches on every stage of every replica, and nothing else.
+        assert_eq!(spans.len(), 12 * 8 * pp * dp, "pp={pp} dp={dp}");
+        assert!(spans.iter().all(|&(r, s, step)| (r as usize) < dp && (s as usize) < pp && step < 12));
+    }
+}

@@ -22,7 +22,6 @@ use crate::replay::{self, ActorLog, LogError};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
 
 /// Stage actors by (replica, rank); a stage another process runs is its stand-in.
 pub type StageRefs = Vec<Vec<ActorRef<StageMsg>>>;
@@ -97,8 +96,8 @@ pub struct Topology {
     pub init: Option<Arc<crate::model::io::LoadedWeights>>,
     pub resume: Option<Arc<crate::checkpoint::Loaded>>,
     pub chaos_seed: Option<u64>,
-    /// The run's clock for trace timestamps; `None` when not tracing.
-    pub trace_epoch: Option<Instant>,
+    /// The run's trace (its id and clock); `None` when not tracing.
+    pub trace: Option<crate::trace::RunTrace>,
     /// GPU runs: which ranks share this process and the NCCL ids of the rest.
     pub gpu_plan: Option<Arc<GpuPlan>>,
 }
@@ -131,7 +130,7 @@ impl Topology {
             init,
             resume,
             chaos_seed: None,
-            trace_epoch: None,
+            trace: None,
             gpu_plan: None,
         })
     }
@@ -163,7 +162,7 @@ impl Topology {
             chaos_seed: self.chaos_seed,
             cores,
             latencies_us: Default::default(),
-            trace_epoch: self.trace_epoch,
+            trace: self.trace.clone(),
             gpu_plan: self.gpu_plan.clone(),
         })
     }

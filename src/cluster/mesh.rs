@@ -396,7 +396,7 @@ impl Sink for Fabric {
         if self.me == 0 && !self.started.load(Ordering::SeqCst) && !self.is_done() {
             // Before the roster nothing depends on the link: drop it, and the
             // rank may join again (a bad peer cannot block the real one).
-            eprintln!("dropped the data link from {}: {why}", self.describe(peer));
+            tracing::warn!("dropped the data link from {}: {why}", self.describe(peer));
             self.links.lock().expect("links")[peer] = None;
             return;
         }
@@ -406,7 +406,7 @@ impl Sink for Fabric {
             wait_until(Duration::from_millis(500), || self.is_done());
         }
         if !self.is_done() {
-            eprintln!("error: data link to {} ended: {why}", self.describe(peer));
+            tracing::error!("error: data link to {} ended: {why}", self.describe(peer));
         }
         self.lost(peer, &why);
     }

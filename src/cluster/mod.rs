@@ -189,10 +189,10 @@ fn accept_links(
                     match link::accept(s, me as u32, world as u32, &cookie, tls.as_ref(), admit) {
                         Ok(j) => {
                             if let Err(e) = fabric.add_link(j.rank as usize, j.stream, j.listen) {
-                                eprintln!("error: cannot start the data link to rank {}: {e}", j.rank);
+                                tracing::error!("error: cannot start the data link to rank {}: {e}", j.rank);
                             }
                         }
-                        Err(e) => eprintln!("refused data link {e}"),
+                        Err(e) => tracing::warn!("refused data link {e}"),
                     }
                 });
             }
@@ -211,10 +211,10 @@ fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<node::M
                     NodeEvent::Joined { name, addr } => {
                         let Some(r) = node::rank_of(&name) else { continue };
                         if let Err(why) = members.lock().expect("members").joined(r, &addr) {
-                            eprintln!("refused cluster node {name} at {addr}: {why}");
+                            tracing::warn!("refused cluster node {name} at {addr}: {why}");
                         }
                     }
-                    NodeEvent::Refused { addr, why } => eprintln!("refused cluster node {addr}: {why}"),
+                    NodeEvent::Refused { addr, why } => tracing::warn!("refused cluster node {addr}: {why}"),
                     NodeEvent::Left { name, addr } => {
                         let Some(r) = node::rank_of(&name) else { continue };
                         // A refused newcomer's session: the rank's holder is still there.
@@ -226,7 +226,7 @@ fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<node::M
                         // there. A process that is gone closes its data link too,
                         // and that link's end reports it lost.
                         if fabric.has_link(r) {
-                            eprintln!(
+                            tracing::warn!(
                                 "cluster node {name} at {addr}: session closed; the data link to rank {r} \
                                  decides whether it is lost"
                             );
@@ -271,7 +271,7 @@ impl Driver {
         let listener = TcpListener::bind(spec.data_addr())
             .map_err(io_err(format!("cannot listen on {}", spec.data_addr())))?;
         accept_links(listener, fabric.clone(), cookie.clone(), spec.tls.clone(), 0);
-        eprintln!(
+        tracing::info!(
             "rank 0: waiting for {} worker(s) at {} (cluster) / {} (data){}",
             spec.world - 1,
             spec.master,
@@ -433,7 +433,7 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
         return Err(ClusterError::Setup(format!("{} answers as rank {peer}, not rank 0", spec.data_addr())));
     }
     fabric.add_link(0, stream, spec.data_addr().to_string()).map_err(io_err("data link to rank 0"))?;
-    eprintln!("rank {}: joined {} as {listen}", spec.rank, spec.master);
+    tracing::info!("rank {}: joined {} as {listen}", spec.rank, spec.master);
     let result = serve(spec, &rt, &fabric, &events, &cookie, &listen);
     if result.is_ok() {
         // Say goodbye on every link between workers before closing it: a peer
@@ -536,9 +536,12 @@ fn serve(
         )));
     }
     let clock = align_clock(spec.rank, fabric, events, CLOCK_PROBES, spec.timeout)?;
-    eprintln!(
+    tracing::info!(
         "rank {}: trace clock {:+.1} µs from rank 0's (best of {} probes: round trip {:.1} µs)",
-        spec.rank, clock.offset_us, clock.probes, clock.rtt_us
+        spec.rank,
+        clock.offset_us,
+        clock.probes,
+        clock.rtt_us
     );
     let init = match init {
         Some(p) => Some(Arc::new(
@@ -598,7 +601,7 @@ fn serve(
     coordinator.stop(None);
     // The stages' threads close their replay logs after this; the process must not end first.
     if record && !crate::replay::wait_closed(&run_dir, Duration::from_secs(30)) {
-        eprintln!("rank {}: replay logs in {} still open after 30 s", spec.rank, run_dir.display());
+        tracing::warn!("rank {}: replay logs in {} still open after 30 s", spec.rank, run_dir.display());
     }
     outcome
 }
@@ -668,9 +671,10 @@ impl StageSet {
         } else {
             None
         };
-        let trace_epoch = cfg.trace.enabled.then(|| *fabric.epoch.lock().expect("epoch"));
+        let trace =
+            cfg.trace.enabled.then(|| crate::trace::RunTrace::start(*fabric.epoch.lock().expect("epoch")));
         let mut topology = Topology::new(cfg, layout, run_dir, init, resume).map_err(|e| e.to_string())?;
-        topology.trace_epoch = trace_epoch;
+        topology.trace = trace;
         topology.gpu_plan = fabric.gpu_plan.get().cloned();
         let host = Host::Worker(fabric.clone());
         let stages = topology
@@ -767,7 +771,7 @@ pub fn launch(
         if deadline.is_some_and(|d| Instant::now() > d) {
             for (r, c) in children.iter_mut().enumerate() {
                 if let Some(child) = c.take() {
-                    eprintln!("launch: rank {r} did not stop within {grace:?} of a failure; killing it");
+                    tracing::warn!("launch: rank {r} did not stop within {grace:?} of a failure; killing it");
                     let mut child = child;
                     let _ = child.kill();
                     status[r] = child.wait().ok();

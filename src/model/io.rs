@@ -230,7 +230,7 @@ impl LoadedWeights {
     /// then checks every tensor against `cfg`.
     pub fn fit(&mut self, cfg: &GptConfig) -> Result<(), WeightsError> {
         if let Some(rows) = self.crop_positions(cfg.block_size) {
-            eprintln!(
+            tracing::warn!(
                 "{}: `{}` holds {rows} positions; using the first {} (model.block_size)",
                 self.path.display(),
                 self.file_name("wpe.weight"),

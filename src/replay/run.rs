@@ -438,7 +438,7 @@ fn alone(
         init,
         resume,
         chaos_seed: None,
-        trace_epoch: None,
+        trace: None,
         gpu_plan: None,
     }
 }

@@ -5,15 +5,19 @@
 //! instants for receives, flows between stages, and counters of live
 //! activations and the bytes they hold.
 //!
-//! Stages record into their own `Recorder` (a plain Vec, no locks, nothing when
-//! tracing is off); the coordinator gathers every replica's records at the end
-//! and writes one file. Timestamps are microseconds from one `Instant` shared by
+//! Records are `tracing` spans and events that the record layer (`layer`) files
+//! under their run (nothing is made when tracing is off); each stage takes its
+//! own out at the end and the coordinator gathers every replica's records and
+//! writes one file. Timestamps are microseconds from one `Instant` shared by
 //! the actors of a process; other processes shift their epoch onto rank 0's
 //! clock when they join (`cluster`), so lanes line up across processes too.
 
+pub mod layer;
 pub mod render;
 pub mod simulated;
 pub mod summary;
+
+pub use layer::RunTrace;
 
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -48,68 +52,55 @@ pub struct Record {
     pub actor: Option<String>,
 }
 
-/// A stage's trace buffer.
+/// A stage's handle on its run's trace: the spans and instants it records
+/// carry its replica and rank, and nothing is made when tracing is off.
 pub struct Recorder {
-    pub enabled: bool,
-    pub epoch: Instant,
-    pub records: Vec<Record>,
+    run: Option<RunTrace>,
+    replica: usize,
+    rank: usize,
 }
 
 impl Recorder {
-    pub fn new(enabled: bool, epoch: Instant) -> Self {
-        Recorder { enabled, epoch, records: Vec::new() }
+    pub fn new(run: Option<RunTrace>, replica: usize, rank: usize) -> Self {
+        Recorder { run, replica, rank }
     }
 
-    pub fn now_us(&self) -> f64 {
-        self.epoch.elapsed().as_secs_f64() * 1e6
+    pub fn enabled(&self) -> bool {
+        self.run.is_some()
     }
 
-    /// `t` on this trace's clock, µs (negative before the epoch).
-    pub fn us_of(&self, t: Instant) -> f64 {
-        match t.checked_duration_since(self.epoch) {
-            Some(d) => d.as_secs_f64() * 1e6,
-            None => -(self.epoch - t).as_secs_f64() * 1e6,
-        }
-    }
-
-    /// Records a span that started at `start_us` and ends now.
-    #[allow(clippy::too_many_arguments)]
+    /// A span on `stage`, recorded from now until it is dropped; `peer` is the
+    /// stage at the other end of a send. `Span::none()` when not tracing.
     pub fn span(
-        &mut self,
-        replica: usize,
-        rank: usize,
+        &self,
         stage: usize,
-        name: &str,
+        kind: &'static str,
         step: u64,
         mb: Option<usize>,
-        start_us: f64,
-        detail: Option<String>,
-        live: Option<(usize, usize)>,
-    ) {
-        if !self.enabled {
-            return;
-        }
-        let end = self.now_us();
-        self.records.push(Record {
-            replica,
-            stage,
-            rank,
-            name: name.to_string(),
-            step,
-            mb,
-            start_us,
-            dur_us: (end - start_us).max(0.0),
-            detail,
-            live,
-            ..Record::default()
-        });
+        detail: Option<&str>,
+        peer: Option<usize>,
+    ) -> tracing::Span {
+        let Some(run) = &self.run else { return tracing::Span::none() };
+        let (replica, rank) = (self.replica, self.rank);
+        tracing::trace_span!(target: layer::TARGET, "record", run = run.id(), replica, rank, stage, kind, step, mb,
+            detail, peer, live_n = tracing::field::Empty, live_bytes = tracing::field::Empty)
     }
 
-    /// Keeps `r` when tracing.
-    pub fn push(&mut self, r: Record) {
-        if self.enabled {
-            self.records.push(r);
-        }
+    /// A receive instant on `stage`: when `what` of microbatch `mb` from
+    /// stage `from` reached the stage's actor, however long it then waited in
+    /// the inbox.
+    pub fn recv(&self, step: u64, stage: usize, from: usize, mb: usize, arrived: Instant, what: &str) {
+        let Some(run) = &self.run else { return };
+        let (replica, rank, at_us) = (self.replica, self.rank, run.us_of(arrived));
+        let detail = format!("{what} from stage {from}");
+        tracing::trace!(target: layer::TARGET, run = run.id(), replica, rank, stage, kind = "recv", step, mb, at_us,
+            detail = detail.as_str(), peer = from);
+    }
+
+    /// Takes this stage's records out of the run's trace.
+    pub fn take(&self) -> Vec<Record> {
+        let Some(run) = &self.run else { return Vec::new() };
+        run.take(|r| r.actor.is_none() && r.replica == self.replica && r.rank == self.rank)
     }
 }
 

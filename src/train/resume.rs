@@ -21,10 +21,10 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
     let root = checkpoint::checkpoints_dir(dir);
     let (done, incomplete) = checkpoint::list(&root)?;
     for p in &incomplete {
-        eprintln!("ignoring {} (not a complete checkpoint)", p.display());
+        tracing::warn!("ignoring {} (not a complete checkpoint)", p.display());
     }
     if done.is_empty() {
-        eprintln!("no complete checkpoint in {}: starting from step 0", root.display());
+        tracing::info!("no complete checkpoint in {}: starting from step 0", root.display());
         return Ok(None);
     }
     let t = std::time::Instant::now();
@@ -51,7 +51,7 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
     }
     for (dir, e) in &damaged {
         let kept = checkpoint::set_aside(dir)?;
-        eprintln!(
+        tracing::warn!(
             "warning: checkpoint {} is damaged ({e}); falling back to the older {} — the damaged one is \
              kept as {} (never deleted)",
             dir.display(),
@@ -62,7 +62,7 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
     if loaded.state.config_hash != cfg.hash() {
         warn_changes(&theirs, cfg, &loaded.state);
     }
-    eprintln!("resuming from {} (step {step}; read and verified in {load_ms:.1} ms)", path.display());
+    tracing::info!("resuming from {} (step {step}; read and verified in {load_ms:.1} ms)", path.display());
     Ok(Some(loaded))
 }
 
@@ -199,7 +199,7 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
     }
     let hash = &new.hash()[..12];
     if differ.is_empty() && notes.is_empty() {
-        eprintln!(
+        tracing::info!(
             "resuming with layout changes only (config hash {} → {hash}); bits still match an \
              uninterrupted run:\n{}",
             &old_hash[..old_hash.len().min(12)],
@@ -208,7 +208,7 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
         return;
     }
     differ.extend(notes);
-    eprintln!(
+    tracing::warn!(
         "warning: resuming with settings that differ from the checkpoint's (config hash {} → {hash}):\n{}\n\
          warning: the resumed run's losses and weights will not match the bits of an uninterrupted run{}",
         &old_hash[..old_hash.len().min(12)],

@@ -262,7 +262,7 @@ const OUTPUTS: [&str; 8] = [
 /// when it differs from the one given.
 fn resolve(field: &mut usize, path: &str, value: usize, why: &str) {
     if *field != value {
-        eprintln!("{path}: {} → {value} ({why}); config.toml records {value}", *field);
+        tracing::info!("{path}: {} → {value} ({why}); config.toml records {value}", *field);
         *field = value;
     }
 }
@@ -476,7 +476,7 @@ pub fn train_on(
     let result = rt.block_on(crate::actors::run(inputs));
     // Some actors close their replay logs after the run's result is known.
     if cfg.replay.record && !crate::replay::wait_closed(&opts.out_dir, std::time::Duration::from_secs(30)) {
-        eprintln!(
+        tracing::warn!(
             "warning: replay logs in {} still open after 30 s",
             crate::replay::replay_dir(&opts.out_dir).display()
         );
@@ -488,7 +488,7 @@ pub fn train_on(
     }
     let mut out = result.map_err(|e| RunFailed(format!("{e:#}")))?;
     if out.stopped_early {
-        eprintln!(
+        tracing::info!(
             "stopped by a signal after step {}; resume with --resume {}",
             out.steps_done,
             opts.out_dir.display()
@@ -643,7 +643,13 @@ impl Progress {
             None => {
                 if m.step.is_multiple_of(self.every) || m.step == self.steps || m.val_loss.is_some() {
                     let eta = (self.steps - m.step) as f64 * m.tokens as f64 / m.tokens_per_s / m.step as f64;
-                    eprintln!("step {:>6}/{} {msg} | lr {:.2e} | eta {:.0}s", m.step, self.steps, m.lr, eta);
+                    tracing::info!(
+                        "step {:>6}/{} {msg} | lr {:.2e} | eta {:.0}s",
+                        m.step,
+                        self.steps,
+                        m.lr,
+                        eta
+                    );
                 }
             }
         }

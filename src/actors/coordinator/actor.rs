@@ -34,7 +34,7 @@ impl Actor for Coordinator {
         let scaler =
             LossScaler::for_run(&cfg.optim, resume.as_ref().and_then(|r| r.state.loss_scaler.clone()));
         let epoch = cluster.as_ref().map_or_else(Instant::now, |f| *f.epoch.lock().expect("epoch"));
-        let trace_epoch = cfg.trace.enabled.then_some(epoch);
+        let trace = cfg.trace.enabled.then(|| crate::trace::RunTrace::start(epoch));
         // GPU runs: in one process every rank is local; across processes the
         // driver made the plan (and its NCCL ids) when it sent the roster.
         let gpu_plan = match (&cluster, cfg.backend.kind) {
@@ -59,7 +59,7 @@ impl Actor for Coordinator {
             replay::pin(&topology.run_dir, a.step)?;
         }
         topology.chaos_seed = chaos_seed;
-        topology.trace_epoch = trace_epoch;
+        topology.trace = trace.clone();
         topology.gpu_plan = gpu_plan;
         let host = Host::Run { id, fabric: cluster.clone() };
         let spawned = topology.spawn_run(&host, &me, data, monitor_args).await?;
@@ -89,7 +89,7 @@ impl Actor for Coordinator {
             log,
             Some(reply),
         );
-        st.trace_epoch = trace_epoch;
+        st.trace = trace;
         if let Some(r) = &resume {
             st.continue_from(&r.state);
         }
@@ -173,7 +173,7 @@ impl Actor for Coordinator {
         // end leaves it without a trailer, so replay sees the run was cut off.
         if let Some(log) = &mut st.log {
             if let Err(e) = log.abandon() {
-                eprintln!("{e}");
+                tracing::error!("{e}");
             }
         }
         st.finish(Err("the run was stopped".into()));

@@ -97,8 +97,8 @@ pub struct CoordinatorState {
     stop_requested: bool,
     recovery: Recovery,
     scaler: Option<LossScaler>,
-    /// The run's trace clock, when tracing: the checkpointer's writes get a track.
-    trace_epoch: Option<Instant>,
+    /// The run's trace, when tracing: the checkpointer's writes get a track.
+    trace: Option<crate::trace::RunTrace>,
 }
 
 impl CoordinatorState {
@@ -152,7 +152,7 @@ impl CoordinatorState {
             writes_pending: 0,
             stop_requested: false,
             scaler,
-            trace_epoch: None,
+            trace: None,
         }
     }
 
@@ -282,17 +282,13 @@ impl CoordinatorState {
     /// The checkpointer's background write of `step`, which just took `ms`, as a
     /// span on a track of its own.
     fn trace_write(&mut self, step: u64, ms: f64, path: &std::path::Path) {
-        let Some(epoch) = self.trace_epoch else { return };
-        let end = epoch.elapsed().as_secs_f64() * 1e6;
-        self.out.trace.push(crate::trace::Record {
-            name: "checkpoint write".into(),
-            step,
-            start_us: end - ms * 1e3,
-            dur_us: ms * 1e3,
-            detail: Some(path.display().to_string()),
-            actor: Some("checkpointer".into()),
-            ..Default::default()
-        });
+        let Some(run) = &self.trace else { return };
+        // The write was timed by the checkpointer and has just ended.
+        let dur_us = ms * 1e3;
+        let at_us = run.us_of(Instant::now()) - dur_us;
+        let detail = path.display().to_string();
+        tracing::trace!(target: crate::trace::layer::TARGET, run = run.id(), actor = "checkpointer",
+            kind = "checkpoint write", step, at_us, dur_us, detail = detail.as_str());
     }
 
     /// Ends the run once the weights are in and every checkpoint is on disk.
@@ -300,6 +296,9 @@ impl CoordinatorState {
         if matches!(self.waiting, Waiting::Flush) && self.writes_pending == 0 {
             self.waiting = Waiting::Done;
             self.out.steps_done = self.step;
+            if let Some(run) = &self.trace {
+                self.out.trace.extend(run.take(|r| r.actor.is_some()));
+            }
             let _ = self.send_monitor(MonitorMsg::Finish);
             if let Some(log) = &mut self.log {
                 if let Err(e) = log.finish() {
@@ -404,7 +403,7 @@ impl CoordinatorState {
         let Verdict { skip, overflow, alert } =
             self.recovery.judge(loss, grad_norm, self.scaler.as_ref().map(|_| scale));
         if let Some(a) = &alert {
-            eprintln!("step {}: {a}", self.step + 1);
+            tracing::warn!("step {}: {a}", self.step + 1);
         }
         if let Some(sc) = &mut self.scaler {
             sc.update(overflow);
@@ -512,11 +511,11 @@ impl CoordinatorState {
         let root = crate::checkpoint::checkpoints_dir(&self.run_dir);
         let (loaded, damaged) = crate::checkpoint::newest_verified(&root).map_err(|e| e.to_string())?;
         for (dir, e) in &damaged {
-            eprintln!("warning: checkpoint {} is damaged ({e}); rolling back past it", dir.display());
+            tracing::warn!("warning: checkpoint {} is damaged ({e}); rolling back past it", dir.display());
             // A replay only reads the run directory.
             if self.checkpointer.is_some() {
                 let kept = crate::checkpoint::set_aside(dir).map_err(|e| e.to_string())?;
-                eprintln!("the damaged checkpoint is kept as {} (never deleted)", kept.display());
+                tracing::warn!("the damaged checkpoint is kept as {} (never deleted)", kept.display());
             }
         }
         let Some(loaded) = loaded else {
@@ -531,7 +530,7 @@ impl CoordinatorState {
         let (ck_step, dir) = (loaded.state.step, loaded.dir.clone());
         self.tokens_base = (ck_step, loaded.state.tokens);
         let loaded = Arc::new(loaded);
-        eprintln!(
+        tracing::warn!(
             "{} consecutive steps skipped: rolling back to {} and scaling the learning rate by {} for {} steps",
             self.recovery.consecutive_skips(),
             dir.display(),

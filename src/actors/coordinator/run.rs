@@ -86,7 +86,7 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
             while !crate::train::signals::requested() {
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
-            eprintln!(
+            tracing::warn!(
                 "signal: saving a checkpoint at the next step boundary, then stopping (again: exit at once)"
             );
             let _ = coord.send_message(CoordinatorMsg::StopRequested);

@@ -20,10 +20,8 @@ use crate::optim::grad_tree::Span;
 use crate::replay::ActorLog;
 use crate::trace::Recorder;
 use crossbeam_channel::Receiver;
-use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
-use std::time::Instant;
 
 /// Raised inside the compute thread to unwind out of a step on `Stop`.
 pub struct Stopped;
@@ -192,36 +190,25 @@ pub trait Comm {
 /// references out.
 pub struct ActorComm {
     rank: usize,
-    replica: usize,
     /// The rank's first stage: where sends that name no stage are traced.
     first_stage: usize,
     rx: Receiver<StageMsg>,
     inbox: BTreeMap<Key, StageMsg>,
     control: VecDeque<StageMsg>,
     links: Links,
-    rec: Rc<RefCell<Recorder>>,
+    rec: Rc<Recorder>,
 }
 
 impl ActorComm {
     pub fn new(
         layout: &Layout,
         rank: usize,
-        replica: usize,
         rx: Receiver<StageMsg>,
         links: Links,
-        rec: Rc<RefCell<Recorder>>,
+        rec: Rc<Recorder>,
     ) -> ActorComm {
         let first_stage = layout.stages_of(rank)[0];
-        ActorComm {
-            rank,
-            replica,
-            first_stage,
-            rx,
-            inbox: BTreeMap::new(),
-            control: VecDeque::new(),
-            links,
-            rec,
-        }
+        ActorComm { rank, first_stage, rx, inbox: BTreeMap::new(), control: VecDeque::new(), links, rec }
     }
 
     /// Files a data message in the inbox, or a control message in the queue.
@@ -235,10 +222,10 @@ impl ActorComm {
         };
         match msg {
             StageMsg::Activation { phase: Phase::Train, step, stage, mb, sent, .. } => {
-                self.trace_recv(step, stage, stage - 1, mb, sent.0, "activation")
+                self.rec.recv(step, stage, stage - 1, mb, sent.0, "activation")
             }
             StageMsg::Gradient { step, stage, mb, sent, .. } => {
-                self.trace_recv(step, stage, stage + 1, mb, sent.0, "gradient")
+                self.rec.recv(step, stage, stage + 1, mb, sent.0, "gradient")
             }
             _ => {}
         }
@@ -254,49 +241,14 @@ impl ActorComm {
         }
     }
 
-    /// A receive instant on `stage`: when `what` of microbatch `mb` from `from`
-    /// reached this stage, whether or not anything was waiting for it yet.
-    fn trace_recv(&mut self, step: u64, stage: usize, from: usize, mb: usize, arrived: Instant, what: &str) {
-        let mut rec = self.rec.borrow_mut();
-        if !rec.enabled {
-            return;
-        }
-        let r = crate::trace::Record {
-            replica: self.replica,
-            stage,
-            rank: self.rank,
-            name: "recv".into(),
-            step,
-            mb: Some(mb),
-            start_us: rec.us_of(arrived),
-            detail: Some(format!("{what} from stage {from}")),
-            peer: Some(from),
-            ..Default::default()
-        };
-        rec.push(r);
-    }
-
-    /// A send span, from `start` to now, on the sending stage.
-    fn trace_send(&mut self, start: f64, step: u64, rank: usize, msg: SendOf) {
-        let mut rec = self.rec.borrow_mut();
+    /// A send span on the sending stage, open until dropped.
+    fn send_span(&self, step: u64, rank: usize, msg: SendOf) -> tracing::Span {
         let (from, to, mb, what) = msg;
-        let end = rec.now_us();
-        rec.push(crate::trace::Record {
-            replica: self.replica,
-            stage: from.unwrap_or(self.first_stage),
-            rank: self.rank,
-            name: "send".into(),
-            step,
-            mb,
-            start_us: start,
-            dur_us: end - start,
-            detail: Some(match to {
-                Some(t) => format!("{what} to stage {t}"),
-                None => format!("{what} to rank {rank}"),
-            }),
-            peer: to,
-            ..Default::default()
-        });
+        let detail = match to {
+            Some(t) => format!("{what} to stage {t}"),
+            None => format!("{what} to rank {rank}"),
+        };
+        self.rec.span(from.unwrap_or(self.first_stage), "send", step, mb, Some(&detail), to)
     }
 }
 
@@ -325,15 +277,12 @@ impl Comm for ActorComm {
         if let Some(m) = self.inbox.remove(&key) {
             return Ok(m);
         }
-        let t0 = self.rec.borrow().now_us();
+        let detail = self.rec.enabled().then(|| key.describe());
+        let wait = self.rec.span(at.stage, "wait", at.step, at.mb, detail.as_deref(), None);
         loop {
             self.take_next()?;
             if let Some(m) = self.inbox.remove(&key) {
-                let mut rec = self.rec.borrow_mut();
-                if rec.enabled {
-                    let detail = Some(key.describe());
-                    rec.span(self.replica, self.rank, at.stage, "wait", at.step, at.mb, t0, detail, None);
-                }
+                drop(wait);
                 return Ok(m);
             }
         }
@@ -342,9 +291,9 @@ impl Comm for ActorComm {
     fn send(&mut self, rank: usize, msg: StageMsg) -> Result<(), Stopped> {
         // Evaluation traffic has its "eval" spans; sends and receives are the step's.
         let eval = matches!(msg, StageMsg::Activation { phase: Phase::Eval, .. });
-        let traced = {
-            let rec = self.rec.borrow();
-            (rec.enabled && !eval).then(|| (rec.now_us(), msg.step().unwrap_or(0), send_of(&msg)))
+        let span = match self.rec.enabled() && !eval {
+            true => self.send_span(msg.step().unwrap_or(0), rank, send_of(&msg)),
+            false => tracing::Span::none(),
         };
         let sent = if rank == self.rank {
             self.file(msg)
@@ -357,9 +306,7 @@ impl Comm for ActorComm {
                 Links::Detached { .. } => Ok(()),
             }
         };
-        if let Some((start, step, of)) = traced {
-            self.trace_send(start, step, rank, of);
-        }
+        drop(span);
         sent
     }
 

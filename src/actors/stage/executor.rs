@@ -17,7 +17,6 @@ use crate::optim::Hyper;
 use crate::replay::Blob;
 use crate::schedule::{Action, ActionKind};
 use crate::trace::Recorder;
-use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 
@@ -40,21 +39,12 @@ pub struct Executor {
     pub norms: Vec<(usize, f64)>,
     /// The loss gradient's scale before loss scaling: 1 / (tokens of a step).
     pub dloss: f32,
-    pub rec: Rc<RefCell<Recorder>>,
-    /// When the current action's inputs were all in hand (trace time, µs).
-    pub compute_start: f64,
+    pub rec: Rc<Recorder>,
+    /// The current action's span, from when its inputs were all in hand.
+    pub action_span: tracing::Span,
     /// ZeRO-1: this replica keeps and updates its shard of the optimizer
     /// state; gradients come reduce-scattered, parameters are gathered after.
     pub zero: bool,
-}
-
-fn action_name(kind: ActionKind) -> &'static str {
-    match kind {
-        ActionKind::F => "F",
-        ActionKind::B => "B",
-        ActionKind::I => "I",
-        ActionKind::W => "W",
-    }
 }
 
 impl Executor {
@@ -122,25 +112,23 @@ impl Executor {
         self.comm.send(rank, msg)
     }
 
-    /// Records the action just finished (from when its inputs were in hand).
+    /// Opens the span of `kind` on (stage, mb): its inputs are all in hand.
+    fn begin_action(&mut self, kind: &'static str, stage: usize, mb: usize) {
+        self.action_span = self.rec.span(stage, kind, self.step, Some(mb), None, None);
+    }
+
+    /// Closes the action just finished, with the live activations it left.
     fn trace_action(&mut self, a: Action) {
-        let mut rec = self.rec.borrow_mut();
-        if !rec.enabled {
-            return;
+        if self.rec.enabled() {
+            let (n, bytes) = self.compute.live(self.local(a.stage));
+            self.action_span.record("live_n", n).record("live_bytes", bytes);
         }
-        let live = Some(self.compute.live(self.local(a.stage)));
-        let (start, name) = (self.compute_start, action_name(a.kind));
-        rec.span(self.replica, self.rank, a.stage, name, self.step, Some(a.mb), start, None, live);
+        self.action_span = tracing::Span::none();
     }
 
-    /// Records a span on this rank's first stage (optimizer, reduction, …).
-    fn trace_rank(&mut self, name: &str, start: f64) {
-        let mut rec = self.rec.borrow_mut();
-        rec.span(self.replica, self.rank, self.stages[0], name, self.step, None, start, None, None);
-    }
-
-    fn now_us(&self) -> f64 {
-        self.rec.borrow().now_us()
+    /// A span on this rank's first stage (optimizer, reduction, …), open until dropped.
+    fn rank_span(&self, kind: &'static str) -> tracing::Span {
+        self.rec.span(self.stages[0], kind, self.step, None, None, None)
     }
 
     /// Returns false when the worker should exit.
@@ -149,15 +137,14 @@ impl Executor {
             StageMsg::RunStep { step, loss_scale } => self.run_step(step, loss_scale)?,
             StageMsg::Apply { step, lr, clip, skip } => {
                 assert_eq!(step, self.step);
-                let t = self.now_us();
+                let span = self.rank_span("optimizer");
                 if !skip {
                     self.compute.adamw(self.hyper, lr, clip);
                 }
-                self.trace_rank("optimizer", t);
+                drop(span);
                 if self.zero && !skip {
-                    let t = self.now_us();
+                    let _span = self.rank_span("gather");
                     self.gather_params()?;
-                    self.trace_rank("gather", t);
                 }
                 self.log_params();
                 self.comm.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
@@ -165,12 +152,12 @@ impl Executor {
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
             StageMsg::SendWeights => self.send_weights(),
             StageMsg::Snapshot { step } => {
-                let t = self.now_us();
+                let span = self.rank_span("checkpoint");
                 let (mut tensors, adam_step) = self.compute.snapshot();
                 if self.zero {
                     self.gather_moments(step, &mut tensors)?;
                 }
-                self.trace_rank("checkpoint", t);
+                drop(span);
                 if self.replica == 0 {
                     self.comm.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
                 }
@@ -197,7 +184,7 @@ impl Executor {
         };
         let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
         let peak_live_bytes = self.compute.peak_live_bytes();
-        let trace = std::mem::take(&mut self.rec.borrow_mut().records);
+        let trace = self.rec.take();
         self.comm.report(CoordinatorMsg::Weights {
             rank: self.rank,
             replica: self.replica,
@@ -278,7 +265,7 @@ impl Executor {
         let tokens = if stage == 0 { Some(self.recv_u32(Key::Tokens(phase, mb))?) } else { None };
         let act = if stage > 0 { Some(self.recv_f32(Key::Act(phase, stage, mb))?) } else { None };
         let targets = if stage == last { Some(self.recv_u32(Key::Targets(phase, mb))?) } else { None };
-        self.compute_start = self.now_us();
+        self.begin_action(if phase == Phase::Train { "F" } else { "eval" }, stage, mb);
         let i = self.local(stage);
         let input = match (&tokens, act) {
             (Some(t), _) => ChunkInput::Tokens(t),
@@ -297,13 +284,18 @@ impl Executor {
     fn backward(&mut self, stage: usize, mb: usize, which: BackwardPart) -> Result<(), Stopped> {
         let last = self.layout.last_stage();
         let i = self.local(stage);
-        self.compute_start = self.now_us();
+        let kind = match which {
+            BackwardPart::Full => "B",
+            BackwardPart::Input => "I",
+            BackwardPart::Weight => "W",
+        };
         if which == BackwardPart::Weight {
+            self.begin_action(kind, stage, mb);
             self.compute.backward(i, mb, which, None);
             return Ok(());
         }
         let dout = if stage < last { Some(self.recv_f32(Key::Grad(stage, mb))?) } else { None };
-        self.compute_start = self.now_us();
+        self.begin_action(kind, stage, mb);
         if let Some(g) = self.compute.backward(i, mb, which, dout) {
             let msg =
                 StageMsg::Gradient { step: self.step, stage: stage - 1, mb, data: g, sent: Sent::now() };
@@ -321,19 +313,19 @@ impl Executor {
             (0..self.stages.len()).for_each(|i| self.compute.finish_grad_tree(i));
         }
         if !by_tree {
-            let t = self.now_us();
+            let span = self.rank_span("tied");
             self.combine_tied()?;
-            self.trace_rank("tied", t);
+            drop(span);
         }
         if self.layout.dp > 1 {
-            let t = self.now_us();
+            let span = self.rank_span("reduce");
             self.reduce_over_replicas()?;
-            self.trace_rank("reduce", t);
+            drop(span);
         }
         if by_tree {
-            let t = self.now_us();
+            let span = self.rank_span("tied");
             self.combine_tied()?;
-            self.trace_rank("tied", t);
+            drop(span);
         }
         Ok(())
     }
@@ -451,18 +443,7 @@ impl Executor {
             for &s in &stages {
                 let am = (want_argmax && s == last).then_some(argmax.as_mut_slice());
                 let result = self.forward(Phase::Eval, s, mb, Mode::Eval, am)?;
-                let start = self.compute_start;
-                self.rec.borrow_mut().span(
-                    self.replica,
-                    self.rank,
-                    s,
-                    "eval",
-                    step,
-                    Some(mb),
-                    start,
-                    None,
-                    None,
-                );
+                self.action_span = tracing::Span::none();
                 if let Some(l) = result {
                     loss_sum += l;
                     if want_argmax {

@@ -37,10 +37,9 @@ use crossbeam_channel::{Receiver, Sender};
 use executor::Executor;
 use faults::{Faults, Faulty};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use super::protocol::{Phase, StageMsg};
 
@@ -82,8 +81,8 @@ pub struct StageArgs {
     /// Cores this rank's threads are pinned to (empty: not pinned).
     pub cores: Vec<core_affinity::CoreId>,
     pub latencies_us: Arc<Mutex<Vec<f64>>>,
-    /// The run's clock for trace timestamps; `None` when not tracing.
-    pub trace_epoch: Option<Instant>,
+    /// The run's trace (its id and clock); `None` when not tracing.
+    pub trace: Option<crate::trace::RunTrace>,
     /// GPU runs: which ranks share this process and the NCCL ids of the rest.
     pub gpu_plan: Option<Arc<nccl::GpuPlan>>,
 }
@@ -185,7 +184,7 @@ fn worker_main(mut args: StageArgs, rx: Receiver<StageMsg>) {
             let f = could_not_start(panic_text(&p));
             match coordinator {
                 Some(c) => drop(c.send_message(CoordinatorMsg::Failed(f))),
-                None => eprintln!("{f}"),
+                None => tracing::error!("{f}"),
             }
         }
     }
@@ -214,9 +213,8 @@ fn build(mut args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Ex
     };
     let (rank, replica) = (args.rank, args.replica);
     let stages = args.layout.stages_of(rank);
-    let rec = Recorder::new(args.trace_epoch.is_some(), args.trace_epoch.unwrap_or_else(Instant::now));
-    let rec = Rc::new(RefCell::new(rec));
-    let actor = ActorComm::new(&args.layout, rank, replica, rx, links, rec.clone());
+    let rec = Rc::new(Recorder::new(args.trace.take(), replica, rank));
+    let actor = ActorComm::new(&args.layout, rank, rx, links, rec.clone());
     let comm: Box<dyn Comm> = match args.log.take() {
         Some(log) => {
             let names = param_names(compute.as_ref(), stages.len());
@@ -246,7 +244,7 @@ fn build(mut args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Ex
         norms: Vec::new(),
         dloss,
         rec,
-        compute_start: 0.0,
+        action_span: tracing::Span::none(),
         zero: cfg.parallel.zero == 1,
     })
 }

@@ -172,7 +172,7 @@ pub fn cubin_cached(file: &str, arch: u32, f32: bool) -> Result<Vec<u8>> {
             .and_then(|_| std::fs::write(&tmp, &compiled.cubin))
             .and_then(|_| std::fs::rename(&tmp, p));
         if let Err(e) = stored {
-            eprintln!("pipewright: could not cache kernels/{file}.cu in {}: {e}", p.display());
+            tracing::warn!("pipewright: could not cache kernels/{file}.cu in {}: {e}", p.display());
         }
     }
     Ok(compiled.cubin)
