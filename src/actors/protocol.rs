@@ -304,6 +304,11 @@ pub enum CoordinatorMsg {
     },
     /// SIGINT or SIGTERM: checkpoint at the next step boundary and stop.
     StopRequested,
+    /// What the coordinator itself saw of a failure (a child that stopped, a
+    /// send that was refused), sent to itself so that it is handled after the
+    /// messages already queued: the failing stage's own `Failed`, sent before
+    /// it stopped, says why and is reported instead.
+    Symptom(String),
 }
 
 impl Message for CoordinatorMsg {}
@@ -698,6 +703,7 @@ impl CoordinatorMsg {
             CoordinatorMsg::CheckpointFailed(_) => "CheckpointFailed",
             CoordinatorMsg::Restored { .. } => "Restored",
             CoordinatorMsg::StopRequested => "StopRequested",
+            CoordinatorMsg::Symptom(_) => "Symptom",
         }
     }
 
@@ -786,6 +792,7 @@ impl CoordinatorMsg {
             CoordinatorMsg::Saved { .. } => ("Saved", vec![]),
             CoordinatorMsg::CheckpointFailed(_) => ("CheckpointFailed", vec![]),
             CoordinatorMsg::StopRequested => ("StopRequested", vec![]),
+            CoordinatorMsg::Symptom(_) => ("Symptom", vec![]),
         }
     }
 

@@ -15,6 +15,21 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
 
+/// Ends the run with `why` once the messages already queued are handled: a
+/// stage reports its own failure (`Failed`) before it stops, so a send it
+/// refuses, or the supervision event of its stop (which ractor delivers ahead
+/// of queued messages), is a symptom that would otherwise hide the cause.
+fn defer_failure(me: &ActorRef<CoordinatorMsg>, st: &mut CoordinatorState, why: String) {
+    if st.failing {
+        return;
+    }
+    st.failing = true;
+    if me.send_message(CoordinatorMsg::Symptom(why.clone())).is_err() {
+        st.finish(Err(why));
+        me.stop(None);
+    }
+}
+
 /// The run's parent actor; its state is [`CoordinatorState`].
 pub struct Coordinator;
 
@@ -102,11 +117,14 @@ impl Actor for Coordinator {
         msg: CoordinatorMsg,
         st: &mut CoordinatorState,
     ) -> Result<(), ActorProcessingErr> {
-        // The run's own failure (nothing verifies to roll back to, …) is its
-        // result: returned as an actor error it would reach no one.
+        if st.failing && !matches!(msg, CoordinatorMsg::Failed(_) | CoordinatorMsg::Symptom(_)) {
+            return Ok(());
+        }
+        // The run's own failure (nothing verifies to roll back to, a send to a
+        // stage that has stopped, …) is its result: returned as an actor error
+        // it would reach no one.
         if let Err(e) = st.on_message(msg) {
-            st.finish(Err(e.to_string()));
-            me.stop(None);
+            defer_failure(&me, st, e.to_string());
             return Ok(());
         }
         if st.stopped {
@@ -125,15 +143,13 @@ impl Actor for Coordinator {
             SupervisionEvent::ActorFailed(cell, err) => {
                 let name =
                     cell.get_name().map(|n| plain_name(&n).to_string()).unwrap_or_else(|| "an actor".into());
-                st.finish(Err(format!("{name} failed at step {}: {err}", st.step)));
-                me.stop(None);
+                defer_failure(&me, st, format!("{name} failed at step {}: {err}", st.step));
             }
             SupervisionEvent::ActorTerminated(cell, _, reason) if !matches!(st.waiting, Waiting::Done) => {
                 let name =
                     cell.get_name().map(|n| plain_name(&n).to_string()).unwrap_or_else(|| "an actor".into());
                 let why = reason.unwrap_or_else(|| "no reason given".into());
-                st.finish(Err(format!("{name} stopped unexpectedly at step {}: {why}", st.step)));
-                me.stop(None);
+                defer_failure(&me, st, format!("{name} stopped unexpectedly at step {}: {why}", st.step));
             }
             _ => {}
         }

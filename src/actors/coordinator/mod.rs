@@ -91,6 +91,9 @@ pub struct CoordinatorState {
     log: Option<ActorLog>,
     /// Set when the run is over (the actor stops; a replay ends).
     stopped: bool,
+    /// A symptom of a failure is on its way (`CoordinatorMsg::Symptom`): only
+    /// failure reports are handled until it arrives.
+    failing: bool,
     snapshots: Vec<Option<(Vec<crate::checkpoint::TensorState>, u64)>>,
     snapshot_started: Instant,
     writes_pending: usize,
@@ -133,6 +136,7 @@ impl CoordinatorState {
             checkpointer: links.checkpointer,
             log,
             stopped: false,
+            failing: false,
             eval_set,
             has_val,
             reply,
@@ -245,6 +249,11 @@ impl CoordinatorState {
             }
             CoordinatorMsg::Failed(f) => {
                 st.finish(Err(f.to_string()));
+                st.stopped = true;
+                Ok(())
+            }
+            CoordinatorMsg::Symptom(why) => {
+                st.finish(Err(why));
                 st.stopped = true;
                 Ok(())
             }

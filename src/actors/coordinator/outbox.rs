@@ -42,6 +42,7 @@ impl CoordinatorState {
             CoordinatorMsg::Saved { .. }
             | CoordinatorMsg::CheckpointFailed(_)
             | CoordinatorMsg::StopRequested
+            | CoordinatorMsg::Symptom(_)
             | CoordinatorMsg::Failed(_) => return,
         };
         let (kind, blobs) = msg.logged(log.payloads(), false);
