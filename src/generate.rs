@@ -162,14 +162,11 @@ impl Generator {
     /// tokens are seen (nanoGPT's crop).
     pub fn next_logits(&mut self, context: &[u32]) -> &[f32] {
         assert!(!context.is_empty(), "generation needs at least one token of context");
-        let t = self.part.cfg.block_size;
-        let seen = &context[context.len().saturating_sub(t)..];
-        self.window.fill(0);
-        self.window[..seen.len()].copy_from_slice(seen);
+        let seen = crop_into(&mut self.window, context);
         let Generator { part, pool, window, targets } = self;
         pool.install(|| part.forward(PartInput::Tokens(window), Some(targets), Mode::Eval));
         let v = self.part.cfg.vocab_size;
-        &self.part.logits()[(seen.len() - 1) * v..seen.len() * v]
+        &self.part.logits()[(seen - 1) * v..seen * v]
     }
 
     /// Appends `max_new` tokens to `prompt`, calling `on_token` with each as it comes.
@@ -260,6 +257,16 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     Ok(new)
 }
 
+/// Puts the last `window.len()` (block_size) tokens of `context` at the start
+/// of `window`, zeros after them (nanoGPT's crop; causal attention never reads
+/// the padding); returns how many were put.
+fn crop_into(window: &mut [u32], context: &[u32]) -> usize {
+    let seen = &context[context.len().saturating_sub(window.len())..];
+    window.fill(0);
+    window[..seen.len()].copy_from_slice(seen);
+    seen.len()
+}
+
 /// Greedy generation on the config's first GPU: the whole model in one GPU
 /// part, each new token the argmax of a forward over the window (the same
 /// window and crop as the CPU's `Generator`). Not run on a GPU yet.
@@ -294,11 +301,9 @@ fn greedy_on<X: crate::kernels::cuda::Elem>(
     let (mut window, mut argmax) = (vec![0u32; t], vec![0u32; t]);
     let mut tokens = prompt.to_vec();
     for _ in 0..max_new {
-        let seen = &tokens[tokens.len().saturating_sub(t)..];
-        window.fill(0);
-        window[..seen.len()].copy_from_slice(seen);
+        let seen = crop_into(&mut window, &tokens);
         model.predict(&window, &mut argmax)?;
-        let next = argmax[seen.len() - 1];
+        let next = argmax[seen - 1];
         tokens.push(next);
         on_token(next);
     }

@@ -569,27 +569,16 @@ fn a_hugging_face_folder_needs_no_shape_flags_in_eval_train_and_inspect() {
     let (ok, _, err) = run(&all);
     assert!(ok && err.contains("model shape from"), "{err}");
 
+    let eval_setting = |set: &str| {
+        let (ok, _, err) =
+            run(&["eval", "--weights", hf.to_str().unwrap(), "--data", data.to_str().unwrap(), "--set", set]);
+        (ok, err)
+    };
     // A smaller block_size crops the position table, and says so.
-    let (ok, _, err) = run(&[
-        "eval",
-        "--weights",
-        hf.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--set",
-        "model.block_size=8",
-    ]);
+    let (ok, err) = eval_setting("model.block_size=8");
     assert!(ok && err.contains("`transformer.wpe.weight` holds 16 positions; using the first 8"), "{err}");
     // Errors name tensors as the file does.
-    let (ok, _, err) = run(&[
-        "eval",
-        "--weights",
-        hf.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--set",
-        "model.n_embd=32",
-    ]);
+    let (ok, err) = eval_setting("model.n_embd=32");
     assert!(!ok && err.contains("`transformer.wte.weight`"), "{err}");
 }
 

@@ -749,8 +749,7 @@ impl CoordinatorMsg {
     /// the weights and snapshot tensors (the sender's log does; the
     /// coordinator's, which gathers them, keeps only their scalars).
     pub fn logged(&self, keep: bool, tensors: bool) -> (&'static str, Vec<Blob>) {
-        match self {
-            CoordinatorMsg::Start => ("Start", vec![]),
+        let blobs = match self {
             CoordinatorMsg::StageDone(r) => {
                 let index: Vec<u32> = r.grad_sumsq.iter().map(|x| x.0 as u32).collect();
                 let sumsq: Vec<f64> = r.grad_sumsq.iter().map(|x| x.1).collect();
@@ -759,25 +758,16 @@ impl CoordinatorMsg {
                     Blob::f64s(key::GRAD_SUMSQ, &sumsq, true),
                 ];
                 b.extend(r.loss_sum.map(|l| Blob::f64(key::LOSS_SUM, l)));
-                ("StageDone", b)
+                b
             }
-            CoordinatorMsg::Applied { .. } => ("Applied", vec![]),
-            CoordinatorMsg::Restored { .. } => ("Restored", vec![]),
-            CoordinatorMsg::EvalDone { kind, loss_sum, tokens, predictions, .. } => (
-                "EvalDone",
-                vec![
-                    Blob::str(key::EVAL_KIND, kind.name()),
-                    Blob::f64(key::LOSS_SUM, *loss_sum),
-                    Blob::f64(key::TOKEN_COUNT, *tokens as f64),
-                    Blob::u32s(key::PREDICTIONS, predictions, true),
-                ],
-            ),
-            CoordinatorMsg::Weights { params, .. } => {
-                let b = match tensors {
-                    true => params.iter().map(|p| Blob::f32s(&p.name, &p.data, keep)).collect(),
-                    false => vec![],
-                };
-                ("Weights", b)
+            CoordinatorMsg::EvalDone { kind, loss_sum, tokens, predictions, .. } => vec![
+                Blob::str(key::EVAL_KIND, kind.name()),
+                Blob::f64(key::LOSS_SUM, *loss_sum),
+                Blob::f64(key::TOKEN_COUNT, *tokens as f64),
+                Blob::u32s(key::PREDICTIONS, predictions, true),
+            ],
+            CoordinatorMsg::Weights { params, .. } if tensors => {
+                params.iter().map(|p| Blob::f32s(&p.name, &p.data, keep)).collect()
             }
             CoordinatorMsg::Snapshot { tensors: ts, adam_step, .. } => {
                 let mut b = vec![Blob::f64(key::ADAM_STEP, *adam_step as f64)];
@@ -786,14 +776,12 @@ impl CoordinatorMsg {
                     b.push(Blob::f32s(&format!("{}.exp_avg", t.name), &t.exp_avg, keep));
                     b.push(Blob::f32s(&format!("{}.exp_avg_sq", t.name), &t.exp_avg_sq, keep));
                 }
-                ("Snapshot", b)
+                b
             }
-            CoordinatorMsg::Failed(_) => ("Failed", vec![]),
-            CoordinatorMsg::Saved { .. } => ("Saved", vec![]),
-            CoordinatorMsg::CheckpointFailed(_) => ("CheckpointFailed", vec![]),
-            CoordinatorMsg::StopRequested => ("StopRequested", vec![]),
-            CoordinatorMsg::Symptom(_) => ("Symptom", vec![]),
-        }
+            // The rest log no blobs: their kind (and entry fields) say it all.
+            _ => vec![],
+        };
+        (self.name(), blobs)
     }
 
     /// The message a coordinator's log entry recorded (scalars only: the
