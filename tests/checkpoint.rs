@@ -240,14 +240,14 @@ fn sigint_and_sigterm_save_a_checkpoint_at_the_next_step_and_exit_cleanly() {
     for (name, signal) in [("int", libc::SIGINT), ("term", libc::SIGTERM)] {
         let out = dir.path().join(name);
         let o = out.to_str().unwrap();
-        let child = cmd(
+        let mut child = cmd(
             &["train", "--steps", "40", "--out", o],
             &["--set", "parallel.pp=2", "--set", "checkpoint.every=0"],
         )
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-        wait_for_steps(&out, 2);
+        wait_for_steps(&out, 2, &mut [&mut child]);
         unsafe { libc::kill(child.id() as i32, signal) };
         let res = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&res.stderr);
@@ -329,14 +329,14 @@ fn a_signal_during_start_up_exits_cleanly_and_changes_nothing() {
 fn a_signal_after_the_last_step_lets_the_final_checkpoint_finish() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("late");
-    let child =
+    let mut child =
         cmd(&["train", "--steps", "6", "--out", out.to_str().unwrap()], &["--set", "checkpoint.every=6"])
             .env("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "1500")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
     // The last step is done; its checkpoint is still being written.
-    wait_for_steps(&out, 6);
+    wait_for_steps(&out, 6, &mut [&mut child]);
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let res = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&res.stderr);
@@ -349,12 +349,12 @@ fn a_signal_after_the_last_step_lets_the_final_checkpoint_finish() {
 fn a_second_interrupt_exits_at_once_with_130_saying_what_was_not_saved() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("twice");
-    let child =
+    let mut child =
         cmd(&["train", "--steps", "400", "--out", out.to_str().unwrap()], &["--set", "checkpoint.every=0"])
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-    wait_for_steps(&out, 1);
+    wait_for_steps(&out, 1, &mut [&mut child]);
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     std::thread::sleep(Duration::from_millis(5));
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };

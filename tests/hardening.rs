@@ -219,9 +219,9 @@ fn corruption_matrix_every_checkpoint_file_damaged_every_way_is_refused_naming_t
 fn a_second_process_on_a_live_run_directory_is_refused_naming_the_holder_and_the_live_run_is_unharmed() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("live");
-    let live: Child =
+    let mut live: Child =
         train(&["--steps", "100000", "--out", s(&out)], &["checkpoint.every=0"]).spawn().unwrap();
-    wait_for_steps(&out, 2);
+    wait_for_steps(&out, 2, &mut [&mut live]);
     let pid = format!("pid {}", live.id());
     for (what, args) in [
         ("--resume", vec!["--steps", "100000", "--resume", s(&out)]),
@@ -525,9 +525,9 @@ fn a_peer_with_the_right_cookie_but_another_world_or_a_taken_rank_is_refused_and
     // Long enough to outlast both newcomers' refusals (each takes about a second).
     let flags = ["--steps", "4000", "--join-timeout", "120", "--out", s(&run)].map(String::from);
     let args = [sets(&["parallel.pp=2", "checkpoint.every=0"]), flags.to_vec()].concat();
-    let rank0 = worker(port, 0, 2, &args).spawn().unwrap();
-    let rank1 = worker(port, 1, 2, &args).spawn().unwrap();
-    wait_for_steps(&run, 2);
+    let mut rank0 = worker(port, 0, 2, &args).spawn().unwrap();
+    let mut rank1 = worker(port, 1, 2, &args).spawn().unwrap();
+    wait_for_steps(&run, 2, &mut [&mut rank0, &mut rank1]);
     // ractor_cluster may end a second node of a name already connected
     // before it authenticates; if not, the data link's handshake refuses it.
     let node_level = "a live process of the run already holding this rank";

@@ -410,10 +410,18 @@ pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
     let ip = local_ip_towards(spec.master)?;
     let node = rt.block_on(Node::start(spec.rank, &cookie, ip, 0, spec.tls.as_ref()))?;
     let connect_wait = spec.timeout.min(Duration::from_secs(60));
+    // Only a connection that could not be made is tried again. Once one is
+    // made, its authentication gets all the time left: a second attempt on a
+    // loaded machine would meet the first one's session still holding this
+    // rank, and be refused as a duplicate.
+    let until = Instant::now() + connect_wait;
     retry(
         connect_wait,
-        || rt.block_on(node.join(spec.master, Duration::from_secs(10))),
-        |e| matches!(e, node::NodeError::Refused { .. } | node::NodeError::Tls { .. }),
+        || {
+            let left = until.saturating_duration_since(Instant::now()).max(Duration::from_secs(1));
+            rt.block_on(node.join(spec.master, left))
+        },
+        |e| !matches!(e, node::NodeError::Connect { .. }),
     )?;
     let (fabric, events) = Fabric::new(spec.rank, spec.world);
     let mut members = node::Members::new(spec.world, true);

@@ -21,7 +21,7 @@ use ractor_cluster::{
 };
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -134,9 +134,17 @@ impl Members {
 
 struct Subscription {
     tx: Sender<NodeEvent>,
-    authenticated: Mutex<HashSet<u64>>,
+    authenticated: Arc<Mutex<HashSet<u64>>>,
     /// Why a session that never authenticated most likely failed.
     refusal: &'static str,
+}
+
+/// Says a session joined, once: the subscription and the catch-up after it
+/// may both see the same session.
+fn announce_joined(set: &Mutex<HashSet<u64>>, tx: &Sender<NodeEvent>, ses: &NodeServerSessionInformation) {
+    if set.lock().expect("auth set").insert(ses.node_id) {
+        let _ = tx.send(NodeEvent::Joined { name: name_of(ses), addr: ses.peer_addr.clone() });
+    }
 }
 
 fn name_of(ses: &NodeServerSessionInformation) -> String {
@@ -147,8 +155,7 @@ impl NodeEventSubscription for Subscription {
     fn node_session_opened(&self, _ses: NodeServerSessionInformation) {}
 
     fn node_session_authenticated(&self, ses: NodeServerSessionInformation) {
-        self.authenticated.lock().expect("auth set").insert(ses.node_id);
-        let _ = self.tx.send(NodeEvent::Joined { name: name_of(&ses), addr: ses.peer_addr.clone() });
+        announce_joined(&self.authenticated, &self.tx, &ses);
     }
 
     fn node_session_disconnected(&self, ses: NodeServerSessionInformation) {
@@ -203,13 +210,23 @@ impl Node {
                  already held?)"
             }
         };
-        let sub = Subscription { tx: tx.clone(), authenticated: Mutex::new(HashSet::new()), refusal };
+        let authenticated = Arc::new(Mutex::new(HashSet::new()));
+        let sub = Subscription { tx: tx.clone(), authenticated: authenticated.clone(), refusal };
         server
             .cast(NodeServerMessage::SubscribeToEvents {
                 id: "pipewright".into(),
                 subscription: Box::new(sub),
             })
             .map_err(|e| start(e.to_string()))?;
+        // The node listens from its spawn on, before the subscription above
+        // is in place: on a loaded machine a fast peer can authenticate in
+        // between, and nobody would hear of it. The server answers this after
+        // the subscription, so every session is heard of here or there.
+        let sessions = ractor::call_t!(server, NodeServerMessage::GetSessions, 10_000)
+            .map_err(|e| start(format!("the node's sessions: {e}")))?;
+        for ses in sessions.values() {
+            announce_joined(&authenticated, &tx, ses);
+        }
         if let (Some(t), true) = (tls, port != 0) {
             let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| start(e.to_string()))?;
             tokio::spawn(accept_tls(listener, server.clone(), t.clone(), tx));

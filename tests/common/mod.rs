@@ -79,12 +79,36 @@ pub fn kill_at_random_moment(
 }
 
 /// Waits until training is under way (`n` metrics lines), two minutes at most.
-pub fn wait_for_steps(out: &Path, n: usize) {
+/// If one of `procs` ends first, or the time runs out, every one of them is
+/// ended and the panic shows what each wrote to stderr: a run that never
+/// started says why.
+pub fn wait_for_steps(out: &Path, n: usize, procs: &mut [&mut Child]) {
     let until = Instant::now() + Duration::from_secs(120);
     while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(true, |t| t.lines().count() < n) {
-        assert!(Instant::now() < until, "{}: training never got under way", out.display());
+        let ended = procs.iter_mut().any(|c| c.try_wait().ok().flatten().is_some());
+        if ended || Instant::now() >= until {
+            let why = if ended { "a process ended" } else { "two minutes passed" };
+            let said: Vec<String> = procs.iter_mut().map(|c| stderr_of_ended(c)).collect();
+            panic!(
+                "{}: training never got under way ({why}); stderr:\n{}",
+                out.display(),
+                said.join("\n---\n")
+            );
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Ends `c` if it still runs and returns its exit status and what it wrote to
+/// stderr (when that was piped).
+fn stderr_of_ended(c: &mut Child) -> String {
+    let _ = c.kill();
+    let status = c.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+    let mut err = String::new();
+    if let Some(mut e) = c.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut err);
+    }
+    format!("pid {} ({status}):\n{err}", c.id())
 }
 
 /// A port P on 127.0.0.1 with P + 1 free too (cluster node and data link).
