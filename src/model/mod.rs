@@ -6,6 +6,7 @@
 //! and backward are written out by hand from `kernels::cpu`; nothing here
 //! knows about schedules, threads or messages.
 
+pub mod block;
 pub mod hf;
 pub mod io;
 pub mod params;

@@ -16,8 +16,11 @@
 //! every product, which no API lets us hand it; glibc serves those from its
 //! heap without system calls (docs/benchmarks.md measures the cost).
 
+use super::block::{
+    block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch, TpRank,
+};
 use super::params::{self, GptConfig, Param};
-use crate::kernels::cpu::{attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
+use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul};
 use crate::kernels::profile::{timed, Kernel};
 use std::ops::Range;
 
@@ -71,91 +74,6 @@ pub enum Mode {
     Eval,
 }
 
-/// Intermediate values of one block for one microbatch.
-#[derive(Default)]
-struct BlockActs {
-    ln1: Vec<f32>,      // (N, C)
-    ln1_mean: Vec<f32>, // (N)
-    ln1_rstd: Vec<f32>, // (N)
-    qkv: Vec<f32>,      // (N, 3C)
-    atty: Vec<f32>,     // (N, C) attention output before its projection
-    lse: Vec<f32>,      // (B, NH, T)
-    res2: Vec<f32>,     // (N, C) residual after attention
-    ln2: Vec<f32>,      // (N, C)
-    ln2_mean: Vec<f32>, // (N)
-    ln2_rstd: Vec<f32>, // (N)
-    fch: Vec<f32>,      // (N, 4C)
-    fch_gelu: Vec<f32>, // (N, 4C)
-}
-
-impl BlockActs {
-    fn new(b: usize, t: usize, c: usize, nh: usize) -> Self {
-        let n = b * t;
-        BlockActs {
-            ln1: vec![0.0; n * c],
-            ln1_mean: vec![0.0; n],
-            ln1_rstd: vec![0.0; n],
-            qkv: vec![0.0; n * 3 * c],
-            atty: vec![0.0; n * c],
-            lse: vec![0.0; b * nh * t],
-            res2: vec![0.0; n * c],
-            ln2: vec![0.0; n * c],
-            ln2_mean: vec![0.0; n],
-            ln2_rstd: vec![0.0; n],
-            fch: vec![0.0; n * 4 * c],
-            fch_gelu: vec![0.0; n * 4 * c],
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        4 * (self.ln1.len()
-            + self.ln1_mean.len()
-            + self.ln1_rstd.len()
-            + self.qkv.len()
-            + self.atty.len()
-            + self.lse.len()
-            + self.res2.len()
-            + self.ln2.len()
-            + self.ln2_mean.len()
-            + self.ln2_rstd.len()
-            + self.fch.len()
-            + self.fch_gelu.len())
-    }
-}
-
-/// The gradients of a block's intermediate outputs, produced by the input half
-/// of its backward (I) and consumed by the weight half (W).
-struct BlockGrads {
-    dout: Vec<f32>,  // (N, C) the block's output
-    dfch: Vec<f32>,  // (N, 4C) the MLP's first product
-    dln2: Vec<f32>,  // (N, C)
-    dres2: Vec<f32>, // (N, C) the residual after attention
-    dqkv: Vec<f32>,  // (N, 3C)
-    dln1: Vec<f32>,  // (N, C)
-}
-
-impl BlockGrads {
-    fn new(n: usize, c: usize) -> Self {
-        BlockGrads {
-            dout: vec![0.0; n * c],
-            dfch: vec![0.0; n * 4 * c],
-            dln2: vec![0.0; n * c],
-            dres2: vec![0.0; n * c],
-            dqkv: vec![0.0; n * 3 * c],
-            dln1: vec![0.0; n * c],
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        4 * (self.dout.len()
-            + self.dfch.len()
-            + self.dln2.len()
-            + self.dres2.len()
-            + self.dqkv.len()
-            + self.dln1.len())
-    }
-}
-
 /// A microbatch between its I and its W: its activations, its blocks' output
 /// gradients and (first part) the gradient of the embedding's output.
 struct PendingWeight {
@@ -197,10 +115,8 @@ pub struct ForwardOut {
 
 /// Workspace shared by all microbatches (only one runs at a time on a part).
 struct Scratch {
-    dln: Vec<f32>,   // (N, C) the head's LayerNorm output gradient
-    datty: Vec<f32>, // (N, C)
-    dgelu: Vec<f32>, // (N, 4C)
-    attn: Vec<f32>,
+    dln: Vec<f32>, // (N, C) the head's LayerNorm output gradient
+    block: BlockScratch,
     // Head (last part only).
     lnf: Vec<f32>,
     lnf_mean: Vec<f32>,
@@ -208,8 +124,6 @@ struct Scratch {
     logits: Vec<f32>, // (N, V)
     losses: Vec<f32>, // (N)
 }
-
-use super::params::block::*;
 
 pub struct ModelPart {
     pub cfg: GptConfig,
@@ -264,7 +178,7 @@ pub fn part_params(cfg: &GptConfig, spec: &PartSpec, seed: u64) -> Vec<Param> {
     params
 }
 
-fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Param) {
+pub(super) fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Param) {
     assert!(i < j);
     let (a, b) = p.split_at_mut(j);
     (&mut a[i], &mut b[0])
@@ -290,9 +204,7 @@ impl ModelPart {
         let head = spec.head;
         let scratch = Scratch {
             dln: vec![0.0; n * c],
-            datty: vec![0.0; n * c],
-            dgelu: vec![0.0; n * 4 * c],
-            attn: vec![0.0; attention::scratch_len(b, cfg.n_head, t)],
+            block: BlockScratch::new(b, &cfg, &TpRank::WHOLE),
             lnf: if head { vec![0.0; n * c] } else { vec![] },
             lnf_mean: if head { vec![0.0; n] } else { vec![] },
             lnf_rstd: if head { vec![0.0; n] } else { vec![] },
@@ -307,10 +219,10 @@ impl ModelPart {
             params,
             wte_head_grad: if head { vec![0.0; v * c] } else { vec![] },
             scratch,
-            recompute_acts: recompute.then(|| BlockActs::new(b, t, c, cfg.n_head)),
+            recompute_acts: recompute.then(|| BlockActs::new(b, &cfg, 1)),
             pending_w: std::collections::BTreeMap::new(),
             grads_pool: Vec::new(),
-            full_grads: BlockGrads::new(n, c),
+            full_grads: BlockGrads::new(n, c, 1),
             nc_pool: Vec::new(),
             acts_pool: Vec::new(),
             live_bytes: 0,
@@ -343,12 +255,12 @@ impl ModelPart {
         if let Some(a) = self.acts_pool.pop() {
             return a;
         }
-        let (b, t, c, nh) = (self.b, self.cfg.block_size, self.cfg.n_embd, self.cfg.n_head);
+        let (b, t) = (self.b, self.cfg.block_size);
         let keep = if self.recompute { 0 } else { self.n_blocks() };
         MicroActs {
             tokens: if self.spec.embedding { vec![0; b * t] } else { vec![] },
             inputs: Vec::with_capacity(self.n_blocks()),
-            blocks: (0..keep).map(|_| BlockActs::new(b, t, c, nh)).collect(),
+            blocks: (0..keep).map(|_| BlockActs::new(b, &self.cfg, 1)).collect(),
             dhead: vec![],
         }
     }
@@ -410,9 +322,10 @@ impl ModelPart {
                 ba,
                 &acts.inputs[l],
                 &mut out,
-                &mut self.scratch.attn,
+                &mut self.scratch.block,
                 self.b,
                 &self.cfg,
+                &TpRank::WHOLE,
             );
             acts.inputs.push(out);
         }
@@ -567,9 +480,10 @@ impl ModelPart {
                 &acts.inputs[l],
                 &mut dres,
                 &mut self.full_grads,
-                &mut self.scratch,
+                &mut self.scratch.block,
                 self.b,
                 &self.cfg,
+                &TpRank::WHOLE,
                 true,
             );
         }
@@ -596,7 +510,7 @@ impl ModelPart {
         let mut grads = self.grads_pool.pop().unwrap_or_default();
         let n = self.n();
         while grads.len() < self.n_blocks() {
-            grads.push(BlockGrads::new(n, self.cfg.n_embd));
+            grads.push(BlockGrads::new(n, self.cfg.n_embd, 1));
         }
         for l in (0..self.n_blocks()).rev() {
             let base = self.spec.block_base(l);
@@ -606,9 +520,10 @@ impl ModelPart {
                 &acts.inputs[l],
                 &mut dres,
                 &mut grads[l],
-                &mut self.scratch,
+                &mut self.scratch.block,
                 self.b,
                 &self.cfg,
+                &TpRank::WHOLE,
                 false,
             );
         }
@@ -633,6 +548,7 @@ impl ModelPart {
                 &grads[l],
                 self.b,
                 &self.cfg,
+                &TpRank::WHOLE,
             );
         }
         if let Some(d) = dembed {
@@ -662,9 +578,10 @@ impl ModelPart {
             ba,
             &acts.inputs[l],
             &mut out,
-            &mut self.scratch.attn,
+            &mut self.scratch.block,
             self.b,
             &self.cfg,
+            &TpRank::WHOLE,
         );
         self.nc_pool.push(out);
     }
@@ -714,208 +631,4 @@ impl ModelPart {
             }
         }
     }
-}
-
-/// One transformer block: x → x + attn(ln1(x)) → res2 + mlp(ln2(res2)).
-fn block_forward(
-    p: &[Param],
-    a: &mut BlockActs,
-    x: &[f32],
-    out: &mut [f32],
-    attn_scratch: &mut [f32],
-    b: usize,
-    cfg: &GptConfig,
-) {
-    let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
-    let n = b * t;
-    timed(Kernel::LayerNorm, || {
-        layernorm::layernorm_forward(
-            &mut a.ln1,
-            &mut a.ln1_mean,
-            &mut a.ln1_rstd,
-            x,
-            &p[LN1W].data,
-            &p[LN1B].data,
-            n,
-            c,
-        )
-    });
-    timed(Kernel::Matmul, || {
-        matmul::matmul_forward(&mut a.qkv, &a.ln1, &p[QKVW].data, Some(&p[QKVB].data), n, c, 3 * c)
-    });
-    timed(Kernel::Attention, || {
-        attention::attention_forward(&mut a.atty, &mut a.lse, attn_scratch, &a.qkv, b, t, c, nh)
-    });
-    // res2 = x + atty · Wproj + bproj
-    timed(Kernel::Matmul, || {
-        matmul::matmul_forward(&mut a.res2, &a.atty, &p[PROJW].data, Some(&p[PROJB].data), n, c, c)
-    });
-    timed(Kernel::Residual, || residual::accumulate(&mut a.res2, x));
-    timed(Kernel::LayerNorm, || {
-        layernorm::layernorm_forward(
-            &mut a.ln2,
-            &mut a.ln2_mean,
-            &mut a.ln2_rstd,
-            &a.res2,
-            &p[LN2W].data,
-            &p[LN2B].data,
-            n,
-            c,
-        )
-    });
-    timed(Kernel::Matmul, || {
-        matmul::matmul_forward(&mut a.fch, &a.ln2, &p[FCW].data, Some(&p[FCB].data), n, c, 4 * c)
-    });
-    timed(Kernel::Gelu, || gelu::gelu_forward(&mut a.fch_gelu, &a.fch));
-    timed(Kernel::Matmul, || {
-        matmul::matmul_forward(out, &a.fch_gelu, &p[FCPW].data, Some(&p[FCPB].data), n, 4 * c, c)
-    });
-    timed(Kernel::Residual, || residual::accumulate(out, &a.res2));
-}
-
-/// The input half of one block's backward. `dres` holds the gradient of the
-/// block's output on entry and of its input on return; `g` receives the
-/// intermediate output gradients. With `full` (a B), each weight gradient is
-/// accumulated as soon as its output gradient exists — the same kernel calls on
-/// the same inputs as the later W of a split backward, so the same bits — and
-/// the gradients that `dres` carries need no copies.
-#[allow(clippy::too_many_arguments)]
-fn block_backward_input(
-    p: &mut [Param],
-    a: &BlockActs,
-    x: &[f32],
-    dres: &mut [f32],
-    g: &mut BlockGrads,
-    s: &mut Scratch,
-    b: usize,
-    cfg: &GptConfig,
-    full: bool,
-) {
-    let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
-    let n = b * t;
-    // MLP: out = res2 + gelu(ln2(res2)·Wfc)·Wfcproj
-    if full {
-        weight_grad(p, FCPW, FCPB, dres, &a.fch_gelu, n, 4 * c, c);
-    } else {
-        g.dout.copy_from_slice(dres);
-    }
-    timed(Kernel::Matmul, || {
-        matmul::matmul_backward_input(&mut s.dgelu, dres, &p[FCPW].data, n, 4 * c, c, false)
-    });
-    timed(Kernel::Gelu, || gelu::gelu_backward_into(&mut g.dfch, &a.fch, &s.dgelu, false));
-    timed(Kernel::Matmul, || {
-        matmul::matmul_backward_input(&mut g.dln2, &g.dfch, &p[FCW].data, n, c, 4 * c, false)
-    });
-    if full {
-        weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * c);
-    }
-    timed(Kernel::LayerNorm, || {
-        layernorm::layernorm_backward_input(
-            dres,
-            &g.dln2,
-            &a.res2,
-            &p[LN2W].data,
-            &a.ln2_mean,
-            &a.ln2_rstd,
-            n,
-            c,
-        )
-    });
-    if full {
-        norm_grad(p, LN2W, LN2B, &g.dln2, &a.res2, &a.ln2_mean, &a.ln2_rstd, n, c);
-    }
-    // dres is now ∂L/∂res2. Attention: res2 = x + attn(ln1(x))·Wproj.
-    if full {
-        weight_grad(p, PROJW, PROJB, dres, &a.atty, n, c, c);
-    } else {
-        g.dres2.copy_from_slice(dres);
-    }
-    timed(Kernel::Matmul, || {
-        matmul::matmul_backward_input(&mut s.datty, dres, &p[PROJW].data, n, c, c, false)
-    });
-    // dK and dV accumulate over query tiles, so this one starts from zero.
-    g.dqkv.fill(0.0);
-    timed(Kernel::Attention, || {
-        attention::attention_backward(
-            &mut g.dqkv,
-            &mut s.attn,
-            &s.datty,
-            &a.qkv,
-            &a.atty,
-            &a.lse,
-            b,
-            t,
-            c,
-            nh,
-        )
-    });
-    timed(Kernel::Matmul, || {
-        matmul::matmul_backward_input(&mut g.dln1, &g.dqkv, &p[QKVW].data, n, c, 3 * c, false)
-    });
-    if full {
-        weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * c);
-    }
-    timed(Kernel::LayerNorm, || {
-        layernorm::layernorm_backward_input(dres, &g.dln1, x, &p[LN1W].data, &a.ln1_mean, &a.ln1_rstd, n, c)
-    });
-    if full {
-        norm_grad(p, LN1W, LN1B, &g.dln1, x, &a.ln1_mean, &a.ln1_rstd, n, c);
-    }
-}
-
-/// dW += inpᵀ · dout and db += Σ dout for the linear layer whose tensors are p[w], p[bias].
-#[allow(clippy::too_many_arguments)]
-fn weight_grad(
-    p: &mut [Param],
-    w: usize,
-    bias: usize,
-    dout: &[f32],
-    inp: &[f32],
-    n: usize,
-    ic: usize,
-    oc: usize,
-) {
-    let (w, bias) = pair(p, w, bias);
-    timed(Kernel::Matmul, || {
-        matmul::matmul_backward_weight(&mut w.grad, Some(&mut bias.grad), dout, inp, n, ic, oc)
-    });
-}
-
-/// The weight and bias gradients of the LayerNorm whose tensors are p[w], p[bias].
-#[allow(clippy::too_many_arguments)]
-fn norm_grad(
-    p: &mut [Param],
-    w: usize,
-    bias: usize,
-    dout: &[f32],
-    inp: &[f32],
-    mean: &[f32],
-    rstd: &[f32],
-    n: usize,
-    c: usize,
-) {
-    let (w, bias) = pair(p, w, bias);
-    timed(Kernel::LayerNorm, || {
-        layernorm::layernorm_backward_weight(&mut w.grad, &mut bias.grad, dout, inp, mean, rstd, n, c)
-    });
-}
-
-/// The weight half of one block's backward (a W): accumulates every weight
-/// gradient of the block from its activations and the output gradients its I kept.
-fn block_backward_weight(
-    p: &mut [Param],
-    a: &BlockActs,
-    x: &[f32],
-    g: &BlockGrads,
-    b: usize,
-    cfg: &GptConfig,
-) {
-    let c = cfg.n_embd;
-    let n = b * cfg.block_size;
-    weight_grad(p, FCPW, FCPB, &g.dout, &a.fch_gelu, n, 4 * c, c);
-    weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * c);
-    norm_grad(p, LN2W, LN2B, &g.dln2, &a.res2, &a.ln2_mean, &a.ln2_rstd, n, c);
-    weight_grad(p, PROJW, PROJB, &g.dres2, &a.atty, n, c, c);
-    weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * c);
-    norm_grad(p, LN1W, LN1B, &g.dln1, x, &a.ln1_mean, &a.ln1_rstd, n, c);
 }
