@@ -278,6 +278,18 @@ pub struct ParallelSection {
     /// replica keeps the AdamW moments of its shard of every tensor; needs
     /// dp > 1 and the CPU backend). The weights are the same bits either way.
     pub zero: u8,
+    /// Tensor-parallel ranks per stage (Megatron's column/row split: each
+    /// holds 1/tp of every block's attention heads and MLP columns). The
+    /// ranks are threads of their stage's process (tensor parallelism within
+    /// a node), sharing its cores; CPU backend only.
+    pub tp: usize,
+    /// The sums a tensor-parallel split makes (the attention and MLP output
+    /// projections, and in backward the input gradients of the qkv and MLP
+    /// input projections) are defined over this many slices, whatever tp
+    /// is: every tp dividing it gives the same bits. 1 means plain products
+    /// (the fastest, and tp = 1); set the same value on every run whose bits
+    /// should agree. A power of two dividing model.n_head.
+    pub tp_slices: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -393,6 +405,8 @@ impl Default for ParallelSection {
             chunks: 1,
             layers_per_stage: Vec::new(),
             zero: 0,
+            tp: 1,
+            tp_slices: 1,
         }
     }
 }
@@ -608,6 +622,7 @@ impl Config {
         );
 
         self.check_zero(&mut v);
+        self.check_tp(&mut v);
         let devices = &self.backend.devices;
         v.check(
             devices.is_empty()
@@ -741,6 +756,45 @@ impl Config {
                 "must be \"cpu\" with parallel.zero = 1 (ZeRO-1 runs on the CPU backend only)",
             );
         }
+    }
+
+    /// Tensor parallelism cuts heads into whole slices and each rank takes
+    /// whole slices; only the CPU backend computes by slices.
+    fn check_tp(&self, v: &mut Validator) {
+        let p = &self.parallel;
+        v.check(p.tp >= 1 && p.tp.is_power_of_two(), "parallel.tp", p.tp, "must be a power of two >= 1");
+        v.check(
+            p.tp_slices >= 1 && p.tp_slices.is_power_of_two(),
+            "parallel.tp_slices",
+            p.tp_slices,
+            "must be a power of two >= 1",
+        );
+        if p.tp.is_power_of_two() && p.tp_slices.is_power_of_two() {
+            v.check(
+                p.tp_slices.is_multiple_of(p.tp),
+                "parallel.tp_slices",
+                p.tp_slices,
+                format!(
+                    "must be a multiple of parallel.tp = {} (each rank sums whole slices; runs with the same \
+                     tp_slices give the same bits at every tp dividing it)",
+                    p.tp
+                ),
+            );
+            v.check(
+                self.model.n_head.is_multiple_of(p.tp_slices),
+                "parallel.tp_slices",
+                p.tp_slices,
+                format!("must divide model.n_head = {} (a slice is whole heads)", self.model.n_head),
+            );
+        }
+        let kind = self.backend.kind;
+        v.check(
+            (p.tp == 1 && p.tp_slices == 1) || kind == BackendKind::Cpu,
+            "backend.kind",
+            kind.name(),
+            "must be \"cpu\" with parallel.tp or parallel.tp_slices above 1 (tensor parallelism runs on the \
+             CPU backend only)",
+        );
     }
 
     pub fn validate_for_eval(&self) -> Result<(), ConfigError> {
@@ -1363,6 +1417,30 @@ mod tests {
         c.backend.kind = BackendKind::Sim;
         let err = refused(&c, "backend.kind");
         assert!(err.contains("\"cpu\"") && err.contains("parallel.zero = 1"), "{err}");
+    }
+
+    #[test]
+    fn tp_takes_whole_slices_of_whole_heads_on_the_cpu_backend() {
+        let mut c = valid();
+        c.model.n_head = 4;
+        c.parallel.tp = 2;
+        c.parallel.tp_slices = 4;
+        c.validate().unwrap();
+        c.parallel.tp = 3;
+        let err = refused(&c, "parallel.tp");
+        assert!(err.contains("power of two"), "{err}");
+        c.parallel.tp = 4;
+        c.parallel.tp_slices = 2;
+        let err = refused(&c, "parallel.tp_slices");
+        assert!(err.contains("multiple of parallel.tp = 4"), "{err}");
+        c.parallel.tp = 2;
+        c.parallel.tp_slices = 8;
+        let err = refused(&c, "parallel.tp_slices");
+        assert!(err.contains("model.n_head = 4"), "{err}");
+        c.parallel.tp_slices = 4;
+        c.backend.kind = BackendKind::Sim;
+        let err = refused(&c, "backend.kind");
+        assert!(err.contains("\"cpu\"") && err.contains("parallel.tp"), "{err}");
     }
 
     #[test]

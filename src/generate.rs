@@ -227,7 +227,12 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
         None => tokenizer_for(gpt.vocab_size)?,
     };
     let prompt = encode_prompt(tok, req.prompt, gpt.vocab_size)?;
-    let mut part = ModelPart::new(gpt, PartSpec::whole(&gpt), 1, cfg.train.seed, false);
+    // The sums are taken over the slices the model was trained with (one
+    // rank: generation gains nothing from splitting).
+    let slices = crate::model::tp::TpShape { size: 1, slices: cfg.parallel.tp_slices };
+    let threads = crate::train::engine::thread_count(cfg.backend.threads);
+    let mut part =
+        ModelPart::new(gpt, PartSpec::whole(&gpt), 1, cfg.train.seed, false).with_tp(slices, threads);
     weights.assign(&mut part)?;
     // The GPUs of a cuda config (none otherwise); a build without the
     // feature says so here, before anything is printed.

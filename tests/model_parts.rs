@@ -2,6 +2,7 @@
 //! properties the pipeline depends on (recompute and splitting change no bits).
 
 use pipewright::model::part::{Mode, PartInput};
+use pipewright::model::tp::TpShape;
 use pipewright::model::{GptConfig, ModelPart, PartSpec};
 
 fn tiny() -> GptConfig {
@@ -210,4 +211,63 @@ fn split_backward_input_then_weight_equals_full_backward() {
         grads
     };
     assert_eq!(run(false), run(true));
+}
+
+/// Loss, input gradients and every weight gradient of two microbatches
+/// through a first part and a last part split over `tp` ranks; `zb` splits
+/// each backward into I and W (W after both I's), `recompute` recomputes blocks.
+fn split_run(tp: TpShape, zb: bool, recompute: bool) -> (f64, Vec<(String, Vec<u32>)>) {
+    let cfg = GptConfig { n_layer: 3, n_head: 4, n_embd: 32, vocab_size: 13, block_size: 8 };
+    let b = 2;
+    let mk = |spec: PartSpec| ModelPart::new(cfg, spec, b, 3, recompute).with_tp(tp, 2);
+    let mut first = mk(PartSpec { layers: 0..1, embedding: true, head: false });
+    let mut last = mk(PartSpec { layers: 1..3, embedding: false, head: true });
+    let dloss = 1.0 / (2 * b * cfg.block_size) as f32;
+    let mut loss = 0.0;
+    first.zero_grads();
+    last.zero_grads();
+    for mb in 0..2 {
+        let (tok, tgt) = batch(&cfg, b, mb as u32);
+        let f = first.forward(PartInput::Tokens(&tok), None, Mode::Train { dloss });
+        let l = last.forward(PartInput::Activation(f.output.unwrap()), Some(&tgt), Mode::Train { dloss });
+        loss += l.loss_sum.unwrap();
+        if zb {
+            let dx = last.backward_input(l.acts.unwrap(), None, mb).unwrap();
+            assert!(first.backward_input(f.acts.unwrap(), Some(dx), mb).is_none());
+        } else {
+            let dx = last.backward(l.acts.unwrap(), None).unwrap();
+            assert!(first.backward(f.acts.unwrap(), Some(dx)).is_none());
+        }
+    }
+    if zb {
+        for mb in 0..2 {
+            last.backward_weight(mb);
+            first.backward_weight(mb);
+        }
+    }
+    let grads = first
+        .params
+        .iter()
+        .chain(&last.params)
+        .map(|p| (p.name.clone(), p.grad.iter().map(|g| g.to_bits()).collect()))
+        .collect();
+    (loss, grads)
+}
+
+#[test]
+fn a_part_split_over_two_or_four_ranks_gives_the_bits_of_one_rank_with_the_same_slices() {
+    for (zb, recompute) in [(false, false), (true, false), (false, true)] {
+        let one = split_run(TpShape { size: 1, slices: 4 }, zb, recompute);
+        for size in [2, 4] {
+            let got = split_run(TpShape { size, slices: 4 }, zb, recompute);
+            assert_eq!(got.0, one.0, "loss at {size} ranks (zb {zb}, recompute {recompute})");
+            let bad: Vec<&String> =
+                got.1.iter().zip(&one.1).filter(|(g, w)| g.1 != w.1).map(|(g, _)| &g.0).collect();
+            assert!(bad.is_empty(), "{bad:?} at {size} ranks (zb {zb}, recompute {recompute})");
+        }
+    }
+    // The slices are part of the definition: another count is another rounding.
+    let plain = split_run(TpShape::WHOLE, false, false);
+    let four = split_run(TpShape { size: 1, slices: 4 }, false, false);
+    assert_ne!(plain.1, four.1);
 }

@@ -190,6 +190,62 @@ fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_on
     }
 }
 
+/// Tensor parallelism: the same bits at tp 1, 2 and 4 (tp_slices = 4 on
+/// every run) with pp = 2 and dp = 2, in one process and over two, and for a
+/// tp = 1 run stopped in its last step and resumed at tp = 4 (and pp = 1).
+/// The row-parallel sums are one slice tree whoever computes the slices
+/// (`model::block`); checkpoints hold whole tensors.
+#[test]
+fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_gives_one_digest() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let layout = |tp: usize, pp: usize, slices: usize, extra: &[&str]| {
+        let (tp, pp, slices) = (
+            format!("parallel.tp={tp}"),
+            format!("parallel.pp={pp}"),
+            format!("parallel.tp_slices={slices}"),
+        );
+        let mut sets = vec![
+            "model.n_head=4",
+            "optim.schedule=\"constant\"",
+            "parallel.dp=2",
+            "parallel.microbatches=4",
+            &tp,
+            &pp,
+            &slices,
+        ];
+        sets.extend_from_slice(extra);
+        [model(&sets), vec!["--steps".into(), "3".into()]].concat()
+    };
+    let train = |name: &str, args: &[String], flag: &str| {
+        let run = dir.path().join(name);
+        let mut c = Command::new(BIN);
+        c.arg("train").args(args).arg(flag).arg(&run);
+        let o = run_to_end(c, Duration::from_secs(60));
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        digest(&run)
+    };
+    let reference = train("tp1", &layout(1, 2, 4, &[]), "--out");
+    for tp in [2, 4] {
+        assert_eq!(train(&format!("tp{tp}"), &layout(tp, 2, 4, &[]), "--out"), reference, "tp = {tp}");
+        let under = dir.path().join(format!("launch-tp{tp}"));
+        std::fs::create_dir_all(&under).unwrap();
+        assert_eq!(launched(&under, 2, &layout(tp, 2, 4, &[])), reference, "tp = {tp} over 2 processes");
+    }
+    // The slices are the definition: plain products are other bits.
+    assert_ne!(train("plain", &layout(1, 2, 1, &[]), "--out"), reference, "tp_slices = 1");
+    let run = dir.path().join("resumed");
+    let mut c = Command::new(BIN);
+    c.arg("train").args(layout(1, 2, 4, &["checkpoint.every=1"])).arg("--out").arg(&run);
+    c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
+    assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops it");
+    assert_eq!(
+        train("resumed", &layout(4, 1, 4, &["checkpoint.every=1"]), "--resume"),
+        reference,
+        "resumed at tp = 4"
+    );
+}
+
 /// `worker` as rank `rank` of `world`, with torchrun's variables.
 fn worker(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Child {
     common::worker_command(port, rank, world, cookie, args).spawn().unwrap()

@@ -468,7 +468,8 @@ fn layouts_the_trainer_cannot_run_are_marked_and_ranked_below_those_it_can() {
         zero,
     };
     assert_eq!(runnable(&layout(1, 0), Backend::Cuda), Ok(()));
-    assert!(runnable(&layout(2, 0), Backend::Cpu).unwrap_err().contains("tp > 1"));
+    assert_eq!(runnable(&layout(2, 0), Backend::Cpu), Ok(()), "parallel.tp runs on CPU");
+    assert!(runnable(&layout(2, 0), Backend::Cuda).unwrap_err().contains("tp > 1"));
     assert!(runnable(&layout(1, 3), Backend::Cuda).unwrap_err().contains("ZeRO-2 and ZeRO-3"));
     assert_eq!(runnable(&layout(1, 1), Backend::Cpu), Ok(()), "parallel.zero = 1 runs on CPU");
     assert!(runnable(&layout(1, 1), Backend::Cuda).unwrap_err().contains("CPU backend only"));

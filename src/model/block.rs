@@ -19,13 +19,14 @@
 //! S gives the bits of size 1. With one slice the block is the plain product
 //! (the cheapest form, and the one every run used before this split).
 //! Products whose reduction is not split (each rank's own columns or rows)
-//! keep their bits when cut into blocks: `gemm` keeps one summation order per
-//! element whatever the block (tested below).
+//! are cut into the same slices too, each a product of its own: `gemm` takes
+//! other paths for other shapes, so a block of a larger product need not
+//! have that product's bits (at small shapes it does not; tested below).
 
 use super::params::block::*;
 use super::params::{GptConfig, Param};
 use super::part::pair;
-use crate::kernels::cpu::matmul::gemm_checked;
+use crate::kernels::cpu::matmul::{gemm_checked, gemm_raw, pool_par, Mat};
 use crate::kernels::cpu::{attention, gelu, layernorm, matmul, residual};
 use crate::kernels::profile::{timed, Kernel};
 use rayon::prelude::*;
@@ -305,6 +306,104 @@ fn column_parallel_dx(
     sum_slices(dx, leaves, tp);
 }
 
+/// dst (m, n) [+]= a (m, k) · b (k, n) over views, dst's rows `dst_rs` apart:
+/// a piece of a larger product, bounds-checked.
+#[allow(clippy::too_many_arguments)]
+fn gemm_at(
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    a: &[f32],
+    a_view: (usize, usize),
+    b: &[f32],
+    b_view: (usize, usize),
+    (m, n, k): (usize, usize, usize),
+) {
+    let reach = |len: usize, (rs, cs): (usize, usize), r: usize, c: usize| {
+        assert!(r == 0 || c == 0 || (r - 1) * rs + (c - 1) * cs < len, "a view out of bounds");
+    };
+    reach(dst.len(), (dst_rs, 1), m, n);
+    reach(a.len(), a_view, m, k);
+    reach(b.len(), b_view, k, n);
+    let view =
+        |s: &[f32], (rs, cs): (usize, usize)| Mat { ptr: s.as_ptr(), rs: rs as isize, cs: cs as isize };
+    // SAFETY: every element the three views address is in bounds (checked
+    // above), and dst is a unique borrow, so it overlaps neither input.
+    unsafe {
+        gemm_raw(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            dst_rs as isize,
+            accumulate,
+            view(a, a_view),
+            view(b, b_view),
+            1.0,
+            pool_par(),
+        )
+    };
+}
+
+/// Where each slice of a product that is not summed over ranks lies: the
+/// offset of slice j's columns (or rows) in each of `parts` blocks of a
+/// rank's `width`, with the slice's length.
+fn slice_runs(width: usize, parts: usize, tp: &TpRank) -> impl Iterator<Item = (usize, usize)> {
+    let leaves = tp.leaves();
+    let (block, per) = (width / parts, width / parts / leaves);
+    (0..leaves).flat_map(move |j| (0..parts).map(move |q| (q * block + j * per, per)))
+}
+
+/// A column-parallel product, out (N, O) = inp (N, C) · w (C, O) + bias, O
+/// this rank's columns. With more than one slice each slice's columns are a
+/// product of their own, so a column has the same bits whichever rank, and
+/// however many ranks, compute it: `gemm` takes other paths for other
+/// shapes, so no block of a larger product is trusted to match the whole.
+#[allow(clippy::too_many_arguments)]
+fn column_product(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    bias: &[f32],
+    n: usize,
+    c: usize,
+    o: usize,
+    parts: usize,
+    tp: &TpRank,
+) {
+    if tp.slices == 1 {
+        return matmul::matmul_forward(out, inp, w, Some(bias), n, c, o);
+    }
+    out.par_chunks_mut(o * crate::kernels::cpu::ROWS_PER_TASK).for_each(|rows| {
+        for row in rows.chunks_mut(o) {
+            row.copy_from_slice(bias);
+        }
+    });
+    for (at, per) in slice_runs(o, parts, tp) {
+        gemm_at(&mut out[at..], o, true, inp, (c, 1), &w[at..], (o, 1), (n, per, c));
+    }
+}
+
+/// The input gradient of a row-parallel product, dx (N, K) = dy (N, C) · wᵀ,
+/// w (K, C) this rank's rows; per slice when sliced (see `column_product`).
+fn row_parallel_dx(dx: &mut [f32], dy: &[f32], w: &[f32], n: usize, k: usize, c: usize, tp: &TpRank) {
+    if tp.slices == 1 {
+        return matmul::matmul_backward_input(dx, dy, w, n, k, c, false);
+    }
+    for (at, per) in slice_runs(k, 1, tp) {
+        gemm_at(&mut dx[at..], k, false, dy, (c, 1), &w[at * c..], (1, c), (n, per, c));
+    }
+}
+
+/// How a linear layer's weight is cut over ranks, for its gradient.
+#[derive(Clone, Copy)]
+enum Split {
+    /// Row-parallel: this rank holds rows (its inputs).
+    Rows,
+    /// Column-parallel: this rank holds columns in `parts` blocks.
+    Columns(usize),
+}
+
 /// One block's forward on one rank: `p` holds the rank's shards.
 #[allow(clippy::too_many_arguments)]
 pub fn block_forward(
@@ -332,7 +431,7 @@ pub fn block_forward(
         )
     });
     timed(Kernel::Matmul, || {
-        matmul::matmul_forward(&mut a.qkv, &a.ln1, &p[QKVW].data, Some(&p[QKVB].data), n, c, 3 * cl)
+        column_product(&mut a.qkv, &a.ln1, &p[QKVW].data, &p[QKVB].data, n, c, 3 * cl, 3, tp)
     });
     timed(Kernel::Attention, || {
         attention::attention_forward(&mut a.atty, &mut a.lse, &mut s.attn, &a.qkv, b, t, cl, nhl)
@@ -353,7 +452,7 @@ pub fn block_forward(
         )
     });
     timed(Kernel::Matmul, || {
-        matmul::matmul_forward(&mut a.fch, &a.ln2, &p[FCW].data, Some(&p[FCB].data), n, c, 4 * cl)
+        column_product(&mut a.fch, &a.ln2, &p[FCW].data, &p[FCB].data, n, c, 4 * cl, 1, tp)
     });
     timed(Kernel::Gelu, || gelu::gelu_forward(&mut a.fch_gelu, &a.fch));
     row_parallel(out, &mut s.leaves, &a.fch_gelu, &p[FCPW].data, &p[FCPB].data, n, 4 * cl, c, tp);
@@ -383,17 +482,15 @@ pub fn block_backward_input(
     let (n, cl, nhl) = (b * t, c / tp.size, cfg.n_head / tp.size);
     // MLP: out = res2 + gelu(ln2(res2)·Wfc)·Wfcproj
     if full {
-        weight_grad(p, FCPW, FCPB, dres, &a.fch_gelu, n, 4 * cl, c);
+        weight_grad(p, FCPW, FCPB, dres, &a.fch_gelu, n, 4 * cl, c, Split::Rows, tp);
     } else {
         g.dout.copy_from_slice(dres);
     }
-    timed(Kernel::Matmul, || {
-        matmul::matmul_backward_input(&mut s.dgelu, dres, &p[FCPW].data, n, 4 * cl, c, false)
-    });
+    timed(Kernel::Matmul, || row_parallel_dx(&mut s.dgelu, dres, &p[FCPW].data, n, 4 * cl, c, tp));
     timed(Kernel::Gelu, || gelu::gelu_backward_into(&mut g.dfch, &a.fch, &s.dgelu, false));
     column_parallel_dx(&mut g.dln2, &mut s.leaves, &g.dfch, &p[FCW].data, n, c, 4 * cl, 1, tp);
     if full {
-        weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * cl);
+        weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * cl, Split::Columns(1), tp);
     }
     timed(Kernel::LayerNorm, || {
         layernorm::layernorm_backward_input(
@@ -412,13 +509,11 @@ pub fn block_backward_input(
     }
     // dres is now ∂L/∂res2. Attention: res2 = x + attn(ln1(x))·Wproj.
     if full {
-        weight_grad(p, PROJW, PROJB, dres, &a.atty, n, cl, c);
+        weight_grad(p, PROJW, PROJB, dres, &a.atty, n, cl, c, Split::Rows, tp);
     } else {
         g.dres2.copy_from_slice(dres);
     }
-    timed(Kernel::Matmul, || {
-        matmul::matmul_backward_input(&mut s.datty, dres, &p[PROJW].data, n, cl, c, false)
-    });
+    timed(Kernel::Matmul, || row_parallel_dx(&mut s.datty, dres, &p[PROJW].data, n, cl, c, tp));
     // dK and dV accumulate over query tiles, so this one starts from zero.
     g.dqkv.fill(0.0);
     timed(Kernel::Attention, || {
@@ -437,7 +532,7 @@ pub fn block_backward_input(
     });
     column_parallel_dx(&mut g.dln1, &mut s.leaves, &g.dqkv, &p[QKVW].data, n, c, 3 * cl, 3, tp);
     if full {
-        weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * cl);
+        weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * cl, Split::Columns(3), tp);
     }
     timed(Kernel::LayerNorm, || {
         layernorm::layernorm_backward_input(dres, &g.dln1, x, &p[LN1W].data, &a.ln1_mean, &a.ln1_rstd, n, c)
@@ -458,10 +553,37 @@ fn weight_grad(
     n: usize,
     ic: usize,
     oc: usize,
+    split: Split,
+    tp: &TpRank,
 ) {
     let (w, bias) = pair(p, w, bias);
     timed(Kernel::Matmul, || {
-        matmul::matmul_backward_weight(&mut w.grad, Some(&mut bias.grad), dout, inp, n, ic, oc)
+        if tp.slices == 1 {
+            return matmul::matmul_backward_weight(&mut w.grad, Some(&mut bias.grad), dout, inp, n, ic, oc);
+        }
+        // Per slice (see `column_product`): dW's rows or columns of each slice alone.
+        match split {
+            Split::Rows => {
+                for (at, per) in slice_runs(ic, 1, tp) {
+                    gemm_at(
+                        &mut w.grad[at * oc..],
+                        oc,
+                        true,
+                        &inp[at..],
+                        (1, ic),
+                        dout,
+                        (oc, 1),
+                        (per, oc, n),
+                    );
+                }
+            }
+            Split::Columns(parts) => {
+                for (at, per) in slice_runs(oc, parts, tp) {
+                    gemm_at(&mut w.grad[at..], oc, true, inp, (1, ic), &dout[at..], (oc, 1), (ic, per, n));
+                }
+            }
+        }
+        matmul::column_sum_accumulate(&mut bias.grad, dout, n, oc);
     });
 }
 
@@ -497,11 +619,11 @@ pub fn block_backward_weight(
 ) {
     let c = cfg.n_embd;
     let (n, cl) = (b * cfg.block_size, c / tp.size);
-    weight_grad(p, FCPW, FCPB, &g.dout, &a.fch_gelu, n, 4 * cl, c);
-    weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * cl);
+    weight_grad(p, FCPW, FCPB, &g.dout, &a.fch_gelu, n, 4 * cl, c, Split::Rows, tp);
+    weight_grad(p, FCW, FCB, &g.dfch, &a.ln2, n, c, 4 * cl, Split::Columns(1), tp);
     norm_grad(p, LN2W, LN2B, &g.dln2, &a.res2, &a.ln2_mean, &a.ln2_rstd, n, c);
-    weight_grad(p, PROJW, PROJB, &g.dres2, &a.atty, n, cl, c);
-    weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * cl);
+    weight_grad(p, PROJW, PROJB, &g.dres2, &a.atty, n, cl, c, Split::Rows, tp);
+    weight_grad(p, QKVW, QKVB, &g.dqkv, &a.ln1, n, c, 3 * cl, Split::Columns(3), tp);
     norm_grad(p, LN1W, LN1B, &g.dln1, x, &a.ln1_mean, &a.ln1_rstd, n, c);
 }
 
@@ -613,6 +735,12 @@ mod tests {
         GptConfig { n_layer: 1, n_head: 8, n_embd: 64, vocab_size: 16, block_size: 24 }
     }
 
+    /// Shapes small enough that `gemm` takes other paths than for `cfg`'s:
+    /// a column block of a product is then not the whole product's bits.
+    fn small_cfg() -> GptConfig {
+        GptConfig { n_layer: 1, n_head: 4, n_embd: 32, vocab_size: 16, block_size: 8 }
+    }
+
     fn noise(len: usize, seed: u64) -> Vec<f32> {
         let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         (0..len)
@@ -704,7 +832,13 @@ mod tests {
 
     #[test]
     fn every_rank_count_dividing_the_slices_gives_the_bits_of_one_rank() {
-        let cfg = cfg();
+        for cfg in [cfg(), small_cfg()] {
+            ranks_give_one_ranks_bits(&cfg);
+        }
+    }
+
+    fn ranks_give_one_ranks_bits(cfg: &GptConfig) {
+        let cfg = *cfg;
         let full = block_params(&cfg);
         let one = run_split(&full, &cfg, 1, 4, false).pop().unwrap();
         for (size, split) in [(2, false), (4, false), (2, true), (4, true)] {

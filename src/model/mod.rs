@@ -11,6 +11,7 @@ pub mod hf;
 pub mod io;
 pub mod params;
 pub mod part;
+pub mod tp;
 
 pub use params::{GptConfig, Param};
 pub use part::{ModelPart, PartSpec};

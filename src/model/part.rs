@@ -17,9 +17,10 @@
 //! heap without system calls (docs/benchmarks.md measures the cost).
 
 use super::block::{
-    block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch, TpRank,
+    block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch,
 };
 use super::params::{self, GptConfig, Param};
+use super::tp::{TpRanks, TpShape};
 use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul};
 use crate::kernels::profile::{timed, Kernel};
 use std::ops::Range;
@@ -148,6 +149,10 @@ pub struct ModelPart {
     full_grads: BlockGrads,
     nc_pool: Vec<Vec<f32>>,
     acts_pool: Vec<MicroActs>,
+    /// How the blocks are split over tensor-parallel ranks.
+    pub tp: TpShape,
+    /// The ranks, when there is more than one.
+    split: Option<TpRanks>,
     /// Peak bytes of activations held by microbatches awaiting backward.
     pub live_bytes: usize,
     pub peak_live_bytes: usize,
@@ -204,7 +209,7 @@ impl ModelPart {
         let head = spec.head;
         let scratch = Scratch {
             dln: vec![0.0; n * c],
-            block: BlockScratch::new(b, &cfg, &TpRank::WHOLE),
+            block: BlockScratch::new(b, &cfg, &TpShape::WHOLE.single()),
             lnf: if head { vec![0.0; n * c] } else { vec![] },
             lnf_mean: if head { vec![0.0; n] } else { vec![] },
             lnf_rstd: if head { vec![0.0; n] } else { vec![] },
@@ -225,9 +230,30 @@ impl ModelPart {
             full_grads: BlockGrads::new(n, c, 1),
             nc_pool: Vec::new(),
             acts_pool: Vec::new(),
+            tp: TpShape::WHOLE,
+            split: None,
             live_bytes: 0,
             peak_live_bytes: 0,
         }
+    }
+
+    /// The same part with its blocks computed as `shape` says, the ranks
+    /// sharing `threads` cores. Bits depend on `shape.slices` only: every
+    /// `shape.size` dividing it gives the same.
+    pub fn with_tp(mut self, shape: TpShape, threads: usize) -> Self {
+        self.tp = shape;
+        self.scratch.block = BlockScratch::new(self.b, &self.cfg, &shape.single());
+        self.acts_pool.clear();
+        self.grads_pool.clear();
+        self.split = (shape.size > 1).then(|| {
+            TpRanks::new(&self.cfg, &self.spec, self.b, self.recompute, shape, &self.params, threads)
+        });
+        self
+    }
+
+    /// Bytes the tensor-parallel ranks hold beyond an unsplit part's buffers.
+    pub fn tp_bytes(&self) -> usize {
+        self.split.as_ref().map_or(0, TpRanks::bytes)
     }
 
     fn n(&self) -> usize {
@@ -260,7 +286,7 @@ impl ModelPart {
         MicroActs {
             tokens: if self.spec.embedding { vec![0; b * t] } else { vec![] },
             inputs: Vec::with_capacity(self.n_blocks()),
-            blocks: (0..keep).map(|_| BlockActs::new(b, &self.cfg, 1)).collect(),
+            blocks: (0..keep * self.tp.size).map(|_| BlockActs::new(b, &self.cfg, self.tp.size)).collect(),
             dhead: vec![],
         }
     }
@@ -313,20 +339,32 @@ impl ModelPart {
         };
         acts.inputs.push(x0);
         let nb = self.n_blocks();
+        if let Some(sp) = &mut self.split {
+            sp.refresh(&self.params, &self.spec);
+        }
         for l in 0..nb {
             let mut out = self.take_nc();
-            let base = self.spec.block_base(l);
-            let ba = if self.recompute { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
-            block_forward(
-                &self.params[base..base + 12],
-                ba,
-                &acts.inputs[l],
-                &mut out,
-                &mut self.scratch.block,
-                self.b,
-                &self.cfg,
-                &TpRank::WHOLE,
-            );
+            let x = &acts.inputs[l];
+            if let Some(sp) = &mut self.split {
+                let t = sp.size();
+                let blocks = (!self.recompute).then(|| &mut acts.blocks[l * t..(l + 1) * t]);
+                sp.forward(l, blocks, x, &mut out, self.b, &self.cfg);
+            } else {
+                let base = self.spec.block_base(l);
+                let ba =
+                    if self.recompute { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
+                let tp = self.tp.single();
+                block_forward(
+                    &self.params[base..base + 12],
+                    ba,
+                    x,
+                    &mut out,
+                    &mut self.scratch.block,
+                    self.b,
+                    &self.cfg,
+                    &tp,
+                );
+            }
             acts.inputs.push(out);
         }
         let x_out = acts.inputs.pop().unwrap();
@@ -471,19 +509,28 @@ impl ModelPart {
             if self.recompute {
                 self.recompute_block(&acts, l);
             }
-            let ba = if self.recompute { self.recompute_acts.as_ref().unwrap() } else { &acts.blocks[l] };
+            let x = &acts.inputs[l];
             // Weight gradients are taken as their inputs appear: per tensor the
             // same kernel calls as an I followed later by a W, so B = I + W in bits.
+            if let Some(sp) = &mut self.split {
+                let t = sp.size();
+                let blocks = (!self.recompute).then(|| &acts.blocks[l * t..(l + 1) * t]);
+                sp.load_grads(l, &self.params[base..base + 12]);
+                sp.backward_input(l, blocks, None, x, &mut dres, self.b, &self.cfg, true);
+                sp.store_grads(l, &mut self.params[base..base + 12]);
+                continue;
+            }
+            let ba = if self.recompute { self.recompute_acts.as_ref().unwrap() } else { &acts.blocks[l] };
             block_backward_input(
                 &mut self.params[base..base + 12],
                 ba,
-                &acts.inputs[l],
+                x,
                 &mut dres,
                 &mut self.full_grads,
                 &mut self.scratch.block,
                 self.b,
                 &self.cfg,
-                &TpRank::WHOLE,
+                &self.tp.single(),
                 true,
             );
         }
@@ -509,11 +556,26 @@ impl ModelPart {
         let mut dres = self.output_grad(&mut acts, dout);
         let mut grads = self.grads_pool.pop().unwrap_or_default();
         let n = self.n();
-        while grads.len() < self.n_blocks() {
-            grads.push(BlockGrads::new(n, self.cfg.n_embd, 1));
+        let t = self.tp.size;
+        while grads.len() < self.n_blocks() * t {
+            grads.push(BlockGrads::new(n, self.cfg.n_embd, t));
         }
         for l in (0..self.n_blocks()).rev() {
             let base = self.spec.block_base(l);
+            if let Some(sp) = &mut self.split {
+                let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &mut grads[l * t..(l + 1) * t]);
+                sp.backward_input(
+                    l,
+                    Some(blocks),
+                    Some(g),
+                    &acts.inputs[l],
+                    &mut dres,
+                    self.b,
+                    &self.cfg,
+                    false,
+                );
+                continue;
+            }
             block_backward_input(
                 &mut self.params[base..base + 12],
                 &acts.blocks[l],
@@ -523,7 +585,7 @@ impl ModelPart {
                 &mut self.scratch.block,
                 self.b,
                 &self.cfg,
-                &TpRank::WHOLE,
+                &self.tp.single(),
                 false,
             );
         }
@@ -541,6 +603,14 @@ impl ModelPart {
         self.live_bytes -= acts.bytes() + grads.iter().map(BlockGrads::bytes).sum::<usize>();
         for l in (0..self.n_blocks()).rev() {
             let base = self.spec.block_base(l);
+            if let Some(sp) = &mut self.split {
+                let t = sp.size();
+                let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &grads[l * t..(l + 1) * t]);
+                sp.load_grads(l, &self.params[base..base + 12]);
+                sp.backward_weight(l, blocks, g, &acts.inputs[l], self.b, &self.cfg);
+                sp.store_grads(l, &mut self.params[base..base + 12]);
+                continue;
+            }
             block_backward_weight(
                 &mut self.params[base..base + 12],
                 &acts.blocks[l],
@@ -548,7 +618,7 @@ impl ModelPart {
                 &grads[l],
                 self.b,
                 &self.cfg,
-                &TpRank::WHOLE,
+                &self.tp.single(),
             );
         }
         if let Some(d) = dembed {
@@ -570,19 +640,24 @@ impl ModelPart {
 
     fn recompute_block(&mut self, acts: &MicroActs, l: usize) {
         let base = self.spec.block_base(l);
-        let ba = self.recompute_acts.as_mut().unwrap();
         let mut out =
             self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * self.cfg.block_size * self.cfg.n_embd]);
-        block_forward(
-            &self.params[base..base + 12],
-            ba,
-            &acts.inputs[l],
-            &mut out,
-            &mut self.scratch.block,
-            self.b,
-            &self.cfg,
-            &TpRank::WHOLE,
-        );
+        if let Some(sp) = &mut self.split {
+            sp.forward(l, None, &acts.inputs[l], &mut out, self.b, &self.cfg);
+        } else {
+            let ba = self.recompute_acts.as_mut().unwrap();
+            let tp = self.tp.single();
+            block_forward(
+                &self.params[base..base + 12],
+                ba,
+                &acts.inputs[l],
+                &mut out,
+                &mut self.scratch.block,
+                self.b,
+                &self.cfg,
+                &tp,
+            );
+        }
         self.nc_pool.push(out);
     }
 

@@ -12,6 +12,7 @@
 use super::flops::ModelShape;
 use crate::actors::Layout;
 use crate::config::{BackendKind, Config};
+use crate::model::tp::TpShape;
 use crate::model::GptConfig;
 use crate::schedule::{ActionKind, Costs, Schedule};
 use anyhow::Result;
@@ -68,13 +69,45 @@ pub struct CpuPlan {
 /// the attention output, the residual after attention, ln2, the MLP product and its
 /// GELU (4C each) — 16 floats per token and channel — plus mean and rstd of both
 /// LayerNorms and the attention's log-sum-exp per head. With recompute, the input alone.
-pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: bool) -> f64 {
-    let (n, c, a) = (n as f64, shape.hidden as f64, shape.heads as f64);
+pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usize) -> f64 {
+    let (n, c, a, t) = (n as f64, shape.hidden as f64, shape.heads as f64, tp as f64);
     if recompute {
         4.0 * n * c
     } else {
-        4.0 * n * (16.0 * c + 4.0 + a)
+        // The block's input, the sharded qkv, attention output, MLP products
+        // and softmax statistics (12 C and the heads over all ranks), and what
+        // every tensor-parallel rank holds whole: both LayerNorm outputs, the
+        // residual after attention and the LayerNorm statistics.
+        4.0 * n * (13.0 * c + a + t * (3.0 * c + 4.0))
     }
+}
+
+/// What a part's blocks hold beyond an unsplit part's buffers when split as
+/// `tp` says: the slices' partial sums (one rank's run, for each rank), and
+/// with more than one rank each rank's shards and their gradients, its
+/// workspace and gradient set, and the other ranks' copies of the stream
+/// (`model::tp`).
+fn tp_workspace_bytes(
+    gpt: &GptConfig,
+    shape: &ModelShape,
+    b: usize,
+    layers: usize,
+    tp: TpShape,
+    recompute: bool,
+) -> f64 {
+    let n = b * gpt.block_size;
+    let (nf, c, t) = (n as f64, gpt.n_embd as f64, tp.size as f64);
+    let leaves = 4.0 * (tp.slices / tp.size - 1) as f64 * nf * c;
+    if tp.size == 1 {
+        return leaves;
+    }
+    let cl = c / t;
+    // LayerNorms and the projections' biases (6 C) are on every rank whole.
+    let shards = 8.0 * layers as f64 * (shape.layer_params() + (t - 1.0) * 6.0 * c);
+    let attn = crate::kernels::cpu::attention::scratch_len(b, gpt.n_head / tp.size, gpt.block_size) as f64;
+    let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (4.0 * c + 7.0 * cl);
+    let recomputed = if recompute { block_activation_bytes(shape, n, false, tp.size) / t } else { 0.0 };
+    shards + t * (per_rank + recomputed) + 4.0 * (t - 1.0) * nf * c
 }
 
 fn shape_of(gpt: &GptConfig) -> ModelShape {
@@ -101,7 +134,8 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
         _ => stage_costs(&layout, &shape, gpt.vocab_size, n).0,
     };
     let report = layout.schedule.simulate(&costs)?;
-    let per_layer = block_activation_bytes(&shape, n, cfg.train.recompute);
+    let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+    let per_layer = block_activation_bytes(&shape, n, cfg.train.recompute, tp.size);
     let ranks = (0..layout.pp)
         .map(|rank| {
             let (mut params, mut activations, mut workspace, mut flops) = (0.0, 0.0, 0.0, 0.0);
@@ -120,8 +154,9 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
                     + 4.0 * crate::kernels::cpu::attention::scratch_len(b, gpt.n_head, gpt.block_size) as f64;
                 if cfg.train.recompute {
                     // The one block being recomputed holds its full set.
-                    workspace += block_activation_bytes(&shape, n, false) - per_layer;
+                    workspace += block_activation_bytes(&shape, n, false, tp.size) - per_layer;
                 }
+                workspace += tp_workspace_bytes(&gpt, &shape, b, spec.layers.len(), tp, cfg.train.recompute);
                 flops += stage_forward_flops(
                     &shape,
                     spec.layers.len(),

@@ -99,8 +99,8 @@ pub enum Backend {
 /// what it lacks. The one place that knows which parallel features exist, so
 /// the planner marks a layout the trainer would refuse instead of proposing it.
 pub fn runnable(layout: &memory::MemLayout, backend: Backend) -> Result<(), &'static str> {
-    if layout.tp > 1 {
-        return Err("tensor parallelism (tp > 1) is not implemented");
+    if layout.tp > 1 && backend != Backend::Cpu {
+        return Err("tensor parallelism (tp > 1) runs on the CPU backend only (parallel.tp)");
     }
     match (layout.zero, backend) {
         (0, _) => {}
@@ -704,12 +704,13 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
     );
     t += &format!(
         "Time at {:.0}% of the gemm rate measured here ({gemm_gflops:.0} GFLOP/s on {threads} threads): \
-         {step_ms:.1} ms per step, {} for {} steps (pp {}, dp {}, {} microbatches, {})\n",
+         {step_ms:.1} ms per step, {} for {} steps (pp {}, dp {}, tp {}, {} microbatches, {})\n",
         100.0 * args.mfu,
         duration(run_s / 86_400.0),
         cfg.train.steps,
         cfg.parallel.pp,
         cfg.parallel.dp,
+        cfg.parallel.tp,
         cfg.parallel.microbatches,
         cfg.parallel.schedule
     );

@@ -4,6 +4,7 @@
 //! updates. The actor runtime runs the same arithmetic spread over stages.
 
 use crate::model::part::{Mode, PartInput};
+use crate::model::tp::TpShape;
 use crate::model::{GptConfig, ModelPart, PartSpec};
 use crate::optim::grad_tree::{Leaf, PartTree};
 use crate::optim::{self, AdamState, Hyper};
@@ -50,9 +51,11 @@ impl Engine {
     pub fn new(cfg: &crate::config::Config) -> Self {
         let gpt = GptConfig::from_config(cfg);
         let b = cfg.train.micro_batch_size;
-        let part = ModelPart::new(gpt, PartSpec::whole(&gpt), b, cfg.train.seed, cfg.train.recompute);
-        let adam = AdamState::new(&part);
         let threads = thread_count(cfg.backend.threads);
+        let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+        let part = ModelPart::new(gpt, PartSpec::whole(&gpt), b, cfg.train.seed, cfg.train.recompute)
+            .with_tp(tp, threads);
+        let adam = AdamState::new(&part);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("compute-{i}"))

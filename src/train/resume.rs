@@ -194,6 +194,13 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
                 .into(),
         );
     }
+    if old.parallel.tp_slices != new.parallel.tp_slices {
+        notes.push(format!(
+            "  parallel.tp_slices {} → {}: the tensor-parallel sums are taken over other slices, so bits differ \
+             (parallel.tp alone changes none)",
+            old.parallel.tp_slices, new.parallel.tp_slices
+        ));
+    }
     if old.backend.kind != new.backend.kind {
         notes.push("  backend.kind changes: another backend's arithmetic, so bits differ".into());
     }

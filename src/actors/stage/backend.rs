@@ -7,6 +7,7 @@ use super::faults::Faults;
 use super::sim::SimCompute;
 use super::StageArgs;
 use crate::config::BackendKind;
+use crate::model::tp::TpShape;
 use crate::model::{GptConfig, ModelPart};
 use crate::optim::AdamState;
 
@@ -69,7 +70,9 @@ fn build_cpu(
     let mut parts = Vec::new();
     let mut adam = Vec::new();
     for (spec, params) in chunks {
-        let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params);
+        let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+        let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params)
+            .with_tp(tp, args.layout.threads_per_rank);
         let mut st = AdamState::sharded(&part, zero_shard(args));
         if let Some(c) = &args.resume {
             super::super::compute::load_moments(&part.params, &mut st, c)?;
