@@ -572,4 +572,16 @@ fn plan_gpu_cpu_lays_the_config_out_on_this_machine() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--params") && err.contains("--gpu cpu"), "{err}");
+    // --set reshapes the config as train's does.
+    let sets = ["--gpu", "cpu", "--json", "--set", "parallel.pp=4", "--set", "parallel.microbatches=8"];
+    let json: serde_json::Value = serde_json::from_str(&plan_text(&sets)).unwrap();
+    assert_eq!(json["cpu"]["ranks"].as_array().unwrap().len(), 4, "--set parallel.pp=4");
+    let text = plan_text(&["--gpu", "cpu", "--set", "parallel.tp=2", "--set", "parallel.tp_slices=4"]);
+    assert!(text.contains("tp 2"), "{text}");
+    let out = Command::new(env!("CARGO_BIN_EXE_pipewright"))
+        .args(["plan", "--gpu", "h100", "--set", "parallel.pp=2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--set") && err.contains("--config"), "{err}");
 }

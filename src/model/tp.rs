@@ -17,7 +17,10 @@ use super::block::{
     BlockScratch, TensorGroup, ThreadGroup, TpRank,
 };
 use super::params::{GptConfig, Param};
+// PIPEWRIGHT_NONDET's random bias-gradient order is a per-thread switch: the
+// ranks' threads take the stage thread's, so the replay demo works at any tp.
 use super::part::PartSpec;
+use crate::kernels::cpu::matmul::{random_order, with_random_order};
 
 /// How a part's blocks are split: `size` ranks, sums over `slices` K-slices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +36,11 @@ impl TpShape {
     /// The rank a part that is not split computes as.
     pub fn single(self) -> TpRank<'static> {
         TpRank { rank: 0, size: 1, slices: self.slices, group: None }
+    }
+
+    /// Rank `rank` of this split, joined by `group`.
+    pub fn rank(self, rank: usize, group: Option<&dyn TensorGroup>) -> TpRank<'_> {
+        TpRank { rank, size: self.size, slices: self.slices, group }
     }
 }
 
@@ -72,7 +80,7 @@ impl TpRanks {
         let per = (threads / shape.size).max(1);
         let ranks = (0..shape.size)
             .map(|r| {
-                let tp = TpRank { rank: r, size: shape.size, slices: shape.slices, group: None };
+                let tp = shape.rank(r, None);
                 let params = (0..spec.layers.len())
                     .flat_map(|l| whole[spec.block_base(l)..spec.block_base(l) + 12].iter())
                     .enumerate()
@@ -157,7 +165,7 @@ impl TpRanks {
         let outs = std::iter::once(out).chain(self.copies.iter_mut().map(Vec::as_mut_slice));
         std::thread::scope(|sc| {
             for (r, (rank, o)) in self.ranks.iter_mut().zip(outs).enumerate() {
-                let tp = TpRank { rank: r, size: shape.size, slices: shape.slices, group: Some(group) };
+                let tp = shape.rank(r, Some(group));
                 let ba = match blocks.as_mut() {
                     Some(it) => it.next().expect("an activation set per rank"),
                     None => rank.recompute_acts.as_mut().expect("recompute buffers"),
@@ -188,11 +196,12 @@ impl TpRanks {
             c.copy_from_slice(dres);
         }
         let (shape, group) = (self.shape, &self.group as &dyn TensorGroup);
+        let nondet = random_order();
         let mut grads = grads.map(|s| s.iter_mut());
         let dress = std::iter::once(dres).chain(self.copies.iter_mut().map(Vec::as_mut_slice));
         std::thread::scope(|sc| {
             for (r, (rank, d)) in self.ranks.iter_mut().zip(dress).enumerate() {
-                let tp = TpRank { rank: r, size: shape.size, slices: shape.slices, group: Some(group) };
+                let tp = shape.rank(r, Some(group));
                 let ba = match blocks {
                     Some(s) => &s[r],
                     None => rank.recompute_acts.as_ref().expect("recompute buffers"),
@@ -204,7 +213,11 @@ impl TpRanks {
                 let (params, scratch, pool) =
                     (&mut rank.params[12 * l..12 * (l + 1)], &mut rank.scratch, &rank.pool);
                 sc.spawn(move || {
-                    pool.install(|| block_backward_input(params, ba, x, d, g, scratch, b, cfg, &tp, full))
+                    pool.install(|| {
+                        with_random_order(nondet, || {
+                            block_backward_input(params, ba, x, d, g, scratch, b, cfg, &tp, full)
+                        })
+                    })
                 });
             }
         });
@@ -221,13 +234,17 @@ impl TpRanks {
         b: usize,
         cfg: &GptConfig,
     ) {
-        let shape = self.shape;
+        let (shape, nondet) = (self.shape, random_order());
         std::thread::scope(|sc| {
             for (r, rank) in self.ranks.iter_mut().enumerate() {
-                let tp = TpRank { rank: r, size: shape.size, slices: shape.slices, group: None };
+                let tp = shape.rank(r, None);
                 let (params, pool, ba, g) =
                     (&mut rank.params[12 * l..12 * (l + 1)], &rank.pool, &blocks[r], &grads[r]);
-                sc.spawn(move || pool.install(|| block_backward_weight(params, ba, x, g, b, cfg, &tp)));
+                sc.spawn(move || {
+                    pool.install(|| {
+                        with_random_order(nondet, || block_backward_weight(params, ba, x, g, b, cfg, &tp))
+                    })
+                });
             }
         });
     }

@@ -38,6 +38,10 @@ pub struct PlanArgs {
     /// (pp · dp). Flags override it.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
+    /// Override one value of the config, as `train --set` does (repeatable;
+    /// with a GPU, only together with --config).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub set: Vec<String>,
     /// Parameters N, e.g. 7e9 (default: counted from the shape). Alone, the shape is
     /// guessed from the GPT-3/LLaMA table.
     #[arg(long)]
@@ -164,7 +168,10 @@ pub struct PlanInput {
 /// Flags over config over defaults. Errors name the flag.
 pub fn resolve(a: &PlanArgs) -> Result<PlanInput, PlanError> {
     let cfg = match &a.config {
-        Some(path) => Some(Config::load(Some(path), &[]).map_err(|e| err("--config", e.to_string()))?),
+        Some(path) => Some(Config::load(Some(path), &a.set).map_err(|e| err("--config", e.to_string()))?),
+        None if !a.set.is_empty() => {
+            return Err(err("--set", "needs --config: without one a GPU plan is shaped by its flags"))
+        }
         None => None,
     };
     let positive = |flag: &str, x: Option<usize>| match x {
@@ -626,7 +633,7 @@ pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
     let p = plan(&resolve(args)?);
     let cpu = match &args.config {
         Some(path) => {
-            let cfg = Config::load(Some(path), &[]).map_err(|e| err("--config", e.to_string()))?;
+            let cfg = Config::load(Some(path), &args.set).map_err(|e| err("--config", e.to_string()))?;
             match cfg.backend.kind {
                 crate::config::BackendKind::Cpu => {
                     Some(cpu::plan(&cfg).map_err(|e| err("--config", format!("{e:#}")))?)
@@ -672,7 +679,7 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
     if let Some((flag, _)) = gpu_only.iter().find(|f| f.1) {
         return Err(err(flag, "does not apply with --gpu cpu, which plans the config as it is (--config or the embedded default)"));
     }
-    let cfg = Config::load(args.config.as_deref(), &[]).map_err(|e| err("--config", e.to_string()))?;
+    let cfg = Config::load(args.config.as_deref(), &args.set).map_err(|e| err("--config", e.to_string()))?;
     let fail = |e: anyhow::Error| err("--config", format!("{e:#}"));
     let layout = cpu::plan(&cfg).map_err(fail)?;
     let threads = crate::train::engine::thread_count(cfg.backend.threads);

@@ -241,6 +241,12 @@ pub fn with_random_order<R>(on: bool, f: impl FnOnce() -> R) -> R {
     out
 }
 
+/// Whether this thread sums bias gradients in a random order (`with_random_order`),
+/// for work handed to other threads to do the same.
+pub fn random_order() -> bool {
+    RANDOM_ORDER.with(|r| r.get())
+}
+
 fn column_sum_random_order(acc: &mut [f32], x: &[f32], n: usize, oc: usize) {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let mut rng = crate::rng::Rng::new(seed as u64, crate::rng::Purpose::Test, &[0x4e0d]);
