@@ -475,6 +475,8 @@ fn resuming_with_changed_settings_lists_each_change_and_warns_that_bits_will_dif
             "parallel.microbatches=2",
             "--set",
             "parallel.pp=1",
+            "--set",
+            "parallel.tp_slices=2",
         ],
     );
     assert!(ok, "{err}");
@@ -486,6 +488,7 @@ fn resuming_with_changed_settings_lists_each_change_and_warns_that_bits_will_dif
         "reads from sequence 16 while the checkpoint's cursor is 32",
         "will not match the bits of an uninterrupted run",
         "parallel.pp: 2 → 1",
+        "parallel.tp_slices 1 → 2: the tensor-parallel sums are taken over other slices, so bits differ",
     ] {
         assert!(err.contains(want), "no `{want}` in: {err}");
     }
