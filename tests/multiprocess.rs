@@ -191,8 +191,9 @@ fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_on
 }
 
 /// Tensor parallelism: the same bits at tp 1, 2 and 4 (tp_slices = 4 on
-/// every run) with pp = 2 and dp = 2, in one process and over two, and for a
-/// tp = 1 run stopped in its last step and resumed at tp = 4 (and pp = 1).
+/// every run) with pp = 2 and dp = 2, in one process and over two, with
+/// ZeRO-1 and ZB-H1, with interleaving and recompute, and for a tp = 1 run
+/// stopped in its last step and resumed at tp = 4 (and pp = 1).
 /// The row-parallel sums are one slice tree whoever computes the slices
 /// (`model::block`); checkpoints hold whole tensors.
 #[test]
@@ -231,6 +232,19 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
         let under = dir.path().join(format!("launch-tp{tp}"));
         std::fs::create_dir_all(&under).unwrap();
         assert_eq!(launched(&under, 2, &layout(tp, 2, 4, &[])), reference, "tp = {tp} over 2 processes");
+    }
+    // With the other schedules, ZeRO-1 and recompute.
+    let mixed: [&[&str]; 2] = [
+        &["parallel.zero=1", "parallel.schedule=\"zb-h1\""],
+        &["parallel.schedule=\"interleaved\"", "parallel.chunks=2", "train.recompute=true"],
+    ];
+    for (i, extra) in mixed.iter().enumerate() {
+        let tp = 2 * (i + 1);
+        assert_eq!(
+            train(&format!("mixed{i}"), &layout(tp, 2, 4, extra), "--out"),
+            reference,
+            "tp = {tp} {extra:?}"
+        );
     }
     // The slices are the definition: plain products are other bits.
     assert_ne!(train("plain", &layout(1, 2, 1, &[]), "--out"), reference, "tp_slices = 1");
