@@ -96,6 +96,31 @@ pub fn tree_sum(bufs: &mut [&mut [f32]]) {
     }
 }
 
+/// out = the pairwise tree over `nodes` (a power-of-two count), element by
+/// element: the adds of [`tree_sum`] in its order, without its buffers.
+fn tree_sum_elementwise(out: &mut [f32], nodes: &[&[f32]]) {
+    const CHUNK: usize = 4096;
+    let t = nodes.len();
+    debug_assert!(t.is_power_of_two());
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+        let mut v = vec![0.0f32; t];
+        for (e, x) in o.iter_mut().enumerate() {
+            let at = c * CHUNK + e;
+            for (vj, n) in v.iter_mut().zip(nodes) {
+                *vj = n[at];
+            }
+            let mut step = 1;
+            while step < t {
+                for i in (0..t).step_by(2 * step) {
+                    v[i] += v[i + step];
+                }
+                step *= 2;
+            }
+            *x = v[0];
+        }
+    });
+}
+
 /// Intermediate values of one block for one microbatch, for one rank.
 #[derive(Default)]
 pub struct BlockActs {
@@ -651,18 +676,27 @@ pub fn cut_of(i: usize) -> Cut {
 
 /// Rank `rank` of `size`'s piece of block tensor `i`, whose last dimension is `cols` long.
 pub fn shard(i: usize, full: &[f32], cols: usize, rank: usize, size: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    shard_into(&mut out, i, full, cols, rank, size);
+    out
+}
+
+/// [`shard`] into `out`, reusing its memory (ranks cut their shards at every forward).
+pub fn shard_into(out: &mut Vec<f32>, i: usize, full: &[f32], cols: usize, rank: usize, size: usize) {
+    out.clear();
     match cut_of(i) {
-        Cut::Whole => full.to_vec(),
+        Cut::Whole => out.extend_from_slice(full),
         Cut::Rows => {
             let run = full.len() / size;
-            full[rank * run..(rank + 1) * run].to_vec()
+            out.extend_from_slice(&full[rank * run..(rank + 1) * run]);
         }
         Cut::Columns { parts } => {
             let (width, piece) = (cols / parts, cols / parts / size);
-            full.chunks(cols)
-                .flat_map(|row| (0..parts).flat_map(move |p| &row[p * width + rank * piece..][..piece]))
-                .copied()
-                .collect()
+            for row in full.chunks(cols) {
+                for p in 0..parts {
+                    out.extend_from_slice(&row[p * width + rank * piece..][..piece]);
+                }
+            }
         }
     }
 }
@@ -695,14 +729,14 @@ pub fn unshard(i: usize, pieces: &[&[f32]], cols: usize) -> Vec<f32> {
 /// node in a slot, all wait, each sums every slot by the tree, all wait again
 /// (so no slot is overwritten before every rank has read it).
 pub struct ThreadGroup {
-    slots: Vec<std::sync::Mutex<Vec<f32>>>,
+    slots: Vec<std::sync::RwLock<Vec<f32>>>,
     barrier: std::sync::Barrier,
 }
 
 impl ThreadGroup {
     pub fn new(size: usize) -> Self {
         ThreadGroup {
-            slots: (0..size).map(|_| std::sync::Mutex::new(Vec::new())).collect(),
+            slots: (0..size).map(|_| std::sync::RwLock::new(Vec::new())).collect(),
             barrier: std::sync::Barrier::new(size),
         }
     }
@@ -711,15 +745,16 @@ impl ThreadGroup {
 impl TensorGroup for ThreadGroup {
     fn all_reduce(&self, rank: usize, node: &mut [f32]) {
         {
-            let mut slot = self.slots[rank].lock().expect("slot");
+            let mut slot = self.slots[rank].write().expect("slot");
             slot.clear();
             slot.extend_from_slice(node);
         }
         self.barrier.wait();
-        let mut nodes: Vec<Vec<f32>> = self.slots.iter().map(|s| s.lock().expect("slot").clone()).collect();
-        let mut bufs: Vec<&mut [f32]> = nodes.iter_mut().map(|v| v.as_mut_slice()).collect();
-        tree_sum(&mut bufs);
-        node.copy_from_slice(&nodes[0]);
+        {
+            let held: Vec<_> = self.slots.iter().map(|s| s.read().expect("slot")).collect();
+            let nodes: Vec<&[f32]> = held.iter().map(|g| g.as_slice()).collect();
+            tree_sum_elementwise(node, &nodes);
+        }
         self.barrier.wait();
     }
 }

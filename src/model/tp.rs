@@ -13,8 +13,8 @@
 //! gradients have the bits of one rank (see `block`).
 
 use super::block::{
-    block_backward_input, block_backward_weight, block_forward, shard, unshard, BlockActs, BlockGrads,
-    BlockScratch, TensorGroup, ThreadGroup, TpRank,
+    block_backward_input, block_backward_weight, block_forward, shard, shard_into, unshard, BlockActs,
+    BlockGrads, BlockScratch, TensorGroup, ThreadGroup, TpRank,
 };
 use super::params::{GptConfig, Param};
 // PIPEWRIGHT_NONDET's random bias-gradient order is a per-thread switch: the
@@ -120,7 +120,7 @@ impl TpRanks {
         for (r, rank) in self.ranks.iter_mut().enumerate() {
             for (j, p) in rank.params.iter_mut().enumerate() {
                 let w = &whole[spec.block_base(j / 12) + j % 12];
-                p.data = shard(j % 12, &w.data, *w.shape.last().expect("a shape"), r, size);
+                shard_into(&mut p.data, j % 12, &w.data, *w.shape.last().expect("a shape"), r, size);
             }
         }
     }
@@ -132,7 +132,14 @@ impl TpRanks {
         let size = self.shape.size;
         for (r, rank) in self.ranks.iter_mut().enumerate() {
             for (k, w) in whole.iter().enumerate() {
-                rank.params[12 * l + k].grad = shard(k, &w.grad, *w.shape.last().expect("a shape"), r, size);
+                shard_into(
+                    &mut rank.params[12 * l + k].grad,
+                    k,
+                    &w.grad,
+                    *w.shape.last().expect("a shape"),
+                    r,
+                    size,
+                );
             }
         }
     }
