@@ -49,11 +49,6 @@ pub struct TpRank<'g> {
     pub group: Option<&'g dyn TensorGroup>,
 }
 
-impl TpRank<'static> {
-    /// A block that is not split, its sums as plain products.
-    pub const WHOLE: TpRank<'static> = TpRank { rank: 0, size: 1, slices: 1, group: None };
-}
-
 impl TpRank<'_> {
     /// Slices of each split sum this rank computes.
     fn leaves(&self) -> usize {
@@ -65,21 +60,6 @@ impl TpRank<'_> {
             self.group.expect("a split block needs its tensor group").all_reduce(self.rank, node);
         }
     }
-}
-
-/// Whether `size` ranks can split a model of `cfg` with sums over `slices`
-/// slices; the reason when not, naming the settings.
-pub fn check_split(cfg: &GptConfig, size: usize, slices: usize) -> Result<(), String> {
-    if !slices.is_power_of_two() || !size.is_power_of_two() {
-        return Err(format!("the slices ({slices}) and the ranks ({size}) must be powers of two"));
-    }
-    if !slices.is_multiple_of(size) {
-        return Err(format!("{size} ranks cannot share {slices} slices evenly"));
-    }
-    if !cfg.n_head.is_multiple_of(slices) {
-        return Err(format!("model.n_head = {} is not a multiple of the {slices} slices", cfg.n_head));
-    }
-    Ok(())
 }
 
 /// The pairwise tree over `bufs` (each the same length), into `bufs[0]`.
@@ -228,13 +208,6 @@ impl BlockScratch {
             leaves: (1..tp.leaves()).map(|_| vec![0.0; n * cfg.n_embd]).collect(),
         }
     }
-
-    pub fn bytes(&self) -> usize {
-        4 * (self.datty.len()
-            + self.dgelu.len()
-            + self.attn.len()
-            + self.leaves.iter().map(Vec::len).sum::<usize>())
-    }
 }
 
 /// A row-parallel product: out (N, C) = Σ over this rank's slices of
@@ -256,11 +229,7 @@ fn row_parallel(
     let ks = k / tp.leaves();
     let with_bias = tp.rank == 0;
     if with_bias {
-        out.par_chunks_mut(c * crate::kernels::cpu::ROWS_PER_TASK).for_each(|rows| {
-            for row in rows.chunks_mut(c) {
-                row.copy_from_slice(bias);
-            }
-        });
+        matmul::fill_rows(out, bias);
     }
     timed(Kernel::Matmul, || {
         gemm_checked(out, with_bias, inp, (k as isize, 1), w, (c as isize, 1), n, c, ks, 1.0);
@@ -399,11 +368,7 @@ fn column_product(
     if tp.slices == 1 {
         return matmul::matmul_forward(out, inp, w, Some(bias), n, c, o);
     }
-    out.par_chunks_mut(o * crate::kernels::cpu::ROWS_PER_TASK).for_each(|rows| {
-        for row in rows.chunks_mut(o) {
-            row.copy_from_slice(bias);
-        }
-    });
+    matmul::fill_rows(out, bias);
     for (at, per) in slice_runs(o, parts, tp) {
         gemm_at(&mut out[at..], o, true, inp, (c, 1), &w[at..], (o, 1), (n, per, c));
     }
@@ -704,14 +669,28 @@ pub fn shard_into(out: &mut Vec<f32>, i: usize, full: &[f32], cols: usize, rank:
 /// Block tensor `i` joined from every rank's piece (rank order); the
 /// inverse of [`shard`]. A whole tensor is rank 0's.
 pub fn unshard(i: usize, pieces: &[&[f32]], cols: usize) -> Vec<f32> {
+    let len = match cut_of(i) {
+        Cut::Whole => pieces[0].len(),
+        _ => pieces.iter().map(|p| p.len()).sum(),
+    };
+    let mut full = vec![0.0; len];
+    unshard_into(&mut full, i, pieces, cols);
+    full
+}
+
+/// [`unshard`] into `full`, the whole tensor's memory (gradients are joined
+/// after every block's weight gradients).
+pub fn unshard_into(full: &mut [f32], i: usize, pieces: &[&[f32]], cols: usize) {
     let size = pieces.len();
     match cut_of(i) {
-        Cut::Whole => pieces[0].to_vec(),
-        Cut::Rows => pieces.concat(),
+        Cut::Whole => full.copy_from_slice(pieces[0]),
+        Cut::Rows => {
+            for (dst, src) in full.chunks_mut(full.len() / size).zip(pieces) {
+                dst.copy_from_slice(src);
+            }
+        }
         Cut::Columns { parts } => {
             let (width, piece) = (cols / parts, cols / parts / size);
-            let rows = pieces[0].len() / (cols / size);
-            let mut full = vec![0.0; rows * cols];
             for (r, sh) in pieces.iter().enumerate() {
                 for (row, src) in sh.chunks(cols / size).enumerate() {
                     for p in 0..parts {
@@ -720,7 +699,6 @@ pub fn unshard(i: usize, pieces: &[&[f32]], cols: usize) -> Vec<f32> {
                     }
                 }
             }
-            full
         }
     }
 }
@@ -915,7 +893,17 @@ mod tests {
         let mut want = vec![0.0; n * c];
         matmul::matmul_forward(&mut want, &x, &full[PROJW].data, Some(&full[PROJB].data), n, c, c);
         let mut got = vec![0.0; n * c];
-        row_parallel(&mut got, &mut [], &x, &full[PROJW].data, &full[PROJB].data, n, c, c, &TpRank::WHOLE);
+        row_parallel(
+            &mut got,
+            &mut [],
+            &x,
+            &full[PROJW].data,
+            &full[PROJB].data,
+            n,
+            c,
+            c,
+            &crate::model::tp::TpShape::WHOLE.single(),
+        );
         same_bits(&got, &want, "one slice against matmul_forward");
     }
 
@@ -947,9 +935,5 @@ mod tests {
         let q = shard(QKVW, &full[QKVW].data, 192, 1, 2);
         assert_eq!(&q[..32], &full[QKVW].data[32..64]);
         assert_eq!(&q[32..64], &full[QKVW].data[64 + 32..128]);
-        assert!(check_split(&cfg, 4, 8).is_ok());
-        assert!(check_split(&cfg, 3, 8).unwrap_err().contains("powers of two"));
-        assert!(check_split(&cfg, 16, 8).unwrap_err().contains("cannot share"));
-        assert!(check_split(&cfg, 2, 16).unwrap_err().contains("model.n_head"));
     }
 }

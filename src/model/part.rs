@@ -251,11 +251,6 @@ impl ModelPart {
         self
     }
 
-    /// Bytes the tensor-parallel ranks hold beyond an unsplit part's buffers.
-    pub fn tp_bytes(&self) -> usize {
-        self.split.as_ref().map_or(0, TpRanks::bytes)
-    }
-
     fn n(&self) -> usize {
         self.b * self.cfg.block_size
     }

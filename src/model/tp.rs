@@ -13,7 +13,7 @@
 //! gradients have the bits of one rank (see `block`).
 
 use super::block::{
-    block_backward_input, block_backward_weight, block_forward, shard, shard_into, unshard, BlockActs,
+    block_backward_input, block_backward_weight, block_forward, shard, shard_into, unshard_into, BlockActs,
     BlockGrads, BlockScratch, TensorGroup, ThreadGroup, TpRank,
 };
 use super::params::{GptConfig, Param};
@@ -152,7 +152,7 @@ impl TpRanks {
             let cols = *w.shape.last().expect("a shape");
             let pieces: Vec<&[f32]> =
                 self.ranks.iter().map(|r| r.params[12 * l + k].grad.as_slice()).collect();
-            w.grad = unshard(k, &pieces, cols);
+            unshard_into(&mut w.grad, k, &pieces, cols);
         }
     }
 
@@ -254,21 +254,5 @@ impl TpRanks {
                 });
             }
         });
-    }
-
-    /// Bytes the ranks hold besides the part's own buffers: shards, their
-    /// gradients, workspaces and copies.
-    pub fn bytes(&self) -> usize {
-        let ranks: usize = self
-            .ranks
-            .iter()
-            .map(|r| {
-                8 * r.params.iter().map(Param::numel).sum::<usize>()
-                    + r.scratch.bytes()
-                    + r.full_grads.bytes()
-                    + r.recompute_acts.as_ref().map_or(0, BlockActs::bytes)
-            })
-            .sum();
-        ranks + 4 * self.copies.iter().map(Vec::len).sum::<usize>()
     }
 }

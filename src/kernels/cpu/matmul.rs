@@ -129,6 +129,17 @@ pub fn gemm_checked(
     }
 }
 
+/// Every row of out (N, OC) set to `row` (OC): a product's bias, before the
+/// product accumulates onto it.
+pub fn fill_rows(out: &mut [f32], row: &[f32]) {
+    let oc = row.len();
+    out.par_chunks_mut(oc * super::ROWS_PER_TASK).for_each(|rows| {
+        for r in rows.chunks_mut(oc) {
+            r.copy_from_slice(row);
+        }
+    });
+}
+
 /// out (N, OC) = inp (N, C) · weight (C, OC) + bias (OC).
 pub fn matmul_forward(
     out: &mut [f32],
@@ -144,11 +155,7 @@ pub fn matmul_forward(
     assert_eq!(weight.len(), c * oc);
     if let Some(bias) = bias {
         assert_eq!(bias.len(), oc);
-        out.par_chunks_mut(oc * super::ROWS_PER_TASK).for_each(|rows| {
-            for row in rows.chunks_mut(oc) {
-                row.copy_from_slice(bias);
-            }
-        });
+        fill_rows(out, bias);
     }
     gemm_checked(out, bias.is_some(), inp, (c as isize, 1), weight, (oc as isize, 1), n, oc, c, 1.0);
 }
