@@ -958,19 +958,32 @@ impl Config {
         })
     }
 
-    /// `launch --nodes N`: the run's pp × dp ranks must split evenly over
-    /// the processes, checked before any process starts.
+    /// `launch --nodes N`: the run's pp × dp × tp ranks must split evenly
+    /// over the processes, each holding whole stages or an equal share of
+    /// one stage's tp ranks; checked before any process starts.
     pub fn check_processes(&self, nodes: usize) -> Result<(), ConfigError> {
-        let (pp, dp) = (self.parallel.pp, self.parallel.dp);
+        let (pp, dp, tp) = (self.parallel.pp, self.parallel.dp, self.parallel.tp);
+        let slots = pp * dp * tp;
         let mut v = Validator::default();
+        let even = nodes >= 1 && slots.is_multiple_of(nodes.max(1));
         v.check(
-            nodes >= 1 && (pp * dp).is_multiple_of(nodes.max(1)),
-            "parallel.pp × parallel.dp",
-            pp * dp,
+            even,
+            "parallel.pp × parallel.dp × parallel.tp",
+            slots,
             format!(
-                "launch --nodes {nodes}: the {pp} × {dp} ranks must split evenly over the processes \
-                 (--nodes a divisor of {})",
-                pp * dp
+                "launch --nodes {nodes}: the {pp} × {dp} × {tp} ranks must split evenly over the processes \
+                 (--nodes a divisor of {slots})"
+            ),
+        );
+        let per = slots / nodes.max(1);
+        v.check(
+            !even || per.is_multiple_of(tp) || tp.is_multiple_of(per),
+            "parallel.tp",
+            tp,
+            format!(
+                "launch --nodes {nodes}: {per} ranks per process would cut a stage's {tp} tensor-parallel \
+                 ranks unevenly: each process must hold whole stages ({tp} divides {per}) or an equal share \
+                 of one stage's ranks ({per} divides {tp})"
             ),
         );
         v.finish()
@@ -1581,6 +1594,9 @@ mod tests {
         c.parallel.dp = 2;
         assert!(c.check_processes(4).is_ok() && c.check_processes(2).is_ok());
         let err = c.check_processes(3).unwrap_err().to_string();
-        assert!(err.contains("parallel.pp × parallel.dp") && err.contains("--nodes 3"), "{err}");
+        assert!(
+            err.contains("parallel.pp × parallel.dp × parallel.tp") && err.contains("--nodes 3"),
+            "{err}"
+        );
     }
 }

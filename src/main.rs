@@ -86,7 +86,7 @@ enum Command {
     /// Train across N processes on this machine (one rank each; see `worker`),
     /// with train's options. Outputs land in one run directory, as with `train`.
     Launch {
-        /// Processes to start (the config's pp × dp ranks are split evenly over them).
+        /// Processes to start (the config's pp × dp × tp ranks are split evenly over them).
         #[arg(long)]
         nodes: usize,
         /// Rank 0's cluster port (its data link uses the next one) [default: a free one].
@@ -788,7 +788,8 @@ fn run(cli: Cli) -> Result<()> {
             let cfg = train.config.load(train.steps)?;
             pipewright::limits::check(&cfg)?;
             let layout = pipewright::actors::Layout::from_config(&cfg)?;
-            let placement = pipewright::cluster::Placement::new(layout.pp, layout.dp, spec.world)?;
+            let placement =
+                pipewright::cluster::Placement::new(layout.pp, layout.dp, cfg.parallel.tp, spec.world)?;
             let mut driver = pipewright::cluster::Driver::rendezvous(&spec, placement)?;
             let result = train_command(train, Some(&mut driver));
             driver.finish(result.as_ref().err().map(|e| format!("{e:#}")));

@@ -630,7 +630,10 @@ fn a_launch_whose_ranks_cannot_split_over_the_processes_is_refused_before_any_st
     let out = dir.path().join("run");
     let (ok, _, err) =
         run(&["launch", "--nodes", "3", "--out", out.to_str().unwrap(), "--set", "parallel.pp=2"]);
-    assert!(!ok && err.contains("parallel.pp × parallel.dp") && err.contains("--nodes 3"), "{err}");
+    assert!(
+        !ok && err.contains("parallel.pp × parallel.dp × parallel.tp") && err.contains("--nodes 3"),
+        "{err}"
+    );
     assert!(!out.exists(), "nothing is written before the refusal");
 }
 

@@ -232,6 +232,25 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
         let under = dir.path().join(format!("launch-tp{tp}"));
         std::fs::create_dir_all(&under).unwrap();
         assert_eq!(launched(&under, 2, &layout(tp, 2, 4, &[])), reference, "tp = {tp} over 2 processes");
+        // 8 processes: each stage's tp ranks split over 2 of them (tp 2: one
+        // rank each; tp 4: two each), the all-reduces crossing the links.
+        assert_eq!(launched(&under, 8, &layout(tp, 2, 4, &[])), reference, "tp = {tp} over 8 processes");
+    }
+    // A stage's ranks in other processes under ZB-H1's split backward and
+    // ZeRO-1, and under interleaving with recompute.
+    let mixed: [&[&str]; 2] = [
+        &["parallel.zero=1", "parallel.schedule=\"zb-h1\""],
+        &["parallel.schedule=\"interleaved\"", "parallel.chunks=2", "train.recompute=true"],
+    ];
+    for (i, extra) in mixed.iter().enumerate() {
+        let tp = 4 / (i + 1);
+        let under = dir.path().join(format!("launch-mixed{i}"));
+        std::fs::create_dir_all(&under).unwrap();
+        assert_eq!(
+            launched(&under, 8, &layout(tp, 2, 4, extra)),
+            reference,
+            "tp = {tp} over 8 processes {extra:?}"
+        );
     }
     // With the other schedules, ZeRO-1 and recompute.
     let mixed: [&[&str]; 2] = [

@@ -164,6 +164,7 @@ impl Topology {
             latencies_us: Default::default(),
             trace: self.trace.clone(),
             gpu_plan: self.gpu_plan.clone(),
+            fabric: None,
         })
     }
 
@@ -241,8 +242,9 @@ impl Topology {
                     coordinator: coordinator.clone(),
                     reducer: reducer.clone(),
                 };
-                let args =
+                let mut args =
                     self.stage_args(replica, rank, links, self.cores_of(&cores, replica * pp + rank))?;
+                args.fabric = host.fabric().cloned();
                 let (r, _) =
                     Actor::spawn_linked(host.name(&name, false), StageActor, args, supervisor.clone())
                         .await?;

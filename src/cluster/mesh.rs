@@ -27,43 +27,86 @@ pub enum PlacementError {
     #[error("--nodes / WORLD_SIZE: {0}: a run needs at least one process")]
     Empty(usize),
     #[error(
-        "--nodes / WORLD_SIZE: {world}: parallel.pp × parallel.dp = {pp} × {dp} = {slots} pipeline ranks cannot be split evenly over {world} processes"
+        "--nodes / WORLD_SIZE: {world}: parallel.pp × parallel.dp × parallel.tp = {pp} × {dp} × {tp} = {slots} ranks cannot be split evenly over {world} processes"
     )]
-    Uneven { world: usize, pp: usize, dp: usize, slots: usize },
+    Uneven { world: usize, pp: usize, dp: usize, tp: usize, slots: usize },
+    #[error(
+        "--nodes / WORLD_SIZE: {world}: {per} ranks per process would cut a stage's parallel.tp = {tp} ranks unevenly: each process must hold whole stages (tp divides {per}) or an equal share of one stage's ranks ({per} divides tp)"
+    )]
+    TpCut { world: usize, per: usize, tp: usize },
 }
 
-/// Which process runs each (replica, pipeline rank): slots in replica-major
-/// order (replica 0's ranks 0..pp, then replica 1's, …), cut into `world`
-/// contiguous equal shares. So pp = 4 over 2 processes puts ranks 0–1 on
-/// process 0 and 2–3 on process 1, and pp = 2 × dp = 2 over 2 processes gives
-/// each replica a process of its own.
+/// Which process runs each (replica, pipeline rank, tensor-parallel rank):
+/// ranks in replica-major order with tp fastest (replica 0's stage 0's tp
+/// ranks, then its stage 1's, …), cut into `world` contiguous equal shares.
+/// So pp = 4 over 2 processes puts stages 0–1 on process 0 and 2–3 on
+/// process 1; pp = 2 × dp = 2 over 2 processes gives each replica a process
+/// of its own; and tp = 4 over 2 processes gives each process two of one
+/// stage's ranks. A stage's actor lives with its tp rank 0 (its owner); the
+/// processes holding its other ranks follow it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placement {
     pub world: usize,
     pub pp: usize,
     pub dp: usize,
+    pub tp: usize,
 }
 
 impl Placement {
-    pub fn new(pp: usize, dp: usize, world: usize) -> Result<Placement, PlacementError> {
+    pub fn new(pp: usize, dp: usize, tp: usize, world: usize) -> Result<Placement, PlacementError> {
         if world == 0 {
             return Err(PlacementError::Empty(world));
         }
-        let slots = pp * dp;
+        let slots = pp * dp * tp;
         if !slots.is_multiple_of(world) {
-            return Err(PlacementError::Uneven { world, pp, dp, slots });
+            return Err(PlacementError::Uneven { world, pp, dp, tp, slots });
         }
-        Ok(Placement { world, pp, dp })
+        let per = slots / world;
+        if !per.is_multiple_of(tp) && !tp.is_multiple_of(per) {
+            return Err(PlacementError::TpCut { world, per, tp });
+        }
+        Ok(Placement { world, pp, dp, tp })
     }
 
+    /// Ranks per process.
+    fn per(&self) -> usize {
+        self.pp * self.dp * self.tp / self.world
+    }
+
+    /// The process holding (replica, rank)'s tp rank 0, which runs its actor.
     pub fn owner(&self, replica: usize, rank: usize) -> usize {
-        (replica * self.pp + rank) / (self.pp * self.dp / self.world)
+        (replica * self.pp + rank) * self.tp / self.per()
     }
 
-    /// (replica, rank) slots of process `p`, in replica-major order.
+    /// The processes holding (replica, rank)'s tp ranks, its owner first.
+    pub fn tp_group(&self, replica: usize, rank: usize) -> std::ops::Range<usize> {
+        let first = self.owner(replica, rank);
+        first..first + (self.tp / self.per()).max(1)
+    }
+
+    /// A stage's tp ranks each process of its group holds.
+    pub fn tp_held(&self) -> usize {
+        self.tp.min(self.per())
+    }
+
+    /// (replica, rank) slots whose actor process `p` runs, in replica-major order.
     pub fn slots(&self, p: usize) -> Vec<(usize, usize)> {
-        let per = self.pp * self.dp / self.world;
-        (p * per..(p + 1) * per).map(|k| (k / self.pp, k % self.pp)).collect()
+        let per = self.per();
+        (p * per..(p + 1) * per)
+            .filter(|k| k.is_multiple_of(self.tp))
+            .map(|k| (k / self.tp / self.pp, k / self.tp % self.pp))
+            .collect()
+    }
+
+    /// The stage (replica, rank) process `p` holds tp ranks of without
+    /// running its actor, and which ranks.
+    pub fn follows(&self, p: usize) -> Option<(usize, usize, std::ops::Range<usize>)> {
+        let (per, first) = (self.per(), p * self.per());
+        if per >= self.tp || first.is_multiple_of(self.tp) {
+            return None;
+        }
+        let k = first / self.tp;
+        Some((k / self.pp, k % self.pp, first % self.tp..first % self.tp + per))
     }
 }
 
@@ -136,6 +179,8 @@ pub struct Fabric {
     pub gpu_plan: OnceLock<Arc<crate::actors::stage::nccl::GpuPlan>>,
     /// On rank 0: each worker's clock alignment, as it reported it.
     clocks: Mutex<Vec<ClockEstimate>>,
+    /// Frames for stages' tensor-parallel groups that span processes.
+    pub tp_inboxes: super::tp::Inboxes,
 }
 
 impl Fabric {
@@ -155,6 +200,7 @@ impl Fabric {
             placement: OnceLock::new(),
             gpu_plan: OnceLock::new(),
             clocks: Mutex::new(Vec::new()),
+            tp_inboxes: Default::default(),
         };
         (Arc::new(f), rx)
     }
@@ -353,6 +399,10 @@ impl Fabric {
                 let _ = self.events.send(Event::Shutdown);
                 Ok(())
             }
+            Kind::Tp { replica, rank, chunk, msg } => self
+                .tp_inboxes
+                .deliver(peer, (replica, rank, chunk), msg, f.arrays)
+                .map_err(|e| format!("{}: {e}", who())),
             Kind::ClockProbe { seq } => {
                 // Answered here on the link's reader, not queued behind the main loop:
                 // the round trip is the alignment's error bound.
@@ -560,7 +610,7 @@ mod tests {
 
     #[test]
     fn pp4_over_2_processes_is_contiguous() {
-        let p = Placement::new(4, 1, 2).unwrap();
+        let p = Placement::new(4, 1, 1, 2).unwrap();
         assert_eq!(p.slots(0), vec![(0, 0), (0, 1)]);
         assert_eq!(p.slots(1), vec![(0, 2), (0, 3)]);
         assert_eq!(p.owner(0, 3), 1);
@@ -568,17 +618,47 @@ mod tests {
 
     #[test]
     fn pp2_dp2_over_4_processes_gives_one_slot_each() {
-        let p = Placement::new(2, 2, 4).unwrap();
+        let p = Placement::new(2, 2, 1, 4).unwrap();
         assert_eq!(
             (0..4).map(|k| p.slots(k)).collect::<Vec<_>>(),
             vec![vec![(0, 0)], vec![(0, 1)], vec![(1, 0)], vec![(1, 1)]]
         );
         assert_eq!(p.owner(1, 0), 2);
+        assert!((0..4).all(|k| p.follows(k).is_none()));
+    }
+
+    #[test]
+    fn tp_within_a_process_places_stages_as_without_it() {
+        let (a, b) = (Placement::new(2, 2, 4, 2).unwrap(), Placement::new(2, 2, 1, 2).unwrap());
+        for k in 0..2 {
+            assert_eq!(a.slots(k), b.slots(k));
+            assert!(a.follows(k).is_none());
+        }
+        assert_eq!(a.tp_group(1, 1), 1..2);
+        assert_eq!(a.tp_held(), 4);
+    }
+
+    #[test]
+    fn tp_over_processes_puts_a_stage_s_ranks_side_by_side_tp_fastest() {
+        // pp 2 × tp 4 over 4 processes: stage 0 on processes 0–1, stage 1 on 2–3.
+        let p = Placement::new(2, 1, 4, 4).unwrap();
+        assert_eq!(
+            (0..4).map(|k| p.slots(k)).collect::<Vec<_>>(),
+            vec![vec![(0, 0)], vec![], vec![(0, 1)], vec![]]
+        );
+        assert_eq!(
+            (0..4).map(|k| p.follows(k)).collect::<Vec<_>>(),
+            vec![None, Some((0, 0, 2..4)), None, Some((0, 1, 2..4))]
+        );
+        assert_eq!((p.owner(0, 1), p.tp_group(0, 1), p.tp_held()), (2, 2..4, 2));
     }
 
     #[test]
     fn uneven_split_is_refused_naming_the_fields() {
-        let e = Placement::new(4, 1, 3).unwrap_err().to_string();
-        assert!(e.contains("parallel.pp × parallel.dp") && e.contains("3 processes"), "{e}");
+        let e = Placement::new(4, 1, 1, 3).unwrap_err().to_string();
+        assert!(e.contains("parallel.pp × parallel.dp × parallel.tp") && e.contains("3 processes"), "{e}");
+        // 6 ranks per process cannot hold whole tp = 4 stages nor an equal share of one.
+        let e = Placement::new(3, 1, 4, 2).unwrap_err().to_string();
+        assert!(e.contains("parallel.tp = 4") && e.contains("6 ranks per process"), "{e}");
     }
 }

@@ -16,6 +16,7 @@ pub mod link;
 pub mod mesh;
 pub mod node;
 pub mod tls;
+pub mod tp;
 pub mod wire;
 
 pub use mesh::{ClockEstimate, Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
@@ -512,7 +513,7 @@ fn serve(
         )));
     }
     let layout = Layout::from_config(&cfg).map_err(|e| ClusterError::Setup(format!("{e:#}")))?;
-    let placement = Placement::new(layout.pp, layout.dp, spec.world)?;
+    let placement = Placement::new(layout.pp, layout.dp, cfg.parallel.tp, spec.world)?;
     let _ = fabric.placement.set(placement.clone());
     if cfg.backend.kind == crate::config::BackendKind::Cuda {
         let ids = nccl.into_iter().collect();
@@ -565,6 +566,17 @@ fn serve(
     };
     let run_dir = std::path::PathBuf::from(run_dir);
     let record = cfg.replay.record;
+    let followers = {
+        let (f, me) = (fabric.clone(), spec.rank);
+        tp::spawn_followers(fabric, &cfg, &layout, move |error| {
+            let failure =
+                Failure { actor: format!("process rank {me}"), step: f.step(), action: None, error };
+            if let Some(frame) = wire::coordinator_frame(CoordinatorMsg::Failed(failure)) {
+                f.send(0, frame);
+            }
+        })
+        .map_err(ClusterError::Setup)?
+    };
     let local = StageSet { fabric: fabric.clone(), cfg, layout, run_dir: run_dir.clone(), init, resume };
     let (coordinator, stages) = rt.block_on(local.spawn()).map_err(ClusterError::Setup)?;
     fabric.send(0, frame::Frame::new(Kind::Ready { rank: spec.rank as u32 }));
@@ -605,6 +617,10 @@ fn serve(
     fabric.set_done();
     for s in stages {
         s.stop(None);
+    }
+    // Followers see the run end within their next wait.
+    for t in followers {
+        let _ = t.join();
     }
     coordinator.stop(None);
     // The stages' threads close their replay logs after this; the process must not end first.

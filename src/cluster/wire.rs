@@ -93,6 +93,15 @@ pub enum Kind {
         seq: u64,
         t_us: f64,
     },
+    /// Tensor-parallel ranks of chunk `chunk` of the stage at (replica,
+    /// rank) in several processes: commands, answers and all-reduce nodes
+    /// (the tensors in the frame's arrays).
+    Tp {
+        replica: u32,
+        rank: u32,
+        chunk: u32,
+        msg: super::tp::TpFrame,
+    },
     /// Worker → rank 0: how its clock was aligned, for the trace's metadata.
     ClockReport {
         rank: u32,

@@ -707,16 +707,53 @@ pub fn unshard_into(full: &mut [f32], i: usize, pieces: &[&[f32]], cols: usize) 
 /// node in a slot, all wait, each sums every slot by the tree, all wait again
 /// (so no slot is overwritten before every rank has read it).
 pub struct ThreadGroup {
+    /// One node per rank of the whole group; this process fills `local`'s,
+    /// the exchange the others'.
     slots: Vec<std::sync::RwLock<Vec<f32>>>,
+    local: std::ops::Range<usize>,
     barrier: std::sync::Barrier,
+    exchange: Option<Box<dyn Exchange>>,
+    /// All-reduces so far: every rank of the group makes the same calls in
+    /// the same order, so the count names a call across processes.
+    calls: std::sync::atomic::AtomicU64,
+    /// Why an exchange failed. The ranks finish their calls on what they
+    /// hold (a rank stopping alone would leave the others at a barrier) and
+    /// the caller reads this after: their results are void.
+    failed: std::sync::Mutex<Option<String>>,
+}
+
+/// How the ranks of one process meet the group's other processes: this
+/// process's nodes for call `seq` go out, every other rank's come back.
+pub trait Exchange: Send + Sync {
+    /// `local`: the nodes of ranks `first..first + local.len()`. Returns
+    /// (rank, node) for every rank held elsewhere, or why they never came.
+    fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String>;
 }
 
 impl ThreadGroup {
+    /// Every rank in this process.
     pub fn new(size: usize) -> Self {
+        ThreadGroup::spanning(size, 0..size, None)
+    }
+
+    /// Ranks `local` of `size` in this process, the rest reached by `exchange`.
+    pub fn spanning(size: usize, local: std::ops::Range<usize>, exchange: Option<Box<dyn Exchange>>) -> Self {
+        assert!(exchange.is_some() || local == (0..size), "ranks elsewhere need an exchange");
         ThreadGroup {
             slots: (0..size).map(|_| std::sync::RwLock::new(Vec::new())).collect(),
-            barrier: std::sync::Barrier::new(size),
+            barrier: std::sync::Barrier::new(local.len()),
+            local,
+            exchange,
+            calls: std::sync::atomic::AtomicU64::new(0),
+            failed: std::sync::Mutex::new(None),
         }
+    }
+}
+
+impl ThreadGroup {
+    /// Why an exchange with the other processes failed, if one did.
+    pub fn failure(&self) -> Option<String> {
+        self.failed.lock().map(|f| f.clone()).unwrap_or_else(|p| p.into_inner().clone())
     }
 }
 
@@ -728,6 +765,28 @@ impl TensorGroup for ThreadGroup {
             slot.extend_from_slice(node);
         }
         self.barrier.wait();
+        if let Some(x) = &self.exchange {
+            // The process's first rank trades for all of them; the others wait.
+            if rank == self.local.start && self.failure().is_none() {
+                let seq = self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let theirs = {
+                    let held: Vec<_> =
+                        self.local.clone().map(|r| self.slots[r].read().expect("slot")).collect();
+                    let nodes: Vec<&[f32]> = held.iter().map(|g| g.as_slice()).collect();
+                    x.swap(seq, self.local.start, &nodes)
+                };
+                match theirs {
+                    Ok(theirs) => {
+                        for (r, n) in theirs {
+                            assert!(!self.local.contains(&r), "rank {r}'s node came from elsewhere");
+                            *self.slots[r].write().expect("slot") = n;
+                        }
+                    }
+                    Err(e) => *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e),
+                }
+            }
+            self.barrier.wait();
+        }
         {
             let held: Vec<_> = self.slots.iter().map(|s| s.read().expect("slot")).collect();
             let nodes: Vec<&[f32]> = held.iter().map(|g| g.as_slice()).collect();

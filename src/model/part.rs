@@ -20,7 +20,7 @@ use super::block::{
     block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch,
 };
 use super::params::{self, GptConfig, Param};
-use super::tp::{TpRanks, TpShape};
+use super::tp::{Remote, TpRanks, TpShape};
 use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul};
 use crate::kernels::profile::{timed, Kernel};
 use std::ops::Range;
@@ -85,6 +85,8 @@ struct PendingWeight {
 
 /// Everything one microbatch's backward needs from its forward on this part.
 pub struct MicroActs {
+    /// Names this microbatch to tensor-parallel ranks in other processes.
+    key: u64,
     tokens: Vec<u32>,
     /// inputs[l]: the residual stream entering local block l, (N, C).
     inputs: Vec<Vec<f32>>,
@@ -153,6 +155,8 @@ pub struct ModelPart {
     pub tp: TpShape,
     /// The ranks, when there is more than one.
     split: Option<TpRanks>,
+    /// The key the next microbatch's activations get.
+    next_key: u64,
     /// Peak bytes of activations held by microbatches awaiting backward.
     pub live_bytes: usize,
     pub peak_live_bytes: usize,
@@ -232,6 +236,7 @@ impl ModelPart {
             acts_pool: Vec::new(),
             tp: TpShape::WHOLE,
             split: None,
+            next_key: 0,
             live_bytes: 0,
             peak_live_bytes: 0,
         }
@@ -240,13 +245,19 @@ impl ModelPart {
     /// The same part with its blocks computed as `shape` says, the ranks
     /// sharing `threads` cores. Bits depend on `shape.slices` only: every
     /// `shape.size` dividing it gives the same.
-    pub fn with_tp(mut self, shape: TpShape, threads: usize) -> Self {
+    pub fn with_tp(self, shape: TpShape, threads: usize) -> Self {
+        self.with_tp_over(shape, threads, None)
+    }
+
+    /// [`Self::with_tp`], the ranks after this process's first `remote.per`
+    /// held by followers in other processes.
+    pub fn with_tp_over(mut self, shape: TpShape, threads: usize, remote: Option<Remote>) -> Self {
         self.tp = shape;
         self.scratch.block = BlockScratch::new(self.b, &self.cfg, &shape.single());
         self.acts_pool.clear();
         self.grads_pool.clear();
         self.split = (shape.size > 1).then(|| {
-            TpRanks::new(&self.cfg, &self.spec, self.b, self.recompute, shape, &self.params, threads)
+            TpRanks::new(&self.cfg, &self.spec, self.b, self.recompute, shape, &self.params, threads, remote)
         });
         self
     }
@@ -272,16 +283,25 @@ impl ModelPart {
         }
     }
 
+    /// Tensor-parallel ranks held in this process (1 when not split).
+    fn held(&self) -> usize {
+        self.split.as_ref().map_or(1, TpRanks::held_here)
+    }
+
     fn take_acts(&mut self) -> MicroActs {
-        if let Some(a) = self.acts_pool.pop() {
+        let key = self.next_key;
+        self.next_key += 1;
+        if let Some(mut a) = self.acts_pool.pop() {
+            a.key = key;
             return a;
         }
         let (b, t) = (self.b, self.cfg.block_size);
         let keep = if self.recompute { 0 } else { self.n_blocks() };
         MicroActs {
+            key,
             tokens: if self.spec.embedding { vec![0; b * t] } else { vec![] },
             inputs: Vec::with_capacity(self.n_blocks()),
-            blocks: (0..keep * self.tp.size).map(|_| BlockActs::new(b, &self.cfg, self.tp.size)).collect(),
+            blocks: (0..keep * self.held()).map(|_| BlockActs::new(b, &self.cfg, self.tp.size)).collect(),
             dhead: vec![],
         }
     }
@@ -341,9 +361,9 @@ impl ModelPart {
             let mut out = self.take_nc();
             let x = &acts.inputs[l];
             if let Some(sp) = &mut self.split {
-                let t = sp.size();
+                let t = sp.held_here();
                 let blocks = (!self.recompute).then(|| &mut acts.blocks[l * t..(l + 1) * t]);
-                sp.forward(l, blocks, x, &mut out, self.b, &self.cfg);
+                sp.forward(l, acts.key, blocks, x, &mut out, self.b, &self.cfg);
             } else {
                 let base = self.spec.block_base(l);
                 let ba =
@@ -388,6 +408,9 @@ impl ModelPart {
     }
 
     fn recycle(&mut self, mut acts: MicroActs) {
+        if let Some(sp) = &mut self.split {
+            sp.release(acts.key);
+        }
         for v in acts.inputs.drain(..) {
             self.give_nc(v);
         }
@@ -508,10 +531,10 @@ impl ModelPart {
             // Weight gradients are taken as their inputs appear: per tensor the
             // same kernel calls as an I followed later by a W, so B = I + W in bits.
             if let Some(sp) = &mut self.split {
-                let t = sp.size();
+                let t = sp.held_here();
                 let blocks = (!self.recompute).then(|| &acts.blocks[l * t..(l + 1) * t]);
                 sp.load_grads(l, &self.params[base..base + 12]);
-                sp.backward_input(l, blocks, None, x, &mut dres, self.b, &self.cfg, true);
+                sp.backward_input(l, acts.key, blocks, None, x, &mut dres, self.b, &self.cfg, true);
                 sp.store_grads(l, &mut self.params[base..base + 12]);
                 continue;
             }
@@ -551,9 +574,9 @@ impl ModelPart {
         let mut dres = self.output_grad(&mut acts, dout);
         let mut grads = self.grads_pool.pop().unwrap_or_default();
         let n = self.n();
-        let t = self.tp.size;
+        let t = self.held();
         while grads.len() < self.n_blocks() * t {
-            grads.push(BlockGrads::new(n, self.cfg.n_embd, t));
+            grads.push(BlockGrads::new(n, self.cfg.n_embd, self.tp.size));
         }
         for l in (0..self.n_blocks()).rev() {
             let base = self.spec.block_base(l);
@@ -561,6 +584,7 @@ impl ModelPart {
                 let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &mut grads[l * t..(l + 1) * t]);
                 sp.backward_input(
                     l,
+                    acts.key,
                     Some(blocks),
                     Some(g),
                     &acts.inputs[l],
@@ -599,10 +623,10 @@ impl ModelPart {
         for l in (0..self.n_blocks()).rev() {
             let base = self.spec.block_base(l);
             if let Some(sp) = &mut self.split {
-                let t = sp.size();
+                let t = sp.held_here();
                 let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &grads[l * t..(l + 1) * t]);
                 sp.load_grads(l, &self.params[base..base + 12]);
-                sp.backward_weight(l, blocks, g, &acts.inputs[l], self.b, &self.cfg);
+                sp.backward_weight(l, acts.key, blocks, g, &acts.inputs[l], self.b, &self.cfg);
                 sp.store_grads(l, &mut self.params[base..base + 12]);
                 continue;
             }
@@ -638,7 +662,7 @@ impl ModelPart {
         let mut out =
             self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * self.cfg.block_size * self.cfg.n_embd]);
         if let Some(sp) = &mut self.split {
-            sp.forward(l, None, &acts.inputs[l], &mut out, self.b, &self.cfg);
+            sp.forward(l, acts.key, None, &acts.inputs[l], &mut out, self.b, &self.cfg);
         } else {
             let ba = self.recompute_acts.as_mut().unwrap();
             let tp = self.tp.single();

@@ -69,10 +69,17 @@ fn build_cpu(
     let b = cfg.train.micro_batch_size;
     let mut parts = Vec::new();
     let mut adam = Vec::new();
-    for (spec, params) in chunks {
+    for (chunk, (spec, params)) in chunks.into_iter().enumerate() {
         let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
-        let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params)
-            .with_tp(tp, args.layout.threads_per_rank);
+        let remote = match &args.fabric {
+            Some(f) if tp.size > 1 => crate::cluster::tp::owner_remote(f, args.replica, args.rank, chunk)?,
+            _ => None,
+        };
+        let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params).with_tp_over(
+            tp,
+            args.layout.threads_per_rank,
+            remote,
+        );
         let mut st = AdamState::sharded(&part, zero_shard(args));
         if let Some(c) = &args.resume {
             super::super::compute::load_moments(&part.params, &mut st, c)?;

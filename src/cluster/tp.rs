@@ -1,0 +1,318 @@
+//! Tensor-parallel ranks of one stage in several processes: the owner's
+//! commands to its followers, their answers, and the all-reduce nodes every
+//! process of the group trades, all as frames on the run's data links.
+//!
+//! Each stage chunk's group has an inbox in the [`Fabric`], made by whichever
+//! comes first (a frame or the code waiting on it), so nothing that arrives
+//! early is lost. Frames on one link keep their order, so a follower runs
+//! the owner's commands in the owner's order; nodes from several processes
+//! interleave, and are matched by call number.
+
+use super::frame::{Array, Frame};
+use super::mesh::Fabric;
+use super::wire::Kind;
+use crate::model::block::Exchange;
+use crate::model::tp::{Followers, Remote, TpCmd, TpFollower, TpShape};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What a tp frame carries; its arrays are the tensors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum TpFrame {
+    /// Owner → follower.
+    Cmd(TpCmd),
+    /// A process's nodes of all-reduce number `seq`: ranks `first..`.
+    Nodes { seq: u64, first: u32 },
+    /// Follower → owner: the answer to the oldest command that asks for one.
+    Answer,
+}
+
+/// A stage chunk's group: (replica, pipeline rank, chunk).
+pub type GroupKey = (u32, u32, u32);
+
+/// One group's inbox in this process.
+pub struct Inbox {
+    tx: Sender<(usize, TpFrame, Vec<Vec<f32>>)>,
+    rx: Receiver<(usize, TpFrame, Vec<Vec<f32>>)>,
+}
+
+#[derive(Default)]
+pub struct Inboxes(Mutex<HashMap<GroupKey, Arc<Inbox>>>);
+
+impl Inboxes {
+    pub fn get(&self, key: GroupKey) -> Arc<Inbox> {
+        self.0
+            .lock()
+            .expect("tp inboxes")
+            .entry(key)
+            .or_insert_with(|| {
+                let (tx, rx) = crossbeam_channel::unbounded();
+                Arc::new(Inbox { tx, rx })
+            })
+            .clone()
+    }
+
+    /// A frame from `peer` for group `key`.
+    pub fn deliver(
+        &self,
+        peer: usize,
+        key: GroupKey,
+        msg: TpFrame,
+        arrays: Vec<Array>,
+    ) -> Result<(), String> {
+        let arrays = crate::actors::protocol::f32_arrays("Tp", arrays).map_err(|e| e.to_string())?;
+        let _ = self.get(key).tx.send((peer, msg, arrays));
+        Ok(())
+    }
+}
+
+fn frame(key: GroupKey, msg: TpFrame, arrays: Vec<Vec<f32>>) -> Frame {
+    let (replica, rank, chunk) = key;
+    Frame::with(Kind::Tp { replica, rank, chunk, msg }, arrays.into_iter().map(Array::F32).collect())
+}
+
+/// What one process of a group sees of the others: frames sorted by kind
+/// as they are read, so a wait for one kind holds the rest.
+struct Link {
+    fabric: Arc<Fabric>,
+    key: GroupKey,
+    inbox: Arc<Inbox>,
+    /// The group's processes in rank order (the owner first).
+    procs: std::ops::Range<usize>,
+    held: usize,
+    sorted: Mutex<Sorted>,
+}
+
+#[derive(Default)]
+struct Sorted {
+    cmds: VecDeque<(TpCmd, Vec<Vec<f32>>)>,
+    nodes: BTreeMap<u64, Vec<(usize, Vec<f32>)>>,
+    answers: HashMap<usize, VecDeque<Vec<Vec<f32>>>>,
+}
+
+impl Link {
+    fn new(fabric: &Arc<Fabric>, key: GroupKey) -> Result<Link, String> {
+        let p = fabric.placement.get().ok_or("tensor parallelism over processes before the placement")?;
+        let (replica, rank) = (key.0 as usize, key.1 as usize);
+        Ok(Link {
+            fabric: fabric.clone(),
+            key,
+            inbox: fabric.tp_inboxes.get(key),
+            procs: p.tp_group(replica, rank),
+            held: p.tp_held(),
+            sorted: Mutex::new(Sorted::default()),
+        })
+    }
+
+    /// The tp ranks of the group.
+    fn procs_ranks(&self) -> std::ops::Range<usize> {
+        0..self.held * self.procs.len()
+    }
+
+    fn who(&self) -> String {
+        let (r, s, c) = self.key;
+        format!("stage {s}.{r} chunk {c}'s tensor-parallel group")
+    }
+
+    /// Reads frames until `done` finds what it waits for. Err: the run ended,
+    /// or `limit` passed with nothing.
+    fn wait<T>(
+        &self,
+        what: &str,
+        limit: Option<Duration>,
+        mut done: impl FnMut(&mut Sorted) -> Option<T>,
+    ) -> Result<T, String> {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = done(&mut self.sorted.lock().expect("tp frames")) {
+                return Ok(v);
+            }
+            match self.inbox.rx.recv_timeout(Duration::from_millis(200)) {
+                Ok((peer, msg, arrays)) => {
+                    let mut s = self.sorted.lock().expect("tp frames");
+                    match msg {
+                        TpFrame::Cmd(c) => s.cmds.push_back((c, arrays)),
+                        TpFrame::Nodes { seq, first } => {
+                            let ranks = first as usize..;
+                            s.nodes.entry(seq).or_default().extend(ranks.zip(arrays));
+                        }
+                        TpFrame::Answer => s.answers.entry(peer).or_default().push_back(arrays),
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.fabric.is_done() {
+                        return Err(format!("{}: the run ended while waiting for {what}", self.who()));
+                    }
+                    if limit.is_some_and(|l| start.elapsed() > l) {
+                        return Err(format!(
+                            "{}: no {what} within {:?}",
+                            self.who(),
+                            limit.unwrap_or_default()
+                        ));
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(format!("{}: inbox closed", self.who())),
+            }
+        }
+    }
+}
+
+/// How long a group waits on a silent peer before failing the run (a lost
+/// process is reported sooner, by its link).
+const TP_TIMEOUT: Duration = Duration::from_secs(600);
+
+impl Exchange for Link {
+    fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String> {
+        let me = self.fabric.me;
+        for p in self.procs.clone().filter(|&p| p != me) {
+            let nodes = local.iter().map(|n| n.to_vec()).collect();
+            self.fabric.send(p, frame(self.key, TpFrame::Nodes { seq, first: first as u32 }, nodes));
+        }
+        let want = self.held * (self.procs.len() - 1);
+        let theirs = self.wait("the other processes' all-reduce nodes", Some(TP_TIMEOUT), |s| {
+            (s.nodes.get(&seq).map_or(0, Vec::len) >= want).then(|| s.nodes.remove(&seq).expect("nodes"))
+        })?;
+        let len = local.first().map_or(0, |n| n.len());
+        match theirs.iter().find(|(r, n)| n.len() != len || !self.procs_ranks().contains(r)) {
+            Some((r, n)) => Err(format!(
+                "{}: rank {r}'s node of all-reduce {seq} has {} elements, not {len}",
+                self.who(),
+                n.len()
+            )),
+            None if theirs.len() == want => Ok(theirs),
+            None => Err(format!("{}: {} nodes for all-reduce {seq}, not {want}", self.who(), theirs.len())),
+        }
+    }
+}
+
+/// An owner's view of its followers.
+struct Owner(Arc<Link>);
+
+impl Followers for Owner {
+    fn count(&self) -> usize {
+        self.0.procs.len() - 1
+    }
+
+    fn send(&self, follower: usize, cmd: TpCmd, arrays: Vec<Vec<f32>>) {
+        let l = &self.0;
+        l.fabric.send(l.procs.start + 1 + follower, frame(l.key, TpFrame::Cmd(cmd), arrays));
+    }
+
+    fn answer(&self, follower: usize) -> Vec<Vec<f32>> {
+        let peer = self.0.procs.start + 1 + follower;
+        let got = self.0.wait("a follower's gradient shards", Some(TP_TIMEOUT), |s| {
+            s.answers.get_mut(&peer)?.pop_front()
+        });
+        got.unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+struct Shared(Arc<Link>);
+
+impl Exchange for Shared {
+    fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String> {
+        self.0.swap(seq, first, local)
+    }
+}
+
+/// The followers of chunk `chunk` of the stage at (replica, rank), when this
+/// run puts its tp ranks in more than one process.
+pub fn owner_remote(
+    fabric: &Arc<Fabric>,
+    replica: usize,
+    rank: usize,
+    chunk: usize,
+) -> Result<Option<Remote>, String> {
+    let Some(p) = fabric.placement.get() else { return Ok(None) };
+    if p.tp_group(replica, rank).len() < 2 {
+        return Ok(None);
+    }
+    let link = Arc::new(Link::new(fabric, (replica as u32, rank as u32, chunk as u32))?);
+    Ok(Some(Remote {
+        per: link.held,
+        followers: Box::new(Owner(link.clone())),
+        exchange: Box::new(Shared(link)),
+    }))
+}
+
+/// Runs the ranks this process holds of another process's stage, one thread
+/// per chunk, until the run ends. A command that cannot be run fails the run
+/// through `fail`.
+pub fn spawn_followers(
+    fabric: &Arc<Fabric>,
+    cfg: &crate::config::Config,
+    layout: &crate::actors::Layout,
+    fail: impl Fn(String) + Send + Sync + 'static,
+) -> Result<Vec<std::thread::JoinHandle<()>>, String> {
+    let Some(p) = fabric.placement.get() else { return Ok(vec![]) };
+    let Some((replica, rank, local)) = p.follows(fabric.me) else { return Ok(vec![]) };
+    let gpt = crate::model::GptConfig::from_config(cfg);
+    let shape = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+    tracing::info!(
+        "rank {}: holds tensor-parallel ranks {}..{} of stage {rank}.{replica} (its actor runs on rank {})",
+        fabric.me,
+        local.start,
+        local.end,
+        p.owner(replica, rank)
+    );
+    let fail = Arc::new(fail);
+    let mut threads = Vec::new();
+    for (chunk, s) in layout.stages_of(rank).into_iter().enumerate() {
+        let link = Arc::new(Link::new(fabric, (replica as u32, rank as u32, chunk as u32))?);
+        let mut follower = TpFollower::new(
+            gpt,
+            layout.stages[s].clone(),
+            cfg.train.micro_batch_size,
+            cfg.train.recompute,
+            shape,
+            local.clone(),
+            layout.threads_per_rank,
+            Box::new(Shared(link.clone())),
+        );
+        let (fail, owner) = (fail.clone(), link.procs.start);
+        let name = format!("tp-follower-{rank}.{replica}.{chunk}");
+        let t = std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| loop {
+                    // Commands may pause for as long as the run does (evals, checkpoints).
+                    let (cmd, arrays) =
+                        match link.wait("the owner's next command", None, |s| s.cmds.pop_front()) {
+                            Ok(c) => c,
+                            Err(_) if link.fabric.is_done() => return,
+                            Err(e) => {
+                                fail(format!("{name}: {e}"));
+                                return;
+                            }
+                        };
+                    match follower.handle(cmd, arrays) {
+                        Ok(Some(answer)) => {
+                            link.fabric.send(owner, frame(link.key, TpFrame::Answer, answer));
+                        }
+                        Ok(None) => {}
+                        Err(_) if link.fabric.is_done() => return,
+                        Err(e) => {
+                            fail(format!("{name}: {e}"));
+                            return;
+                        }
+                    }
+                });
+                if let Err(e) = std::panic::catch_unwind(run) {
+                    let why = e
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "a panic".into());
+                    if !link.fabric.is_done() {
+                        fail(format!("{name}: {why}"));
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start a tensor-parallel follower thread: {e}"))?;
+        threads.push(t);
+    }
+    Ok(threads)
+}
