@@ -1598,5 +1598,15 @@ mod tests {
             err.contains("parallel.pp × parallel.dp × parallel.tp") && err.contains("--nodes 3"),
             "{err}"
         );
+        // tp 4 × pp 3: 12 ranks; 2 processes hold 6 each, which would cut a
+        // stage's 4 tp ranks; 6 processes hold 2 each, half a stage's ranks.
+        c.parallel.dp = 1;
+        c.parallel.pp = 3;
+        c.parallel.tp = 4;
+        assert!(
+            c.check_processes(6).is_ok() && c.check_processes(3).is_ok() && c.check_processes(12).is_ok()
+        );
+        let err = c.check_processes(2).unwrap_err().to_string();
+        assert!(err.contains("parallel.tp") && err.contains("6 ranks per process"), "{err}");
     }
 }

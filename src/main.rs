@@ -779,7 +779,14 @@ fn run(cli: Cli) -> Result<()> {
             .with_tls(tls.load()?);
             if spec.rank > 0 {
                 pipewright::cluster::run_worker(&spec)?;
-                eprintln!("rank {}: done", spec.rank);
+                match pipewright::train::run::peak_rss_bytes() {
+                    Some(b) => eprintln!(
+                        "rank {}: done (peak RSS {:.1} MiB)",
+                        spec.rank,
+                        b as f64 / (1 << 20) as f64
+                    ),
+                    None => eprintln!("rank {}: done", spec.rank),
+                }
                 return Ok(());
             }
             if train.max_restarts > 0 {

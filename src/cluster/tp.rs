@@ -39,12 +39,50 @@ pub struct Inbox {
     rx: Receiver<(usize, TpFrame, Vec<Vec<f32>>)>,
 }
 
+/// Tensor bytes this process's tp frames carried, by kind: the figure
+/// behind "communication per layer" (summary.json's `tp_traffic`, rank 0).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TpTraffic {
+    pub commands_sent: u64,
+    pub nodes_sent: u64,
+    pub answers_sent: u64,
+    pub commands_received: u64,
+    pub nodes_received: u64,
+    pub answers_received: u64,
+}
+
 #[derive(Default)]
-pub struct Inboxes(Mutex<HashMap<GroupKey, Arc<Inbox>>>);
+pub struct Inboxes {
+    groups: Mutex<HashMap<GroupKey, Arc<Inbox>>>,
+    traffic: Mutex<TpTraffic>,
+}
+
+fn bytes(arrays: &[Vec<f32>]) -> u64 {
+    arrays.iter().map(|a| 4 * a.len() as u64).sum()
+}
 
 impl Inboxes {
+    /// What this process's tp frames carried so far; None if it sent or got none.
+    pub fn traffic(&self) -> Option<TpTraffic> {
+        let t = *self.traffic.lock().expect("tp traffic");
+        (t != TpTraffic::default()).then_some(t)
+    }
+
+    fn count(&self, msg: &TpFrame, n: u64, sent: bool) {
+        let mut t = self.traffic.lock().expect("tp traffic");
+        let slot = match (msg, sent) {
+            (TpFrame::Cmd(_), true) => &mut t.commands_sent,
+            (TpFrame::Nodes { .. }, true) => &mut t.nodes_sent,
+            (TpFrame::Answer, true) => &mut t.answers_sent,
+            (TpFrame::Cmd(_), false) => &mut t.commands_received,
+            (TpFrame::Nodes { .. }, false) => &mut t.nodes_received,
+            (TpFrame::Answer, false) => &mut t.answers_received,
+        };
+        *slot += n;
+    }
+
     pub fn get(&self, key: GroupKey) -> Arc<Inbox> {
-        self.0
+        self.groups
             .lock()
             .expect("tp inboxes")
             .entry(key)
@@ -64,14 +102,19 @@ impl Inboxes {
         arrays: Vec<Array>,
     ) -> Result<(), String> {
         let arrays = crate::actors::protocol::f32_arrays("Tp", arrays).map_err(|e| e.to_string())?;
+        self.count(&msg, bytes(&arrays), false);
         let _ = self.get(key).tx.send((peer, msg, arrays));
         Ok(())
     }
 }
 
-fn frame(key: GroupKey, msg: TpFrame, arrays: Vec<Vec<f32>>) -> Frame {
+/// Sends a tp frame for group `key` to process `to`, counting its bytes.
+fn send(fabric: &Fabric, to: usize, key: GroupKey, msg: TpFrame, arrays: Vec<Vec<f32>>) {
+    fabric.tp_inboxes.count(&msg, bytes(&arrays), true);
     let (replica, rank, chunk) = key;
-    Frame::with(Kind::Tp { replica, rank, chunk, msg }, arrays.into_iter().map(Array::F32).collect())
+    let frame =
+        Frame::with(Kind::Tp { replica, rank, chunk, msg }, arrays.into_iter().map(Array::F32).collect());
+    fabric.send(to, frame);
 }
 
 /// What one process of a group sees of the others: frames sorted by kind
@@ -169,7 +212,7 @@ impl Exchange for Link {
         let me = self.fabric.me;
         for p in self.procs.clone().filter(|&p| p != me) {
             let nodes = local.iter().map(|n| n.to_vec()).collect();
-            self.fabric.send(p, frame(self.key, TpFrame::Nodes { seq, first: first as u32 }, nodes));
+            send(&self.fabric, p, self.key, TpFrame::Nodes { seq, first: first as u32 }, nodes);
         }
         let want = self.held * (self.procs.len() - 1);
         let theirs = self.wait("the other processes' all-reduce nodes", Some(TP_TIMEOUT), |s| {
@@ -198,7 +241,7 @@ impl Followers for Owner {
 
     fn send(&self, follower: usize, cmd: TpCmd, arrays: Vec<Vec<f32>>) {
         let l = &self.0;
-        l.fabric.send(l.procs.start + 1 + follower, frame(l.key, TpFrame::Cmd(cmd), arrays));
+        send(&l.fabric, l.procs.start + 1 + follower, l.key, TpFrame::Cmd(cmd), arrays);
     }
 
     fn answer(&self, follower: usize) -> Vec<Vec<f32>> {
@@ -290,7 +333,7 @@ pub fn spawn_followers(
                         };
                     match follower.handle(cmd, arrays) {
                         Ok(Some(answer)) => {
-                            link.fabric.send(owner, frame(link.key, TpFrame::Answer, answer));
+                            send(&link.fabric, owner, link.key, TpFrame::Answer, answer);
                         }
                         Ok(None) => {}
                         Err(_) if link.fabric.is_done() => return,

@@ -363,7 +363,7 @@ impl ModelPart {
             if let Some(sp) = &mut self.split {
                 let t = sp.held_here();
                 let blocks = (!self.recompute).then(|| &mut acts.blocks[l * t..(l + 1) * t]);
-                sp.forward(l, acts.key, blocks, x, &mut out, self.b, &self.cfg);
+                sp.forward(l, acts.key, blocks, false, x, &mut out, self.b, &self.cfg);
             } else {
                 let base = self.spec.block_base(l);
                 let ba =
@@ -662,7 +662,7 @@ impl ModelPart {
         let mut out =
             self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * self.cfg.block_size * self.cfg.n_embd]);
         if let Some(sp) = &mut self.split {
-            sp.forward(l, acts.key, None, &acts.inputs[l], &mut out, self.b, &self.cfg);
+            sp.forward(l, acts.key, None, true, &acts.inputs[l], &mut out, self.b, &self.cfg);
         } else {
             let ba = self.recompute_acts.as_mut().unwrap();
             let tp = self.tp.single();

@@ -54,13 +54,18 @@ impl TpShape {
 pub enum TpCmd {
     /// Arrays: each held rank's shards of every local block's 12 tensors.
     Refresh,
-    /// Arrays: [block input].
-    Forward { key: u64, l: u32, keep: bool },
-    /// Arrays: [block input, output gradient], then with `full` each held
-    /// rank's 12 gradient shards. With `full` the follower answers with its
-    /// ranks' 12 gradient shards.
+    /// Block `l`'s forward, its activations kept (`keep`) or not; a
+    /// `recompute` in backward keeps no output. Arrays: [the part's input]
+    /// for block 0's first forward; later blocks' inputs are the follower's
+    /// own outputs (every rank ends a block with the same bits).
+    Forward { key: u64, l: u32, keep: bool, recompute: bool },
+    /// Block `l`'s input half (`full`: and its weight half) of the backward,
+    /// output gradients kept for a later W (`split`). Arrays: [the part's
+    /// output gradient] for the top block (below it the follower's own),
+    /// then with `full` each held rank's 12 gradient shards (none when all
+    /// are +0.0), which come back as the answer with this block's added.
     BackwardInput { key: u64, l: u32, keep: bool, split: bool, full: bool, nondet: bool },
-    /// Arrays: [block input], then each held rank's 12 gradient shards; answered like a full I.
+    /// Block `l`'s W. Arrays: each held rank's 12 gradient shards; answered like a full I.
     BackwardWeight { key: u64, l: u32, nondet: bool },
     /// The microbatch `key` is done: its buffers are free.
     Release { key: u64 },
@@ -186,6 +191,11 @@ impl TpRanks {
         self.shape.size
     }
 
+    /// The part's blocks.
+    fn blocks(&self) -> usize {
+        self.ranks[0].params.len() / 12
+    }
+
     /// Ranks held in this process: the activation and gradient sets a
     /// microbatch keeps per block.
     pub fn held_here(&self) -> usize {
@@ -257,9 +267,12 @@ impl TpRanks {
                 );
             }
         }
+        // A step's gradient tree hands each microbatch zeroed gradients:
+        // then followers are told so instead of sent zeros.
+        let zero = whole.iter().all(|w| w.grad.iter().all(|&g| g.to_bits() == 0));
         for f in 0..self.followers_count() {
             let mut arrays = Vec::new();
-            for r in self.follower_ranks(f) {
+            for r in self.follower_ranks(f).filter(|_| !zero) {
                 for (k, w) in whole.iter().enumerate() {
                     arrays.push(shard(k, &w.grad, *w.shape.last().expect("a shape"), r, size));
                 }
@@ -304,12 +317,15 @@ impl TpRanks {
         l: usize,
         key: u64,
         blocks: Option<&mut [BlockActs]>,
+        recompute: bool,
         x: &[f32],
         out: &mut [f32],
         b: usize,
         cfg: &GptConfig,
     ) {
-        self.tell_all(TpCmd::Forward { key, l: l as u32, keep: blocks.is_some() }, &[x], false);
+        let cmd = TpCmd::Forward { key, l: l as u32, keep: blocks.is_some(), recompute };
+        let given: &[&[f32]] = if l == 0 && !recompute { &[x] } else { &[] };
+        self.tell_all(cmd, given, false);
         let (shape, group) = (self.shape, &self.group as &dyn TensorGroup);
         let mut blocks = blocks.map(|s| s.iter_mut());
         let outs = std::iter::once(out).chain(self.copies.iter_mut().map(Vec::as_mut_slice));
@@ -367,7 +383,8 @@ impl TpRanks {
             full,
             nondet,
         };
-        self.tell_all(cmd, &[x, dres], full);
+        let top: &[&[f32]] = if l + 1 == self.blocks() { &[dres] } else { &[] };
+        self.tell_all(cmd, top, full);
         for c in &mut self.copies {
             c.copy_from_slice(dres);
         }
@@ -413,7 +430,7 @@ impl TpRanks {
         cfg: &GptConfig,
     ) {
         let nondet = random_order();
-        self.tell_all(TpCmd::BackwardWeight { key, l: l as u32, nondet }, &[x], true);
+        self.tell_all(TpCmd::BackwardWeight { key, l: l as u32, nondet }, &[], true);
         let shape = self.shape;
         std::thread::scope(|sc| {
             for (i, rank) in self.ranks.iter_mut().enumerate() {
@@ -439,6 +456,13 @@ impl TpRanks {
 
     /// Sets local block `l`'s gradient shards of every held rank from `arrays` (12 per rank).
     fn set_grads(&mut self, l: usize, arrays: &[Vec<f32>]) -> Result<(), String> {
+        if arrays.is_empty() {
+            // All +0.0: what the owner's whole gradients held.
+            for rank in &mut self.ranks {
+                rank.params[12 * l..12 * (l + 1)].iter_mut().for_each(|p| p.grad.fill(0.0));
+            }
+            return Ok(());
+        }
         if arrays.len() != 12 * self.ranks.len() {
             return Err(format!(
                 "{} gradient shards for {} ranks' 12 tensors",
@@ -458,9 +482,20 @@ impl TpRanks {
     }
 }
 
-/// The buffers a follower keeps for one microbatch.
+type Arrays = Vec<Vec<f32>>;
+
+/// What a follower keeps for one microbatch until the owner releases it.
 #[derive(Default)]
 struct Kept {
+    /// inputs[l]: the residual stream entering local block l (block 0's from
+    /// the owner; the others are this follower's own outputs, which have the
+    /// owner's bits: every rank ends a block with the same sum).
+    inputs: Vec<Vec<f32>>,
+    /// The gradient flowing down through the blocks in backward (the
+    /// owner's at the top block, then this follower's own).
+    dres: Vec<f32>,
+    /// Per block and held rank: activations (unless recomputing), output
+    /// gradients for a later W (split backward only).
     blocks: Vec<BlockActs>,
     grads: Vec<BlockGrads>,
 }
@@ -472,10 +507,10 @@ pub struct TpFollower {
     spec: PartSpec,
     b: usize,
     ranks: TpRanks,
-    /// The first held rank's output or gradient buffer (the owner's is the part's).
-    out: Vec<f32>,
     kept: std::collections::HashMap<u64, Kept>,
     spare: Vec<Kept>,
+    /// A recomputed block's output (not kept: the kept inputs have its bits).
+    scratch_out: Vec<f32>,
 }
 
 impl TpFollower {
@@ -495,38 +530,64 @@ impl TpFollower {
         let group = ThreadGroup::spanning(shape.size, local.clone(), Some(exchange));
         let ranks = TpRanks::held(&cfg, &spec, b, recompute, shape, &whole, threads, local, group, None);
         let n = b * cfg.block_size * cfg.n_embd;
-        TpFollower { cfg, spec, b, ranks, out: vec![0.0; n], kept: Default::default(), spare: Vec::new() }
+        TpFollower {
+            cfg,
+            spec,
+            b,
+            ranks,
+            kept: Default::default(),
+            spare: Vec::new(),
+            scratch_out: vec![0.0; n],
+        }
     }
 
-    fn kept(&mut self, key: u64, grads: bool) -> &mut Kept {
+    /// Microbatch `key`'s buffers, taken out (put back with `keep_again`);
+    /// `blocks`/`grads`: with room for every block's activations / gradients.
+    fn take(&mut self, key: u64, blocks: bool, grads: bool) -> Kept {
         let (per, nb) = (self.ranks.held_here(), self.spec.layers.len());
         let (b, cfg, size) = (self.b, self.cfg, self.ranks.size());
-        let k = self.kept.entry(key).or_insert_with(|| self.spare.pop().unwrap_or_default());
-        if k.blocks.len() < nb * per {
+        let n = b * cfg.block_size;
+        let mut k = self.kept.remove(&key).unwrap_or_else(|| self.spare.pop().unwrap_or_default());
+        if k.inputs.len() != nb {
+            k.inputs = (0..nb).map(|_| vec![0.0; n * cfg.n_embd]).collect();
+            k.dres = vec![0.0; n * cfg.n_embd];
+        }
+        if blocks && k.blocks.len() != nb * per {
             k.blocks = (0..nb * per).map(|_| BlockActs::new(b, &cfg, size)).collect();
         }
-        if grads && k.grads.len() < nb * per {
-            k.grads = (0..nb * per).map(|_| BlockGrads::new(b * cfg.block_size, cfg.n_embd, size)).collect();
+        if grads && k.grads.len() != nb * per {
+            k.grads = (0..nb * per).map(|_| BlockGrads::new(n, cfg.n_embd, size)).collect();
         }
         k
     }
 
     /// Runs one command; the answer, when it has one, goes back to the owner.
-    pub fn handle(&mut self, cmd: TpCmd, mut arrays: Vec<Vec<f32>>) -> Result<Option<Vec<Vec<f32>>>, String> {
+    pub fn handle(&mut self, cmd: TpCmd, arrays: Vec<Vec<f32>>) -> Result<Option<Vec<Vec<f32>>>, String> {
         let (b, cfg, per) = (self.b, self.cfg, self.ranks.held_here());
         let n = b * cfg.block_size * cfg.n_embd;
         let nb = self.spec.layers.len();
-        let whole = |a: &[Vec<f32>], i: usize, what: &str| -> Result<(), String> {
-            match a.get(i) {
-                Some(v) if v.len() == n => Ok(()),
-                Some(v) => Err(format!("{what}: {} elements, not {n}", v.len())),
-                None => Err(format!("{what} is missing")),
-            }
-        };
         let layer = |l: u32| -> Result<usize, String> {
             match (l as usize) < nb {
                 true => Ok(l as usize),
                 false => Err(format!("block {l} of a part with {nb}")),
+            }
+        };
+        let known = |this: &Self, key: u64, what: &str| match this.kept.contains_key(&key) {
+            true => Ok(()),
+            false => Err(format!("{what} of microbatch key {key}, which has no forward here")),
+        };
+        // The arrays a command carries: `whole` (N, C) tensors first, then
+        // `shards` sets of 12 per held rank.
+        let split = |mut a: Vec<Vec<f32>>, whole: usize, shards: bool| -> Result<(Arrays, Arrays), String> {
+            let want = whole + if shards { 12 * per } else { 0 };
+            // Gradient shards that are all zero are left out.
+            if a.len() != want && !(shards && a.len() == whole) {
+                return Err(format!("{} arrays, not {want}", a.len()));
+            }
+            let rest = a.split_off(whole);
+            match a.iter().find(|v| v.len() != n) {
+                Some(v) => Err(format!("an (N, C) tensor of {} elements, not {n}", v.len())),
+                None => Ok((a, rest)),
             }
         };
         match cmd {
@@ -534,6 +595,7 @@ impl TpFollower {
                 if arrays.len() != 12 * nb * per {
                     return Err(format!("{} shards, not {}", arrays.len(), 12 * nb * per));
                 }
+                let mut arrays = arrays;
                 for (rank, a) in self.ranks.ranks.iter_mut().zip(arrays.chunks_mut(12 * nb)) {
                     for (p, d) in rank.params.iter_mut().zip(a) {
                         if p.data.len() != d.len() {
@@ -549,48 +611,49 @@ impl TpFollower {
                 }
                 Ok(None)
             }
-            TpCmd::Forward { key, l, keep } => {
+            TpCmd::Forward { key, l, keep, recompute } => {
                 let l = layer(l)?;
-                whole(&arrays, 0, "a block input")?;
-                let x = std::mem::take(&mut arrays[0]);
-                let mut out = std::mem::take(&mut self.out);
-                if keep {
-                    self.kept(key, false);
-                    let mut k = self.kept.remove(&key).expect("kept");
-                    let blocks = Some(&mut k.blocks[l * per..(l + 1) * per]);
-                    self.ranks.forward(l, key, blocks, &x, &mut out, b, &cfg);
-                    self.kept.insert(key, k);
-                } else {
-                    self.ranks.forward(l, key, None, &x, &mut out, b, &cfg);
+                let given = l == 0 && !recompute;
+                let (mut x, _) = split(arrays, usize::from(given), false)?;
+                if !given {
+                    known(self, key, "a forward of a later block")?;
                 }
-                self.out = out;
+                let mut k = self.take(key, keep, false);
+                if given {
+                    k.inputs[0] = x.remove(0);
+                }
+                let mut out = match recompute || l + 1 == nb {
+                    true => std::mem::take(&mut self.scratch_out),
+                    false => std::mem::take(&mut k.inputs[l + 1]),
+                };
+                let blocks = keep.then(|| &mut k.blocks[l * per..(l + 1) * per]);
+                self.ranks.forward(l, key, blocks, false, &k.inputs[l], &mut out, b, &cfg);
+                match recompute || l + 1 == nb {
+                    true => self.scratch_out = out,
+                    false => k.inputs[l + 1] = out,
+                }
+                self.kept.insert(key, k);
                 self.ranks.failure().map_or(Ok(None), Err)
             }
-            TpCmd::BackwardInput { key, l, keep, split, full, nondet } => {
+            TpCmd::BackwardInput { key, l, keep, split: later_w, full, nondet } => {
                 let l = layer(l)?;
-                whole(&arrays, 0, "a block input")?;
-                whole(&arrays, 1, "an output gradient")?;
+                known(self, key, "a backward")?;
+                let top = l + 1 == nb;
+                let (mut d, shards) = split(arrays, usize::from(top), full)?;
                 if full {
-                    self.ranks.set_grads(l, &arrays[2..])?;
+                    self.ranks.set_grads(l, &shards)?;
                 }
-                let (x, mut dres) = (std::mem::take(&mut arrays[0]), std::mem::take(&mut arrays[1]));
-                if keep && !self.kept.contains_key(&key) {
-                    return Err(format!("a backward of microbatch key {key} before its forward"));
+                let mut k = self.take(key, keep, later_w);
+                if top {
+                    k.dres = d.remove(0);
                 }
-                let mut k = if keep || split {
-                    self.kept(key, split);
-                    self.kept.remove(&key).expect("kept")
-                } else {
-                    Kept::default()
-                };
-                let blocks = keep.then(|| &k.blocks[l * per..(l + 1) * per]);
-                let grads = split.then(|| &mut k.grads[l * per..(l + 1) * per]);
+                let Kept { inputs, dres, blocks, grads } = &mut k;
+                let blocks = keep.then(|| &blocks[l * per..(l + 1) * per]);
+                let grads = later_w.then(|| &mut grads[l * per..(l + 1) * per]);
                 with_random_order(nondet, || {
-                    self.ranks.backward_input(l, key, blocks, grads, &x, &mut dres, b, &cfg, full)
+                    self.ranks.backward_input(l, key, blocks, grads, &inputs[l], dres, b, &cfg, full)
                 });
-                if keep || split {
-                    self.kept.insert(key, k);
-                }
+                self.kept.insert(key, k);
                 if let Some(e) = self.ranks.failure() {
                     return Err(e);
                 }
@@ -598,17 +661,17 @@ impl TpFollower {
             }
             TpCmd::BackwardWeight { key, l, nondet } => {
                 let l = layer(l)?;
-                whole(&arrays, 0, "a block input")?;
-                self.ranks.set_grads(l, &arrays[1..])?;
+                let (_, shards) = split(arrays, 0, true)?;
+                self.ranks.set_grads(l, &shards)?;
                 let k =
                     self.kept.get(&key).ok_or_else(|| format!("a W of microbatch key {key} before its I"))?;
-                if k.grads.len() < nb * per {
-                    return Err(format!("a W of microbatch key {key} whose I kept no gradients"));
+                if k.grads.len() != nb * per || k.blocks.len() != nb * per {
+                    return Err(format!("a W of microbatch key {key} whose I kept nothing for it"));
                 }
                 let (blocks, grads) = (&k.blocks[l * per..(l + 1) * per], &k.grads[l * per..(l + 1) * per]);
                 let ranks = &mut self.ranks;
                 with_random_order(nondet, || {
-                    ranks.backward_weight(l, key, blocks, grads, &arrays[0], b, &cfg)
+                    ranks.backward_weight(l, key, blocks, grads, &k.inputs[l], b, &cfg)
                 });
                 Ok(Some(self.ranks.grads_of(l)))
             }

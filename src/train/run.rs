@@ -112,6 +112,10 @@ pub struct Summary {
     pub peak_activation_bytes: Vec<usize>,
     /// The process's resident-memory high-water mark (Linux's VmHWM), bytes.
     pub peak_rss_bytes: Option<u64>,
+    /// Runs whose stages' tp ranks span processes: the tensor bytes rank 0's
+    /// tp frames carried (commands, all-reduce nodes, gradient answers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tp_traffic: Option<crate::cluster::tp::TpTraffic>,
 }
 
 /// The process's resident-memory high-water mark, where the OS reports it.
@@ -545,6 +549,7 @@ pub fn train_on(
         rollbacks: out.rollbacks,
         peak_activation_bytes: out.peak_live_bytes.clone(),
         peak_rss_bytes: peak_rss_bytes(),
+        tp_traffic: cluster_fabric.as_ref().and_then(|f| f.tp_inboxes.traffic()),
     };
     let mut meta = HashMap::new();
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());
