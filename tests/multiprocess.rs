@@ -191,11 +191,13 @@ fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_on
 }
 
 /// Tensor parallelism: the same bits at tp 1, 2 and 4 (tp_slices = 4 on
-/// every run) with pp = 2 and dp = 2, in one process and over two, with
-/// ZeRO-1 and ZB-H1, with interleaving and recompute, and for a tp = 1 run
-/// stopped in its last step and resumed at tp = 4 (and pp = 1).
-/// The row-parallel sums are one slice tree whoever computes the slices
-/// (`model::block`); checkpoints hold whole tensors.
+/// every run) with pp = 2 and dp = 2, in one process, over two (whole
+/// stages each) and over eight (each stage's tp ranks split over two
+/// processes, the all-reduces crossing the data links), with ZeRO-1 and
+/// ZB-H1, with interleaving and recompute, and for a tp = 1 run stopped in
+/// its last step and resumed at tp = 4 (and pp = 1) in one process and over
+/// four. The row-parallel sums are one slice tree whoever computes the
+/// slices (`model::block`, `model::tp`); checkpoints hold whole tensors.
 #[test]
 fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_gives_one_digest() {
     let _serial = one_at_a_time();
@@ -267,16 +269,24 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
     }
     // The slices are the definition: plain products are other bits.
     assert_ne!(train("plain", &layout(1, 2, 1, &[]), "--out"), reference, "tp_slices = 1");
-    let run = dir.path().join("resumed");
-    let mut c = Command::new(BIN);
-    c.arg("train").args(layout(1, 2, 4, &["checkpoint.every=1"])).arg("--out").arg(&run);
-    c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
-    assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops it");
-    assert_eq!(
-        train("resumed", &layout(4, 1, 4, &["checkpoint.every=1"]), "--resume"),
-        reference,
-        "resumed at tp = 4"
-    );
+    // A tp = 1 run that failed in its last step, resumed at tp = 4 × pp = 1
+    // in one process, and over 4 processes (each stage's ranks on two).
+    for (name, nodes) in [("resumed", 1), ("resumed-split", 4)] {
+        let run = dir.path().join(name);
+        let mut c = Command::new(BIN);
+        c.arg("train").args(layout(1, 2, 4, &["checkpoint.every=1"])).arg("--out").arg(&run);
+        c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
+        assert!(!run_to_end(c, Duration::from_secs(60)).status.success(), "the injected fault stops it");
+        let mut c = Command::new(BIN);
+        match nodes {
+            1 => c.arg("train"),
+            n => c.args(["launch", "--nodes", &n.to_string()]),
+        };
+        c.args(layout(4, 1, 4, &["checkpoint.every=1"])).arg("--resume").arg(&run);
+        let o = run_to_end(c, Duration::from_secs(60));
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        assert_eq!(digest(&run), reference, "resumed at tp = 4 over {nodes} process(es)");
+    }
 }
 
 /// `worker` as rank `rank` of `world`, with torchrun's variables.
