@@ -1,9 +1,13 @@
 //! The composed model: gradients against finite differences, and the
 //! properties the pipeline depends on (recompute and splitting change no bits).
 
+use crossbeam_channel::{Receiver, Sender};
+use pipewright::model::block::Exchange;
 use pipewright::model::part::{Mode, PartInput};
-use pipewright::model::tp::TpShape;
+use pipewright::model::tp::{Followers, Remote, TpCmd, TpFollower, TpShape};
 use pipewright::model::{GptConfig, ModelPart, PartSpec};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 
 fn tiny() -> GptConfig {
     GptConfig { n_layer: 3, n_head: 2, n_embd: 16, vocab_size: 13, block_size: 7 }
@@ -217,9 +221,32 @@ fn split_backward_input_then_weight_equals_full_backward() {
 /// through a first part and a last part split over `tp` ranks; `zb` splits
 /// each backward into I and W (W after both I's), `recompute` recomputes blocks.
 fn split_run(tp: TpShape, zb: bool, recompute: bool) -> (f64, Vec<(String, Vec<u32>)>) {
+    split_run_over(tp, None, zb, recompute)
+}
+
+/// [`split_run`] with each part's ranks after the first `per` held by
+/// followers on threads of their own, reached only through commands and an
+/// exchange, as other processes hold them.
+fn split_run_over(
+    tp: TpShape,
+    per: Option<usize>,
+    zb: bool,
+    recompute: bool,
+) -> (f64, Vec<(String, Vec<u32>)>) {
     let cfg = GptConfig { n_layer: 3, n_head: 4, n_embd: 32, vocab_size: 13, block_size: 8 };
     let b = 2;
-    let mk = |spec: PartSpec| ModelPart::new(cfg, spec, b, 3, recompute).with_tp(tp, 2);
+    let mut followers = Vec::new();
+    let mut mk = |spec: PartSpec| {
+        let part = ModelPart::new(cfg, spec.clone(), b, 3, recompute);
+        match per {
+            None => part.with_tp(tp, 2),
+            Some(per) => {
+                let (remote, threads) = processes(cfg, spec, b, recompute, tp, per);
+                followers.extend(threads);
+                part.with_tp_over(tp, 2, Some(remote))
+            }
+        }
+    };
     let mut first = mk(PartSpec { layers: 0..1, embedding: true, head: false });
     let mut last = mk(PartSpec { layers: 1..3, embedding: false, head: true });
     let dloss = 1.0 / (2 * b * cfg.block_size) as f32;
@@ -251,7 +278,98 @@ fn split_run(tp: TpShape, zb: bool, recompute: bool) -> (f64, Vec<(String, Vec<u
         .chain(&last.params)
         .map(|p| (p.name.clone(), p.grad.iter().map(|g| g.to_bits()).collect()))
         .collect();
+    // Dropping the parts closes the followers' command channels.
+    drop((first, last));
+    for f in followers {
+        f.join().expect("a follower");
+    }
     (loss, grads)
+}
+
+type Arrays = Vec<Vec<f32>>;
+type Nodes = Vec<(usize, Vec<f32>)>;
+
+/// One process's side of a group's all-reduces: its nodes to every other
+/// process, theirs sorted by call number as they come.
+struct Bus {
+    me: usize,
+    to: Vec<Sender<(u64, usize, Arrays)>>,
+    from: Mutex<Receiver<(u64, usize, Arrays)>>,
+    early: Mutex<BTreeMap<u64, Nodes>>,
+    others: usize,
+}
+
+impl Exchange for Bus {
+    fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Nodes, String> {
+        for (p, tx) in self.to.iter().enumerate().filter(|(p, _)| *p != self.me) {
+            tx.send((seq, first, local.iter().map(|n| n.to_vec()).collect()))
+                .map_err(|e| format!("to {p}: {e}"))?;
+        }
+        let mut early = self.early.lock().unwrap();
+        while early.get(&seq).map_or(0, Vec::len) < self.others {
+            let (s, f, nodes) = self.from.lock().unwrap().recv().map_err(|e| e.to_string())?;
+            early.entry(s).or_default().extend((f..).zip(nodes));
+        }
+        Ok(early.remove(&seq).unwrap())
+    }
+}
+
+/// The owner's channels to its followers.
+struct Pipes {
+    cmds: Vec<Sender<(TpCmd, Arrays)>>,
+    answers: Vec<Receiver<Arrays>>,
+}
+
+impl Followers for Pipes {
+    fn count(&self) -> usize {
+        self.cmds.len()
+    }
+    fn send(&self, f: usize, cmd: TpCmd, arrays: Arrays) {
+        self.cmds[f].send((cmd, arrays)).unwrap();
+    }
+    fn answer(&self, f: usize) -> Arrays {
+        self.answers[f].recv().unwrap()
+    }
+}
+
+/// A part's tp group as `size / per` processes of `per` ranks: the owner's
+/// side, and a thread running each follower's commands.
+fn processes(
+    cfg: GptConfig,
+    spec: PartSpec,
+    b: usize,
+    recompute: bool,
+    tp: TpShape,
+    per: usize,
+) -> (Remote, Vec<std::thread::JoinHandle<()>>) {
+    let procs = tp.size / per;
+    let (to, from): (Vec<_>, Vec<_>) = (0..procs).map(|_| crossbeam_channel::unbounded()).unzip();
+    let mut buses = from.into_iter().enumerate().map(|(me, rx)| Bus {
+        me,
+        to: to.clone(),
+        from: Mutex::new(rx),
+        early: Mutex::new(BTreeMap::new()),
+        others: per * (procs - 1),
+    });
+    let owner_bus = buses.next().unwrap();
+    let (mut cmds, mut answers, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, bus) in buses.enumerate() {
+        let (ctx, crx) = crossbeam_channel::unbounded::<(TpCmd, Arrays)>();
+        let (atx, arx) = crossbeam_channel::unbounded();
+        let local = (i + 1) * per..(i + 2) * per;
+        let mut f = TpFollower::new(cfg, spec.clone(), b, recompute, tp, local, 1, Box::new(bus));
+        threads.push(std::thread::spawn(move || {
+            while let Ok((cmd, arrays)) = crx.recv() {
+                if let Some(a) = f.handle(cmd, arrays).unwrap() {
+                    atx.send(a).unwrap();
+                }
+            }
+        }));
+        cmds.push(ctx);
+        answers.push(arx);
+    }
+    let remote = Remote { per, followers: Box::new(Pipes { cmds, answers }), exchange: Box::new(owner_bus) };
+    (remote, threads)
 }
 
 #[test]
@@ -270,4 +388,64 @@ fn a_part_split_over_two_or_four_ranks_gives_the_bits_of_one_rank_with_the_same_
     let plain = split_run(TpShape::WHOLE, false, false);
     let four = split_run(TpShape { size: 1, slices: 4 }, false, false);
     assert_ne!(plain.1, four.1);
+}
+
+#[test]
+fn ranks_held_by_followers_in_other_processes_give_the_bits_of_ranks_held_here() {
+    for (zb, recompute) in [(false, false), (true, false), (false, true)] {
+        let here = split_run(TpShape { size: 4, slices: 4 }, zb, recompute);
+        for per in [1, 2] {
+            let over = split_run_over(TpShape { size: 4, slices: 4 }, Some(per), zb, recompute);
+            assert_eq!(over.0, here.0, "loss, {per} ranks per process (zb {zb}, recompute {recompute})");
+            let bad: Vec<&String> =
+                over.1.iter().zip(&here.1).filter(|(g, w)| g.1 != w.1).map(|(g, _)| &g.0).collect();
+            assert!(bad.is_empty(), "{bad:?}, {per} ranks per process (zb {zb}, recompute {recompute})");
+        }
+    }
+}
+
+/// An exchange a follower never reaches in these tests: every command here
+/// is refused before any rank computes.
+struct Unreached;
+
+impl Exchange for Unreached {
+    fn swap(&self, _: u64, _: usize, _: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String> {
+        Err("no exchange in this test".into())
+    }
+}
+
+#[test]
+fn a_follower_refuses_commands_that_do_not_fit_its_part_with_a_reason() {
+    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 32, vocab_size: 13, block_size: 8 };
+    let spec = PartSpec { layers: 0..2, embedding: false, head: false };
+    let tp = TpShape { size: 2, slices: 2 };
+    let mut f = TpFollower::new(cfg, spec, 2, false, tp, 1..2, 1, Box::new(Unreached));
+    let n = 2 * 8 * 32;
+    let cases: Vec<(TpCmd, Arrays, &str)> = vec![
+        (TpCmd::Refresh, vec![vec![0.0; 3]], "shards, not 24"),
+        (
+            TpCmd::Forward { key: 0, l: 5, keep: true, recompute: false },
+            vec![vec![0.0; n]],
+            "block 5 of a part with 2",
+        ),
+        (
+            TpCmd::Forward { key: 0, l: 0, keep: true, recompute: false },
+            vec![vec![0.0; 7]],
+            "of 7 elements, not 512",
+        ),
+        (TpCmd::Forward { key: 9, l: 1, keep: true, recompute: false }, vec![], "no forward here"),
+        (
+            TpCmd::BackwardInput { key: 3, l: 1, keep: true, split: false, full: true, nondet: false },
+            vec![vec![0.0; n]],
+            "no forward here",
+        ),
+        (TpCmd::BackwardWeight { key: 3, l: 0, nondet: false }, vec![], "before its I"),
+    ];
+    for (cmd, arrays, want) in cases {
+        let what = format!("{cmd:?}");
+        let e = f.handle(cmd, arrays).expect_err(&what);
+        assert!(e.contains(want), "{what}: {e}");
+    }
+    // A release of a key it never saw is nothing to refuse.
+    assert_eq!(f.handle(TpCmd::Release { key: 77 }, vec![]), Ok(None));
 }

@@ -219,14 +219,26 @@ impl Exchange for Link {
             (s.nodes.get(&seq).map_or(0, Vec::len) >= want).then(|| s.nodes.remove(&seq).expect("nodes"))
         })?;
         let len = local.first().map_or(0, |n| n.len());
-        match theirs.iter().find(|(r, n)| n.len() != len || !self.procs_ranks().contains(r)) {
-            Some((r, n)) => Err(format!(
-                "{}: rank {r}'s node of all-reduce {seq} has {} elements, not {len}",
-                self.who(),
-                n.len()
-            )),
-            None if theirs.len() == want => Ok(theirs),
-            None => Err(format!("{}: {} nodes for all-reduce {seq}, not {want}", self.who(), theirs.len())),
+        let mine = first..first + local.len();
+        let mut seen = std::collections::BTreeSet::new();
+        for (r, n) in &theirs {
+            if !self.procs_ranks().contains(r) || mine.contains(r) || !seen.insert(*r) {
+                return Err(format!(
+                    "{}: all-reduce {seq} got a node for rank {r}, which no other process of the group holds once",
+                    self.who()
+                ));
+            }
+            if n.len() != len {
+                return Err(format!(
+                    "{}: rank {r}'s node of all-reduce {seq} has {} elements, not {len}",
+                    self.who(),
+                    n.len()
+                ));
+            }
+        }
+        match theirs.len() == want {
+            true => Ok(theirs),
+            false => Err(format!("{}: {} nodes for all-reduce {seq}, not {want}", self.who(), theirs.len())),
         }
     }
 }
@@ -253,14 +265,6 @@ impl Followers for Owner {
     }
 }
 
-struct Shared(Arc<Link>);
-
-impl Exchange for Shared {
-    fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String> {
-        self.0.swap(seq, first, local)
-    }
-}
-
 /// The followers of chunk `chunk` of the stage at (replica, rank), when this
 /// run puts its tp ranks in more than one process.
 pub fn owner_remote(
@@ -274,11 +278,7 @@ pub fn owner_remote(
         return Ok(None);
     }
     let link = Arc::new(Link::new(fabric, (replica as u32, rank as u32, chunk as u32))?);
-    Ok(Some(Remote {
-        per: link.held,
-        followers: Box::new(Owner(link.clone())),
-        exchange: Box::new(Shared(link)),
-    }))
+    Ok(Some(Remote { per: link.held, followers: Box::new(Owner(link.clone())), exchange: Box::new(link) }))
 }
 
 /// Runs the ranks this process holds of another process's stage, one thread
@@ -313,7 +313,7 @@ pub fn spawn_followers(
             shape,
             local.clone(),
             layout.threads_per_rank,
-            Box::new(Shared(link.clone())),
+            Box::new(link.clone()),
         );
         let (fail, owner) = (fail.clone(), link.procs.start);
         let name = format!("tp-follower-{rank}.{replica}.{chunk}");

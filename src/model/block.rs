@@ -730,6 +730,13 @@ pub trait Exchange: Send + Sync {
     fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String>;
 }
 
+/// A group's processes share one exchange between their owner and followers.
+impl<T: Exchange + ?Sized> Exchange for std::sync::Arc<T> {
+    fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String> {
+        (**self).swap(seq, first, local)
+    }
+}
+
 impl ThreadGroup {
     /// Every rank in this process.
     pub fn new(size: usize) -> Self {
