@@ -20,7 +20,7 @@ use super::block::{
     block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch,
 };
 use super::params::{self, GptConfig, Param};
-use super::tp::{Remote, TpRanks, TpShape};
+use super::tp::{Members, Remote, TpRanks, TpShape};
 use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul};
 use crate::kernels::profile::{timed, Kernel};
 use std::ops::Range;
@@ -257,7 +257,8 @@ impl ModelPart {
         self.acts_pool.clear();
         self.grads_pool.clear();
         self.split = (shape.size > 1).then(|| {
-            TpRanks::new(&self.cfg, &self.spec, self.b, self.recompute, shape, &self.params, threads, remote)
+            let members = Members::owner(shape, remote);
+            TpRanks::new(&self.cfg, &self.spec, self.b, self.recompute, shape, &self.params, threads, members)
         });
         self
     }

@@ -87,6 +87,27 @@ pub struct Remote {
     pub exchange: Box<dyn Exchange>,
 }
 
+/// Which ranks of a group this process holds, and how it meets the rest.
+pub struct Members {
+    local: std::ops::Range<usize>,
+    group: ThreadGroup,
+    followers: Option<Box<dyn Followers>>,
+}
+
+impl Members {
+    /// A part's own process: every rank, or the first `remote.per` with followers.
+    pub fn owner(shape: TpShape, remote: Option<Remote>) -> Members {
+        match remote {
+            None => Members { local: 0..shape.size, group: ThreadGroup::new(shape.size), followers: None },
+            Some(r) => Members {
+                local: 0..r.per,
+                group: ThreadGroup::spanning(shape.size, 0..r.per, Some(r.exchange)),
+                followers: Some(r.followers),
+            },
+        }
+    }
+}
+
 /// One rank's state: its shards (12 per local block), workspace and threads.
 struct Rank {
     params: Vec<Param>,
@@ -124,30 +145,9 @@ impl TpRanks {
         shape: TpShape,
         whole: &[Param],
         threads: usize,
-        remote: Option<Remote>,
+        members: Members,
     ) -> Self {
-        let (local, group, followers) = match remote {
-            None => (0..shape.size, ThreadGroup::new(shape.size), None),
-            Some(r) => {
-                (0..r.per, ThreadGroup::spanning(shape.size, 0..r.per, Some(r.exchange)), Some(r.followers))
-            }
-        };
-        TpRanks::held(cfg, spec, b, recompute, shape, whole, threads, local, group, followers)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn held(
-        cfg: &GptConfig,
-        spec: &PartSpec,
-        b: usize,
-        recompute: bool,
-        shape: TpShape,
-        whole: &[Param],
-        threads: usize,
-        local: std::ops::Range<usize>,
-        group: ThreadGroup,
-        followers: Option<Box<dyn Followers>>,
-    ) -> Self {
+        let Members { local, group, followers } = members;
         let (n, c) = (b * cfg.block_size, cfg.n_embd);
         let per = (threads / local.len()).max(1);
         let ranks = local
@@ -528,7 +528,8 @@ impl TpFollower {
     ) -> Self {
         let whole = super::part::part_params(&cfg, &spec, 0);
         let group = ThreadGroup::spanning(shape.size, local.clone(), Some(exchange));
-        let ranks = TpRanks::held(&cfg, &spec, b, recompute, shape, &whole, threads, local, group, None);
+        let members = Members { local, group, followers: None };
+        let ranks = TpRanks::new(&cfg, &spec, b, recompute, shape, &whole, threads, members);
         let n = b * cfg.block_size * cfg.n_embd;
         TpFollower {
             cfg,
