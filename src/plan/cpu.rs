@@ -49,6 +49,10 @@ pub struct CpuRank {
     pub total_bytes: f64,
     /// FLOPs of one microbatch's forward over this rank's stages.
     pub forward_flops: f64,
+    /// When its stages' tp ranks span processes: the bytes each process
+    /// holding the other ranks keeps (the figures above are the owner's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub follower_bytes: Option<f64>,
 }
 
 /// A config's layout on the CPU backend.
@@ -56,7 +60,8 @@ pub struct CpuRank {
 pub struct CpuPlan {
     /// Replica 0's ranks (every replica is the same).
     pub ranks: Vec<CpuRank>,
-    /// Everything one process holds: all ranks of all replicas.
+    /// The most one process holds: all ranks of all replicas in one process;
+    /// over several, the fullest one's share.
     pub process_bytes: f64,
     /// Model FLOPs of one optimizer step (6·N + 6·L·C·T per token, over all replicas).
     pub step_flops: f64,
@@ -70,15 +75,21 @@ pub struct CpuPlan {
 /// GELU (4C each) — 16 floats per token and channel — plus mean and rstd of both
 /// LayerNorms and the attention's log-sum-exp per head. With recompute, the input alone.
 pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usize) -> f64 {
-    let (n, c, a, t) = (n as f64, shape.hidden as f64, shape.heads as f64, tp as f64);
+    held_activation_bytes(shape, n, recompute, tp, tp)
+}
+
+/// [`block_activation_bytes`] in a process holding `held` of the `tp` ranks
+/// (a follower keeps its own copy of the block's input, as the owner does).
+fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usize, held: usize) -> f64 {
+    let (n, c, a, t, h) = (n as f64, shape.hidden as f64, shape.heads as f64, tp as f64, held as f64);
     if recompute {
         4.0 * n * c
     } else {
-        // The block's input, the sharded qkv, attention output, MLP products
-        // and softmax statistics (12 C and the heads over all ranks), and what
-        // every tensor-parallel rank holds whole: both LayerNorm outputs, the
+        // The block's input; each rank's share of the sharded qkv, attention
+        // output, MLP products and softmax statistics ((12 C + heads) / tp);
+        // and what every rank holds whole: both LayerNorm outputs, the
         // residual after attention and the LayerNorm statistics.
-        4.0 * n * (13.0 * c + a + t * (3.0 * c + 4.0))
+        4.0 * n * (c + h * ((12.0 * c + a) / t + 3.0 * c + 4.0))
     }
 }
 
@@ -87,27 +98,52 @@ pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp:
 /// with more than one rank each rank's shards and their gradients, its
 /// workspace and gradient set, and the other ranks' copies of the stream
 /// (`model::tp`).
+#[allow(clippy::too_many_arguments)]
 fn tp_workspace_bytes(
     gpt: &GptConfig,
     shape: &ModelShape,
     b: usize,
     layers: usize,
     tp: TpShape,
+    held: usize,
     recompute: bool,
 ) -> f64 {
     let n = b * gpt.block_size;
-    let (nf, c, t) = (n as f64, gpt.n_embd as f64, tp.size as f64);
+    let (nf, c, t, h) = (n as f64, gpt.n_embd as f64, tp.size as f64, held as f64);
     let leaves = 4.0 * (tp.slices / tp.size - 1) as f64 * nf * c;
     if tp.size == 1 {
         return leaves;
     }
     let cl = c / t;
-    // LayerNorms and the projections' biases (6 C) are on every rank whole.
-    let shards = 8.0 * layers as f64 * (shape.layer_params() + (t - 1.0) * 6.0 * c);
+    // A rank's 1/tp of the block's tensors, but the LayerNorms and the
+    // projections' biases (6 C) whole; data and gradient.
+    let shards = 8.0 * layers as f64 * h * ((shape.layer_params() - 6.0 * c) / t + 6.0 * c);
     let attn = crate::kernels::cpu::attention::scratch_len(b, gpt.n_head / tp.size, gpt.block_size) as f64;
     let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (4.0 * c + 7.0 * cl);
     let recomputed = if recompute { block_activation_bytes(shape, n, false, tp.size) / t } else { 0.0 };
-    shards + t * (per_rank + recomputed) + 4.0 * (t - 1.0) * nf * c
+    shards + h * (per_rank + recomputed) + 4.0 * (h - 1.0) * nf * c
+}
+
+/// What a process holding `held` of a stage's tp ranks for its owner keeps:
+/// those ranks' shards, workspace and copies of the stream, one more (N, C)
+/// buffer, and for each live microbatch their activations and the blocks'
+/// inputs (`model::tp::TpFollower`).
+#[allow(clippy::too_many_arguments)]
+fn follower_bytes(
+    gpt: &GptConfig,
+    shape: &ModelShape,
+    b: usize,
+    layers: usize,
+    tp: TpShape,
+    held: usize,
+    recompute: bool,
+    live: f64,
+) -> f64 {
+    let n = b * gpt.block_size;
+    let acts = layers as f64 * held_activation_bytes(shape, n, recompute, tp.size, held);
+    tp_workspace_bytes(gpt, shape, b, layers, tp, held, recompute)
+        + 4.0 * (n * gpt.n_embd) as f64
+        + live * acts
 }
 
 fn shape_of(gpt: &GptConfig) -> ModelShape {
@@ -122,6 +158,13 @@ fn shape_of(gpt: &GptConfig) -> ModelShape {
 
 /// Memory and FLOPs per rank, and the schedule's bubble, for `cfg` as configured.
 pub fn plan(cfg: &Config) -> Result<CpuPlan> {
+    plan_over(cfg, 1)
+}
+
+/// [`plan`] for a run launched over `nodes` processes (`launch --nodes`):
+/// where a stage's tp ranks span processes, its rank's figures are its
+/// owner's and `follower_bytes` each other process's.
+pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     let layout = Layout::from_config(cfg)?;
     let gpt = GptConfig::from_config(cfg);
     let shape = shape_of(&gpt);
@@ -135,11 +178,14 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
     };
     let report = layout.schedule.simulate(&costs)?;
     let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
-    let per_layer = block_activation_bytes(&shape, n, cfg.train.recompute, tp.size);
+    let placement = crate::cluster::Placement::new(layout.pp, layout.dp, tp.size, nodes.max(1))?;
+    let held = placement.tp_held();
+    let per_layer = held_activation_bytes(&shape, n, cfg.train.recompute, tp.size, held);
     let ranks = (0..layout.pp)
         .map(|rank| {
             let (mut params, mut activations, mut workspace, mut flops) = (0.0, 0.0, 0.0, 0.0);
             let mut live_total = 0;
+            let mut follower = 0.0;
             for s in layout.stages_of(rank) {
                 let spec = &layout.stages[s];
                 let layers = spec.layers.len() as f64;
@@ -156,7 +202,12 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
                     // The one block being recomputed holds its full set.
                     workspace += block_activation_bytes(&shape, n, false, tp.size) - per_layer;
                 }
-                workspace += tp_workspace_bytes(&gpt, &shape, b, spec.layers.len(), tp, cfg.train.recompute);
+                workspace +=
+                    tp_workspace_bytes(&gpt, &shape, b, spec.layers.len(), tp, held, cfg.train.recompute);
+                if held < tp.size {
+                    let l = spec.layers.len();
+                    follower += follower_bytes(&gpt, &shape, b, l, tp, held, cfg.train.recompute, live);
+                }
                 flops += stage_forward_flops(
                     &shape,
                     spec.layers.len(),
@@ -199,10 +250,18 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
                 workspace_bytes: workspace,
                 total_bytes: state_bytes + activations + workspace,
                 forward_flops: flops,
+                follower_bytes: (held < tp.size).then_some(follower),
             }
         })
         .collect::<Vec<_>>();
-    let process_bytes = layout.dp as f64 * ranks.iter().map(|r| r.total_bytes).sum::<f64>();
+    // Replicas are alike: a process's bytes are those of the stages it runs
+    // and of the one it follows, if any.
+    let process_bytes = (0..placement.world)
+        .map(|p| {
+            let own: f64 = placement.slots(p).iter().map(|&(_, r)| ranks[r].total_bytes).sum();
+            own + placement.follows(p).map_or(0.0, |(_, r, _)| ranks[r].follower_bytes.unwrap_or(0.0))
+        })
+        .fold(0.0, f64::max);
     let tokens_step = (layout.dp * layout.microbatches * n) as f64;
     Ok(CpuPlan {
         ranks,
@@ -372,9 +431,16 @@ impl CpuPlan {
                 mb(r.workspace_bytes),
                 mb(r.total_bytes)
             );
+            if let Some(f) = r.follower_bytes {
+                s += &format!(
+                    "       rank {}'s other tp ranks: {:.1} MB in each process following it (shards, their activations, workspace)\n",
+                    r.rank,
+                    mb(f)
+                );
+            }
         }
         s += &format!(
-            "  one process holds {:.1} MB of model memory; step {:.3} GFLOP; schedule bubble {:.1}%\n",
+            "  the fullest process holds {:.1} MB of model memory; step {:.3} GFLOP; schedule bubble {:.1}%\n",
             mb(self.process_bytes),
             self.step_flops / 1e9,
             100.0 * self.bubble
@@ -451,5 +517,24 @@ mod tests {
         let params = whole.ranks[0].params;
         assert_eq!(whole.ranks[0].state_bytes - sharded.ranks[0].state_bytes, 4.0 * params);
         assert_eq!(whole.process_bytes - sharded.process_bytes, 2.0 * 4.0 * params);
+    }
+
+    #[test]
+    fn a_stage_split_over_processes_shares_its_ranks_memory_between_owner_and_follower() {
+        let mut cfg = bench_config(1, 1);
+        cfg.parallel.tp = 2;
+        cfg.parallel.tp_slices = 4;
+        let (one, two) = (plan(&cfg).unwrap(), plan_over(&cfg, 2).unwrap());
+        assert_eq!(one.ranks[0].follower_bytes, None);
+        let (owner, follower) = (&two.ranks[0], two.ranks[0].follower_bytes.unwrap());
+        // Each process keeps one rank's share; the follower also keeps its
+        // own copy of every block's input per live microbatch, and one
+        // (N, C) buffer where the owner no longer needs a copy for rank 1.
+        let (n, c, l) = (8.0 * 256.0, 256.0, 4.0);
+        let extra = one.ranks[0].live_microbatches as f64 * l * 4.0 * n * c;
+        let split = owner.total_bytes + follower - one.ranks[0].total_bytes;
+        assert!((split - extra).abs() < 1e-6 * extra, "{split} vs {extra}");
+        assert_eq!(owner.state_bytes, one.ranks[0].state_bytes, "the owner keeps the whole tensors");
+        assert_eq!(two.process_bytes, owner.total_bytes.max(follower));
     }
 }

@@ -90,6 +90,18 @@ pub struct PlanArgs {
     /// Print the plan as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// With a CPU config: the processes `launch --nodes N` would spread it
+    /// over. A stage whose tp ranks span processes shows its owner's memory
+    /// and each follower's.
+    #[arg(long, value_name = "N")]
+    pub nodes: Option<usize>,
+}
+
+/// `--nodes`, checked against the config as `launch` checks it.
+fn nodes_of(args: &PlanArgs, cfg: &Config) -> Result<usize, PlanError> {
+    let nodes = args.nodes.unwrap_or(1);
+    cfg.check_processes(nodes).map_err(|e| err("--nodes", e.to_string()))?;
+    Ok(nodes)
 }
 
 /// The backend a planned layout would train on.
@@ -636,13 +648,20 @@ pub fn cli(args: &PlanArgs) -> Result<String, PlanError> {
             let cfg = Config::load(Some(path), &args.set).map_err(|e| err("--config", e.to_string()))?;
             match cfg.backend.kind {
                 crate::config::BackendKind::Cpu => {
-                    Some(cpu::plan(&cfg).map_err(|e| err("--config", format!("{e:#}")))?)
+                    let nodes = nodes_of(args, &cfg)?;
+                    Some(cpu::plan_over(&cfg, nodes).map_err(|e| err("--config", format!("{e:#}")))?)
                 }
                 _ => None,
             }
         }
         None => None,
     };
+    if cpu.is_none() && args.nodes.is_some() {
+        return Err(err(
+            "--nodes",
+            "places a CPU config's ranks on processes: give --config with a CPU backend, or --gpu cpu",
+        ));
+    }
     Ok(if args.json {
         let mut v = serde_json::to_value(&p).map_err(|e| err("--json", e.to_string()))?;
         if let (Some(c), Some(o)) = (&cpu, v.as_object_mut()) {
@@ -681,7 +700,7 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
     }
     let cfg = Config::load(args.config.as_deref(), &args.set).map_err(|e| err("--config", e.to_string()))?;
     let fail = |e: anyhow::Error| err("--config", format!("{e:#}"));
-    let layout = cpu::plan(&cfg).map_err(fail)?;
+    let layout = cpu::plan_over(&cfg, nodes_of(args, &cfg)?).map_err(fail)?;
     let threads = crate::train::engine::thread_count(cfg.backend.threads);
     let gemm_gflops = crate::bench::gemm_peak(threads);
     let step_ms = cpu::step_ms(&cfg, gemm_gflops * args.mfu, threads).map_err(fail)?;
