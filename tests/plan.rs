@@ -584,4 +584,22 @@ fn plan_gpu_cpu_lays_the_config_out_on_this_machine() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--set") && err.contains("--config"), "{err}");
+    // --nodes: a launch's processes; tp 2 × pp 2 over 4 splits each stage's ranks over two.
+    let tp = ["--gpu", "cpu", "--set", "parallel.tp=2", "--set", "parallel.tp_slices=4"];
+    let text = plan_text(&[&tp[..], &["--nodes", "4"]].concat());
+    assert!(
+        text.contains("rank 1's other tp ranks:") && text.contains("the fullest process holds"),
+        "{text}"
+    );
+    for (args, want) in [
+        (&[&tp[..], &["--nodes", "3"]].concat(), "--nodes 3"),
+        (
+            &vec!["--gpu", "h100", "--params", "1e9", "--tokens", "2e10", "--gpus", "8", "--nodes", "2"],
+            "CPU config",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_pipewright")).arg("plan").args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--nodes") && err.contains(want), "{args:?}: {err}");
+    }
 }
