@@ -289,6 +289,65 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
     }
 }
 
+/// What rank 0's tp frames carried (summary.json's `tp_traffic`) is the
+/// planner's count per microbatch (`plan --nodes`) times the microbatches
+/// trained, to the byte: plain, with recompute, and interleaved (two chunks
+/// on rank 0, each its own group).
+#[test]
+fn a_split_stage_s_tp_traffic_is_the_planner_s_count() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&[&str], usize); 3] = [
+        (&["parallel.pp=1"], 2),
+        (&["parallel.pp=1", "train.recompute=true"], 2),
+        (&["parallel.pp=2", "parallel.schedule=\"interleaved\"", "parallel.chunks=2"], 4),
+    ];
+    for (i, (extra, nodes)) in cases.into_iter().enumerate() {
+        // Random tokens: no validation split or exact-match set, so no
+        // evaluation forwards beside the trained microbatches.
+        let mut sets = vec![
+            "parallel.tp=2",
+            "parallel.tp_slices=2",
+            "parallel.microbatches=4",
+            "data.builtin=\"random\"",
+        ];
+        sets.extend_from_slice(extra);
+        let (args, steps) = (model(&sets), 2.0);
+        let run = dir.path().join(format!("run{i}"));
+        let mut c = Command::new(BIN);
+        c.args(["launch", "--nodes", &nodes.to_string()])
+            .args(&args)
+            .args(["--steps", "2", "--out"])
+            .arg(&run);
+        let o = run_to_end(c, Duration::from_secs(60));
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap();
+        let got = &summary["tp_traffic"];
+        let plan = Command::new(BIN)
+            .args(["plan", "--gpu", "cpu", "--json", "--nodes", &nodes.to_string()])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(plan.status.success(), "{}", String::from_utf8_lossy(&plan.stderr));
+        let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+        let per_mb = &plan["cpu"]["ranks"][0]["tp_link_bytes"];
+        for (mine, theirs) in [
+            ("nodes_sent", "nodes_sent"),
+            ("nodes_received", "nodes_sent"),
+            ("commands_sent", "commands_sent"),
+            ("answers_received", "answers_received"),
+        ] {
+            let want = per_mb[theirs].as_f64().unwrap() * steps * 4.0;
+            assert_eq!(
+                got[mine].as_f64(),
+                Some(want),
+                "{extra:?}: {mine}: {got} against {per_mb} per microbatch"
+            );
+        }
+    }
+}
+
 /// `worker` as rank `rank` of `world`, with torchrun's variables.
 fn worker(port: u16, rank: usize, world: usize, cookie: &str, args: &[String]) -> Child {
     common::worker_command(port, rank, world, cookie, args).spawn().unwrap()

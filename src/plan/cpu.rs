@@ -53,6 +53,49 @@ pub struct CpuRank {
     /// holding the other ranks keeps (the figures above are the owner's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub follower_bytes: Option<f64>,
+    /// When its stages' tp ranks span processes: the tensor bytes the
+    /// owner's tp frames carry per training microbatch (what summary.json's
+    /// `tp_traffic` counts on rank 0, per microbatch).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tp_link_bytes: Option<TpLinkBytes>,
+}
+
+/// An owner's tp traffic for one training microbatch, bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TpLinkBytes {
+    /// Its ranks' all-reduce nodes to the other processes (and as many back).
+    pub nodes_sent: f64,
+    /// Commands: the followers' shards at the forward, the part's input and
+    /// its output gradient (gradient shards are all zero under the tree, and not sent).
+    pub commands_sent: f64,
+    /// The followers' gradient shards, once per backward.
+    pub answers_received: f64,
+}
+
+/// [`TpLinkBytes`] of one part of `layers` blocks whose `tp` ranks sit
+/// `held` to a process.
+fn tp_link_bytes(
+    shape: &ModelShape,
+    n: usize,
+    layers: usize,
+    tp: TpShape,
+    held: usize,
+    recompute: bool,
+) -> TpLinkBytes {
+    let (nc4, l, h, t, c) =
+        (4.0 * (n * shape.hidden) as f64, layers as f64, held as f64, tp.size as f64, shape.hidden as f64);
+    let followers = (tp.size / held - 1) as f64;
+    // Two all-reduces in a block's forward, two in its backward, and the
+    // forward's two again when the block is recomputed.
+    let all_reduces = if recompute { 6.0 } else { 4.0 };
+    // A rank's shards of one block: 1/tp of it, the 6 C of LayerNorms and
+    // projection biases whole.
+    let shard = 4.0 * ((shape.layer_params() - 6.0 * c) / t + 6.0 * c);
+    TpLinkBytes {
+        nodes_sent: l * all_reduces * h * nc4 * followers,
+        commands_sent: followers * (l * h * shard + 2.0 * nc4),
+        answers_received: followers * l * h * shard,
+    }
 }
 
 /// A config's layout on the CPU backend.
@@ -186,6 +229,7 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
             let (mut params, mut activations, mut workspace, mut flops) = (0.0, 0.0, 0.0, 0.0);
             let mut live_total = 0;
             let mut follower = 0.0;
+            let mut link = TpLinkBytes::default();
             for s in layout.stages_of(rank) {
                 let spec = &layout.stages[s];
                 let layers = spec.layers.len() as f64;
@@ -207,6 +251,10 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                 if held < tp.size {
                     let l = spec.layers.len();
                     follower += follower_bytes(&gpt, &shape, b, l, tp, held, cfg.train.recompute, live);
+                    let part = tp_link_bytes(&shape, n, l, tp, held, cfg.train.recompute);
+                    link.nodes_sent += part.nodes_sent;
+                    link.commands_sent += part.commands_sent;
+                    link.answers_received += part.answers_received;
                 }
                 flops += stage_forward_flops(
                     &shape,
@@ -251,6 +299,7 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                 total_bytes: state_bytes + activations + workspace,
                 forward_flops: flops,
                 follower_bytes: (held < tp.size).then_some(follower),
+                tp_link_bytes: (held < tp.size).then_some(link),
             }
         })
         .collect::<Vec<_>>();
@@ -436,6 +485,14 @@ impl CpuPlan {
                     "       rank {}'s other tp ranks: {:.1} MB in each process following it (shards, their activations, workspace)\n",
                     r.rank,
                     mb(f)
+                );
+            }
+            if let Some(t) = r.tp_link_bytes {
+                s += &format!(
+                    "       its tp links per microbatch: {:.2} MB of all-reduce nodes each way, {:.2} MB of commands out, {:.2} MB of gradient shards back\n",
+                    mb(t.nodes_sent),
+                    mb(t.commands_sent),
+                    mb(t.answers_received)
                 );
             }
         }
