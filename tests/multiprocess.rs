@@ -290,8 +290,8 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
 }
 
 /// What rank 0's tp frames carried (summary.json's `tp_traffic`) is the
-/// planner's count per microbatch (`plan --nodes`) times the microbatches
-/// trained, to the byte: plain, with recompute, and interleaved (two chunks
+/// planner's count (`plan --nodes`: per microbatch, and the weight shards
+/// per step) over the steps and microbatches trained, to the byte: plain, with recompute, and interleaved (two chunks
 /// on rank 0, each its own group).
 #[test]
 fn a_split_stage_s_tp_traffic_is_the_planner_s_count() {
@@ -332,13 +332,15 @@ fn a_split_stage_s_tp_traffic_is_the_planner_s_count() {
         assert!(plan.status.success(), "{}", String::from_utf8_lossy(&plan.stderr));
         let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
         let per_mb = &plan["cpu"]["ranks"][0]["tp_link_bytes"];
-        for (mine, theirs) in [
-            ("nodes_sent", "nodes_sent"),
-            ("nodes_received", "nodes_sent"),
-            ("commands_sent", "commands_sent"),
-            ("answers_received", "answers_received"),
+        // The weight shards go out once per step, the rest per microbatch.
+        let per_step = per_mb["shards_per_step"].as_f64().unwrap();
+        for (mine, theirs, once) in [
+            ("nodes_sent", "nodes_sent", 0.0),
+            ("nodes_received", "nodes_sent", 0.0),
+            ("commands_sent", "commands_sent", per_step),
+            ("answers_received", "answers_received", 0.0),
         ] {
-            let want = per_mb[theirs].as_f64().unwrap() * steps * 4.0;
+            let want = steps * (per_mb[theirs].as_f64().unwrap() * 4.0 + once);
             assert_eq!(
                 got[mine].as_f64(),
                 Some(want),

@@ -52,7 +52,8 @@ impl TpShape {
 /// follower keeps its ranks' activations under the owner's microbatch `key`.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum TpCmd {
-    /// Arrays: each held rank's shards of every local block's 12 tensors.
+    /// Arrays: each held rank's shards of every local block's 12 tensors,
+    /// sent before a forward when they changed (once per step).
     Refresh,
     /// Block `l`'s forward, its activations kept (`keep`) or not; a
     /// `recompute` in backward keeps no output. Arrays: [the part's input]
@@ -131,6 +132,8 @@ pub struct TpRanks {
     followers: Option<Box<dyn Followers>>,
     /// Each follower's gradient shards for the next backward (see `load_grads`).
     loads: Vec<Vec<Vec<f32>>>,
+    /// The shards each follower was last sent (see `refresh`).
+    sent: Vec<Vec<Vec<f32>>>,
 }
 
 impl TpRanks {
@@ -184,6 +187,7 @@ impl TpRanks {
             group,
             followers,
             loads: vec![Vec::new(); followers_n],
+            sent: vec![Vec::new(); followers_n],
         }
     }
 
@@ -228,7 +232,7 @@ impl TpRanks {
     }
 
     /// Cuts every rank's shards again from the whole tensors (followers'
-    /// are sent to them).
+    /// are sent to them when they differ from the last sent, bit for bit).
     pub fn refresh(&mut self, whole: &[Param], spec: &PartSpec) {
         let size = self.shape.size;
         for (rank, r) in self.ranks.iter_mut().zip(self.local.clone()) {
@@ -246,7 +250,15 @@ impl TpRanks {
                     }
                 }
             }
-            self.tell(f, TpCmd::Refresh, arrays);
+            // Within a step the weights do not change: followers keep what they have.
+            let same = |a: &[f32], b: &[f32]| {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+            };
+            let sent = &mut self.sent[f];
+            if sent.len() != arrays.len() || !sent.iter().zip(&arrays).all(|(a, b)| same(a, b)) {
+                self.tell(f, TpCmd::Refresh, arrays.clone());
+                self.sent[f] = arrays;
+            }
         }
     }
 

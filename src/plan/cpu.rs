@@ -65,11 +65,13 @@ pub struct CpuRank {
 pub struct TpLinkBytes {
     /// Its ranks' all-reduce nodes to the other processes (and as many back).
     pub nodes_sent: f64,
-    /// Commands: the followers' shards at the forward, the part's input and
-    /// its output gradient (gradient shards are all zero under the tree, and not sent).
+    /// Commands: the part's input and its output gradient (gradient shards
+    /// are all zero under the tree, and not sent).
     pub commands_sent: f64,
     /// The followers' gradient shards, once per backward.
     pub answers_received: f64,
+    /// Once per step, not per microbatch: the followers' new weight shards.
+    pub shards_per_step: f64,
 }
 
 /// [`TpLinkBytes`] of one part of `layers` blocks whose `tp` ranks sit
@@ -93,8 +95,9 @@ fn tp_link_bytes(
     let shard = 4.0 * ((shape.layer_params() - 6.0 * c) / t + 6.0 * c);
     TpLinkBytes {
         nodes_sent: l * all_reduces * h * nc4 * followers,
-        commands_sent: followers * (l * h * shard + 2.0 * nc4),
+        commands_sent: followers * 2.0 * nc4,
         answers_received: followers * l * h * shard,
+        shards_per_step: followers * l * h * shard,
     }
 }
 
@@ -255,6 +258,7 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                     link.nodes_sent += part.nodes_sent;
                     link.commands_sent += part.commands_sent;
                     link.answers_received += part.answers_received;
+                    link.shards_per_step += part.shards_per_step;
                 }
                 flops += stage_forward_flops(
                     &shape,
@@ -489,10 +493,11 @@ impl CpuPlan {
             }
             if let Some(t) = r.tp_link_bytes {
                 s += &format!(
-                    "       its tp links per microbatch: {:.2} MB of all-reduce nodes each way, {:.2} MB of commands out, {:.2} MB of gradient shards back\n",
+                    "       its tp links per microbatch: {:.2} MB of all-reduce nodes each way, {:.2} MB of commands out, {:.2} MB of gradient shards back; per step {:.2} MB of weight shards out\n",
                     mb(t.nodes_sent),
                     mb(t.commands_sent),
-                    mb(t.answers_received)
+                    mb(t.answers_received),
+                    mb(t.shards_per_step)
                 );
             }
         }
