@@ -372,14 +372,29 @@ fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
 #[test]
 fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
     let _serial = one_at_a_time();
+    kill_one_of_four(&["parallel.pp=2", "parallel.dp=2"], 2);
+}
+
+/// The same when the one killed holds tensor-parallel ranks of stage 0,
+/// whose actor runs on rank 0: the owner's all-reduce waits must end too.
+#[test]
+fn killing_a_tp_follower_stops_the_others_with_an_error_naming_it() {
+    let _serial = one_at_a_time();
+    kill_one_of_four(&["parallel.pp=2", "parallel.tp=2", "parallel.tp_slices=2"], 1);
+}
+
+/// Four workers on `layout`; once two checkpoints are written, `victim` is
+/// killed: every other rank must fail within 20 s naming it, and the newest
+/// complete checkpoint still loads.
+fn kill_one_of_four(layout: &[&str], victim: usize) {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let port = free_ports();
-    let args = [
-        model(&["parallel.pp=2", "parallel.dp=2", "checkpoint.every=2", "checkpoint.keep=2"]),
-        vec!["--steps".into(), "2000".into(), "--out".into(), run.display().to_string()],
-    ]
-    .concat();
+    let mut sets = vec!["checkpoint.every=2", "checkpoint.keep=2"];
+    sets.extend_from_slice(layout);
+    let args =
+        [model(&sets), vec!["--steps".into(), "2000".into(), "--out".into(), run.display().to_string()]]
+            .concat();
     let mut ranks: Vec<Option<Child>> = (0..4).map(|r| Some(worker(port, r, 4, "k1ll", &args))).collect();
     let checkpoints = run.join("checkpoints");
     let until = Instant::now() + Duration::from_secs(60);
@@ -387,18 +402,19 @@ fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
         assert!(Instant::now() < until, "no checkpoint within 60 s");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut victim = ranks[2].take().unwrap();
-    victim.kill().unwrap();
-    victim.wait().unwrap();
-    let killed = Instant::now();
+    let mut killed = ranks[victim].take().unwrap();
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    let at = Instant::now();
+    let name = format!("rank {victim}");
     for (r, c) in ranks.into_iter().enumerate() {
         let Some(c) = c else { continue };
         let o = finish(c, Duration::from_secs(20), &format!("rank {r}"));
         let err = text(&o);
-        assert!(!o.status.success(), "rank {r} exited cleanly after rank 2 was killed: {err}");
-        assert!(err.contains("rank 2"), "rank {r}'s error does not name rank 2: {err}");
+        assert!(!o.status.success(), "rank {r} exited cleanly after {name} was killed: {err}");
+        assert!(err.contains(&name), "rank {r}'s error does not name {name}: {err}");
     }
-    assert!(killed.elapsed() < Duration::from_secs(20));
+    assert!(at.elapsed() < Duration::from_secs(20));
     // The newest complete checkpoint still reads and verifies.
     let (done, _) = pipewright::checkpoint::list(&checkpoints).unwrap();
     let (_, last) = done.last().expect("a checkpoint");
