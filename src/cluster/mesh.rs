@@ -399,10 +399,18 @@ impl Fabric {
                 let _ = self.events.send(Event::Shutdown);
                 Ok(())
             }
-            Kind::Tp { replica, rank, chunk, msg } => self
-                .tp_inboxes
-                .deliver(peer, (replica, rank, chunk), msg, f.arrays)
-                .map_err(|e| format!("{}: {e}", who())),
+            Kind::Tp { replica, rank, chunk, msg } => {
+                if !self.tp_frame_fits(peer, replica as usize, rank as usize, &msg) {
+                    return Err(format!(
+                        "{} sent a tensor-parallel frame for stage {rank}.{replica} that is not between \
+                         its group's owner and followers",
+                        who()
+                    ));
+                }
+                self.tp_inboxes
+                    .deliver(peer, (replica, rank, chunk), msg, f.arrays)
+                    .map_err(|e| format!("{}: {e}", who()))
+            }
             Kind::ClockProbe { seq } => {
                 // Answered here on the link's reader, not queued behind the main loop:
                 // the round trip is the alignment's error bound.
@@ -421,6 +429,26 @@ impl Fabric {
             }
             other => Err(format!("{} sent an unexpected {} frame", who(), kind_name(&other))),
         }
+    }
+}
+
+impl Fabric {
+    /// Only a stage's own tp group speaks about it: commands come from its
+    /// owner, answers go to it, nodes pass between its processes.
+    fn tp_frame_fits(&self, peer: usize, replica: usize, rank: usize, msg: &super::tp::TpFrame) -> bool {
+        let Some(p) = self.placement.get() else { return false };
+        if replica >= p.dp || rank >= p.pp {
+            return false;
+        }
+        let g = p.tp_group(replica, rank);
+        g.len() > 1
+            && g.contains(&self.me)
+            && g.contains(&peer)
+            && match msg {
+                super::tp::TpFrame::Cmd(_) => peer == g.start,
+                super::tp::TpFrame::Answer => self.me == g.start,
+                super::tp::TpFrame::Nodes { .. } => true,
+            }
     }
 }
 
@@ -651,6 +679,21 @@ mod tests {
             vec![None, Some((0, 0, 2..4)), None, Some((0, 1, 2..4))]
         );
         assert_eq!((p.owner(0, 1), p.tp_group(0, 1), p.tp_held()), (2, 2..4, 2));
+    }
+
+    #[test]
+    fn tp_frames_are_taken_only_between_a_stage_s_owner_and_its_followers() {
+        use super::super::tp::TpFrame;
+        // pp 2 × tp 2 over 4: stage 0 on processes 0–1, stage 1 on 2–3; this is 1.
+        let (f, _events) = Fabric::new(1, 4);
+        let _ = f.placement.set(Placement::new(2, 1, 2, 4).unwrap());
+        let cmd = TpFrame::Cmd(crate::model::tp::TpCmd::Release { key: 0 });
+        let nodes = TpFrame::Nodes { seq: 0, first: 0 };
+        assert!(f.tp_frame_fits(0, 0, 0, &cmd) && f.tp_frame_fits(0, 0, 0, &nodes));
+        assert!(!f.tp_frame_fits(2, 0, 0, &cmd), "from another stage's process");
+        assert!(!f.tp_frame_fits(0, 0, 1, &nodes), "for a stage this one does not follow");
+        assert!(!f.tp_frame_fits(0, 1, 0, &cmd), "for a replica the run does not have");
+        assert!(!f.tp_frame_fits(0, 0, 0, &TpFrame::Answer), "an answer to a follower");
     }
 
     #[test]
