@@ -139,57 +139,53 @@ fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usiz
     }
 }
 
-/// What a part's blocks hold beyond an unsplit part's buffers when split as
-/// `tp` says: the slices' partial sums (one rank's run, for each rank), and
-/// with more than one rank each rank's shards and their gradients, its
-/// workspace and gradient set, and the other ranks' copies of the stream
-/// (`model::tp`).
-#[allow(clippy::too_many_arguments)]
-fn tp_workspace_bytes(
-    gpt: &GptConfig,
-    shape: &ModelShape,
+/// How a stage's blocks are split, as the planner sees one process: `held`
+/// of the `tp` ranks, microbatches of `b` sequences.
+#[derive(Clone, Copy)]
+struct TpSite<'a> {
+    gpt: &'a GptConfig,
+    shape: &'a ModelShape,
     b: usize,
-    layers: usize,
     tp: TpShape,
     held: usize,
     recompute: bool,
-) -> f64 {
-    let n = b * gpt.block_size;
-    let (nf, c, t, h) = (n as f64, gpt.n_embd as f64, tp.size as f64, held as f64);
-    let leaves = 4.0 * (tp.slices / tp.size - 1) as f64 * nf * c;
-    if tp.size == 1 {
-        return leaves;
-    }
-    let cl = c / t;
-    // A rank's 1/tp of the block's tensors, but the LayerNorms and the
-    // projections' biases (6 C) whole; data and gradient.
-    let shards = 8.0 * layers as f64 * h * ((shape.layer_params() - 6.0 * c) / t + 6.0 * c);
-    let attn = crate::kernels::cpu::attention::scratch_len(b, gpt.n_head / tp.size, gpt.block_size) as f64;
-    let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (4.0 * c + 7.0 * cl);
-    let recomputed = if recompute { block_activation_bytes(shape, n, false, tp.size) / t } else { 0.0 };
-    shards + h * (per_rank + recomputed) + 4.0 * (h - 1.0) * nf * c
 }
 
-/// What a process holding `held` of a stage's tp ranks for its owner keeps:
-/// those ranks' shards, workspace and copies of the stream, one more (N, C)
-/// buffer, and for each live microbatch their activations and the blocks'
-/// inputs (`model::tp::TpFollower`).
-#[allow(clippy::too_many_arguments)]
-fn follower_bytes(
-    gpt: &GptConfig,
-    shape: &ModelShape,
-    b: usize,
-    layers: usize,
-    tp: TpShape,
-    held: usize,
-    recompute: bool,
-    live: f64,
-) -> f64 {
-    let n = b * gpt.block_size;
-    let acts = layers as f64 * held_activation_bytes(shape, n, recompute, tp.size, held);
-    tp_workspace_bytes(gpt, shape, b, layers, tp, held, recompute)
-        + 4.0 * (n * gpt.n_embd) as f64
-        + live * acts
+impl TpSite<'_> {
+    /// What a part's `layers` blocks hold beyond an unsplit part's buffers:
+    /// the slices' partial sums (one rank's run, for each rank), and with
+    /// more than one rank each held rank's shards and their gradients, its
+    /// workspace and gradient set, and the other held ranks' copies of the
+    /// stream (`model::tp`).
+    fn workspace_bytes(&self, layers: usize) -> f64 {
+        let TpSite { gpt, shape, b, tp, held, recompute } = *self;
+        let n = b * gpt.block_size;
+        let (nf, c, t, h) = (n as f64, gpt.n_embd as f64, tp.size as f64, held as f64);
+        let leaves = 4.0 * (tp.slices / tp.size - 1) as f64 * nf * c;
+        if tp.size == 1 {
+            return leaves;
+        }
+        let cl = c / t;
+        // A rank's 1/tp of the block's tensors, but the LayerNorms and the
+        // projections' biases (6 C) whole; data and gradient.
+        let shards = 8.0 * layers as f64 * h * ((shape.layer_params() - 6.0 * c) / t + 6.0 * c);
+        let attn =
+            crate::kernels::cpu::attention::scratch_len(b, gpt.n_head / tp.size, gpt.block_size) as f64;
+        let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (4.0 * c + 7.0 * cl);
+        let recomputed = if recompute { block_activation_bytes(shape, n, false, tp.size) / t } else { 0.0 };
+        shards + h * (per_rank + recomputed) + 4.0 * (h - 1.0) * nf * c
+    }
+
+    /// What a process holding `held` of a stage's tp ranks for its owner
+    /// keeps: those ranks' shards, workspace and copies of the stream, one
+    /// more (N, C) buffer, and for each of `live` microbatches their
+    /// activations and the blocks' inputs (`model::tp::TpFollower`).
+    fn follower_bytes(&self, layers: usize, live: f64) -> f64 {
+        let n = self.b * self.gpt.block_size;
+        let acts =
+            layers as f64 * held_activation_bytes(self.shape, n, self.recompute, self.tp.size, self.held);
+        self.workspace_bytes(layers) + 4.0 * (n * self.gpt.n_embd) as f64 + live * acts
+    }
 }
 
 fn shape_of(gpt: &GptConfig) -> ModelShape {
@@ -227,6 +223,7 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     let placement = crate::cluster::Placement::new(layout.pp, layout.dp, tp.size, nodes.max(1))?;
     let held = placement.tp_held();
     let per_layer = held_activation_bytes(&shape, n, cfg.train.recompute, tp.size, held);
+    let site = TpSite { gpt: &gpt, shape: &shape, b, tp, held, recompute: cfg.train.recompute };
     let ranks = (0..layout.pp)
         .map(|rank| {
             let (mut params, mut activations, mut workspace, mut flops) = (0.0, 0.0, 0.0, 0.0);
@@ -249,11 +246,10 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                     // The one block being recomputed holds its full set.
                     workspace += block_activation_bytes(&shape, n, false, tp.size) - per_layer;
                 }
-                workspace +=
-                    tp_workspace_bytes(&gpt, &shape, b, spec.layers.len(), tp, held, cfg.train.recompute);
+                workspace += site.workspace_bytes(spec.layers.len());
                 if held < tp.size {
                     let l = spec.layers.len();
-                    follower += follower_bytes(&gpt, &shape, b, l, tp, held, cfg.train.recompute, live);
+                    follower += site.follower_bytes(l, live);
                     let part = tp_link_bytes(&shape, n, l, tp, held, cfg.train.recompute);
                     link.nodes_sent += part.nodes_sent;
                     link.commands_sent += part.commands_sent;
