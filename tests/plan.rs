@@ -475,6 +475,13 @@ fn layouts_the_trainer_cannot_run_are_marked_and_ranked_below_those_it_can() {
     assert!(runnable(&layout(1, 1), Backend::Cuda).unwrap_err().contains("CPU backend only"));
 }
 
+/// `pipewright plan ARGS`' error, after checking that it failed.
+fn plan_refused(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_pipewright")).arg("plan").args(args).output().unwrap();
+    assert!(!out.status.success(), "plan {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 fn plan_text(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_pipewright")).arg("plan").args(args).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -566,24 +573,16 @@ fn plan_gpu_cpu_lays_the_config_out_on_this_machine() {
     let json: serde_json::Value = serde_json::from_str(&plan_text(&["--gpu", "cpu", "--json"])).unwrap();
     assert_eq!(json["cpu"]["ranks"].as_array().unwrap().len(), 2, "the default's pp = 2");
     assert!(json["step_ms"].as_f64().unwrap() > 0.0);
-    let out = Command::new(env!("CARGO_BIN_EXE_pipewright"))
-        .args(["plan", "--gpu", "cpu", "--params", "7e9"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--params") && err.contains("--gpu cpu"), "{err}");
+    let err = plan_refused(&["--gpu", "cpu", "--params", "7e9"]);
+    assert!(err.contains("--params") && err.contains("--gpu cpu"), "{err}");
     // --set reshapes the config as train's does.
     let sets = ["--gpu", "cpu", "--json", "--set", "parallel.pp=4", "--set", "parallel.microbatches=8"];
     let json: serde_json::Value = serde_json::from_str(&plan_text(&sets)).unwrap();
     assert_eq!(json["cpu"]["ranks"].as_array().unwrap().len(), 4, "--set parallel.pp=4");
     let text = plan_text(&["--gpu", "cpu", "--set", "parallel.tp=2", "--set", "parallel.tp_slices=4"]);
     assert!(text.contains("tp 2"), "{text}");
-    let out = Command::new(env!("CARGO_BIN_EXE_pipewright"))
-        .args(["plan", "--gpu", "h100", "--set", "parallel.pp=2"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--set") && err.contains("--config"), "{err}");
+    let err = plan_refused(&["--gpu", "h100", "--set", "parallel.pp=2"]);
+    assert!(err.contains("--set") && err.contains("--config"), "{err}");
     // --nodes: a launch's processes; tp 2 × pp 2 over 4 splits each stage's ranks over two.
     let tp = ["--gpu", "cpu", "--set", "parallel.tp=2", "--set", "parallel.tp_slices=4"];
     let text = plan_text(&[&tp[..], &["--nodes", "4"]].concat());
@@ -598,8 +597,7 @@ fn plan_gpu_cpu_lays_the_config_out_on_this_machine() {
             "CPU config",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_pipewright")).arg("plan").args(args).output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains("--nodes") && err.contains(want), "{args:?}: {err}");
+        let err = plan_refused(args);
+        assert!(err.contains("--nodes") && err.contains(want), "{args:?}: {err}");
     }
 }

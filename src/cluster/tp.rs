@@ -293,7 +293,7 @@ pub fn spawn_followers(
     let Some(p) = fabric.placement.get() else { return Ok(vec![]) };
     let Some((replica, rank, local)) = p.follows(fabric.me) else { return Ok(vec![]) };
     let gpt = crate::model::GptConfig::from_config(cfg);
-    let shape = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+    let shape = TpShape::from_config(cfg);
     tracing::info!(
         "rank {}: holds tensor-parallel ranks {}..{} of stage {rank}.{replica} (its actor runs on rank {})",
         fabric.me,

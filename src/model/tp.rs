@@ -37,6 +37,11 @@ impl TpShape {
     /// Not split, plain products: every run before tensor parallelism.
     pub const WHOLE: TpShape = TpShape { size: 1, slices: 1 };
 
+    /// The split a run's config asks for (`parallel.tp`, `parallel.tp_slices`).
+    pub fn from_config(cfg: &crate::config::Config) -> TpShape {
+        TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices }
+    }
+
     /// The rank a part that is not split computes as.
     pub fn single(self) -> TpRank<'static> {
         TpRank { rank: 0, size: 1, slices: self.slices, group: None }
@@ -132,8 +137,9 @@ pub struct TpRanks {
     followers: Option<Box<dyn Followers>>,
     /// Each follower's gradient shards for the next backward (see `load_grads`).
     loads: Vec<Vec<Vec<f32>>>,
-    /// The shards each follower was last sent (see `refresh`).
+    /// The shards each follower was last sent, and this forward's cut (see `refresh`).
     sent: Vec<Vec<Vec<f32>>>,
+    cut: Vec<Vec<Vec<f32>>>,
 }
 
 impl TpRanks {
@@ -188,6 +194,7 @@ impl TpRanks {
             followers,
             loads: vec![Vec::new(); followers_n],
             sent: vec![Vec::new(); followers_n],
+            cut: vec![Vec::new(); followers_n],
         }
     }
 
@@ -241,23 +248,30 @@ impl TpRanks {
                 shard_into(&mut p.data, j % 12, &w.data, *w.shape.last().expect("a shape"), r, size);
             }
         }
+        // Cut into buffers kept from the last forward, so that a forward
+        // whose weights did not change (every one in a step but the first)
+        // allocates nothing and sends nothing.
         for f in 0..self.followers_count() {
-            let mut arrays = Vec::new();
-            for r in self.follower_ranks(f) {
+            let (ranks, cut) = (self.follower_ranks(f), &mut self.cut[f]);
+            let mut i = 0;
+            for r in ranks {
                 for l in 0..spec.layers.len() {
                     for (k, w) in whole[spec.block_base(l)..spec.block_base(l) + 12].iter().enumerate() {
-                        arrays.push(shard(k, &w.data, *w.shape.last().expect("a shape"), r, size));
+                        if cut.len() == i {
+                            cut.push(Vec::new());
+                        }
+                        shard_into(&mut cut[i], k, &w.data, *w.shape.last().expect("a shape"), r, size);
+                        i += 1;
                     }
                 }
             }
-            // Within a step the weights do not change: followers keep what they have.
-            let same = |a: &[f32], b: &[f32]| {
+            let same = |a: &Vec<f32>, b: &Vec<f32>| {
                 a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
             };
-            let sent = &mut self.sent[f];
-            if sent.len() != arrays.len() || !sent.iter().zip(&arrays).all(|(a, b)| same(a, b)) {
-                self.tell(f, TpCmd::Refresh, arrays.clone());
-                self.sent[f] = arrays;
+            let (cut, sent) = (&self.cut[f], &self.sent[f]);
+            if cut.len() != sent.len() || !cut.iter().zip(sent).all(|(a, b)| same(a, b)) {
+                std::mem::swap(&mut self.cut[f], &mut self.sent[f]);
+                self.tell(f, TpCmd::Refresh, self.sent[f].clone());
             }
         }
     }

@@ -219,7 +219,7 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
         _ => stage_costs(&layout, &shape, gpt.vocab_size, n).0,
     };
     let report = layout.schedule.simulate(&costs)?;
-    let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+    let tp = TpShape::from_config(cfg);
     let placement = crate::cluster::Placement::new(layout.pp, layout.dp, tp.size, nodes.max(1))?;
     let held = placement.tp_held();
     let per_layer = held_activation_bytes(&shape, n, cfg.train.recompute, tp.size, held);

@@ -52,7 +52,7 @@ impl Engine {
         let gpt = GptConfig::from_config(cfg);
         let b = cfg.train.micro_batch_size;
         let threads = thread_count(cfg.backend.threads);
-        let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+        let tp = TpShape::from_config(cfg);
         let part = ModelPart::new(gpt, PartSpec::whole(&gpt), b, cfg.train.seed, cfg.train.recompute)
             .with_tp(tp, threads);
         let adam = AdamState::new(&part);

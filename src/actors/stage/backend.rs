@@ -70,7 +70,7 @@ fn build_cpu(
     let mut parts = Vec::new();
     let mut adam = Vec::new();
     for (chunk, (spec, params)) in chunks.into_iter().enumerate() {
-        let tp = TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices };
+        let tp = TpShape::from_config(cfg);
         let remote = match &args.fabric {
             Some(f) if tp.size > 1 => crate::cluster::tp::owner_remote(f, args.replica, args.rank, chunk)?,
             _ => None,
