@@ -25,6 +25,7 @@ pub mod nvrtc;
 pub mod part;
 pub mod residual;
 pub mod transfer;
+pub mod tree;
 
 pub use device::{DeviceBuffer, Gpu};
 

@@ -28,6 +28,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul", include_str!("../../../kernels/matmul.cu")),
     ("norm", include_str!("../../../kernels/norm.cu")),
     ("residual", include_str!("../../../kernels/residual.cu")),
+    ("tp", include_str!("../../../kernels/tp.cu")),
 ];
 
 /// A compiled kernel file.
