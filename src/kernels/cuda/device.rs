@@ -92,6 +92,8 @@ pub struct Gpu {
     /// A second stream for sends to other processes (NCCL), so a send waiting
     /// for its receiver never holds up this GPU's compute.
     comm_stream: Arc<CudaStream>,
+    /// The driver's number for this GPU (what NCCL's ncclCommInitAll takes).
+    pub ordinal: usize,
     /// Compute capability as one number (90 for sm_90).
     pub arch: u32,
     pub name: String,
@@ -121,6 +123,7 @@ impl Gpu {
             ctx,
             stream,
             comm_stream,
+            ordinal,
             arch: (major * 10 + minor) as u32,
             name,
             modules: RefCell::new(HashMap::new()),

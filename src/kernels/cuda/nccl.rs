@@ -10,6 +10,11 @@
 //! on one communicator flows one way, so the order of operations on it is
 //! the sender's order on both ends — what NCCL needs to match them. See
 //! `transfer.rs` for how stages use them.
+//!
+//! A tensor-parallel stage is the exception: its ranks are several GPUs of
+//! one process driven by one thread, so their communicators come from
+//! [`Comm::init_all`] and each collective is issued once per rank inside one
+//! [`group`].
 
 use super::nccl_lib::nccl;
 use super::{CudaError, DeviceBuffer, Gpu, Result};
@@ -141,6 +146,122 @@ impl Comm {
     }
 }
 
+impl Comm {
+    /// One communicator per GPU of this process, rank i on `gpus[i]`, made
+    /// at once (no id to share: ncclCommInitAll stands in for every
+    /// member's `init`). NCCL cannot put two ranks on one GPU (it hangs), so
+    /// a repeated ordinal is refused. NCCL may leave any of these GPUs
+    /// current: bind one before using the thread's context.
+    pub fn init_all(gpus: &[&Gpu]) -> Result<Vec<Comm>> {
+        let ordinals: Vec<usize> = gpus.iter().map(|g| g.ordinal).collect();
+        distinct_ordinals(&ordinals)?;
+        let lib = nccl()?;
+        let devs: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
+        let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); devs.len()];
+        // SAFETY: `comms` has room for one handle per entry of `devs`.
+        let code = unsafe { (lib.comm_init_all)(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) };
+        lib.check(&format!("ncclCommInitAll over GPUs {ordinals:?}"), code)?;
+        let size = comms.len();
+        Ok(comms.into_iter().enumerate().map(|(rank, comm)| Comm { comm, rank, size }).collect())
+    }
+
+    /// recv (size × count elements) = every member's `count` elements of
+    /// `send`, in rank order, on `gpu`'s compute stream. In place when send
+    /// is this member's slot: recv + rank × count elements.
+    pub fn all_gather<T: NcclType>(&self, gpu: &Gpu, send: u64, recv: u64, count: usize) -> Result<()> {
+        let lib = nccl()?;
+        // SAFETY: the caller passes live ranges on this communicator's GPU:
+        // `count` elements at send, size × count at recv.
+        let code = unsafe {
+            (lib.all_gather)(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                T::KIND,
+                self.comm,
+                Self::stream(gpu),
+            )
+        };
+        let what = format!(
+            "ncclAllGather of {count} elements from each of {} ranks (rank {})",
+            self.size, self.rank
+        );
+        lib.check(&what, code)
+    }
+
+    /// Every member's `count` elements at `buf` = root's, in place, on `gpu`'s compute stream.
+    pub fn broadcast<T: NcclType>(&self, gpu: &Gpu, buf: u64, count: usize, root: usize) -> Result<()> {
+        self.check_root("ncclBroadcast", root)?;
+        let lib = nccl()?;
+        let p = buf as *mut c_void;
+        // SAFETY: the caller passes `count` live elements at buf on this GPU.
+        let code =
+            unsafe { (lib.broadcast)(p, p, count, T::KIND, root as i32, self.comm, Self::stream(gpu)) };
+        lib.check(&format!("ncclBroadcast of {count} elements from rank {root} of {}", self.size), code)
+    }
+
+    /// Root's `count` f32s at `buf` = their sum over every member, in place,
+    /// on `gpu`'s compute stream; the other members' buffers are left as
+    /// they were. NCCL's order of the adds is its own (see `all_reduce_sum`):
+    /// a sum that must match the CPU bit for bit gathers and uses
+    /// `tree::tree_sum_f32` instead.
+    pub fn reduce_sum_f32(&self, gpu: &Gpu, buf: u64, count: usize, root: usize) -> Result<()> {
+        self.check_root("ncclReduce", root)?;
+        let lib = nccl()?;
+        let p = buf as *mut c_void;
+        // SAFETY: the caller passes `count` live f32s at buf on this GPU.
+        let code = unsafe {
+            (lib.reduce)(
+                p,
+                p,
+                count,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                root as i32,
+                self.comm,
+                Self::stream(gpu),
+            )
+        };
+        lib.check(&format!("ncclReduce (sum) of {count} f32s to rank {root} of {}", self.size), code)
+    }
+
+    fn check_root(&self, call: &str, root: usize) -> Result<()> {
+        super::ensure(root < self.size, || format!("{call}: root {root} is not a rank of {}", self.size))
+    }
+}
+
+/// Refuses a GPU listed twice (and an empty list): NCCL would hang.
+fn distinct_ordinals(ordinals: &[usize]) -> Result<()> {
+    super::ensure(!ordinals.is_empty(), || "ncclCommInitAll over no GPU".into())?;
+    for (i, o) in ordinals.iter().enumerate() {
+        super::ensure(!ordinals[..i].contains(o), || {
+            format!(
+                "ncclCommInitAll over GPUs {ordinals:?}: GPU {o} is listed twice, and NCCL cannot put two ranks \
+                 on one GPU (ranks sharing a GPU must join their sums with tree::tree_join instead)"
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Runs `f` between ncclGroupStart and ncclGroupEnd. One thread driving
+/// several GPUs' communicators must group its calls: an ungrouped
+/// collective on rank 0 waits for ranks the same thread has not reached
+/// yet, and deadlocks. Inside a group NCCL only queues; ncclGroupEnd
+/// launches them all. End is called even when `f` fails (else the thread
+/// stays inside a group); `f`'s error is the one reported.
+pub fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let lib = nccl()?;
+    // SAFETY: no arguments; paired with the GroupEnd below.
+    lib.check("ncclGroupStart", unsafe { (lib.group_start)() })?;
+    let ran = f();
+    // SAFETY: closes the group opened above.
+    let ended = lib.check("ncclGroupEnd", unsafe { (lib.group_end)() });
+    let r = ran?;
+    ended?;
+    Ok(r)
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
         // SAFETY: made by comm_init_rank (so the library is open), destroyed once.
@@ -163,4 +284,26 @@ impl NcclType for f32 {
 
 impl NcclType for super::Bf16 {
     const KIND: sys::ncclDataType_t = sys::ncclDataType_t::ncclBfloat16;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn distinct_gpus_are_accepted() {
+        assert!(distinct_ordinals(&[0]).is_ok());
+        assert!(distinct_ordinals(&[3, 0, 1, 2]).is_ok());
+    }
+
+    #[test]
+    fn a_gpu_listed_twice_is_refused_naming_it() {
+        let err = distinct_ordinals(&[0, 2, 1, 2]).unwrap_err().to_string();
+        assert!(err.contains("GPU 2 is listed twice"), "{err}");
+    }
+
+    #[test]
+    fn no_gpu_is_refused() {
+        assert!(distinct_ordinals(&[]).is_err());
+    }
 }

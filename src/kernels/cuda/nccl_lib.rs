@@ -118,6 +118,35 @@ type AllReduce = unsafe extern "C" fn(
     sys::ncclComm_t,
     sys::cudaStream_t,
 ) -> c_int;
+type CommInitAll = unsafe extern "C" fn(*mut sys::ncclComm_t, c_int, *const c_int) -> c_int;
+type AllGather = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    sys::ncclDataType_t,
+    sys::ncclComm_t,
+    sys::cudaStream_t,
+) -> c_int;
+type Broadcast = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    sys::ncclDataType_t,
+    c_int,
+    sys::ncclComm_t,
+    sys::cudaStream_t,
+) -> c_int;
+type Reduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    sys::ncclDataType_t,
+    sys::ncclRedOp_t,
+    c_int,
+    sys::ncclComm_t,
+    sys::cudaStream_t,
+) -> c_int;
+type GroupCall = unsafe extern "C" fn() -> c_int;
 type CommDestroy = unsafe extern "C" fn(sys::ncclComm_t) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const std::ffi::c_char;
 
@@ -129,6 +158,12 @@ pub struct Nccl {
     pub send: SendFn,
     pub recv: RecvFn,
     pub all_reduce: AllReduce,
+    pub comm_init_all: CommInitAll,
+    pub all_gather: AllGather,
+    pub broadcast: Broadcast,
+    pub reduce: Reduce,
+    pub group_start: GroupCall,
+    pub group_end: GroupCall,
     pub comm_destroy: CommDestroy,
     get_error_string: GetErrorString,
     // Keeps the library mapped while the pointers above are used.
@@ -158,6 +193,12 @@ impl Nccl {
                 send: *lib.get(b"ncclSend\0")?,
                 recv: *lib.get(b"ncclRecv\0")?,
                 all_reduce: *lib.get(b"ncclAllReduce\0")?,
+                comm_init_all: *lib.get(b"ncclCommInitAll\0")?,
+                all_gather: *lib.get(b"ncclAllGather\0")?,
+                broadcast: *lib.get(b"ncclBroadcast\0")?,
+                reduce: *lib.get(b"ncclReduce\0")?,
+                group_start: *lib.get(b"ncclGroupStart\0")?,
+                group_end: *lib.get(b"ncclGroupEnd\0")?,
                 comm_destroy: *lib.get(b"ncclCommDestroy\0")?,
                 get_error_string: *lib.get(b"ncclGetErrorString\0")?,
                 _lib: lib,
