@@ -235,7 +235,7 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         device: usize,
         /// Run one group of checks: layernorm, matmul, attention, elementwise,
-        /// crossentropy, embedding, adamw, norm, exactness or steps.
+        /// crossentropy, embedding, adamw, norm, tree, exactness or steps.
         #[arg(long)]
         only: Option<String>,
     },

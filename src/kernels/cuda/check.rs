@@ -9,7 +9,7 @@
 
 use super::model::GpuModel;
 use super::part::{GpuGrad, GpuInput, GpuPart};
-use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
+use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual, tree};
 use super::{Bf16, DeviceBuffer, Elem, Gpu, Result};
 use crate::kernels::cpu;
 use crate::model::part::{Mode, PartInput};
@@ -374,6 +374,53 @@ fn norm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     Ok(())
 }
 
+/// The tensor-parallel tree join against block.rs's `tree_sum`, bit for bit:
+/// the f32 sum (also in place on node 0) for 1, 2, 4 and 8 nodes of an odd
+/// length, and the join into storage without and with a residual (in place
+/// on it), which round exactly as the CPU's X(sum) and X(X(sum) + residual).
+fn tree_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let len = 1_001;
+    for count in [1, 2, 4, 8] {
+        let flat = randn(count * len, 80 + count as u64, 1.0);
+        let sum = cpu_tree(&flat, len);
+        let nodes = gpu.upload(&flat)?;
+        if X::IS_F32 {
+            let out = gpu.alloc::<f32>(len)?;
+            tree::tree_sum_f32(gpu, out.ptr(), nodes.ptr(), count, len)?;
+            push_bits(cx, format!("tree_sum_f32 of {count}"), &gpu.download(&out)?, &sum);
+        }
+        let out = gpu.alloc::<X>(len)?;
+        tree::tree_join::<X>(gpu, out.ptr(), nodes.ptr(), count, len, None)?;
+        push_bits(cx, format!("tree_join of {count}"), &cx.down(&out)?, &rounded::<X>(&sum));
+        let res = rounded::<X>(&randn(len, 90 + count as u64, 1.0));
+        let want: Vec<f32> = rounded::<X>(&sum).iter().zip(&res).map(|(s, r)| s + r).collect();
+        let gres = cx.up(&res)?;
+        tree::tree_join::<X>(gpu, gres.ptr(), nodes.ptr(), count, len, Some(gres.ptr()))?;
+        push_bits(cx, format!("tree_join of {count} + residual"), &cx.down(&gres)?, &rounded::<X>(&want));
+        if X::IS_F32 {
+            tree::tree_sum_f32(gpu, nodes.ptr(), nodes.ptr(), count, len)?;
+            let got = gpu.download(&nodes)?;
+            push_bits(cx, format!("tree_sum_f32 of {count} into node 0"), &got[..len], &sum);
+        }
+    }
+    Ok(())
+}
+
+/// block.rs's `tree_sum` over the contiguous nodes of `flat`: node 0's result.
+fn cpu_tree(flat: &[f32], len: usize) -> Vec<f32> {
+    let mut nodes = flat.to_vec();
+    let mut bufs: Vec<&mut [f32]> = nodes.chunks_mut(len).collect();
+    crate::model::block::tree_sum(&mut bufs);
+    bufs[0].to_vec()
+}
+
+/// A comparison that passes only when every element has the same bits.
+fn push_bits<X: Elem>(cx: &mut Ctx<X>, name: String, got: &[f32], want: &[f32]) {
+    let name = format!("{name}, bit for bit ({})", cx.tag);
+    cx.out.push(Check { name, rel_err: bits_differ(got, want), tol: 0.5 });
+}
+
 fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let gpu = cx.gpu;
     let wte = rounded::<X>(&randn(V * C, 50, 1.0));
@@ -430,12 +477,13 @@ pub enum Group {
     Embedding,
     Adamw,
     Norm,
+    Tree,
     Exactness,
     Steps,
 }
 
 impl Group {
-    pub const ALL: [Group; 10] = [
+    pub const ALL: [Group; 11] = [
         Group::Layernorm,
         Group::Matmul,
         Group::Attention,
@@ -444,6 +492,7 @@ impl Group {
         Group::Embedding,
         Group::Adamw,
         Group::Norm,
+        Group::Tree,
         Group::Exactness,
         Group::Steps,
     ];
@@ -458,6 +507,7 @@ impl Group {
             Group::Embedding => "embedding",
             Group::Adamw => "adamw",
             Group::Norm => "norm",
+            Group::Tree => "tree",
             Group::Exactness => "exactness",
             Group::Steps => "steps",
         }
@@ -505,6 +555,7 @@ fn run_precision<X: Elem>(
         Group::Embedding => embedding_checks(&mut cx),
         Group::Adamw => adamw_checks(&mut cx),
         Group::Norm => norm_checks(&mut cx),
+        Group::Tree => tree_checks(&mut cx),
         Group::Exactness | Group::Steps => Ok(()),
     };
     // Checks made before an error are kept: they are reported with it.
