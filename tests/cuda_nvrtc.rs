@@ -126,3 +126,31 @@ fn ptxas_reports_are_read_per_kernel() {
     assert_eq!((u[0].spill_stores, u[0].spill_loads), (8, 4));
     assert_eq!((u[1].kernel.as_str(), u[1].registers, u[1].smem_bytes, u[1].spill_stores), ("k2", 29, 0, 0));
 }
+
+/// kernels/tp.cu unrolls one tree per node count so the nodes stay in
+/// registers: a stack frame or a spill (an array indexed at run time, or
+/// 64 nodes too many for the register file) would put every join through
+/// local memory.
+#[test]
+fn the_tree_join_keeps_its_nodes_in_registers() {
+    if !nvrtc_present() {
+        let required = std::env::var("PIPEWRIGHT_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        assert!(!required, "PIPEWRIGHT_REQUIRE_NVRTC=1 but NVRTC could not be loaded");
+        eprintln!("skipped: NVRTC could not be loaded");
+        return;
+    }
+    for arch in [80, 90] {
+        for f32 in [false, true] {
+            let log = nvrtc::compile_with("tp", arch, f32, &["--ptxas-options=-v"]).expect("tp compiles").log;
+            let frames: Vec<&str> = log.lines().filter(|l| l.contains("bytes stack frame")).collect();
+            assert!(!frames.is_empty(), "no ptxas report in: {log}");
+            for line in frames {
+                assert!(
+                    line.trim_start_matches(['p', 't', 'x', 'a', 's', ' ', '.'])
+                        .starts_with("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"),
+                    "sm_{arch} f32={f32}: {line}"
+                );
+            }
+        }
+    }
+}
