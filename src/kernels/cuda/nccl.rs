@@ -144,9 +144,7 @@ impl Comm {
         };
         lib.check(&format!("ncclAllReduce of {count} f32s"), code)
     }
-}
 
-impl Comm {
     /// One communicator per GPU of this process, rank i on `gpus[i]`, made
     /// at once (no id to share: ncclCommInitAll stands in for every
     /// member's `init`). NCCL cannot put two ranks on one GPU (it hangs), so
