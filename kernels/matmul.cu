@@ -4,13 +4,13 @@
 #include "common.cuh"
 
 // Grid (ceil(OC / blockDim.x), chunks); chunk k sums rows [k·rows, (k+1)·rows).
-extern "C" __global__ void bias_backward_partial(float* partial, const floatX* dout, int N, int OC, int rows) {
+extern "C" __global__ void bias_backward_partial(float* partial, const floatX* dout, int N, int OC, int ld, int rows) {
     int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= OC) return;
     int chunk = blockIdx.y;
     int r0 = chunk * rows, r1 = min(N, r0 + rows);
     float s = 0.0f;
-    for (int r = r0; r < r1; r++) s += ldx(dout[(size_t)r * OC + col]);
+    for (int r = r0; r < r1; r++) s += ldx(dout[(size_t)r * ld + col]);
     partial[(size_t)chunk * OC + col] = s;
 }
 

@@ -386,16 +386,140 @@ pub fn bias_backward<X: Elem>(
     n: usize,
     oc: usize,
 ) -> Result<()> {
+    ensure(dout.len() >= n * oc, || "bias_backward: dout too small".into())?;
+    bias_backward_view::<X>(gpu, dbias, partial, View::new(dout.ptr(), oc), n, oc)
+}
+
+/// dbias (OC) f32 += Σ_rows of OC columns of a matrix whose rows lie `dout.ld`
+/// elements apart (a tensor-parallel rank's block of q, k or v). Each column
+/// is summed alone, so a column's bits do not depend on its neighbours.
+pub fn bias_backward_view<X: Elem>(
+    gpu: &Gpu,
+    dbias: u64,
+    partial: &DeviceBuffer<f32>,
+    dout: View,
+    n: usize,
+    oc: usize,
+) -> Result<()> {
     let chunks = n.div_ceil(BIAS_ROWS);
-    ensure(partial.len() >= chunks * oc && dout.len() >= n * oc, || {
-        "bias_backward: scratch too small".into()
+    ensure(partial.len() >= chunks * oc && dout.ld >= oc, || {
+        format!("bias_backward: scratch of {} for {chunks}×{oc}, row stride {}", partial.len(), dout.ld)
     })?;
     let f = gpu.function::<X>("matmul", "bias_backward_partial")?;
-    let (p, d, ni, oci, rows) = (partial.ptr(), dout.ptr(), n as i32, oc as i32, BIAS_ROWS as i32);
-    gpu.launch(f, (blocks(oc, 256), chunks as u32, 1), (256, 1, 1), &mut args![p, d, ni, oci, rows])?;
+    let (p, d, ni, oci, ld, rows) =
+        (partial.ptr(), dout.ptr, n as i32, oc as i32, dout.ld as i32, BIAS_ROWS as i32);
+    gpu.launch(f, (blocks(oc, 256), chunks as u32, 1), (256, 1, 1), &mut args![p, d, ni, oci, ld, rows])?;
     let f = gpu.function::<X>("matmul", "bias_backward_finish")?;
     let ch = chunks as i32;
     gpu.launch(f, (blocks(oc, 256), 1, 1), (256, 1, 1), &mut args![dbias, p, ch, oci])
+}
+
+/// A row-major matrix on the device: its address and its row stride in
+/// elements (a block of a wider matrix has the wider one's stride).
+#[derive(Clone, Copy, Debug)]
+pub struct View {
+    pub ptr: u64,
+    pub ld: usize,
+}
+
+impl View {
+    pub fn new(ptr: u64, ld: usize) -> View {
+        View { ptr, ld }
+    }
+
+    /// The view starting `rows` rows and `cols` columns further on, for elements of `T`.
+    pub fn at<T>(self, rows: usize, cols: usize) -> View {
+        View { ptr: self.ptr + ((rows * self.ld + cols) * std::mem::size_of::<T>()) as u64, ld: self.ld }
+    }
+}
+
+/// The storage of a product's output: X like its operands, or f32 (a
+/// partial sum that more are added to before it is rounded).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Out {
+    Storage,
+    F32,
+}
+
+/// out (N, OC) [+]= inp (N, IC) · w (IC, OC) [+ bias], over views (the
+/// caller vouches that each view holds the block it names). The bias is of
+/// the output's type; `accumulate` adds to what `out` holds.
+#[allow(clippy::too_many_arguments)]
+pub fn product_forward<X: Elem>(
+    gpu: &Gpu,
+    out: View,
+    kind: Out,
+    inp: View,
+    w: View,
+    bias: Option<u64>,
+    (n, ic, oc): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<()> {
+    let s = GemmShape {
+        m: oc,
+        n,
+        k: ic,
+        trans_a: false,
+        trans_b: false,
+        lda: w.ld,
+        ldb: inp.ld,
+        ldc: out.ld,
+        ab_f32: X::IS_F32,
+        c_f32: X::IS_F32 || kind == Out::F32,
+        bias: bias.is_some(),
+    };
+    gemm(gpu, &s, w.ptr, inp.ptr, out.ptr, bias, if accumulate { 1.0 } else { 0.0 })
+}
+
+/// dinp (N, IC) [+]= dout (N, OC) · wᵀ, w (IC, OC), over views.
+#[allow(clippy::too_many_arguments)]
+pub fn product_backward_input<X: Elem>(
+    gpu: &Gpu,
+    dinp: View,
+    kind: Out,
+    dout: View,
+    w: View,
+    (n, ic, oc): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<()> {
+    let s = GemmShape {
+        m: ic,
+        n,
+        k: oc,
+        trans_a: true,
+        trans_b: false,
+        lda: w.ld,
+        ldb: dout.ld,
+        ldc: dinp.ld,
+        ab_f32: X::IS_F32,
+        c_f32: X::IS_F32 || kind == Out::F32,
+        bias: false,
+    };
+    gemm(gpu, &s, w.ptr, dout.ptr, dinp.ptr, None, if accumulate { 1.0 } else { 0.0 })
+}
+
+/// dw (IC, OC) f32 += inpᵀ · dout, over views.
+pub fn product_backward_weight<X: Elem>(
+    gpu: &Gpu,
+    dw: View,
+    dout: View,
+    inp: View,
+    (n, ic, oc): (usize, usize, usize),
+) -> Result<()> {
+    let s = GemmShape {
+        m: oc,
+        n: ic,
+        k: n,
+        trans_a: false,
+        trans_b: true,
+        lda: dout.ld,
+        ldb: inp.ld,
+        ldc: dw.ld,
+        ab_f32: X::IS_F32,
+        c_f32: true,
+        bias: false,
+    };
+    gemm(gpu, &s, dout.ptr, inp.ptr, dw.ptr, None, 1.0)
 }
 
 #[cfg(test)]
