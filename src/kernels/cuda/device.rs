@@ -275,6 +275,21 @@ impl Gpu {
         Ok(())
     }
 
+    /// `bytes` from `src` to `dst`, both on this GPU, queued on its stream
+    /// (a tensor-parallel exchange between ranks sharing this GPU).
+    pub fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: callers pass live device ranges of `bytes` bytes in this context.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream())? };
+        Ok(())
+    }
+
+    /// Every element of `buf` set to `value`, on this GPU's stream.
+    pub fn fill_f32(&self, buf: &DeviceBuffer<f32>, value: f32) -> Result<()> {
+        // SAFETY: the whole allocation (len f32s), on this GPU's stream.
+        unsafe { sys::cuMemsetD32Async(buf.ptr, value.to_bits(), buf.len, self.stream()).result()? };
+        Ok(())
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: our own stream.
         unsafe { result::stream::synchronize(self.stream())? };

@@ -19,6 +19,9 @@
 //! to every call, so one GPU serves several parts (interleaved chunks, or
 //! several stages on one device) and no part outlives its context.
 
+mod tp;
+pub use tp::{GpuTp, TpDevices, TpPart};
+
 use super::embedding::{DeviceOwners, TokenOwners};
 use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
 use super::{ensure, DeviceBuffer, Elem, Gpu, Result};
@@ -98,21 +101,22 @@ pub(super) struct BlockActs<X: Elem> {
 }
 
 impl<X: Elem> BlockActs<X> {
-    fn new(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize) -> Result<Self> {
-        let n = b * t;
+    /// For a rank holding `size`'s share of the heads and MLP columns.
+    fn new(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize, size: usize) -> Result<Self> {
+        let (n, cl) = (b * t, c / size);
         Ok(BlockActs {
             ln1: gpu.alloc(n * c)?,
             ln1_mean: gpu.alloc(n)?,
             ln1_rstd: gpu.alloc(n)?,
-            qkv: gpu.alloc(n * 3 * c)?,
-            atty: gpu.alloc(n * c)?,
-            lse: gpu.alloc(b * nh * t)?,
+            qkv: gpu.alloc(n * 3 * cl)?,
+            atty: gpu.alloc(n * cl)?,
+            lse: gpu.alloc(b * (nh / size) * t)?,
             res2: gpu.alloc(n * c)?,
             ln2: gpu.alloc(n * c)?,
             ln2_mean: gpu.alloc(n)?,
             ln2_rstd: gpu.alloc(n)?,
-            fch: gpu.alloc(n * 4 * c)?,
-            fch_gelu: gpu.alloc(n * 4 * c)?,
+            fch: gpu.alloc(n * 4 * cl)?,
+            fch_gelu: gpu.alloc(n * 4 * cl)?,
         })
     }
 
@@ -172,6 +176,11 @@ struct Scratch<X: Elem> {
     norm_out: DeviceBuffer<f32>,
     /// Recompute: one block's intermediates and its (discarded) output.
     recompute: Option<(BlockActs<X>, DeviceBuffer<X>)>,
+    /// Sliced products (tp.rs): this rank's slices of one split sum, (L, N, C) f32.
+    leaves: DeviceBuffer<f32>,
+    /// Every rank's subtree sum of one split sum, (size, N, C) f32: this
+    /// rank's at its index, the others' after the group's all-gather.
+    gathered: DeviceBuffer<f32>,
     // Head (last part only; empty elsewhere).
     lnf: DeviceBuffer<X>,
     lnf_mean: DeviceBuffer<f32>,
@@ -203,7 +212,12 @@ pub struct GpuPart<X: Elem> {
     pub b: usize,
     pub vp: usize,
     pub recompute: bool,
+    /// Which tensor-parallel rank this part computes (tp.rs); rank 0 of 1
+    /// with one slice is the plain block.
+    pub tp: GpuTp,
     pub tensors: Vec<TensorSlot>,
+    /// Rank 0 only (a follower keeps the storage copy it computes with):
+    /// the f32 master weights and AdamW's moments.
     master: DeviceBuffer<f32>,
     params: DeviceBuffer<X>,
     grads: DeviceBuffer<f32>,
@@ -223,6 +237,9 @@ pub struct GpuPart<X: Elem> {
     pub live_bytes: usize,
     pub peak_live_bytes: usize,
 }
+
+/// Runs a part's blocks for the microbatch in slot k (the part, its GPU, k).
+pub(super) type Blocks<'a, X> = &'a mut dyn FnMut(&mut GpuPart<X>, &Gpu, usize) -> Result<()>;
 
 /// Writes a tensor straight into a device buffer (a parcel from another
 /// stage in this process, or an NCCL receive).
@@ -269,8 +286,28 @@ impl<X: Elem> GpuPart<X> {
         live: usize,
         params: &[Param],
     ) -> Result<Self> {
+        Self::new_rank(gpu, cfg, spec, b, recompute, live, params, GpuTp::ONE)
+    }
+
+    /// The part as tensor-parallel rank `tp.rank` of `tp.size`: rank 0 holds
+    /// the optimizer and runs the embedding and head; a follower holds the
+    /// weights' storage copy, its gradients and its share of the blocks'
+    /// activations.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_rank(
+        gpu: &Gpu,
+        cfg: GptConfig,
+        spec: PartSpec,
+        b: usize,
+        recompute: bool,
+        live: usize,
+        params: &[Param],
+        tp: GpuTp,
+    ) -> Result<Self> {
         let (t, c, nh, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
-        attention::kernels_for::<X>(c, nh)?;
+        tp.check(&cfg)?;
+        let (size, owner) = (tp.size, tp.rank == 0);
+        attention::kernels_for::<X>(c / size, nh / size)?;
         ensure(b > 0 && t > 0 && v > 0 && live > 0, || {
             format!("a GPU part needs B, T, V and live slots > 0 (B={b}, T={t}, V={v}, live={live})")
         })?;
@@ -288,9 +325,9 @@ impl<X: Elem> GpuPart<X> {
                 blocks: if recompute {
                     vec![]
                 } else {
-                    (0..nb).map(|_| BlockActs::new(gpu, b, t, c, nh)).collect::<Result<_>>()?
+                    (0..nb).map(|_| BlockActs::new(gpu, b, t, c, nh, size)).collect::<Result<_>>()?
                 },
-                tokens: if spec.embedding {
+                tokens: if spec.embedding && owner {
                     let owners = DeviceOwners {
                         ids: gpu.alloc(n)?,
                         offsets: gpu.alloc(n + 1)?,
@@ -301,28 +338,31 @@ impl<X: Elem> GpuPart<X> {
                 } else {
                     None
                 },
-                dhead: if head { Some(gpu.alloc(n * c)?) } else { None },
+                dhead: if head && owner { Some(gpu.alloc(n * c)?) } else { None },
             })
         };
         let slots = (0..live).map(|_| new_slot()).collect::<Result<Vec<_>>>()?;
         let slot_bytes = slots[0].bytes();
-        let hn = if head { n } else { 0 };
+        let hn = if head && owner { n } else { 0 };
+        let (cl, split) = (c / size, tp.is_split());
         let s = Scratch {
             dres: gpu.alloc(n * c)?,
             dln: gpu.alloc(n * c)?,
-            datty: gpu.alloc(n * c)?,
-            dqkv: gpu.alloc(n * 3 * c)?,
-            dfch: gpu.alloc(n * 4 * c)?,
-            delta: gpu.alloc(b * nh * t)?,
+            datty: gpu.alloc(n * cl)?,
+            dqkv: gpu.alloc(n * 3 * cl)?,
+            dfch: gpu.alloc(n * 4 * cl)?,
+            delta: gpu.alloc(b * (nh / size) * t)?,
             ln_partial: gpu.alloc(layernorm::partial_len(n, c))?,
             bias_partial: gpu.alloc(matmul::bias_partial_len(n, (4 * c).max(c)))?,
             norm_partial: gpu.alloc(adamw::NORM_BLOCKS)?,
             norm_out: gpu.alloc(tensors.len().max(1))?,
             recompute: if recompute {
-                Some((BlockActs::new(gpu, b, t, c, nh)?, gpu.alloc(n * c)?))
+                Some((BlockActs::new(gpu, b, t, c, nh, size)?, gpu.alloc(n * c)?))
             } else {
                 None
             },
+            leaves: gpu.alloc(if split { tp.leaves() * n * c } else { 0 })?,
+            gathered: gpu.alloc(if split { size * n * c } else { 0 })?,
             lnf: gpu.alloc(hn * c)?,
             lnf_mean: gpu.alloc(hn)?,
             lnf_rstd: gpu.alloc(hn)?,
@@ -330,24 +370,26 @@ impl<X: Elem> GpuPart<X> {
             losses: gpu.alloc(hn)?,
             targets: gpu.alloc(hn)?,
             argmax: gpu.alloc(hn)?,
-            tied: gpu.alloc(if head || spec.embedding { vp * c } else { 0 })?,
+            tied: gpu.alloc(if owner && (head || spec.embedding) { vp * c } else { 0 })?,
             host_x: vec![X::default(); n * c],
             host_losses: vec![0.0; hn],
         };
+        let kept = if owner { total } else { 0 };
         let mut part = GpuPart {
             cfg,
             spec,
             b,
             vp,
             recompute,
+            tp,
             tensors,
-            master: gpu.alloc(total)?,
+            master: gpu.alloc(kept)?,
             params: gpu.alloc(total)?,
             grads: gpu.alloc(total)?,
-            m: gpu.alloc(total)?,
-            v: gpu.alloc(total)?,
+            m: gpu.alloc(kept)?,
+            v: gpu.alloc(kept)?,
             adam_t: 0,
-            head_grad: gpu.alloc(if head { vp * c } else { 0 })?,
+            head_grad: gpu.alloc(if head && owner { vp * c } else { 0 })?,
             free: (0..live).rev().collect(),
             slots,
             saved: BTreeMap::new(),
@@ -357,7 +399,11 @@ impl<X: Elem> GpuPart<X> {
             peak_live_bytes: 0,
         };
         let weights: Vec<&[f32]> = params.iter().map(|p| p.data.as_slice()).collect();
-        part.load_weights(gpu, &weights)?;
+        if owner {
+            part.load_weights(gpu, &weights)?;
+        } else {
+            part.load_storage(gpu, &weights)?;
+        }
         gpu.synchronize()?;
         Ok(part)
     }
@@ -430,6 +476,25 @@ impl<X: Elem> GpuPart<X> {
         argmax: Option<&mut [u32]>,
         sink: Option<Sink<X>>,
     ) -> Result<GpuForward> {
+        let blocks: Blocks<X> =
+            &mut |part, gpu, k| (0..part.n_blocks()).try_for_each(|l| part.block_forward(gpu, k, l, false));
+        self.forward_over(gpu, mb, input, targets, mode, argmax, sink, blocks)
+    }
+
+    /// `forward`, with the blocks run by `blocks` (tp.rs runs them over the
+    /// tensor-parallel group) between taking the input and the head.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward_over(
+        &mut self,
+        gpu: &Gpu,
+        mb: usize,
+        input: GpuInput<X>,
+        targets: Option<&[u32]>,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+        sink: Option<Sink<X>>,
+        blocks: Blocks<X>,
+    ) -> Result<GpuForward> {
         let train = matches!(mode, Mode::Train { .. });
         ensure(!train || !self.saved.contains_key(&mb), || format!("microbatch {mb} ran forward twice"))?;
         let k = self.free.pop().ok_or_else(|| {
@@ -438,7 +503,7 @@ impl<X: Elem> GpuPart<X> {
                 self.slots.len()
             ))
         })?;
-        let result = self.forward_in(gpu, k, input, targets, mode, argmax, sink);
+        let result = self.forward_in(gpu, k, input, targets, mode, argmax, sink, blocks);
         if train && result.is_ok() {
             self.saved.insert(mb, k);
             self.live_bytes += self.slot_bytes;
@@ -459,6 +524,7 @@ impl<X: Elem> GpuPart<X> {
         mode: Mode,
         argmax: Option<&mut [u32]>,
         sink: Option<Sink<X>>,
+        blocks: Blocks<X>,
     ) -> Result<GpuForward> {
         let (t, c, v) = (self.cfg.block_size, self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.n();
@@ -493,9 +559,7 @@ impl<X: Elem> GpuPart<X> {
                 fill(gpu, &self.slots[k].stream[0])?;
             }
         }
-        for l in 0..self.n_blocks() {
-            self.block_forward(gpu, k, l, false)?;
-        }
+        blocks(self, gpu, k)?;
         if !self.spec.head {
             let out = &self.slots[k].stream[self.n_blocks()];
             let y = hand_over(gpu, out, &mut self.s.host_x, sink)?;
@@ -512,17 +576,13 @@ impl<X: Elem> GpuPart<X> {
     /// into the shared recompute buffers (the output is discarded: the slot
     /// already holds it).
     fn block_forward(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
+        ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
         let base = self.spec.block_base(l);
         let w = |i: usize| self.w(base + i);
-        let slot = &self.slots[k];
-        let x = &slot.stream[l];
-        let (a, out) = match (&self.s.recompute, recomputing) {
-            (Some((acts, scratch_out)), true) => (acts, scratch_out),
-            (Some((acts, _)), false) => (acts, &slot.stream[l + 1]),
-            (None, _) => (&slot.blocks[l], &slot.stream[l + 1]),
-        };
+        let x = &self.slots[k].stream[l];
+        let (a, out) = self.forward_acts(k, l, recomputing);
         layernorm::layernorm_forward(gpu, &a.ln1, &a.ln1_mean, &a.ln1_rstd, x, w(LN1W), w(LN1B), n, c)?;
         matmul::matmul_forward(gpu, &a.qkv, &a.ln1, w(QKVW), Some(w(QKVB)), n, c, 3 * c)?;
         attention::attention_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, c, nh)?;
@@ -533,6 +593,24 @@ impl<X: Elem> GpuPart<X> {
         gelu::gelu_forward(gpu, &a.fch_gelu, &a.fch, n * 4 * c)?;
         matmul::matmul_forward(gpu, out, &a.fch_gelu, w(FCPW), Some(w(FCPB)), n, 4 * c, c)?;
         residual::residual_forward(gpu, out.ptr(), out.ptr(), &a.res2, n * c)
+    }
+
+    /// Where block l's forward for slot k writes: its intermediates and its output.
+    fn forward_acts(&self, k: usize, l: usize, recomputing: bool) -> (&BlockActs<X>, &DeviceBuffer<X>) {
+        let slot = &self.slots[k];
+        match (&self.s.recompute, recomputing) {
+            (Some((acts, scratch_out)), true) => (acts, scratch_out),
+            (Some((acts, _)), false) => (acts, &slot.stream[l + 1]),
+            (None, _) => (&slot.blocks[l], &slot.stream[l + 1]),
+        }
+    }
+
+    /// Block l's intermediates for backward of slot k (recomputed or kept).
+    fn backward_acts(&self, k: usize, l: usize) -> &BlockActs<X> {
+        match &self.s.recompute {
+            Some((acts, _)) => acts,
+            None => &self.slots[k].blocks[l],
+        }
     }
 
     /// Final LayerNorm, tied head and loss of the microbatch in slot `k`; in
@@ -610,11 +688,33 @@ impl<X: Elem> GpuPart<X> {
         dout: GpuGrad<X>,
         sink: Option<Sink<X>>,
     ) -> Result<Option<Vec<f32>>> {
+        let blocks: Blocks<X> = &mut |part, gpu, k| {
+            for l in (0..part.n_blocks()).rev() {
+                if part.recompute {
+                    part.block_forward(gpu, k, l, true)?;
+                }
+                part.block_backward(gpu, k, l)?;
+            }
+            Ok(())
+        };
+        self.backward_over(gpu, mb, dout, sink, blocks)
+    }
+
+    /// `backward`, with the blocks run by `blocks` once `dres` holds the
+    /// gradient of the part's output.
+    pub(super) fn backward_over(
+        &mut self,
+        gpu: &Gpu,
+        mb: usize,
+        dout: GpuGrad<X>,
+        sink: Option<Sink<X>>,
+        blocks: Blocks<X>,
+    ) -> Result<Option<Vec<f32>>> {
         let k = self.saved.remove(&mb).ok_or_else(|| {
             super::CudaError::Shape(format!("backward of microbatch {mb} before its forward"))
         })?;
         self.live_bytes -= self.slot_bytes;
-        let result = self.backward_in(gpu, k, dout, sink);
+        let result = self.backward_in(gpu, k, dout, sink, blocks);
         self.free.push(k);
         result
     }
@@ -625,6 +725,7 @@ impl<X: Elem> GpuPart<X> {
         k: usize,
         dout: GpuGrad<X>,
         sink: Option<Sink<X>>,
+        blocks: Blocks<X>,
     ) -> Result<Option<Vec<f32>>> {
         let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
         let n = self.n();
@@ -645,12 +746,7 @@ impl<X: Elem> GpuPart<X> {
                 ))
             }
         }
-        for l in (0..self.n_blocks()).rev() {
-            if self.recompute {
-                self.block_forward(gpu, k, l, true)?;
-            }
-            self.block_backward(gpu, k, l)?;
-        }
+        blocks(self, gpu, k)?;
         if self.spec.embedding {
             let (dwte, dwpe) = (self.g(0), self.g(1));
             let (_, owners) = self.slots[k].tokens.as_ref().expect("first part keeps tokens");
@@ -664,16 +760,13 @@ impl<X: Elem> GpuPart<X> {
     /// ∂L/∂(block input) on return; weight gradients accumulate in the CPU
     /// model's order (part.rs, a full B).
     fn block_backward(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
+        ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
         let base = self.spec.block_base(l);
         let (w, g) = (|i: usize| self.w(base + i), |i: usize| self.g(base + i));
-        let slot = &self.slots[k];
-        let x = &slot.stream[l];
-        let a = match &self.s.recompute {
-            Some((acts, _)) => acts,
-            None => &slot.blocks[l],
-        };
+        let x = &self.slots[k].stream[l];
+        let a = self.backward_acts(k, l);
         let s = &self.s;
         let bp = &s.bias_partial;
         // MLP first.
@@ -842,6 +935,14 @@ impl<X: Elem> GpuPart<X> {
     /// Sets master weights (and their X copy), per tensor in this part's order.
     pub fn load_weights(&mut self, gpu: &Gpu, weights: &[&[f32]]) -> Result<()> {
         self.upload_per_tensor(gpu, "weight", weights, |p| &p.master)?;
+        self.load_storage(gpu, weights)
+    }
+
+    /// Sets the X copy the kernels read (all a follower keeps).
+    fn load_storage(&mut self, gpu: &Gpu, weights: &[&[f32]]) -> Result<()> {
+        ensure(weights.len() == self.tensors.len(), || {
+            format!("{} weight tensors given, the part has {}", weights.len(), self.tensors.len())
+        })?;
         for (s, w) in self.tensors.iter().zip(weights) {
             let x: Vec<X> = w.iter().map(|&f| X::from_f32(f)).collect();
             gpu.copy_to(&self.params, s.offset, &x)?;
