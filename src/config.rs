@@ -303,7 +303,10 @@ pub struct BackendSection {
     /// With kind = "cuda": the GPU ordinal of each pipeline rank, in rank
     /// order (several ranks may share one GPU, each on its own stream), or of
     /// each (replica, rank) replica-major when it has pp · dp entries; empty
-    /// means all on GPU 0.
+    /// means all on GPU 0. With parallel.tp > 1 each rank has tp entries in
+    /// a row, one per tensor-parallel rank (tp fastest, as Megatron orders
+    /// ranks): all different (NCCL between them) or all the same (the ranks
+    /// take turns on one GPU, for checking the split).
     pub devices: Vec<usize>,
     /// With kind = "cuda": the storage type of weights and activations,
     /// "bf16" (training) or "f32" (the path the CPU twin checks use).
@@ -624,17 +627,19 @@ impl Config {
         self.check_zero(&mut v);
         self.check_tp(&mut v);
         let devices = &self.backend.devices;
+        let per_rank = p.pp * p.tp;
         v.check(
             devices.is_empty()
                 || (self.backend.kind == BackendKind::Cuda
-                    && (devices.len() == p.pp || devices.len() == p.pp * p.dp)),
+                    && (devices.len() == per_rank || devices.len() == per_rank * p.dp)),
             "backend.devices",
             format!("{devices:?}"),
             format!(
-                "one GPU ordinal per pipeline rank (parallel.pp = {}) or per rank and replica ({} entries), \
-                 and only with backend.kind = \"cuda\"",
+                "one GPU ordinal per pipeline rank (parallel.pp = {}){} ({per_rank} entries) or per rank and \
+                 replica ({} entries), and only with backend.kind = \"cuda\"",
                 p.pp,
-                p.pp * p.dp
+                if p.tp > 1 { format!(" and tensor-parallel rank (parallel.tp = {})", p.tp) } else { String::new() },
+                per_rank * p.dp
             ),
         );
         v.check(
@@ -759,7 +764,7 @@ impl Config {
     }
 
     /// Tensor parallelism cuts heads into whole slices and each rank takes
-    /// whole slices; only the CPU backend computes by slices.
+    /// whole slices; a GPU joins at most 64 subtree sums in one kernel.
     fn check_tp(&self, v: &mut Validator) {
         let p = &self.parallel;
         v.check(p.tp >= 1 && p.tp.is_power_of_two(), "parallel.tp", p.tp, "must be a power of two >= 1");
@@ -789,11 +794,17 @@ impl Config {
         }
         let kind = self.backend.kind;
         v.check(
-            (p.tp == 1 && p.tp_slices == 1) || kind == BackendKind::Cpu,
+            (p.tp == 1 && p.tp_slices == 1) || kind != BackendKind::Sim,
             "backend.kind",
             kind.name(),
-            "must be \"cpu\" with parallel.tp or parallel.tp_slices above 1 (tensor parallelism runs on the \
-             CPU backend only)",
+            "must be \"cpu\" or \"cuda\" with parallel.tp or parallel.tp_slices above 1 (the simulated \
+             backend does not split stages)",
+        );
+        v.check(
+            kind != BackendKind::Cuda || p.tp_slices <= 64,
+            "parallel.tp_slices",
+            p.tp_slices,
+            "must be at most 64 with backend.kind = \"cuda\" (one kernel joins the slices' sums)",
         );
     }
 
@@ -984,6 +995,16 @@ impl Config {
                 "launch --nodes {nodes}: {per} ranks per process would cut a stage's {tp} tensor-parallel \
                  ranks unevenly: each process must hold whole stages ({tp} divides {per}) or an equal share \
                  of one stage's ranks ({per} divides {tp})"
+            ),
+        );
+        v.check(
+            !even || tp == 1 || self.backend.kind != BackendKind::Cuda || per.is_multiple_of(tp),
+            "parallel.tp",
+            tp,
+            format!(
+                "launch --nodes {nodes}: with backend.kind = \"cuda\" a stage's {tp} tensor-parallel GPUs are \
+                 driven by the stage's process (NCCL inside a node), so each process holds whole stages: \
+                 {per} ranks per process is not a multiple of {tp}"
             ),
         );
         v.finish()
@@ -1433,7 +1454,7 @@ mod tests {
     }
 
     #[test]
-    fn tp_takes_whole_slices_of_whole_heads_on_the_cpu_backend() {
+    fn tp_takes_whole_slices_of_whole_heads_on_cpu_and_cuda() {
         let mut c = valid();
         c.model.n_head = 4;
         c.parallel.tp = 2;
@@ -1454,6 +1475,37 @@ mod tests {
         c.backend.kind = BackendKind::Sim;
         let err = refused(&c, "backend.kind");
         assert!(err.contains("\"cpu\"") && err.contains("parallel.tp"), "{err}");
+        // On GPUs: tp entries of backend.devices per rank, and one kernel joins at most 64 slices.
+        c.backend.kind = BackendKind::Cuda;
+        c.validate().unwrap();
+        let ranks = c.parallel.pp * 2;
+        c.backend.devices = vec![0; ranks];
+        c.validate().unwrap();
+        c.backend.devices = vec![0; c.parallel.pp];
+        let err = refused(&c, "backend.devices");
+        assert!(
+            err.contains(&format!("and tensor-parallel rank (parallel.tp = 2) ({ranks} entries)")),
+            "{err}"
+        );
+        c.backend.devices = vec![];
+        c.model.n_head = 128;
+        c.model.n_embd = 128 * 64;
+        c.parallel.tp_slices = 128;
+        let err = refused(&c, "parallel.tp_slices");
+        assert!(err.contains("at most 64"), "{err}");
+    }
+
+    #[test]
+    fn a_cuda_stage_s_tp_gpus_stay_in_its_process() {
+        let mut c = valid();
+        c.model.n_head = 4;
+        (c.parallel.pp, c.parallel.tp, c.parallel.tp_slices) = (2, 2, 2);
+        c.check_processes(2).unwrap();
+        c.check_processes(4).unwrap();
+        c.backend.kind = BackendKind::Cuda;
+        c.check_processes(2).unwrap();
+        let err = c.check_processes(4).unwrap_err().to_string();
+        assert!(err.contains("parallel.tp") && err.contains("NCCL inside a node"), "{err}");
     }
 
     #[test]

@@ -469,7 +469,7 @@ fn layouts_the_trainer_cannot_run_are_marked_and_ranked_below_those_it_can() {
     };
     assert_eq!(runnable(&layout(1, 0), Backend::Cuda), Ok(()));
     assert_eq!(runnable(&layout(2, 0), Backend::Cpu), Ok(()), "parallel.tp runs on CPU");
-    assert!(runnable(&layout(2, 0), Backend::Cuda).unwrap_err().contains("tp > 1"));
+    assert!(runnable(&layout(2, 0), Backend::Cuda).unwrap_err().contains("whole on tp rank 0"));
     assert!(runnable(&layout(1, 3), Backend::Cuda).unwrap_err().contains("ZeRO-2 and ZeRO-3"));
     assert_eq!(runnable(&layout(1, 1), Backend::Cpu), Ok(()), "parallel.zero = 1 runs on CPU");
     assert!(runnable(&layout(1, 1), Backend::Cuda).unwrap_err().contains("CPU backend only"));

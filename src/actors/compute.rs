@@ -417,17 +417,18 @@ mod gpu {
     use super::*;
     use crate::actors::stage::nccl::{link_orders, GpuPlan, NcclKey};
     use crate::kernels::cuda::nccl::{Comm, NcclId, NcclType};
-    use crate::kernels::cuda::part::{GpuGrad, GpuInput, GpuPart};
+    use crate::kernels::cuda::part::{GpuGrad, GpuInput, TpDevices, TpPart};
     use crate::kernels::cuda::transfer::{NcclLink, Outbox, ParcelKey};
     use crate::kernels::cuda::{CudaError, DeviceBuffer, Elem, Gpu};
     use std::sync::Arc;
 
     type CudaResult<T> = crate::kernels::cuda::Result<T>;
 
-    /// Chunks on one GPU, which this rank's thread owns (its context and stream).
+    /// Chunks on one GPU, or on the GPUs of the stage's tensor-parallel
+    /// ranks, which this rank's thread owns (their contexts and streams).
     pub struct GpuCompute<X: Elem> {
-        gpu: Gpu,
-        parts: Vec<GpuPart<X>>,
+        dev: TpDevices,
+        parts: Vec<TpPart<X>>,
         b: usize,
         /// Global stage of each chunk.
         stages: Vec<usize>,
@@ -464,6 +465,8 @@ mod gpu {
         pub plan: Option<Arc<GpuPlan>>,
         /// Every tensor through messages in host memory (replay recording, run-wide).
         pub host_only: bool,
+        /// The slices of the stage's split sums (`parallel.tp_slices`).
+        pub tp_slices: usize,
     }
 
     impl<X: Elem + NcclType> GpuCompute<X> {
@@ -473,7 +476,7 @@ mod gpu {
         /// NCCL communicators of the plan this rank belongs to.
         #[allow(clippy::too_many_arguments)]
         pub fn new(
-            gpu: Gpu,
+            dev: TpDevices,
             chunks: Vec<(crate::model::PartSpec, Vec<Param>)>,
             cfg: crate::model::GptConfig,
             b: usize,
@@ -484,19 +487,22 @@ mod gpu {
         ) -> Result<Self, String> {
             let mut parts = Vec::new();
             for ((spec, params), &slots) in chunks.into_iter().zip(live) {
-                let mut part = GpuPart::<X>::new(&gpu, cfg, spec, b, recompute, slots.max(1), &params)
-                    .map_err(|e| format!("GPU {} ({}): {e}", gpu.name, gpu_memory_hint(&e)))?;
+                let mut part =
+                    TpPart::<X>::new(&dev, cfg, spec, b, recompute, slots.max(1), &params, place.tp_slices)
+                        .map_err(|e| format!("GPU {} ({}): {e}", dev.gpu(0).name, gpu_memory_hint(&e)))?;
                 if let Some(c) = resume {
                     let (m, v) = moment_lists(c, params.iter().map(|p| p.name.as_str()))?;
-                    part.load_moments(&gpu, &m, &v, c.state.adam_step).map_err(|e| e.to_string())?;
+                    let t = c.state.adam_step;
+                    part.owner_mut().load_moments(dev.gpu(0), &m, &v, t).map_err(|e| e.to_string())?;
                 }
                 parts.push(part);
             }
+            let gpu = dev.gpu(0);
             let layout = place.layout.clone();
             let n = b * cfg.block_size * cfg.n_embd;
             let routes = match place.plan {
                 Some(plan) => Some(std::cell::RefCell::new(Routes::new(
-                    &gpu,
+                    gpu,
                     plan,
                     &layout,
                     place.rank,
@@ -507,7 +513,7 @@ mod gpu {
                 None => None,
             };
             Ok(GpuCompute {
-                gpu,
+                dev,
                 parts,
                 b,
                 stages: layout.stages_of(place.rank),
@@ -661,6 +667,19 @@ mod gpu {
         }
     }
 
+    impl<X: Elem + NcclType> GpuCompute<X> {
+        /// The stage's (rank 0's) GPU: its routes, optimizer and downloads.
+        fn gpu(&self) -> &Gpu {
+            self.dev.gpu(0)
+        }
+
+        /// Chunk i's owner, its gradients summed over the tensor-parallel ranks.
+        fn summed(&self, i: usize) -> &crate::kernels::cuda::part::GpuPart<X> {
+            ok(self.parts[i].sum_grads(&self.dev), "gradient sum over tensor-parallel ranks");
+            self.parts[i].owner()
+        }
+    }
+
     impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
         fn micro_batch(&self) -> usize {
             self.b
@@ -668,7 +687,7 @@ mod gpu {
 
         fn zero_grads(&mut self) {
             for p in &mut self.parts {
-                ok(p.zero_grads(&self.gpu), "zero gradients");
+                ok(p.zero_grads(&self.dev), "zero gradients");
             }
         }
 
@@ -693,7 +712,7 @@ mod gpu {
                 ChunkInput::Activation(a) if !a.is_empty() => GpuInput::Activation(a),
                 ChunkInput::Activation(_) => GpuInput::Device(&mut fill),
             };
-            let out = self.parts[i].forward(&self.gpu, mb, input, targets, mode, argmax, Some(&mut sink));
+            let out = self.parts[i].forward(&self.dev, mb, input, targets, mode, argmax, Some(&mut sink));
             let out = ok(out, "forward");
             ChunkOutput { output: out.output, loss_sum: out.loss_sum }
         }
@@ -718,44 +737,50 @@ mod gpu {
                 Some(g) if !g.is_empty() => GpuGrad::Host(g),
                 Some(_) => GpuGrad::Device(&mut fill),
             };
-            ok(self.parts[i].backward(&self.gpu, mb, grad, Some(&mut sink)), "backward")
+            ok(self.parts[i].backward(&self.dev, mb, grad, Some(&mut sink)), "backward")
         }
 
         fn live(&self, i: usize) -> (usize, usize) {
-            (self.parts[i].live_count(), self.parts[i].live_bytes)
+            (self.parts[i].owner().live_count(), self.parts[i].owner().live_bytes)
         }
 
         fn peak_live_bytes(&self) -> usize {
-            self.parts.iter().map(|p| p.peak_live_bytes).sum()
+            self.parts.iter().map(|p| p.owner().peak_live_bytes).sum()
         }
 
         fn tied_share(&self, i: usize) -> Vec<f32> {
-            ok(self.parts[i].tied_share(&self.gpu), "tied share")
+            ok(self.summed(i).tied_share(self.gpu()), "tied share")
         }
 
         fn combine_tied(&mut self, i: usize, other: Option<&[f32]>) {
-            ok(self.parts[i].combine_tied(&self.gpu, other), "tied gradient sum");
+            self.summed(i);
+            let gpu = self.dev.gpu(0);
+            ok(self.parts[i].owner_mut().combine_tied(gpu, other), "tied gradient sum");
         }
 
         fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>> {
-            ok(self.parts[i].gradients(&self.gpu), "gradient download")
+            ok(self.summed(i).gradients(self.gpu()), "gradient download")
         }
 
         fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
-            ok(self.parts[i].set_gradients(&self.gpu, &grads), "gradient upload");
+            self.summed(i);
+            let gpu = self.dev.gpu(0);
+            ok(self.parts[i].owner_mut().set_gradients(gpu, &grads), "gradient upload");
         }
 
         fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
-            *out = ok(self.parts[i].grad_sum_squares(&self.gpu), "gradient norm");
+            *out = ok(self.summed(i).grad_sum_squares(self.gpu()), "gradient norm");
         }
 
         fn poison_grad(&mut self, i: usize, value: f32) {
-            ok(self.parts[i].poison_gradient(&self.gpu, 0, value), "fault injection");
+            self.summed(i);
+            let gpu = self.dev.gpu(0);
+            ok(self.parts[i].owner_mut().poison_gradient(gpu, 0, value), "fault injection");
         }
 
         fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32) {
             for p in &mut self.parts {
-                ok(p.adamw(&self.gpu, &hyper, lr, clip), "AdamW");
+                ok(p.adamw(&self.dev, &hyper, lr, clip), "AdamW");
             }
         }
 
@@ -763,30 +788,30 @@ mod gpu {
             let Some(routes) = &self.routes else { return false };
             let routes = routes.borrow();
             let Some(comm) = &routes.replicas else { return false };
-            for p in &self.parts {
-                ok(p.all_reduce_gradients(&self.gpu, comm), "all-reduce across replicas");
+            for i in 0..self.parts.len() {
+                ok(self.summed(i).all_reduce_gradients(self.gpu(), comm), "all-reduce across replicas");
             }
             true
         }
 
         fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
             for (i, part) in self.parts.iter().enumerate() {
-                let values = ok(part.master_weights(&self.gpu), "weight download");
-                for (t, v) in part.tensors.iter().zip(&values) {
+                let values = ok(part.owner().master_weights(self.gpu()), "weight download");
+                for (t, v) in part.owner().tensors.iter().zip(&values) {
                     f(i, &t.name, v);
                 }
             }
         }
 
         fn param_name(&self, i: usize, k: usize) -> Option<String> {
-            self.parts.get(i).and_then(|p| p.tensors.get(k)).map(|t| t.name.clone())
+            self.parts.get(i).and_then(|p| p.owner().tensors.get(k)).map(|t| t.name.clone())
         }
 
         fn params(&self) -> Vec<Param> {
             let mut out = Vec::new();
             for part in &self.parts {
-                let values = ok(part.master_weights(&self.gpu), "weight download");
-                for (t, data) in part.tensors.iter().zip(values) {
+                let values = ok(part.owner().master_weights(self.gpu()), "weight download");
+                for (t, data) in part.owner().tensors.iter().zip(values) {
                     let (name, shape, canonical) = (t.name.clone(), t.shape.clone(), t.canonical);
                     out.push(Param { name, shape, data, grad: vec![], canonical });
                 }
@@ -797,9 +822,9 @@ mod gpu {
         fn snapshot(&self) -> (Vec<TensorState>, u64) {
             let mut tensors = Vec::new();
             for part in &self.parts {
-                let data = ok(part.master_weights(&self.gpu), "weight download");
-                let (m, v) = ok(part.moments(&self.gpu), "moment download");
-                for (((t, d), m), v) in part.tensors.iter().zip(data).zip(m).zip(v) {
+                let data = ok(part.owner().master_weights(self.gpu()), "weight download");
+                let (m, v) = ok(part.owner().moments(self.gpu()), "moment download");
+                for (((t, d), m), v) in part.owner().tensors.iter().zip(data).zip(m).zip(v) {
                     tensors.push(TensorState {
                         name: t.name.clone(),
                         shape: t.shape.clone(),
@@ -809,13 +834,13 @@ mod gpu {
                     });
                 }
             }
-            (tensors, self.parts.first().map_or(0, |p| p.adam_t))
+            (tensors, self.parts.first().map_or(0, |p| p.owner().adam_t))
         }
 
         fn restore(&mut self, c: &Loaded) -> Result<(), String> {
             for part in &mut self.parts {
                 let mut w = Vec::new();
-                for t in &part.tensors {
+                for t in &part.owner().tensors {
                     let (shape, data) =
                         c.weights.tensors.get(&t.name).ok_or_else(|| {
                             format!("rollback to {}: no tensor {}", c.dir.display(), t.name)
@@ -830,9 +855,10 @@ mod gpu {
                     }
                     w.push(data.as_slice());
                 }
-                let (m, v) = moment_lists(c, part.tensors.iter().map(|t| t.name.as_str()))?;
-                part.load_weights(&self.gpu, &w).map_err(|e| e.to_string())?;
-                part.load_moments(&self.gpu, &m, &v, c.state.adam_step).map_err(|e| e.to_string())?;
+                let (m, v) = moment_lists(c, part.owner().tensors.iter().map(|t| t.name.as_str()))?;
+                part.load_weights(&self.dev, &w).map_err(|e| e.to_string())?;
+                let t = c.state.adam_step;
+                part.owner_mut().load_moments(self.dev.gpu(0), &m, &v, t).map_err(|e| e.to_string())?;
             }
             Ok(())
         }

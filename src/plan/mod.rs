@@ -116,7 +116,11 @@ pub enum Backend {
 /// the planner marks a layout the trainer would refuse instead of proposing it.
 pub fn runnable(layout: &memory::MemLayout, backend: Backend) -> Result<(), &'static str> {
     if layout.tp > 1 && backend != Backend::Cpu {
-        return Err("tensor parallelism (tp > 1) runs on the CPU backend only (parallel.tp)");
+        // The GPU split runs (parallel.tp on cuda), but keeps the master
+        // weights and AdamW's moments whole on each stage's tp rank 0, so the
+        // per-GPU figure here (states divided by tp, as Megatron's) is not what
+        // it would need.
+        return Err("GPU tensor parallelism keeps the optimizer state whole on tp rank 0, not divided by tp");
     }
     match (layout.zero, backend) {
         (0, _) => {}

@@ -106,24 +106,21 @@ fn build_cpu(
     Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b, block, args.layout.dp * m)))
 }
 
-/// The rank's chunks on its GPU (`backend.devices`), with as many
-/// activation slots per chunk as the schedule keeps microbatches alive there.
+/// The rank's chunks on its GPU (`backend.devices`), or on its stage's
+/// tensor-parallel GPUs, with as many activation slots per chunk as the
+/// schedule keeps microbatches alive there.
 #[cfg(feature = "cuda")]
 fn build_gpu(
     args: &StageArgs,
     chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
 ) -> Result<Box<dyn StageCompute>, String> {
     use super::super::compute::{GpuCompute, GpuPlace};
-    use crate::kernels::cuda::{Bf16, Gpu};
+    use crate::kernels::cuda::part::TpDevices;
+    use crate::kernels::cuda::Bf16;
     let cfg = &args.cfg;
-    let devices = &cfg.backend.devices;
-    let pp = args.layout.pp;
-    let ordinal = match devices.len() {
-        0 => 0,
-        n if n == pp => devices[args.rank],
-        _ => devices[args.replica * pp + args.rank],
-    };
-    let gpu = Gpu::new(ordinal).map_err(|e| format!("backend.devices: GPU {ordinal}: {e}"))?;
+    let ordinals =
+        tp_ordinals(&cfg.backend.devices, args.layout.pp, cfg.parallel.tp, args.rank, args.replica);
+    let dev = TpDevices::open(&ordinals).map_err(|e| format!("backend.devices: GPUs {ordinals:?}: {e}"))?;
     let peak =
         args.layout.schedule.simulate(&crate::schedule::Costs::unit()).map_err(|e| e.to_string())?.peak_live;
     let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
@@ -135,12 +132,26 @@ fn build_gpu(
         replica: args.replica,
         plan: args.gpu_plan.clone(),
         host_only: args.log.is_some(),
+        tp_slices: cfg.parallel.tp_slices,
     };
     Ok(if cfg.backend.dtype == crate::config::Dtype::F32 {
-        Box::new(GpuCompute::<f32>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
+        Box::new(GpuCompute::<f32>::new(dev, chunks, gpt, b, rc, &live, resume, place())?)
     } else {
-        Box::new(GpuCompute::<Bf16>::new(gpu, chunks, gpt, b, rc, &live, resume, place())?)
+        Box::new(GpuCompute::<Bf16>::new(dev, chunks, gpt, b, rc, &live, resume, place())?)
     })
+}
+
+/// The GPU ordinals of pipeline rank `rank`'s tensor-parallel ranks in
+/// replica `replica`, from `backend.devices`: `tp` entries per rank, ranks
+/// in order, optionally per replica (replica-major); empty: all GPU 0.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub fn tp_ordinals(devices: &[usize], pp: usize, tp: usize, rank: usize, replica: usize) -> Vec<usize> {
+    let first = match devices.len() {
+        0 => return vec![0; tp],
+        n if n == pp * tp => rank * tp,
+        _ => (replica * pp + rank) * tp,
+    };
+    devices[first..first + tp].to_vec()
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -149,4 +160,22 @@ fn build_gpu(
     _chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
 ) -> Result<Box<dyn StageCompute>, String> {
     Err(crate::kernels::BackendError::NotBuilt.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tp_ordinals;
+
+    #[test]
+    fn each_rank_takes_tp_devices_in_a_row_per_rank_or_per_rank_and_replica() {
+        // pp 2, tp 1: the layout every run before tensor parallelism used.
+        assert_eq!(tp_ordinals(&[3, 5], 2, 1, 1, 0), vec![5]);
+        assert_eq!(tp_ordinals(&[0, 1, 2, 3], 2, 1, 1, 1), vec![3]);
+        // pp 2, tp 2: ranks' GPUs side by side (tp fastest).
+        assert_eq!(tp_ordinals(&[0, 1, 2, 3], 2, 2, 1, 0), vec![2, 3]);
+        assert_eq!(tp_ordinals(&[0, 1, 2, 3], 2, 2, 1, 1), vec![2, 3]);
+        // pp 2, dp 2, tp 2: replica-major.
+        assert_eq!(tp_ordinals(&[0, 1, 2, 3, 4, 5, 6, 7], 2, 2, 0, 1), vec![4, 5]);
+        assert_eq!(tp_ordinals(&[], 2, 4, 1, 1), vec![0; 4]);
+    }
 }
