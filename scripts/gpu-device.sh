@@ -5,7 +5,9 @@
 #   check   gpu-check (every kernel against its CPU twin, whole steps, repeats),
 #           re-running what failed with CUDA_LAUNCH_BLOCKING=1 and cuBLASLt's
 #           log; then training through the actor runtime, pp = 1 against pp = 2
-#           (1F1B, GPipe; f32, bf16) on one GPU: the weights must match.
+#           (1F1B, GPipe; f32, bf16) on one GPU, and tp = 2 (both ranks taking
+#           turns on this GPU) against tp = 1 over the same 2 slices: the
+#           weights must match.
 #   bench   gpu-bench (GPT-2 124M, bf16, T = 1024), then PyTorch on the same
 #           micro-batch, eager and torch.compile.
 # Everything is written under /tmp/pw-gpu/PHASE; $OUT (or the 2nd argument)
@@ -96,11 +98,23 @@ pipeline_runs() {
             devs="[$(printf "$GPU,%.0s" $(seq "$1") | sed 's/,$//')]"
             step "train-$dtype-pp$1-$2" 120 "$BIN" train "${small[@]}" --set "backend.dtype=\"$dtype\"" \
                 --set "parallel.pp=$1" --set "parallel.schedule=\"$2\"" --set "backend.devices=$devs" --out "$run" >/dev/null
-            echo "$dtype pp$1-$2 $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["weights_digest"])' \
-                "$run/summary.json" 2>/dev/null || echo FAILED)" >>"$WORK/pipeline.txt"
+            echo "$dtype pp$1-$2 $(digest_of "$run")" >>"$WORK/pipeline.txt"
+        done
+        # Tensor parallelism, both ranks taking turns on this GPU: tp 2 against tp 1 over the same 2 slices.
+        for tp in 1 2; do
+            local run="$WORK/train-$dtype-tp$tp" devs
+            devs="[$(printf "$GPU,%.0s" $(seq "$tp") | sed 's/,$//')]"
+            step "train-$dtype-tp$tp" 120 "$BIN" train "${small[@]}" --set "backend.dtype=\"$dtype\"" \
+                --set parallel.tp="$tp" --set parallel.tp_slices=2 --set "backend.devices=$devs" --out "$run" >/dev/null
+            echo "$dtype tp$tp-s2 $(digest_of "$run")" >>"$WORK/pipeline.txt"
         done
     done
     cat "$WORK/pipeline.txt"
+}
+
+digest_of() {
+    python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["weights_digest"])' "$1/summary.json" 2>/dev/null \
+        || echo FAILED
 }
 
 phase_bench() {

@@ -51,6 +51,8 @@ def check_summary(work):
             two = digests.get((dtype, layout))
             ok = one is not None and one != "FAILED" and one == two
             bits[f"{dtype} {layout} = pp1"] = ok
+        one, two = digests.get((dtype, "tp1-s2")), digests.get((dtype, "tp2-s2"))
+        bits[f"{dtype} tp2 = tp1 (2 slices)"] = one is not None and one != "FAILED" and one == two
     summary = {
         "gpu_check_passed": rc(work, "gpu-check") == 0,
         "gpu_checks_ok": passed,

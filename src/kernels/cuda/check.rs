@@ -7,6 +7,8 @@
 //! rounded before the CPU twin sees them, so only the GPU's storage rounding
 //! and its summation order differ.
 
+mod tp;
+
 use super::model::GpuModel;
 use super::part::{GpuGrad, GpuInput, GpuPart};
 use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual, tree};
@@ -923,5 +925,6 @@ fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     step_repeats::<f32>(gpu, "f32", out)?;
     step_repeats::<Bf16>(gpu, "bf16", out)?;
     pipeline_parts_match_one_part::<f32>(gpu, "f32", out)?;
-    pipeline_parts_match_one_part::<Bf16>(gpu, "bf16", out)
+    pipeline_parts_match_one_part::<Bf16>(gpu, "bf16", out)?;
+    tp::tp_checks(gpu, out)
 }

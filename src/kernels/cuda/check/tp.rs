@@ -1,0 +1,98 @@
+//! The tensor-parallel split on one GPU: ranks taking turns on it (what a
+//! machine with one GPU can check of the split; NCCL between GPUs moves the
+//! same bytes) against one rank summing the same slices — two training
+//! steps, bit for bit — and the sliced step against the CPU model.
+
+use super::{bits_differ, cpu_step, rel_err, step_batch, Check};
+use super::{STEP_B, STEP_CLIP, STEP_HYPER, STEP_LR, STEP_MICROBATCHES, STEP_SEED};
+use crate::kernels::cuda::nccl::NcclType;
+use crate::kernels::cuda::part::{GpuGrad, GpuInput, TpDevices, TpPart};
+use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
+use crate::model::part::Mode;
+use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::optim::{self, AdamState};
+
+/// Four heads of 64, so 1, 2 and 4 ranks each take whole slices of 4.
+const TP_CFG: GptConfig = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, vocab_size: 1000, block_size: 64 };
+const SLICES: usize = 4;
+
+/// What two steps leave: each step's loss and gradient norm, then the master
+/// weights; and the first step's gradients.
+struct Run {
+    figures: Vec<f32>,
+    first_grads: Vec<Vec<f32>>,
+}
+
+/// Two training steps of the whole model over `size` ranks on one GPU.
+fn tp_run<X: Elem + NcclType>(
+    gpu: &Gpu,
+    params: &[crate::model::Param],
+    size: usize,
+    recompute: bool,
+) -> Result<Run> {
+    let dev = TpDevices::one_device(Gpu::new(gpu.ordinal)?, size);
+    let spec = PartSpec::whole(&TP_CFG);
+    let mut part = TpPart::<X>::new(&dev, TP_CFG, spec, STEP_B, recompute, 1, params, SLICES)?;
+    let n = STEP_B * TP_CFG.block_size;
+    let dloss = 1.0 / (STEP_MICROBATCHES * n) as f32;
+    let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);
+    let mut run = Run { figures: vec![], first_grads: vec![] };
+    for step in 1..=2u64 {
+        part.zero_grads(&dev)?;
+        let mut loss = 0.0;
+        for mb in 0..STEP_MICROBATCHES {
+            step_batch(step, mb, &mut inputs, &mut targets);
+            let input = GpuInput::Tokens(&inputs);
+            let out = part.forward(&dev, mb, input, Some(&targets), Mode::Train { dloss }, None, None)?;
+            loss += out.loss_sum.unwrap_or(f64::NAN);
+            part.backward(&dev, mb, GpuGrad::FromLoss, None)?;
+        }
+        part.sum_grads(&dev)?;
+        part.owner_mut().combine_tied(dev.gpu(0), None)?;
+        let mut norms = part.owner().grad_sum_squares(dev.gpu(0))?;
+        let norm = optim::global_norm(&mut norms);
+        if step == 1 {
+            run.first_grads = part.owner().gradients(dev.gpu(0))?;
+        }
+        part.adamw(&dev, &STEP_HYPER, STEP_LR, optim::clip_coefficient(norm, STEP_CLIP))?;
+        run.figures.extend([(loss * dloss as f64) as f32, norm as f32]);
+    }
+    run.figures.extend(part.owner().master_weights(dev.gpu(0))?.concat());
+    Ok(run)
+}
+
+/// 1, 2 and 4 ranks (and 2 with recompute) give one rank's bits; in f32 the
+/// sliced step's gradients match the CPU model's.
+fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let mut cpu = ModelPart::new(TP_CFG, PartSpec::whole(&TP_CFG), STEP_B, STEP_SEED, false);
+    let one = tp_run::<X>(gpu, &cpu.params, 1, false)?;
+    for (size, recompute) in [(2, false), (4, false), (2, true)] {
+        let run = tp_run::<X>(gpu, &cpu.params, size, recompute)?;
+        out.push(Check {
+            name: format!(
+                "tp {size}{} = tp 1 over {SLICES} slices, 2 steps bit for bit ({tag})",
+                if recompute { " recompute" } else { "" }
+            ),
+            rel_err: bits_differ(&run.figures, &one.figures),
+            tol: 0.5,
+        });
+    }
+    if X::IS_F32 {
+        let mut adam = AdamState::new(&cpu);
+        cpu_step(&mut cpu, &mut adam, 1);
+        let worst =
+            cpu.params.iter().zip(&one.first_grads).map(|(p, g)| rel_err(g, &p.grad)).fold(0.0, f64::max);
+        out.push(Check {
+            name: format!("tp over {SLICES} slices, step 1 gradients vs cpu ({tag})"),
+            rel_err: worst,
+            tol: 1e-3,
+        });
+    }
+    Ok(())
+}
+
+/// The split's checks in f32 and bf16.
+pub(super) fn tp_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
+    tp_checks_in::<f32>(gpu, "f32", out)?;
+    tp_checks_in::<Bf16>(gpu, "bf16", out)
+}
