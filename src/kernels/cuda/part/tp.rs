@@ -83,9 +83,9 @@ fn at<T>(ptr: u64, e: usize) -> u64 {
     ptr + (e * std::mem::size_of::<T>()) as u64
 }
 
-/// A split product's shape on this rank: `width` columns (or rows) in all,
+/// A split product's shape on one rank: `width` columns (or rows) in all,
 /// in `parts` equal blocks (q, k, v), each block cut into `slices` slices.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 struct Cut {
     /// One block's width over all ranks, and on this rank.
     full: usize,
@@ -93,17 +93,43 @@ struct Cut {
     /// One slice's width.
     per: usize,
     parts: usize,
+    tp: GpuTp,
+}
+
+/// One product of a rank's: its slice j (0..leaves) of block q, starting at
+/// column (or row) `local` of the rank's buffer and `global` of the weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Piece {
+    j: usize,
+    q: usize,
+    local: usize,
+    global: usize,
+}
+
+impl Cut {
+    fn new(width: usize, parts: usize, tp: GpuTp) -> Cut {
+        let full = width / parts;
+        Cut { full, local: full / tp.size, per: full / tp.slices, parts, tp }
+    }
+
+    /// The rank's products, slice-major: its leaves are global slices
+    /// rank·leaves.., a whole subtree of the slice tree.
+    fn pieces(self) -> impl Iterator<Item = Piece> {
+        let first = self.tp.rank * self.tp.leaves();
+        (0..self.tp.leaves()).flat_map(move |j| {
+            (0..self.parts).map(move |q| Piece {
+                j,
+                q,
+                local: q * self.local + j * self.per,
+                global: q * self.full + (first + j) * self.per,
+            })
+        })
+    }
 }
 
 impl<X: Elem> GpuPart<X> {
     fn cut(&self, width: usize, parts: usize) -> Cut {
-        let full = width / parts;
-        Cut { full, local: full / self.tp.size, per: full / self.tp.slices, parts }
-    }
-
-    /// The first global slice this rank computes.
-    fn first_slice(&self) -> usize {
-        self.tp.rank * self.tp.leaves()
+        Cut::new(width, parts, self.tp)
     }
 
     /// Where this rank's subtree sum goes in the gathered buffer.
@@ -127,24 +153,10 @@ impl<X: Elem> GpuPart<X> {
     ) -> Result<()> {
         let (n, c) = (self.n(), self.cfg.n_embd);
         let (w, bias) = (View::new(self.w(wb.0), cut.parts * cut.full), self.w(wb.1));
-        for j in 0..self.tp.leaves() {
-            for q in 0..cut.parts {
-                let local = q * cut.local + j * cut.per;
-                let global = q * cut.full + (self.first_slice() + j) * cut.per;
-                let o = View::new(out.ptr(), cut.parts * cut.local).at::<X>(0, local);
-                let bias = Some(at::<X>(bias, global));
-                let inp = View::new(inp.ptr(), c);
-                matmul::product_forward::<X>(
-                    gpu,
-                    o,
-                    Out::Storage,
-                    inp,
-                    w.at::<X>(0, global),
-                    bias,
-                    (n, c, cut.per),
-                    false,
-                )?;
-            }
+        let (o, x) = (View::new(out.ptr(), cut.parts * cut.local), View::new(inp.ptr(), c));
+        for p in cut.pieces() {
+            let (o, w, bias) = (o.at::<X>(0, p.local), w.at::<X>(0, p.global), Some(at::<X>(bias, p.global)));
+            matmul::product_forward::<X>(gpu, o, Out::Storage, x, w, bias, (n, c, cut.per), false)?;
         }
         Ok(())
     }
@@ -152,17 +164,22 @@ impl<X: Elem> GpuPart<X> {
     /// This rank's subtree sum of inp (N, K/size) · w[this rank's rows, :]
     /// (w is (K, C)), the bias joining global slice 0, into the gathered buffer.
     fn row_slices(&self, gpu: &Gpu, inp: &DeviceBuffer<X>, wb: (usize, usize), k: usize) -> Result<()> {
-        let (n, c, leaves) = (self.n(), self.cfg.n_embd, self.tp.leaves());
-        let (kl, ks) = (k / self.tp.size, k / self.tp.slices);
-        for j in 0..leaves {
-            let leaf = View::new(self.s.leaves.ptr(), c).at::<f32>(j * n, 0);
-            let x = View::new(inp.ptr(), kl).at::<X>(0, j * ks);
-            let w = View::new(self.w(wb.0), c).at::<X>((self.first_slice() + j) * ks, 0);
-            // The bias in f32 (the master copy), the leaf's type; only rank 0 has it.
-            let bias = (self.is_owner() && j == 0).then(|| self.master.ptr_at(self.tensors[wb.1].offset));
-            matmul::product_forward::<X>(gpu, leaf, Out::F32, x, w, bias, (n, ks, c), false)?;
+        let (n, c, cut) = (self.n(), self.cfg.n_embd, self.cut(k, 1));
+        for p in cut.pieces() {
+            let leaf = View::new(self.s.leaves.ptr(), c).at::<f32>(p.j * n, 0);
+            let x = View::new(inp.ptr(), cut.local).at::<X>(0, p.local);
+            let w = View::new(self.w(wb.0), c).at::<X>(p.global, 0);
+            // The bias in f32 (the master copy), the leaf's type: it joins global slice 0.
+            let bias = (p.global == 0).then(|| self.master.ptr_at(self.tensors[wb.1].offset));
+            matmul::product_forward::<X>(gpu, leaf, Out::F32, x, w, bias, (n, cut.per, c), false)?;
         }
-        tree::tree_sum_f32(gpu, self.gathered_at(self.tp.rank), self.s.leaves.ptr(), leaves, n * c)
+        self.subtree(gpu)
+    }
+
+    /// This rank's leaves summed by the slice tree into its place in the gathered buffer.
+    fn subtree(&self, gpu: &Gpu) -> Result<()> {
+        let (at_rank, leaves) = (self.gathered_at(self.tp.rank), self.s.leaves.ptr());
+        tree::tree_sum_f32(gpu, at_rank, leaves, self.tp.leaves(), self.n() * self.cfg.n_embd)
     }
 
     /// The gathered subtree sums joined into `out` (+ `residual`).
@@ -212,12 +229,11 @@ impl<X: Elem> GpuPart<X> {
     /// Gradients of this rank's rows of a row-parallel weight (K, C), from
     /// its input `inp` (N, K/size) and `dres`; the bias (not split) on rank 0.
     fn row_weight_grads(&self, gpu: &Gpu, inp: &DeviceBuffer<X>, wb: (usize, usize), k: usize) -> Result<()> {
-        let (n, c, s) = (self.n(), self.cfg.n_embd, &self.s);
-        let (kl, ks) = (k / self.tp.size, k / self.tp.slices);
-        for j in 0..self.tp.leaves() {
-            let dw = View::new(self.g(wb.0), c).at::<f32>((self.first_slice() + j) * ks, 0);
-            let x = View::new(inp.ptr(), kl).at::<X>(0, j * ks);
-            matmul::product_backward_weight::<X>(gpu, dw, View::new(s.dres.ptr(), c), x, (n, ks, c))?;
+        let (n, c, s, cut) = (self.n(), self.cfg.n_embd, &self.s, self.cut(k, 1));
+        for p in cut.pieces() {
+            let dw = View::new(self.g(wb.0), c).at::<f32>(p.global, 0);
+            let x = View::new(inp.ptr(), cut.local).at::<X>(0, p.local);
+            matmul::product_backward_weight::<X>(gpu, dw, View::new(s.dres.ptr(), c), x, (n, cut.per, c))?;
         }
         if self.is_owner() {
             matmul::bias_backward(gpu, self.g(wb.1), &s.bias_partial, &s.dres, n, c)?;
@@ -227,13 +243,12 @@ impl<X: Elem> GpuPart<X> {
 
     /// dx (N, K/size) = dres · w[this rank's rows, :]ᵀ, by slices.
     fn row_dx(&self, gpu: &Gpu, dx: &DeviceBuffer<X>, wi: usize, k: usize) -> Result<()> {
-        let (n, c) = (self.n(), self.cfg.n_embd);
-        let (kl, ks) = (k / self.tp.size, k / self.tp.slices);
-        for j in 0..self.tp.leaves() {
-            let d = View::new(dx.ptr(), kl).at::<X>(0, j * ks);
-            let w = View::new(self.w(wi), c).at::<X>((self.first_slice() + j) * ks, 0);
-            let dres = View::new(self.s.dres.ptr(), c);
-            matmul::product_backward_input::<X>(gpu, d, Out::Storage, dres, w, (n, ks, c), false)?;
+        let (n, c, cut) = (self.n(), self.cfg.n_embd, self.cut(k, 1));
+        let dres = View::new(self.s.dres.ptr(), c);
+        for p in cut.pieces() {
+            let d = View::new(dx.ptr(), cut.local).at::<X>(0, p.local);
+            let w = View::new(self.w(wi), c).at::<X>(p.global, 0);
+            matmul::product_backward_input::<X>(gpu, d, Out::Storage, dres, w, (n, cut.per, c), false)?;
         }
         Ok(())
     }
@@ -241,18 +256,16 @@ impl<X: Elem> GpuPart<X> {
     /// This rank's subtree sum of the input gradient of a column-parallel
     /// product: per slice, Σ over blocks of dy[:, slice] · w[:, slice]ᵀ.
     fn column_dx(&self, gpu: &Gpu, dy: &DeviceBuffer<X>, wi: usize, cut: Cut) -> Result<()> {
-        let (n, c, leaves) = (self.n(), self.cfg.n_embd, self.tp.leaves());
-        for j in 0..leaves {
-            let leaf = View::new(self.s.leaves.ptr(), c).at::<f32>(j * n, 0);
-            for q in 0..cut.parts {
-                let local = q * cut.local + j * cut.per;
-                let global = q * cut.full + (self.first_slice() + j) * cut.per;
-                let d = View::new(dy.ptr(), cut.parts * cut.local).at::<X>(0, local);
-                let w = View::new(self.w(wi), cut.parts * cut.full).at::<X>(0, global);
-                matmul::product_backward_input::<X>(gpu, leaf, Out::F32, d, w, (n, c, cut.per), q > 0)?;
-            }
+        let (n, c) = (self.n(), self.cfg.n_embd);
+        let (d, w) =
+            (View::new(dy.ptr(), cut.parts * cut.local), View::new(self.w(wi), cut.parts * cut.full));
+        // A slice's blocks (q, k, v) add into its leaf in block order.
+        for p in cut.pieces() {
+            let leaf = View::new(self.s.leaves.ptr(), c).at::<f32>(p.j * n, 0);
+            let (d, w) = (d.at::<X>(0, p.local), w.at::<X>(0, p.global));
+            matmul::product_backward_input::<X>(gpu, leaf, Out::F32, d, w, (n, c, cut.per), p.q > 0)?;
         }
-        tree::tree_sum_f32(gpu, self.gathered_at(self.tp.rank), self.s.leaves.ptr(), leaves, n * c)
+        self.subtree(gpu)
     }
 
     /// Gradients of this rank's columns of a column-parallel weight (C,
@@ -267,14 +280,10 @@ impl<X: Elem> GpuPart<X> {
     ) -> Result<()> {
         let (n, c) = (self.n(), self.cfg.n_embd);
         let dy_view = View::new(dy.ptr(), cut.parts * cut.local);
-        for j in 0..self.tp.leaves() {
-            for q in 0..cut.parts {
-                let local = q * cut.local + j * cut.per;
-                let global = q * cut.full + (self.first_slice() + j) * cut.per;
-                let dw = View::new(self.g(wb.0), cut.parts * cut.full).at::<f32>(0, global);
-                let x = View::new(inp.ptr(), c);
-                matmul::product_backward_weight::<X>(gpu, dw, dy_view.at::<X>(0, local), x, (n, c, cut.per))?;
-            }
+        let (dw, x) = (View::new(self.g(wb.0), cut.parts * cut.full), View::new(inp.ptr(), c));
+        for p in cut.pieces() {
+            let (dw, d) = (dw.at::<f32>(0, p.global), dy_view.at::<X>(0, p.local));
+            matmul::product_backward_weight::<X>(gpu, dw, d, x, (n, c, cut.per))?;
         }
         for q in 0..cut.parts {
             let db = at::<f32>(self.g(wb.1), q * cut.full + self.tp.rank * cut.local);
@@ -663,5 +672,70 @@ impl<X: Elem + NcclType> TpPart<X> {
     pub fn load_weights(&mut self, dev: &TpDevices, weights: &[&[f32]]) -> Result<()> {
         self.ranks[0].load_weights(dev.gpu(0), weights)?;
         self.share_weights(dev)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each element of 0..len covered by exactly one of `runs` (start, length).
+    fn tiles(len: usize, runs: impl Iterator<Item = (usize, usize)>) -> bool {
+        let mut hits = vec![0u8; len];
+        for (start, n) in runs {
+            for h in hits.get_mut(start..start + n).into_iter().flatten() {
+                *h += 1;
+            }
+            if start + n > len {
+                return false;
+            }
+        }
+        hits.iter().all(|&h| h == 1)
+    }
+
+    #[test]
+    fn every_rank_s_pieces_tile_the_weight_once_and_its_own_buffer_once() {
+        for (width, parts) in [(3 * 256, 3), (4 * 256, 1), (256, 1)] {
+            for slices in [1, 2, 4, 8] {
+                for size in [1, 2, 4, 8].into_iter().filter(|&s| s <= slices) {
+                    let cuts: Vec<Cut> =
+                        (0..size).map(|rank| Cut::new(width, parts, GpuTp { rank, size, slices })).collect();
+                    let all = cuts.iter().flat_map(|c| c.pieces().map(move |p| (p.global, c.per)));
+                    assert!(tiles(width, all), "width {width}, {parts} parts, {slices} slices, tp {size}");
+                    for cut in &cuts {
+                        let own = cut.pieces().map(|p| (p.local, cut.per));
+                        assert!(tiles(parts * cut.local, own), "{cut:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_rank_s_slices_are_the_same_heads_in_q_k_and_v_and_a_whole_subtree() {
+        let tp = GpuTp { rank: 1, size: 2, slices: 8 };
+        let cut = Cut::new(3 * 512, 3, tp);
+        for p in cut.pieces() {
+            // Global slice of this piece within its block: the rank's leaves are 4..8.
+            let slice = (p.global - p.q * cut.full) / cut.per;
+            assert_eq!(slice, 4 + p.j, "{p:?}");
+            assert_eq!(p.local, p.q * cut.local + p.j * cut.per);
+        }
+        // Only global slice 0 (rank 0's first leaf) takes the bias.
+        let zero = |rank| {
+            Cut::new(256, 1, GpuTp { rank, size: 2, slices: 4 }).pieces().filter(|p| p.global == 0).count()
+        };
+        assert_eq!((zero(0), zero(1)), (1, 0));
+    }
+
+    #[test]
+    fn ranks_and_slices_that_do_not_divide_the_heads_or_each_other_are_refused() {
+        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, vocab_size: 100, block_size: 8 };
+        let ok = |rank, size, slices| GpuTp { rank, size, slices }.check(&cfg).is_ok();
+        assert!(ok(0, 1, 1) && ok(1, 2, 4) && ok(3, 4, 4));
+        assert!(!ok(0, 4, 2), "fewer slices than ranks");
+        assert!(!ok(0, 1, 8), "a slice must be whole heads");
+        assert!(!ok(2, 2, 4), "rank past the group");
+        assert!(!ok(0, 3, 3), "not a power of two");
     }
 }
