@@ -289,20 +289,8 @@ pub fn matmul_forward<X: Elem>(
     ensure(out.len() >= n * oc && inp.len() >= n * ic, || {
         format!("matmul_forward: buffers for N={n} IC={ic} OC={oc}")
     })?;
-    let s = GemmShape {
-        m: oc,
-        n,
-        k: ic,
-        trans_a: false,
-        trans_b: false,
-        lda: oc,
-        ldb: ic,
-        ldc: oc,
-        ab_f32: X::IS_F32,
-        c_f32: X::IS_F32,
-        bias: bias.is_some(),
-    };
-    gemm(gpu, &s, weight, inp.ptr(), out.ptr(), bias, 0.0)
+    let (o, x, w) = (View::new(out.ptr(), oc), View::new(inp.ptr(), ic), View::new(weight, oc));
+    product_forward::<X>(gpu, o, Out::Storage, x, w, bias, (n, ic, oc), false)
 }
 
 /// dinp (N, IC) = dout (N, OC) · weightᵀ, overwritten.
@@ -319,20 +307,8 @@ pub fn matmul_backward_input<X: Elem>(
     ensure(dinp.len() >= n * ic && dout.len() >= n * oc, || {
         format!("matmul_backward_input: buffers for N={n} IC={ic} OC={oc}")
     })?;
-    let s = GemmShape {
-        m: ic,
-        n,
-        k: oc,
-        trans_a: true,
-        trans_b: false,
-        lda: oc,
-        ldb: oc,
-        ldc: ic,
-        ab_f32: X::IS_F32,
-        c_f32: X::IS_F32,
-        bias: false,
-    };
-    gemm(gpu, &s, weight, dout.ptr(), dinp.ptr(), None, 0.0)
+    let (dx, dy, w) = (View::new(dinp.ptr(), ic), View::new(dout.ptr(), oc), View::new(weight, oc));
+    product_backward_input::<X>(gpu, dx, Out::Storage, dy, w, (n, ic, oc), false)
 }
 
 /// dweight (IC, OC) f32 += inpᵀ · dout; dbias (OC) f32 += Σ_rows dout.
@@ -352,20 +328,8 @@ pub fn matmul_backward_weight<X: Elem>(
     ensure(dout.len() >= n * oc && inp.len() >= n * ic, || {
         format!("matmul_backward_weight: buffers for N={n} IC={ic} OC={oc}")
     })?;
-    let s = GemmShape {
-        m: oc,
-        n: ic,
-        k: n,
-        trans_a: false,
-        trans_b: true,
-        lda: oc,
-        ldb: ic,
-        ldc: oc,
-        ab_f32: X::IS_F32,
-        c_f32: true,
-        bias: false,
-    };
-    gemm(gpu, &s, dout.ptr(), inp.ptr(), dweight, None, 1.0)?;
+    let (dw, dy, x) = (View::new(dweight, oc), View::new(dout.ptr(), oc), View::new(inp.ptr(), ic));
+    product_backward_weight::<X>(gpu, dw, dy, x, (n, ic, oc))?;
     if let Some(dbias) = dbias {
         bias_backward(gpu, dbias, partial, dout, n, oc)?;
     }
