@@ -642,6 +642,21 @@ impl Config {
                 per_rank * p.dp
             ),
         );
+        let mixed = devices.chunks(p.tp.max(1)).find(|g| {
+            let distinct: std::collections::BTreeSet<_> = g.iter().collect();
+            distinct.len() != 1 && distinct.len() != g.len()
+        });
+        v.check(
+            mixed.is_none(),
+            "backend.devices",
+            format!("{devices:?}"),
+            format!(
+                "each pipeline rank's {} tensor-parallel GPUs must be all different (NCCL between them) or all \
+                 the same (the ranks take turns on it); {:?} is neither",
+                p.tp,
+                mixed.unwrap_or_default()
+            ),
+        );
         v.check(
             self.backend.kind != BackendKind::Cuda || !p.schedule.splits_backward(),
             "parallel.schedule",
@@ -1487,6 +1502,13 @@ mod tests {
             err.contains(&format!("and tensor-parallel rank (parallel.tp = 2) ({ranks} entries)")),
             "{err}"
         );
+        (c.parallel.pp, c.parallel.tp) = (2, 4);
+        c.backend.devices = vec![0, 1, 2, 3, 4, 4, 5, 5];
+        let err = refused(&c, "backend.devices");
+        assert!(err.contains("[4, 4, 5, 5] is neither"), "{err}");
+        c.backend.devices = vec![0, 1, 2, 3, 4, 4, 4, 4];
+        c.validate().unwrap();
+        c.parallel.tp = 2;
         c.backend.devices = vec![];
         c.model.n_head = 128;
         c.model.n_embd = 128 * 64;
