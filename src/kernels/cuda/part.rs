@@ -446,6 +446,8 @@ impl<X: Elem> GpuPart<X> {
             + s.lnf.bytes()
             + s.tied.bytes()
             + s.recompute.as_ref().map_or(0, |(a, o)| a.bytes() + o.bytes())
+            + s.leaves.bytes()
+            + s.gathered.bytes()
     }
 
     /// Microbatches between forward and backward.
@@ -944,6 +946,9 @@ impl<X: Elem> GpuPart<X> {
             format!("{} weight tensors given, the part has {}", weights.len(), self.tensors.len())
         })?;
         for (s, w) in self.tensors.iter().zip(weights) {
+            ensure(w.len() == s.numel, || {
+                format!("{} weight: {} values, expected {}", s.name, w.len(), s.numel)
+            })?;
             let x: Vec<X> = w.iter().map(|&f| X::from_f32(f)).collect();
             gpu.copy_to(&self.params, s.offset, &x)?;
         }
