@@ -711,6 +711,57 @@ mod tests {
         }
     }
 
+    /// Rank r's columns of a (rows, width) weight as its GPU pieces place
+    /// them, or its rows when `rows_cut` (the weight is (width, cols)).
+    fn gpu_shard(w: &[f32], cols: usize, cut: Cut, rows_cut: bool) -> Vec<f32> {
+        if rows_cut {
+            return cut
+                .pieces()
+                .flat_map(|p| w[p.global * cols..(p.global + cut.per) * cols].to_vec())
+                .collect();
+        }
+        let local_width = cut.parts * cut.local;
+        let mut out = vec![0.0; w.len() / cols * local_width];
+        for (row, src) in w.chunks(cols).enumerate() {
+            for p in cut.pieces() {
+                let dst = row * local_width + p.local;
+                out[dst..dst + cut.per].copy_from_slice(&src[p.global..p.global + cut.per]);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_gpu_rank_holds_the_cpu_rank_s_shard_of_every_split_weight() {
+        use crate::model::block::shard;
+        let c = 16;
+        for (i, width, parts, rows_cut) in [
+            (QKVW, 3 * c, 3, false),
+            (QKVB, 3 * c, 3, false),
+            (FCW, 4 * c, 1, false),
+            (PROJW, c, 1, true),
+            (FCPW, 4 * c, 1, true),
+        ] {
+            let (rows, cols) = match (rows_cut, i) {
+                (true, _) => (width, c),
+                (false, QKVB) => (1, width),
+                (false, _) => (c, width),
+            };
+            let w: Vec<f32> = (0..rows * cols).map(|e| e as f32).collect();
+            for (size, slices) in [(1, 4), (2, 4), (4, 4), (2, 8)] {
+                for rank in 0..size {
+                    let cut = Cut::new(width, parts, GpuTp { rank, size, slices });
+                    let gpu = gpu_shard(&w, cols, cut, rows_cut);
+                    assert_eq!(
+                        gpu,
+                        shard(i, &w, cols, rank, size),
+                        "tensor {i}, rank {rank} of {size}, {slices} slices"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_rank_s_slices_are_the_same_heads_in_q_k_and_v_and_a_whole_subtree() {
         let tp = GpuTp { rank: 1, size: 2, slices: 8 };
