@@ -675,8 +675,13 @@ mod gpu {
 
         /// Chunk i's owner, its gradients summed over the tensor-parallel ranks.
         fn summed(&self, i: usize) -> &crate::kernels::cuda::part::GpuPart<X> {
-            ok(self.parts[i].sum_grads(&self.dev), "gradient sum over tensor-parallel ranks");
-            self.parts[i].owner()
+            ok(self.parts[i].summed(&self.dev), "gradient sum over tensor-parallel ranks")
+        }
+
+        /// [`Self::summed`], to change the owner's gradients.
+        fn summed_mut(&mut self, i: usize) -> (&mut crate::kernels::cuda::part::GpuPart<X>, &Gpu) {
+            let part = ok(self.parts[i].summed_mut(&self.dev), "gradient sum over tensor-parallel ranks");
+            (part, self.dev.gpu(0))
         }
     }
 
@@ -753,9 +758,8 @@ mod gpu {
         }
 
         fn combine_tied(&mut self, i: usize, other: Option<&[f32]>) {
-            self.summed(i);
-            let gpu = self.dev.gpu(0);
-            ok(self.parts[i].owner_mut().combine_tied(gpu, other), "tied gradient sum");
+            let (owner, gpu) = self.summed_mut(i);
+            ok(owner.combine_tied(gpu, other), "tied gradient sum");
         }
 
         fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>> {
@@ -763,9 +767,8 @@ mod gpu {
         }
 
         fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
-            self.summed(i);
-            let gpu = self.dev.gpu(0);
-            ok(self.parts[i].owner_mut().set_gradients(gpu, &grads), "gradient upload");
+            let (owner, gpu) = self.summed_mut(i);
+            ok(owner.set_gradients(gpu, &grads), "gradient upload");
         }
 
         fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
@@ -773,9 +776,8 @@ mod gpu {
         }
 
         fn poison_grad(&mut self, i: usize, value: f32) {
-            self.summed(i);
-            let gpu = self.dev.gpu(0);
-            ok(self.parts[i].owner_mut().poison_gradient(gpu, 0, value), "fault injection");
+            let (owner, gpu) = self.summed_mut(i);
+            ok(owner.poison_gradient(gpu, 0, value), "fault injection");
         }
 
         fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32) {

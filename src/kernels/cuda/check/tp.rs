@@ -47,8 +47,7 @@ fn tp_run<X: Elem + NcclType>(
             loss += out.loss_sum.unwrap_or(f64::NAN);
             part.backward(&dev, mb, GpuGrad::FromLoss, None)?;
         }
-        part.sum_grads(&dev)?;
-        part.owner_mut().combine_tied(dev.gpu(0), None)?;
+        part.summed_mut(&dev)?.combine_tied(dev.gpu(0), None)?;
         let mut norms = part.owner().grad_sum_squares(dev.gpu(0))?;
         let norm = optim::global_norm(&mut norms);
         if step == 1 {

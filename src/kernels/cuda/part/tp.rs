@@ -502,15 +502,48 @@ impl TpDevices {
 /// One stage part over its tensor-parallel ranks (one rank: the plain part).
 pub struct TpPart<X: Elem> {
     ranks: Vec<GpuPart<X>>,
+    /// Each rank's buffers the group exchanges, by rank: their addresses
+    /// never change, so a step gathers no lists.
+    at: RankBuffers,
     /// Followers hold gradients the owner has not summed yet.
     pending: Cell<bool>,
+}
+
+/// Device addresses of one buffer on every rank, per buffer the group exchanges.
+struct RankBuffers {
+    gathered: Vec<u64>,
+    grads: Vec<u64>,
+    params: Vec<u64>,
+    dres: Vec<u64>,
+    /// Per activation slot: the part's input.
+    inputs: Vec<Vec<u64>>,
+}
+
+impl RankBuffers {
+    fn of<X: Elem>(ranks: &[GpuPart<X>]) -> RankBuffers {
+        let all = |f: &dyn Fn(&GpuPart<X>) -> u64| ranks.iter().map(f).collect::<Vec<u64>>();
+        RankBuffers {
+            gathered: all(&|p| p.s.gathered.ptr()),
+            grads: all(&|p| p.grads.ptr()),
+            params: all(&|p| p.params.ptr()),
+            dres: all(&|p| p.s.dres.ptr()),
+            inputs: (0..ranks[0].slots.len()).map(|k| all(&|p| p.slots[k].stream[0].ptr())).collect(),
+        }
+    }
 }
 
 /// The part's ranks in rank order, for one block's phases.
 type Ranks<'a, X> = [&'a GpuPart<X>];
 
-fn forward_block<X: Elem>(dev: &TpDevices, ranks: &Ranks<X>, k: usize, l: usize, rc: bool) -> Result<()> {
-    let gather = || gather_sums(dev, ranks);
+fn forward_block<X: Elem>(
+    dev: &TpDevices,
+    ranks: &Ranks<X>,
+    at: &RankBuffers,
+    k: usize,
+    l: usize,
+    rc: bool,
+) -> Result<()> {
+    let gather = || dev.all_gather(&at.gathered, ranks[0].n() * ranks[0].cfg.n_embd);
     dev.each(ranks, |p, gpu| p.tp_attention(gpu, k, l, rc))?;
     gather()?;
     dev.each(ranks, |p, gpu| p.tp_mlp(gpu, k, l, rc))?;
@@ -518,18 +551,19 @@ fn forward_block<X: Elem>(dev: &TpDevices, ranks: &Ranks<X>, k: usize, l: usize,
     dev.each(ranks, |p, gpu| p.tp_out(gpu, k, l, rc))
 }
 
-fn backward_block<X: Elem>(dev: &TpDevices, ranks: &Ranks<X>, k: usize, l: usize) -> Result<()> {
-    let gather = || gather_sums(dev, ranks);
+fn backward_block<X: Elem>(
+    dev: &TpDevices,
+    ranks: &Ranks<X>,
+    at: &RankBuffers,
+    k: usize,
+    l: usize,
+) -> Result<()> {
+    let gather = || dev.all_gather(&at.gathered, ranks[0].n() * ranks[0].cfg.n_embd);
     dev.each(ranks, |p, gpu| p.tp_back_mlp(gpu, k, l))?;
     gather()?;
     dev.each(ranks, |p, gpu| p.tp_back_attention(gpu, k, l))?;
     gather()?;
     dev.each(ranks, |p, gpu| p.tp_back_input(gpu, k, l))
-}
-
-fn gather_sums<X: Elem>(dev: &TpDevices, ranks: &Ranks<X>) -> Result<()> {
-    let bufs: Vec<u64> = ranks.iter().map(|p| p.s.gathered.ptr()).collect();
-    dev.all_gather(&bufs, ranks[0].n() * ranks[0].cfg.n_embd)
 }
 
 impl<X: Elem + NcclType> TpPart<X> {
@@ -555,7 +589,7 @@ impl<X: Elem + NcclType> TpPart<X> {
             ranks.push(GpuPart::new_rank(gpu, cfg, spec.clone(), b, recompute, live, params, tp)?);
         }
         dev.gpu(0).bind()?;
-        Ok(TpPart { ranks, pending: Cell::new(false) })
+        Ok(TpPart { at: RankBuffers::of(&ranks), ranks, pending: Cell::new(false) })
     }
 
     /// Rank 0's part: the master weights, optimizer, embedding and head.
@@ -566,6 +600,18 @@ impl<X: Elem + NcclType> TpPart<X> {
 
     pub fn owner_mut(&mut self) -> &mut GpuPart<X> {
         &mut self.ranks[0]
+    }
+
+    /// The owner, its gradients summed over the ranks first.
+    pub fn summed(&self, dev: &TpDevices) -> Result<&GpuPart<X>> {
+        self.sum_grads(dev)?;
+        Ok(&self.ranks[0])
+    }
+
+    /// [`Self::summed`], to change the owner's gradients.
+    pub fn summed_mut(&mut self, dev: &TpDevices) -> Result<&mut GpuPart<X>> {
+        self.sum_grads(dev)?;
+        Ok(&mut self.ranks[0])
     }
 
     fn split(&self) -> bool {
@@ -605,12 +651,11 @@ impl<X: Elem + NcclType> TpPart<X> {
             return self.ranks[0].forward(dev.gpu(0), mb, input, targets, mode, argmax, sink);
         }
         let (owner, followers) = self.ranks.split_first_mut().expect("rank 0");
-        let followers: &[GpuPart<X>] = followers;
+        let (followers, at): (&[GpuPart<X>], _) = (followers, &self.at);
         let blocks: Blocks<X> = &mut |owner, _, k| {
             let ranks: Vec<&GpuPart<X>> = std::iter::once(&*owner).chain(followers).collect();
-            let inputs: Vec<u64> = ranks.iter().map(|p| p.slots[k].stream[0].ptr()).collect();
-            dev.broadcast::<X>(&inputs, owner.n() * owner.cfg.n_embd)?;
-            (0..owner.n_blocks()).try_for_each(|l| forward_block(dev, &ranks, k, l, false))
+            dev.broadcast::<X>(&at.inputs[k], owner.n() * owner.cfg.n_embd)?;
+            (0..owner.n_blocks()).try_for_each(|l| forward_block(dev, &ranks, at, k, l, false))
         };
         owner.forward_over(dev.gpu(0), mb, input, targets, mode, argmax, sink, blocks)
     }
@@ -628,16 +673,15 @@ impl<X: Elem + NcclType> TpPart<X> {
         }
         self.pending.set(true);
         let (owner, followers) = self.ranks.split_first_mut().expect("rank 0");
-        let followers: &[GpuPart<X>] = followers;
+        let (followers, at): (&[GpuPart<X>], _) = (followers, &self.at);
         let blocks: Blocks<X> = &mut |owner, _, k| {
             let ranks: Vec<&GpuPart<X>> = std::iter::once(&*owner).chain(followers).collect();
-            let douts: Vec<u64> = ranks.iter().map(|p| p.s.dres.ptr()).collect();
-            dev.broadcast::<X>(&douts, owner.n() * owner.cfg.n_embd)?;
+            dev.broadcast::<X>(&at.dres, owner.n() * owner.cfg.n_embd)?;
             for l in (0..owner.n_blocks()).rev() {
                 if owner.recompute {
-                    forward_block(dev, &ranks, k, l, true)?;
+                    forward_block(dev, &ranks, at, k, l, true)?;
                 }
-                backward_block(dev, &ranks, k, l)?;
+                backward_block(dev, &ranks, at, k, l)?;
             }
             Ok(())
         };
@@ -646,19 +690,17 @@ impl<X: Elem + NcclType> TpPart<X> {
 
     /// Sums the followers' gradients into the owner's (once per step, before
     /// anything reads them).
-    pub fn sum_grads(&self, dev: &TpDevices) -> Result<()> {
+    fn sum_grads(&self, dev: &TpDevices) -> Result<()> {
         if !self.pending.replace(false) {
             return Ok(());
         }
-        let bufs: Vec<u64> = self.ranks.iter().map(|p| p.grads.ptr()).collect();
-        dev.sum_to_first(&bufs, self.ranks[0].grads.len())
+        dev.sum_to_first(&self.at.grads, self.ranks[0].grads.len())
     }
 
     /// Gives every follower the owner's storage copy of the weights (after
     /// AdamW, a rollback or a resume).
     pub fn share_weights(&self, dev: &TpDevices) -> Result<()> {
-        let bufs: Vec<u64> = self.ranks.iter().map(|p| p.params.ptr()).collect();
-        dev.broadcast::<X>(&bufs, self.ranks[0].params.len())
+        dev.broadcast::<X>(&self.at.params, self.ranks[0].params.len())
     }
 
     /// AdamW on the owner, then the new weights to the followers.
