@@ -16,6 +16,9 @@ pub mod layernorm;
 pub mod math;
 pub mod matmul;
 pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
 
 #[cfg(test)]
 pub(crate) mod testutil;
