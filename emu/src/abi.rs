@@ -39,8 +39,7 @@ pub struct Runtime {
     pub lane: extern "C" fn() -> *const Lane,
     pub syncthreads: extern "C" fn(),
     pub syncwarp: extern "C" fn(mask: c_uint),
-    pub shfl_sync:
-        extern "C" fn(mask: c_uint, value: c_uint, lane_or_delta: c_int, width: c_int, mode: c_int) -> c_uint,
+    pub shfl_sync: extern "C" fn(mask: c_uint, value: c_uint, lane_or_delta: c_int, width: c_int, mode: c_int) -> c_uint,
     pub vote_sync: extern "C" fn(mask: c_uint, predicate: c_int, mode: c_int) -> c_uint,
     pub mma_m16n8k16_f32_bf16: extern "C" fn(d: *mut f32, a: *const c_uint, b: *const c_uint, c: *const f32),
     pub dynamic_shared: extern "C" fn() -> *mut c_void,
