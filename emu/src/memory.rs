@@ -308,17 +308,17 @@ fn check_canary_of(live: &Live) -> Option<String> {
     debug_assert_eq!(tail.len() as u64, aligned - a.size);
     if let Some(i) = tail.iter().position(|&b| b != CANARY) {
         return Some(format!(
-            "the {}-byte allocation at {:#x} (GPU {}) was written {} byte(s) past its end (byte {:#x})",
+            "the {}-byte allocation at {:#x} (GPU {}) was written past its end: byte {} after its end ({:#x}) changed",
             a.size,
             a.base,
             a.device,
-            i + 1,
+            i,
             a.base + a.size + i as u64
         ));
     }
     if let Some(i) = head.iter().rposition(|&b| b != CANARY) {
         return Some(format!(
-            "the {}-byte allocation at {:#x} (GPU {}) was written {} byte(s) before its start (byte {:#x})",
+            "the {}-byte allocation at {:#x} (GPU {}) was written before its start: byte {} before its start ({:#x}) changed",
             a.size,
             a.base,
             a.device,
