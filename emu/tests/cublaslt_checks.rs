@@ -115,9 +115,12 @@ fn a_bias_of_another_type_than_d_is_refused() {
     Problem::new("cublasLtMatmul", &op(false, false, Some(-1)), [&a, &a, &c, &c]).unwrap();
 }
 
+/// memory::check_range's signature.
+type RangeCheck = Box<dyn Fn(u64, u64, usize, &str) -> Result<Allocation>>;
+
 /// Stand-in allocations with memory::check_range's contract.
-fn arena(allocs: Vec<Allocation>) -> impl Fn(u64, u64, usize, &str) -> Result<Allocation> {
-    move |ptr, bytes, device, what| {
+fn arena(allocs: Vec<Allocation>) -> RangeCheck {
+    Box::new(move |ptr, bytes, device, what| {
         let a = allocs.iter().find(|a| ptr >= a.base && ptr < a.base + a.size).ok_or_else(|| {
             EmuError::new(cu::ILLEGAL_ADDRESS, format!("{what}: {ptr:#x} is in no allocation"))
         })?;
@@ -125,13 +128,13 @@ fn arena(allocs: Vec<Allocation>) -> impl Fn(u64, u64, usize, &str) -> Result<Al
             return Err(EmuError::new(cu::ILLEGAL_ADDRESS, format!("{what}: {ptr:#x}+{bytes} is outside")));
         }
         Ok(*a)
-    }
+    })
 }
 
 const BASE: u64 = 0x7f00_0000_0000;
 
 /// One 1 MiB allocation on device 0 and the forward problem's operands in it.
-fn setup() -> (Problem, Algo, Operands, impl Fn(u64, u64, usize, &str) -> Result<Allocation>) {
+fn setup() -> (Problem, Algo, Operands, RangeCheck) {
     let p = forward_bf16();
     let algo = launch::choose("cublasLtMatmulAlgoGetHeuristic", &p, 1 << 20, [DEFAULT_ALIGNMENT; 4]).unwrap();
     let ops = Operands {

@@ -843,7 +843,7 @@ pub unsafe extern "C" fn cublasLtMatmul(
         }
         // CUBLASLT_POINTER_MODE_HOST, scale type f32 (every emulated row).
         let (alpha, beta) = (*(alpha as *const f32), *(beta as *const f32));
-        if c == d as *const c_void && p.c != p.d {
+        if std::ptr::eq(c, d) && p.c != p.d {
             return Err(invalid(format!(
                 "{call}: C and D are the same memory (in place) but their layouts differ \
                  (C {:?}, D {:?}); in place cuBLASLt needs Cdesc = Ddesc",
