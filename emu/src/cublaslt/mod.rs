@@ -843,10 +843,15 @@ pub unsafe extern "C" fn cublasLtMatmul(
         }
         // CUBLASLT_POINTER_MODE_HOST, scale type f32 (every emulated row).
         let (alpha, beta) = (*(alpha as *const f32), *(beta as *const f32));
+        // Out of place (C ≠ D) the emulated algorithm takes any C layout of
+        // the right shape and type. In place, reading C through one layout
+        // while writing D through another races between thread blocks on a
+        // GPU, so it is refused rather than given the emulator's
+        // copy-first answer.
         if std::ptr::eq(c, d) && p.c != p.d {
             return Err(invalid(format!(
                 "{call}: C and D are the same memory (in place) but their layouts differ \
-                 (C {:?}, D {:?}); in place cuBLASLt needs Cdesc = Ddesc",
+                 (C {:?}, D {:?}): D would overwrite elements C still has to supply",
                 p.c, p.d
             )));
         }
