@@ -760,6 +760,9 @@ pub struct HeuristicResult {
     pub reserved: [c_int; 4],
 }
 
+// cublasLt.h's layout (cudarc's binding of it): 64 + 8 + 4 + 4 + 16 bytes.
+const _: () = assert!(std::mem::size_of::<HeuristicResult>() == 96);
+
 /// The problem the descriptor and the four layouts describe.
 fn problem_of(call: &str, desc: usize, layouts: [usize; 4]) -> Result<Problem> {
     let d = copy_of(call, "matmul descriptor", desc, pick_desc)?;
@@ -848,7 +851,7 @@ pub unsafe extern "C" fn cublasLtMatmul(
         // while writing D through another races between thread blocks on a
         // GPU, so it is refused rather than given the emulator's
         // copy-first answer.
-        if std::ptr::eq(c, d) && p.c != p.d {
+        if beta != 0.0 && std::ptr::eq(c, d) && p.c != p.d {
             return Err(invalid(format!(
                 "{call}: C and D are the same memory (in place) but their layouts differ \
                  (C {:?}, D {:?}): D would overwrite elements C still has to supply",
