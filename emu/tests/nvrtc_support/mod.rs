@@ -211,8 +211,13 @@ extern "C" fn mma(d: *mut f32, a: *const c_uint, b: *const c_uint, c: *const f32
     }
 }
 
+thread_local! {
+    /// The one block's dynamic shared memory (extern __shared__), 64 floats.
+    pub static DYNAMIC_SHARED: RefCell<[f32; 64]> = const { RefCell::new([0.0; 64]) };
+}
+
 extern "C" fn dynamic_shared() -> *mut c_void {
-    std::ptr::null_mut()
+    DYNAMIC_SHARED.with(|d| d.as_ptr() as *mut c_void)
 }
 
 extern "C" fn trap(what: *const c_char) {
