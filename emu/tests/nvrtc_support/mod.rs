@@ -161,19 +161,33 @@ pub struct Calls {
     /// (a, b, c) of each mma, in call order.
     pub mma: Vec<([u32; 4], [u32; 2], [f32; 4])>,
     pub syncthreads: usize,
+    /// (mask, value, lane_or_delta, width, mode) of each shfl_sync.
+    pub shfl: Vec<(u32, u32, i32, i32, i32)>,
+    /// (mask, predicate, mode) of each vote_sync.
+    pub votes: Vec<(u32, i32, i32)>,
+    pub syncwarp: Vec<u32>,
 }
 
 thread_local! {
     pub static CALLS: RefCell<Calls> = RefCell::new(Calls::default());
 }
 
-/// One lane: thread 0 of block 0 of a one-thread grid.
-static LANE: abi::Lane = abi::Lane {
-    thread_idx: abi::Dim3 { x: 0, y: 0, z: 0 },
-    block_idx: abi::Dim3 { x: 0, y: 0, z: 0 },
-    block_dim: abi::Dim3 { x: 1, y: 1, z: 1 },
-    grid_dim: abi::Dim3 { x: 1, y: 1, z: 1 },
-};
+thread_local! {
+    /// The lane lane() reports: thread 0 of block 0 of a one-thread grid
+    /// unless a test sets another.
+    static LANE: std::cell::Cell<abi::Lane> = const {
+        std::cell::Cell::new(abi::Lane {
+            thread_idx: abi::Dim3 { x: 0, y: 0, z: 0 },
+            block_idx: abi::Dim3 { x: 0, y: 0, z: 0 },
+            block_dim: abi::Dim3 { x: 1, y: 1, z: 1 },
+            grid_dim: abi::Dim3 { x: 1, y: 1, z: 1 },
+        })
+    };
+}
+
+pub fn set_lane(lane: abi::Lane) {
+    LANE.with(|l| l.set(lane));
+}
 
 /// The mma's result in the test runtime: d[i] = 2·c[i] + i + 1, so a test
 /// sees which accumulator and which result slot went where.
@@ -182,22 +196,26 @@ pub fn test_mma_result(c: [f32; 4]) -> [f32; 4] {
 }
 
 extern "C" fn lane() -> *const abi::Lane {
-    &LANE
+    LANE.with(|l| l.as_ptr() as *const abi::Lane)
 }
 
 extern "C" fn syncthreads() {
     CALLS.with(|c| c.borrow_mut().syncthreads += 1);
 }
 
-extern "C" fn syncwarp(_mask: c_uint) {}
+extern "C" fn syncwarp(mask: c_uint) {
+    CALLS.with(|c| c.borrow_mut().syncwarp.push(mask));
+}
 
-/// One lane: every shuffle reads the lane's own value.
-extern "C" fn shfl_sync(_mask: c_uint, value: c_uint, _lane: c_int, _width: c_int, _mode: c_int) -> c_uint {
-    value
+/// Every shuffle reads the value plus one, so a test sees each word go through.
+extern "C" fn shfl_sync(mask: c_uint, value: c_uint, lane: c_int, width: c_int, mode: c_int) -> c_uint {
+    CALLS.with(|c| c.borrow_mut().shfl.push((mask, value, lane, width, mode)));
+    value.wrapping_add(1)
 }
 
 /// One lane: all, any and the ballot's bit 0 are the lane's own predicate.
-extern "C" fn vote_sync(_mask: c_uint, predicate: c_int, _mode: c_int) -> c_uint {
+extern "C" fn vote_sync(mask: c_uint, predicate: c_int, mode: c_int) -> c_uint {
+    CALLS.with(|c| c.borrow_mut().votes.push((mask, predicate, mode)));
     (predicate != 0) as c_uint
 }
 
