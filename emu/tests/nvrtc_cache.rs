@@ -40,6 +40,26 @@ fn a_clean_build_is_cached_and_a_damaged_cache_entry_is_rebuilt() {
 }
 
 #[test]
+fn a_build_with_include_directories_is_not_cached_since_their_files_are_not_in_the_key() {
+    setup();
+    let dir = tempfile::tempdir().unwrap();
+    let inc = dir.path().to_str().unwrap();
+    let src = "#include \"value.h\"\nextern \"C\" __global__ void inc_probe(float* x) { x[0] = VALUE; }\n";
+    for value in ["1.0f", "2.0f"] {
+        std::fs::write(dir.path().join("value.h"), format!("#define VALUE {value}\n")).unwrap();
+        let c = compile("incprobe.cu", src, &[], &["--gpu-architecture=sm_90", "-I", inc]);
+        assert_eq!(c.code, NVRTC_SUCCESS, "{}", c.log);
+        let m = load(&c.image.unwrap());
+        let mut x = [0f32];
+        let mut p = x.as_mut_ptr();
+        let mut args = [&mut p as *mut *mut f32 as *mut std::ffi::c_void];
+        (m.kernel("inc_probe").entry)(args.as_mut_ptr());
+        assert_eq!(x[0].to_string(), value.trim_end_matches(".0f"), "the header as it is now");
+    }
+    assert!(entries("incprobe").is_empty());
+}
+
+#[test]
 fn a_build_with_warnings_is_not_cached_so_its_log_comes_back_every_time() {
     setup();
     let src = "extern \"C\" __global__ void warn_probe(float* x) { int unused_w = 1; x[0] = 2.0f; }\n";

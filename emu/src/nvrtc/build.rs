@@ -139,10 +139,6 @@ fn cache_name(p: &Program, o: &Options, compiler: &str, version: &str) -> String
     for d in &o.defines {
         k.part(d.as_bytes());
     }
-    for i in &o.include_paths {
-        // Relative paths resolve against the caller's directory.
-        k.part(absolute(i).to_string_lossy().as_bytes());
-    }
     k.part(CUDA_EMU_H.as_bytes());
     k.part(PW_EMU_ABI_H.as_bytes());
     for g in GENERATOR {
@@ -192,7 +188,10 @@ pub fn build(p: &Program, o: &Options) -> Outcome {
         Ok(c) => c,
         Err(log) => return Outcome::Broken { log },
     };
-    let cached = cache_dir().map(|d| d.join(cache_name(p, o, &cxx, &version)));
+    // Files found through -I are not part of the key (the pre-pass never
+    // reads them), so such a build is never cached rather than maybe stale.
+    let cacheable = o.include_paths.is_empty();
+    let cached = cache_dir().filter(|_| cacheable).map(|d| d.join(cache_name(p, o, &cxx, &version)));
     if let Some(path) = &cached {
         if let Ok(image) = std::fs::read(path) {
             if is_elf(&image) {

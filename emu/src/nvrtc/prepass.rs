@@ -54,6 +54,24 @@ pub fn prepare(file: &str, src: &str, main: bool) -> Result<Prepared, Vec<String
         if words.len() >= 2 && words[0] == "pragma" && words[1] == "unroll" {
             edits.push((t.start, t.end, String::new()));
         }
+        // What a macro expands to is out of the pre-pass's sight: a kernel
+        // there would go unregistered, inline PTX there to the host assembler.
+        if words.first() == Some(&"define") {
+            let body = &t.text(src)[1..];
+            for (what, why) in [
+                ("__global__", "a kernel declared through a macro would not be registered"),
+                ("asm", "inline PTX in a macro cannot be rewritten"),
+                ("__asm__", "inline PTX in a macro cannot be rewritten"),
+            ] {
+                let inner = lex::tokenize(body);
+                if let Some(hit) = inner.iter().find(|k| k.is_ident(body, what)) {
+                    errors.push(error(
+                        t.start + 1 + hit.start,
+                        format!("`{what}` in a #define: {why} by the emulator"),
+                    ));
+                }
+            }
+        }
     }
 
     let toks: Vec<Token> = all.into_iter().filter(|t| t.kind != Kind::Directive).collect();
@@ -606,6 +624,15 @@ mod tests {
     fn a_kernel_without_extern_c_is_an_error_naming_it() {
         let e = prepare("x.cu", "\n__global__ void lonely(int n) {}", true).err().unwrap();
         assert!(e[0].starts_with("x.cu:2:17: error:") && e[0].contains("`lonely`"), "{e:?}");
+    }
+
+    #[test]
+    fn kernels_and_inline_ptx_inside_macros_are_errors_not_silently_skipped() {
+        let e = prepare("m.cu", "#define K extern \"C\" __global__\n#define P asm(\"nop;\")\n", true)
+            .err()
+            .unwrap();
+        assert!(e[0].starts_with("m.cu:1:22: error: `__global__` in a #define"), "{e:?}");
+        assert!(e[1].starts_with("m.cu:2:11: error: `asm` in a #define"), "{e:?}");
     }
 
     #[test]
