@@ -23,7 +23,10 @@ const GENERATOR: &[&str] = &[include_str!("prepass.rs"), include_str!("lex.rs"),
 
 /// The flags every build gets. -ffp-contract=off: one rounding per float
 /// operation, as CUDA's __f*_rn promise and the CPU twins compute;
-/// -fvisibility=hidden: only pw_emu_module_init is exported, so two modules
+/// -fno-strict-aliasing: CUDA code reads memory through other types as a
+/// matter of course (flash_attention's lds2 loads two bf16 as one u32), and
+/// the host compiler's type-based alias analysis must not reorder those
+/// reads around the writes they see on a GPU; -fvisibility=hidden: only pw_emu_module_init is exported, so two modules
 /// loaded into one process never bind each other's symbols; -z defs: an
 /// undefined function is a build error here, not a dlopen failure later.
 /// -Wall with nothing suppressed: `#pragma unroll`, the one construct whose
@@ -36,6 +39,7 @@ const FLAGS: &[&str] = &[
     "-shared",
     "-ffp-contract=off",
     "-fno-fast-math",
+    "-fno-strict-aliasing",
     "-fvisibility=hidden",
     "-fdiagnostics-color=never",
     "-Wall",
