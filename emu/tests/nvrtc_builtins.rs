@@ -33,6 +33,12 @@ extern "C" __global__ void votes_and_barriers(unsigned int* out, int p) {
     out[2] = __ballot_sync(0x1u, p);
 }
 
+extern "C" __global__ void shared_cell(float* x) {
+    __shared__ float cell[1];
+    if (x[0] != 0.0f) cell[0] = x[0];
+    x[1] = cell[0];
+}
+
 extern "C" __global__ void unfused(float* x) {
     x[0] = x[1] * x[2] + x[3];
     x[4] = __fmaf_rn(x[1], x[2], x[3]);
@@ -143,4 +149,29 @@ fn a_product_plus_a_sum_rounds_twice_unless_fmaf_is_asked_for() {
     assert_eq!(x[0], 0.0, "a*b + c was fused into one rounding");
     assert_eq!(x[4], 2f32.powi(-24), "__fmaf_rn rounds once");
     assert_eq!(x[5], x[3] + 7.0 + 3.0);
+}
+
+#[test]
+fn shared_memory_is_per_os_thread_and_touch_shared_finds_this_threads_block_of_it() {
+    let m = module();
+    let touch = m.info.touch_shared;
+    let here = touch() as usize;
+    assert_ne!(here, 0);
+    assert_eq!(touch() as usize, here, "the same anchor each call on one thread");
+    let mut x = [5.0f32, 0.0];
+    run(&m, "shared_cell", &mut [x.as_mut_ptr() as *mut c_void]);
+    assert_eq!(x[1], 5.0);
+    let entry = m.kernel("shared_cell").entry;
+    let (there, seen) = std::thread::spawn(move || {
+        // A worker thread's block starts with its own (zeroed) shared memory.
+        let mut y = [0.0f32, 7.0];
+        let mut py = y.as_mut_ptr();
+        let mut args = [&mut py as *mut *mut f32 as *mut c_void];
+        entry(args.as_mut_ptr());
+        (touch() as usize, y[1])
+    })
+    .join()
+    .unwrap();
+    assert_ne!(there, here, "another thread, another block of shared memory");
+    assert_eq!(seen, 0.0);
 }
