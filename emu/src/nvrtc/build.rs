@@ -243,7 +243,9 @@ impl TempDir {
             std::process::id(),
             nanos.unwrap_or(0)
         ));
-        std::fs::create_dir(&dir)?;
+        // Private: the sources may be anyone's, and nobody else may swap a
+        // file between the write and the compiler's read.
+        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700).create(&dir)?;
         Ok(TempDir(dir))
     }
 }
