@@ -40,3 +40,19 @@ fn a_missing_include_directory_leaves_the_header_unfound_and_says_so() {
     assert_eq!(c.code, pipewright_emu::nvrtc::NVRTC_ERROR_COMPILATION);
     assert!(c.log.contains("scale_factor.h"), "{}", c.log);
 }
+
+#[test]
+fn nvrtcs_predefined_macros_say_device_code_for_the_chosen_architecture() {
+    let src = "extern \"C\" __global__ void arch(int* out) {\n#if defined(__CUDACC__) && defined(__CUDACC_RTC__)\n    \
+               out[0] = __CUDA_ARCH__;\n    out[1] = __CUDACC_VER_MAJOR__;\n#endif\n}\n";
+    for (arch, want) in [("sm_80", 800), ("sm_90", 900)] {
+        let c = compile("arch.cu", src, &[], &[&format!("-arch={arch}")]);
+        assert_eq!(c.code, NVRTC_SUCCESS, "{}", c.log);
+        let m = load(&c.image.unwrap());
+        let mut out = [0i32; 2];
+        let mut p = out.as_mut_ptr();
+        let mut args = [&mut p as *mut *mut i32 as *mut c_void];
+        (m.kernel("arch").entry)(args.as_mut_ptr());
+        assert_eq!(out, [want, 13], "{arch}");
+    }
+}

@@ -307,6 +307,12 @@ fn compile(p: &Program, o: &Options, cxx: &str) -> Outcome {
     let mut cmd = Command::new(cxx);
     cmd.current_dir(&dir.0).args(FLAGS).arg(format!("-std={}", o.std));
     cmd.args(["-include", ".pw-emu/cuda_emu.h", "-I."]);
+    // What NVRTC predefines when it compiles device code, so a program's
+    // #if on them takes the branch it takes on a GPU.
+    cmd.arg(format!("-D__CUDA_ARCH__={}", o.arch * 10));
+    cmd.args(["-D__CUDACC__", "-D__CUDACC_RTC__"]);
+    cmd.arg(format!("-D__CUDACC_VER_MAJOR__={}", super::VERSION.0));
+    cmd.arg(format!("-D__CUDACC_VER_MINOR__={}", super::VERSION.1));
     for d in &o.defines {
         cmd.arg(format!("-D{d}"));
     }
