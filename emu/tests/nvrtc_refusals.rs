@@ -83,6 +83,14 @@ fn compiler_warnings_reach_the_log_of_a_successful_compilation() {
 }
 
 #[test]
+fn comparing_an_int_with_thread_idx_is_everyday_cuda_and_leaves_the_log_empty() {
+    let src = "extern \"C\" __global__ void k(float* x, int n) {\n    if (threadIdx.x < n) x[0] = 1.0f;\n}\n";
+    let c = compile("signs.cu", src, &[], &["--gpu-architecture=sm_90"]);
+    assert_eq!(c.code, NVRTC_SUCCESS, "{}", c.log);
+    assert_eq!(c.log, "");
+}
+
+#[test]
 fn ptx_is_refused_and_a_cubin_exists_only_after_a_successful_compile() {
     setup();
     let src = std::ffi::CString::new(OK_KERNEL).unwrap();

@@ -29,8 +29,12 @@ const GENERATOR: &[&str] = &[include_str!("prepass.rs"), include_str!("lex.rs"),
 /// reads around the writes they see on a GPU; -fvisibility=hidden: only pw_emu_module_init is exported, so two modules
 /// loaded into one process never bind each other's symbols; -z defs: an
 /// undefined function is a build error here, not a dlopen failure later.
-/// -Wall with nothing suppressed: `#pragma unroll`, the one construct whose
-/// warning would only reflect the emulation, is removed by the pre-pass.
+/// -Wall, like NVRTC's own diagnostics (unused variables, `=` for `==`),
+/// less two that only reflect the host compiler: -Wsign-compare (int against
+/// threadIdx.x is everyday CUDA, and NVRTC says nothing) and
+/// -Wmaybe-uninitialized (a guess of GCC's optimiser, which changes with the
+/// optimiser's version). `#pragma unroll`, whose warning would only reflect
+/// the emulation too, is removed by the pre-pass.
 const FLAGS: &[&str] = &[
     "-x",
     "c++",
@@ -43,6 +47,8 @@ const FLAGS: &[&str] = &[
     "-fvisibility=hidden",
     "-fdiagnostics-color=never",
     "-Wall",
+    "-Wno-sign-compare",
+    "-Wno-maybe-uninitialized",
     "-Wl,-z,defs",
 ];
 
