@@ -136,7 +136,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 6] = [Kind::AllReduce, Kind::Reduce, Kind::Broadcast, Kind::AllGather, Kind::Send, Kind::Recv];
+    const ALL: [Kind; 6] =
+        [Kind::AllReduce, Kind::Reduce, Kind::Broadcast, Kind::AllGather, Kind::Send, Kind::Recv];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -176,7 +177,14 @@ pub struct Call {
 impl Call {
     fn encode(&self, chunk: u64) -> [u64; DESC_WORDS] {
         let op = self.op.map_or(0, |o| o as u64 + 1);
-        [self.kind as u64 | (self.dtype as u64) << 8 | op << 16, self.seq, self.count, self.peer as u64, chunk, 0]
+        [
+            self.kind as u64 | (self.dtype as u64) << 8 | op << 16,
+            self.seq,
+            self.count,
+            self.peer as u64,
+            chunk,
+            0,
+        ]
     }
 
     fn decode(w: &[u64; DESC_WORDS]) -> Option<(Call, u64)> {
@@ -272,7 +280,9 @@ impl<'a> Op<'a> {
     }
 
     pub fn all_reduce(send: &'a [u8], recv: &'a mut [u8], dtype: DataType, op: RedOp) -> Op<'a> {
-        Op::new(Kind::AllReduce, send.len() / dtype.size(), dtype, Some(op), 0).with_send(send).with_recv(recv)
+        Op::new(Kind::AllReduce, send.len() / dtype.size(), dtype, Some(op), 0)
+            .with_send(send)
+            .with_recv(recv)
     }
 
     pub fn all_reduce_in_place(buf: &'a mut [u8], dtype: DataType, op: RedOp) -> Op<'a> {
@@ -280,7 +290,13 @@ impl<'a> Op<'a> {
     }
 
     /// `recv` is read on the root only (others may pass None).
-    pub fn reduce(send: &'a [u8], recv: Option<&'a mut [u8]>, dtype: DataType, op: RedOp, root: usize) -> Op<'a> {
+    pub fn reduce(
+        send: &'a [u8],
+        recv: Option<&'a mut [u8]>,
+        dtype: DataType,
+        op: RedOp,
+        root: usize,
+    ) -> Op<'a> {
         let o = Op::new(Kind::Reduce, send.len() / dtype.size(), dtype, Some(op), root).with_send(send);
         match recv {
             Some(r) => o.with_recv(r),
@@ -381,7 +397,13 @@ impl Member {
     /// Claims `rank` of the communicator `id` of `nranks` ranks, on
     /// `device`; does not wait for the others (see `wait_for_all`), so one
     /// thread can join several ranks.
-    pub fn join(id: &UniqueId, nranks: usize, rank: usize, device: DeviceId, config: Config) -> Result<Member> {
+    pub fn join(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        device: DeviceId,
+        config: Config,
+    ) -> Result<Member> {
         if nranks == 0 || nranks > MAX_RANKS {
             return Err(invalid(format!("nranks {nranks}: the emulator supports 1 to {MAX_RANKS} ranks")));
         }
@@ -436,8 +458,9 @@ impl Member {
         let start = Instant::now();
         loop {
             let seen = self.region.generation();
-            let missing: Vec<usize> =
-                (0..self.nranks).filter(|&r| self.region.member(r).claimed.load(Ordering::Acquire) != 2).collect();
+            let missing: Vec<usize> = (0..self.nranks)
+                .filter(|&r| self.region.member(r).claimed.load(Ordering::Acquire) != 2)
+                .collect();
             if missing.is_empty() {
                 break;
             }
@@ -501,7 +524,10 @@ impl Member {
             ));
         }
         if let Some(f) = self.failure() {
-            return Err(EmuError::new(code::REMOTE_ERROR, format!("{what}: the communicator failed earlier: {f}")));
+            return Err(EmuError::new(
+                code::REMOTE_ERROR,
+                format!("{what}: the communicator failed earlier: {f}"),
+            ));
         }
         let role = match op.kind {
             Kind::Reduce | Kind::Broadcast => "root",
@@ -510,9 +536,13 @@ impl Member {
         if (op.kind.rooted() || !op.kind.is_collective()) && op.peer >= self.nranks {
             return Err(invalid(format!("{what}: {role} {} is not a rank (0..{})", op.peer, self.nranks)));
         }
-        let (send_bytes, recv_bytes) =
-            extents(op.kind, op.count, op.dtype, self.nranks, self.rank, op.peer).ok_or_else(|| {
-                invalid(format!("{what}: {} elements of {} overflow the address space", op.count, op.dtype.name()))
+        let (send_bytes, recv_bytes) = extents(op.kind, op.count, op.dtype, self.nranks, self.rank, op.peer)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "{what}: {} elements of {} overflow the address space",
+                    op.count,
+                    op.dtype.name()
+                ))
             })?;
         let mut send = op.send;
         if op.gather_in_place {
@@ -538,7 +568,13 @@ impl Member {
     }
 
     /// Joins and waits for every rank (`join` then `wait_for_all`).
-    pub fn init(id: &UniqueId, nranks: usize, rank: usize, device: DeviceId, config: Config) -> Result<Member> {
+    pub fn init(
+        id: &UniqueId,
+        nranks: usize,
+        rank: usize,
+        device: DeviceId,
+        config: Config,
+    ) -> Result<Member> {
         let m = Member::join(id, nranks, rank, device, config)?;
         m.wait_for_all()?;
         Ok(m)
@@ -589,8 +625,12 @@ fn check_len(what: &str, name: &str, have: Option<usize>, need: Option<usize>) -
 
 impl Drop for Member {
     fn drop(&mut self) {
+        // The last rank out removes the name. Counting against the ranks
+        // that joined (not nranks) also removes it when a rank leaves an
+        // incomplete communicator; a rank joining later then makes a fresh
+        // region and reports the missing ranks, which is all it could do.
         let h = self.region.header();
-        if h.left.fetch_add(1, Ordering::AcqRel) + 1 == self.nranks as u32 {
+        if h.left.fetch_add(1, Ordering::AcqRel) + 1 >= h.joined.load(Ordering::Acquire) {
             region::unlink(self.region.name());
         }
         self.region.bump();
@@ -701,7 +741,8 @@ impl<'m> Pending<'m> {
             return Ok(Poll::Blocked);
         }
         let call = self.s.call;
-        let theirs: Vec<Option<(Call, u64)>> = (0..n).map(|r| Call::decode(&load_desc(&region.member(r).desc))).collect();
+        let theirs: Vec<Option<(Call, u64)>> =
+            (0..n).map(|r| Call::decode(&load_desc(&region.member(r).desc))).collect();
         if theirs.iter().any(|t| *t != Some((call, self.chunk))) {
             let each: Vec<String> = theirs
                 .iter()
@@ -746,7 +787,11 @@ impl<'m> Pending<'m> {
                     for r in 0..n {
                         // SAFETY: rank r's slot of recvbuff, this chunk of it.
                         unsafe {
-                            std::ptr::copy(region.member_data(r), at(r as u64 * call.count + first) as *mut u8, len)
+                            std::ptr::copy(
+                                region.member_data(r),
+                                at(r as u64 * call.count + first) as *mut u8,
+                                len,
+                            )
                         };
                     }
                 }
@@ -773,7 +818,9 @@ impl<'m> Pending<'m> {
             let src = self.s.send + first as usize * call.dtype.size();
             // SAFETY: the caller's sendbuff extent; the channel's area is free
             // (the receiver took the last chunk).
-            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, region.channel_data(self.rank(), to), len) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, region.channel_data(self.rank(), to), len)
+            };
         }
         store_desc(&ch.send_desc, call.encode(self.chunk));
         ch.posted.store(posted + 1, Ordering::Release);

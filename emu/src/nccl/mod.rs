@@ -128,7 +128,9 @@ fn entry(f: impl FnOnce() -> Result<()>) -> c_int {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(())) => code::SUCCESS as c_int,
         Ok(Err(e)) => fail(e),
-        Err(_) => fail(EmuError::new(code::INTERNAL_ERROR, "the NCCL stand-in panicked (a pipewright-emu bug)")),
+        Err(_) => {
+            fail(EmuError::new(code::INTERNAL_ERROR, "the NCCL stand-in panicked (a pipewright-emu bug)"))
+        }
     }
 }
 
@@ -155,8 +157,11 @@ thread_local! {
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
 }
 
+/// One stream's share of a group: its calls, in the order made.
+type Share = Vec<(Arc<Comm>, Stamped)>;
+
 /// Queues one stream's share of calls as one piece of work.
-fn enqueue(stream_handle: usize, calls: Vec<(Arc<Comm>, Stamped)>) -> Result<()> {
+fn enqueue(stream_handle: usize, calls: Share) -> Result<()> {
     let label = calls
         .iter()
         .map(|(c, s)| format!("{} (rank {} of {})", s.call, c.member.rank, c.member.nranks))
@@ -233,9 +238,13 @@ fn call(
             ),
         ));
     }
-    let (send_bytes, recv_bytes) = engine::extents(kind, count, dtype, m.nranks, m.rank, peer).ok_or_else(|| {
-        EmuError::new(code::INVALID_ARGUMENT, format!("{what}: count {count} overflows the address space"))
-    })?;
+    let (send_bytes, recv_bytes) =
+        engine::extents(kind, count, dtype, m.nranks, m.rank, peer).ok_or_else(|| {
+            EmuError::new(
+                code::INVALID_ARGUMENT,
+                format!("{what}: count {count} overflows the address space"),
+            )
+        })?;
     let (send, recv) = (send as u64, recv as u64);
     for (name, ptr, bytes) in [("sendbuff", send, send_bytes), ("recvbuff", recv, recv_bytes)] {
         if let Some(b) = bytes.filter(|&b| b > 0) {
@@ -323,7 +332,12 @@ fn join_rank(id: &UniqueId, nranks: c_int, rank: c_int, device: usize, config: C
 }
 
 #[no_mangle]
-pub extern "C" fn ncclCommInitRank(comm: *mut *mut c_void, nranks: c_int, comm_id: NcclUniqueId, rank: c_int) -> c_int {
+pub extern "C" fn ncclCommInitRank(
+    comm: *mut *mut c_void,
+    nranks: c_int,
+    comm_id: NcclUniqueId,
+    rank: c_int,
+) -> c_int {
     entry(|| {
         let what = format!("ncclCommInitRank (rank {rank} of {nranks})");
         let slot = out(comm, &format!("{what}: comm"))?;
@@ -343,18 +357,26 @@ pub extern "C" fn ncclCommInitRank(comm: *mut *mut c_void, nranks: c_int, comm_i
             (g.depth > 0).then(|| g.inits.push(comm.clone())).is_some()
         });
         if !in_group {
-            comm.member.wait_for_all().map_err(|e| EmuError::new(e.code, format!("{what}: {}", e.message)))?;
+            comm.member
+                .wait_for_all()
+                .map_err(|e| EmuError::new(e.code, format!("{what}: {}", e.message)))?;
         }
         *slot = register(comm) as *mut c_void;
         Ok(())
     })
 }
 
+/// # Safety
+/// `comms` has room for `ndev` handles and `devlist` (unless NULL) holds
+/// `ndev` ordinals, as nccl.h requires.
 #[no_mangle]
-pub extern "C" fn ncclCommInitAll(comms: *mut *mut c_void, ndev: c_int, devlist: *const c_int) -> c_int {
+pub unsafe extern "C" fn ncclCommInitAll(comms: *mut *mut c_void, ndev: c_int, devlist: *const c_int) -> c_int {
     entry(|| {
         let n = usize::try_from(ndev).ok().filter(|&n| n > 0).ok_or_else(|| {
-            EmuError::new(code::INVALID_ARGUMENT, format!("ncclCommInitAll: ndev {ndev}: at least one GPU is needed"))
+            EmuError::new(
+                code::INVALID_ARGUMENT,
+                format!("ncclCommInitAll: ndev {ndev}: at least one GPU is needed"),
+            )
         })?;
         if comms.is_null() {
             return Err(EmuError::new(code::INVALID_ARGUMENT, "ncclCommInitAll: comms is NULL"));
@@ -367,7 +389,10 @@ pub extern "C" fn ncclCommInitAll(comms: *mut *mut c_void, ndev: c_int, devlist:
             list.iter()
                 .map(|&d| {
                     usize::try_from(d).map_err(|_| {
-                        EmuError::new(code::INVALID_ARGUMENT, format!("ncclCommInitAll: devlist {list:?}: GPU {d}"))
+                        EmuError::new(
+                            code::INVALID_ARGUMENT,
+                            format!("ncclCommInitAll: devlist {list:?}: GPU {d}"),
+                        )
                     })
                 })
                 .collect::<Result<_>>()?
@@ -511,7 +536,9 @@ pub extern "C" fn ncclSend(
     comm: *mut c_void,
     stream: *mut c_void,
 ) -> c_int {
-    entry(|| call(Kind::Send, sendbuff, std::ptr::null_mut(), count, datatype, None, Some(peer), comm, stream))
+    entry(|| {
+        call(Kind::Send, sendbuff, std::ptr::null_mut(), count, datatype, None, Some(peer), comm, stream)
+    })
 }
 
 #[no_mangle]
@@ -538,10 +565,17 @@ pub extern "C" fn ncclGroupEnd() -> c_int {
         let (calls, inits) = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             if g.depth == 0 {
-                return Err(EmuError::new(code::INVALID_USAGE, "ncclGroupEnd without a matching ncclGroupStart"));
+                return Err(EmuError::new(
+                    code::INVALID_USAGE,
+                    "ncclGroupEnd without a matching ncclGroupStart",
+                ));
             }
             g.depth -= 1;
-            Ok(if g.depth == 0 { (std::mem::take(&mut g.calls), std::mem::take(&mut g.inits)) } else { Default::default() })
+            Ok(if g.depth == 0 {
+                (std::mem::take(&mut g.calls), std::mem::take(&mut g.inits))
+            } else {
+                Default::default()
+            })
         })?;
         let mut first_error = None;
         for c in inits {
@@ -551,7 +585,7 @@ pub extern "C" fn ncclGroupEnd() -> c_int {
             }
         }
         // Each stream's calls, in the order made, as one piece of work.
-        let mut streams: Vec<(usize, Vec<(Arc<Comm>, Stamped)>)> = vec![];
+        let mut streams: Vec<(usize, Share)> = vec![];
         for (comm, s, stamped) in calls {
             match streams.iter_mut().find(|(h, _)| *h == s) {
                 Some((_, v)) => v.push((comm, stamped)),

@@ -109,7 +109,8 @@ impl Region {
     pub fn open(name: &str, nranks: usize, chunk_bytes: usize, timeout: Duration) -> Result<Region> {
         let cname = CString::new(name).expect("region names have no NUL");
         // SAFETY: a valid C string; the flags and mode are shm_open's.
-        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        let fd =
+            unsafe { libc::shm_open(cname.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
         if fd >= 0 {
             return Region::create(fd, name, nranks, chunk_bytes);
         }
@@ -211,7 +212,10 @@ impl Region {
             ));
         }
         if region_bytes(nranks, chunk_bytes) != len {
-            return Err(EmuError::new(code::INTERNAL_ERROR, format!("{name}: {len} bytes, not its layout's")));
+            return Err(EmuError::new(
+                code::INTERNAL_ERROR,
+                format!("{name}: {len} bytes, not its layout's"),
+            ));
         }
         region.nranks = nranks;
         region.chunk_bytes = chunk_bytes;
@@ -221,7 +225,14 @@ impl Region {
     /// # Safety
     /// `fd` is an open shared memory object of at least `len` bytes.
     unsafe fn map(fd: i32, name: &str, len: usize, nranks: usize, chunk_bytes: usize) -> Result<Region> {
-        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            0,
+        );
         if p == libc::MAP_FAILED {
             return Err(sys_error(&format!("mmap of {name} ({len} bytes)")));
         }
@@ -284,7 +295,9 @@ impl Region {
         gen.fetch_add(1, Ordering::AcqRel);
         // SAFETY: FUTEX_WAKE on a word of a shared mapping (not the private
         // variant: waiters may be other processes).
-        unsafe { libc::syscall(libc::SYS_futex, gen.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32) };
+        unsafe {
+            libc::syscall(libc::SYS_futex, gen.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32)
+        };
     }
 
     /// Sleeps until the generation moves past `seen` or `timeout` passes.
@@ -297,7 +310,15 @@ impl Region {
         // SAFETY: FUTEX_WAIT on a live word with a relative timeout; it
         // returns at once if the word no longer holds `seen`.
         unsafe {
-            libc::syscall(libc::SYS_futex, gen.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const libc::timespec, 0usize, 0u32)
+            libc::syscall(
+                libc::SYS_futex,
+                gen.as_ptr(),
+                libc::FUTEX_WAIT,
+                seen,
+                &ts as *const libc::timespec,
+                0usize,
+                0u32,
+            )
         };
     }
 
@@ -356,5 +377,6 @@ pub fn write_session(m: &MemberCtl, session: &str) {
 pub fn read_session(m: &MemberCtl) -> String {
     let n = (m.session_len.load(Ordering::Relaxed) as usize).min(SESSION_BYTES);
     // SAFETY: read after claimed = 2 published it (the caller acquired that).
-    String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(m.session.get() as *const u8, n) }).into_owned()
+    String::from_utf8_lossy(unsafe { std::slice::from_raw_parts(m.session.get() as *const u8, n) })
+        .into_owned()
 }
