@@ -370,7 +370,11 @@ pub extern "C" fn ncclCommInitRank(
 /// `comms` has room for `ndev` handles and `devlist` (unless NULL) holds
 /// `ndev` ordinals, as nccl.h requires.
 #[no_mangle]
-pub unsafe extern "C" fn ncclCommInitAll(comms: *mut *mut c_void, ndev: c_int, devlist: *const c_int) -> c_int {
+pub unsafe extern "C" fn ncclCommInitAll(
+    comms: *mut *mut c_void,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> c_int {
     entry(|| {
         let n = usize::try_from(ndev).ok().filter(|&n| n > 0).ok_or_else(|| {
             EmuError::new(
