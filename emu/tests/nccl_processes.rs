@@ -30,7 +30,13 @@ fn bits_f32(v: &[f32]) -> Vec<u32> {
 
 fn input(rank: usize, count: usize) -> Vec<f32> {
     (0..count)
-        .map(|i| if (i + rank) % 3 == 0 { -0.0 } else { (i * 7 + rank) as f32 * 0.37 - 1e6 * rank as f32 })
+        .map(|i| {
+            if (i + rank).is_multiple_of(3) {
+                -0.0
+            } else {
+                (i * 7 + rank) as f32 * 0.37 - 1e6 * rank as f32
+            }
+        })
         .collect()
 }
 
