@@ -1,7 +1,8 @@
-//! The NCCL stand-in's engine across two real processes: this test binary
-//! starts itself again as rank 1 (`child_rank`, chosen by an environment
-//! variable), and the two share the unique id through a temporary file, as
-//! pipewright's processes share it over the cluster.
+//! The NCCL stand-in's engine across two real processes: each test starts
+//! this binary again, running only itself, as rank 1 (an environment
+//! variable naming the id file tells the child its part); the two share the
+//! unique id through that temporary file, as pipewright's processes share
+//! it over the cluster.
 
 use pipewright_emu::nccl::engine::{Config, DeviceId, Member, Op, UniqueId, ID_BYTES};
 use pipewright_emu::nccl::types::{DataType, RedOp};
@@ -9,7 +10,6 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-const SCENARIO_VAR: &str = "PW_NCCL_TEST_SCENARIO";
 const ID_FILE_VAR: &str = "PW_NCCL_TEST_ID_FILE";
 
 fn config() -> Config {
@@ -41,7 +41,7 @@ fn input(rank: usize, count: usize) -> Vec<f32> {
 }
 
 /// Every collective and a send/receive exchange, checked on both ranks.
-fn collectives(rank: usize, id: &UniqueId) {
+fn collectives(rank: usize, id: &UniqueId) -> &'static str {
     let gpu = DeviceId { session: format!("pid{}", std::process::id()), ordinal: 0 };
     let m = Member::init(id, 2, rank, gpu, config()).expect("init across processes");
     let count = 45;
@@ -65,6 +65,7 @@ fn collectives(rank: usize, id: &UniqueId) {
     let other = 1 - rank;
     m.run(&[Op::send(&mine, DataType::F32, other), Op::recv(&mut received, DataType::F32, other)]).unwrap();
     assert_eq!(bits(&received), bits_f32(&input(other, count)), "send/recv on rank {rank}");
+    "every result as expected"
 }
 
 /// Both processes claim GPU 0 of one emulator session: both are refused.
@@ -85,52 +86,53 @@ fn mismatch(rank: usize, id: &UniqueId) -> String {
     m.run(&[op]).unwrap_err().to_string()
 }
 
-#[test]
-#[ignore = "rank 1 of the cross-process tests, which start it themselves"]
-fn child_rank() {
-    let scenario = std::env::var(SCENARIO_VAR).expect("started by a cross-process test");
-    let raw = std::fs::read(std::env::var(ID_FILE_VAR).expect("the id file")).unwrap();
-    let id = UniqueId(raw.try_into().expect("128 bytes"));
-    match scenario.as_str() {
-        "collectives" => collectives(1, &id),
-        "same_gpu" => println!("ERROR: {}", same_gpu(1, &id)),
-        "mismatch" => println!("ERROR: {}", mismatch(1, &id)),
-        other => panic!("unknown scenario {other}"),
+/// Runs `scenario` as rank 0 here and as rank 1 in a child process (this
+/// binary again, running only `test`, which sees the id file's variable and
+/// takes rank 1); rank 0's result, the child's pid and its stdout. In the
+/// child it prints its result and returns None.
+fn two_processes<T: std::fmt::Display>(
+    test: &str,
+    scenario: impl FnOnce(usize, &UniqueId) -> T,
+) -> Option<(T, u32, String)> {
+    if let Ok(file) = std::env::var(ID_FILE_VAR) {
+        let raw = std::fs::read(file).expect("the id file");
+        let id = UniqueId(raw.try_into().expect("128 bytes"));
+        println!("RANK 1: {}", scenario(1, &id));
+        return None;
     }
-}
-
-/// Starts rank 1 in a new process of this binary, runs `rank0` here, and
-/// returns rank 0's result, the child's pid and its stdout.
-fn with_child<T>(scenario: &str, rank0: impl FnOnce(&UniqueId) -> T) -> (T, u32, String) {
     let dir = tempfile::tempdir().unwrap();
     let id = UniqueId::new();
     let id_file = dir.path().join("nccl-id");
     std::fs::write(&id_file, id.0).unwrap();
     assert_eq!(std::fs::read(Path::new(&id_file)).unwrap().len(), ID_BYTES);
     let child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_rank", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO_VAR, scenario)
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
         .env(ID_FILE_VAR, &id_file)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let pid = child.id();
-    let mine = rank0(&id);
+    let mine = scenario(0, &id);
     let done = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&done.stdout).into_owned();
     assert!(done.status.success(), "rank 1 failed: {stdout}\n{}", String::from_utf8_lossy(&done.stderr));
-    (mine, pid, stdout)
+    assert!(stdout.contains("RANK 1: "), "the child ran no rank: {stdout}");
+    Some((mine, pid, stdout))
 }
 
 #[test]
 fn collectives_and_send_recv_work_between_two_processes() {
-    with_child("collectives", |id| collectives(0, id));
+    two_processes("collectives_and_send_recv_work_between_two_processes", collectives);
 }
 
 #[test]
 fn two_processes_on_one_gpu_are_both_refused_naming_both_pids() {
-    let (mine, child, theirs) = with_child("same_gpu", |id| same_gpu(0, id));
+    let Some((mine, child, theirs)) =
+        two_processes("two_processes_on_one_gpu_are_both_refused_naming_both_pids", same_gpu)
+    else {
+        return;
+    };
     let me = std::process::id();
     for e in [&mine, &theirs] {
         assert!(e.contains(&format!("ranks 0 (pid {me}) and 1 (pid {child})")), "{e}");
@@ -140,7 +142,8 @@ fn two_processes_on_one_gpu_are_both_refused_naming_both_pids() {
 
 #[test]
 fn different_collectives_in_two_processes_are_reported_in_both() {
-    let (mine, _, theirs) = with_child("mismatch", |id| mismatch(0, id));
+    let test = "different_collectives_in_two_processes_are_reported_in_both";
+    let Some((mine, _, theirs)) = two_processes(test, mismatch) else { return };
     for e in [&mine, &theirs] {
         assert!(e.contains("rank 0: ncclAllReduce #1 (8 x float32, sum)"), "{e}");
         assert!(e.contains("rank 1: ncclAllGather #1 (4 x float32 from each rank)"), "{e}");

@@ -462,10 +462,15 @@ impl Member {
                 .filter(|&r| self.region.member(r).claimed.load(Ordering::Acquire) != 2)
                 .collect();
             if missing.is_empty() {
+                // Every rank has it mapped: the name has served its purpose,
+                // and removing it now leaves nothing behind in /dev/shm even
+                // if a process dies or never destroys its communicator.
+                region::unlink(self.region.name());
                 break;
             }
             let waited = start.elapsed();
             if waited >= self.timeout {
+                region::unlink(self.region.name());
                 return Err(EmuError::new(
                     code::INVALID_USAGE,
                     format!(
@@ -625,10 +630,10 @@ fn check_len(what: &str, name: &str, have: Option<usize>, need: Option<usize>) -
 
 impl Drop for Member {
     fn drop(&mut self) {
-        // The last rank out removes the name. Counting against the ranks
-        // that joined (not nranks) also removes it when a rank leaves an
-        // incomplete communicator; a rank joining later then makes a fresh
-        // region and reports the missing ranks, which is all it could do.
+        // A complete communicator's name is gone already (wait_for_all);
+        // for an incomplete one the last rank out removes it, counting the
+        // ranks that joined, not nranks. A rank joining later then makes a
+        // fresh region and reports the missing ranks, all it could do.
         let h = self.region.header();
         if h.left.fetch_add(1, Ordering::AcqRel) + 1 >= h.joined.load(Ordering::Acquire) {
             region::unlink(self.region.name());

@@ -1,6 +1,8 @@
 //! The shared-memory region one communicator's ranks meet in: a POSIX
 //! shared memory object named by the unique id, mapped by every rank
 //! (threads of one process map it once each, like separate processes).
+//! Its name is removed as soon as every rank has it mapped (see
+//! `Member::wait_for_all`), so a crashed run leaves nothing in /dev/shm.
 //!
 //! Layout (all offsets page-aligned so every data area starts aligned):
 //! the header page; then one member area per rank (its control page and a
