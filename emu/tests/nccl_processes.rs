@@ -121,6 +121,20 @@ fn two_processes<T: std::fmt::Display>(
     Some((mine, pid, stdout))
 }
 
+/// Rank 1 joins and its process exits; rank 0 then waits in an all-reduce.
+fn child_exits(rank: usize, id: &UniqueId) -> String {
+    let gpu = DeviceId { session: format!("pid{}", std::process::id()), ordinal: 0 };
+    let cfg = Config { timeout: Duration::from_secs(1), ..config() };
+    let m = Member::init(id, 2, rank, gpu, cfg).unwrap();
+    if rank == 1 {
+        return "joined, exiting".into();
+    }
+    let mut buf = bytes_f32(&[1.0; 8]);
+    // Long enough for the child to be gone before the report is made.
+    std::thread::sleep(Duration::from_millis(300));
+    m.run(&[Op::all_reduce_in_place(&mut buf, DataType::F32, RedOp::Sum)]).unwrap_err().to_string()
+}
+
 #[test]
 fn collectives_and_send_recv_work_between_two_processes() {
     two_processes("collectives_and_send_recv_work_between_two_processes", collectives);
@@ -148,4 +162,12 @@ fn different_collectives_in_two_processes_are_reported_in_both() {
         assert!(e.contains("rank 0: ncclAllReduce #1 (8 x float32, sum)"), "{e}");
         assert!(e.contains("rank 1: ncclAllGather #1 (4 x float32 from each rank)"), "{e}");
     }
+}
+
+#[test]
+fn a_rank_whose_process_exited_is_named_so_in_the_deadlock_report() {
+    let test = "a_rank_whose_process_exited_is_named_so_in_the_deadlock_report";
+    let Some((mine, child, _)) = two_processes(test, child_exits) else { return };
+    assert!(mine.contains("rank 0: waiting in ncclAllReduce #1 (8 x float32, sum) for ranks [1]"), "{mine}");
+    assert!(mine.contains(&format!("rank 1: no call yet (its process, pid {child}, has exited)")), "{mine}");
 }

@@ -34,6 +34,9 @@ const ID_MAGIC: &[u8; 8] = b"pwemunc1";
 /// Ranks a communicator may have (the wait masks are 64-bit).
 pub const MAX_RANKS: usize = 64;
 pub const TIMEOUT_VAR: &str = "PW_EMU_NCCL_TIMEOUT_S";
+/// Bytes of chunks a region may reserve (2 ranks use 1.5 MiB at the
+/// default chunk; 64 ranks get 4 KiB chunks).
+const REGION_BUDGET: usize = 64 << 20;
 
 /// An ncclUniqueId: a magic, 16 random bytes, the maker's pid and the time,
 /// so ids made at once by different processes never meet.
@@ -413,8 +416,11 @@ impl Member {
         if config.chunk_bytes < 64 {
             return Err(invalid(format!("chunk of {} bytes: at least 64 are needed", config.chunk_bytes)));
         }
+        // The region holds nranks × (nranks + 1) chunks, reserved up front:
+        // many ranks get smaller chunks, so it stays within REGION_BUDGET.
+        let chunk_bytes = config.chunk_bytes.min((REGION_BUDGET / (nranks * (nranks + 1))).max(4096));
         let name = id.region_name()?;
-        let region = Region::open(&name, nranks, config.chunk_bytes, config.timeout)?;
+        let region = Region::open(&name, nranks, chunk_bytes, config.timeout)?;
         let m = region.member(rank);
         if m.claimed.compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
             while m.claimed.load(Ordering::Acquire) == 1 {
@@ -887,6 +893,20 @@ fn ranks_of(mask: u64) -> Vec<usize> {
     (0..64).filter(|r| mask & 1 << r != 0).collect()
 }
 
+/// Whether process `pid` is gone: no such process (ESRCH; another user's
+/// gives EPERM), or a zombie its parent has not reaped yet.
+fn exited(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if r != 0 {
+        return std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+    }
+    // /proc/<pid>/stat: "pid (comm) state ...", comm may hold spaces.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+    matches!(state, Some('Z' | 'X'))
+}
+
 const WAITING: u32 = 1;
 const FINISHED: u32 = 2;
 
@@ -904,13 +924,19 @@ pub fn activity_report(m: &Member) -> String {
             let ctl = m.region.member(r);
             let state = ctl.activity_state.load(Ordering::Acquire);
             let call = Call::decode(&load_desc(&ctl.activity)).map(|(c, _)| c);
-            match (state, call) {
+            let doing = match (state, call) {
                 (WAITING, Some(c)) => {
                     let on = ranks_of(ctl.waiting_for.load(Ordering::Acquire));
                     format!("rank {r}: waiting in {c} for ranks {on:?}")
                 }
                 (FINISHED, Some(c)) => format!("rank {r}: last call {c}, finished"),
                 _ => format!("rank {r}: no call yet"),
+            };
+            let pid = ctl.pid.load(Ordering::Relaxed);
+            if exited(pid) {
+                format!("{doing} (its process, pid {pid}, has exited)")
+            } else {
+                doing
             }
         })
         .collect();
