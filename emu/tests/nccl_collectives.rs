@@ -414,3 +414,69 @@ fn a_buffer_of_the_wrong_length_is_refused_naming_it() {
         assert!(e.contains("recvbuff holds 20 bytes, the call needs exactly 24"), "{e}");
     }
 }
+
+#[test]
+fn several_collectives_of_one_communicator_in_one_group_run_in_the_order_issued() {
+    let n = 2;
+    let count = 24;
+    let results = on_ranks(n, config(20.0), |m| {
+        let mut summed = bytes_f32(&input(m.rank, count));
+        let mut broadcast = bytes_f32(&input(m.rank, count));
+        let mine = bytes_f32(&input(m.rank, count));
+        let mut gathered = vec![0u8; n * mine.len()];
+        m.run(&[
+            Op::all_reduce_in_place(&mut summed, DataType::F32, RedOp::Sum),
+            Op::broadcast_in_place(&mut broadcast, DataType::F32, 1),
+            Op::all_gather(&mine, &mut gathered, DataType::F32),
+        ])
+        .unwrap();
+        (f32s(&summed), f32s(&broadcast), f32s(&gathered))
+    });
+    let sum: Vec<f32> = (0..count).map(|i| input(0, count)[i] + input(1, count)[i]).collect();
+    let all: Vec<f32> = (0..n).flat_map(|r| input(r, count)).collect();
+    for (summed, broadcast, gathered) in results {
+        assert_eq!(bits(&summed), bits(&sum));
+        assert_eq!(bits(&broadcast), bits(&input(1, count)));
+        assert_eq!(bits(&gathered), bits(&all));
+    }
+}
+
+#[test]
+fn two_sends_to_one_peer_in_one_group_arrive_in_the_order_issued() {
+    let count = 20;
+    let results = on_ranks(2, config(20.0), |m| {
+        let (first, second) = (bytes_f32(&input(0, count)), bytes_f32(&input(1, count)));
+        let (mut a, mut b) = (vec![0u8; first.len()], vec![0u8; second.len()]);
+        if m.rank == 0 {
+            m.run(&[Op::send(&first, DataType::F32, 1), Op::send(&second, DataType::F32, 1)]).unwrap();
+        } else {
+            m.run(&[Op::recv(&mut a, DataType::F32, 0), Op::recv(&mut b, DataType::F32, 0)]).unwrap();
+        }
+        (f32s(&a), f32s(&b))
+    });
+    assert_eq!(bits(&results[1].0), bits(&input(0, count)));
+    assert_eq!(bits(&results[1].1), bits(&input(1, count)));
+}
+
+#[test]
+fn a_collective_run_before_an_earlier_one_of_its_rank_is_refused() {
+    // Collectives #1 and #2 issued on (emulated) unordered streams, and #2's
+    // stream gets there first.
+    let m = Member::init(&UniqueId::new(), 1, 0, gpu(0), config(20.0)).unwrap();
+    let (mut a, mut b) = (bytes_f32(&[1.0; 4]), bytes_f32(&[2.0; 4]));
+    let (first, second) = (
+        Op::all_reduce_in_place(&mut a, DataType::F32, RedOp::Sum),
+        Op::broadcast_in_place(&mut b, DataType::F32, 0),
+    );
+    let (_one, two) = (m.stamp(&first).unwrap(), m.stamp(&second).unwrap());
+    // SAFETY: the buffers outlive the call.
+    let err = unsafe { execute(&[(&m, two)]) }.unwrap_err();
+    assert_eq!(err.code, code::INVALID_USAGE);
+    assert!(
+        err.message.contains(
+            "rank 0: ncclBroadcast #2 (4 x float32, root 0) started before its collective #1 finished"
+        ),
+        "{err}"
+    );
+    assert!(m.failure().is_some_and(|f| f.contains("ncclBroadcast #2")), "the communicator is failed");
+}

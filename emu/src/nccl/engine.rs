@@ -385,9 +385,10 @@ pub struct Member {
     pub nranks: usize,
     pub device: DeviceId,
     pub timeout: Duration,
-    collectives: AtomicU64,
-    sends: Vec<AtomicU64>,
-    recvs: Vec<AtomicU64>,
+    /// Per lane (see `lane`): calls numbered so far, and the number of the
+    /// last one finished.
+    issued: Vec<AtomicU64>,
+    finished: Vec<AtomicU64>,
     /// Whether every rank joined and their devices were checked.
     complete: AtomicBool,
 }
@@ -451,9 +452,8 @@ impl Member {
             nranks,
             device,
             timeout: config.timeout,
-            collectives: AtomicU64::new(0),
-            sends: (0..nranks).map(|_| AtomicU64::new(0)).collect(),
-            recvs: (0..nranks).map(|_| AtomicU64::new(0)).collect(),
+            issued: (0..1 + 2 * nranks).map(|_| AtomicU64::new(0)).collect(),
+            finished: (0..1 + 2 * nranks).map(|_| AtomicU64::new(0)).collect(),
             complete: AtomicBool::new(false),
         })
     }
@@ -567,12 +567,7 @@ impl Member {
                 return Err(invalid(format!("{what}: {name} is NULL")));
             }
         }
-        let counter = match op.kind {
-            Kind::Send => &self.sends[op.peer],
-            Kind::Recv => &self.recvs[op.peer],
-            _ => &self.collectives,
-        };
-        let seq = counter.fetch_add(1, Ordering::AcqRel) + 1;
+        let seq = self.issued[lane(op.kind, op.peer, self.nranks)].fetch_add(1, Ordering::AcqRel) + 1;
         let peer = if op.kind.rooted() || !op.kind.is_collective() { op.peer } else { 0 };
         let call = Call { kind: op.kind, seq, count: op.count as u64, dtype: op.dtype, op: op.op, peer };
         Ok(Stamped { call, send, recv: op.recv })
@@ -648,6 +643,17 @@ impl Drop for Member {
     }
 }
 
+/// A rank's calls run in the order issued within each lane: its
+/// collectives, its sends to each peer, its receives from each peer (the
+/// orders NCCL matches calls in). Lanes run independently.
+fn lane(kind: Kind, peer: usize, nranks: usize) -> usize {
+    match kind {
+        Kind::Send => 1 + peer,
+        Kind::Recv => 1 + nranks + peer,
+        _ => 0,
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     /// Collective: post this rank's chunk.
@@ -674,13 +680,15 @@ struct Pending<'m> {
     phase: Phase,
     /// Ranks it waits for while blocked.
     waiting: u64,
+    /// Whether it checked that its lane's previous call finished.
+    started: bool,
 }
 
 impl<'m> Pending<'m> {
     fn new(m: &'m Member, s: Stamped) -> Pending<'m> {
         let per_chunk = (m.region.chunk_bytes / s.call.dtype.size()).max(1) as u64;
         let chunks = s.call.count.div_ceil(per_chunk).max(1);
-        Pending { m, s, chunk: 0, chunks, per_chunk, phase: Phase::Post, waiting: 0 }
+        Pending { m, s, chunk: 0, chunks, per_chunk, phase: Phase::Post, waiting: 0, started: false }
     }
 
     fn rank(&self) -> usize {
@@ -707,7 +715,11 @@ impl<'m> Pending<'m> {
             ));
         }
         self.waiting = 0;
-        match (self.s.call.kind, self.phase) {
+        if !self.started {
+            self.check_order()?;
+            self.started = true;
+        }
+        let polled = match (self.s.call.kind, self.phase) {
             (_, Phase::Done) => Ok(Poll::Moved),
             (Kind::Send, Phase::Post) => self.send_post(),
             (Kind::Send, Phase::Drain) => self.send_drain(),
@@ -715,7 +727,40 @@ impl<'m> Pending<'m> {
             (_, Phase::Post) => self.collective_post(),
             (_, Phase::Collect(step)) => self.collective_collect(step),
             (k, p) => unreachable!("{k:?} never reaches {p:?}"),
+        };
+        if self.phase == Phase::Done {
+            self.m.finished[self.lane()].store(self.s.call.seq, Ordering::Release);
         }
+        polled
+    }
+
+    fn lane(&self) -> usize {
+        lane(self.s.call.kind, self.s.call.peer, self.m.nranks)
+    }
+
+    /// Refuses to start a call before its lane's previous one finished:
+    /// within a group the previous one runs first, so it was issued on
+    /// another stream that is not ordered before this one. On GPUs the two
+    /// would run at once and NCCL would hang or mix them up.
+    fn check_order(&self) -> Result<()> {
+        let call = self.s.call;
+        let done = self.m.finished[self.lane()].load(Ordering::Acquire);
+        if done + 1 == call.seq {
+            return Ok(());
+        }
+        let previous = match call.kind {
+            Kind::Send => format!("ncclSend #{} to rank {}", call.seq - 1, call.peer),
+            Kind::Recv => format!("ncclRecv #{} from rank {}", call.seq - 1, call.peer),
+            _ => format!("collective #{}", call.seq - 1),
+        };
+        let msg = format!(
+            "rank {}: {call} started before its {previous} finished: that call was issued earlier on a stream \
+             not ordered before this one (NCCL runs a communicator's calls in the order issued only when their \
+             streams are ordered: one stream, or an event between them)",
+            self.rank()
+        );
+        self.m.fail(&msg);
+        Err(EmuError::new(code::INVALID_USAGE, msg))
     }
 
     fn collective_post(&mut self) -> Result<Poll> {
@@ -966,7 +1011,9 @@ pub unsafe fn execute(items: &[(&Member, Stamped)]) -> Result<()> {
         let seen = ops[lead].m.region.generation();
         let mut moved = false;
         for i in 0..ops.len() {
-            if ops[i].phase == Phase::Done {
+            // A call waits for the earlier calls of its lane in the group.
+            let same_lane = |p: &Pending| std::ptr::eq(p.m, ops[i].m) && p.lane() == ops[i].lane();
+            if ops[i].phase == Phase::Done || ops[..i].iter().any(|p| p.phase != Phase::Done && same_lane(p)) {
                 continue;
             }
             match ops[i].poll() {
