@@ -351,3 +351,41 @@ fn buffers_and_streams_of_another_gpu_are_refused_and_a_mismatch_fails_both_stre
         assert!(e.contains("rank 0: ncclAllReduce #1") && e.contains("rank 1: ncclBroadcast #1"), "{e}");
     }
 }
+
+#[test]
+#[ignore = "needs the driver's entry points in libpipewright_emu.so; run with --ignored once they are"]
+fn a_call_from_another_thread_while_a_group_holds_the_communicator_is_refused() {
+    let l = lib();
+    let gpus: Vec<Gpu> = (0..2).map(Gpu::new).collect();
+    let comms = init_all(2);
+    let buf = gpus[0].upload(&[1.0; 4]) as *mut c_void;
+    gpus[0].bind();
+    // SAFETY (all calls below): live handles and allocations of GPU 0.
+    unsafe {
+        assert_eq!((l.group_start)(), 0);
+        assert_eq!((l.all_reduce)(buf, buf, 4, F32, SUM, comms[0], gpus[0].stream), 0);
+    }
+    let (comm, stream, ctx, addr) =
+        (comms[0] as usize, gpus[0].stream as usize, gpus[0].ctx as usize, buf as usize);
+    let (rc, msg) = std::thread::spawn(move || {
+        // SAFETY: as above, from another thread with GPU 0 current.
+        unsafe {
+            cu((lib().cu_ctx_set_current)(ctx as Handle)).unwrap();
+            let p = addr as *mut c_void;
+            let rc = (lib().all_reduce)(p, p, 4, F32, SUM, comm as Handle, stream as Handle);
+            (rc, nccl_error(rc))
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(rc, INVALID_USAGE);
+    assert!(msg.contains("open group holds calls of this communicator"), "{msg}");
+    // SAFETY: closes the group; rank 1 joins the all-reduce so it completes.
+    unsafe {
+        assert_eq!((l.group_end)(), 0);
+        gpus[1].bind();
+        let other = gpus[1].upload(&[2.0; 4]) as *mut c_void;
+        assert_eq!((l.all_reduce)(other, other, 4, F32, SUM, comms[1], gpus[1].stream), 0);
+    }
+    assert_eq!(gpus[0].download(buf as u64, 4), bits(&[3.0; 4]));
+}

@@ -1013,7 +1013,8 @@ pub unsafe fn execute(items: &[(&Member, Stamped)]) -> Result<()> {
         for i in 0..ops.len() {
             // A call waits for the earlier calls of its lane in the group.
             let same_lane = |p: &Pending| std::ptr::eq(p.m, ops[i].m) && p.lane() == ops[i].lane();
-            if ops[i].phase == Phase::Done || ops[..i].iter().any(|p| p.phase != Phase::Done && same_lane(p)) {
+            let behind = ops[..i].iter().any(|p| p.phase != Phase::Done && same_lane(p));
+            if ops[i].phase == Phase::Done || behind {
                 continue;
             }
             match ops[i].poll() {

@@ -60,9 +60,35 @@ pub struct Comm {
     pub member: Arc<Member>,
     /// The GPU (this process's ordinal) its rank runs on.
     pub device: usize,
+    /// Held while a thread issues a call on it (NCCL communicators are not
+    /// thread-safe: two threads at once is refused, not serialised).
+    issuing: Mutex<()>,
+    /// The thread whose open group holds calls of this communicator.
+    grouped_by: Mutex<Option<std::thread::ThreadId>>,
 }
 
 impl Comm {
+    fn new(member: Member, device: usize) -> Comm {
+        Comm { member: Arc::new(member), device, issuing: Mutex::new(()), grouped_by: Mutex::new(None) }
+    }
+
+    /// NCCL's thread-safety rule: one thread issues on a communicator at a
+    /// time, and all of a group's calls come from the thread that opened it.
+    fn check_thread(&self, what: &str) -> Result<()> {
+        let me = std::thread::current().id();
+        let holder = *self.grouped_by.lock().unwrap_or_else(|p| p.into_inner());
+        match holder {
+            Some(t) if t != me => Err(EmuError::new(
+                code::INVALID_USAGE,
+                format!(
+                    "{what}: called on thread {me:?} while thread {t:?}'s open group holds calls of this \
+                     communicator (NCCL requires one thread to issue all of a group's calls)"
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     fn describe(&self) -> String {
         format!("rank {} of {} on GPU {}", self.member.rank, self.member.nranks, self.device)
     }
@@ -188,6 +214,7 @@ fn issue(comm: Arc<Comm>, stream_handle: usize, stamped: Stamped) -> Result<()> 
         if g.depth == 0 {
             return None;
         }
+        *comm.grouped_by.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::thread::current().id());
         g.calls.push((comm.clone(), stream_handle, stamped));
         Some(())
     });
@@ -213,6 +240,13 @@ fn call(
     let comm = lookup(comm, kind.name())?;
     let m = &comm.member;
     let what = format!("{} ({})", kind.name(), comm.describe());
+    let _issuing = comm.issuing.try_lock().map_err(|_| {
+        EmuError::new(
+            code::INVALID_USAGE,
+            format!("{what}: another thread is issuing a call on this communicator at the same moment (NCCL communicators are not thread-safe)"),
+        )
+    })?;
+    comm.check_thread(&what)?;
     let dtype = DataType::from_raw(datatype as i64, &what)?;
     let op = op.map(|o| RedOp::from_raw(o as i64, &what)).transpose()?;
     let peer = match peer {
@@ -260,7 +294,7 @@ fn call(
     // work runs, as it does for a GPU's NCCL kernel.
     let op = unsafe { Op::from_raw(kind, send, recv, count, dtype, op, peer) };
     let stamped = m.stamp(&op)?;
-    issue(comm, stream_handle, stamped)
+    issue(comm.clone(), stream_handle, stamped)
 }
 
 /// Overlapping send and receive buffers are allowed only in NCCL's in-place
@@ -351,7 +385,7 @@ pub extern "C" fn ncclCommInitRank(
         let id = UniqueId(comm_id.internal.map(|c| c as u8));
         let member = join_rank(&id, nranks, rank, device, config)
             .map_err(|e| EmuError::new(e.code, format!("{what}: {}", e.message)))?;
-        let comm = Arc::new(Comm { member: Arc::new(member), device });
+        let comm = Arc::new(Comm::new(member, device));
         let in_group = GROUP.with(|g| {
             let mut g = g.borrow_mut();
             (g.depth > 0).then(|| g.inits.push(comm.clone())).is_some()
@@ -415,7 +449,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
             m.wait_for_all().map_err(|e| EmuError::new(e.code, format!("{what}: {}", e.message)))?;
         }
         for (r, (m, device)) in members.into_iter().zip(devices).enumerate() {
-            let handle = register(Arc::new(Comm { member: Arc::new(m), device }));
+            let handle = register(Arc::new(Comm::new(m, device)));
             // SAFETY: the caller's array of ndev handles.
             unsafe { *comms.add(r) = handle as *mut c_void };
         }
@@ -587,6 +621,9 @@ pub extern "C" fn ncclGroupEnd() -> c_int {
                 c.member.fail(&e.message);
                 first_error.get_or_insert(e);
             }
+        }
+        for (comm, _, _) in &calls {
+            *comm.grouped_by.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         // Each stream's calls, in the order made, as one piece of work.
         let mut streams: Vec<(usize, Share)> = vec![];
