@@ -1,1 +1,1247 @@
-//! (being written)
+//! The execution engine: runs a launch's grid on the CPU.
+//!
+//! Blocks are spread over a pool of worker threads (PW_EMU_THREADS, default
+//! one per core); the stream thread that runs the launch works on its blocks
+//! too. A worker runs one block at a time, each of the block's threads
+//! ("lanes") a fiber (a corosensei coroutine on a stack from the worker's
+//! pool). The scheduler runs each fiber until it waits (at a barrier, a warp
+//! collective) or ends, then the next, in lane order. A collective completes
+//! when its last member arrives, which computes every member's result at
+//! once, so a lane released early never sees a newer value.
+//!
+//! What real hardware would only sometimes punish is an error naming the
+//! kernel, block and threads: a barrier not reached by every thread, a warp
+//! collective whose members disagree, a fault (SIGSEGV/SIGBUS) inside a
+//! kernel (trapped and turned into CUDA_ERROR_ILLEGAL_ADDRESS), a write past
+//! an allocation into its alignment slack (the canary), a missing barrier
+//! (PW_EMU_CHECK=order runs every launch twice in two lane orders and
+//! compares the bytes it wrote).
+
+use crate::abi::{self, Dim3, Lane};
+use crate::error::{cu, EmuError, Result};
+use crate::memory::{self, Allocation};
+use crate::module::{Function, KernelInfo};
+use corosensei::stack::DefaultStack;
+use corosensei::trap::CoroutineTrapHandler;
+use corosensei::{Coroutine, CoroutineResult, Yielder};
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
+
+/// The table handed to every module (pw_emu_module_init).
+pub static RUNTIME: abi::Runtime = abi::Runtime {
+    abi_version: abi::ABI_VERSION,
+    lane: rt_lane,
+    syncthreads: rt_syncthreads,
+    syncwarp: rt_syncwarp,
+    shfl_sync: rt_shfl_sync,
+    vote_sync: rt_vote_sync,
+    mma_m16n8k16_f32_bf16: rt_mma,
+    dynamic_shared: rt_dynamic_shared,
+    trap: rt_trap,
+};
+
+/// Bytes of each fiber's stack (mapped lazily: only touched pages cost memory).
+const STACK_BYTES: usize = 256 << 10;
+/// The byte shared memory (static and dynamic) is filled with at each block
+/// start: every f32, bf16 and f16 made of it is a NaN, every integer -1, so
+/// a read before any write shows in the results.
+pub const SHARED_POISON: u8 = 0xFF;
+pub const MAX_THREADS_PER_BLOCK: u32 = 1024;
+pub const MAX_BLOCK_DIM: [u32; 3] = [1024, 1024, 64];
+pub const MAX_GRID_DIM: [u32; 3] = [i32::MAX as u32, 65535, 65535];
+
+/// A pointer argument of a launch, checked at cuLaunchKernel.
+#[derive(Clone, Debug)]
+pub struct PointerArg {
+    pub param: usize,
+    pub value: u64,
+    pub alloc: Allocation,
+}
+
+/// A validated launch, its arguments copied (the caller's kernelParams may
+/// be gone by the time it runs).
+pub struct Launch {
+    pub func: Arc<Function>,
+    pub grid: Dim3,
+    pub block: Dim3,
+    pub shared: u32,
+    pub device: usize,
+    pub pointers: Vec<PointerArg>,
+    /// The arguments' bytes (16-byte aligned storage) and a pointer to each.
+    _storage: Box<[u128]>,
+    args: Vec<*mut c_void>,
+}
+
+// SAFETY: `args` points into `_storage`, owned by the launch and never
+// written after construction; kernels only read through it.
+unsafe impl Send for Launch {}
+unsafe impl Sync for Launch {}
+
+fn dims(d: Dim3) -> String {
+    format!("({}, {}, {})", d.x, d.y, d.z)
+}
+
+impl Launch {
+    /// Checks a launch as cuLaunchKernel must (every error names the kernel
+    /// and the bad value) and copies its arguments.
+    ///
+    /// # Safety
+    /// `params` must be cuLaunchKernel's kernelParams: one pointer per
+    /// kernel parameter, each to a value of the parameter's size.
+    pub unsafe fn new(
+        func: Arc<Function>,
+        grid: Dim3,
+        block: Dim3,
+        shared: u32,
+        device: usize,
+        params: *mut *mut c_void,
+        extra: *mut *mut c_void,
+    ) -> Result<Launch> {
+        let k = func.kernel();
+        let label = func.label();
+        let bad =
+            |what: String| Err(EmuError::new(cu::INVALID_VALUE, format!("cuLaunchKernel: {label}: {what}")));
+        if !extra.is_null() {
+            return bad("`extra` is not null; the emulator takes arguments only through kernelParams".into());
+        }
+        for (d, name) in [(grid, "grid"), (block, "block")] {
+            if d.x == 0 || d.y == 0 || d.z == 0 {
+                return bad(format!("{name} dimension {} has a zero", dims(d)));
+            }
+        }
+        for (i, axis) in ["x", "y", "z"].iter().enumerate() {
+            let (g, b) = ([grid.x, grid.y, grid.z][i], [block.x, block.y, block.z][i]);
+            if g > MAX_GRID_DIM[i] {
+                return bad(format!(
+                    "grid {} exceeds the device's max grid {axis} of {}",
+                    dims(grid),
+                    MAX_GRID_DIM[i]
+                ));
+            }
+            if b > MAX_BLOCK_DIM[i] {
+                return bad(format!(
+                    "block {} exceeds the device's max block {axis} of {}",
+                    dims(block),
+                    MAX_BLOCK_DIM[i]
+                ));
+            }
+        }
+        let threads = block.x as u64 * block.y as u64 * block.z as u64;
+        if threads > MAX_THREADS_PER_BLOCK as u64 {
+            return bad(format!(
+                "block {} has {threads} threads, more than the device's {MAX_THREADS_PER_BLOCK}",
+                dims(block)
+            ));
+        }
+        if k.launch_bounds != 0 && threads > k.launch_bounds as u64 {
+            return bad(format!(
+                "block {} has {threads} threads, more than the kernel's __launch_bounds__ of {}",
+                dims(block),
+                k.launch_bounds
+            ));
+        }
+        let max_shared = func.max_dynamic_shared();
+        if shared > max_shared {
+            return bad(format!(
+                "{shared} bytes of dynamic shared memory asked, the function allows {max_shared} \
+                 (raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, up to {})",
+                crate::module::SHARED_OPTIN_MAX
+            ));
+        }
+        if !k.params.is_empty() && params.is_null() {
+            return bad(format!("kernelParams is null but the kernel takes {} parameters", k.params.len()));
+        }
+        let mut offsets = Vec::with_capacity(k.params.len());
+        let mut at = 0usize;
+        for p in &k.params {
+            at = at.div_ceil(p.align.min(16)) * p.align.min(16);
+            offsets.push(at);
+            at += p.size;
+        }
+        let mut storage = vec![0u128; at.div_ceil(16).max(1)].into_boxed_slice();
+        let base = storage.as_mut_ptr() as *mut u8;
+        let mut pointers = Vec::new();
+        for (i, p) in k.params.iter().enumerate() {
+            let src = *params.add(i);
+            if src.is_null() {
+                return bad(format!("kernelParams[{i}] (`{}`, {}) is null", p.name, p.type_));
+            }
+            std::ptr::copy_nonoverlapping(src as *const u8, base.add(offsets[i]), p.size);
+            if !p.is_pointer || p.size != 8 {
+                continue;
+            }
+            let value = std::ptr::read_unaligned(src as *const u64);
+            if value == 0 {
+                continue;
+            }
+            match memory::find(value) {
+                Some(a) if a.device == device => pointers.push(PointerArg { param: i, value, alloc: a }),
+                Some(a) => {
+                    return Err(EmuError::new(
+                        cu::INVALID_VALUE,
+                        format!(
+                            "cuLaunchKernel: {label}: argument `{}` ({}) = {value:#x} is GPU {}'s memory, launched on GPU {device}",
+                            p.name, p.type_, a.device
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(EmuError::new(
+                        cu::INVALID_VALUE,
+                        format!(
+                            "cuLaunchKernel: {label}: argument `{}` ({}) is {}, not in a live allocation of GPU {device}",
+                            p.name,
+                            p.type_,
+                            memory::describe(value)
+                        ),
+                    ))
+                }
+            }
+        }
+        let args = offsets.iter().map(|&o| base.add(o) as *mut c_void).collect();
+        Ok(Launch { func, grid, block, shared, device, pointers, _storage: storage, args })
+    }
+
+    fn threads(&self) -> u32 {
+        self.block.x * self.block.y * self.block.z
+    }
+
+    fn blocks(&self) -> u64 {
+        self.grid.x as u64 * self.grid.y as u64 * self.grid.z as u64
+    }
+
+    fn block_idx(&self, linear: u64) -> Dim3 {
+        let (gx, gy) = (self.grid.x as u64, self.grid.y as u64);
+        Dim3 { x: (linear % gx) as u32, y: (linear / gx % gy) as u32, z: (linear / (gx * gy)) as u32 }
+    }
+
+    /// The distinct allocations the pointer arguments reach.
+    fn allocations(&self) -> Vec<(Allocation, String)> {
+        let mut out: Vec<(Allocation, String)> = Vec::new();
+        for p in &self.pointers {
+            let name = format!("`{}`", self.func.kernel().params[p.param].name);
+            match out.iter_mut().find(|(a, _)| a.base == p.alloc.base) {
+                Some((_, names)) => {
+                    names.push_str(", ");
+                    names.push_str(&name);
+                }
+                None => out.push((p.alloc, name)),
+            }
+        }
+        out
+    }
+}
+
+/// PW_EMU_CHECK=order: run every launch in two lane orders and compare.
+pub fn order_check_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("PW_EMU_CHECK").is_ok_and(|v| v.split(',').any(|c| c.trim() == "order")))
+}
+
+/// The order fibers are scheduled in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaneOrder {
+    Ascending,
+    Descending,
+}
+
+/// Runs the launch to completion (on a stream's worker thread), then checks
+/// the canaries around every allocation it could reach.
+pub fn run(launch: &Arc<Launch>) -> Result<()> {
+    install_fault_handler();
+    if order_check_enabled() {
+        run_order_checked(launch)?;
+    } else {
+        run_grid(launch, LaneOrder::Ascending)?;
+    }
+    for (a, names) in launch.allocations() {
+        memory::check_canary(a.base).map_err(|e| {
+            EmuError::new(e.code, format!("{}: argument {names}: {}", launch.func.label(), e.message))
+        })?;
+    }
+    Ok(())
+}
+
+fn run_order_checked(launch: &Arc<Launch>) -> Result<()> {
+    let allocs = launch.allocations();
+    // SAFETY: live allocations of the launch's device, not in use by any
+    // other stream's work unless the program races (which this check is
+    // about).
+    let bytes =
+        |a: &Allocation| unsafe { std::slice::from_raw_parts_mut(a.base as *mut u8, a.size as usize) };
+    let before: Vec<Vec<u8>> = allocs.iter().map(|(a, _)| bytes(a).to_vec()).collect();
+    run_grid(launch, LaneOrder::Ascending)?;
+    let first: Vec<Vec<u8>> = allocs.iter().map(|(a, _)| bytes(a).to_vec()).collect();
+    for ((a, _), b) in allocs.iter().zip(&before) {
+        bytes(a).copy_from_slice(b);
+    }
+    run_grid(launch, LaneOrder::Descending)?;
+    for ((a, names), f) in allocs.iter().zip(&first) {
+        let now = bytes(a);
+        if let Some(i) = now.iter().zip(f).position(|(x, y)| x != y) {
+            return Err(EmuError::new(
+                cu::LAUNCH_FAILED,
+                format!(
+                    "{}: PW_EMU_CHECK=order: the result depends on the order threads run in (a missing barrier \
+                     or a race): argument {names} (allocation {:#x}) differs at byte {i} \
+                     ({:#04x} with threads run in ascending order, {:#04x} in descending order)",
+                    launch.func.label(),
+                    a.base,
+                    f[i],
+                    now[i]
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One grid run shared by the workers that take its blocks.
+struct Job {
+    launch: Arc<Launch>,
+    order: LaneOrder,
+    total: u64,
+    next: AtomicU64,
+    abort: AtomicBool,
+    state: Mutex<(u64, Option<EmuError>)>,
+    done: Condvar,
+}
+
+impl Job {
+    /// Runs blocks of this job until none are left to take.
+    fn work(&self) {
+        loop {
+            let b = self.next.fetch_add(1, Ordering::Relaxed);
+            if b >= self.total {
+                return;
+            }
+            let result = if self.abort.load(Ordering::Relaxed) {
+                Ok(())
+            } else {
+                run_block(&self.launch, b, self.order)
+            };
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = result {
+                self.abort.store(true, Ordering::Relaxed);
+                // The lowest block's error is reported, so a rerun reports the same one.
+                if s.1.is_none() {
+                    s.1 = Some(e);
+                }
+            }
+            s.0 += 1;
+            if s.0 == self.total {
+                self.done.notify_all();
+            }
+        }
+    }
+}
+
+struct Pool {
+    jobs: Mutex<VecDeque<Arc<Job>>>,
+    ready: Condvar,
+}
+
+fn pool() -> &'static Pool {
+    static POOL: OnceLock<Pool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::env::var("PW_EMU_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        // The stream thread that submits a job works on it too.
+        for i in 0..threads.saturating_sub(1) {
+            let spawned = std::thread::Builder::new().name(format!("pw-emu-sm{i}")).spawn(pool_worker);
+            if let Err(e) = spawned {
+                eprintln!(
+                    "pipewright-emu: libcuda: could not start block worker {i}: {e}; running with fewer"
+                );
+                break;
+            }
+        }
+        Pool { jobs: Mutex::new(VecDeque::new()), ready: Condvar::new() }
+    })
+}
+
+fn pool_worker() {
+    let p = pool();
+    loop {
+        let job = {
+            let mut jobs = p.jobs.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                // Jobs with no block left to take are dropped from the queue.
+                while jobs.front().is_some_and(|j| j.next.load(Ordering::Relaxed) >= j.total) {
+                    jobs.pop_front();
+                }
+                if let Some(j) = jobs.front() {
+                    break j.clone();
+                }
+                jobs = p.ready.wait(jobs).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        job.work();
+    }
+}
+
+fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
+    let job = Arc::new(Job {
+        launch: launch.clone(),
+        order,
+        total: launch.blocks(),
+        next: AtomicU64::new(0),
+        abort: AtomicBool::new(false),
+        state: Mutex::new((0, None)),
+        done: Condvar::new(),
+    });
+    if job.total > 1 {
+        let p = pool();
+        p.jobs.lock().unwrap_or_else(|e| e.into_inner()).push_back(job.clone());
+        p.ready.notify_all();
+    }
+    job.work();
+    let mut s = job.state.lock().unwrap_or_else(|p| p.into_inner());
+    while s.0 < job.total {
+        s = job.done.wait(s).unwrap_or_else(|p| p.into_inner());
+    }
+    match s.1.take() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// One block: fibers and the collectives between them.
+
+/// How a lane's fiber ended.
+#[derive(Clone, Copy, Debug)]
+enum LaneEnd {
+    Returned,
+    /// A fault (signal, address) trapped inside the lane.
+    Fault(c_int, u64),
+}
+
+type Fiber = Coroutine<(), (), LaneEnd, &'static mut DefaultStack>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Ready,
+    AtBarrier,
+    /// Waiting in a warp collective (index into its warp's pending list).
+    InWarp,
+    Exited,
+    /// Stopped by an error; never resumed.
+    Stopped,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Shfl,
+    Vote,
+    Syncwarp,
+    Mma,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Shfl => "__shfl_*_sync",
+            Kind::Vote => "__all/__any/__ballot_sync",
+            Kind::Syncwarp => "__syncwarp",
+            Kind::Mma => "mma.sync.m16n8k16",
+        }
+    }
+}
+
+/// What a lane brings to a warp collective.
+#[derive(Clone, Copy)]
+struct Arrival {
+    value: u32,
+    b: i32,
+    width: i32,
+    mode: i32,
+    d: *mut f32,
+    a: [u32; 4],
+    bf: [u32; 2],
+    c: [f32; 4],
+}
+
+const NO_ARRIVAL: Arrival = Arrival {
+    value: 0,
+    b: 0,
+    width: 0,
+    mode: 0,
+    d: std::ptr::null_mut(),
+    a: [0; 4],
+    bf: [0; 2],
+    c: [0.0; 4],
+};
+
+/// A warp collective some members have reached.
+struct Pending {
+    kind: Kind,
+    mask: u32,
+    arrived: u32,
+    /// The mode of the first arrival (shfl and vote: every member must use the same).
+    mode: i32,
+    lanes: [Arrival; 32],
+}
+
+struct LaneSlot {
+    lane: Lane,
+    state: State,
+    yielder: *const Yielder<(), ()>,
+    /// A collective's result for this lane, written when the collective completes.
+    result: u32,
+}
+
+/// A worker's block in flight (reused from block to block).
+struct Block {
+    launch: *const Launch,
+    block_idx: Dim3,
+    lanes: Vec<LaneSlot>,
+    warps: Vec<Vec<Pending>>,
+    at_barrier: u32,
+    exited: u32,
+    error: Option<EmuError>,
+    dynamic_shared: Vec<u8>,
+}
+
+struct Worker {
+    stacks: Vec<DefaultStack>,
+    fibers: Vec<Option<Fiber>>,
+    block: Block,
+    /// Per module (by handle): the calling thread's thread_local block of it
+    /// (its static shared memory), found once.
+    tls: Vec<(usize, *mut u8, usize)>,
+}
+
+thread_local! {
+    static WORKER: Cell<*mut Worker> = const { Cell::new(std::ptr::null_mut()) };
+    static BLOCK: Cell<*mut Block> = const { Cell::new(std::ptr::null_mut()) };
+    static LANE: Cell<usize> = const { Cell::new(0) };
+    /// The running fiber's trap handler, for the fault handler (None outside fibers).
+    static TRAP: Cell<Option<CoroutineTrapHandler<LaneEnd>>> = const { Cell::new(None) };
+}
+
+fn worker() -> *mut Worker {
+    WORKER.with(|w| {
+        if w.get().is_null() {
+            // Leaked on purpose: a worker thread keeps its stacks for its life.
+            let fresh = Box::new(Worker {
+                stacks: Vec::new(),
+                fibers: Vec::new(),
+                block: Block {
+                    launch: std::ptr::null(),
+                    block_idx: Dim3::default(),
+                    lanes: Vec::new(),
+                    warps: Vec::new(),
+                    at_barrier: 0,
+                    exited: 0,
+                    error: None,
+                    dynamic_shared: Vec::new(),
+                },
+                tls: Vec::new(),
+            });
+            w.set(Box::into_raw(fresh));
+        }
+        w.get()
+    })
+}
+
+fn tid_of(l: &Lane) -> String {
+    let t = l.thread_idx;
+    if l.block_dim.y == 1 && l.block_dim.z == 1 {
+        format!("{}", t.x)
+    } else {
+        format!("({}, {}, {})", t.x, t.y, t.z)
+    }
+}
+
+impl Block {
+    fn launch(&self) -> &Launch {
+        // SAFETY: set for the block's run, the launch outlives it.
+        unsafe { &*self.launch }
+    }
+
+    fn at(&self) -> String {
+        format!("{} block {}", self.launch().func.label(), dims(self.block_idx))
+    }
+
+    fn fail(&mut self, code: u32, msg: String) {
+        if self.error.is_none() {
+            self.error = Some(EmuError::new(code, format!("{}: {msg}", self.at())));
+        }
+    }
+
+    /// Lists lanes as threadIdx values, compressing runs of linear indices.
+    fn list(&self, mut pick: impl FnMut(usize, &LaneSlot) -> bool) -> String {
+        let picked: Vec<usize> =
+            self.lanes.iter().enumerate().filter(|(i, l)| pick(*i, l)).map(|(i, _)| i).collect();
+        if picked.is_empty() {
+            return "none".into();
+        }
+        let one_d = self.launch().block.y == 1 && self.launch().block.z == 1;
+        let mut out = String::new();
+        let mut i = 0;
+        let mut shown = 0;
+        while i < picked.len() {
+            let mut j = i;
+            while j + 1 < picked.len() && picked[j + 1] == picked[j] + 1 {
+                j += 1;
+            }
+            if !out.is_empty() {
+                out.push_str(", ");
+            }
+            if shown == 8 {
+                let _ = write!(out, "... ({} threads in all)", picked.len());
+                break;
+            }
+            if one_d && j > i {
+                let _ = write!(out, "{}..={}", picked[i], picked[j]);
+            } else if j > i {
+                let _ = write!(
+                    out,
+                    "{}..={}",
+                    tid_of(&self.lanes[picked[i]].lane),
+                    tid_of(&self.lanes[picked[j]].lane)
+                );
+            } else {
+                out.push_str(&tid_of(&self.lanes[picked[i]].lane));
+            }
+            shown += 1;
+            i = j + 1;
+        }
+        out
+    }
+
+    /// Where each waiting lane is, for a barrier or collective nobody can finish.
+    fn whereabouts(&self) -> String {
+        let mut out = format!(
+            "threads waiting at __syncthreads: {}; exited: {}",
+            self.list(|_, l| l.state == State::AtBarrier),
+            self.list(|_, l| l.state == State::Exited)
+        );
+        for (w, pending) in self.warps.iter().enumerate() {
+            for p in pending {
+                let _ = write!(
+                    out,
+                    "; warp {w}: threads waiting at {} (mask {:#010x}): {}, members not arrived: {}",
+                    p.kind.name(),
+                    p.mask,
+                    self.list(|i, _| i / 32 == w && p.arrived >> (i % 32) & 1 == 1),
+                    self.list(|i, _| i / 32 == w
+                        && p.mask >> (i % 32) & 1 == 1
+                        && p.arrived >> (i % 32) & 1 == 0)
+                );
+            }
+        }
+        out
+    }
+}
+
+/// The running block and lane (only valid inside a fiber).
+fn current() -> (&'static mut Block, usize) {
+    let b = BLOCK.with(Cell::get);
+    assert!(!b.is_null(), "pipewright-emu: a runtime function was called outside a kernel");
+    // SAFETY: set by the worker for the block it is running; the scheduler
+    // does not touch the block while a fiber runs.
+    (unsafe { &mut *b }, LANE.with(Cell::get))
+}
+
+/// Suspends the running fiber until the scheduler resumes it.
+fn suspend(b: &Block, lane: usize) {
+    let y = b.lanes[lane].yielder;
+    // SAFETY: the yielder of the running fiber, set when it started.
+    unsafe { (*y).suspend(()) };
+}
+
+/// Stops the running lane with an error; the fiber is never resumed.
+fn stop(code: u32, msg: String) -> ! {
+    let (b, lane) = current();
+    b.fail(code, msg);
+    b.lanes[lane].state = State::Stopped;
+    loop {
+        suspend(b, lane);
+    }
+}
+
+extern "C" fn rt_lane() -> *const Lane {
+    let (b, lane) = current();
+    &b.lanes[lane].lane
+}
+
+extern "C" fn rt_syncthreads() {
+    let (b, lane) = current();
+    b.lanes[lane].state = State::AtBarrier;
+    b.at_barrier += 1;
+    let n = b.lanes.len() as u32;
+    if b.at_barrier + b.exited == n {
+        if b.exited > 0 {
+            let msg = format!("__syncthreads (bar.sync 0) not reached by every thread: {}", b.whereabouts());
+            stop(cu::LAUNCH_FAILED, msg);
+        }
+        for l in b.lanes.iter_mut() {
+            l.state = State::Ready;
+        }
+        b.at_barrier = 0;
+        return;
+    }
+    suspend(b, lane);
+}
+
+fn warp_size_of(b: &Block, warp: usize) -> u32 {
+    (b.lanes.len() as u32 - warp as u32 * 32).min(32)
+}
+
+/// Joins the running lane to the warp collective `kind` over `mask`; returns
+/// when the collective completes, with this lane's result.
+fn collective(kind: Kind, mask: u32, arrival: Arrival) -> u32 {
+    let (b, lane) = current();
+    let (warp, id) = (lane / 32, (lane % 32) as u32);
+    let name = kind.name();
+    if mask >> id & 1 == 0 {
+        stop(
+            cu::LAUNCH_FAILED,
+            format!(
+                "thread {} runs {name} with mask {mask:#010x}, which does not include its own lane {id}",
+                tid_of(&b.lanes[lane].lane)
+            ),
+        );
+    }
+    let size = warp_size_of(b, warp);
+    if size < 32 && mask >> size != 0 {
+        stop(
+            cu::LAUNCH_FAILED,
+            format!(
+                "thread {} runs {name} with mask {mask:#010x}, naming lanes its warp {warp} does not have (it has {size})",
+                tid_of(&b.lanes[lane].lane)
+            ),
+        );
+    }
+    let mut slot = None;
+    for (i, p) in b.warps[warp].iter().enumerate() {
+        if p.mask & mask == 0 {
+            continue;
+        }
+        if p.mask != mask || p.kind != kind {
+            let waiting = b.list(|i, _| i / 32 == warp && p.arrived >> (i % 32) & 1 == 1);
+            let msg = format!(
+                "warp {warp}: thread {} reached {name} with mask {mask:#010x} while threads {waiting} wait at {} with mask {:#010x} \
+                 (every lane in a mask must reach the same collective with the same mask)",
+                tid_of(&b.lanes[lane].lane),
+                p.kind.name(),
+                p.mask
+            );
+            stop(cu::LAUNCH_FAILED, msg);
+        }
+        slot = Some(i);
+    }
+    let i = match slot {
+        Some(i) => i,
+        None => {
+            b.warps[warp].push(Pending {
+                kind,
+                mask,
+                arrived: 0,
+                mode: arrival.mode,
+                lanes: [NO_ARRIVAL; 32],
+            });
+            b.warps[warp].len() - 1
+        }
+    };
+    let p = &mut b.warps[warp][i];
+    if (kind == Kind::Shfl || kind == Kind::Vote) && arrival.mode != p.mode {
+        let msg = format!(
+            "warp {warp}: thread {} runs {name} in mode {} while other members use mode {}",
+            tid_of(&b.lanes[lane].lane),
+            arrival.mode,
+            p.mode
+        );
+        stop(cu::LAUNCH_FAILED, msg);
+    }
+    p.lanes[id as usize] = arrival;
+    p.arrived |= 1 << id;
+    if p.arrived != mask {
+        b.lanes[lane].state = State::InWarp;
+        suspend(b, lane);
+        return b.lanes[lane].result;
+    }
+    let p = b.warps[warp].swap_remove(i);
+    if let Err(msg) = complete(b, warp, &p) {
+        stop(cu::LAUNCH_FAILED, format!("warp {warp}: {msg}"));
+    }
+    b.lanes[lane].result
+}
+
+/// Computes every member's result of a completed collective and releases them.
+fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), String> {
+    let members = (0..32u32).filter(|l| p.mask >> l & 1 == 1);
+    match p.kind {
+        Kind::Shfl => {
+            let mut out = [0u32; 32];
+            for l in members.clone() {
+                let a = &p.lanes[l as usize];
+                let src = shfl_source(l, a.b, a.width, a.mode)
+                    .map_err(|e| format!("thread {}: {e}", tid_of(&b.lanes[warp * 32 + l as usize].lane)))?;
+                if p.mask >> src & 1 == 0 {
+                    return Err(format!(
+                        "thread {} shuffles from lane {src}, which is not in the mask {:#010x} (its value is undefined)",
+                        tid_of(&b.lanes[warp * 32 + l as usize].lane),
+                        p.mask
+                    ));
+                }
+                out[l as usize] = p.lanes[src as usize].value;
+            }
+            for l in members {
+                b.lanes[warp * 32 + l as usize].result = out[l as usize];
+            }
+        }
+        Kind::Vote => {
+            let ballot =
+                members.clone().filter(|&l| p.lanes[l as usize].value != 0).fold(0u32, |m, l| m | 1 << l);
+            let r = match p.mode {
+                abi::VOTE_ALL => (ballot == p.mask) as u32,
+                abi::VOTE_ANY => (ballot != 0) as u32,
+                abi::VOTE_BALLOT => ballot,
+                m => return Err(format!("vote.sync mode {m} is not all (0), any (1) or ballot (2)")),
+            };
+            for l in members {
+                b.lanes[warp * 32 + l as usize].result = r;
+            }
+        }
+        Kind::Syncwarp => {}
+        Kind::Mma => {
+            let mut d = [[0f32; 4]; 32];
+            mma_m16n8k16(&p.lanes, &mut d);
+            for l in members.clone() {
+                // SAFETY: the lane's own d[4], on its suspended (or running) fiber's stack.
+                unsafe { std::ptr::copy_nonoverlapping(d[l as usize].as_ptr(), p.lanes[l as usize].d, 4) };
+            }
+        }
+    }
+    for l in (0..32).filter(|l| p.mask >> l & 1 == 1) {
+        b.lanes[warp * 32 + l].state = State::Ready;
+    }
+    Ok(())
+}
+
+/// The lane a shfl.sync reads from, per the PTX ISA (shfl.sync): `b` is the
+/// source lane or delta, `width` CUDA's segment width (PTX's c operand is
+/// ((32 - width) << 8) | clamp, clamp 0 for .up and 31 otherwise). A source
+/// outside the lane's segment reads the lane's own value.
+pub fn shfl_source(lane: u32, b: i32, width: i32, mode: i32) -> std::result::Result<u32, String> {
+    if !(1..=32).contains(&width) || width & (width - 1) != 0 {
+        return Err(format!("shuffle width {width} is not a power of two from 1 to 32"));
+    }
+    let lane = lane as i32;
+    let segmask = !(width - 1) & 31;
+    let clamp = if mode == abi::SHFL_UP { 0 } else { 31 };
+    let max_lane = (lane & segmask) | (clamp & !segmask);
+    let min_lane = lane & segmask;
+    let (j, in_range) = match mode {
+        abi::SHFL_UP => (lane - b, lane - b >= max_lane),
+        abi::SHFL_DOWN => (lane + b, lane + b <= max_lane),
+        abi::SHFL_BFLY => (lane ^ b, (lane ^ b) <= max_lane),
+        abi::SHFL_IDX => {
+            let j = min_lane | (b & !segmask & 31);
+            (j, j <= max_lane)
+        }
+        m => return Err(format!("shuffle mode {m} is not idx (0), up (1), down (2) or bfly (3)")),
+    };
+    Ok(if in_range && (0..32).contains(&j) { j as u32 } else { lane as u32 })
+}
+
+fn bf16_to_f32(bits: u32) -> f32 {
+    f32::from_bits((bits & 0xFFFF) << 16)
+}
+
+/// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for a whole warp,
+/// with the PTX ISA's fragment layout (groupID = lane >> 2, t = lane % 4):
+/// A (16×16, row-major): a0..a7 (two bf16 per register, the lower half
+///   first) at row g for a0,a1,a4,a5 and g+8 for a2,a3,a6,a7, column
+///   2t + (i & 1), plus 8 for a4..a7;
+/// B (16×8, column-major): b0..b3 at row (k) 2t + (i & 1), plus 8 for b2,b3, column g;
+/// C, D (16×8 f32): c0..c3 at row g for c0,c1 and g+8 for c2,c3, column 2t + (i & 1).
+/// Each output sums its 16 products (exact in f32: bf16 × bf16 fits) and
+/// its accumulator in f64 and rounds once; hardware accumulates with its own
+/// internal precision and order, so the last bit may differ from a real GPU
+/// (a hardware-only numeric).
+fn mma_m16n8k16(lanes: &[Arrival; 32], d: &mut [[f32; 4]; 32]) {
+    let mut a = [[0f32; 16]; 16];
+    let mut bm = [[0f32; 8]; 16];
+    let mut c = [[0f32; 8]; 16];
+    for (l, arr) in lanes.iter().enumerate() {
+        let (g, t) = (l / 4, l % 4);
+        for i in 0..8 {
+            let bits = arr.a[i / 2] >> (16 * (i % 2));
+            let row = g + if i % 4 >= 2 { 8 } else { 0 };
+            let col = 2 * t + (i & 1) + if i >= 4 { 8 } else { 0 };
+            a[row][col] = bf16_to_f32(bits);
+        }
+        for i in 0..4 {
+            let bits = arr.bf[i / 2] >> (16 * (i % 2));
+            let k = 2 * t + (i & 1) + if i >= 2 { 8 } else { 0 };
+            bm[k][g] = bf16_to_f32(bits);
+        }
+        for i in 0..4 {
+            c[g + if i >= 2 { 8 } else { 0 }][2 * t + (i & 1)] = arr.c[i];
+        }
+    }
+    for (l, out) in d.iter_mut().enumerate() {
+        let (g, t) = (l / 4, l % 4);
+        for (i, o) in out.iter_mut().enumerate() {
+            let (row, col) = (g + if i >= 2 { 8 } else { 0 }, 2 * t + (i & 1));
+            let sum: f64 =
+                (0..16).map(|k| a[row][k] as f64 * bm[k][col] as f64).sum::<f64>() + c[row][col] as f64;
+            *o = sum as f32;
+        }
+    }
+}
+
+extern "C" fn rt_syncwarp(mask: c_uint) {
+    collective(Kind::Syncwarp, mask, NO_ARRIVAL);
+}
+
+extern "C" fn rt_shfl_sync(
+    mask: c_uint,
+    value: c_uint,
+    lane_or_delta: c_int,
+    width: c_int,
+    mode: c_int,
+) -> c_uint {
+    collective(Kind::Shfl, mask, Arrival { value, b: lane_or_delta, width, mode, ..NO_ARRIVAL })
+}
+
+extern "C" fn rt_vote_sync(mask: c_uint, predicate: c_int, mode: c_int) -> c_uint {
+    collective(Kind::Vote, mask, Arrival { value: (predicate != 0) as u32, mode, ..NO_ARRIVAL })
+}
+
+extern "C" fn rt_mma(d: *mut f32, a: *const c_uint, b: *const c_uint, c: *const f32) {
+    let (blk, lane) = current();
+    if blk.lanes.len() < (lane / 32 + 1) * 32 {
+        stop(
+            cu::LAUNCH_FAILED,
+            format!(
+                "mma.sync.aligned needs all 32 lanes of a warp; warp {} of this block has {}",
+                lane / 32,
+                warp_size_of(blk, lane / 32)
+            ),
+        );
+    }
+    // SAFETY: the fragments the caller passes, as the ABI defines them (a[4], b[2], c[4]).
+    let arrival = unsafe {
+        Arrival {
+            d,
+            a: std::ptr::read_unaligned(a as *const [u32; 4]),
+            bf: std::ptr::read_unaligned(b as *const [u32; 2]),
+            c: std::ptr::read_unaligned(c as *const [f32; 4]),
+            ..NO_ARRIVAL
+        }
+    };
+    collective(Kind::Mma, u32::MAX, arrival);
+}
+
+extern "C" fn rt_dynamic_shared() -> *mut c_void {
+    let (b, _) = current();
+    if b.launch().shared == 0 {
+        return std::ptr::null_mut();
+    }
+    b.dynamic_shared.as_mut_ptr() as *mut c_void
+}
+
+extern "C" fn rt_trap(what: *const c_char) {
+    let (b, lane) = current();
+    let what = if what.is_null() {
+        "__trap()".to_string()
+    } else {
+        // SAFETY: the module passes a NUL-terminated message.
+        unsafe { CStr::from_ptr(what) }.to_string_lossy().into_owned()
+    };
+    let t = tid_of(&b.lanes[lane].lane);
+    stop(cu::LAUNCH_FAILED, format!("thread {t}: device-side trap: {what}"));
+}
+
+/// Finds the calling thread's block of a module's thread_local storage
+/// (its static shared memory) from an address inside it.
+fn tls_block(anchor: *mut c_void) -> Option<(*mut u8, usize)> {
+    struct Find {
+        anchor: usize,
+        found: Option<(*mut u8, usize)>,
+    }
+    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
+        let find = &mut *(data as *mut Find);
+        let info = &*info;
+        if info.dlpi_tls_data.is_null() {
+            return 0;
+        }
+        for i in 0..info.dlpi_phnum as usize {
+            let ph = &*info.dlpi_phdr.add(i);
+            if ph.p_type == libc::PT_TLS {
+                let start = info.dlpi_tls_data as usize;
+                let len = ph.p_memsz as usize;
+                if (start..start + len).contains(&find.anchor) {
+                    find.found = Some((start as *mut u8, len));
+                    return 1;
+                }
+            }
+        }
+        0
+    }
+    let mut find = Find { anchor: anchor as usize, found: None };
+    // SAFETY: the callback only reads the loader's records.
+    unsafe { libc::dl_iterate_phdr(Some(visit), &mut find as *mut Find as *mut c_void) };
+    find.found
+}
+
+fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
+    let w = worker();
+    // SAFETY: the worker is this thread's own; fibers reach the block only
+    // through BLOCK while the scheduler below waits in `resume`.
+    let w = unsafe { &mut *w };
+    let n = launch.threads() as usize;
+    while w.stacks.len() < n {
+        let stack = DefaultStack::new(STACK_BYTES).map_err(|e| {
+            EmuError::new(cu::OUT_OF_MEMORY, format!("{}: no fiber stack: {e}", launch.func.label()))
+        })?;
+        w.stacks.push(stack);
+    }
+    let b = &mut w.block;
+    b.launch = launch;
+    b.block_idx = launch.block_idx(linear);
+    b.at_barrier = 0;
+    b.exited = 0;
+    b.error = None;
+    b.warps.resize_with(n.div_ceil(32), Vec::new);
+    for p in b.warps.iter_mut() {
+        p.clear();
+    }
+    b.lanes.clear();
+    let (bx, by) = (launch.block.x as usize, launch.block.y as usize);
+    for i in 0..n {
+        b.lanes.push(LaneSlot {
+            lane: Lane {
+                thread_idx: Dim3 { x: (i % bx) as u32, y: (i / bx % by) as u32, z: (i / (bx * by)) as u32 },
+                block_idx: b.block_idx,
+                block_dim: launch.block,
+                grid_dim: launch.grid,
+            },
+            state: State::Ready,
+            yielder: std::ptr::null(),
+            result: 0,
+        });
+    }
+    // Poisoned shared memory: a read before a write shows (SHARED_POISON).
+    if launch.shared > 0 {
+        b.dynamic_shared.clear();
+        b.dynamic_shared.resize(launch.shared as usize, SHARED_POISON);
+    }
+    if let Some(touch) = launch.func.module.touch_shared {
+        let handle = launch.func.module.handle;
+        let found = match w.tls.iter().find(|(m, _, _)| *m == handle) {
+            Some(&(_, p, len)) => Some((p, len)),
+            None => {
+                let block = tls_block(touch());
+                if let Some((p, len)) = block {
+                    w.tls.push((handle, p, len));
+                }
+                block
+            }
+        };
+        match found {
+            // SAFETY: this thread's thread_local block of the module, `len` bytes.
+            Some((p, len)) => unsafe { std::ptr::write_bytes(p, SHARED_POISON, len) },
+            None => {
+                return Err(EmuError::new(
+                    cu::LAUNCH_FAILED,
+                    format!(
+                        "{}: the module's static shared memory (thread_local block) was not found",
+                        launch.func.label()
+                    ),
+                ))
+            }
+        }
+    }
+    let block_ptr: *mut Block = b;
+    BLOCK.with(|c| c.set(block_ptr));
+    let args = launch.args.as_ptr() as *mut *mut c_void;
+    let entry = launch.func.kernel().entry;
+    w.fibers.clear();
+    for (i, stack) in w.stacks.iter_mut().take(n).enumerate() {
+        // SAFETY: the stack lives in the worker for the thread's life and is
+        // used by this fiber only; the fiber ends (or is reset) before the
+        // next block reuses it.
+        let stack: &'static mut DefaultStack = unsafe { &mut *(stack as *mut DefaultStack) };
+        let slot: *mut LaneSlot = &mut w.block.lanes[i];
+        let fiber = unsafe {
+            Fiber::with_stack_unchecked(stack, move |y: &Yielder<(), ()>, ()| {
+                (*slot).yielder = y;
+                entry(args);
+                LaneEnd::Returned
+            })
+        };
+        w.fibers.push(Some(fiber));
+    }
+    let result = schedule(w, n, order);
+    for f in w.fibers.iter_mut() {
+        if let Some(mut f) = f.take() {
+            if !f.done() {
+                // SAFETY: the lane was stopped inside a runtime call or a
+                // fault; nothing on its stack needs dropping (kernel frames
+                // are C, ours hold no owned values across a suspend).
+                unsafe { f.force_reset() };
+            }
+        }
+    }
+    BLOCK.with(|c| c.set(std::ptr::null_mut()));
+    result
+}
+
+fn schedule(w: &mut Worker, n: usize, order: LaneOrder) -> Result<()> {
+    let block: *mut Block = &mut w.block;
+    loop {
+        let mut ran = false;
+        for k in 0..n {
+            let i = if order == LaneOrder::Ascending { k } else { n - 1 - k };
+            // SAFETY: no fiber runs while the scheduler reads the block.
+            if unsafe { (&(*block).lanes)[i].state } != State::Ready {
+                continue;
+            }
+            ran = true;
+            let fiber = w.fibers[i].as_mut().expect("a fiber per lane");
+            LANE.with(|c| c.set(i));
+            TRAP.with(|c| c.set(Some(fiber.trap_handler())));
+            let r = fiber.resume(());
+            TRAP.with(|c| c.set(None));
+            // SAFETY: the fiber is suspended or done.
+            let b = unsafe { &mut *block };
+            match r {
+                CoroutineResult::Yield(()) => {}
+                CoroutineResult::Return(LaneEnd::Returned) => {
+                    b.lanes[i].state = State::Exited;
+                    b.exited += 1;
+                    if b.at_barrier > 0 {
+                        let msg = format!(
+                            "__syncthreads (bar.sync 0) not reached by every thread: thread {} exited while others wait; {}",
+                            tid_of(&b.lanes[i].lane),
+                            b.whereabouts()
+                        );
+                        b.fail(cu::LAUNCH_FAILED, msg);
+                    } else if let Some(p) = b.warps[i / 32].iter().find(|p| p.mask >> (i % 32) & 1 == 1) {
+                        let msg = format!(
+                            "warp {}: thread {} exited while lanes of mask {:#010x} wait for it at {}",
+                            i / 32,
+                            tid_of(&b.lanes[i].lane),
+                            p.mask,
+                            p.kind.name()
+                        );
+                        b.fail(cu::LAUNCH_FAILED, msg);
+                    }
+                }
+                CoroutineResult::Return(LaneEnd::Fault(sig, addr)) => {
+                    b.lanes[i].state = State::Stopped;
+                    let msg = fault_message(b, i, sig, addr);
+                    b.fail(cu::ILLEGAL_ADDRESS, msg);
+                }
+            }
+            if b.error.is_some() {
+                return Err(b.error.take().expect("checked"));
+            }
+        }
+        // SAFETY: as above.
+        let b = unsafe { &mut *block };
+        if b.exited as usize == n {
+            return Ok(());
+        }
+        if !ran {
+            return Err(EmuError::new(
+                cu::LAUNCH_FAILED,
+                format!("{}: threads wait for each other forever: {}", b.at(), b.whereabouts()),
+            ));
+        }
+    }
+}
+
+fn fault_message(b: &Block, lane: usize, sig: c_int, addr: u64) -> String {
+    let launch = b.launch();
+    let what = if sig == libc::SIGBUS { "bus error" } else { "illegal address" };
+    let mut msg = format!("thread {}: {what} at {}", tid_of(&b.lanes[lane].lane), memory::describe(addr));
+    let k = launch.func.kernel();
+    let near = launch.pointers.iter().filter(|p| {
+        let a = p.alloc;
+        addr + memory::ALIGN >= a.base && addr < a.base + a.size + 8192
+    });
+    for p in near {
+        let param = &k.params[p.param];
+        let _ = write!(
+            msg,
+            "; argument `{}` ({}) = {:#x} points into that allocation",
+            param.name, param.type_, p.value
+        );
+    }
+    msg
+}
+
+// ---------------------------------------------------------------------------
+// Faults inside kernels.
+
+static PREVIOUS: OnceLock<[libc::sigaction; 2]> = OnceLock::new();
+
+fn install_fault_handler() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: sigaction with a zeroed (then filled) struct; the previous
+        // handlers are kept to chain to for faults outside kernels.
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = on_fault as *const () as usize;
+            act.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK | libc::SA_NODEFER;
+            libc::sigemptyset(&mut act.sa_mask);
+            let mut prev: [libc::sigaction; 2] = std::mem::zeroed();
+            libc::sigaction(libc::SIGSEGV, &act, &mut prev[0]);
+            libc::sigaction(libc::SIGBUS, &act, &mut prev[1]);
+            let _ = PREVIOUS.set(prev);
+        }
+    });
+}
+
+unsafe extern "C" fn on_fault(sig: c_int, info: *mut libc::siginfo_t, uctx: *mut c_void) {
+    let uc = uctx as *mut libc::ucontext_t;
+    let trap = TRAP.with(Cell::get);
+    if let Some(trap) = trap {
+        let gregs = &mut (*uc).uc_mcontext.gregs;
+        let sp = gregs[libc::REG_RSP as usize] as usize;
+        if trap.stack_ptr_in_bounds(sp) {
+            let addr = (*info).si_addr() as u64;
+            let regs = trap.setup_trap_handler(move || LaneEnd::Fault(sig, addr));
+            gregs[libc::REG_RIP as usize] = regs.rip as i64;
+            gregs[libc::REG_RSP as usize] = regs.rsp as i64;
+            gregs[libc::REG_RBP as usize] = regs.rbp as i64;
+            gregs[libc::REG_RDI as usize] = regs.rdi as i64;
+            gregs[libc::REG_RSI as usize] = regs.rsi as i64;
+            return;
+        }
+    }
+    // Not a kernel's fault: whoever handled it before us does, or the
+    // default action (the fault repeats on return and kills the process).
+    let Some(prev) = PREVIOUS.get() else { return };
+    let prev = &prev[if sig == libc::SIGBUS { 1 } else { 0 }];
+    let h = prev.sa_sigaction;
+    if h == libc::SIG_DFL || h == libc::SIG_IGN {
+        libc::sigaction(sig, prev, std::ptr::null_mut());
+    } else if prev.sa_flags & libc::SA_SIGINFO != 0 {
+        let f: extern "C" fn(c_int, *mut libc::siginfo_t, *mut c_void) = std::mem::transmute(h);
+        f(sig, info, uctx);
+    } else {
+        let f: extern "C" fn(c_int) = std::mem::transmute(h);
+        f(sig);
+    }
+}
+
+/// The kernel a launch runs (for tests and errors).
+pub fn kernel_of(launch: &Launch) -> &KernelInfo {
+    launch.func.kernel()
+}
