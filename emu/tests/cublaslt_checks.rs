@@ -250,3 +250,54 @@ fn an_algo_chosen_for_another_problem_is_refused() {
     let e = Algo::decode("cublasLtMatmul", &[0; 8], &p).unwrap_err();
     assert_names(&e, status::INVALID_VALUE, &["did not come from cublasLtMatmulAlgoGetHeuristic"]);
 }
+
+/// D (32×8, ld 64) at `d`, A (32×8, ld 64) at `a`, B separate: the row
+/// blocks of one wide bf16 matrix when a and d are 64 bytes apart.
+fn check_blocks(a: u64, d: u64) -> Result<()> {
+    let (wide, b) = (lay(dt::R_16BF, 32, 8, 64), lay(dt::R_16BF, 8, 8, 8));
+    let p = Problem::new("cublasLtMatmul", &op(false, false, None), [&wide, &b, &wide, &wide]).unwrap();
+    let algo = launch::choose("h", &p, 0, [2, 256, 2, 2]).unwrap();
+    let ops = Operands { a, b: BASE + 0x1_0000, c: d, d, bias: 0, workspace: 0, workspace_bytes: 0 };
+    let range = arena(vec![Allocation { base: BASE, size: 1 << 20, device: 0 }]);
+    launch::check_operands("cublasLtMatmul", &p, &algo, &ops, 1.0, 0, &range)
+}
+
+#[test]
+fn d_interleaved_with_a_but_sharing_no_element_passes() {
+    // Rows 0..32 and 32..64 of the same columns: extents overlap, elements do not.
+    check_blocks(BASE + 64, BASE).unwrap();
+    check_blocks(BASE, BASE + 64).unwrap();
+}
+
+#[test]
+fn d_sharing_elements_with_a_is_refused_naming_the_first_shared_address() {
+    // Rows 16..48 of A's columns are rows 0..32 of D's: they share rows 16..32.
+    let e = check_blocks(BASE + 32, BASE).unwrap_err();
+    assert_names(&e, status::INVALID_VALUE, &["D overlaps A", "0x7f0000000020"]);
+    let e = check_blocks(BASE, BASE + 62).unwrap_err();
+    assert_names(&e, status::INVALID_VALUE, &["D overlaps A", "0x7f000000003e"]);
+}
+
+#[test]
+fn c_equal_to_d_with_one_layout_is_in_place_not_an_overlap() {
+    // check_blocks passes C = D with the same layout: beta 1 reads C in place.
+    check_blocks(BASE + 64, BASE).unwrap();
+    let (wide, b) = (lay(dt::R_16BF, 32, 8, 64), lay(dt::R_16BF, 8, 8, 8));
+    let p = Problem::new("cublasLtMatmul", &op(false, false, None), [&wide, &b, &wide, &wide]).unwrap();
+    let algo = launch::choose("h", &p, 0, [2, 256, 2, 2]).unwrap();
+    // C one row below D: every column shares 31 elements.
+    let ops = Operands {
+        a: BASE + 0x2_0000,
+        b: BASE + 0x1_0000,
+        c: BASE + 2,
+        d: BASE,
+        bias: 0,
+        workspace: 0,
+        workspace_bytes: 0,
+    };
+    let range = arena(vec![Allocation { base: BASE, size: 1 << 20, device: 0 }]);
+    let e = launch::check_operands("cublasLtMatmul", &p, &algo, &ops, 1.0, 0, &range).unwrap_err();
+    assert_names(&e, status::INVALID_VALUE, &["D overlaps C"]);
+    // With beta 0, C is not read: nothing to race with.
+    launch::check_operands("cublasLtMatmul", &p, &algo, &ops, 0.0, 0, &range).unwrap();
+}

@@ -11,7 +11,7 @@
 //! would be on hardware when the heuristic picks such a kernel. It does
 //! not write the workspace.
 
-use super::problem::{status, Epilogue, Problem};
+use super::problem::{status, Epilogue, Matrix, Problem};
 use crate::error::{EmuError, Result};
 use crate::memory::Allocation;
 use std::hash::{Hash, Hasher};
@@ -172,6 +172,22 @@ pub fn check_operands(
         check_range(ptr, bytes as u64, device, &format!("{call}: {name} ({bytes} bytes)"))
             .map_err(|e| EmuError::new(status::INVALID_VALUE, e.message))?;
     }
+    // On a GPU, D written while A, B or C are still being read gives
+    // whatever the thread blocks' timing makes of it; the emulator copies
+    // its operands first and would hide that, so any shared element is an
+    // error (C = D in place with one layout is the documented exception).
+    let mut inputs = vec![("A", ops.a, &p.a), ("B", ops.b, &p.b)];
+    if beta != 0.0 && !(ops.c == ops.d && p.c == p.d) {
+        inputs.push(("C", ops.c, &p.c));
+    }
+    for (name, ptr, x) in inputs {
+        if let Some(at) = shared_element(ops.d, &p.d, ptr, x) {
+            return Err(EmuError::new(
+                status::INVALID_VALUE,
+                format!("{call}: D overlaps {name}: both hold the bytes at {at:#x}, so D is written while {name} is read"),
+            ));
+        }
+    }
     if ops.workspace_bytes < algo.workspace {
         return Err(EmuError::new(
             status::INVALID_VALUE,
@@ -195,4 +211,34 @@ pub fn check_operands(
             .map_err(|e| EmuError::new(status::INVALID_VALUE, e.message))?;
     }
     Ok(())
+}
+
+/// An address that both matrices' elements cover (x at `xp`, y at `yp`),
+/// if any. Columns of one matrix never overlap each other (ld ≥ rows), so
+/// for each column of x only the first column of y ending after its start
+/// can meet it.
+pub fn shared_element(xp: u64, x: &Matrix, yp: u64, y: &Matrix) -> Option<u64> {
+    if x.extent() == 0 || y.extent() == 0 {
+        return None;
+    }
+    let (x_end, y_end) = (xp as i128 + x.extent_bytes() as i128, yp as i128 + y.extent_bytes() as i128);
+    if x_end <= yp as i128 || y_end <= xp as i128 {
+        return None;
+    }
+    let (x_stride, y_stride) = ((x.ld * x.elem.bytes()) as i128, (y.ld * y.elem.bytes()) as i128);
+    let (x_len, y_len) = ((x.rows * x.elem.bytes()) as i128, (y.rows * y.elem.bytes()) as i128);
+    for j in 0..x.cols as i128 {
+        let (start, end) = (xp as i128 + j * x_stride, xp as i128 + j * x_stride + x_len);
+        // The first column of y whose end lies past `start`.
+        let first = (start - yp as i128 - y_len).div_euclid(y_stride) + 1;
+        let first = first.max(0);
+        if first >= y.cols as i128 {
+            continue;
+        }
+        let (y_start, y_stop) = (yp as i128 + first * y_stride, yp as i128 + first * y_stride + y_len);
+        if y_start < end && y_stop > start {
+            return Some(start.max(y_start) as u64);
+        }
+    }
+    None
 }

@@ -374,9 +374,8 @@ unsafe fn give_back(
 #[no_mangle]
 pub unsafe extern "C" fn cublasLtCreate(handle: *mut *mut c_void) -> u32 {
     let call = "cublasLtCreate";
-    // A handle belongs to the device current when it is made; without a
-    // context (tests of the descriptors alone) the device is checked at
-    // the first matmul instead.
+    // A handle belongs to the device current when it is made; one made
+    // without a context takes the device of its first matmul's stream.
     entry(call, || hand_out(call, handle, Object::Handle(Handle { device: context::current_device().ok() })))
 }
 
@@ -760,6 +759,9 @@ pub struct HeuristicResult {
     pub reserved: [c_int; 4],
 }
 
+// cublasLt.h's layout (cudarc's binding of it): 64 + 8 + 4 + 4 + 16 bytes.
+const _: () = assert!(std::mem::size_of::<HeuristicResult>() == 96);
+
 /// The problem the descriptor and the four layouts describe.
 fn problem_of(call: &str, desc: usize, layouts: [usize; 4]) -> Result<Problem> {
     let d = copy_of(call, "matmul descriptor", desc, pick_desc)?;
@@ -835,7 +837,7 @@ pub unsafe extern "C" fn cublasLtMatmul(
 ) -> u32 {
     let call = "cublasLtMatmul";
     entry(call, || {
-        let h = handle_of(call, handle as usize)?;
+        handle_of(call, handle as usize)?;
         let layouts = [a_layout as usize, b_layout as usize, c_layout as usize, d_layout as usize];
         let p = problem_of(call, desc as usize, layouts)?;
         if alpha.is_null() || beta.is_null() {
@@ -843,10 +845,15 @@ pub unsafe extern "C" fn cublasLtMatmul(
         }
         // CUBLASLT_POINTER_MODE_HOST, scale type f32 (every emulated row).
         let (alpha, beta) = (*(alpha as *const f32), *(beta as *const f32));
-        if std::ptr::eq(c, d) && p.c != p.d {
+        // Out of place (C ≠ D) the emulated algorithm takes any C layout of
+        // the right shape and type. In place, reading C through one layout
+        // while writing D through another races between thread blocks on a
+        // GPU, so it is refused rather than given the emulator's
+        // copy-first answer.
+        if beta != 0.0 && std::ptr::eq(c, d) && p.c != p.d {
             return Err(invalid(format!(
                 "{call}: C and D are the same memory (in place) but their layouts differ \
-                 (C {:?}, D {:?}); in place cuBLASLt needs Cdesc = Ddesc",
+                 (C {:?}, D {:?}): D would overwrite elements C still has to supply",
                 p.c, p.d
             )));
         }
@@ -859,13 +866,17 @@ pub unsafe extern "C" fn cublasLtMatmul(
         };
         let device = stream::device_of(stream as usize)
             .map_err(|e| invalid(format!("{call}: stream {:#x}: {}", stream as usize, e.message)))?;
-        if let Some(hd) = h.device {
-            if hd != device {
-                return Err(invalid(format!(
-                    "{call}: the handle was created on device {hd} but the stream belongs to device {device}"
-                )));
+        // A handle made without a current context belongs to the device of
+        // its first stream from then on.
+        with(call, "handle", handle as usize, pick_handle, |h: &mut Handle| match h.device {
+            Some(hd) if hd != device => Err(invalid(format!(
+                "{call}: the handle belongs to device {hd} but the stream to device {device}"
+            ))),
+            _ => {
+                h.device = Some(device);
+                Ok(())
             }
-        }
+        })?;
         let bias = copy_of(call, "matmul descriptor", desc as usize, pick_desc)?.bias_pointer;
         let ops = Operands {
             a: a as u64,
