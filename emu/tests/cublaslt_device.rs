@@ -217,7 +217,11 @@ fn a_handle_used_with_another_devices_stream_is_refused() {
     let (a, b, d) = (g1.alloc(4096), g1.alloc(4096), g1.alloc(4096));
     let r = unsafe { run(&f, a, b, d, 0, 0, g1.stream) };
     assert_eq!(r, status::INVALID_VALUE);
-    assert!(message(r).contains("created on device 0 but the stream belongs to device 1"), "{}", message(r));
+    assert!(
+        message(r).contains("the handle belongs to device 0 but the stream to device 1"),
+        "{}",
+        message(r)
+    );
 }
 
 #[test]
@@ -233,4 +237,43 @@ fn a_workspace_allocation_smaller_than_claimed_is_refused() {
         assert_eq!(r, status::INVALID_VALUE);
         assert!(message(r).contains("cublasLtMatmul: workspace"), "{}", message(r));
     }
+}
+
+#[test]
+fn the_legacy_default_stream_runs_the_product_on_the_current_contexts_device() {
+    let _g = serial();
+    let gpu = Gpu::new(1);
+    let (a_h, b_h, bias_h) =
+        (bytes_of(&values(M * K, 0.3)), bytes_of(&values(K * N, 0.9)), bytes_of(&values(M, 0.2)));
+    let d_h = bytes_of(&values((N - 1) * LDD + M, 1.1));
+    let (a, b, d, bias) =
+        (gpu.alloc(a_h.len()), gpu.alloc(b_h.len()), gpu.alloc(d_h.len()), gpu.alloc(bias_h.len()));
+    for (dst, src) in [(a, &a_h), (b, &b_h), (d, &d_h), (bias, &bias_h)] {
+        gpu.upload(dst, src);
+    }
+    assert_eq!(unsafe { cuStreamSynchronize(gpu.stream) }, cu::SUCCESS);
+    unsafe {
+        let f = forward(bias, 0);
+        let r = run(&f, a, b, d, 0, 0, null_mut());
+        assert_eq!(r, status::SUCCESS, "{}", message(r));
+        assert_eq!(cuCtxSynchronize(), cu::SUCCESS);
+    }
+    let got = gpu.download(d, d_h.len());
+    let l = |rows: usize, cols: usize, ld: usize| LayoutSpec {
+        data_type: dt::R_16BF,
+        rows: rows as u64,
+        cols: cols as u64,
+        ld: ld as i64,
+    };
+    let op = OpSpec {
+        compute_type: ct::C32F,
+        scale_type: dt::R_32F,
+        trans_a: false,
+        trans_b: false,
+        bias_type: Some(-1),
+    };
+    let p = Problem::new("test", &op, [&l(M, K, M), &l(K, N, K), &l(M, N, LDD), &l(M, N, LDD)]).unwrap();
+    let mut want = d_h.clone();
+    compute(&p, 1.0, 1.0, &a_h, &b_h, Some(&d_h), Some(&bias_h), &mut want).unwrap();
+    assert_eq!(got, want);
 }
