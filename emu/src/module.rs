@@ -44,6 +44,11 @@ pub struct Module {
     pub touch_shared: Option<extern "C" fn() -> *mut c_void>,
     /// dlopen's handle; null for a module made from Rust functions.
     lib: *mut c_void,
+    /// The memfd the image was loaded from, open while the module lives:
+    /// glibc knows a loaded object by its path (/proc/self/fd/N), so a
+    /// closed fd's number reused by the next image would hand back this
+    /// module instead of loading the new one.
+    fd: i32,
 }
 
 // SAFETY: the dlopen handle is only used to dlclose once, in Drop; the
@@ -57,6 +62,10 @@ impl Drop for Module {
             // SAFETY: our own dlopen handle; no function of the module can be
             // running (every queued launch holds an Arc of the module).
             unsafe { libc::dlclose(self.lib) };
+        }
+        if self.fd >= 0 {
+            // SAFETY: our own memfd, closed once, after dlclose.
+            unsafe { libc::close(self.fd) };
         }
     }
 }
@@ -226,8 +235,8 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
     }
     let path = CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL");
     let lib = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
-    libc::close(fd);
     if lib.is_null() {
+        libc::close(fd);
         let why = CStr::from_ptr(libc::dlerror()).to_string_lossy().into_owned();
         return Err(EmuError::new(
             cu::INVALID_IMAGE,
@@ -238,6 +247,7 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
     let init = libc::dlsym(lib, init_name.as_ptr());
     if init.is_null() {
         libc::dlclose(lib);
+        libc::close(fd);
         return Err(EmuError::new(
             cu::INVALID_IMAGE,
             format!(
@@ -252,11 +262,12 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
         Ok(m) => m,
         Err(e) => {
             libc::dlclose(lib);
+            libc::close(fd);
             return Err(e);
         }
     };
     let (source_name, kernels, touch) = module;
-    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib }))
+    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib, fd }))
 }
 
 type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void);
@@ -332,6 +343,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
         kernels,
         touch_shared: None,
         lib: std::ptr::null_mut(),
+        fd: -1,
     })
 }
 
