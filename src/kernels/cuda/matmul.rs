@@ -208,7 +208,7 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &PlanKey, bias: Option<u64>) ->
     let a = layout(s.ab_f32, ar, ac, s.lda)?;
     let b = layout(s.ab_f32, br, bc, s.ldb)?;
     let c = layout(s.c_f32, s.m, s.n, s.ldc)?;
-    let plan = Plan { desc, layouts: [a, b, c], algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] } };
+    let mut plan = Plan { desc, layouts: [a, b, c], algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] } };
     let pref = result::create_matmul_pref().map_err(blas_err(s, "creating the preference"))?;
     let [al_a, al_b, al_cd] = key.align;
     let prefs = set_pref(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &(WORKSPACE_BYTES as u64))
@@ -224,7 +224,11 @@ fn make_plan(handle: sys::cublasLtHandle_t, key: &PlanKey, bias: Option<u64>) ->
     unsafe {
         let _ = result::destroy_matmul_pref(pref);
     }
-    Ok(Plan { algo: heuristic?.algo, ..plan })
+    // Not `Plan { algo, ..plan }`: the handles are Copy, so that copies them
+    // into a second owner and `plan`'s Drop destroys them on return (found by
+    // the emulated GPU: the next product set an attribute on a dead descriptor).
+    plan.algo = heuristic?.algo;
+    Ok(plan)
 }
 
 /// D = op(A)·op(B) + beta·D (column-major), with the bias added per row of D
