@@ -134,8 +134,9 @@ pub fn destroy(handle: usize) -> Result<()> {
 
 /// The context of a handle; `call` names the caller in the error.
 pub fn get(handle: usize, call: &str) -> Result<Arc<Context>> {
-    if let Some(ctx) = lock().contexts.get(&handle) {
-        return Ok(ctx.clone());
+    let found = lock().contexts.get(&handle).cloned();
+    if let Some(ctx) = found {
+        return Ok(ctx);
     }
     Err(EmuError::new(
         cu::INVALID_CONTEXT,
@@ -190,6 +191,10 @@ pub fn current(call: &str) -> Result<Arc<Context>> {
 /// The device of the context bound to the calling thread.
 pub fn current_device() -> Result<usize> {
     Ok(current("current device")?.device)
+}
+
+pub fn is_context(h: usize) -> bool {
+    lock().contexts.contains_key(&h)
 }
 
 /// Every context of `device` (a failure of a device is every context's).

@@ -84,10 +84,10 @@ pub fn what_handle(h: usize) -> String {
     if module::is_module(h) {
         return "it is a module".into();
     }
-    if module::function(h, "").is_ok() {
+    if module::is_function(h) {
         return "it is a function".into();
     }
-    if context::get(h, "").is_ok() {
+    if context::is_context(h) {
         return "it is a context".into();
     }
     "unknown or destroyed".into()

@@ -339,6 +339,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
 pub fn unload(handle: usize) -> Result<()> {
     let mut r = registry();
     if r.modules.remove(&handle).is_none() {
+        drop(r);
         return Err(EmuError::new(
             cu::INVALID_HANDLE,
             format!(
@@ -358,8 +359,8 @@ pub fn unload(handle: usize) -> Result<()> {
 
 /// The function `name` of a module (cuModuleGetFunction).
 pub fn get_function(module: usize, name: &str) -> Result<usize> {
-    let mut r = registry();
-    let m = r.modules.get(&module).cloned().ok_or_else(|| {
+    let found = registry().modules.get(&module).cloned();
+    let m = found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
@@ -379,6 +380,7 @@ pub fn get_function(module: usize, name: &str) -> Result<usize> {
             ),
         ));
     };
+    let mut r = registry();
     if let Some(&f) = r.by_kernel.get(&(module, index)) {
         return Ok(f);
     }
@@ -392,7 +394,8 @@ pub fn get_function(module: usize, name: &str) -> Result<usize> {
 }
 
 pub fn function(handle: usize, call: &str) -> Result<Arc<Function>> {
-    registry().functions.get(&handle).cloned().ok_or_else(|| {
+    let found = registry().functions.get(&handle).cloned();
+    found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
@@ -401,6 +404,10 @@ pub fn function(handle: usize, call: &str) -> Result<Arc<Function>> {
             ),
         )
     })
+}
+
+pub fn is_function(h: usize) -> bool {
+    registry().functions.contains_key(&h)
 }
 
 pub fn is_module(h: usize) -> bool {

@@ -264,7 +264,10 @@ pub fn resolve(handle: usize, call: &str) -> Result<Arc<Stream>> {
             PER_THREAD.with(|p| p.borrow_mut().push((ctx.handle, s.clone())));
             Ok(s)
         }
-        h => registry().streams.get(&h).cloned().ok_or_else(|| unknown_stream(h, call)),
+        h => {
+            let found = registry().streams.get(&h).cloned();
+            found.ok_or_else(|| unknown_stream(h, call))
+        }
     }
 }
 
@@ -364,7 +367,8 @@ pub fn event_create(flags: u32) -> Result<usize> {
 }
 
 fn event(handle: usize, call: &str) -> Result<Arc<Event>> {
-    registry().events.get(&handle).cloned().ok_or_else(|| {
+    let found = registry().events.get(&handle).cloned();
+    found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!("{call}: {handle:#x} is not a live event ({})", crate::driver::what_handle(handle)),
@@ -374,7 +378,8 @@ fn event(handle: usize, call: &str) -> Result<Arc<Event>> {
 
 /// Destroys an event; waits already queued on it still hold (cuEventDestroy).
 pub fn event_destroy(handle: usize) -> Result<()> {
-    registry().events.remove(&handle).map(|_| ()).ok_or_else(|| {
+    let removed = registry().events.remove(&handle);
+    removed.map(|_| ()).ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
