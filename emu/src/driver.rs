@@ -613,7 +613,7 @@ unsafe fn memset(
     wait: bool,
 ) -> Result<()> {
     let bytes = (count * elem) as u64;
-    if dst % elem as u64 != 0 {
+    if !dst.is_multiple_of(elem as u64) {
         return Err(EmuError::new(cu::INVALID_VALUE, format!("{call}: {dst:#x} is not {elem}-byte aligned")));
     }
     device_range(dst, bytes, call, "destination")?;
@@ -756,6 +756,8 @@ pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, bytes: usize) -> CU
     ret(dtod(dst, src, bytes, std::ptr::null_mut(), "cuMemcpyDtoD", true))
 }
 
+// cuMemcpyPeerAsync's own parameters, plus the caller's name and whether to wait.
+#[allow(clippy::too_many_arguments)]
 unsafe fn peer(
     dst: u64,
     dst_ctx: Handle,

@@ -80,7 +80,7 @@ extern "C" fn block_sum_k(args: *mut *mut c_void) {
     for d in [16, 8, 4, 2, 1] {
         v += f32::from_bits((rt().shfl_sync)(u32::MAX, v.to_bits(), d, 32, SHFL_DOWN));
     }
-    if t % 32 == 0 {
+    if t.is_multiple_of(32) {
         unsafe { *sh.add(t / 32) = v };
     }
     (rt().syncthreads)();
@@ -175,7 +175,7 @@ fn shuffles_follow_the_ptx_modes_and_widths() {
 extern "C" fn vote_k(args: *mut *mut c_void) {
     let out: *mut u32 = unsafe { arg(args, 0) };
     let t = tid() as u32;
-    let ballot = (rt().vote_sync)(u32::MAX, (t % 3 == 0) as i32, VOTE_BALLOT);
+    let ballot = (rt().vote_sync)(u32::MAX, t.is_multiple_of(3) as i32, VOTE_BALLOT);
     let all = (rt().vote_sync)(u32::MAX, (t < 40) as i32, VOTE_ALL);
     let any = (rt().vote_sync)(u32::MAX, (t == 7) as i32, VOTE_ANY);
     let none = (rt().vote_sync)(u32::MAX, 0, VOTE_ANY);
@@ -260,7 +260,7 @@ fn a_shuffle_reading_a_lane_outside_its_mask_is_named() {
 }
 
 extern "C" fn mixed_collectives_k(_args: *mut *mut c_void) {
-    if tid() % 2 == 0 {
+    if tid().is_multiple_of(2) {
         (rt().syncwarp)(u32::MAX);
     } else {
         (rt().vote_sync)(u32::MAX, 1, VOTE_ANY);

@@ -87,7 +87,7 @@ fn dynamic_shared_memory_past_48_kib_needs_the_attribute_raised() {
 fn a_host_pointer_argument_is_refused_by_name() {
     let _s = serial();
     let gpu = Gpu::new(0);
-    let host = vec![0f32; 32];
+    let host = [0f32; 32];
     let mut o = host.as_ptr() as u64;
     let code = launch(fill(0), (1, 1, 1), (32, 1, 1), 0, gpu.stream, &mut [p(&mut o)]);
     assert_error(code, cu::INVALID_VALUE, &["`fill`", "argument `out` (float*)", "a host address"]);
