@@ -9,7 +9,7 @@
 use crate::abi;
 use crate::error::{cu, EmuError, Result};
 use std::collections::HashMap;
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -44,6 +44,10 @@ pub struct Module {
     pub touch_shared: Option<extern "C" fn() -> *mut c_void>,
     /// dlopen's handle; null for a module made from Rust functions.
     lib: *mut c_void,
+    /// The memfd the image was loaded from, never closed: the loader knows a
+    /// library by its path (/proc/self/fd/N), so a closed fd whose number
+    /// came back for the next image would hand back this library again.
+    fd: c_int,
 }
 
 // SAFETY: the dlopen handle is only used to dlclose once, in Drop; the
@@ -58,6 +62,11 @@ impl Drop for Module {
             // running (every queued launch holds an Arc of the module).
             unsafe { libc::dlclose(self.lib) };
         }
+        // The memfd stays open (one fd per unloaded module): a library the
+        // loader cannot unload (C++ objects with STB_GNU_UNIQUE symbols are
+        // never unloaded) stays known by its path, which must not name the
+        // next image.
+        let _ = self.fd;
     }
 }
 
@@ -226,8 +235,8 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
     }
     let path = CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL");
     let lib = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
-    libc::close(fd);
     if lib.is_null() {
+        libc::close(fd);
         let why = CStr::from_ptr(libc::dlerror()).to_string_lossy().into_owned();
         return Err(EmuError::new(
             cu::INVALID_IMAGE,
@@ -238,6 +247,7 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
     let init = libc::dlsym(lib, init_name.as_ptr());
     if init.is_null() {
         libc::dlclose(lib);
+        libc::close(fd);
         return Err(EmuError::new(
             cu::INVALID_IMAGE,
             format!(
@@ -252,11 +262,12 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
         Ok(m) => m,
         Err(e) => {
             libc::dlclose(lib);
+            libc::close(fd);
             return Err(e);
         }
     };
     let (source_name, kernels, touch) = module;
-    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib }))
+    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib, fd }))
 }
 
 type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void);
@@ -332,6 +343,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
         kernels,
         touch_shared: None,
         lib: std::ptr::null_mut(),
+        fd: -1,
     })
 }
 
