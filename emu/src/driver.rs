@@ -139,7 +139,8 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUd
                 format!("cuDeviceGetName: buffer {name:?} of {len} bytes"),
             ));
         }
-        let text = format!("pipewright emulated GPU {d} (sm_90)");
+        // The emulated ordinal: a GPU keeps its name whatever CUDA_VISIBLE_DEVICES calls it.
+        let text = format!("pipewright emulated GPU {} (sm_90)", memory::device_identity(d).1);
         // Truncated to the buffer, always NUL-terminated, as the driver does.
         let n = text.len().min(len as usize - 1);
         std::ptr::copy_nonoverlapping(text.as_ptr(), name as *mut u8, n);

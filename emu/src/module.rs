@@ -44,10 +44,12 @@ pub struct Module {
     pub touch_shared: Option<extern "C" fn() -> *mut c_void>,
     /// dlopen's handle; null for a module made from Rust functions.
     lib: *mut c_void,
-    /// The memfd the image was loaded from, never closed: the loader knows a
-    /// library by its path (/proc/self/fd/N), so a closed fd whose number
-    /// came back for the next image would hand back this library again.
-    fd: c_int,
+    /// The memfd the image was loaded from, never closed (one fd per module
+    /// for the process's life): the loader knows a library by its path
+    /// (/proc/self/fd/N), and a library it cannot unload (C++ objects with
+    /// STB_GNU_UNIQUE symbols never are) would be handed back for the next
+    /// image whose fd got the same number.
+    _memfd: c_int,
 }
 
 // SAFETY: the dlopen handle is only used to dlclose once, in Drop; the
@@ -62,11 +64,6 @@ impl Drop for Module {
             // running (every queued launch holds an Arc of the module).
             unsafe { libc::dlclose(self.lib) };
         }
-        // The memfd stays open (one fd per unloaded module): a library the
-        // loader cannot unload (C++ objects with STB_GNU_UNIQUE symbols are
-        // never unloaded) stays known by its path, which must not name the
-        // next image.
-        let _ = self.fd;
     }
 }
 
@@ -267,7 +264,7 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
         }
     };
     let (source_name, kernels, touch) = module;
-    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib, fd }))
+    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib, _memfd: fd }))
 }
 
 type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void);
@@ -343,7 +340,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
         kernels,
         touch_shared: None,
         lib: std::ptr::null_mut(),
-        fd: -1,
+        _memfd: -1,
     })
 }
 
