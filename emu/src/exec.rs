@@ -507,8 +507,14 @@ struct Block {
     at_barrier: u32,
     exited: u32,
     error: Option<EmuError>,
-    dynamic_shared: Vec<u8>,
+    /// The block's dynamic shared memory, 128-byte aligned as real shared
+    /// memory is (kernels cast it to float4 and wider).
+    dynamic_shared: Vec<SharedChunk>,
 }
+
+#[derive(Clone, Copy)]
+#[repr(C, align(128))]
+struct SharedChunk([u8; 128]);
 
 struct Worker {
     stacks: Vec<DefaultStack>,
@@ -1037,7 +1043,7 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
     // Poisoned shared memory: a read before a write shows (SHARED_POISON).
     if launch.shared > 0 {
         b.dynamic_shared.clear();
-        b.dynamic_shared.resize(launch.shared as usize, SHARED_POISON);
+        b.dynamic_shared.resize((launch.shared as usize).div_ceil(128), SharedChunk([SHARED_POISON; 128]));
     }
     if let Some(touch) = launch.func.module.touch_shared {
         let handle = launch.func.module.handle;

@@ -447,11 +447,14 @@ fn after_a_kernel_fails_every_later_call_returns_the_sticky_error() {
 extern "C" fn read_shared_unwritten_k(args: *mut *mut c_void) {
     let out: *mut u32 = unsafe { arg(args, 0) };
     let sh = (rt().dynamic_shared)() as *const u32;
+    if !(sh as usize).is_multiple_of(128) {
+        (rt().trap)(c"dynamic shared memory is not 128-byte aligned".as_ptr());
+    }
     unsafe { *out.add(tid()) = *sh.add(tid()) };
 }
 
 #[test]
-fn shared_memory_read_before_written_is_poison() {
+fn dynamic_shared_memory_is_aligned_and_poison_until_written() {
     let _s = serial();
     let gpu = Gpu::new(0);
     let out = gpu.alloc(64 * 4);
