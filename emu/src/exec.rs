@@ -1,8 +1,8 @@
 //! The execution engine: runs a launch's grid on the CPU.
 //!
 //! Blocks are spread over a pool of worker threads (PW_EMU_THREADS, default
-//! one per core); the stream thread that runs the launch works on its blocks
-//! too. A worker runs one block at a time, each of the block's threads
+//! one per core, at most 16); the stream thread that runs the launch waits
+//! for them. A worker runs one block at a time, each of the block's threads
 //! ("lanes") a fiber (a corosensei coroutine on a stack from the worker's
 //! pool). The scheduler runs each fiber until it waits (at a barrier, a warp
 //! collective) or ends, then the next, in lane order. A collective completes
@@ -343,7 +343,13 @@ impl Job {
 struct Pool {
     jobs: Mutex<VecDeque<Arc<Job>>>,
     ready: Condvar,
+    started: usize,
 }
+
+/// The default cap on block workers: each keeps up to 1,024 fiber stacks,
+/// two memory mappings apiece (stack and guard page), and the kernel's
+/// vm.max_map_count (65,530 by default) must hold them all.
+const DEFAULT_THREADS_MAX: usize = 16;
 
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
@@ -352,18 +358,17 @@ fn pool() -> &'static Pool {
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
             .filter(|&n| n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-        // The stream thread that submits a job works on it too.
-        for i in 0..threads.saturating_sub(1) {
-            let spawned = std::thread::Builder::new().name(format!("pw-emu-sm{i}")).spawn(pool_worker);
-            if let Err(e) = spawned {
-                eprintln!(
-                    "pipewright-emu: libcuda: could not start block worker {i}: {e}; running with fewer"
-                );
-                break;
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(DEFAULT_THREADS_MAX)
+            });
+        let mut started = 0;
+        for i in 0..threads {
+            match std::thread::Builder::new().name(format!("pw-emu-sm{i}")).spawn(pool_worker) {
+                Ok(_) => started += 1,
+                Err(e) => eprintln!("pipewright-emu: libcuda: could not start block worker {i}: {e}"),
             }
         }
-        Pool { jobs: Mutex::new(VecDeque::new()), ready: Condvar::new() }
+        Pool { jobs: Mutex::new(VecDeque::new()), ready: Condvar::new(), started }
     })
 }
 
@@ -397,12 +402,17 @@ fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
         state: Mutex::new((0, None)),
         done: Condvar::new(),
     });
-    if job.total > 1 {
-        let p = pool();
-        p.jobs.lock().unwrap_or_else(|e| e.into_inner()).push_back(job.clone());
-        p.ready.notify_all();
+    // Only the pool's threads run blocks (never the stream's own thread), so
+    // fiber stacks exist for PW_EMU_THREADS workers however many streams run.
+    let p = pool();
+    if p.started == 0 {
+        return Err(EmuError::new(
+            cu::LAUNCH_OUT_OF_RESOURCES,
+            format!("{}: no block worker thread could be started", launch.func.label()),
+        ));
     }
-    job.work();
+    p.jobs.lock().unwrap_or_else(|e| e.into_inner()).push_back(job.clone());
+    p.ready.notify_all();
     let mut s = job.state.lock().unwrap_or_else(|p| p.into_inner());
     while s.0 < job.total {
         s = job.done.wait(s).unwrap_or_else(|p| p.into_inner());
