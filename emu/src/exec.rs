@@ -497,7 +497,6 @@ struct Pending {
     arrived: u32,
     /// The mode of the first arrival (shfl and vote: every member must use the same).
     mode: i32,
-    lanes: [Arrival; 32],
 }
 
 struct LaneSlot {
@@ -506,6 +505,8 @@ struct LaneSlot {
     yielder: *const Yielder<(), ()>,
     /// A collective's result for this lane, written when the collective completes.
     result: u32,
+    /// What this lane brought to the warp collective it waits in.
+    arrival: Arrival,
 }
 
 /// A worker's block in flight (reused from block to block).
@@ -759,13 +760,7 @@ fn collective(kind: Kind, mask: u32, arrival: Arrival) -> u32 {
     let i = match slot {
         Some(i) => i,
         None => {
-            b.warps[warp].push(Pending {
-                kind,
-                mask,
-                arrived: 0,
-                mode: arrival.mode,
-                lanes: [NO_ARRIVAL; 32],
-            });
+            b.warps[warp].push(Pending { kind, mask, arrived: 0, mode: arrival.mode });
             b.warps[warp].len() - 1
         }
     };
@@ -779,8 +774,8 @@ fn collective(kind: Kind, mask: u32, arrival: Arrival) -> u32 {
         );
         stop(cu::LAUNCH_FAILED, msg);
     }
-    p.lanes[id as usize] = arrival;
     p.arrived |= 1 << id;
+    b.lanes[lane].arrival = arrival;
     if p.arrived != mask {
         b.lanes[lane].state = State::InWarp;
         suspend(b, lane);
@@ -800,7 +795,7 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
         Kind::Shfl => {
             let mut out = [0u32; 32];
             for l in members.clone() {
-                let a = &p.lanes[l as usize];
+                let a = &b.lanes[warp * 32 + l as usize].arrival;
                 let src = shfl_source(l, a.b, a.width, a.mode)
                     .map_err(|e| format!("thread {}: {e}", tid_of(&b.lanes[warp * 32 + l as usize].lane)))?;
                 if p.mask >> src & 1 == 0 {
@@ -810,15 +805,17 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
                         p.mask
                     ));
                 }
-                out[l as usize] = p.lanes[src as usize].value;
+                out[l as usize] = b.lanes[warp * 32 + src as usize].arrival.value;
             }
             for l in members {
                 b.lanes[warp * 32 + l as usize].result = out[l as usize];
             }
         }
         Kind::Vote => {
-            let ballot =
-                members.clone().filter(|&l| p.lanes[l as usize].value != 0).fold(0u32, |m, l| m | 1 << l);
+            let ballot = members
+                .clone()
+                .filter(|&l| b.lanes[warp * 32 + l as usize].arrival.value != 0)
+                .fold(0u32, |m, l| m | 1 << l);
             let r = match p.mode {
                 abi::VOTE_ALL => (ballot == p.mask) as u32,
                 abi::VOTE_ANY => (ballot != 0) as u32,
@@ -832,10 +829,14 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
         Kind::Syncwarp => {}
         Kind::Mma => {
             let mut d = [[0f32; 4]; 32];
-            mma_m16n8k16(&p.lanes, &mut d);
+            let mut arrivals = [NO_ARRIVAL; 32];
+            for (l, a) in arrivals.iter_mut().enumerate() {
+                *a = b.lanes[warp * 32 + l].arrival;
+            }
+            mma_m16n8k16(&arrivals, &mut d);
             for l in members.clone() {
                 // SAFETY: the lane's own d[4], on its suspended (or running) fiber's stack.
-                unsafe { std::ptr::copy_nonoverlapping(d[l as usize].as_ptr(), p.lanes[l as usize].d, 4) };
+                unsafe { std::ptr::copy_nonoverlapping(d[l as usize].as_ptr(), arrivals[l as usize].d, 4) };
             }
         }
     }
@@ -1048,6 +1049,7 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
             state: State::Ready,
             yielder: std::ptr::null(),
             result: 0,
+            arrival: NO_ARRIVAL,
         });
     }
     // Poisoned shared memory: a read before a write shows (SHARED_POISON).
