@@ -172,6 +172,9 @@ struct Registry {
     /// Context handle → its legacy default stream.
     legacy: HashMap<usize, Arc<Stream>>,
     events: HashMap<usize, Arc<Event>>,
+    /// Destroyed streams whose queued work may still run (the driver lets
+    /// it finish); context synchronization and frees wait for it too.
+    draining: Vec<Arc<Stream>>,
     next: usize,
 }
 
@@ -182,6 +185,7 @@ fn registry() -> MutexGuard<'static, Registry> {
             streams: HashMap::new(),
             legacy: HashMap::new(),
             events: HashMap::new(),
+            draining: Vec::new(),
             next: 1,
         })
     })
@@ -230,8 +234,16 @@ pub fn create(flags: u32) -> Result<usize> {
 
 /// Destroys a stream: its queued work still runs, then its worker ends (cuStreamDestroy).
 pub fn destroy(handle: usize) -> Result<()> {
-    let stream =
-        registry().streams.remove(&handle).ok_or_else(|| unknown_stream(handle, "cuStreamDestroy"))?;
+    let removed = {
+        let mut r = registry();
+        r.draining.retain(|s| s.pending());
+        let removed = r.streams.remove(&handle);
+        if let Some(s) = &removed {
+            r.draining.push(s.clone());
+        }
+        removed
+    };
+    let stream = removed.ok_or_else(|| unknown_stream(handle, "cuStreamDestroy"))?;
     let mut q = stream.lock();
     q.shutdown = true;
     stream.done.notify_all();
@@ -377,7 +389,13 @@ pub fn query(stream: usize) -> Result<()> {
 pub fn synchronize_context(ctx: &Arc<Context>) -> Result<()> {
     let streams: Vec<Arc<Stream>> = {
         let r = registry();
-        r.streams.values().chain(r.legacy.values()).filter(|s| Arc::ptr_eq(&s.ctx, ctx)).cloned().collect()
+        r.streams
+            .values()
+            .chain(r.legacy.values())
+            .chain(r.draining.iter())
+            .filter(|s| Arc::ptr_eq(&s.ctx, ctx))
+            .cloned()
+            .collect()
     };
     for s in streams {
         let seq = s.submitted();

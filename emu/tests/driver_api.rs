@@ -328,3 +328,47 @@ fn unsupported_entry_points_refuse_instead_of_pretending() {
     let code = unsafe { cuMemAllocAsync(&mut p, 64, std::ptr::null_mut()) };
     assert_error(code, cu::NOT_SUPPORTED, &["cuMemAllocAsync", "memory pools"]);
 }
+
+#[test]
+fn a_destroyed_stream_finishes_its_queued_work_and_its_handle_is_then_refused() {
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let buf = gpu.alloc(32 * 4);
+    let writer = function(
+        "w4.cu",
+        kernel("slow_write", slow_write_k, 0, &[("out", "unsigned*", true), ("v", "unsigned", false)]),
+    );
+    let mut s: Handle = std::ptr::null_mut();
+    let (mut d, mut v) = (buf, 4u32);
+    // SAFETY: valid out-pointers and live handles.
+    unsafe {
+        assert_eq!(cuStreamCreate(&mut s, 1), cu::SUCCESS);
+        assert_eq!(launch(writer, (1, 1, 1), (32, 1, 1), 0, s, &mut [p(&mut d), p(&mut v)]), cu::SUCCESS);
+        assert_eq!(cuStreamDestroy_v2(s), cu::SUCCESS);
+        assert_error(
+            cuStreamSynchronize(s),
+            cu::INVALID_HANDLE,
+            &["cuStreamSynchronize", "not a live stream"],
+        );
+        assert_eq!(cuCtxSynchronize(), cu::SUCCESS);
+    }
+    assert_eq!(gpu.download::<u32>(buf, 32), vec![4u32; 32]);
+}
+
+#[test]
+fn a_destroyed_context_is_unbound_and_its_handle_refused() {
+    let _s = serial();
+    let gpu = Gpu::new(1);
+    // SAFETY: our own context, then calls that must refuse it.
+    unsafe {
+        assert_eq!(cuCtxDestroy_v2(gpu.ctx), cu::SUCCESS);
+        let mut cur: Handle = std::ptr::null_mut();
+        assert_eq!(cuCtxGetCurrent(&mut cur), cu::SUCCESS);
+        assert_ne!(cur, gpu.ctx);
+        assert_error(
+            cuCtxSetCurrent(gpu.ctx),
+            cu::INVALID_CONTEXT,
+            &["cuCtxSetCurrent", "not a context handle"],
+        );
+    }
+}

@@ -561,3 +561,32 @@ fn mma_in_a_block_smaller_than_a_warp_is_refused() {
     assert_eq!(launch(f, (1, 1, 1), (16, 1, 1), 0, gpu.stream, &mut []), cu::SUCCESS);
     assert_error(gpu.sync(), cu::LAUNCH_FAILED, &["mma16", "all 32 lanes", "has 16"]);
 }
+
+extern "C" fn chase_k(args: *mut *mut c_void) {
+    // The table holds a pointer the kernel follows (a launch cannot check it).
+    let table: *const *const f32 = unsafe { arg(args, 0) };
+    let out: *mut f32 = unsafe { arg(args, 1) };
+    unsafe { *out = std::ptr::read_volatile(*table) };
+}
+
+#[test]
+fn a_kernel_following_a_pointer_to_freed_memory_faults_naming_the_freed_allocation() {
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let (victim, table, out) = (gpu.alloc(4096), gpu.alloc(8), gpu.alloc(4));
+    gpu.upload(table, &[victim]);
+    assert_eq!(gpu.sync(), cu::SUCCESS);
+    // SAFETY: our own live allocation.
+    assert_eq!(unsafe { pipewright_emu::driver::cuMemFree_v2(victim) }, cu::SUCCESS);
+    let f = function(
+        "chase.cu",
+        kernel("chase", chase_k, 0, &[("table", "const float* const*", true), ("out", "float*", true)]),
+    );
+    let (mut t, mut o) = (table, out);
+    assert_eq!(launch(f, (1, 1, 1), (1, 1, 1), 0, gpu.stream, &mut [p(&mut t), p(&mut o)]), cu::SUCCESS);
+    assert_error(
+        gpu.sync(),
+        cu::ILLEGAL_ADDRESS,
+        &["chase", "thread 0", "in the freed 4096-byte allocation"],
+    );
+}
