@@ -20,7 +20,7 @@
 use crate::abi::{self, Dim3, Lane};
 use crate::error::{cu, EmuError, Result};
 use crate::memory::{self, Allocation};
-use crate::module::{Function, KernelInfo};
+use crate::module::Function;
 use corosensei::stack::DefaultStack;
 use corosensei::trap::CoroutineTrapHandler;
 use corosensei::{Coroutine, CoroutineResult, Yielder};
@@ -259,9 +259,8 @@ pub fn run(launch: &Arc<Launch>) -> Result<()> {
         run_grid(launch, LaneOrder::Ascending)?;
     }
     for (a, names) in launch.allocations() {
-        memory::check_canary(a.base).map_err(|e| {
-            EmuError::new(e.code, format!("{}: argument {names}: {}", launch.func.label(), e.message))
-        })?;
+        memory::check_canary(a.base)
+            .map_err(|e| EmuError::new(e.code, format!("argument {names}: {}", e.message)))?;
     }
     Ok(())
 }
@@ -286,13 +285,10 @@ fn run_order_checked(launch: &Arc<Launch>) -> Result<()> {
             return Err(EmuError::new(
                 cu::LAUNCH_FAILED,
                 format!(
-                    "{}: PW_EMU_CHECK=order: the result depends on the order threads run in (a missing barrier \
+                    "PW_EMU_CHECK=order: the result depends on the order threads run in (a missing barrier \
                      or a race): argument {names} (allocation {:#x}) differs at byte {i} \
                      ({:#04x} with threads run in ascending order, {:#04x} in descending order)",
-                    launch.func.label(),
-                    a.base,
-                    f[i],
-                    now[i]
+                    a.base, f[i], now[i]
                 ),
             ));
         }
@@ -584,8 +580,9 @@ impl Block {
         unsafe { &*self.launch }
     }
 
+    /// Where in the grid (the stream's label for the launch names the kernel).
     fn at(&self) -> String {
-        format!("{} block {}", self.launch().func.label(), dims(self.block_idx))
+        format!("block {}", dims(self.block_idx))
     }
 
     fn fail(&mut self, code: u32, msg: String) {
@@ -1257,9 +1254,4 @@ unsafe extern "C" fn on_fault(sig: c_int, info: *mut libc::siginfo_t, uctx: *mut
         let f: extern "C" fn(c_int) = std::mem::transmute(h);
         f(sig);
     }
-}
-
-/// The kernel a launch runs (for tests and errors).
-pub fn kernel_of(launch: &Launch) -> &KernelInfo {
-    launch.func.kernel()
 }

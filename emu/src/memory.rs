@@ -377,6 +377,10 @@ pub fn describe(ptr: u64) -> String {
     if ptr == 0 {
         return "the null pointer".into();
     }
+    // The first 64 KiB are never mapped (vm.mmap_min_addr): an index off null.
+    if ptr < 1 << 16 {
+        return format!("{ptr:#x}, the null pointer plus {ptr} bytes");
+    }
     let Ok(guard) = heap() else { return format!("{ptr:#x}") };
     let Some(heap) = guard.as_ref() else { return format!("{ptr:#x}") };
     if let Some((_, live)) = heap.live.range(..=ptr).next_back() {

@@ -175,8 +175,8 @@ extern "C" fn copy_k(args: *mut *mut c_void) {
 
 /// Stream B reads what stream A wrote. With an event recorded on A and
 /// waited on by B it reads the new values. Without the wait the streams run
-/// side by side and B may read the old ones: the emulator does not detect a
-/// missing wait (no per-allocation race tracking yet); only the result shows it.
+/// side by side and B may read the old ones; by default only the result
+/// shows it, PW_EMU_CHECK=race names it (tests/exec_race.rs).
 #[test]
 fn a_stream_waiting_on_an_event_sees_what_the_other_stream_wrote() {
     let _s = serial();
