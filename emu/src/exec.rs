@@ -369,6 +369,10 @@ fn pool() -> &'static Pool {
 }
 
 fn pool_worker() {
+    // The fault handler must run somewhere when a fiber overflows its stack:
+    // on an alternate signal stack of this thread's own if it has none (a
+    // host program that is not Rust may not have given its threads one).
+    give_alternate_signal_stack();
     let p = pool();
     loop {
         let job = {
@@ -426,8 +430,9 @@ fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
 #[derive(Clone, Copy, Debug)]
 enum LaneEnd {
     Returned,
-    /// A fault (signal, address) trapped inside the lane.
-    Fault(c_int, u64),
+    /// A fault (signal, address) trapped inside the lane; `true` when the
+    /// address is the lane's own stack guard (a stack overflow).
+    Fault(c_int, u64, bool),
 }
 
 type Fiber = Coroutine<(), (), LaneEnd, &'static mut DefaultStack>;
@@ -1156,7 +1161,16 @@ fn schedule(w: &mut Worker, n: usize, order: LaneOrder) -> Result<()> {
                         b.fail(cu::LAUNCH_FAILED, msg);
                     }
                 }
-                CoroutineResult::Return(LaneEnd::Fault(sig, addr)) => {
+                CoroutineResult::Return(LaneEnd::Fault(_, _, true)) => {
+                    b.lanes[i].state = State::Stopped;
+                    let msg = format!(
+                        "thread {}: stack overflow (each thread has {} KiB of stack: deep recursion or large local arrays)",
+                        tid_of(&b.lanes[i].lane),
+                        STACK_BYTES >> 10
+                    );
+                    b.fail(cu::LAUNCH_OUT_OF_RESOURCES, msg);
+                }
+                CoroutineResult::Return(LaneEnd::Fault(sig, addr, false)) => {
                     b.lanes[i].state = State::Stopped;
                     let msg = fault_message(b, i, sig, addr);
                     b.fail(cu::ILLEGAL_ADDRESS, msg);
@@ -1205,6 +1219,21 @@ fn fault_message(b: &Block, lane: usize, sig: c_int, addr: u64) -> String {
 
 static PREVIOUS: OnceLock<[libc::sigaction; 2]> = OnceLock::new();
 
+fn give_alternate_signal_stack() {
+    const BYTES: usize = 64 << 10;
+    // SAFETY: queries, then installs a leaked buffer for this thread's life.
+    unsafe {
+        let mut current: libc::stack_t = std::mem::zeroed();
+        if libc::sigaltstack(std::ptr::null(), &mut current) == 0 && current.ss_flags & libc::SS_DISABLE == 0
+        {
+            return;
+        }
+        let stack = Box::leak(vec![0u8; BYTES].into_boxed_slice());
+        let alt = libc::stack_t { ss_sp: stack.as_mut_ptr() as *mut c_void, ss_flags: 0, ss_size: BYTES };
+        libc::sigaltstack(&alt, std::ptr::null_mut());
+    }
+}
+
 fn install_fault_handler() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -1231,7 +1260,8 @@ unsafe extern "C" fn on_fault(sig: c_int, info: *mut libc::siginfo_t, uctx: *mut
         let sp = gregs[libc::REG_RSP as usize] as usize;
         if trap.stack_ptr_in_bounds(sp) {
             let addr = (*info).si_addr() as u64;
-            let regs = trap.setup_trap_handler(move || LaneEnd::Fault(sig, addr));
+            let overflow = trap.stack_ptr_in_bounds(addr as usize);
+            let regs = trap.setup_trap_handler(move || LaneEnd::Fault(sig, addr, overflow));
             gregs[libc::REG_RIP as usize] = regs.rip as i64;
             gregs[libc::REG_RSP as usize] = regs.rsp as i64;
             gregs[libc::REG_RBP as usize] = regs.rbp as i64;

@@ -590,3 +590,32 @@ fn a_kernel_following_a_pointer_to_freed_memory_faults_naming_the_freed_allocati
         &["chase", "thread 0", "in the freed 4096-byte allocation"],
     );
 }
+
+#[inline(never)]
+fn deep(n: usize) -> u64 {
+    let frame = std::hint::black_box([n as u8; 4096]);
+    if n == 0 {
+        return 0;
+    }
+    deep(n - 1) + frame[n % 4096] as u64
+}
+
+extern "C" fn recurse_k(args: *mut *mut c_void) {
+    let out: *mut u64 = unsafe { arg(args, 0) };
+    unsafe { *out = deep(1000) };
+}
+
+#[test]
+fn a_stack_overflow_in_a_kernel_is_named_as_one() {
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let out = gpu.alloc(8);
+    let f = function("deep.cu", kernel("recurse", recurse_k, 0, &[("out", "unsigned long*", true)]));
+    let mut o = out;
+    assert_eq!(launch(f, (1, 1, 1), (1, 1, 1), 0, gpu.stream, &mut [p(&mut o)]), cu::SUCCESS);
+    assert_error(
+        gpu.sync(),
+        cu::LAUNCH_OUT_OF_RESOURCES,
+        &["recurse", "thread 0", "stack overflow", "256 KiB"],
+    );
+}
