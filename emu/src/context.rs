@@ -126,7 +126,10 @@ pub fn destroy(handle: usize) -> Result<()> {
             format!("cuCtxDestroy: {handle:#x} is GPU {}'s primary context (release it instead)", ctx.device),
         ));
     }
-    crate::stream::synchronize_context(&ctx)?;
+    // Destroying a failed context is how a program recovers: its sticky
+    // error does not stop it.
+    let _ = crate::stream::synchronize_context(&ctx);
+    crate::stream::retire_context(&ctx);
     lock().contexts.remove(&handle);
     CURRENT.with(|c| c.borrow_mut().retain(|&h| h != handle));
     Ok(())

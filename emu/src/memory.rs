@@ -447,12 +447,3 @@ pub fn total(device: usize) -> Result<u64> {
     check_device(device, "cuDeviceTotalMem")?;
     Ok(machine()?.bytes_per_device)
 }
-
-/// Every live allocation of `device` (for the order check's snapshots and tests).
-pub fn live_on(device: usize) -> Vec<Allocation> {
-    let Ok(guard) = heap() else { return Vec::new() };
-    guard
-        .as_ref()
-        .map(|h| h.live.values().map(|l| l.alloc).filter(|a| a.device == device).collect())
-        .unwrap_or_default()
-}

@@ -404,6 +404,23 @@ pub fn synchronize_context(ctx: &Arc<Context>) -> Result<()> {
     ctx.check("cuCtxSynchronize")
 }
 
+/// Ends the worker threads of every stream of a destroyed context (their
+/// queues are empty: the caller synchronized first).
+pub fn retire_context(ctx: &Arc<Context>) {
+    let retired: Vec<Arc<Stream>> = {
+        let mut r = registry();
+        let handles: Vec<usize> =
+            r.streams.iter().filter(|(_, s)| Arc::ptr_eq(&s.ctx, ctx)).map(|(&h, _)| h).collect();
+        let mut retired: Vec<Arc<Stream>> = handles.iter().filter_map(|h| r.streams.remove(h)).collect();
+        retired.extend(r.legacy.remove(&ctx.handle));
+        retired
+    };
+    for s in retired {
+        s.lock().shutdown = true;
+        s.done.notify_all();
+    }
+}
+
 /// A new event (cuEventCreate); `flags` as the driver's.
 pub fn event_create(flags: u32) -> Result<usize> {
     context::current("cuEventCreate")?;

@@ -372,3 +372,22 @@ fn a_destroyed_context_is_unbound_and_its_handle_refused() {
         );
     }
 }
+
+extern "C" fn trap_k(_args: *mut *mut c_void) {
+    (exec_support::rt().trap)(c"planted".as_ptr());
+}
+
+#[test]
+fn a_failed_context_can_be_destroyed_and_a_new_one_works() {
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let f = function("trap.cu", kernel("trap", trap_k, 0, &[]));
+    assert_eq!(launch(f, (1, 1, 1), (1, 1, 1), 0, gpu.stream, &mut []), cu::SUCCESS);
+    assert_eq!(gpu.sync(), cu::LAUNCH_FAILED);
+    // SAFETY: our own context.
+    assert_eq!(unsafe { cuCtxDestroy_v2(gpu.ctx) }, cu::SUCCESS);
+    let fresh = Gpu::new(0);
+    let buf = fresh.alloc(16);
+    fresh.upload(buf, &[1u32, 2, 3, 4]);
+    assert_eq!(fresh.download::<u32>(buf, 4), vec![1, 2, 3, 4]);
+}
