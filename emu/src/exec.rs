@@ -303,7 +303,8 @@ struct Job {
     total: u64,
     next: AtomicU64,
     abort: AtomicBool,
-    state: Mutex<(u64, Option<EmuError>)>,
+    /// Blocks finished, and the failing block with the lowest index with its error.
+    state: Mutex<(u64, Option<(u64, EmuError)>)>,
     done: Condvar,
 }
 
@@ -323,9 +324,11 @@ impl Job {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = result {
                 self.abort.store(true, Ordering::Relaxed);
-                // The lowest block's error is reported, so a rerun reports the same one.
-                if s.1.is_none() {
-                    s.1 = Some(e);
+                // Of the blocks that ran and failed, the lowest is reported
+                // (blocks after the first failure are skipped, so which ran
+                // depends on timing; the lowest is the likeliest to repeat).
+                if s.1.as_ref().is_none_or(|(first, _)| b < *first) {
+                    s.1 = Some((b, e));
                 }
             }
             s.0 += 1;
@@ -418,7 +421,7 @@ fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
         s = job.done.wait(s).unwrap_or_else(|p| p.into_inner());
     }
     match s.1.take() {
-        Some(e) => Err(e),
+        Some((_, e)) => Err(e),
         None => Ok(()),
     }
 }
@@ -1072,6 +1075,17 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
             }
         };
         match found {
+            Some((_, len)) if len + launch.shared as usize > crate::module::SHARED_OPTIN_MAX as usize => {
+                return Err(EmuError::new(
+                    cu::LAUNCH_OUT_OF_RESOURCES,
+                    format!(
+                        "{len} bytes of static shared memory (the module's thread_locals) and {} of dynamic exceed \
+                         the device's {} bytes per block",
+                        launch.shared,
+                        crate::module::SHARED_OPTIN_MAX
+                    ),
+                ))
+            }
             // SAFETY: this thread's thread_local block of the module, `len` bytes.
             Some((p, len)) => unsafe { std::ptr::write_bytes(p, SHARED_POISON, len) },
             None => {
