@@ -126,7 +126,10 @@ pub fn destroy(handle: usize) -> Result<()> {
             format!("cuCtxDestroy: {handle:#x} is GPU {}'s primary context (release it instead)", ctx.device),
         ));
     }
-    crate::stream::synchronize_context(&ctx)?;
+    // Destroying a failed context is how a program recovers: its sticky
+    // error does not stop it.
+    let _ = crate::stream::synchronize_context(&ctx);
+    crate::stream::retire_context(&ctx);
     lock().contexts.remove(&handle);
     CURRENT.with(|c| c.borrow_mut().retain(|&h| h != handle));
     Ok(())
@@ -134,8 +137,9 @@ pub fn destroy(handle: usize) -> Result<()> {
 
 /// The context of a handle; `call` names the caller in the error.
 pub fn get(handle: usize, call: &str) -> Result<Arc<Context>> {
-    if let Some(ctx) = lock().contexts.get(&handle) {
-        return Ok(ctx.clone());
+    let found = lock().contexts.get(&handle).cloned();
+    if let Some(ctx) = found {
+        return Ok(ctx);
     }
     Err(EmuError::new(
         cu::INVALID_CONTEXT,
@@ -190,6 +194,10 @@ pub fn current(call: &str) -> Result<Arc<Context>> {
 /// The device of the context bound to the calling thread.
 pub fn current_device() -> Result<usize> {
     Ok(current("current device")?.device)
+}
+
+pub fn is_context(h: usize) -> bool {
+    lock().contexts.contains_key(&h)
 }
 
 /// Every context of `device` (a failure of a device is every context's).

@@ -84,10 +84,10 @@ pub fn what_handle(h: usize) -> String {
     if module::is_module(h) {
         return "it is a module".into();
     }
-    if module::function(h, "").is_ok() {
+    if module::is_function(h) {
         return "it is a function".into();
     }
-    if context::get(h, "").is_ok() {
+    if context::is_context(h) {
         return "it is a context".into();
     }
     "unknown or destroyed".into()
@@ -139,7 +139,8 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUd
                 format!("cuDeviceGetName: buffer {name:?} of {len} bytes"),
             ));
         }
-        let text = format!("pipewright emulated GPU {d} (sm_90)");
+        // The emulated ordinal: a GPU keeps its name whatever CUDA_VISIBLE_DEVICES calls it.
+        let text = format!("pipewright emulated GPU {} (sm_90)", memory::device_identity(d).1);
         // Truncated to the buffer, always NUL-terminated, as the driver does.
         let n = text.len().min(len as usize - 1);
         std::ptr::copy_nonoverlapping(text.as_ptr(), name as *mut u8, n);
@@ -540,6 +541,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: u64) -> CUresult {
                 let _ = stream::synchronize_context(&ctx);
             }
         }
+        stream::race::forget(dptr);
         memory::free(dptr).map(|_| ())
     })())
 }
@@ -613,7 +615,7 @@ unsafe fn memset(
     wait: bool,
 ) -> Result<()> {
     let bytes = (count * elem) as u64;
-    if dst % elem as u64 != 0 {
+    if !dst.is_multiple_of(elem as u64) {
         return Err(EmuError::new(cu::INVALID_VALUE, format!("{call}: {dst:#x} is not {elem}-byte aligned")));
     }
     device_range(dst, bytes, call, "destination")?;
@@ -628,19 +630,28 @@ unsafe fn memset(
         }
         Ok(())
     });
-    queue(s, format!("{call}({dst:#x}, {count})"), work, wait, call)
+    queue(s, format!("{call}({dst:#x}, {count})"), work, wait, call, vec![(dst, true, "destination".into())])
 }
 
 /// Queues `work`; with `wait`, returns once it has run (the synchronous
 /// calls, and copies into pageable host memory).
-fn queue(s: Handle, label: String, work: stream::Work, wait: bool, call: &str) -> Result<()> {
+fn queue(
+    s: Handle,
+    label: String,
+    work: stream::Work,
+    wait: bool,
+    call: &str,
+    touches: Touches,
+) -> Result<()> {
     let st = stream::resolve(s as usize, call)?;
     st.ctx.check(call)?;
+    let touches =
+        touches.into_iter().filter_map(|(p, w, what)| Some((memory::find(p)?.base, w, what))).collect();
     if !wait {
-        return stream::enqueue(s as usize, label, work);
+        return stream::enqueue_tracked(s as usize, label, work, touches);
     }
     let (tx, rx) = std::sync::mpsc::channel::<()>();
-    stream::enqueue(
+    stream::enqueue_tracked(
         s as usize,
         label,
         Box::new(move || {
@@ -648,11 +659,17 @@ fn queue(s: Handle, label: String, work: stream::Work, wait: bool, call: &str) -
             let _ = tx.send(());
             r
         }),
+        touches,
     )?;
     // Dropped unsent when the stream skips the work after an earlier failure.
     let _ = rx.recv();
+    // The host has seen the stream up to this copy.
+    stream::host_saw(&st);
     st.ctx.check(call)
 }
+
+/// Device memory an operation touches: (pointer, written, what), for PW_EMU_CHECK=race.
+type Touches = Vec<(u64, bool, String)>;
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD8Async(dst: u64, value: u8, count: usize, s: Handle) -> CUresult {
@@ -686,7 +703,14 @@ unsafe fn htod(dst: u64, src: *const c_void, bytes: usize, s: Handle, call: &str
         unsafe { std::ptr::copy_nonoverlapping(staged.as_ptr(), dst as *mut u8, staged.len()) };
         Ok(())
     });
-    queue(s, format!("{call}({dst:#x}, {bytes} bytes)"), work, wait, call)
+    queue(
+        s,
+        format!("{call}({dst:#x}, {bytes} bytes)"),
+        work,
+        wait,
+        call,
+        vec![(dst, true, "destination".into())],
+    )
 }
 
 unsafe fn dtoh(dst: *mut c_void, src: u64, bytes: usize, s: Handle, call: &str) -> Result<()> {
@@ -701,7 +725,14 @@ unsafe fn dtoh(dst: *mut c_void, src: u64, bytes: usize, s: Handle, call: &str) 
         Ok(())
     });
     // Pageable host memory: returns once the copy has landed.
-    queue(s, format!("{call}({src:#x}, {bytes} bytes)"), work, true, call)
+    queue(
+        s,
+        format!("{call}({src:#x}, {bytes} bytes)"),
+        work,
+        true,
+        call,
+        vec![(src, false, "source".into())],
+    )
 }
 
 unsafe fn dtod(dst: u64, src: u64, bytes: usize, s: Handle, call: &str, wait: bool) -> Result<()> {
@@ -713,7 +744,8 @@ unsafe fn dtod(dst: u64, src: u64, bytes: usize, s: Handle, call: &str, wait: bo
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     });
-    queue(s, format!("{call}({dst:#x} <- {src:#x}, {bytes} bytes)"), work, wait, call)
+    let touches = vec![(src, false, "source".into()), (dst, true, "destination".into())];
+    queue(s, format!("{call}({dst:#x} <- {src:#x}, {bytes} bytes)"), work, wait, call, touches)
 }
 
 #[no_mangle]
@@ -756,6 +788,8 @@ pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, bytes: usize) -> CU
     ret(dtod(dst, src, bytes, std::ptr::null_mut(), "cuMemcpyDtoD", true))
 }
 
+// cuMemcpyPeerAsync's own parameters, plus the caller's name and whether to wait.
+#[allow(clippy::too_many_arguments)]
 unsafe fn peer(
     dst: u64,
     dst_ctx: Handle,
@@ -944,7 +978,20 @@ pub unsafe extern "C" fn cuLaunchKernel(
             "{} grid ({grid_x}, {grid_y}, {grid_z}) block ({block_x}, {block_y}, {block_z})",
             func.label()
         );
-        stream::enqueue(s as usize, label, Box::new(move || exec::run(&launch)))
+        let k = func.kernel();
+        let touches = launch
+            .pointers
+            .iter()
+            .map(|p| {
+                let param = &k.params[p.param];
+                (
+                    p.alloc.base,
+                    !param.pointee_is_const,
+                    format!("argument `{}` ({})", param.name, param.type_),
+                )
+            })
+            .collect();
+        stream::enqueue_tracked(s as usize, label, Box::new(move || exec::run(&launch)), touches)
     })())
 }
 

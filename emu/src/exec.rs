@@ -1,8 +1,8 @@
 //! The execution engine: runs a launch's grid on the CPU.
 //!
 //! Blocks are spread over a pool of worker threads (PW_EMU_THREADS, default
-//! one per core); the stream thread that runs the launch works on its blocks
-//! too. A worker runs one block at a time, each of the block's threads
+//! one per core, at most 16); the stream thread that runs the launch waits
+//! for them. A worker runs one block at a time, each of the block's threads
 //! ("lanes") a fiber (a corosensei coroutine on a stack from the worker's
 //! pool). The scheduler runs each fiber until it waits (at a barrier, a warp
 //! collective) or ends, then the next, in lane order. A collective completes
@@ -20,7 +20,7 @@
 use crate::abi::{self, Dim3, Lane};
 use crate::error::{cu, EmuError, Result};
 use crate::memory::{self, Allocation};
-use crate::module::{Function, KernelInfo};
+use crate::module::Function;
 use corosensei::stack::DefaultStack;
 use corosensei::trap::CoroutineTrapHandler;
 use corosensei::{Coroutine, CoroutineResult, Yielder};
@@ -259,9 +259,8 @@ pub fn run(launch: &Arc<Launch>) -> Result<()> {
         run_grid(launch, LaneOrder::Ascending)?;
     }
     for (a, names) in launch.allocations() {
-        memory::check_canary(a.base).map_err(|e| {
-            EmuError::new(e.code, format!("{}: argument {names}: {}", launch.func.label(), e.message))
-        })?;
+        memory::check_canary(a.base)
+            .map_err(|e| EmuError::new(e.code, format!("argument {names}: {}", e.message)))?;
     }
     Ok(())
 }
@@ -286,13 +285,10 @@ fn run_order_checked(launch: &Arc<Launch>) -> Result<()> {
             return Err(EmuError::new(
                 cu::LAUNCH_FAILED,
                 format!(
-                    "{}: PW_EMU_CHECK=order: the result depends on the order threads run in (a missing barrier \
+                    "PW_EMU_CHECK=order: the result depends on the order threads run in (a missing barrier \
                      or a race): argument {names} (allocation {:#x}) differs at byte {i} \
                      ({:#04x} with threads run in ascending order, {:#04x} in descending order)",
-                    launch.func.label(),
-                    a.base,
-                    f[i],
-                    now[i]
+                    a.base, f[i], now[i]
                 ),
             ));
         }
@@ -307,7 +303,8 @@ struct Job {
     total: u64,
     next: AtomicU64,
     abort: AtomicBool,
-    state: Mutex<(u64, Option<EmuError>)>,
+    /// Blocks finished, and the failing block with the lowest index with its error.
+    state: Mutex<(u64, Option<(u64, EmuError)>)>,
     done: Condvar,
 }
 
@@ -327,9 +324,11 @@ impl Job {
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = result {
                 self.abort.store(true, Ordering::Relaxed);
-                // The lowest block's error is reported, so a rerun reports the same one.
-                if s.1.is_none() {
-                    s.1 = Some(e);
+                // Of the blocks that ran and failed, the lowest is reported
+                // (blocks after the first failure are skipped, so which ran
+                // depends on timing; the lowest is the likeliest to repeat).
+                if s.1.as_ref().is_none_or(|(first, _)| b < *first) {
+                    s.1 = Some((b, e));
                 }
             }
             s.0 += 1;
@@ -343,7 +342,13 @@ impl Job {
 struct Pool {
     jobs: Mutex<VecDeque<Arc<Job>>>,
     ready: Condvar,
+    started: usize,
 }
+
+/// The default cap on block workers: each keeps up to 1,024 fiber stacks,
+/// two memory mappings apiece (stack and guard page), and the kernel's
+/// vm.max_map_count (65,530 by default) must hold them all.
+const DEFAULT_THREADS_MAX: usize = 16;
 
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
@@ -352,22 +357,25 @@ fn pool() -> &'static Pool {
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
             .filter(|&n| n > 0)
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-        // The stream thread that submits a job works on it too.
-        for i in 0..threads.saturating_sub(1) {
-            let spawned = std::thread::Builder::new().name(format!("pw-emu-sm{i}")).spawn(pool_worker);
-            if let Err(e) = spawned {
-                eprintln!(
-                    "pipewright-emu: libcuda: could not start block worker {i}: {e}; running with fewer"
-                );
-                break;
+            .unwrap_or_else(|| {
+                std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(DEFAULT_THREADS_MAX)
+            });
+        let mut started = 0;
+        for i in 0..threads {
+            match std::thread::Builder::new().name(format!("pw-emu-sm{i}")).spawn(pool_worker) {
+                Ok(_) => started += 1,
+                Err(e) => eprintln!("pipewright-emu: libcuda: could not start block worker {i}: {e}"),
             }
         }
-        Pool { jobs: Mutex::new(VecDeque::new()), ready: Condvar::new() }
+        Pool { jobs: Mutex::new(VecDeque::new()), ready: Condvar::new(), started }
     })
 }
 
 fn pool_worker() {
+    // The fault handler must run somewhere when a fiber overflows its stack:
+    // on an alternate signal stack of this thread's own if it has none (a
+    // host program that is not Rust may not have given its threads one).
+    give_alternate_signal_stack();
     let p = pool();
     loop {
         let job = {
@@ -397,18 +405,23 @@ fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
         state: Mutex::new((0, None)),
         done: Condvar::new(),
     });
-    if job.total > 1 {
-        let p = pool();
-        p.jobs.lock().unwrap_or_else(|e| e.into_inner()).push_back(job.clone());
-        p.ready.notify_all();
+    // Only the pool's threads run blocks (never the stream's own thread), so
+    // fiber stacks exist for PW_EMU_THREADS workers however many streams run.
+    let p = pool();
+    if p.started == 0 {
+        return Err(EmuError::new(
+            cu::LAUNCH_OUT_OF_RESOURCES,
+            format!("{}: no block worker thread could be started", launch.func.label()),
+        ));
     }
-    job.work();
+    p.jobs.lock().unwrap_or_else(|e| e.into_inner()).push_back(job.clone());
+    p.ready.notify_all();
     let mut s = job.state.lock().unwrap_or_else(|p| p.into_inner());
     while s.0 < job.total {
         s = job.done.wait(s).unwrap_or_else(|p| p.into_inner());
     }
     match s.1.take() {
-        Some(e) => Err(e),
+        Some((_, e)) => Err(e),
         None => Ok(()),
     }
 }
@@ -420,8 +433,9 @@ fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
 #[derive(Clone, Copy, Debug)]
 enum LaneEnd {
     Returned,
-    /// A fault (signal, address) trapped inside the lane.
-    Fault(c_int, u64),
+    /// A fault (signal, address) trapped inside the lane; `true` when the
+    /// address is the lane's own stack guard (a stack overflow).
+    Fault(c_int, u64, bool),
 }
 
 type Fiber = Coroutine<(), (), LaneEnd, &'static mut DefaultStack>;
@@ -487,7 +501,6 @@ struct Pending {
     arrived: u32,
     /// The mode of the first arrival (shfl and vote: every member must use the same).
     mode: i32,
-    lanes: [Arrival; 32],
 }
 
 struct LaneSlot {
@@ -496,6 +509,8 @@ struct LaneSlot {
     yielder: *const Yielder<(), ()>,
     /// A collective's result for this lane, written when the collective completes.
     result: u32,
+    /// What this lane brought to the warp collective it waits in.
+    arrival: Arrival,
 }
 
 /// A worker's block in flight (reused from block to block).
@@ -507,8 +522,14 @@ struct Block {
     at_barrier: u32,
     exited: u32,
     error: Option<EmuError>,
-    dynamic_shared: Vec<u8>,
+    /// The block's dynamic shared memory, 128-byte aligned as real shared
+    /// memory is (kernels cast it to float4 and wider).
+    dynamic_shared: Vec<SharedChunk>,
 }
+
+#[derive(Clone, Copy)]
+#[repr(C, align(128))]
+struct SharedChunk([u8; 128]);
 
 struct Worker {
     stacks: Vec<DefaultStack>,
@@ -567,8 +588,9 @@ impl Block {
         unsafe { &*self.launch }
     }
 
+    /// Where in the grid (the stream's label for the launch names the kernel).
     fn at(&self) -> String {
-        format!("{} block {}", self.launch().func.label(), dims(self.block_idx))
+        format!("block {}", dims(self.block_idx))
     }
 
     fn fail(&mut self, code: u32, msg: String) {
@@ -743,13 +765,7 @@ fn collective(kind: Kind, mask: u32, arrival: Arrival) -> u32 {
     let i = match slot {
         Some(i) => i,
         None => {
-            b.warps[warp].push(Pending {
-                kind,
-                mask,
-                arrived: 0,
-                mode: arrival.mode,
-                lanes: [NO_ARRIVAL; 32],
-            });
+            b.warps[warp].push(Pending { kind, mask, arrived: 0, mode: arrival.mode });
             b.warps[warp].len() - 1
         }
     };
@@ -763,8 +779,8 @@ fn collective(kind: Kind, mask: u32, arrival: Arrival) -> u32 {
         );
         stop(cu::LAUNCH_FAILED, msg);
     }
-    p.lanes[id as usize] = arrival;
     p.arrived |= 1 << id;
+    b.lanes[lane].arrival = arrival;
     if p.arrived != mask {
         b.lanes[lane].state = State::InWarp;
         suspend(b, lane);
@@ -784,7 +800,7 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
         Kind::Shfl => {
             let mut out = [0u32; 32];
             for l in members.clone() {
-                let a = &p.lanes[l as usize];
+                let a = &b.lanes[warp * 32 + l as usize].arrival;
                 let src = shfl_source(l, a.b, a.width, a.mode)
                     .map_err(|e| format!("thread {}: {e}", tid_of(&b.lanes[warp * 32 + l as usize].lane)))?;
                 if p.mask >> src & 1 == 0 {
@@ -794,15 +810,17 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
                         p.mask
                     ));
                 }
-                out[l as usize] = p.lanes[src as usize].value;
+                out[l as usize] = b.lanes[warp * 32 + src as usize].arrival.value;
             }
             for l in members {
                 b.lanes[warp * 32 + l as usize].result = out[l as usize];
             }
         }
         Kind::Vote => {
-            let ballot =
-                members.clone().filter(|&l| p.lanes[l as usize].value != 0).fold(0u32, |m, l| m | 1 << l);
+            let ballot = members
+                .clone()
+                .filter(|&l| b.lanes[warp * 32 + l as usize].arrival.value != 0)
+                .fold(0u32, |m, l| m | 1 << l);
             let r = match p.mode {
                 abi::VOTE_ALL => (ballot == p.mask) as u32,
                 abi::VOTE_ANY => (ballot != 0) as u32,
@@ -816,10 +834,14 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
         Kind::Syncwarp => {}
         Kind::Mma => {
             let mut d = [[0f32; 4]; 32];
-            mma_m16n8k16(&p.lanes, &mut d);
+            let mut arrivals = [NO_ARRIVAL; 32];
+            for (l, a) in arrivals.iter_mut().enumerate() {
+                *a = b.lanes[warp * 32 + l].arrival;
+            }
+            mma_m16n8k16(&arrivals, &mut d);
             for l in members.clone() {
                 // SAFETY: the lane's own d[4], on its suspended (or running) fiber's stack.
-                unsafe { std::ptr::copy_nonoverlapping(d[l as usize].as_ptr(), p.lanes[l as usize].d, 4) };
+                unsafe { std::ptr::copy_nonoverlapping(d[l as usize].as_ptr(), arrivals[l as usize].d, 4) };
             }
         }
     }
@@ -1032,12 +1054,13 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
             state: State::Ready,
             yielder: std::ptr::null(),
             result: 0,
+            arrival: NO_ARRIVAL,
         });
     }
     // Poisoned shared memory: a read before a write shows (SHARED_POISON).
     if launch.shared > 0 {
         b.dynamic_shared.clear();
-        b.dynamic_shared.resize(launch.shared as usize, SHARED_POISON);
+        b.dynamic_shared.resize((launch.shared as usize).div_ceil(128), SharedChunk([SHARED_POISON; 128]));
     }
     if let Some(touch) = launch.func.module.touch_shared {
         let handle = launch.func.module.handle;
@@ -1052,6 +1075,17 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
             }
         };
         match found {
+            Some((_, len)) if len + launch.shared as usize > crate::module::SHARED_OPTIN_MAX as usize => {
+                return Err(EmuError::new(
+                    cu::LAUNCH_OUT_OF_RESOURCES,
+                    format!(
+                        "{len} bytes of static shared memory (the module's thread_locals) and {} of dynamic exceed \
+                         the device's {} bytes per block",
+                        launch.shared,
+                        crate::module::SHARED_OPTIN_MAX
+                    ),
+                ))
+            }
             // SAFETY: this thread's thread_local block of the module, `len` bytes.
             Some((p, len)) => unsafe { std::ptr::write_bytes(p, SHARED_POISON, len) },
             None => {
@@ -1141,7 +1175,16 @@ fn schedule(w: &mut Worker, n: usize, order: LaneOrder) -> Result<()> {
                         b.fail(cu::LAUNCH_FAILED, msg);
                     }
                 }
-                CoroutineResult::Return(LaneEnd::Fault(sig, addr)) => {
+                CoroutineResult::Return(LaneEnd::Fault(_, _, true)) => {
+                    b.lanes[i].state = State::Stopped;
+                    let msg = format!(
+                        "thread {}: stack overflow (each thread has {} KiB of stack: deep recursion or large local arrays)",
+                        tid_of(&b.lanes[i].lane),
+                        STACK_BYTES >> 10
+                    );
+                    b.fail(cu::LAUNCH_OUT_OF_RESOURCES, msg);
+                }
+                CoroutineResult::Return(LaneEnd::Fault(sig, addr, false)) => {
                     b.lanes[i].state = State::Stopped;
                     let msg = fault_message(b, i, sig, addr);
                     b.fail(cu::ILLEGAL_ADDRESS, msg);
@@ -1190,6 +1233,21 @@ fn fault_message(b: &Block, lane: usize, sig: c_int, addr: u64) -> String {
 
 static PREVIOUS: OnceLock<[libc::sigaction; 2]> = OnceLock::new();
 
+fn give_alternate_signal_stack() {
+    const BYTES: usize = 64 << 10;
+    // SAFETY: queries, then installs a leaked buffer for this thread's life.
+    unsafe {
+        let mut current: libc::stack_t = std::mem::zeroed();
+        if libc::sigaltstack(std::ptr::null(), &mut current) == 0 && current.ss_flags & libc::SS_DISABLE == 0
+        {
+            return;
+        }
+        let stack = Box::leak(vec![0u8; BYTES].into_boxed_slice());
+        let alt = libc::stack_t { ss_sp: stack.as_mut_ptr() as *mut c_void, ss_flags: 0, ss_size: BYTES };
+        libc::sigaltstack(&alt, std::ptr::null_mut());
+    }
+}
+
 fn install_fault_handler() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
@@ -1216,7 +1274,8 @@ unsafe extern "C" fn on_fault(sig: c_int, info: *mut libc::siginfo_t, uctx: *mut
         let sp = gregs[libc::REG_RSP as usize] as usize;
         if trap.stack_ptr_in_bounds(sp) {
             let addr = (*info).si_addr() as u64;
-            let regs = trap.setup_trap_handler(move || LaneEnd::Fault(sig, addr));
+            let overflow = trap.stack_ptr_in_bounds(addr as usize);
+            let regs = trap.setup_trap_handler(move || LaneEnd::Fault(sig, addr, overflow));
             gregs[libc::REG_RIP as usize] = regs.rip as i64;
             gregs[libc::REG_RSP as usize] = regs.rsp as i64;
             gregs[libc::REG_RBP as usize] = regs.rbp as i64;
@@ -1239,9 +1298,4 @@ unsafe extern "C" fn on_fault(sig: c_int, info: *mut libc::siginfo_t, uctx: *mut
         let f: extern "C" fn(c_int) = std::mem::transmute(h);
         f(sig);
     }
-}
-
-/// The kernel a launch runs (for tests and errors).
-pub fn kernel_of(launch: &Launch) -> &KernelInfo {
-    launch.func.kernel()
 }

@@ -377,6 +377,10 @@ pub fn describe(ptr: u64) -> String {
     if ptr == 0 {
         return "the null pointer".into();
     }
+    // The first 64 KiB are never mapped (vm.mmap_min_addr): an index off null.
+    if ptr < 1 << 16 {
+        return format!("{ptr:#x}, the null pointer plus {ptr} bytes");
+    }
     let Ok(guard) = heap() else { return format!("{ptr:#x}") };
     let Some(heap) = guard.as_ref() else { return format!("{ptr:#x}") };
     if let Some((_, live)) = heap.live.range(..=ptr).next_back() {
@@ -442,13 +446,4 @@ pub fn info(device: usize) -> Result<(u64, u64)> {
 pub fn total(device: usize) -> Result<u64> {
     check_device(device, "cuDeviceTotalMem")?;
     Ok(machine()?.bytes_per_device)
-}
-
-/// Every live allocation of `device` (for the order check's snapshots and tests).
-pub fn live_on(device: usize) -> Vec<Allocation> {
-    let Ok(guard) = heap() else { return Vec::new() };
-    guard
-        .as_ref()
-        .map(|h| h.live.values().map(|l| l.alloc).filter(|a| a.device == device).collect())
-        .unwrap_or_default()
 }

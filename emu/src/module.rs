@@ -9,7 +9,7 @@
 use crate::abi;
 use crate::error::{cu, EmuError, Result};
 use std::collections::HashMap;
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -44,11 +44,12 @@ pub struct Module {
     pub touch_shared: Option<extern "C" fn() -> *mut c_void>,
     /// dlopen's handle; null for a module made from Rust functions.
     lib: *mut c_void,
-    /// The memfd the image was loaded from, open while the module lives:
-    /// glibc knows a loaded object by its path (/proc/self/fd/N), so a
-    /// closed fd's number reused by the next image would hand back this
-    /// module instead of loading the new one.
-    fd: i32,
+    /// The memfd the image was loaded from, never closed (one fd per module
+    /// for the process's life): the loader knows a library by its path
+    /// (/proc/self/fd/N), and a library it cannot unload (C++ objects with
+    /// STB_GNU_UNIQUE symbols never are) would be handed back for the next
+    /// image whose fd got the same number.
+    _memfd: c_int,
 }
 
 // SAFETY: the dlopen handle is only used to dlclose once, in Drop; the
@@ -62,10 +63,6 @@ impl Drop for Module {
             // SAFETY: our own dlopen handle; no function of the module can be
             // running (every queued launch holds an Arc of the module).
             unsafe { libc::dlclose(self.lib) };
-        }
-        if self.fd >= 0 {
-            // SAFETY: our own memfd, closed once, after dlclose.
-            unsafe { libc::close(self.fd) };
         }
     }
 }
@@ -267,7 +264,7 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
         }
     };
     let (source_name, kernels, touch) = module;
-    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib, fd }))
+    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib, _memfd: fd }))
 }
 
 type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void);
@@ -343,7 +340,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
         kernels,
         touch_shared: None,
         lib: std::ptr::null_mut(),
-        fd: -1,
+        _memfd: -1,
     })
 }
 
@@ -351,6 +348,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
 pub fn unload(handle: usize) -> Result<()> {
     let mut r = registry();
     if r.modules.remove(&handle).is_none() {
+        drop(r);
         return Err(EmuError::new(
             cu::INVALID_HANDLE,
             format!(
@@ -370,8 +368,8 @@ pub fn unload(handle: usize) -> Result<()> {
 
 /// The function `name` of a module (cuModuleGetFunction).
 pub fn get_function(module: usize, name: &str) -> Result<usize> {
-    let mut r = registry();
-    let m = r.modules.get(&module).cloned().ok_or_else(|| {
+    let found = registry().modules.get(&module).cloned();
+    let m = found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
@@ -391,6 +389,7 @@ pub fn get_function(module: usize, name: &str) -> Result<usize> {
             ),
         ));
     };
+    let mut r = registry();
     if let Some(&f) = r.by_kernel.get(&(module, index)) {
         return Ok(f);
     }
@@ -404,7 +403,8 @@ pub fn get_function(module: usize, name: &str) -> Result<usize> {
 }
 
 pub fn function(handle: usize, call: &str) -> Result<Arc<Function>> {
-    registry().functions.get(&handle).cloned().ok_or_else(|| {
+    let found = registry().functions.get(&handle).cloned();
+    found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
@@ -413,6 +413,10 @@ pub fn function(handle: usize, call: &str) -> Result<Arc<Function>> {
             ),
         )
     })
+}
+
+pub fn is_function(h: usize) -> bool {
+    registry().functions.contains_key(&h)
 }
 
 pub fn is_module(h: usize) -> bool {

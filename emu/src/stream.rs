@@ -32,7 +32,7 @@ pub const CU_STREAM_NON_BLOCKING: u32 = 1;
 pub const CU_EVENT_DISABLE_TIMING: u32 = 2;
 
 enum Op {
-    Work { label: String, work: Work },
+    Work { label: String, work: Work, access: Option<Box<race::Access>> },
     Wait { on: Arc<Stream>, seq: u64 },
     Mark { event: Arc<Event>, seq: u64 },
 }
@@ -52,6 +52,8 @@ pub struct Stream {
     pub legacy: bool,
     queue: Mutex<Queue>,
     done: Condvar,
+    /// PW_EMU_CHECK=race: what this stream's completed work is ordered after.
+    clock: Mutex<race::Clock>,
 }
 
 impl Stream {
@@ -110,18 +112,29 @@ impl Stream {
                 }
             };
             match op {
-                Op::Work { label, work } => {
+                Op::Work { label, work, access } => {
                     // After a failure the context is unusable, as on hardware:
                     // later work is skipped, the sticky error stands for it.
+                    let seq = self.lock().completed + 1;
+                    let checked = match access {
+                        Some(a) => race::check(&self, seq, &label, *a),
+                        None => Ok(()),
+                    };
                     if self.ctx.sticky().is_none() {
-                        if let Err(e) = work() {
+                        if let Err(e) = checked.and_then(|()| work()) {
                             let e = EmuError::new(e.code, format!("{label}: {}", e.message));
                             error::report(Lib::Driver, &e);
                             self.ctx.fail(e);
                         }
                     }
                 }
-                Op::Wait { on, seq } => on.wait_for(seq),
+                Op::Wait { on, seq } => {
+                    on.wait_for(seq);
+                    if race::enabled() {
+                        let theirs = on.clock.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        race::merge(&mut self.clock.lock().unwrap_or_else(|p| p.into_inner()), &theirs);
+                    }
+                }
                 Op::Mark { event, seq } => {
                     let mut rec = event.lock();
                     if rec.seq == seq && rec.stream.as_ref().is_some_and(|s| Arc::ptr_eq(s, &self)) {
@@ -159,6 +172,9 @@ struct Registry {
     /// Context handle → its legacy default stream.
     legacy: HashMap<usize, Arc<Stream>>,
     events: HashMap<usize, Arc<Event>>,
+    /// Destroyed streams whose queued work may still run (the driver lets
+    /// it finish); context synchronization and frees wait for it too.
+    draining: Vec<Arc<Stream>>,
     next: usize,
 }
 
@@ -169,6 +185,7 @@ fn registry() -> MutexGuard<'static, Registry> {
             streams: HashMap::new(),
             legacy: HashMap::new(),
             events: HashMap::new(),
+            draining: Vec::new(),
             next: 1,
         })
     })
@@ -189,6 +206,7 @@ fn spawn(ctx: Arc<Context>, blocking: bool, legacy: bool, handle: usize) -> Resu
         legacy,
         queue: Mutex::new(Queue { ops: VecDeque::new(), submitted: 0, completed: 0, shutdown: false }),
         done: Condvar::new(),
+        clock: Mutex::new(race::Clock::new()),
     });
     let worker = stream.clone();
     std::thread::Builder::new()
@@ -216,8 +234,16 @@ pub fn create(flags: u32) -> Result<usize> {
 
 /// Destroys a stream: its queued work still runs, then its worker ends (cuStreamDestroy).
 pub fn destroy(handle: usize) -> Result<()> {
-    let stream =
-        registry().streams.remove(&handle).ok_or_else(|| unknown_stream(handle, "cuStreamDestroy"))?;
+    let removed = {
+        let mut r = registry();
+        r.draining.retain(|s| s.pending());
+        let removed = r.streams.remove(&handle);
+        if let Some(s) = &removed {
+            r.draining.push(s.clone());
+        }
+        removed
+    };
+    let stream = removed.ok_or_else(|| unknown_stream(handle, "cuStreamDestroy"))?;
     let mut q = stream.lock();
     q.shutdown = true;
     stream.done.notify_all();
@@ -264,18 +290,48 @@ pub fn resolve(handle: usize, call: &str) -> Result<Arc<Stream>> {
             PER_THREAD.with(|p| p.borrow_mut().push((ctx.handle, s.clone())));
             Ok(s)
         }
-        h => registry().streams.get(&h).cloned().ok_or_else(|| unknown_stream(h, call)),
+        h => {
+            let found = registry().streams.get(&h).cloned();
+            found.ok_or_else(|| unknown_stream(h, call))
+        }
     }
 }
 
 /// Queues `work` on `stream` (a CUstream's value; 0 is the legacy default
 /// stream of the current context). `label` names the work in errors.
 pub fn enqueue(stream: usize, label: String, work: Work) -> Result<()> {
+    enqueue_tracked(stream, label, work, Vec::new())
+}
+
+/// `enqueue` for work whose memory accesses are known: (allocation base,
+/// written, what touches it), checked by PW_EMU_CHECK=race against the
+/// other streams' accesses.
+pub fn enqueue_tracked(
+    stream: usize,
+    label: String,
+    work: Work,
+    touches: Vec<(u64, bool, String)>,
+) -> Result<()> {
     let s = resolve(stream, &label)?;
     s.ctx.check(&label)?;
     order_against_legacy(&s);
-    s.push(Op::Work { label, work });
+    let access = (race::enabled() && !touches.is_empty()).then(|| Box::new(race::Access::from_host(touches)));
+    s.push(Op::Work { label, work, access });
     Ok(())
+}
+
+/// The host has seen everything `s` completed so far (PW_EMU_CHECK=race).
+pub fn host_saw(s: &Stream) {
+    if race::enabled() {
+        let theirs = s.clock.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        race::host_merge(&theirs);
+    }
+}
+
+/// Blocks until `s` has completed `seq` operations, from the host.
+pub fn host_wait(s: &Stream, seq: u64) {
+    s.wait_for(seq);
+    host_saw(s);
 }
 
 /// The legacy default stream's implicit synchronization: work on it waits
@@ -315,7 +371,7 @@ pub fn device_of(stream: usize) -> Result<usize> {
 pub fn synchronize(stream: usize) -> Result<()> {
     let s = resolve(stream, "cuStreamSynchronize")?;
     let seq = s.submitted();
-    s.wait_for(seq);
+    host_wait(&s, seq);
     s.ctx.check("cuStreamSynchronize")
 }
 
@@ -333,13 +389,36 @@ pub fn query(stream: usize) -> Result<()> {
 pub fn synchronize_context(ctx: &Arc<Context>) -> Result<()> {
     let streams: Vec<Arc<Stream>> = {
         let r = registry();
-        r.streams.values().chain(r.legacy.values()).filter(|s| Arc::ptr_eq(&s.ctx, ctx)).cloned().collect()
+        r.streams
+            .values()
+            .chain(r.legacy.values())
+            .chain(r.draining.iter())
+            .filter(|s| Arc::ptr_eq(&s.ctx, ctx))
+            .cloned()
+            .collect()
     };
     for s in streams {
         let seq = s.submitted();
-        s.wait_for(seq);
+        host_wait(&s, seq);
     }
     ctx.check("cuCtxSynchronize")
+}
+
+/// Ends the worker threads of every stream of a destroyed context (their
+/// queues are empty: the caller synchronized first).
+pub fn retire_context(ctx: &Arc<Context>) {
+    let retired: Vec<Arc<Stream>> = {
+        let mut r = registry();
+        let handles: Vec<usize> =
+            r.streams.iter().filter(|(_, s)| Arc::ptr_eq(&s.ctx, ctx)).map(|(&h, _)| h).collect();
+        let mut retired: Vec<Arc<Stream>> = handles.iter().filter_map(|h| r.streams.remove(h)).collect();
+        retired.extend(r.legacy.remove(&ctx.handle));
+        retired
+    };
+    for s in retired {
+        s.lock().shutdown = true;
+        s.done.notify_all();
+    }
 }
 
 /// A new event (cuEventCreate); `flags` as the driver's.
@@ -364,7 +443,8 @@ pub fn event_create(flags: u32) -> Result<usize> {
 }
 
 fn event(handle: usize, call: &str) -> Result<Arc<Event>> {
-    registry().events.get(&handle).cloned().ok_or_else(|| {
+    let found = registry().events.get(&handle).cloned();
+    found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!("{call}: {handle:#x} is not a live event ({})", crate::driver::what_handle(handle)),
@@ -374,7 +454,8 @@ fn event(handle: usize, call: &str) -> Result<Arc<Event>> {
 
 /// Destroys an event; waits already queued on it still hold (cuEventDestroy).
 pub fn event_destroy(handle: usize) -> Result<()> {
-    registry().events.remove(&handle).map(|_| ()).ok_or_else(|| {
+    let removed = registry().events.remove(&handle);
+    removed.map(|_| ()).ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
@@ -426,7 +507,7 @@ pub fn event_synchronize(handle: usize) -> Result<()> {
     let rec = e.lock();
     let Some((on, seq)) = rec.stream.clone().map(|s| (s, rec.seq)) else { return Ok(()) };
     drop(rec);
-    on.wait_for(seq);
+    host_wait(&on, seq);
     on.ctx.check("cuEventSynchronize")
 }
 
@@ -474,4 +555,127 @@ pub fn is_stream(h: usize) -> bool {
 
 pub fn is_event(h: usize) -> bool {
     registry().events.contains_key(&h)
+}
+
+/// PW_EMU_CHECK=race: work on one stream touching an allocation that work on
+/// another stream touched, with no event wait or host synchronization
+/// ordering the two (at least one of them a write), is an error naming both.
+///
+/// Each stream keeps a vector clock: for every stream, how many of its
+/// operations this stream's completed work is known to follow. Running an
+/// operation sets the stream's own entry; a wait merges the awaited stream's
+/// clock as it is when the wait ends (which may include later work than the
+/// awaited point: the check can miss a race, never invent one); the host
+/// thread keeps its own clock, merged at each synchronization and carried by
+/// the work it queues. Work the emulator cannot see into (NCCL, cuBLASLt
+/// stand-ins, host functions) is not tracked.
+pub mod race {
+    use super::Stream;
+    use crate::error::{cu, EmuError, Result};
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+
+    pub type Clock = HashMap<usize, u64>;
+
+    pub fn enabled() -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| {
+            std::env::var("PW_EMU_CHECK").is_ok_and(|v| v.split(',').any(|c| c.trim() == "race"))
+        })
+    }
+
+    pub fn merge(into: &mut Clock, from: &Clock) {
+        for (&s, &n) in from {
+            let e = into.entry(s).or_insert(0);
+            *e = (*e).max(n);
+        }
+    }
+
+    thread_local! {
+        static HOST: RefCell<Clock> = RefCell::new(Clock::new());
+    }
+
+    pub fn host_merge(from: &Clock) {
+        HOST.with(|h| merge(&mut h.borrow_mut(), from));
+    }
+
+    /// What one queued operation touches, and what the host had seen when it queued it.
+    pub struct Access {
+        touches: Vec<(u64, bool, String)>,
+        host: Clock,
+    }
+
+    impl Access {
+        pub fn from_host(touches: Vec<(u64, bool, String)>) -> Access {
+            Access { touches, host: HOST.with(|h| h.borrow().clone()) }
+        }
+    }
+
+    #[derive(Clone)]
+    struct Touch {
+        stream: usize,
+        seq: u64,
+        what: String,
+    }
+
+    #[derive(Default)]
+    struct History {
+        write: Option<Touch>,
+        /// The latest read of each stream since the last write.
+        reads: Vec<Touch>,
+    }
+
+    fn histories() -> std::sync::MutexGuard<'static, HashMap<u64, History>> {
+        static H: OnceLock<Mutex<HashMap<u64, History>>> = OnceLock::new();
+        H.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets a freed allocation's history (its address is never reused anyway).
+    pub fn forget(base: u64) {
+        if enabled() {
+            histories().remove(&base);
+        }
+    }
+
+    /// Runs on `s`'s worker before its operation number `seq` (labelled `label`).
+    pub(super) fn check(s: &Stream, seq: u64, label: &str, access: Access) -> Result<()> {
+        let mut clock = s.clock.lock().unwrap_or_else(|p| p.into_inner());
+        merge(&mut clock, &access.host);
+        clock.insert(s.handle, seq);
+        let ordered = |t: &Touch| t.stream == s.handle || clock.get(&t.stream).is_some_and(|&n| n >= t.seq);
+        let mut h = histories();
+        for (base, write, what) in access.touches {
+            let hist = h.entry(base).or_default();
+            let mut conflicts: Vec<(&Touch, &str)> = Vec::new();
+            if let Some(w) = hist.write.as_ref().filter(|w| !ordered(w)) {
+                conflicts.push((w, "wrote"));
+            }
+            if write {
+                conflicts.extend(hist.reads.iter().filter(|r| !ordered(r)).map(|r| (r, "read")));
+            }
+            if let Some((other, verb)) = conflicts.first() {
+                return Err(EmuError::new(
+                    cu::LAUNCH_FAILED,
+                    format!(
+                        "PW_EMU_CHECK=race: missing wait between streams: on stream {:#x}, {what} {} allocation {base:#x}, \
+                         which {} on stream {:#x} {verb}, and no event wait or synchronization orders the two",
+                        s.handle,
+                        if write { "writes" } else { "reads" },
+                        other.what,
+                        other.stream,
+                    ),
+                ));
+            }
+            let touch = Touch { stream: s.handle, seq, what: format!("{label}: {what}") };
+            if write {
+                hist.write = Some(touch);
+                hist.reads.clear();
+            } else {
+                hist.reads.retain(|r| r.stream != s.handle);
+                hist.reads.push(touch);
+            }
+        }
+        Ok(())
+    }
 }

@@ -80,7 +80,7 @@ extern "C" fn block_sum_k(args: *mut *mut c_void) {
     for d in [16, 8, 4, 2, 1] {
         v += f32::from_bits((rt().shfl_sync)(u32::MAX, v.to_bits(), d, 32, SHFL_DOWN));
     }
-    if t % 32 == 0 {
+    if t.is_multiple_of(32) {
         unsafe { *sh.add(t / 32) = v };
     }
     (rt().syncthreads)();
@@ -175,7 +175,7 @@ fn shuffles_follow_the_ptx_modes_and_widths() {
 extern "C" fn vote_k(args: *mut *mut c_void) {
     let out: *mut u32 = unsafe { arg(args, 0) };
     let t = tid() as u32;
-    let ballot = (rt().vote_sync)(u32::MAX, (t % 3 == 0) as i32, VOTE_BALLOT);
+    let ballot = (rt().vote_sync)(u32::MAX, t.is_multiple_of(3) as i32, VOTE_BALLOT);
     let all = (rt().vote_sync)(u32::MAX, (t < 40) as i32, VOTE_ALL);
     let any = (rt().vote_sync)(u32::MAX, (t == 7) as i32, VOTE_ANY);
     let none = (rt().vote_sync)(u32::MAX, 0, VOTE_ANY);
@@ -260,7 +260,7 @@ fn a_shuffle_reading_a_lane_outside_its_mask_is_named() {
 }
 
 extern "C" fn mixed_collectives_k(_args: *mut *mut c_void) {
-    if tid() % 2 == 0 {
+    if tid().is_multiple_of(2) {
         (rt().syncwarp)(u32::MAX);
     } else {
         (rt().vote_sync)(u32::MAX, 1, VOTE_ANY);
@@ -447,11 +447,14 @@ fn after_a_kernel_fails_every_later_call_returns_the_sticky_error() {
 extern "C" fn read_shared_unwritten_k(args: *mut *mut c_void) {
     let out: *mut u32 = unsafe { arg(args, 0) };
     let sh = (rt().dynamic_shared)() as *const u32;
+    if !(sh as usize).is_multiple_of(128) {
+        (rt().trap)(c"dynamic shared memory is not 128-byte aligned".as_ptr());
+    }
     unsafe { *out.add(tid()) = *sh.add(tid()) };
 }
 
 #[test]
-fn shared_memory_read_before_written_is_poison() {
+fn dynamic_shared_memory_is_aligned_and_poison_until_written() {
     let _s = serial();
     let gpu = Gpu::new(0);
     let out = gpu.alloc(64 * 4);
@@ -557,4 +560,62 @@ fn mma_in_a_block_smaller_than_a_warp_is_refused() {
     let f = function("mma16.cu", kernel("mma16", mma_partial_k, 0, &[]));
     assert_eq!(launch(f, (1, 1, 1), (16, 1, 1), 0, gpu.stream, &mut []), cu::SUCCESS);
     assert_error(gpu.sync(), cu::LAUNCH_FAILED, &["mma16", "all 32 lanes", "has 16"]);
+}
+
+extern "C" fn chase_k(args: *mut *mut c_void) {
+    // The table holds a pointer the kernel follows (a launch cannot check it).
+    let table: *const *const f32 = unsafe { arg(args, 0) };
+    let out: *mut f32 = unsafe { arg(args, 1) };
+    unsafe { *out = std::ptr::read_volatile(*table) };
+}
+
+#[test]
+fn a_kernel_following_a_pointer_to_freed_memory_faults_naming_the_freed_allocation() {
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let (victim, table, out) = (gpu.alloc(4096), gpu.alloc(8), gpu.alloc(4));
+    gpu.upload(table, &[victim]);
+    assert_eq!(gpu.sync(), cu::SUCCESS);
+    // SAFETY: our own live allocation.
+    assert_eq!(unsafe { pipewright_emu::driver::cuMemFree_v2(victim) }, cu::SUCCESS);
+    let f = function(
+        "chase.cu",
+        kernel("chase", chase_k, 0, &[("table", "const float* const*", true), ("out", "float*", true)]),
+    );
+    let (mut t, mut o) = (table, out);
+    assert_eq!(launch(f, (1, 1, 1), (1, 1, 1), 0, gpu.stream, &mut [p(&mut t), p(&mut o)]), cu::SUCCESS);
+    assert_error(
+        gpu.sync(),
+        cu::ILLEGAL_ADDRESS,
+        &["chase", "thread 0", "in the freed 4096-byte allocation"],
+    );
+}
+
+#[inline(never)]
+fn deep(n: usize) -> u64 {
+    let frame = std::hint::black_box([n as u8; 4096]);
+    if n == 0 {
+        return 0;
+    }
+    deep(n - 1) + frame[n % 4096] as u64
+}
+
+extern "C" fn recurse_k(args: *mut *mut c_void) {
+    let out: *mut u64 = unsafe { arg(args, 0) };
+    unsafe { *out = deep(1000) };
+}
+
+#[test]
+fn a_stack_overflow_in_a_kernel_is_named_as_one() {
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let out = gpu.alloc(8);
+    let f = function("deep.cu", kernel("recurse", recurse_k, 0, &[("out", "unsigned long*", true)]));
+    let mut o = out;
+    assert_eq!(launch(f, (1, 1, 1), (1, 1, 1), 0, gpu.stream, &mut [p(&mut o)]), cu::SUCCESS);
+    assert_error(
+        gpu.sync(),
+        cu::LAUNCH_OUT_OF_RESOURCES,
+        &["recurse", "thread 0", "stack overflow", "256 KiB"],
+    );
 }

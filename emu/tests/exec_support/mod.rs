@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use pipewright_emu::abi::{Lane, Runtime};
+pub use pipewright_emu::driver::Handle;
 use pipewright_emu::driver::*;
 use pipewright_emu::error::cu;
 use pipewright_emu::exec::RUNTIME;

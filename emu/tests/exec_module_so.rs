@@ -1,0 +1,116 @@
+//! A module image as the NVRTC stand-in makes it (an x86-64 shared object
+//! exporting pw_emu_module_init, built here with the system C compiler from
+//! a small C file) loads through cuModuleLoadData and runs; its thread_local
+//! block is the block's static shared memory, poisoned at every block start.
+
+mod exec_support;
+
+use exec_support::*;
+use pipewright_emu::driver::{cuModuleGetFunction, cuModuleLoadData};
+use pipewright_emu::error::cu;
+use std::ffi::{c_void, CString};
+use std::path::Path;
+use std::process::Command;
+
+const TILE_CU: &str = r#"
+#include "pw_emu_abi.h"
+static const PwEmuRuntime* rt;
+// __shared__ float tile[64], as cuda_emu.h declares shared memory.
+static __thread float tile[64];
+static void* touch_shared(void) { return &tile[0]; }
+
+static void rotate(void** args) {
+    float* out = *(float**)args[0];
+    const PwEmuLane* l = rt->lane();
+    unsigned t = l->thread_idx.x, n = l->block_dim.x;
+    tile[t] = (float)(t + 100 * l->block_idx.x);
+    rt->syncthreads();
+    out[l->block_idx.x * n + t] = tile[(t + 1) % n];
+}
+
+static void unwritten(void** args) {
+    unsigned* out = *(unsigned**)args[0];
+    const PwEmuLane* l = rt->lane();
+    out[l->thread_idx.x] = *(unsigned*)&tile[l->thread_idx.x];
+}
+
+static const PwEmuParam out_f[] = {{"out", "float*", 8, 8, 1, 0}};
+static const PwEmuParam out_u[] = {{"out", "unsigned*", 8, 8, 1, 0}};
+static const PwEmuKernel kernels[] = {
+    {"rotate", rotate, 64, 1, out_f},
+    {"unwritten", unwritten, 0, 1, out_u},
+};
+static const PwEmuModuleInfo info = {PW_EMU_ABI_VERSION, "tile.cu", "sm_90", 2, kernels, touch_shared};
+const PwEmuModuleInfo* pw_emu_module_init(const PwEmuRuntime* r) { rt = r; return &info; }
+"#;
+
+/// Builds `source` into a shared object and returns its bytes.
+fn build(source: &str, dir: &Path) -> Vec<u8> {
+    let (c, so) = (dir.join("m.c"), dir.join("m.so"));
+    std::fs::write(&c, source).unwrap();
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("include");
+    let status = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&so)
+        .arg(&c)
+        .arg("-I")
+        .arg(&include)
+        .status()
+        .expect("the system C compiler (cc) builds the test module");
+    assert!(status.success(), "cc failed on the test module");
+    std::fs::read(so).unwrap()
+}
+
+fn get(m: Handle, name: &str) -> Handle {
+    let name = CString::new(name).unwrap();
+    let mut f: Handle = std::ptr::null_mut();
+    // SAFETY: a loaded module and a NUL-terminated name.
+    assert_eq!(unsafe { cuModuleGetFunction(&mut f, m, name.as_ptr()) }, cu::SUCCESS);
+    f
+}
+
+#[test]
+fn a_shared_object_module_runs_with_its_thread_locals_as_poisoned_shared_memory() {
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let dir = tempfile::tempdir().unwrap();
+    let image = build(TILE_CU, dir.path());
+    let mut m: Handle = std::ptr::null_mut();
+    // SAFETY: a complete image.
+    assert_eq!(unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) }, cu::SUCCESS);
+    let (rotate, unwritten) = (get(m, "rotate"), get(m, "unwritten"));
+
+    let out = gpu.alloc(4 * 64 * 4);
+    let mut o = out;
+    assert_eq!(launch(rotate, (4, 1, 1), (64, 1, 1), 0, gpu.stream, &mut [p(&mut o)]), cu::SUCCESS);
+    assert_eq!(gpu.sync(), cu::SUCCESS, "{}", error_text(cu::LAUNCH_FAILED));
+    let host: Vec<f32> = gpu.download(out, 4 * 64);
+    for b in 0..4 {
+        for t in 0..64 {
+            assert_eq!(host[b * 64 + t], ((t + 1) % 64 + 100 * b) as f32, "block {b} thread {t}");
+        }
+    }
+    // The launch bounds the module declares are enforced.
+    let code = launch(rotate, (1, 1, 1), (128, 1, 1), 0, gpu.stream, &mut [p(&mut o)]);
+    assert_error(code, cu::INVALID_VALUE, &["kernel `rotate` (tile.cu)", "__launch_bounds__ of 64"]);
+
+    // The tile the previous blocks wrote is poison again for a new block.
+    let flags = gpu.alloc(64 * 4);
+    let mut fl = flags;
+    assert_eq!(launch(unwritten, (1, 1, 1), (64, 1, 1), 0, gpu.stream, &mut [p(&mut fl)]), cu::SUCCESS);
+    assert_eq!(gpu.sync(), cu::SUCCESS);
+    let bits: Vec<u32> = gpu.download(flags, 64);
+    assert!(bits.iter().all(|&b| b == u32::MAX), "{bits:x?}");
+}
+
+#[test]
+fn a_shared_object_without_the_module_entry_point_is_refused() {
+    let _s = serial();
+    let _gpu = Gpu::new(0);
+    let dir = tempfile::tempdir().unwrap();
+    let image = build("int not_a_module(void) { return 1; }\n", dir.path());
+    let mut m: Handle = std::ptr::null_mut();
+    // SAFETY: a complete image.
+    let code = unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) };
+    assert_error(code, cu::INVALID_IMAGE, &["cuModuleLoadData", "pw_emu_module_init"]);
+}
