@@ -165,7 +165,7 @@ fn as_nccl(code: u32) -> impl Fn(EmuError) -> EmuError {
     move |e| EmuError::new(code, e.message)
 }
 
-fn out<T>(p: *mut T, what: &str) -> Result<&'static mut T> {
+fn out<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T> {
     // SAFETY: a non-NULL out-parameter is the caller's promise of a valid T.
     unsafe { p.as_mut() }.ok_or_else(|| EmuError::new(code::INVALID_ARGUMENT, format!("{what} is NULL")))
 }
