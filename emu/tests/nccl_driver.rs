@@ -389,3 +389,33 @@ fn a_call_from_another_thread_while_a_group_holds_the_communicator_is_refused() 
     }
     assert_eq!(gpus[0].download(buf as u64, 4), bits(&[3.0; 4]));
 }
+
+#[test]
+#[ignore = "needs the driver's entry points in libpipewright_emu.so; run with --ignored once they are"]
+fn one_thread_inits_every_rank_inside_a_group_without_blocking() {
+    let l = lib();
+    let gpus: Vec<Gpu> = (0..2).map(Gpu::new).collect();
+    let mut id = UniqueId([0; 128]);
+    let mut comms = [std::ptr::null_mut(); 2];
+    // SAFETY (all calls below): out-parameters and live handles; each rank
+    // with its GPU current, as ncclCommInitRank needs.
+    unsafe {
+        assert_eq!((l.get_unique_id)(&mut id), 0);
+        assert_eq!((l.group_start)(), 0);
+        for (r, g) in gpus.iter().enumerate() {
+            g.bind();
+            let rc = (l.comm_init_rank)(&mut comms[r], 2, id, r as c_int);
+            assert_eq!(rc, 0, "{}", nccl_error(rc));
+        }
+        assert_eq!((l.group_end)(), 0);
+    }
+    let bufs: Vec<u64> = (0..2).map(|r| gpus[r].upload(&piece(r, 8))).collect();
+    grouped(&gpus, |r| unsafe {
+        let p = bufs[r] as *mut c_void;
+        (l.all_reduce)(p, p, 8, F32, SUM, comms[r], gpus[r].stream)
+    });
+    let sum: Vec<f32> = (0..8).map(|i| piece(0, 8)[i] + piece(1, 8)[i]).collect();
+    for (r, g) in gpus.iter().enumerate() {
+        assert_eq!(g.download(bufs[r], 8), bits(&sum), "rank {r}");
+    }
+}

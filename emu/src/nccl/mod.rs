@@ -16,11 +16,18 @@
 //! Strict: what real NCCL would hang on or silently get wrong (two ranks on
 //! one GPU, ranks issuing different collectives, unmatched sends, a
 //! deadlock, a buffer outside the GPU's memory, a stream of another GPU, a
-//! root out of range, a destroyed communicator, an unbalanced group) is an
+//! root out of range, a destroyed communicator, an unbalanced group, calls
+//! of one communicator from two threads or from unordered streams) is an
 //! ncclResult_t error whose message names the ranks and their calls. An
 //! error found while the work runs fails the stream (its context's sticky
 //! error, CUDA_ERROR_LAUNCH_FAILED, as a failing NCCL kernel would) and the
 //! communicator, so every rank hears of it.
+//!
+//! Not emulated: a group does not make its streams wait for one another
+//! (NCCL joins the streams of one group; here each stream's share runs when
+//! its stream reaches it), ncclReduceScatter and the other calls the
+//! backend does not bind, fp8 types, user-defined reduction ops, and
+//! ncclCommInitRankConfig's non-blocking mode.
 
 pub mod engine;
 pub mod region;
@@ -165,7 +172,7 @@ fn as_nccl(code: u32) -> impl Fn(EmuError) -> EmuError {
     move |e| EmuError::new(code, e.message)
 }
 
-fn out<T>(p: *mut T, what: &str) -> Result<&'static mut T> {
+fn out<'a, T>(p: *mut T, what: &str) -> Result<&'a mut T> {
     // SAFETY: a non-NULL out-parameter is the caller's promise of a valid T.
     unsafe { p.as_mut() }.ok_or_else(|| EmuError::new(code::INVALID_ARGUMENT, format!("{what} is NULL")))
 }
