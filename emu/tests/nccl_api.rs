@@ -12,9 +12,13 @@ const SUM: c_int = 0;
 
 /// The error strings are the latest message per code, process-wide: the
 /// tests here take turns so each reads its own.
+/// They also see four emulated GPUs: ncclCommInitAll refuses a GPU the
+/// driver does not have, as NCCL does.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    TURN.lock().unwrap_or_else(|p| p.into_inner())
+    let turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    std::env::set_var("PW_EMU_GPUS", "4");
+    turn
 }
 
 fn error_string(result: c_int) -> String {
@@ -58,6 +62,15 @@ fn comm_init_all_makes_one_rank_per_gpu_and_the_queries_answer_for_it() {
     for c in comms {
         assert_eq!(nccl::ncclCommDestroy(c), 0);
     }
+}
+
+#[test]
+fn comm_init_all_refuses_a_gpu_the_driver_does_not_have() {
+    let _turn = serial();
+    let (rc, _) = init_all(&[0, 9]);
+    assert_eq!(rc, code::INVALID_ARGUMENT as c_int);
+    let msg = error_string(rc);
+    assert!(msg.contains("ncclCommInitAll") && msg.contains('9'), "{msg}");
 }
 
 #[test]

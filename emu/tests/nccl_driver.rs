@@ -5,10 +5,6 @@
 //! sending on one stream and receiving on another (ncclCommInitRank), and
 //! the checks against the driver's state (allocations, streams' GPUs), with
 //! a mismatch failing both streams.
-//!
-//! Ignored until the driver's entry points (another module's work) are in
-//! the same shared object: run with `--ignored` once they are; before, each
-//! test stops at the first driver symbol it cannot find, naming it.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
@@ -222,7 +218,6 @@ fn grouped(gpus: &[Gpu], call: impl Fn(usize) -> c_int) {
 }
 
 #[test]
-#[ignore = "needs the driver's entry points in libpipewright_emu.so; run with --ignored once they are"]
 fn a_tensor_parallel_stage_gathers_sums_and_broadcasts_from_one_thread() {
     let l = lib();
     let (n, count) = (3, 40);
@@ -275,7 +270,6 @@ fn a_tensor_parallel_stage_gathers_sums_and_broadcasts_from_one_thread() {
 }
 
 #[test]
-#[ignore = "needs the driver's entry points in libpipewright_emu.so; run with --ignored once they are"]
 fn pipeline_ranks_on_two_threads_send_on_one_stream_and_receive_on_another() {
     let l = lib();
     let mut id = UniqueId([0; 128]);
@@ -320,7 +314,6 @@ fn pipeline_ranks_on_two_threads_send_on_one_stream_and_receive_on_another() {
 }
 
 #[test]
-#[ignore = "needs the driver's entry points in libpipewright_emu.so; run with --ignored once they are"]
 fn buffers_and_streams_of_another_gpu_are_refused_and_a_mismatch_fails_both_streams() {
     let l = lib();
     let gpus: Vec<Gpu> = (0..2).map(Gpu::new).collect();
@@ -353,7 +346,6 @@ fn buffers_and_streams_of_another_gpu_are_refused_and_a_mismatch_fails_both_stre
 }
 
 #[test]
-#[ignore = "needs the driver's entry points in libpipewright_emu.so; run with --ignored once they are"]
 fn a_call_from_another_thread_while_a_group_holds_the_communicator_is_refused() {
     let l = lib();
     let gpus: Vec<Gpu> = (0..2).map(Gpu::new).collect();
@@ -391,7 +383,6 @@ fn a_call_from_another_thread_while_a_group_holds_the_communicator_is_refused() 
 }
 
 #[test]
-#[ignore = "needs the driver's entry points in libpipewright_emu.so; run with --ignored once they are"]
 fn one_thread_inits_every_rank_inside_a_group_without_blocking() {
     let l = lib();
     let gpus: Vec<Gpu> = (0..2).map(Gpu::new).collect();

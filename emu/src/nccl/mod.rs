@@ -45,14 +45,11 @@ use types::{code, DataType, RedOp};
 /// The NCCL version reported (2.23.4): the API these entry points follow.
 pub const VERSION_CODE: c_int = 22304;
 
-/// Who `device` (this process's ordinal) is across processes.
-///
-/// Stand-in for `memory::device_identity` (being added by the driver's
-/// owner): replace the body with `memory::device_identity(device)` once it
-/// exists. Its default session is per process too, so until then two
-/// processes never look like one GPU.
+/// Who `device` (this process's ordinal) is across processes: the emulator
+/// session and the emulated GPU behind it, so two processes of one session
+/// naming the same GPU are two ranks on one device.
 fn device_identity(device: usize) -> (String, usize) {
-    (format!("pid{}", std::process::id()), device)
+    crate::memory::device_identity(device)
 }
 
 /// ncclUniqueId, passed by value to ncclCommInitRank.
@@ -442,6 +439,10 @@ pub unsafe extern "C" fn ncclCommInitAll(
                 })
                 .collect::<Result<_>>()?
         };
+        for &d in &devices {
+            crate::memory::check_device(d, "ncclCommInitAll")
+                .map_err(|e| EmuError::new(code::INVALID_ARGUMENT, e.message))?;
+        }
         let what = format!("ncclCommInitAll over GPUs {devices:?}");
         let config = Config::from_env()?;
         let id = UniqueId::new();
