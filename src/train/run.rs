@@ -531,7 +531,9 @@ pub fn train_on(
         tokens_per_s,
         train_seconds: out.train_seconds,
         gemm_util: on_cpu.then_some(model_gflops / peak),
-        mfu: (!on_cpu && !simulated).then_some(model_gflops / peak),
+        // None on a GPU without a known datasheet peak (an emulated one): an
+        // MFU of NaN% said nothing.
+        mfu: (!on_cpu && !simulated && peak.is_finite()).then_some(model_gflops / peak),
         model_gflops,
         peak_gflops: peak,
         peak_source,
