@@ -1,7 +1,8 @@
-//! The tensor-parallel split on one GPU: ranks taking turns on it (what a
-//! machine with one GPU can check of the split; NCCL between GPUs moves the
-//! same bytes) against one rank summing the same slices — two training
-//! steps, bit for bit — and the sliced step against the CPU model.
+//! The tensor-parallel split: ranks taking turns on one GPU (what a machine
+//! with one GPU can check of the split) and, where the machine has the GPUs,
+//! one rank per GPU with NCCL between them, against one rank summing the same
+//! slices — two training steps, bit for bit — and the sliced step against the
+//! CPU model.
 
 use super::{bits_differ, cpu_step, rel_err, step_batch, Check};
 use super::{STEP_B, STEP_CLIP, STEP_HYPER, STEP_LR, STEP_MICROBATCHES, STEP_SEED};
@@ -23,14 +24,26 @@ struct Run {
     first_grads: Vec<Vec<f32>>,
 }
 
-/// Two training steps of the whole model over `size` ranks on one GPU.
+/// Where a run's ranks live: taking turns on one GPU, or one GPU each
+/// (GPUs 0..size, NCCL between them).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ranks {
+    OnOneGpu,
+    OneGpuEach,
+}
+
+/// Two training steps of the whole model over `size` ranks.
 fn tp_run<X: Elem + NcclType>(
     gpu: &Gpu,
     params: &[crate::model::Param],
     size: usize,
     recompute: bool,
+    ranks: Ranks,
 ) -> Result<Run> {
-    let dev = TpDevices::one_device(Gpu::new(gpu.ordinal)?, size);
+    let dev = match ranks {
+        Ranks::OnOneGpu => TpDevices::one_device(Gpu::new(gpu.ordinal)?, size),
+        Ranks::OneGpuEach => TpDevices::open(&(0..size).collect::<Vec<_>>())?,
+    };
     let spec = PartSpec::whole(&TP_CFG);
     let mut part = TpPart::<X>::new(&dev, TP_CFG, spec, STEP_B, recompute, 1, params, SLICES)?;
     let n = STEP_B * TP_CFG.block_size;
@@ -62,16 +75,26 @@ fn tp_run<X: Elem + NcclType>(
 
 /// 1, 2 and 4 ranks (and 2 with recompute) give one rank's bits; in f32 the
 /// sliced step's gradients match the CPU model's.
-fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, gpus: usize, tag: &str, out: &mut Vec<Check>) -> Result<()> {
     let mut cpu = ModelPart::new(TP_CFG, PartSpec::whole(&TP_CFG), STEP_B, STEP_SEED, false);
-    let one = tp_run::<X>(gpu, &cpu.params, 1, false)?;
+    let one = tp_run::<X>(gpu, &cpu.params, 1, false, Ranks::OnOneGpu)?;
     for (size, recompute) in [(2, false), (4, false), (2, true)] {
-        let run = tp_run::<X>(gpu, &cpu.params, size, recompute)?;
+        let run = tp_run::<X>(gpu, &cpu.params, size, recompute, Ranks::OnOneGpu)?;
         out.push(Check {
             name: format!(
                 "tp {size}{} = tp 1 over {SLICES} slices, 2 steps bit for bit ({tag})",
                 if recompute { " recompute" } else { "" }
             ),
+            rel_err: bits_differ(&run.figures, &one.figures),
+            tol: 0.5,
+        });
+    }
+    // With GPUs enough, the same ranks one per GPU: NCCL moves the bytes
+    // the device copies moved above, and the bits must not change.
+    for size in [2, 4].into_iter().filter(|&s| s <= gpus) {
+        let run = tp_run::<X>(gpu, &cpu.params, size, false, Ranks::OneGpuEach)?;
+        out.push(Check {
+            name: format!("tp {size} on {size} GPUs (NCCL) = tp 1 over {SLICES} slices, bit for bit ({tag})"),
             rel_err: bits_differ(&run.figures, &one.figures),
             tol: 0.5,
         });
@@ -92,6 +115,7 @@ fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) 
 
 /// The split's checks in f32 and bf16.
 pub(super) fn tp_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
-    tp_checks_in::<f32>(gpu, "f32", out)?;
-    tp_checks_in::<Bf16>(gpu, "bf16", out)
+    let gpus = cudarc::driver::result::device::get_count()? as usize;
+    tp_checks_in::<f32>(gpu, gpus, "f32", out)?;
+    tp_checks_in::<Bf16>(gpu, gpus, "bf16", out)
 }

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# What CI runs on emulated GPUs on every commit (through scripts/emulated-gpu.sh
+# --gpus 4): the CUDA backend, unmodified, against its CPU twin and itself.
+#   1. gpu-check whole: every kernel against its CPU twin (f32, bf16), whole
+#      steps GPU vs CPU, pp 2 = pp 1 and tp = tp 1 bits (ranks taking turns
+#      on one GPU, and tp 2 and 4 on as many GPUs over NCCL), the tree join,
+#      cross-entropy at V = 50,257;
+#   2. train with backend.kind = "cuda" at a small shape: f32 losses equal the
+#      CPU backend's (relative 1e-5), bf16 within bf16's rounding (2e-2);
+#      pp 2 (1F1B) = pp 1 weights; tp 2 on two emulated GPUs (NCCL) = tp 1;
+#      dp 2 across two processes (launch --nodes 2, NCCL between them) runs;
+#      a checkpoint and a resume end on the uninterrupted run's weights;
+#      greedy generate on the GPU writes the CPU's text.
+# Prints a table last; exits non-zero if any row failed.
+# usage: scripts/emulated-gpu.sh --gpus 4 scripts/emulated-gpu-check.sh [--no-gpu-check]
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+bin="${PIPEWRIGHT_BIN:-${CARGO_TARGET_DIR:-$root/target}/release/pipewright}"
+[ -x "$bin" ] || { echo "emulated-gpu-check: no binary at $bin (build with --features cuda)" >&2; exit 2; }
+[ -n "${PW_EMU_GPUS:-}" ] || { echo "emulated-gpu-check: run me through scripts/emulated-gpu.sh --gpus 4" >&2; exit 2; }
+work="$(mktemp -d "${TMPDIR:-/tmp}/pw-emu-check.XXXXXX")"
+rows=()
+failed=0
+start_all=$(date +%s)
+
+row() { # name status detail seconds
+    rows+=("$(printf '%-34s %-5s %7ss  %s' "$1" "$2" "$4" "$3")")
+    [ "$2" = ok ] || failed=1
+    echo "-- $1: $2 ($3, $4 s)"
+}
+
+# run NAME CMD...: output to $work/NAME.log; sets $rc and $secs.
+run() {
+    local name="$1"; shift
+    local t0; t0=$(date +%s)
+    "$@" >"$work/$name.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - t0 ))
+    if [ "$rc" -ne 0 ]; then
+        echo "== $name failed (exit $rc); its last lines:"
+        tail -n 30 "$work/$name.log"
+    fi
+}
+
+digest() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["weights_digest"])' "$1/summary.json" 2>/dev/null || echo none; }
+
+# losses A B TOL: max relative difference of the per-step losses, and whether it is within TOL.
+losses() {
+    python3 - "$1/metrics.jsonl" "$2/metrics.jsonl" "$3" <<'PY'
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+tol = float(sys.argv[3])
+if len(a) != len(b) or not a:
+    print(f"steps {len(a)} vs {len(b)}"); sys.exit(1)
+worst = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b))
+print(f"max rel diff {worst:.2e} over {len(a)} steps (tol {tol:g})")
+sys.exit(0 if worst <= tol else 1)
+PY
+}
+
+# The model (what generate needs too), then the run.
+model=(--set model.n_layer=2 --set model.n_embd=128 --set model.n_head=2 --set model.vocab_size=256
+       --set model.block_size=64)
+small=("${model[@]}" --set train.micro_batch_size=4 --set train.eval_every=0 --set 'data.builtin="random"'
+       --set parallel.pp=1 --set parallel.microbatches=2 --force)
+cuda=(--set 'backend.kind="cuda"')
+
+# 1. gpu-check (--no-gpu-check skips it: it takes minutes)
+if [ "${1:-}" != "--no-gpu-check" ]; then
+run gpu-check "$bin" gpu-check
+row "gpu-check (all groups)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "$(grep -E 'GPU checks passed|failed' "$work/gpu-check.log" | tail -n 1)" "$secs"
+fi
+
+# 2. training: CPU reference, then the GPU in f32 and bf16.
+run cpu "$bin" train "${small[@]}" --steps 4 --out "$work/cpu"
+row "train cpu (reference)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "digest $(digest "$work/cpu" | cut -c1-12)" "$secs"
+for dtype in f32 bf16; do
+    run "gpu-$dtype" "$bin" train "${small[@]}" "${cuda[@]}" --set "backend.dtype=\"$dtype\"" --steps 4 --out "$work/gpu-$dtype"
+    tol=1e-5; [ "$dtype" = bf16 ] && tol=2e-2
+    if [ $rc = 0 ]; then
+        detail=$(losses "$work/gpu-$dtype" "$work/cpu" "$tol"); ok=$?
+        row "train cuda $dtype vs cpu losses" "$([ $ok = 0 ] && echo ok || echo FAIL)" "$detail" "$secs"
+    else
+        row "train cuda $dtype vs cpu losses" FAIL "exit $rc" "$secs"
+    fi
+done
+
+# pp 2 on one GPU (both stages on GPU 0) against pp 1.
+run gpu-pp2 "$bin" train "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.pp=2 \
+    --set 'backend.devices=[0,0]' --steps 4 --out "$work/gpu-pp2"
+a=$(digest "$work/gpu-f32"); b=$(digest "$work/gpu-pp2")
+row "cuda pp 2 = pp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+
+# tp 2 over two emulated GPUs (NCCL between them) against tp 1, both over 2 slices.
+for tp in 1 2; do
+    devs="[0]"; [ $tp = 2 ] && devs="[0,1]"
+    run "gpu-tp$tp" "$bin" train "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.tp=$tp \
+        --set parallel.tp_slices=2 --set "backend.devices=$devs" --steps 3 --out "$work/gpu-tp$tp"
+done
+a=$(digest "$work/gpu-tp1"); b=$(digest "$work/gpu-tp2")
+row "cuda tp 2 (2 GPUs) = tp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+
+# dp 2 across two processes: launch, NCCL between the processes (GPU 0 and GPU 1).
+run gpu-launch-dp2 "$bin" launch --nodes 2 "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.dp=2 \
+    --set 'backend.devices=[0,1]' --steps 3 --out "$work/gpu-launch-dp2"
+row "cuda dp 2 over 2 processes (launch)" "$([ $rc = 0 ] && [ "$(digest "$work/gpu-launch-dp2")" != none ] && echo ok || echo FAIL)" \
+    "digest $(digest "$work/gpu-launch-dp2" | cut -c1-12)" "$secs"
+
+# A checkpoint at step 2, a resume to step 4: the uninterrupted run's weights.
+run gpu-ckpt "$bin" train "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set checkpoint.every=2 \
+    --steps 2 --out "$work/gpu-ckpt"
+run gpu-resume "$bin" train --resume "$work/gpu-ckpt" --steps 4
+a=$(digest "$work/gpu-f32"); b=$(digest "$work/gpu-ckpt")
+row "cuda checkpoint + resume = whole run" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+
+# Greedy generation on the GPU writes the CPU's text from the same weights.
+gen=(generate "${model[@]}" --weights "$work/gpu-f32" --prompt "ab" --max-new-tokens 24 --temperature 0)
+run gen-cpu "$bin" "${gen[@]}"
+run gen-gpu "$bin" "${gen[@]}" "${cuda[@]}" --set 'backend.dtype="f32"'
+if [ $rc = 0 ] && cmp -s "$work/gen-cpu.log" "$work/gen-gpu.log"; then
+    row "cuda greedy generate = cpu text" ok "$(wc -c <"$work/gen-gpu.log") bytes" "$secs"
+else
+    row "cuda greedy generate = cpu text" FAIL "$(diff "$work/gen-cpu.log" "$work/gen-gpu.log" | head -n 4 | tr '\n' ' ')" "$secs"
+fi
+
+echo
+echo "emulated GPU checks ($PW_EMU_GPUS emulated GPUs, $(( $(date +%s) - start_all )) s in all; logs in $work)"
+printf '%s\n' "${rows[@]}"
+passed=0; for r in "${rows[@]}"; do [[ "$r" == *" ok "* ]] && passed=$((passed+1)); done
+echo "emulated-gpu: $passed passed, $(( ${#rows[@]} - passed )) failed"
+exit $failed
