@@ -678,13 +678,13 @@ impl Config {
         v.check(
             (0.0..=MAX_SIM_MS).contains(&sim.forward_ms),
             "sim.forward_ms",
-            sim.forward_ms,
+            format!("{:?}", sim.forward_ms),
             format!("must be in [0, {MAX_SIM_MS}] ms"),
         );
         v.check(
             sim.weight_ms >= 0.0 && sim.backward_ms >= sim.weight_ms && sim.backward_ms <= MAX_SIM_MS,
             "sim.backward_ms",
-            sim.backward_ms,
+            format!("{:?}", sim.backward_ms),
             format!("must be in [sim.weight_ms ({}), {MAX_SIM_MS}] ms, sim.weight_ms >= 0", sim.weight_ms),
         );
         v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
@@ -724,7 +724,7 @@ impl Config {
         v.check(
             r.shutdown_timeout_s > 0.0 && r.shutdown_timeout_s <= MAX_SHUTDOWN_TIMEOUT_S,
             "recovery.shutdown_timeout_s",
-            r.shutdown_timeout_s,
+            format!("{:?}", r.shutdown_timeout_s),
             format!("must be a number of seconds in (0, {MAX_SHUTDOWN_TIMEOUT_S}]"),
         );
         v.check(

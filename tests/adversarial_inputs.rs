@@ -193,9 +193,14 @@ fn hostile_trace_replay_tls_cookie_and_weights_files_are_refused_by_name_without
         let b = s(&bad);
         let mut cases = vec![
             ("trace summary", cmd(&["trace", "summary", b])),
-            ("inspect", cmd(&["inspect", b])),
             ("--tls-cert", cmd(&["bench", "--transport", "--tls-cert", b, "--tls-key", b, "--tls-ca", b])),
         ];
+        // A directory given to inspect is a run folder: its model.safetensors is what is missing.
+        if kind == "directory" {
+            names(&refused(cmd(&["inspect", b])), &bad.join("model.safetensors"), "No such file", "inspect");
+        } else {
+            cases.push(("inspect", cmd(&["inspect", b])));
+        }
         // A recorded run whose stage-0 log is the hostile thing.
         let run = d.join(format!("recorded-{kind}"));
         std::fs::create_dir_all(run.join("replay")).unwrap();

@@ -198,7 +198,7 @@ fn documents(inputs: &[PathBuf]) -> Result<(Vec<PathBuf>, Vec<String>), DataErro
             walk.folder(input)?;
             if walk.files.len() == before {
                 return Err(DataError::Invalid {
-                    what: format!("folder {}: holds no files (none not already read)", input.display()),
+                    what: format!("folder {}: holds no files not already read", input.display()),
                 });
             }
         } else {

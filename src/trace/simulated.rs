@@ -63,7 +63,7 @@ pub const MAX_COST_MS: f64 = 3_600_000.0;
 pub fn cli_costs(costs_ms: &[f64]) -> Result<Costs, ScheduleError> {
     let bad = |reason: String| ScheduleError::Unsupported { field: "--costs".into(), reason };
     if let Some(x) = costs_ms.iter().find(|x| !(**x > 0.0 && **x <= MAX_COST_MS)) {
-        return Err(bad(format!("{x}: every cost must be a number of ms in (0, {MAX_COST_MS}]")));
+        return Err(bad(format!("{x:?}: every cost must be a number of ms > 0 and at most {MAX_COST_MS}")));
     }
     let mut costs = Costs::unit();
     match *costs_ms {
