@@ -343,7 +343,10 @@ pub fn sim_rows(
     use crate::schedule::{build, Costs, ScheduleKind};
     let kind: ScheduleKind = schedule.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
     let v = kind.default_chunks();
-    let mut rows = Vec::new();
+    // Every cell's config is built and checked against the machine before
+    // the first runs, so a cell too large for it is refused up front, not
+    // after minutes of the others (or in the allocator).
+    let mut planned = Vec::new();
     for &(pp, m) in cells {
         let overrides: Vec<String> = vec![
             format!("model.n_layer={}", pp * v),
@@ -364,10 +367,15 @@ pub fn sim_rows(
             format!("sim.weight_ms={}", backward_ms / 2.0),
             "trace.enabled=true".into(),
         ];
-        let cfg = Config::load(None, &overrides)?;
+        let cfg = Config::load(None, &overrides).map_err(|e| anyhow::anyhow!("--cells {pp}x{m}: {e}"))?;
+        crate::limits::check(&cfg).map_err(|e| anyhow::anyhow!("--cells {pp}x{m}: {e}"))?;
+        let sched = build(kind, pp, m, v).map_err(|e| anyhow::anyhow!("--cells {pp}x{m}: {e}"))?;
+        planned.push((pp, m, cfg, sched));
+    }
+    let mut rows = Vec::new();
+    for (pp, m, cfg, sched) in planned {
         let planned_bubble = crate::plan::cpu::plan(&cfg)?.bubble;
         let (_, out) = run_quietly(&cfg, &format!("sim-{pp}-{m}"))?;
-        let sched = build(kind, pp, m, v).map_err(|e| anyhow::anyhow!("{e}"))?;
         let costs = Costs {
             forward: forward_ms,
             backward: backward_ms,

@@ -16,6 +16,13 @@ pub use crate::schedule::ScheduleKind;
 /// The embedded default config: `pipewright train` with no arguments runs this.
 pub const DEFAULT_TOML: &str = include_str!("../configs/default.toml");
 
+/// The longest simulated action (`sim.forward_ms`, `sim.backward_ms`), in ms.
+pub const MAX_SIM_MS: f64 = 60_000.0;
+/// The largest `sim.stage_factors` entry: a stage 100 times slower than the rest.
+pub const MAX_STAGE_FACTOR: f64 = 100.0;
+/// The longest `recovery.shutdown_timeout_s`: an hour to finish a checkpoint.
+pub const MAX_SHUTDOWN_TIMEOUT_S: f64 = 3600.0;
+
 /// A closed set of choices a config names in TOML by a fixed lower-case name.
 /// serde reads and writes the names (an unknown one is refused with the field
 /// and the names accepted); `name()` is the same text for messages.
@@ -665,17 +672,20 @@ impl Config {
              with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
         );
         let sim = &self.sim;
+        // The sim backend sleeps each action's time (times its stage factor
+        // and jitter) as a Duration, which panics past 2^64 s; far below
+        // that, an action of more than a minute is a typo, not a simulation.
         v.check(
-            sim.forward_ms >= 0.0 && sim.forward_ms.is_finite(),
+            (0.0..=MAX_SIM_MS).contains(&sim.forward_ms),
             "sim.forward_ms",
-            sim.forward_ms,
-            "must be a finite number >= 0",
+            format!("{:?}", sim.forward_ms),
+            format!("must be in [0, {MAX_SIM_MS}] ms"),
         );
         v.check(
-            sim.weight_ms >= 0.0 && sim.backward_ms >= sim.weight_ms && sim.backward_ms.is_finite(),
+            sim.weight_ms >= 0.0 && sim.backward_ms >= sim.weight_ms && sim.backward_ms <= MAX_SIM_MS,
             "sim.backward_ms",
-            sim.backward_ms,
-            format!("must be finite and >= sim.weight_ms ({}) >= 0", sim.weight_ms),
+            format!("{:?}", sim.backward_ms),
+            format!("must be in [sim.weight_ms ({}), {MAX_SIM_MS}] ms, sim.weight_ms >= 0", sim.weight_ms),
         );
         v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
         let pow2 = |x: f64| x > 0.0 && x.is_finite() && x.log2().fract() == 0.0;
@@ -712,10 +722,10 @@ impl Config {
         );
         let r = &self.recovery;
         v.check(
-            r.shutdown_timeout_s > 0.0 && r.shutdown_timeout_s.is_finite(),
+            r.shutdown_timeout_s > 0.0 && r.shutdown_timeout_s <= MAX_SHUTDOWN_TIMEOUT_S,
             "recovery.shutdown_timeout_s",
-            r.shutdown_timeout_s,
-            "must be a finite number of seconds > 0",
+            format!("{:?}", r.shutdown_timeout_s),
+            format!("must be a number of seconds in (0, {MAX_SHUTDOWN_TIMEOUT_S}]"),
         );
         v.check(
             r.lr_factor > 0.0 && r.lr_factor <= 1.0,
@@ -741,10 +751,10 @@ impl Config {
             );
         }
         v.check(
-            sim.stage_factors.iter().all(|f| *f > 0.0 && f.is_finite()),
+            sim.stage_factors.iter().all(|f| *f > 0.0 && *f <= MAX_STAGE_FACTOR),
             "sim.stage_factors",
             format!("{:?}", sim.stage_factors),
-            "every factor must be finite and > 0",
+            format!("every factor must be in (0, {MAX_STAGE_FACTOR}]"),
         );
         let stages = p.pp * p.chunks;
         v.check(

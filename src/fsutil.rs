@@ -32,6 +32,19 @@ fn kind_of(t: &std::fs::FileType) -> &'static str {
     }
 }
 
+/// `e` with a symlink loop said in words: the OS's "too many levels of
+/// symbolic links" reads as a missing file to most users.
+pub fn named_loop(e: std::io::Error) -> std::io::Error {
+    if e.raw_os_error() == Some(libc::ELOOP) {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a symlink loop (too many levels of symbolic links): expected a regular file",
+        )
+    } else {
+        e
+    }
+}
+
 fn not_regular(t: &std::fs::FileType) -> std::io::Error {
     std::io::Error::new(
         std::io::ErrorKind::InvalidInput,
@@ -40,15 +53,20 @@ fn not_regular(t: &std::fs::FileType) -> std::io::Error {
 }
 
 /// Opens `path` for reading if it is a regular file (symlinks followed).
-/// Never blocks: a FIFO is refused, not waited on.
+/// Never blocks: a FIFO is refused, not waited on. A symlink loop is an
+/// error saying so, never "not found".
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
-    let t = std::fs::metadata(path)?.file_type();
+    let t = std::fs::metadata(path).map_err(named_loop)?.file_type();
     if !t.is_file() {
         return Err(not_regular(&t));
     }
     // O_NONBLOCK: if the path was swapped for a FIFO since the check above,
     // the open returns at once and the second check refuses it.
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(named_loop)?;
     let t = f.metadata()?.file_type();
     if !t.is_file() {
         return Err(not_regular(&t));
@@ -78,6 +96,37 @@ pub fn read_regular_to_string(path: &Path, max: u64, what: &str) -> std::io::Res
     String::from_utf8(read_regular(path, max, what)?)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not UTF-8 text: {e}")))
 }
+
+/// Whether anything is at `path` (a dangling or looping symlink counts):
+/// an optional input is absent only when there is no entry at all, so a
+/// broken one is reported rather than silently skipped.
+pub fn is_present(path: &Path) -> std::io::Result<bool> {
+    match std::fs::symlink_metadata(path) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// [`read_regular`] for an optional input: None only when nothing is at `path`.
+pub fn read_optional(path: &Path, max: u64, what: &str) -> std::io::Result<Option<Vec<u8>>> {
+    if !is_present(path)? {
+        return Ok(None);
+    }
+    read_regular(path, max, what).map(Some)
+}
+
+/// [`read_optional`] as UTF-8 text.
+pub fn read_optional_to_string(path: &Path, max: u64, what: &str) -> std::io::Result<Option<String>> {
+    if !is_present(path)? {
+        return Ok(None);
+    }
+    read_regular_to_string(path, max, what).map(Some)
+}
+
+/// The most a secret or a certificate file may hold (a cookie is 64 hex
+/// digits; a PEM chain a few kilobytes).
+pub const MAX_SECRET_BYTES: u64 = 1 << 20;
 
 /// The most a config file may hold: configs are a few kilobytes.
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
@@ -115,6 +164,19 @@ mod tests {
             let err = read_regular(p, u64::MAX, "").unwrap_err().to_string();
             assert!(err.contains(kind) && err.contains("not a regular file"), "{}: {err}", p.display());
         }
+    }
+
+    #[test]
+    fn a_symlink_loop_is_named_as_such_and_counts_as_present() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a");
+        std::os::unix::fs::symlink(dir.path().join("b"), &a).unwrap();
+        std::os::unix::fs::symlink(&a, dir.path().join("b")).unwrap();
+        let err = read_regular(&a, u64::MAX, "").unwrap_err().to_string();
+        assert!(err.contains("a symlink loop"), "{err}");
+        let err = read_optional(&a, u64::MAX, "").unwrap_err().to_string();
+        assert!(err.contains("a symlink loop"), "{err}");
+        assert!(read_optional(&dir.path().join("absent"), u64::MAX, "").unwrap().is_none());
     }
 
     #[test]

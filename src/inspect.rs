@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -73,7 +72,7 @@ fn hf_config_lines(file: &Path) -> String {
 /// The JSON header and the file's length, read without touching tensor data.
 fn read_header(path: &Path) -> Result<(Vec<u8>, u64), InspectError> {
     let io = |error| InspectError::Io { path: path.to_path_buf(), error };
-    let mut file = File::open(path).map_err(io)?;
+    let mut file = crate::fsutil::open_regular(path).map_err(io)?;
     let file_len = file.metadata().map_err(io)?.len();
     let bad = |reason: String| InspectError::Format { path: path.to_path_buf(), reason };
     let mut len_bytes = [0u8; 8];

@@ -122,7 +122,15 @@ fn data_bytes(cfg: &Config) -> f64 {
         Builtin::Random => crate::train::run::RANDOM_TOKENS,
         Builtin::Files => return 0.0,
     };
-    4.0 * cfg.parallel.dp as f64 * (text_tokens / cfg.model.block_size.max(1)) as f64
+    let windows = 4.0 * cfg.parallel.dp as f64 * (text_tokens / cfg.model.block_size.max(1)) as f64;
+    // The arithmetic held-out text is generated to what evaluation reads:
+    // train.eval_batches batches of micro_batch_size windows, u32 tokens.
+    let held_out = if cfg.data.builtin == Builtin::Arithmetic { 4.0 * held_out_tokens(cfg) } else { 0.0 };
+    windows + held_out
+}
+
+fn held_out_tokens(cfg: &Config) -> f64 {
+    cfg.train.eval_batches as f64 * cfg.train.micro_batch_size as f64 * cfg.model.block_size as f64
 }
 
 /// The threads a run of `cfg` starts: one per stage and its compute pool.
@@ -156,6 +164,10 @@ fn biggest_memory_field(cfg: &Config) -> (&'static str, String) {
         ("model.vocab_size", v),
         ("train.micro_batch_size", b),
         ("parallel.dp", cfg.parallel.dp as f64),
+        (
+            "train.eval_batches",
+            if cfg.data.builtin == Builtin::Arithmetic { cfg.train.eval_batches as f64 } else { 0.0 },
+        ),
         ("train.steps", if cfg.data.builtin == Builtin::Files { 0.0 } else { cfg.train.steps as f64 }),
     ];
     let (field, _) =
@@ -167,6 +179,7 @@ fn biggest_memory_field(cfg: &Config) -> (&'static str, String) {
         "model.vocab_size" => m.vocab_size.to_string(),
         "train.micro_batch_size" => cfg.train.micro_batch_size.to_string(),
         "parallel.dp" => cfg.parallel.dp.to_string(),
+        "train.eval_batches" => cfg.train.eval_batches.to_string(),
         _ => cfg.train.steps.to_string(),
     };
     (field, value)
@@ -220,6 +233,60 @@ fn check_threads(cfg: &Config, machine: &Machine, out: &mut Vec<Problem>) {
     });
 }
 
+/// Problems with the size of the pipeline schedule `cfg` builds (the same
+/// limit `schedule::build` holds every caller to).
+fn check_schedule(cfg: &Config, out: &mut Vec<Problem>) {
+    let p = &cfg.parallel;
+    // The chunks the schedule runs (interleaved raises 1 to 2); a count it
+    // refuses is validate's to report.
+    let chunks = p.schedule.chunks_for(p.chunks).unwrap_or(p.chunks);
+    if let Some((path, value, expected)) = crate::schedule::size_problem(p.pp, p.microbatches, chunks) {
+        out.push(Problem { path: path.into(), value: value.to_string(), expected });
+    }
+}
+
+/// The least memory evaluating or sampling from a model of `cfg`'s shape
+/// holds: the file's f32 tensors as read and the model's own copy, and one
+/// window's activations and logits.
+pub fn inference_need(cfg: &Config) -> f64 {
+    let m = &cfg.model;
+    let (t, c, v, l, nh) =
+        (m.block_size as f64, m.n_embd as f64, m.vocab_size as f64, m.n_layer as f64, m.n_head as f64);
+    8.0 * param_count(cfg) + 4.0 * (l * t * c + nh * t * t + 2.0 * t * v)
+}
+
+/// Refuses a model shape `eval`, `generate` or `inspect` cannot hold here,
+/// naming the field, before the tensors are enumerated or allocated.
+pub fn check_inference(cfg: &Config) -> Result<(), ConfigError> {
+    check_inference_on(cfg, &Machine::this())
+}
+
+pub fn check_inference_on(cfg: &Config, machine: &Machine) -> Result<(), ConfigError> {
+    let need = inference_need(cfg);
+    if need <= machine.memory_bytes {
+        return Ok(());
+    }
+    // Batch and run sizes do not apply: the largest model field is to blame.
+    let m = &cfg.model;
+    let shares = [
+        ("model.n_embd", m.n_embd as f64 * m.n_embd as f64, m.n_embd),
+        ("model.n_layer", m.n_layer as f64, m.n_layer),
+        ("model.block_size", m.block_size as f64 * m.block_size as f64, m.block_size),
+        ("model.vocab_size", m.vocab_size as f64, m.vocab_size),
+    ];
+    let (path, _, value) = shares.iter().copied().fold(shares[0], |a, x| if x.1 > a.1 { x } else { a });
+    Err(ConfigError::Invalid(vec![Problem {
+        path: path.into(),
+        value: value.to_string(),
+        expected: format!(
+            "the model would hold at least {} (its weights twice, as read and as loaded, and one window), \
+             more than this machine's {} of memory",
+            gib(need),
+            gib(machine.memory_bytes)
+        ),
+    }]))
+}
+
 /// Refuses a config the machine cannot run, naming the field, before anything
 /// is allocated, spawned or removed.
 pub fn check(cfg: &Config) -> Result<(), ConfigError> {
@@ -230,6 +297,7 @@ pub fn check_on(cfg: &Config, machine: &Machine) -> Result<(), ConfigError> {
     let mut problems = Vec::new();
     check_threads(cfg, machine, &mut problems);
     check_memory(cfg, machine, &mut problems);
+    check_schedule(cfg, &mut problems);
     if problems.is_empty() {
         Ok(())
     } else {
@@ -274,6 +342,30 @@ mod tests {
             let err = refused(&[set]);
             assert!(err.contains(field) && err.contains("GiB"), "{set}: {err}");
         }
+    }
+
+    #[test]
+    fn a_held_out_text_or_a_schedule_too_large_is_refused_naming_the_field() {
+        let err = refused(&["train.eval_batches=1099511627776"]);
+        assert!(err.contains("train.eval_batches: 1099511627776") && err.contains("GiB"), "{err}");
+        let err = refused(&["parallel.microbatches=1099511627776"]);
+        assert!(err.contains("parallel.microbatches: 1099511627776") && err.contains("4194304"), "{err}");
+        // Read from files, the held-out text is not generated.
+        check_on(&with(&["train.eval_batches=1099511627776", "data.builtin=\"random\""]), &BOX).unwrap();
+    }
+
+    #[test]
+    fn a_model_too_large_to_evaluate_is_refused_naming_the_field_and_gpt2_xl_is_not() {
+        let err = check_inference_on(&with(&["model.n_layer=1099511627776"]), &BOX).unwrap_err().to_string();
+        assert!(err.contains("model.n_layer: 1099511627776") && err.contains("GiB"), "{err}");
+        let xl = with(&[
+            "model.n_layer=48",
+            "model.n_embd=1600",
+            "model.n_head=25",
+            "model.vocab_size=50257",
+            "model.block_size=1024",
+        ]);
+        check_inference_on(&xl, &BOX).unwrap();
     }
 
     #[test]

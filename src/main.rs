@@ -110,8 +110,8 @@ enum Command {
         /// Processes in the run (or WORLD_SIZE).
         #[arg(long)]
         world: Option<usize>,
-        /// Seconds to wait for every rank to join.
-        #[arg(long, default_value_t = 120)]
+        /// Seconds to wait for every rank to join (at most a day).
+        #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=pipewright::cluster::MAX_JOIN_TIMEOUT_S))]
         join_timeout: u64,
         #[command(flatten)]
         tls: TlsArgs,
@@ -567,11 +567,18 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
     {
         let resuming = resume.is_some();
         let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
-        let own_config = resuming && config.config.is_none() && out_dir.join("config.toml").is_file();
+        // Anything at config.toml counts as the run's own (a FIFO or a symlink
+        // loop is then refused by the config reader, naming it): skipped as
+        // absent, the resume would run on the embedded default.
+        let own_path = out_dir.join("config.toml");
+        let own_config = resuming
+            && config.config.is_none()
+            && pipewright::fsutil::is_present(&own_path)
+                .with_context(|| format!("{}: cannot look at the run's own config", own_path.display()))?;
         if resuming && config.config.is_none() {
             // The run's own config, so a resume needs no flags it already had.
-            let own = out_dir.join("config.toml");
-            if own.is_file() {
+            let own = own_path;
+            if own_config {
                 eprintln!("config: {} (the run's own; --config to use another)", own.display());
                 config.config = Some(own);
             }
@@ -940,6 +947,8 @@ fn run(cli: Cli) -> Result<()> {
             let path = config.config.clone();
             let cfg = config.load(None)?;
             cfg.validate()?;
+            // train's own check, so bench refuses what train refuses.
+            pipewright::limits::check(&cfg)?;
             let steps = steps.unwrap_or(cfg.train.steps);
             let name = path.map(|p| p.display().to_string()).unwrap_or_else(|| "embedded default".into());
             eprintln!(

@@ -158,7 +158,8 @@ pub fn snapshot_of(e: &Entry) -> Result<(Vec<TensorState>, StateFile), String> {
 /// those it records for the tensor files (which `save` computed from disk).
 fn written_blobs(dir: &Path) -> Result<Vec<Blob>, String> {
     let sp = dir.join("state.json");
-    let bytes = std::fs::read(&sp).map_err(|e| format!("{}: {e}", sp.display()))?;
+    let bytes = crate::fsutil::read_regular(&sp, crate::fsutil::MAX_CONFIG_BYTES, "a state.json may hold")
+        .map_err(|e| format!("{}: {e}", sp.display()))?;
     let state: StateFile = serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", sp.display()))?;
     let mut b = Vec::new();
     // state.json's own digest is the one computed below, from the bytes read.

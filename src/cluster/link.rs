@@ -73,14 +73,19 @@ impl Cookie {
     pub fn from_env() -> Result<Cookie, CookieError> {
         if let Some(path) = std::env::var_os("PIPEWRIGHT_COOKIE_FILE") {
             let shown = path.to_string_lossy().to_string();
-            let meta =
-                std::fs::metadata(&path).map_err(|error| CookieError::File { path: shown.clone(), error })?;
+            let meta = std::fs::metadata(&path)
+                .map_err(crate::fsutil::named_loop)
+                .map_err(|error| CookieError::File { path: shown.clone(), error })?;
             use std::os::unix::fs::PermissionsExt;
             if meta.permissions().mode() & 0o077 != 0 {
                 return Err(CookieError::Permissions(shown));
             }
-            let text =
-                std::fs::read_to_string(&path).map_err(|error| CookieError::File { path: shown, error })?;
+            let text = crate::fsutil::read_regular_to_string(
+                std::path::Path::new(&path),
+                crate::fsutil::MAX_SECRET_BYTES,
+                "a cookie file may hold",
+            )
+            .map_err(|error| CookieError::File { path: shown, error })?;
             return Cookie::new(&text);
         }
         match std::env::var("PIPEWRIGHT_COOKIE") {

@@ -72,6 +72,9 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterErro
     move |error| ClusterError::Io { what, error }
 }
 
+/// The longest `worker --join-timeout`, in seconds: a day.
+pub const MAX_JOIN_TIMEOUT_S: u64 = 86_400;
+
 /// Where this process finds the run: rank 0's cluster node (its data link
 /// listens on the next port) and this process's place in the run.
 #[derive(Clone, Debug)]
@@ -135,6 +138,13 @@ impl JoinSpec {
         };
         if world == 0 || rank >= world {
             return Err(ClusterError::Setup(format!("--rank {rank}: must be below --world {world}")));
+        }
+        // Deadlines are `now + timeout`, which panics past the clock's range.
+        if timeout.is_zero() || timeout.as_secs() > MAX_JOIN_TIMEOUT_S {
+            return Err(ClusterError::Setup(format!(
+                "--join-timeout {}: expected 1 to {MAX_JOIN_TIMEOUT_S} seconds",
+                timeout.as_secs()
+            )));
         }
         Ok(JoinSpec { master, rank, world, timeout, tls: None })
     }

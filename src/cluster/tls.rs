@@ -78,7 +78,8 @@ impl TlsFiles {
 }
 
 fn read(what: &str, path: &Path) -> Result<Vec<u8>, TlsError> {
-    std::fs::read(path).map_err(|error| TlsError::Read { what: what.into(), path: path.into(), error })
+    crate::fsutil::read_regular(path, crate::fsutil::MAX_SECRET_BYTES, "a certificate or key file may hold")
+        .map_err(|error| TlsError::Read { what: what.into(), path: path.into(), error })
 }
 
 const CERT_PEM: &str = "PEM blocks \"-----BEGIN CERTIFICATE-----\"";

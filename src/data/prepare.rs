@@ -83,6 +83,9 @@ pub struct PrepareReport {
     /// `None` when `val_fraction` is 0.
     pub val_path: Option<PathBuf>,
     pub val_tokens: usize,
+    /// Files reached twice (through links) and read once, in words (each
+    /// also logged as a warning).
+    pub warnings: Vec<String>,
 }
 
 /// [`prepare_all`] for one text file.
@@ -129,7 +132,7 @@ pub fn prepare_all(
             }
         }
     }
-    let files = documents(inputs)?;
+    let (files, warnings) = documents(inputs)?;
     let mut tokens: Vec<u32> = Vec::new();
     for (i, file) in files.iter().enumerate() {
         if i > 0 {
@@ -174,49 +177,105 @@ pub fn prepare_all(
         train_tokens: n_train,
         val_path,
         val_tokens: n_val,
+        warnings,
     })
 }
 
 /// The files `inputs` name: files as given, folders' regular files in name
 /// order (subfolders too, hidden entries skipped), so a folder always gives
 /// the same token stream.
-fn documents(inputs: &[PathBuf]) -> Result<Vec<PathBuf>, DataError> {
-    let mut out = Vec::new();
+///
+/// Symlinks are followed, but each folder is walked once and each file read
+/// once, by (device, inode): `ln -s . self` would otherwise read the folder
+/// again at every level until paths grow too long (two such links: 2^40
+/// paths), and a file linked under two names would count twice. A file
+/// reached again is skipped with a warning naming both paths.
+fn documents(inputs: &[PathBuf]) -> Result<(Vec<PathBuf>, Vec<String>), DataError> {
+    let mut walk = Walk::default();
     for input in inputs {
         if input.is_dir() {
-            let before = out.len();
-            folder_files(input, &mut out)?;
-            if out.len() == before {
+            let before = walk.files.len();
+            walk.folder(input)?;
+            if walk.files.len() == before {
                 return Err(DataError::Invalid {
-                    what: format!("folder {}: holds no files", input.display()),
+                    what: format!("folder {}: holds no files not already read", input.display()),
                 });
             }
         } else {
-            out.push(input.clone());
+            walk.file(input)?;
         }
     }
-    if out.is_empty() {
+    if walk.files.is_empty() {
         return Err(DataError::Invalid { what: "prepare: no input files given".into() });
     }
-    Ok(out)
+    Ok((walk.files, walk.warnings))
 }
 
-fn folder_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
-    let io = |error| DataError::Io { path: dir.to_path_buf(), action: "list", error };
-    let mut entries: Vec<PathBuf> =
-        fs::read_dir(dir).map_err(io)?.map(|e| e.map(|e| e.path())).collect::<Result<_, _>>().map_err(io)?;
-    entries.sort();
-    for p in entries {
-        if p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
-            continue;
-        }
-        if p.is_dir() {
-            folder_files(&p, out)?;
-        } else if p.is_file() {
-            out.push(p);
-        }
+/// Where `documents` has been: folders and files by (device, inode), with
+/// the first path each was reached by.
+#[derive(Default)]
+struct Walk {
+    folders: std::collections::HashSet<(u64, u64)>,
+    seen: std::collections::HashMap<(u64, u64), PathBuf>,
+    files: Vec<PathBuf>,
+    warnings: Vec<String>,
+}
+
+impl Walk {
+    fn id(path: &Path, action: &'static str) -> Result<(u64, u64), DataError> {
+        use std::os::unix::fs::MetadataExt;
+        let m =
+            fs::metadata(path).map_err(|error| DataError::Io { path: path.to_path_buf(), action, error })?;
+        Ok((m.dev(), m.ino()))
     }
-    Ok(())
+
+    /// A file to read, unless it was reached before (then a warning). A path
+    /// that is not there is kept so that reading it names it.
+    fn file(&mut self, path: &Path) -> Result<(), DataError> {
+        if !path.exists() {
+            self.files.push(path.to_path_buf());
+            return Ok(());
+        }
+        let id = Self::id(path, "stat")?;
+        match self.seen.get(&id) {
+            Some(first) => {
+                let w = format!("{}: the same file as {}: read once", path.display(), first.display());
+                tracing::warn!("{w}");
+                self.warnings.push(w);
+            }
+            None => {
+                self.seen.insert(id, path.to_path_buf());
+                self.files.push(path.to_path_buf());
+            }
+        }
+        Ok(())
+    }
+
+    fn folder(&mut self, dir: &Path) -> Result<(), DataError> {
+        // A folder reached again (through a link to itself or an ancestor,
+        // or a second link to it) holds nothing not already listed.
+        if !self.folders.insert(Self::id(dir, "list")?) {
+            return Ok(());
+        }
+        let io = |error| DataError::Io { path: dir.to_path_buf(), action: "list", error };
+        let mut entries: Vec<PathBuf> = fs::read_dir(dir)
+            .map_err(io)?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<Result<_, _>>()
+            .map_err(io)?;
+        entries.sort();
+        for p in entries {
+            if p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')) {
+                continue;
+            }
+            if p.is_dir() {
+                self.folder(&p)?;
+            } else if p.is_file() {
+                self.file(&p)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One document's tokens; non-UTF-8 text is refused for GPT-2, naming the file.
@@ -350,6 +409,44 @@ mod tests {
             read_all(&r.train_path, 256),
             "firstsecondthird!".bytes().map(u32::from).collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn links_to_the_folder_itself_are_walked_once_so_each_file_is_read_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let docs = dir.path().join("in");
+        fs::create_dir(&docs).unwrap();
+        fs::write(docs.join("a.txt"), "abc").unwrap();
+        // Two links back to the folder: followed blindly, 2^40 paths.
+        std::os::unix::fs::symlink(".", docs.join("self")).unwrap();
+        std::os::unix::fs::symlink("..", docs.join("up")).unwrap();
+        let r = prepare_all(std::slice::from_ref(&docs), Tokenizer::Bytes, &dir.path().join("o"), 0.0, false)
+            .unwrap();
+        assert_eq!(r.documents, 1);
+        assert_eq!(read_all(&r.train_path, 256), "abc".bytes().map(u32::from).collect::<Vec<_>>());
+        // Folders reached twice hold nothing new; only files reached twice are news.
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    }
+
+    #[test]
+    fn a_file_reached_under_two_names_is_read_once_with_a_warning_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let docs = dir.path().join("in");
+        fs::create_dir(&docs).unwrap();
+        fs::write(docs.join("gpl.txt"), "GPL").unwrap();
+        std::os::unix::fs::symlink("gpl.txt", docs.join("gpl-3.txt")).unwrap();
+        fs::write(docs.join("mit.txt"), "MIT").unwrap();
+        let r = prepare_all(std::slice::from_ref(&docs), Tokenizer::Bytes, &dir.path().join("o"), 0.0, false)
+            .unwrap();
+        assert_eq!(r.documents, 2);
+        assert_eq!(read_all(&r.train_path, 256), "GPLMIT".bytes().map(u32::from).collect::<Vec<_>>());
+        assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+        let w = &r.warnings[0];
+        assert!(w.contains("in/gpl.txt") && w.contains("in/gpl-3.txt"), "{w}");
+        // Named twice on the command line: the same.
+        let a = docs.join("mit.txt");
+        let r = prepare_all(&[a.clone(), a], Tokenizer::Bytes, &dir.path().join("p"), 0.0, false).unwrap();
+        assert_eq!((r.documents, r.warnings.len()), (1, 1));
     }
 
     #[test]

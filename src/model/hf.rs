@@ -34,13 +34,23 @@ pub enum HfError {
 }
 
 /// The shape in `dir/config.json`, or None when the folder has no such file.
+/// A config.json that is there but cannot be read (a FIFO, a device, a
+/// symlink loop, a dangling link) is an error naming it, not "absent":
+/// absent, the model's shape would silently come from elsewhere.
 pub fn read_shape(dir: &Path) -> Result<Option<HfShape>, HfError> {
     let path = dir.join(HF_CONFIG_FILE);
-    if !dir.is_dir() || !path.exists() {
+    if !dir.is_dir() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&path).map_err(|error| HfError::Io { path: path.clone(), error })?;
-    parse_shape(&path, &text).map(Some)
+    let read = crate::fsutil::read_optional_to_string(
+        &path,
+        crate::fsutil::MAX_CONFIG_BYTES,
+        "a config.json may hold",
+    );
+    match read.map_err(|error| HfError::Io { path: path.clone(), error })? {
+        Some(text) => parse_shape(&path, &text).map(Some),
+        None => Ok(None),
+    }
 }
 
 /// `config.json`'s text as a GPT-2 shape; `path` names it in errors.

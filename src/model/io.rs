@@ -29,6 +29,11 @@ pub enum WeightsError {
          {expected} tensors of a GPT-2 with n_layer = {n_layer}: is the file from a larger model?)"
     )]
     Unexpected { path: PathBuf, name: String, count: usize, expected: usize, n_layer: usize },
+    #[error(
+        "{path}: tensors `{first}` and `{second}` are both `{canonical}` (one with Hugging Face's \
+         `transformer.` prefix, one without): expected each tensor once"
+    )]
+    Duplicate { path: PathBuf, first: String, second: String, canonical: String },
 }
 
 /// Model tensors gathered from parts, by HF name, each exactly once (the
@@ -155,6 +160,9 @@ pub struct LoadedWeights {
     /// `transformer.` when the file names its tensors so (Hugging Face's
     /// GPT2LMHeadModel): errors name tensors as the file does.
     pub prefix: String,
+    /// What the file holds that loading drops though it matters (a head
+    /// that differs from wte), each also logged as a warning.
+    pub warnings: Vec<String>,
 }
 
 /// The safetensors file a weights argument names: the path itself, or a
@@ -194,6 +202,9 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
     let (_, meta) = SafeTensors::read_metadata(buf).map_err(|e| fmt(e.to_string()))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
     let mut tensors = HashMap::new();
+    // The name each tensor had in the file, by the name it is loaded under.
+    let mut spelled: HashMap<String, String> = HashMap::new();
+    let mut head = None;
     let mut prefix = String::new();
     for (file_name, view) in st.tensors() {
         let name = match file_name.strip_prefix("transformer.") {
@@ -203,8 +214,18 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
             }
             None => file_name.clone(),
         };
-        if name == "lm_head.weight" || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+        if name == "lm_head.weight" {
+            head = Some((file_name, view));
             continue;
+        }
+        if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+            continue;
+        }
+        // `wte.weight` beside `transformer.wte.weight`: which one a HashMap
+        // kept would decide the model, so neither is chosen.
+        if let Some(other) = spelled.insert(name.clone(), file_name.clone()) {
+            let (first, second) = if other < file_name { (other, file_name) } else { (file_name, other) };
+            return Err(WeightsError::Duplicate { path: path.to_path_buf(), first, second, canonical: name });
         }
         if view.dtype() != Dtype::F32 {
             return Err(WeightsError::Dtype {
@@ -217,7 +238,33 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
             view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         tensors.insert(name, (view.shape().to_vec(), data));
     }
-    Ok(LoadedWeights { path: path.to_path_buf(), tensors, metadata, prefix })
+    let mut warnings = Vec::new();
+    if let Some((head_name, view)) = head {
+        if !head_is_wte(&view, tensors.get("wte.weight")) {
+            let w = format!(
+                "{}: `{head_name}` differs from `{prefix}wte.weight` and is ignored: pipewright ties the \
+                 output head to wte",
+                path.display()
+            );
+            tracing::warn!("{w}");
+            warnings.push(w);
+        }
+    }
+    Ok(LoadedWeights { path: path.to_path_buf(), tensors, metadata, prefix, warnings })
+}
+
+/// Whether a file's `lm_head.weight` holds exactly `wte` (as a tied model
+/// saves it), bit for bit.
+fn head_is_wte(head: &safetensors::tensor::TensorView<'_>, wte: Option<&(Vec<usize>, Vec<f32>)>) -> bool {
+    let Some((shape, data)) = wte else { return false };
+    head.dtype() == Dtype::F32
+        && head.shape() == shape.as_slice()
+        && head.data().len() == 4 * data.len()
+        && head
+            .data()
+            .chunks_exact(4)
+            .zip(data)
+            .all(|(b, x)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).to_bits() == x.to_bits())
 }
 
 impl LoadedWeights {
@@ -405,6 +452,62 @@ mod tests {
         assert_eq!(data, &(0..32).map(|i| i as f32).collect::<Vec<_>>());
         let err = load_for(dir.path(), &GptConfig { block_size: 11, ..tiny(1) }).err().unwrap().to_string();
         assert!(err.contains("`wpe.weight` has shape [10, 8], expected [11, 8]"), "{err}");
+    }
+
+    /// A file of `cfg`'s tensors (wte holding 1.0 everywhere, the rest
+    /// zeros) plus `extra` named tensors shaped like wte, holding `value`.
+    fn saved_with(cfg: &GptConfig, extra: &[(&str, f32)]) -> (tempfile::TempDir, PathBuf) {
+        let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = all_tensors(cfg)
+            .into_iter()
+            .map(|(n, s)| {
+                let len = s.iter().product();
+                let fill = if n == "wte.weight" { 1.0 } else { 0.0 };
+                (n, s, vec![fill; len])
+            })
+            .collect();
+        let wte_shape = vec![cfg.vocab_size, cfg.n_embd];
+        for (name, value) in extra {
+            owned.push((name.to_string(), wte_shape.clone(), vec![*value; cfg.vocab_size * cfg.n_embd]));
+        }
+        let map: BTreeMap<String, (&[usize], &[f32])> =
+            owned.iter().map(|(n, s, d)| (n.clone(), (s.as_slice(), d.as_slice()))).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        save(&path, &map, HashMap::new()).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn a_tensor_under_both_its_plain_and_its_prefixed_name_is_refused_naming_both() {
+        // Equal values or not: which copy counts must never be a hash order's choice.
+        for value in [5.0, 1.0] {
+            let (_dir, path) = saved_with(&tiny(1), &[("transformer.wte.weight", value)]);
+            let err = load(&path).err().expect("a duplicate is refused");
+            assert!(matches!(&err, WeightsError::Duplicate { canonical, .. } if canonical == "wte.weight"));
+            let msg = err.to_string();
+            assert!(
+                msg.contains("w.safetensors")
+                    && msg.contains("`transformer.wte.weight` and `wte.weight`")
+                    && msg.contains("both `wte.weight`"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_head_that_differs_from_wte_is_named_in_a_warning_and_one_equal_to_it_is_not() {
+        let (_dir, path) = saved_with(&tiny(1), &[("lm_head.weight", 2.0)]);
+        let w = load(&path).unwrap();
+        assert_eq!(w.warnings.len(), 1, "{:?}", w.warnings);
+        assert!(
+            w.warnings[0].contains("`lm_head.weight` differs from `wte.weight`")
+                && w.warnings[0].contains("w.safetensors"),
+            "{}",
+            w.warnings[0]
+        );
+        w.check(&tiny(1)).unwrap();
+        let (_dir, path) = saved_with(&tiny(1), &[("lm_head.weight", 1.0)]);
+        assert!(load(&path).unwrap().warnings.is_empty());
     }
 
     #[test]

@@ -164,6 +164,15 @@ fn err(flag: &str, reason: impl Into<String>) -> PlanError {
     PlanError { flag: flag.into(), reason: reason.into() }
 }
 
+/// `--mfu` for either planner: a fraction of peak (NaN fails every comparison).
+fn check_mfu(mfu: f64) -> Result<(), PlanError> {
+    if mfu > 0.0 && mfu <= 1.0 {
+        Ok(())
+    } else {
+        Err(err("--mfu", format!("must be in (0, 1], got {mfu}")))
+    }
+}
+
 /// Everything the planner runs on, resolved from flags and config.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PlanInput {
@@ -248,9 +257,7 @@ pub fn resolve(a: &PlanArgs) -> Result<PlanInput, PlanError> {
         (None, None) => return Err(err("--gpus", "required: how many GPUs")),
     };
     let gpu: Gpu = a.gpu.parse().map_err(|e: String| err("--gpu", e))?;
-    if !(a.mfu.is_finite() && a.mfu > 0.0 && a.mfu <= 1.0) {
-        return Err(err("--mfu", format!("must be in (0, 1], got {}", a.mfu)));
-    }
+    check_mfu(a.mfu)?;
     if let Some(p) = a.price {
         if !(p.is_finite() && p >= 0.0) {
             return Err(err("--price", format!("must be ≥ 0 $/GPU-hour, got {p}")));
@@ -702,6 +709,7 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
     if let Some((flag, _)) = gpu_only.iter().find(|f| f.1) {
         return Err(err(flag, "does not apply with --gpu cpu, which plans the config as it is (--config or the embedded default)"));
     }
+    check_mfu(args.mfu)?;
     let cfg = Config::load(args.config.as_deref(), &args.set).map_err(|e| err("--config", e.to_string()))?;
     let fail = |e: anyhow::Error| err("--config", format!("{e:#}"));
     let layout = cpu::plan_over(&cfg, nodes_of(args, &cfg)?).map_err(fail)?;

@@ -357,7 +357,7 @@ impl LogReader {
     pub fn open(path: &Path) -> Result<LogReader, LogError> {
         let p = path.to_path_buf();
         let io = LogError::io(path);
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = crate::fsutil::open_regular(path).map_err(io)?;
         let size = file.metadata().map_err(io)?.len();
         let mut input = std::io::BufReader::with_capacity(1 << 20, file);
         let mut head = [0u8; 16];

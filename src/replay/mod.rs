@@ -562,7 +562,9 @@ pub fn blake3_hex(bytes: &[u8]) -> String {
 
 /// blake3 of a file, hex.
 pub fn file_blake3(path: &Path) -> Result<String, LogError> {
-    let bytes = std::fs::read(path).map_err(LogError::io(path))?;
+    let cap = crate::fsutil::memory_cap();
+    let bytes =
+        crate::fsutil::read_regular(path, cap, "this machine's memory holds").map_err(LogError::io(path))?;
     Ok(blake3_hex(&bytes))
 }
 

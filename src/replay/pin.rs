@@ -14,10 +14,10 @@ pub fn pinned_path(checkpoints_dir: &Path) -> PathBuf {
 /// The pinned steps under `checkpoints_dir` (none when there is no file).
 pub fn pinned_steps(checkpoints_dir: &Path) -> std::io::Result<Vec<u64>> {
     let p = pinned_path(checkpoints_dir);
-    let text = match std::fs::read(&p) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
+    let Some(text) =
+        crate::fsutil::read_optional(&p, crate::fsutil::MAX_CONFIG_BYTES, "a pin list may hold")?
+    else {
+        return Ok(Vec::new());
     };
     serde_json::from_slice(&text).map_err(|e| {
         std::io::Error::new(std::io::ErrorKind::InvalidData, format!("not a JSON list of steps: {e}"))

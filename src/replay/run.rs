@@ -123,7 +123,8 @@ const ALLOW_HINT: &str = "`replay --allow-truncated` replays the entries it hold
 
 fn read_log(logs: &Path, run_dir: &Path, actor: &str, allow_cut: bool) -> Result<(ReadLog, PathBuf)> {
     let path = logs.join(format!("{actor}.log"));
-    if !path.exists() {
+    // A log that is there but unreadable (a symlink loop) is named by the reader, not called absent.
+    if !crate::fsutil::is_present(&path).with_context(|| format!("{}: cannot look for it", path.display()))? {
         let have = actors_in(run_dir, logs).unwrap_or_default();
         bail!("{}: no such replay log; this run recorded: {}", path.display(), have.join(", "));
     }
@@ -214,13 +215,14 @@ fn start_checkpoint(
 fn init_weights(header: &Header, path: &Path) -> Result<Option<Arc<crate::model::io::LoadedWeights>>> {
     let Some(init) = &header.init else { return Ok(None) };
     let p = Path::new(&init.path);
-    let bytes = std::fs::read(p).with_context(|| {
-        format!(
-            "{}: cannot read the --init weights this run started from (named in {})",
-            p.display(),
-            path.display()
-        )
-    })?;
+    let bytes = crate::fsutil::read_regular(p, crate::fsutil::memory_cap(), "this machine's memory holds")
+        .with_context(|| {
+            format!(
+                "{}: cannot read the --init weights this run started from (named in {})",
+                p.display(),
+                path.display()
+            )
+        })?;
     let now = super::blake3_hex(&bytes);
     if now != init.blake3 {
         bail!(

@@ -10,6 +10,52 @@ use super::{looped_placement, v_placement, Action, ActionKind, ScheduleError, Sc
 
 type Lists = Vec<Vec<Action>>;
 
+/// The most actions a schedule may hold: 2^22 (4 Mi) builds, checks and
+/// simulates in a few seconds and a few hundred MB; 3000 × 3000 (18 M) takes
+/// half a minute and 2.5 GB, and 2^40 ranks abort in the allocator.
+pub const MAX_ACTIONS: u64 = 1 << 22;
+
+/// The most pipeline ranks a schedule may have: the grid and the checks
+/// compare every rank with its neighbours' timelines, so time grows with p²
+/// whatever m is (20 000 ranks of one microbatch take 20 s).
+pub const MAX_RANKS: usize = 4096;
+
+/// Why a schedule of `p` ranks, `m` microbatches and `v` chunks is too large
+/// to build here: the config field most to blame, its value and the limit.
+/// Computed in u128 (the products overflow usize), before anything is allocated.
+pub fn size_problem(p: usize, m: usize, v: usize) -> Option<(&'static str, usize, String)> {
+    if p > MAX_RANKS {
+        return Some(("parallel.pp", p, format!("expected at most {MAX_RANKS} pipeline ranks")));
+    }
+    // F and B (or F, I and W) per stage and microbatch: at most 3.
+    let actions = 3 * p as u128 * m as u128 * v as u128;
+    if actions <= MAX_ACTIONS as u128 {
+        return None;
+    }
+    let (field, value) = if m >= v.max(p) {
+        ("parallel.microbatches", m)
+    } else if v >= p {
+        ("parallel.chunks", v)
+    } else {
+        ("parallel.pp", p)
+    };
+    Some((
+        field,
+        value,
+        format!(
+            "{p} ranks × {v} chunks × {m} microbatches make about {actions} actions, more than the \
+             {MAX_ACTIONS} a schedule may hold"
+        ),
+    ))
+}
+
+fn check_size(p: usize, m: usize, v: usize) -> Result<(), ScheduleError> {
+    match size_problem(p, m, v) {
+        None => Ok(()),
+        Some((field, value, limit)) => Err(unsupported(field, format!("{value}: {limit}"))),
+    }
+}
+
 fn unsupported(field: &str, reason: String) -> ScheduleError {
     ScheduleError::Unsupported { field: field.into(), reason }
 }
@@ -31,6 +77,7 @@ pub(super) fn build_actions(
     if v == 0 {
         return Err(unsupported("parallel.chunks", "each rank needs at least 1 model chunk".into()));
     }
+    check_size(p, m, v)?;
     let one_chunk = |name: &str| {
         if v == 1 {
             Ok(())

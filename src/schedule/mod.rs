@@ -18,6 +18,7 @@
 
 mod action;
 mod builders;
+pub use builders::{size_problem, MAX_ACTIONS, MAX_RANKS};
 mod render;
 mod simulate;
 mod validate;

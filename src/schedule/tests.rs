@@ -497,3 +497,23 @@ fn rendezvous_sends_cost_the_wait_for_the_receiver() {
     assert_eq!(r.busy, b.busy);
     assert!(r.makespan >= b.makespan);
 }
+
+#[test]
+fn shapes_too_large_to_build_are_refused_naming_the_field_before_allocating() {
+    let big = 1usize << 40;
+    for (kind, p, m, v, field) in [
+        (ScheduleKind::OneFOneB, big, 4, 1, "parallel.pp"),
+        (ScheduleKind::OneFOneB, 100_000, 100_000, 1, "parallel.pp"),
+        (ScheduleKind::OneFOneB, 4000, 4000, 1, "parallel.microbatches"),
+        (ScheduleKind::GPipe, 1, big, 1, "parallel.microbatches"),
+        (ScheduleKind::Interleaved1F1B, 2, 4, 1 << 62, "parallel.chunks"),
+    ] {
+        let err = build(kind, p, m, v).unwrap_err();
+        assert!(matches!(&err, ScheduleError::Unsupported { field: f, .. } if f == field), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains(&MAX_ACTIONS.to_string()) || msg.contains(&MAX_RANKS.to_string()), "{msg}");
+    }
+    // The limit leaves every shape the trainer and the benchmarks use.
+    build(ScheduleKind::OneFOneB, 32, 256, 1).unwrap();
+    build(ScheduleKind::Interleaved1F1B, 8, 64, 4).unwrap();
+}

@@ -54,12 +54,16 @@ pub fn simulated_meta(s: &Schedule, costs: &Costs, unit_us: f64) -> Value {
     })
 }
 
+/// The longest `--costs` entry, in ms (an hour): the makespan sums costs
+/// over every action, and 1e308 twice is infinity.
+pub const MAX_COST_MS: f64 = 3_600_000.0;
+
 /// `--costs` of `pipewright schedule`: F,B or F,B,I,W in ms (I and W default to
-/// half of B), each finite and > 0; none gives unit costs.
+/// half of B), each in (0, [`MAX_COST_MS`]]; none gives unit costs.
 pub fn cli_costs(costs_ms: &[f64]) -> Result<Costs, ScheduleError> {
     let bad = |reason: String| ScheduleError::Unsupported { field: "--costs".into(), reason };
-    if let Some(x) = costs_ms.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
-        return Err(bad(format!("{x}: every cost must be a number of ms > 0")));
+    if let Some(x) = costs_ms.iter().find(|x| !(**x > 0.0 && **x <= MAX_COST_MS)) {
+        return Err(bad(format!("{x:?}: every cost must be a number of ms > 0 and at most {MAX_COST_MS}")));
     }
     let mut costs = Costs::unit();
     match *costs_ms {

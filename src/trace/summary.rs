@@ -107,7 +107,9 @@ impl Trace {
 
 /// Reads and parses `path`.
 pub fn load(path: &Path) -> Result<Trace, TraceError> {
-    let text = std::fs::read_to_string(path).map_err(|error| TraceError::Io { path: path.into(), error })?;
+    let cap = crate::fsutil::memory_cap();
+    let text = crate::fsutil::read_regular_to_string(path, cap, "this machine's memory holds")
+        .map_err(|error| TraceError::Io { path: path.into(), error })?;
     parse(&text, path)
 }
 

@@ -40,6 +40,8 @@ pub fn load_model(
         (None, None, None) => Config::load(None, overrides)?,
     };
     cfg.validate_for_eval()?;
+    // Before fit: it enumerates every tensor the shape has, a loop over n_layer.
+    crate::limits::check_inference(&cfg)?;
     w.fit(&GptConfig::from_config(&cfg))?;
     Ok((cfg, w))
 }

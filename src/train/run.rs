@@ -151,7 +151,14 @@ fn median(v: &[f64]) -> Option<f64> {
 
 /// Metrics lines of steps ≤ `upto` from an earlier run's metrics.jsonl.
 fn prior_metrics(path: &Path, upto: usize) -> Result<Vec<StepMetrics>> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(Vec::new()) };
+    // Absent is a run that never logged; anything else unreadable is named.
+    let cap = crate::fsutil::memory_cap();
+    let read = crate::fsutil::read_optional_to_string(path, cap, "this machine's memory holds");
+    let Some(text) =
+        read.with_context(|| format!("{}: cannot read the earlier run's metrics", path.display()))?
+    else {
+        return Ok(Vec::new());
+    };
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
