@@ -1032,8 +1032,62 @@ impl Config {
                  {per} ranks per process is not a multiple of {tp}"
             ),
         );
+        // `launch` starts its processes on this machine, so they share its
+        // GPUs: NCCL takes one rank per GPU, and two processes' ranks on one
+        // GPU would be refused (or hang) at their first exchange. Found by
+        // the emulated GPU (its NCCL refused dp 2 × pp 2 over [0, 1]).
+        let n_devices = self.backend.devices.len();
+        if even
+            && self.backend.kind == BackendKind::Cuda
+            && (n_devices == 0 || n_devices == pp * tp || n_devices == pp * dp * tp)
+        {
+            let per_process = slots / nodes.max(1);
+            let mut users: std::collections::BTreeMap<usize, (usize, usize, usize)> = Default::default();
+            'ranks: for replica in 0..dp {
+                for rank in 0..pp {
+                    let ordinals = gpu_ordinals(&self.backend.devices, pp, tp, rank, replica);
+                    for (t, &gpu) in ordinals.iter().enumerate() {
+                        let process = ((replica * pp + rank) * tp + t) / per_process.max(1);
+                        match users.get(&gpu) {
+                            Some(&(p, r0, s0)) if p != process => {
+                                v.check(
+                                    false,
+                                    "backend.devices",
+                                    format!("{:?}", self.backend.devices),
+                                    format!(
+                                        "launch --nodes {nodes} runs its processes on this machine, sharing its \
+                                         GPUs: replica {r0} stage {s0} (process {p}) and replica {replica} stage \
+                                         {rank} (process {process}) both use GPU {gpu}, and NCCL takes one rank \
+                                         per GPU; give each process its own GPUs (one entry per rank and replica: \
+                                         {} entries)",
+                                        pp * dp * tp
+                                    ),
+                                );
+                                break 'ranks;
+                            }
+                            Some(_) => {}
+                            None => {
+                                users.insert(gpu, (process, replica, rank));
+                            }
+                        }
+                    }
+                }
+            }
+        }
         v.finish()
     }
+}
+
+/// The GPU ordinals of pipeline rank `rank`'s tensor-parallel ranks in
+/// replica `replica`, from `backend.devices`: `tp` entries per rank, ranks
+/// in order, optionally per replica (replica-major); empty: all GPU 0.
+pub fn gpu_ordinals(devices: &[usize], pp: usize, tp: usize, rank: usize, replica: usize) -> Vec<usize> {
+    let first = match devices.len() {
+        0 => return vec![0; tp],
+        n if n == pp * tp => rank * tp,
+        _ => (replica * pp + rank) * tp,
+    };
+    devices[first..first + tp].to_vec()
 }
 
 #[cfg(test)]
@@ -1692,5 +1746,27 @@ mod tests {
         );
         let err = c.check_processes(2).unwrap_err().to_string();
         assert!(err.contains("parallel.tp") && err.contains("6 ranks per process"), "{err}");
+    }
+
+    #[test]
+    fn a_launch_whose_processes_would_share_a_gpu_is_refused_naming_both_ranks() {
+        let mut c = Config::default();
+        c.backend.kind = BackendKind::Cuda;
+        c.parallel.pp = 2;
+        c.parallel.dp = 2;
+        // One entry per stage: each replica (a process of its own) puts stage 1 on GPU 1.
+        c.backend.devices = vec![0, 1];
+        let err = c.check_processes(2).unwrap_err().to_string();
+        assert!(err.contains("backend.devices") && err.contains("both use GPU 0"), "{err}");
+        // In one process the replicas share GPUs without NCCL between them.
+        c.check_processes(1).unwrap();
+        c.backend.devices = vec![];
+        assert!(c.check_processes(2).unwrap_err().to_string().contains("both use GPU 0"));
+        // One GPU per rank and replica: nothing shared.
+        c.backend.devices = vec![0, 1, 2, 3];
+        c.check_processes(2).unwrap();
+        // Each process's stages on one GPU of its own.
+        c.backend.devices = vec![0, 0, 1, 1];
+        c.check_processes(2).unwrap();
     }
 }

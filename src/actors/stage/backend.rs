@@ -142,16 +142,11 @@ fn build_gpu(
 }
 
 /// The GPU ordinals of pipeline rank `rank`'s tensor-parallel ranks in
-/// replica `replica`, from `backend.devices`: `tp` entries per rank, ranks
-/// in order, optionally per replica (replica-major); empty: all GPU 0.
+/// replica `replica`, from `backend.devices` (`config::gpu_ordinals`, where
+/// `launch` also reads them to keep processes off each other's GPUs).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn tp_ordinals(devices: &[usize], pp: usize, tp: usize, rank: usize, replica: usize) -> Vec<usize> {
-    let first = match devices.len() {
-        0 => return vec![0; tp],
-        n if n == pp * tp => rank * tp,
-        _ => (replica * pp + rank) * tp,
-    };
-    devices[first..first + tp].to_vec()
+    crate::config::gpu_ordinals(devices, pp, tp, rank, replica)
 }
 
 #[cfg(not(feature = "cuda"))]
