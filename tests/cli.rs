@@ -677,3 +677,76 @@ fn an_uneven_layer_split_is_said_with_the_field_to_choose_it() {
         "{err}"
     );
 }
+
+#[test]
+fn generate_into_a_pipe_that_closes_ends_quietly() {
+    let w = earlier_run_fixture().to_str().unwrap().to_string();
+    let mut child = bin()
+        .args(["generate", "--weights", &w, "--prompt", "12+34=", "--max-new-tokens", "200"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // `generate | head -c 0`: the reader is gone before the first byte.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {err}", out.status);
+    assert!(!err.contains("Broken pipe") && !err.contains("error") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn schedule_trace_files_end_with_a_newline() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.json");
+    let p = path.to_str().unwrap();
+    let (ok, _, err) =
+        run(&["schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "2", "--trace", p]);
+    assert!(ok, "{err}");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.ends_with("}\n"), "{:?}", &text[text.len().saturating_sub(20)..]);
+    serde_json::from_str::<serde_json::Value>(&text).unwrap();
+}
+
+/// `train --resume` on `dir`: (success, stderr).
+fn resume(dir: &Path, extra: &[&str]) -> (bool, String) {
+    let mut args = vec!["train", "--resume", dir.to_str().unwrap()];
+    args.extend(extra);
+    let (ok, _, err) = run(&args);
+    (ok, err)
+}
+
+#[test]
+fn resuming_a_finished_run_says_so_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, extra) in [("saved", &["--set", "checkpoint.every=1"][..]), ("unsaved", &[][..])] {
+        let out = dir.path().join(name);
+        let (ok, _, err) = tiny_train(&out, extra);
+        assert!(ok, "{err}");
+        let before = snapshot(&out);
+        let summary: serde_json::Value = serde_json::from_slice(&before["summary.json"]).unwrap();
+        assert!(summary["exact_match"].is_number() && summary["tokens_per_s"].as_f64() > Some(0.0));
+        let (ok, err) = resume(&out, &[]);
+        assert!(ok, "{name}: {err}");
+        assert!(err.contains("this run is finished (step 3 of train.steps = 3); nothing was run"), "{err}");
+        assert!(!err.contains("starting from step 0"), "{name}: {err}");
+        assert!(snapshot(&out) == before, "{name}: resuming a finished run changed its files");
+        if name == "unsaved" {
+            assert!(err.contains("which needs a checkpoint: this run saved none"), "{err}");
+            // More steps would retrain from step 0 over the finished run's outputs.
+            let (ok, err) = resume(&out, &["--steps", "5"]);
+            assert!(
+                !ok && err.contains("no checkpoint to continue from") && err.contains("--force"),
+                "{err}"
+            );
+            assert!(snapshot(&out) == before, "a refused resume changed the run's files");
+        }
+    }
+    // A finished run with checkpoints continues to a larger --steps, as documented.
+    let out = dir.path().join("saved");
+    let (ok, err) = resume(&out, &["--steps", "5"]);
+    assert!(ok, "{err}");
+    let summary: serde_json::Value = serde_json::from_slice(&snapshot(&out)["summary.json"]).unwrap();
+    assert_eq!((summary["steps"].as_u64(), summary["resumed_from"].as_u64()), (Some(5), Some(3)));
+    assert!(summary["exact_match"].is_number(), "{summary}");
+}
