@@ -408,10 +408,15 @@ fn eval_takes_the_model_shape_from_the_weights() {
     let weights = earlier_run_fixture().join("model.safetensors");
     let (w, d) = (weights.to_str().unwrap(), data.to_str().unwrap());
     // No --config: the 1-layer, 16-wide shape comes from the weights' stored config.
-    let (ok, stdout, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "4", "--json"]);
+    let (ok, stdout, err) = run(&["eval", "--weights", w, "--data", d, "--windows", "8", "--json"]);
     assert!(ok, "{err}");
     let loss = serde_json::from_str::<serde_json::Value>(stdout.trim()).unwrap()["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss > 0.0);
+    // --batches counts what train.eval_batches counts: batches of the
+    // stored config's train.micro_batch_size (2) windows.
+    let (ok, batches, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "4", "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(batches, stdout, "4 batches of 2 windows are the first 8 windows");
     // A config whose pipeline does not fit the model is fine: eval runs no pipeline.
     let mut args = vec![
         "eval",
@@ -421,8 +426,8 @@ fn eval_takes_the_model_shape_from_the_weights() {
         w,
         "--data",
         d,
-        "--batches",
-        "4",
+        "--windows",
+        "8",
         "--json",
     ];
     args.extend(TINY_SHAPE);

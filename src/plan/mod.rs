@@ -121,6 +121,8 @@ pub fn trainer_config(
     backend: Backend,
 ) -> Config {
     let mut c = Config::default();
+    // The data are no layout question: a built-in corpus stands for them.
+    c.data.builtin = crate::config::Builtin::Random;
     c.model.n_layer = shape.layers;
     c.model.n_head = shape.heads;
     c.model.n_embd = shape.hidden;

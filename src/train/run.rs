@@ -408,10 +408,13 @@ pub fn train_on(
         None => None,
     };
     // A resume sets damaged checkpoints aside: the directory is this process's from here on.
-    let mut run_lock = if opts.resume { Some(super::lock::lock(&opts.out_dir)?) } else { None };
+    // Before the lock, which rewrites its file: a finished run is left byte for
+    // byte as it was. Only reads; a live run continuing to more steps has
+    // fewer in its summary than it was asked for, and is met by the lock.
     if opts.resume {
         check_resumable(&opts.out_dir, cfg)?;
     }
+    let mut run_lock = if opts.resume { Some(super::lock::lock(&opts.out_dir)?) } else { None };
     let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
     // The machine's f32 matrix-product rate, the yardstick for gemm_util; measured
