@@ -553,7 +553,25 @@ fn a_hugging_face_folder_needs_no_shape_flags_in_eval_train_and_inspect() {
         assert!(ok, "{err}");
         out
     };
-    assert_eq!(eval(&hf), eval(run_dir), "the HF folder is the same model");
+    // Without a count each reads its own config's train.eval_batches; a count
+    // of windows compares the models alone.
+    let windows = |w: &Path| {
+        let (ok, out, err) = run(&[
+            "eval",
+            "--weights",
+            w.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--windows",
+            "16",
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        out
+    };
+    assert_eq!(windows(&hf), windows(run_dir), "the HF folder is the same model");
+    let (hf_default, run_default) = (eval(&hf), eval(run_dir));
+    assert!(hf_default.contains("\"windows\":124") && run_default.contains("\"windows\":4"), "{hf_default}");
 
     let (ok, text, _) = run(&["inspect", hf.to_str().unwrap()]);
     assert!(ok && text.contains("config.json: GPT-2, n_layer = 1, n_head = 2, n_embd = 16"), "{text}");
@@ -754,4 +772,30 @@ fn resuming_a_finished_run_says_so_and_changes_nothing() {
     let summary: serde_json::Value = serde_json::from_slice(&snapshot(&out)["summary.json"]).unwrap();
     assert_eq!((summary["steps"].as_u64(), summary["resumed_from"].as_u64()), (Some(5), Some(3)));
     assert!(summary["exact_match"].is_number(), "{summary}");
+}
+
+#[test]
+fn eval_with_no_count_gives_a_runs_own_val_loss_as_train_eval_batches_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train_bin, val_bin) = (dir.path().join("train.bin"), dir.path().join("val.bin"));
+    let toks: Vec<u16> = (0..3000u32).map(|i| ((i * 7 + i / 13) % 256) as u16).collect();
+    write_llmc(&train_bin, &toks, 20240520, 1, toks.len() as i32);
+    write_llmc(&val_bin, &toks[..1000], 20240520, 1, 1000);
+    let out = dir.path().join("run");
+    let files = [format!("data.train={}", train_bin.display()), format!("data.val={}", val_bin.display())];
+    let extra =
+        ["--set", "data.builtin=", "--set", &files[0], "--set", &files[1], "--set", "train.eval_batches=5"];
+    let (ok, _, err) = tiny_train(&out, &extra);
+    assert!(ok, "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let (w, d) = (out.to_str().unwrap(), val_bin.to_str().unwrap());
+    let (ok, stdout, err) = run(&["eval", "--weights", w, "--data", d, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    // 5 batches of train.micro_batch_size = 2 windows, the run's own evaluation.
+    assert_eq!(v["windows"], 10);
+    assert_eq!(v["loss"], summary["val_loss"], "eval of a run on its val file is its val loss");
+    let (ok, batches, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "5", "--json"]);
+    assert!(ok && batches == stdout, "{err}");
 }

@@ -95,7 +95,8 @@ pub fn eval_file(
     amount: Amount,
 ) -> Result<(f64, usize)> {
     let (mut cfg, w) = load_model(config, overrides, weights)?;
-    let windows = amount.windows(&cfg)?;
+    let mut windows = amount.windows(&cfg)?;
+    let batch = cfg.train.micro_batch_size;
     // One window per microbatch: batches of equal size have the windows' mean.
     cfg.train.micro_batch_size = 1;
     cfg.parallel.microbatches = 1;
@@ -103,7 +104,19 @@ pub fn eval_file(
     super::finite::check_finite(&w, "--weights")?;
     let file = TokenFile::open_as(data, gpt.vocab_size, cfg.data.format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;
-    if (windows as u64) > sampler.n_windows() {
+    let held = usize::try_from(sampler.n_windows()).unwrap_or(usize::MAX);
+    if amount == Amount::ConfigBatches && windows > held && held >= batch {
+        // As train resolves train.eval_batches: all the whole batches the file holds.
+        let fit = held / batch * batch;
+        tracing::info!(
+            "train.eval_batches: {} → {} (all that {} holds)",
+            windows / batch,
+            fit / batch,
+            data.display()
+        );
+        windows = fit;
+    }
+    if windows > held {
         bail!(
             "{}: {}, but the file holds only {} windows of {} tokens",
             data.display(),
