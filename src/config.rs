@@ -228,7 +228,8 @@ pub struct TrainSection {
     pub seed: u64,
     /// Evaluate validation loss every N steps (0: never; always at the end if val is set).
     pub eval_every: usize,
-    /// Microbatches of validation data per evaluation.
+    /// Batches of train.micro_batch_size validation windows per evaluation
+    /// (what `eval --batches` counts too).
     pub eval_batches: usize,
     /// Keep only each block's input in forward and recompute the rest in backward.
     pub recompute: bool,
@@ -297,6 +298,22 @@ pub struct ParallelSection {
     /// (the fastest, and tp = 1); set the same value on every run whose bits
     /// should agree. A power of two dividing model.n_head.
     pub tp_slices: usize,
+    /// When a stage's tensor-parallel ranks span processes: seconds a rank
+    /// waits for another process's all-reduce nodes or gradient shards before
+    /// failing the run, naming that process (a process that is gone is
+    /// reported at once, by its link; this catches one that is up but
+    /// silent). Waits are logged, naming who is awaited, after 5 s.
+    pub tp_timeout_s: f64,
+}
+
+/// The longest `parallel.tp_timeout_s` taken: a day.
+const TP_TIMEOUT_MAX_S: f64 = 86_400.0;
+
+impl ParallelSection {
+    /// `tp_timeout_s` as a duration (validated to be in (0, a day]).
+    pub fn tp_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.tp_timeout_s.clamp(0.0, TP_TIMEOUT_MAX_S))
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -417,6 +434,10 @@ impl Default for ParallelSection {
             zero: 0,
             tp: 1,
             tp_slices: 1,
+            // A rank waits on its peers for about one block's compute; a
+            // minute is far beyond that at any size this trainer runs, and
+            // ten times sooner than the fixed wait it replaces.
+            tp_timeout_s: 60.0,
         }
     }
 }
@@ -830,6 +851,12 @@ impl Config {
             "parallel.tp_slices",
             p.tp_slices,
             "must be at most 64 with backend.kind = \"cuda\" (one kernel joins the slices' sums)",
+        );
+        v.check(
+            p.tp_timeout_s > 0.0 && p.tp_timeout_s <= TP_TIMEOUT_MAX_S,
+            "parallel.tp_timeout_s",
+            p.tp_timeout_s,
+            format!("must be a number of seconds in (0, {TP_TIMEOUT_MAX_S}]"),
         );
     }
 

@@ -48,6 +48,18 @@ pub enum GenerateError {
          more); pass --tokenizer"
     )]
     NoTokenizer(usize),
+    /// Whatever read the text stopped reading (`generate | head`): not a
+    /// failure of generation, and the command ends quietly.
+    #[error("the output was closed before the text was done")]
+    OutputClosed,
+}
+
+/// A write error, with a reader that went away told apart.
+fn output_error(e: std::io::Error) -> anyhow::Error {
+    match e.kind() {
+        std::io::ErrorKind::BrokenPipe => GenerateError::OutputClosed.into(),
+        _ => anyhow::Error::new(e).context("cannot write the generated text"),
+    }
 }
 
 impl Sampling {
@@ -241,8 +253,7 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     if on_gpu && !greedy {
         return Err(GenerateError::GpuSampling(req.sampling.temperature).into());
     }
-    out.write_all(req.prompt.as_bytes())?;
-    out.flush()?;
+    out.write_all(req.prompt.as_bytes()).and_then(|_| out.flush()).map_err(output_error)?;
     let mut failed = None;
     let mut print = |t: u32| {
         if failed.is_none() {
@@ -256,9 +267,9 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
         Generator::new(part, threads).generate(&prompt, req.max_new_tokens, &req.sampling, print)
     };
     if let Some(e) = failed {
-        return Err(e.into());
+        return Err(output_error(e));
     }
-    writeln!(out)?;
+    writeln!(out).map_err(output_error)?;
     Ok(new)
 }
 

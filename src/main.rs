@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
-use pipewright::train::run::{train_on, RunFailed, StoppedBeforeStart, TrainOptions};
+use pipewright::train::run::{train_on, AlreadyFinished, RunFailed, StoppedBeforeStart, TrainOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -151,7 +151,7 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
-    /// Mean loss of saved weights over the first N windows of a token file. The
+    /// Mean loss of saved weights over the first windows of a token file. The
     /// model's shape comes from --config if given, else from the config a run
     /// stored in the weights, else from the embedded default; --set applies on top.
     Eval {
@@ -163,9 +163,15 @@ enum Command {
         /// Token file (llm.c .bin or raw uint16).
         #[arg(long)]
         data: PathBuf,
-        /// Windows of block_size + 1 tokens, read sequentially from the start.
-        #[arg(long, default_value_t = 16)]
-        batches: usize,
+        /// Batches of train.micro_batch_size windows (of block_size + 1 tokens,
+        /// read sequentially from the start), as train.eval_batches counts
+        /// them: a run's own config and val file give its val loss [default:
+        /// the config's train.eval_batches].
+        #[arg(long, conflicts_with = "windows")]
+        batches: Option<usize>,
+        /// Windows of block_size + 1 tokens instead of batches.
+        #[arg(long)]
+        windows: Option<usize>,
         /// Print {"loss": …} instead of a sentence.
         #[arg(long)]
         json: bool,
@@ -175,6 +181,10 @@ enum Command {
     /// The model's shape comes as in eval. The tokenizer follows the
     /// vocabulary (256: bytes, 50257 or more: GPT-2's BPE) unless --tokenizer
     /// says. Temperature 0 is greedy; the same --seed gives the same text.
+    ///
+    /// A model trained on the built-in arithmetic corpus knows only its lines:
+    /// operands zero-padded to three digits, the sum written least-significant
+    /// digit first ("001+002=" continues "3000"); "1+2=" is text it never saw.
     Generate {
         #[command(flatten)]
         config: ConfigArgs,
@@ -391,6 +401,11 @@ fn main() {
     init_logging();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
+        // `generate | head`: the reader has what it wanted.
+        use pipewright::generate::GenerateError;
+        if matches!(e.downcast_ref::<GenerateError>(), Some(GenerateError::OutputClosed)) {
+            return;
+        }
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
@@ -645,7 +660,10 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                     opts.resume = true;
                     opts.init = None;
                 }
-                Err(e) if e.downcast_ref::<StoppedBeforeStart>().is_some() => {
+                Err(e)
+                    if e.downcast_ref::<StoppedBeforeStart>().is_some()
+                        || e.downcast_ref::<AlreadyFinished>().is_some() =>
+                {
                     eprintln!("{e}");
                     return Ok(());
                 }
@@ -820,18 +838,24 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Command::Eval { config, weights, data, batches, json } => {
-            let loss = pipewright::train::eval::eval_file(
+        Command::Eval { config, weights, data, batches, windows, json } => {
+            use pipewright::train::eval::Amount;
+            let amount = match (batches, windows) {
+                (_, Some(w)) => Amount::Windows(w),
+                (Some(b), None) => Amount::Batches(b),
+                (None, None) => Amount::ConfigBatches,
+            };
+            let (loss, read) = pipewright::train::eval::eval_file(
                 config.config.as_deref(),
                 &config.set,
                 &weights,
                 &data,
-                batches,
+                amount,
             )?;
             if json {
-                println!("{}", serde_json::json!({ "loss": loss }));
+                println!("{}", serde_json::json!({ "loss": loss, "windows": read }));
             } else {
-                println!("mean loss over the first {batches} windows of {}: {loss:.6}", data.display());
+                println!("mean loss over the first {read} windows of {}: {loss:.6}", data.display());
             }
             Ok(())
         }
@@ -1015,7 +1039,8 @@ fn run(cli: Cli) -> Result<()> {
             }
             if let Some(path) = trace {
                 let v = pipewright::trace::simulated::cli_trace(&kind, stages, microbatches, chunks, &costs)?;
-                std::fs::write(&path, v.to_string())
+                // A text file ends with a newline (tools that append or diff expect one).
+                std::fs::write(&path, format!("{v}\n"))
                     .with_context(|| format!("{}: cannot write", path.display()))?;
                 eprintln!("trace: {}", path.display());
             }

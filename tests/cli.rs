@@ -408,10 +408,15 @@ fn eval_takes_the_model_shape_from_the_weights() {
     let weights = earlier_run_fixture().join("model.safetensors");
     let (w, d) = (weights.to_str().unwrap(), data.to_str().unwrap());
     // No --config: the 1-layer, 16-wide shape comes from the weights' stored config.
-    let (ok, stdout, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "4", "--json"]);
+    let (ok, stdout, err) = run(&["eval", "--weights", w, "--data", d, "--windows", "8", "--json"]);
     assert!(ok, "{err}");
     let loss = serde_json::from_str::<serde_json::Value>(stdout.trim()).unwrap()["loss"].as_f64().unwrap();
     assert!(loss.is_finite() && loss > 0.0);
+    // --batches counts what train.eval_batches counts: batches of the
+    // stored config's train.micro_batch_size (2) windows.
+    let (ok, batches, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "4", "--json"]);
+    assert!(ok, "{err}");
+    assert_eq!(batches, stdout, "4 batches of 2 windows are the first 8 windows");
     // A config whose pipeline does not fit the model is fine: eval runs no pipeline.
     let mut args = vec![
         "eval",
@@ -421,8 +426,8 @@ fn eval_takes_the_model_shape_from_the_weights() {
         w,
         "--data",
         d,
-        "--batches",
-        "4",
+        "--windows",
+        "8",
         "--json",
     ];
     args.extend(TINY_SHAPE);
@@ -548,7 +553,25 @@ fn a_hugging_face_folder_needs_no_shape_flags_in_eval_train_and_inspect() {
         assert!(ok, "{err}");
         out
     };
-    assert_eq!(eval(&hf), eval(run_dir), "the HF folder is the same model");
+    // Without a count each reads its own config's train.eval_batches; a count
+    // of windows compares the models alone.
+    let windows = |w: &Path| {
+        let (ok, out, err) = run(&[
+            "eval",
+            "--weights",
+            w.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--windows",
+            "16",
+            "--json",
+        ]);
+        assert!(ok, "{err}");
+        out
+    };
+    assert_eq!(windows(&hf), windows(run_dir), "the HF folder is the same model");
+    let (hf_default, run_default) = (eval(&hf), eval(run_dir));
+    assert!(hf_default.contains("\"windows\":124") && run_default.contains("\"windows\":4"), "{hf_default}");
 
     let (ok, text, _) = run(&["inspect", hf.to_str().unwrap()]);
     assert!(ok && text.contains("config.json: GPT-2, n_layer = 1, n_head = 2, n_embd = 16"), "{text}");
@@ -676,4 +699,103 @@ fn an_uneven_layer_split_is_said_with_the_field_to_choose_it() {
         err.contains("model.n_layer = 3 over 2 stages splits as parallel.layers_per_stage = [2, 1]"),
         "{err}"
     );
+}
+
+#[test]
+fn generate_into_a_pipe_that_closes_ends_quietly() {
+    let w = earlier_run_fixture().to_str().unwrap().to_string();
+    let mut child = bin()
+        .args(["generate", "--weights", &w, "--prompt", "12+34=", "--max-new-tokens", "200"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // `generate | head -c 0`: the reader is gone before the first byte.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {err}", out.status);
+    assert!(!err.contains("Broken pipe") && !err.contains("error") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn schedule_trace_files_end_with_a_newline() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.json");
+    let p = path.to_str().unwrap();
+    let (ok, _, err) =
+        run(&["schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "2", "--trace", p]);
+    assert!(ok, "{err}");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.ends_with("}\n"), "{:?}", &text[text.len().saturating_sub(20)..]);
+    serde_json::from_str::<serde_json::Value>(&text).unwrap();
+}
+
+/// `train --resume` on `dir`: (success, stderr).
+fn resume(dir: &Path, extra: &[&str]) -> (bool, String) {
+    let mut args = vec!["train", "--resume", dir.to_str().unwrap()];
+    args.extend(extra);
+    let (ok, _, err) = run(&args);
+    (ok, err)
+}
+
+#[test]
+fn resuming_a_finished_run_says_so_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, extra) in [("saved", &["--set", "checkpoint.every=1"][..]), ("unsaved", &[][..])] {
+        let out = dir.path().join(name);
+        let (ok, _, err) = tiny_train(&out, extra);
+        assert!(ok, "{err}");
+        let before = snapshot(&out);
+        let summary: serde_json::Value = serde_json::from_slice(&before["summary.json"]).unwrap();
+        assert!(summary["exact_match"].is_number() && summary["tokens_per_s"].as_f64() > Some(0.0));
+        let (ok, err) = resume(&out, &[]);
+        assert!(ok, "{name}: {err}");
+        assert!(err.contains("this run is finished (step 3 of train.steps = 3); nothing was run"), "{err}");
+        assert!(!err.contains("starting from step 0"), "{name}: {err}");
+        assert!(snapshot(&out) == before, "{name}: resuming a finished run changed its files");
+        if name == "unsaved" {
+            assert!(err.contains("which needs a checkpoint: this run saved none"), "{err}");
+            // More steps would retrain from step 0 over the finished run's outputs.
+            let (ok, err) = resume(&out, &["--steps", "5"]);
+            assert!(
+                !ok && err.contains("no checkpoint to continue from") && err.contains("--force"),
+                "{err}"
+            );
+            assert!(snapshot(&out) == before, "a refused resume changed the run's files");
+        }
+    }
+    // A finished run with checkpoints continues to a larger --steps, as documented.
+    let out = dir.path().join("saved");
+    let (ok, err) = resume(&out, &["--steps", "5"]);
+    assert!(ok, "{err}");
+    let summary: serde_json::Value = serde_json::from_slice(&snapshot(&out)["summary.json"]).unwrap();
+    assert_eq!((summary["steps"].as_u64(), summary["resumed_from"].as_u64()), (Some(5), Some(3)));
+    assert!(summary["exact_match"].is_number(), "{summary}");
+}
+
+#[test]
+fn eval_with_no_count_gives_a_runs_own_val_loss_as_train_eval_batches_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train_bin, val_bin) = (dir.path().join("train.bin"), dir.path().join("val.bin"));
+    let toks: Vec<u16> = (0..3000u32).map(|i| ((i * 7 + i / 13) % 256) as u16).collect();
+    write_llmc(&train_bin, &toks, 20240520, 1, toks.len() as i32);
+    write_llmc(&val_bin, &toks[..1000], 20240520, 1, 1000);
+    let out = dir.path().join("run");
+    let files = [format!("data.train={}", train_bin.display()), format!("data.val={}", val_bin.display())];
+    let extra =
+        ["--set", "data.builtin=", "--set", &files[0], "--set", &files[1], "--set", "train.eval_batches=5"];
+    let (ok, _, err) = tiny_train(&out, &extra);
+    assert!(ok, "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let (w, d) = (out.to_str().unwrap(), val_bin.to_str().unwrap());
+    let (ok, stdout, err) = run(&["eval", "--weights", w, "--data", d, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    // 5 batches of train.micro_batch_size = 2 windows, the run's own evaluation.
+    assert_eq!(v["windows"], 10);
+    assert_eq!(v["loss"], summary["val_loss"], "eval of a run on its val file is its val loss");
+    let (ok, batches, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "5", "--json"]);
+    assert!(ok && batches == stdout, "{err}");
 }

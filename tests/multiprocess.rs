@@ -72,6 +72,8 @@ fn launched(dir: &Path, nodes: usize, args: &[String]) -> String {
     c.arg("launch").arg("--nodes").arg(nodes.to_string()).args(args).arg("--out").arg(&run);
     let o = run_to_end(c, Duration::from_secs(60));
     assert!(o.status.success(), "launch --nodes {nodes}: {}", text(&o));
+    // A clean end is quiet about the sessions that close as the workers exit.
+    assert!(!text(&o).contains("session closed"), "launch --nodes {nodes}: {}", text(&o));
     digest(&run)
 }
 

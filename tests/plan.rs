@@ -439,25 +439,26 @@ fn step_time_attempt() -> Attempt {
 }
 
 /// A layout the trainer lacks a feature for is marked with what it lacks, and
-/// never ranked above one it runs; the rule lives in `plan::runnable`.
+/// never ranked above one it runs; the rule is the trainer's own validation
+/// (`plan::runnable`), so no row says "runs" of a layout `train` refuses.
 #[test]
 fn layouts_the_trainer_cannot_run_are_marked_and_ranked_below_those_it_can() {
-    use pipewright::plan::{runnable, Backend};
+    use pipewright::plan::{runnable, trainer_config, Backend};
     for inp in inputs() {
         let r = search(&inp);
         let first_lacking = r.candidates.iter().position(|c| c.lacks.is_some()).unwrap_or(r.candidates.len());
         assert!(r.candidates[first_lacking..].iter().all(|c| c.lacks.is_some()), "runnable after lacking");
         for c in &r.candidates {
-            assert_eq!(
-                c.lacks.is_some(),
-                c.tp > 1 || c.zero > 0 || c.recompute == memory::Recompute::Selective
-            );
+            // On cuda: no ZeRO-1, no zero-bubble split backward; GPU tp's
+            // memory is not the planner's; selective recompute is no setting.
+            let refused = c.tp > 1 || c.zero > 0 || c.recompute == memory::Recompute::Selective;
+            assert_eq!(c.lacks.is_some(), refused || c.schedule == "zb-h1", "{} {:?}", c.schedule, c.lacks);
         }
     }
-    assert!(
-        search(&inputs()[0]).candidates[0].lacks.is_none(),
-        "a 7B on 512 H100s has a layout that runs today"
-    );
+    let seven_b = search(&inputs()[0]);
+    assert!(seven_b.candidates[0].lacks.is_none(), "a 7B on 512 H100s has a layout that runs today");
+    // Every row that runs passes `train`'s own validation of its config.
+    let shape = inputs()[0].shape;
     let layout = |tp, zero| MemLayout {
         tp,
         pp: 2,
@@ -467,12 +468,19 @@ fn layouts_the_trainer_cannot_run_are_marked_and_ranked_below_those_it_can() {
         recompute: memory::Recompute::None,
         zero,
     };
-    assert_eq!(runnable(&layout(1, 0), Backend::Cuda), Ok(()));
-    assert_eq!(runnable(&layout(2, 0), Backend::Cpu), Ok(()), "parallel.tp runs on CPU");
-    assert!(runnable(&layout(2, 0), Backend::Cuda).unwrap_err().contains("whole on tp rank 0"));
-    assert!(runnable(&layout(1, 3), Backend::Cuda).unwrap_err().contains("ZeRO-2 and ZeRO-3"));
-    assert_eq!(runnable(&layout(1, 1), Backend::Cpu), Ok(()), "parallel.zero = 1 runs on CPU");
-    assert!(runnable(&layout(1, 1), Backend::Cuda).unwrap_err().contains("CPU backend only"));
+    let run = |tp, zero, kind, backend| runnable(&shape, &layout(tp, zero), kind, 8, backend);
+    let one_f_one_b = ScheduleKind::OneFOneB;
+    assert_eq!(run(1, 0, one_f_one_b, Backend::Cuda), Ok(()));
+    trainer_config(&shape, &layout(1, 0), one_f_one_b, 8, Backend::Cuda).validate().unwrap();
+    assert_eq!(run(2, 0, one_f_one_b, Backend::Cpu), Ok(()), "parallel.tp runs on CPU");
+    assert!(run(2, 0, one_f_one_b, Backend::Cuda).unwrap_err().contains("whole on tp rank 0"));
+    assert!(run(1, 3, one_f_one_b, Backend::Cuda).unwrap_err().contains("parallel.zero"));
+    assert_eq!(run(1, 1, one_f_one_b, Backend::Cpu), Ok(()), "parallel.zero = 1 runs on CPU");
+    assert!(run(1, 1, one_f_one_b, Backend::Cuda).unwrap_err().contains("parallel.zero"));
+    // What `train` says of ZB-H1 on cuda, word for word.
+    let e = run(1, 0, ScheduleKind::ZbH1, Backend::Cuda).unwrap_err();
+    assert!(e.starts_with("train refuses it (parallel.schedule: ") && e.contains("CPU backend only"), "{e}");
+    assert_eq!(run(1, 0, ScheduleKind::ZbH1, Backend::Cpu), Ok(()));
 }
 
 /// `pipewright plan ARGS`' error, after checking that it failed.

@@ -524,3 +524,23 @@ fn from_step_refuses_a_checkpoint_of_another_run_naming_both_hashes() {
         assert!(e.contains(&theirs) && e.contains(&mine), "{e}");
     }
 }
+
+#[test]
+fn a_log_copied_in_from_a_run_with_another_seed_is_refused_alone_naming_both_runs() {
+    let extra = ["replay.payloads=[\"stage-0\"]"];
+    let dir = tempfile::tempdir().unwrap();
+    let run = record(&config(&extra), dir.path(), None);
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = record(&config(&[&extra[..], &["train.seed=7"]].concat()), other_dir.path(), None);
+    assert_identical(&other, "stage-0", None);
+    std::fs::copy(log_path(&other, "stage-0"), log_path(&run, "stage-0")).unwrap();
+    let e = replay_actor(&run, "stage-0", &from(None)).unwrap_err().to_string();
+    assert!(e.contains("stage-0.log: recorded by another run than"), "{e}");
+    // Alone in its directory it is still measured against the run's config.toml.
+    for a in recorded_actors(&run).unwrap().iter().filter(|a| *a != "stage-0") {
+        std::fs::remove_file(log_path(&run, a)).unwrap();
+    }
+    let e = replay_actor(&run, "stage-0", &from(None)).unwrap_err().to_string();
+    assert!(e.contains("recorded by another run") && e.contains("train.seed 7 in the log"), "{e}");
+    assert!(e.contains("config.toml"), "{e}");
+}

@@ -149,11 +149,24 @@ fn send(stream: &mut LinkStream, peer: SocketAddr, kind: Kind) -> Result<(), Lin
         .map_err(|source| frame_error(peer, source))
 }
 
+/// The most a handshake frame is read to: a Hello (rank, world, an address, a
+/// nonce) and every other handshake frame is well under 1 KiB. A frame may
+/// claim up to 8 GiB; from a peer that has not yet proved the cookie, no more
+/// than this is read (an unauthenticated 512 MiB Hello was read whole).
+const HANDSHAKE_MAX_BYTES: u64 = 64 << 10;
+
 fn recv(stream: &mut LinkStream, peer: SocketAddr) -> Result<Kind, LinkError> {
-    match read_frame(&mut stream.reader) {
+    let mut bounded = Read::take(&mut stream.reader, HANDSHAKE_MAX_BYTES);
+    let got = read_frame(&mut bounded);
+    let over = bounded.limit() == 0;
+    match got {
         Ok(Some(f)) if f.arrays.is_empty() => Ok(f.kind),
         Ok(Some(_)) => Err(LinkError::Protocol { peer, what: "tensors during the handshake".into() }),
         Ok(None) => Err(LinkError::Protocol { peer, what: "closed during the handshake".into() }),
+        Err(_) if over => Err(LinkError::Protocol {
+            peer,
+            what: format!("a frame longer than the {HANDSHAKE_MAX_BYTES} bytes a handshake frame may have"),
+        }),
         Err(source) => Err(frame_error(peer, source)),
     }
 }
@@ -389,4 +402,39 @@ fn writer_main(stream: Box<dyn Write + Send>, rx: Receiver<Frame>) {
         }
     }
     let _ = w.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_oversized_hello_is_refused_after_the_handshake_cap_not_read_whole() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
+        let stranger = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let hello = Kind::Hello { rank: 1, world: 2, listen: "x".into(), nonce: [0; 32] };
+            // 4 MiB of tensors behind a Hello; only the first MiB is sent, and
+            // the connection is held open as a slow stranger would.
+            let frame = Frame::with(hello, vec![super::super::frame::Array::F32(vec![0.0; 1 << 20])]);
+            let mut bytes = Vec::new();
+            write_frame(&mut bytes, &frame, &mut Vec::new()).unwrap();
+            let _ = s.write_all(&bytes[..1 << 20]);
+            let _ = done_rx.recv_timeout(Duration::from_secs(30));
+        });
+        let (socket, _) = listener.accept().unwrap();
+        let cookie = Cookie::new(&Cookie::generate().unwrap()).unwrap();
+        let start = std::time::Instant::now();
+        let e = match accept(socket, 0, 2, &cookie, None, |_| Ok(())) {
+            Ok(_) => panic!("an oversized Hello was accepted"),
+            Err(e) => e.to_string(),
+        };
+        let waited = start.elapsed();
+        let _ = done_tx.send(());
+        stranger.join().unwrap();
+        assert!(e.contains("longer than the 65536 bytes a handshake frame may have"), "{e}");
+        assert!(waited < HANDSHAKE_TIMEOUT / 2, "waited {waited:?} for bytes past the cap");
+    }
 }

@@ -237,6 +237,11 @@ fn pump_node_events(node: &Node, fabric: Arc<Fabric>, members: Arc<Mutex<node::M
                         // there. A process that is gone closes its data link too,
                         // and that link's end reports it lost.
                         if fabric.has_link(r) {
+                            // At a clean end the sessions close as the processes
+                            // exit: nothing to say then.
+                            if mesh::wait_until(Duration::from_millis(500), || fabric.is_done()) {
+                                continue;
+                            }
                             tracing::warn!(
                                 "cluster node {name} at {addr}: session closed; the data link to rank {r} \
                                  decides whether it is lost"
@@ -734,6 +739,34 @@ fn free_port_pair() -> Result<u16, ClusterError> {
     Err(ClusterError::Setup("no free pair of ports on 127.0.0.1".into()))
 }
 
+/// A launch's cookie file in the temporary directory: this, its process id, `-`, its port.
+const COOKIE_PREFIX: &str = "pipewright-cookie-";
+
+/// Removes the cookie files of launches that are gone. A launch removes its
+/// own when it ends, but one that is SIGKILLed cannot; without this each
+/// such launch left a secret behind in the temporary directory for good.
+/// Only files this user may remove and whose launch process no longer
+/// exists are touched (`kill(pid, 0)` says ESRCH).
+fn remove_stale_cookies(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(COOKIE_PREFIX)) else { continue };
+        let Some(pid) = rest.split_once('-').and_then(|(pid, _)| pid.parse::<libc::pid_t>().ok()) else {
+            continue;
+        };
+        if pid <= 0 || !e.file_type().is_ok_and(|t| t.is_file()) {
+            continue;
+        }
+        // SAFETY: signal 0 only checks that the process exists; nothing is sent.
+        let gone = unsafe { libc::kill(pid, 0) } == -1
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Starts `nodes` processes of this binary on this machine (`worker` with
 /// `args`, ranks 0..nodes) under a fresh cookie, and waits for them. When one
 /// fails, the others get `grace` to stop on their own before they are killed.
@@ -751,7 +784,8 @@ pub fn launch(
         None => free_port_pair()?,
     };
     let cookie = Cookie::generate().map_err(io_err("cannot read /dev/urandom"))?;
-    let path = std::env::temp_dir().join(format!("pipewright-cookie-{}-{port}", std::process::id()));
+    remove_stale_cookies(&std::env::temp_dir());
+    let path = std::env::temp_dir().join(format!("{COOKIE_PREFIX}{}-{port}", std::process::id()));
     {
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
@@ -829,5 +863,28 @@ pub fn launch(
         Ok(())
     } else {
         Err(ClusterError::Lost(format!("launch: {} failed", failed.join(", "))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cookie_files_of_launches_that_are_gone_are_removed_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        // A process that has exited and been reaped: its pid names no process.
+        let mut done = std::process::Command::new("true").spawn().unwrap();
+        let dead = done.id();
+        done.wait().unwrap();
+        let stale = dir.path().join(format!("{COOKIE_PREFIX}{dead}-29500"));
+        let live = dir.path().join(format!("{COOKIE_PREFIX}{}-29502", std::process::id()));
+        let other = dir.path().join("pipewright-cookie-notes.txt");
+        for p in [&stale, &live, &other] {
+            std::fs::write(p, "secret").unwrap();
+        }
+        remove_stale_cookies(dir.path());
+        assert!(!stale.exists(), "the cookie of a launch that is gone stays behind");
+        assert!(live.exists() && other.exists(), "a live launch's cookie or another file was removed");
     }
 }

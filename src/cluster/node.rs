@@ -236,20 +236,7 @@ impl Node {
 
     /// Connects to rank 0's node and waits until the cookie is accepted.
     pub async fn join(&self, master: SocketAddr, timeout: Duration) -> Result<(), NodeError> {
-        let connect_err = |e: ClientConnectErr| match e {
-            ClientConnectErr::Encryption(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                NodeError::Tls {
-                    addr: master,
-                    why: format!(
-                        "the connection closed during the handshake (does rank 0 run without TLS?): {e}"
-                    ),
-                }
-            }
-            ClientConnectErr::Encryption(e) => {
-                NodeError::Tls { addr: master, why: format!("handshake failed: {e}") }
-            }
-            e => NodeError::Connect { addr: master, why: e.to_string() },
-        };
+        let connect_err = |e: ClientConnectErr| connect_error(master, e);
         match &self.tls {
             None => ractor_cluster::client_connect(&self.server, master).await.map_err(connect_err)?,
             Some(t) => {
@@ -353,5 +340,49 @@ mod membership_tests {
         assert!(m.joined(2, "a").unwrap_err().contains("not one of this run's 2 processes"));
         assert!(!m.left(2, "a"));
         assert!(m.left(1, "anywhere"), "a peer assumed present and never seen is lost when it leaves");
+    }
+}
+
+/// A failed connection to rank 0's node, in words: ractor_cluster's own
+/// Display is its Debug dump (`Socket(Os { code: 111, … })`).
+fn connect_error(master: SocketAddr, e: ClientConnectErr) -> NodeError {
+    match e {
+        ClientConnectErr::Encryption(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => NodeError::Tls {
+            addr: master,
+            why: format!("the connection closed during the handshake (does rank 0 run without TLS?): {e}"),
+        },
+        ClientConnectErr::Encryption(e) => {
+            NodeError::Tls { addr: master, why: format!("handshake failed: {e}") }
+        }
+        ClientConnectErr::Socket(e) => {
+            let why = match e.kind() {
+                std::io::ErrorKind::ConnectionRefused => format!(
+                    "the connection was refused: nothing listens on that port (is rank 0 started, and is \
+                     this its cluster port?) ({e})"
+                ),
+                std::io::ErrorKind::TimedOut => format!("no answer (a firewall, or the wrong host?) ({e})"),
+                _ => e.to_string(),
+            };
+            NodeError::Connect { addr: master, why }
+        }
+        ClientConnectErr::Messaging(e) => {
+            NodeError::Connect { addr: master, why: format!("this process's cluster node stopped: {e}") }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_connection_is_a_sentence_not_a_debug_dump() {
+        let master: SocketAddr = "127.0.0.1:29500".parse().unwrap();
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let e = connect_error(master, ClientConnectErr::Socket(refused)).to_string();
+        assert!(e.starts_with(
+            "cannot reach rank 0's cluster node at 127.0.0.1:29500: the connection was refused"
+        ));
+        assert!(!e.contains("Socket(") && !e.contains("Os {") && !e.contains("kind:"), "{e}");
     }
 }

@@ -127,17 +127,20 @@ struct Link {
     procs: std::ops::Range<usize>,
     held: usize,
     sorted: Mutex<Sorted>,
+    /// How long a wait on a peer's nodes or answer may last.
+    timeout: Duration,
 }
 
 #[derive(Default)]
 struct Sorted {
     cmds: VecDeque<(TpCmd, Vec<Vec<f32>>)>,
-    nodes: BTreeMap<u64, Vec<(usize, Vec<f32>)>>,
+    /// By all-reduce number: (the process that sent it, rank, node).
+    nodes: BTreeMap<u64, Vec<(usize, usize, Vec<f32>)>>,
     answers: HashMap<usize, VecDeque<Vec<Vec<f32>>>>,
 }
 
 impl Link {
-    fn new(fabric: &Arc<Fabric>, key: GroupKey) -> Result<Link, String> {
+    fn new(fabric: &Arc<Fabric>, key: GroupKey, timeout: Duration) -> Result<Link, String> {
         let p = fabric.placement.get().ok_or("tensor parallelism over processes before the placement")?;
         let (replica, rank) = (key.0 as usize, key.1 as usize);
         Ok(Link {
@@ -147,6 +150,7 @@ impl Link {
             procs: p.tp_group(replica, rank),
             held: p.tp_held(),
             sorted: Mutex::new(Sorted::default()),
+            timeout,
         })
     }
 
@@ -161,14 +165,24 @@ impl Link {
     }
 
     /// Reads frames until `done` finds what it waits for. Err: the run ended,
-    /// or `limit` passed with nothing.
+    /// or `limit` passed without it. `awaited` names the processes still
+    /// owing it, logged while the wait lasts and in the error.
     fn wait<T>(
         &self,
         what: &str,
         limit: Option<Duration>,
+        awaited: impl Fn(&Sorted) -> Vec<usize>,
         mut done: impl FnMut(&mut Sorted) -> Option<T>,
     ) -> Result<T, String> {
         let start = Instant::now();
+        let mut next_note = NOTE_AFTER;
+        let names = |s: &Sorted| {
+            let who: Vec<String> = awaited(s).into_iter().map(|p| self.fabric.describe(p)).collect();
+            match who.is_empty() {
+                true => "no process in particular".to_string(),
+                false => who.join(", "),
+            }
+        };
         loop {
             if let Some(v) = done(&mut self.sorted.lock().expect("tp frames")) {
                 return Ok(v);
@@ -180,7 +194,8 @@ impl Link {
                         TpFrame::Cmd(c) => s.cmds.push_back((c, arrays)),
                         TpFrame::Nodes { seq, first } => {
                             let ranks = first as usize..;
-                            s.nodes.entry(seq).or_default().extend(ranks.zip(arrays));
+                            let from = ranks.zip(arrays).map(|(r, n)| (peer, r, n));
+                            s.nodes.entry(seq).or_default().extend(from);
                         }
                         TpFrame::Answer => s.answers.entry(peer).or_default().push_back(arrays),
                     }
@@ -189,23 +204,45 @@ impl Link {
                     if self.fabric.is_done() {
                         return Err(format!("{}: the run ended while waiting for {what}", self.who()));
                     }
-                    if limit.is_some_and(|l| start.elapsed() > l) {
+                    let waited = start.elapsed();
+                    if let Some(l) = limit.filter(|&l| waited > l) {
+                        let who = names(&self.sorted.lock().expect("tp frames"));
                         return Err(format!(
-                            "{}: no {what} within {:?}",
+                            "{}: no {what} from {who} within {:.1} s (parallel.tp_timeout_s); its links \
+                             are open but it sent nothing",
                             self.who(),
-                            limit.unwrap_or_default()
+                            l.as_secs_f64()
                         ));
+                    }
+                    // A silent peer would otherwise freeze the run without a word.
+                    if limit.is_some() && waited > next_note {
+                        let who = names(&self.sorted.lock().expect("tp frames"));
+                        tracing::warn!(
+                            "{}: waited {:.0} s for {what} from {who}",
+                            self.who(),
+                            waited.as_secs_f64()
+                        );
+                        next_note = waited * 2;
                     }
                 }
                 Err(RecvTimeoutError::Disconnected) => return Err(format!("{}: inbox closed", self.who())),
             }
         }
     }
+
+    /// The processes (other than this one) with no node of all-reduce `seq` in yet.
+    fn owing_nodes(&self, s: &Sorted, seq: u64) -> Vec<usize> {
+        let got = s.nodes.get(&seq);
+        self.procs
+            .clone()
+            .filter(|&p| p != self.fabric.me && !got.is_some_and(|n| n.iter().any(|(from, _, _)| *from == p)))
+            .collect()
+    }
 }
 
-/// How long a group waits on a silent peer before failing the run (a lost
-/// process is reported sooner, by its link).
-const TP_TIMEOUT: Duration = Duration::from_secs(600);
+/// A wait longer than this is logged, naming who is awaited (and again at
+/// every doubling).
+const NOTE_AFTER: Duration = Duration::from_secs(5);
 
 impl Exchange for Link {
     fn swap(&self, seq: u64, first: usize, local: &[&[f32]]) -> Result<Vec<(usize, Vec<f32>)>, String> {
@@ -215,29 +252,34 @@ impl Exchange for Link {
             send(&self.fabric, p, self.key, TpFrame::Nodes { seq, first: first as u32 }, nodes);
         }
         let want = self.held * (self.procs.len() - 1);
-        let theirs = self.wait("the other processes' all-reduce nodes", Some(TP_TIMEOUT), |s| {
-            (s.nodes.get(&seq).map_or(0, Vec::len) >= want).then(|| s.nodes.remove(&seq).expect("nodes"))
-        })?;
+        let theirs = self.wait(
+            "the other processes' all-reduce nodes",
+            Some(self.timeout),
+            |s| self.owing_nodes(s, seq),
+            |s| (s.nodes.get(&seq).map_or(0, Vec::len) >= want).then(|| s.nodes.remove(&seq).expect("nodes")),
+        )?;
         let len = local.first().map_or(0, |n| n.len());
         let mine = first..first + local.len();
         let mut seen = std::collections::BTreeSet::new();
-        for (r, n) in &theirs {
+        for (peer, r, n) in &theirs {
+            let from = self.fabric.describe(*peer);
             if !self.procs_ranks().contains(r) || mine.contains(r) || !seen.insert(*r) {
                 return Err(format!(
-                    "{}: all-reduce {seq} got a node for rank {r}, which no other process of the group holds once",
+                    "{}: all-reduce {seq} got a node for rank {r} from {from}, which no other process of \
+                     the group holds once",
                     self.who()
                 ));
             }
             if n.len() != len {
                 return Err(format!(
-                    "{}: rank {r}'s node of all-reduce {seq} has {} elements, not {len}",
+                    "{}: {from} sent rank {r}'s node of all-reduce {seq} with {} elements, not {len}",
                     self.who(),
                     n.len()
                 ));
             }
         }
         match theirs.len() == want {
-            true => Ok(theirs),
+            true => Ok(theirs.into_iter().map(|(_, r, n)| (r, n)).collect()),
             false => Err(format!("{}: {} nodes for all-reduce {seq}, not {want}", self.who(), theirs.len())),
         }
     }
@@ -258,10 +300,15 @@ impl Followers for Owner {
 
     fn answer(&self, follower: usize) -> Vec<Vec<f32>> {
         let peer = self.0.procs.start + 1 + follower;
-        let got = self.0.wait("a follower's gradient shards", Some(TP_TIMEOUT), |s| {
-            s.answers.get_mut(&peer)?.pop_front()
-        });
-        got.unwrap_or_else(|e| panic!("{e}"))
+        let got = self.0.wait(
+            "a follower's gradient shards",
+            Some(self.0.timeout),
+            |_| vec![peer],
+            |s| s.answers.get_mut(&peer)?.pop_front(),
+        );
+        // The stage stops with the wait's own words (its executor reports
+        // the payload as the failure); no panic message is printed.
+        got.unwrap_or_else(|e| std::panic::resume_unwind(Box::new(e)))
     }
 }
 
@@ -272,12 +319,13 @@ pub fn owner_remote(
     replica: usize,
     rank: usize,
     chunk: usize,
+    timeout: Duration,
 ) -> Result<Option<Remote>, String> {
     let Some(p) = fabric.placement.get() else { return Ok(None) };
     if p.tp_group(replica, rank).len() < 2 {
         return Ok(None);
     }
-    let link = Arc::new(Link::new(fabric, (replica as u32, rank as u32, chunk as u32))?);
+    let link = Arc::new(Link::new(fabric, (replica as u32, rank as u32, chunk as u32), timeout)?);
     Ok(Some(Remote { per: link.held, followers: Box::new(Owner(link.clone())), exchange: Box::new(link) }))
 }
 
@@ -304,7 +352,8 @@ pub fn spawn_followers(
     let fail = Arc::new(fail);
     let mut threads = Vec::new();
     for (chunk, s) in layout.stages_of(rank).into_iter().enumerate() {
-        let link = Arc::new(Link::new(fabric, (replica as u32, rank as u32, chunk as u32))?);
+        let key = (replica as u32, rank as u32, chunk as u32);
+        let link = Arc::new(Link::new(fabric, key, cfg.parallel.tp_timeout())?);
         let mut follower = TpFollower::new(
             gpt,
             layout.stages[s].clone(),
@@ -323,7 +372,8 @@ pub fn spawn_followers(
                 let run = std::panic::AssertUnwindSafe(|| loop {
                     // Commands may pause for as long as the run does (evals, checkpoints).
                     let (cmd, arrays) =
-                        match link.wait("the owner's next command", None, |s| s.cmds.pop_front()) {
+                        match link.wait("the owner's next command", None, |_| vec![], |s| s.cmds.pop_front())
+                        {
                             Ok(c) => c,
                             Err(_) if link.fabric.is_done() => return,
                             Err(e) => {
@@ -358,4 +408,44 @@ pub fn spawn_followers(
         threads.push(t);
     }
     Ok(threads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::mesh::Placement;
+
+    /// This process (0) and process 1 each hold one of stage 0's two tp ranks.
+    fn pair(timeout: Duration) -> (Arc<Fabric>, Link) {
+        let (f, _events) = Fabric::new(0, 2);
+        let _ = f.placement.set(Placement::new(1, 1, 2, 2).expect("placement"));
+        let link = Link::new(&f, (0, 0, 0), timeout).expect("link");
+        (f, link)
+    }
+
+    #[test]
+    fn a_short_all_reduce_node_fails_the_swap_naming_the_sender_and_its_length() {
+        let (f, link) = pair(Duration::from_secs(30));
+        let nodes = TpFrame::Nodes { seq: 0, first: 1 };
+        f.tp_inboxes.deliver(1, (0, 0, 0), nodes, vec![Array::F32(vec![1.0; 3])]).unwrap();
+        let e = link.swap(0, 0, &[&[0.0; 8]]).unwrap_err();
+        assert!(e.contains("process rank 1 sent rank 1's node") && e.contains("3 elements, not 8"), "{e}");
+    }
+
+    #[test]
+    fn a_silent_peer_fails_the_swap_after_the_timeout_naming_it() {
+        let (_f, link) = pair(Duration::from_millis(300));
+        let start = Instant::now();
+        let e = link.swap(0, 0, &[&[0.0; 8]]).unwrap_err();
+        assert!(e.contains("from process rank 1 within 0.3 s") && e.contains("parallel.tp_timeout_s"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(20), "the wait is bounded by the timeout");
+    }
+
+    #[test]
+    fn nodes_from_the_peer_complete_the_swap() {
+        let (f, link) = pair(Duration::from_secs(30));
+        let nodes = TpFrame::Nodes { seq: 4, first: 1 };
+        f.tp_inboxes.deliver(1, (0, 0, 0), nodes, vec![Array::F32(vec![2.0; 8])]).unwrap();
+        assert_eq!(link.swap(4, 0, &[&[0.0; 8]]).unwrap(), vec![(1, vec![2.0; 8])]);
+    }
 }

@@ -355,7 +355,7 @@ mod tests {
         fs::write(out.join("val.bin"), b"keep me").unwrap();
         let err = prepare(&input, Tokenizer::Bytes, &out, 0.1, false).unwrap_err();
         assert!(matches!(err, DataError::OutputExists { .. }), "{err}");
-        assert!(err.to_string().contains("val.bin"), "{err}");
+        assert!(err.to_string().contains("val.bin") && err.to_string().contains("pass --force"), "{err}");
         assert!(!out.join("train.bin").exists(), "a refusal must write nothing");
         assert_eq!(fs::read(out.join("val.bin")).unwrap(), b"keep me");
         prepare(&input, Tokenizer::Bytes, &out, 0.1, true).unwrap();

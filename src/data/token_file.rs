@@ -97,7 +97,7 @@ pub enum DataError {
     #[error("token file {path}: {count} tokens do not fit llm.c's int32 token count")]
     TooManyTokens { path: PathBuf, count: usize },
 
-    #[error("{path} already exists; refusing to overwrite it (pass force to replace it)")]
+    #[error("{path} already exists; refusing to overwrite it (pass --force to replace it)")]
     OutputExists { path: PathBuf },
 
     #[error("text file {path}: not valid UTF-8 at byte offset {offset} (expected UTF-8 text)")]

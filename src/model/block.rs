@@ -762,6 +762,10 @@ impl ThreadGroup {
     pub fn failure(&self) -> Option<String> {
         self.failed.lock().map(|f| f.clone()).unwrap_or_else(|p| p.into_inner().clone())
     }
+
+    fn fail(&self, why: String) {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+    }
 }
 
 impl TensorGroup for ThreadGroup {
@@ -784,17 +788,36 @@ impl TensorGroup for ThreadGroup {
                 };
                 match theirs {
                     Ok(theirs) => {
-                        for (r, n) in theirs {
-                            assert!(!self.local.contains(&r), "rank {r}'s node came from elsewhere");
-                            *self.slots[r].write().expect("slot") = n;
+                        let len = node.len();
+                        let wrong = theirs.iter().find(|(r, n)| {
+                            self.local.contains(r) || *r >= self.slots.len() || n.len() != len
+                        });
+                        match wrong {
+                            // An exchange that checks less than `Link` does must
+                            // not turn a hostile node into an index out of bounds.
+                            Some((r, n)) => self.fail(format!(
+                                "all-reduce {seq}: the exchange returned a node of {} elements for \
+                                 rank {r}; wanted {len} elements for a rank of 0..{} outside {:?}",
+                                n.len(),
+                                self.slots.len(),
+                                self.local
+                            )),
+                            None => {
+                                for (r, n) in theirs {
+                                    *self.slots[r].write().expect("slot") = n;
+                                }
+                            }
                         }
                     }
-                    Err(e) => *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e),
+                    Err(e) => self.fail(e),
                 }
             }
             self.barrier.wait();
         }
-        {
+        // After a failed exchange the other processes' slots hold nothing
+        // (or an older call's nodes): the ranks leave their nodes as they are
+        // and the caller, reading `failure`, voids the result.
+        if self.failure().is_none() {
             let held: Vec<_> = self.slots.iter().map(|s| s.read().expect("slot")).collect();
             let nodes: Vec<&[f32]> = held.iter().map(|g| g.as_slice()).collect();
             tree_sum_elementwise(node, &nodes);
@@ -1001,5 +1024,49 @@ mod tests {
         let q = shard(QKVW, &full[QKVW].data, 192, 1, 2);
         assert_eq!(&q[..32], &full[QKVW].data[32..64]);
         assert_eq!(&q[32..64], &full[QKVW].data[64 + 32..128]);
+    }
+
+    /// An exchange with the group's other process that answers each call
+    /// with `reply`.
+    struct Canned(std::result::Result<Vec<(usize, Vec<f32>)>, String>);
+
+    impl Exchange for Canned {
+        fn swap(
+            &self,
+            _: u64,
+            _: usize,
+            _: &[&[f32]],
+        ) -> std::result::Result<Vec<(usize, Vec<f32>)>, String> {
+            self.0.clone()
+        }
+    }
+
+    /// Ranks 0 and 1 of 4 all-reduce once in this process over `x`.
+    fn reduce_over(x: Canned) -> (Option<String>, Vec<Vec<f32>>) {
+        let group = ThreadGroup::spanning(4, 0..2, Some(Box::new(x)));
+        let mut nodes = vec![vec![1.0f32; 8], vec![2.0; 8]];
+        std::thread::scope(|sc| {
+            for (r, n) in nodes.iter_mut().enumerate() {
+                let g = &group;
+                sc.spawn(move || g.all_reduce(r, n));
+            }
+        });
+        (group.failure(), nodes)
+    }
+
+    #[test]
+    fn a_failed_exchange_is_reported_with_its_own_words_not_an_index_panic() {
+        let (failed, nodes) = reduce_over(Canned(Err("process rank 1 sent 3 elements, not 8".into())));
+        assert_eq!(failed.as_deref(), Some("process rank 1 sent 3 elements, not 8"));
+        assert_eq!(nodes, vec![vec![1.0; 8], vec![2.0; 8]], "void results are left as they were");
+    }
+
+    #[test]
+    fn an_exchange_handing_back_a_short_node_fails_the_group_naming_the_rank() {
+        let (failed, _) = reduce_over(Canned(Ok(vec![(2, vec![3.0; 8]), (3, vec![4.0; 3])])));
+        let e = failed.expect("a short node fails the all-reduce");
+        assert!(e.contains("3 elements for rank 3") && e.contains("wanted 8"), "{e}");
+        let (failed, nodes) = reduce_over(Canned(Ok(vec![(2, vec![3.0; 8]), (3, vec![4.0; 8])])));
+        assert_eq!((failed, nodes), (None, vec![vec![10.0; 8]; 2]));
     }
 }

@@ -375,7 +375,9 @@ impl TpRanks {
     fn settle(&self) {
         if self.followers.is_some() {
             if let Some(e) = self.group.failure() {
-                panic!("{e}");
+                // The exchange's own words stop the stage (its executor
+                // reports the payload); no panic message is printed.
+                std::panic::resume_unwind(Box::new(e));
             }
         }
     }

@@ -111,25 +111,71 @@ pub enum Backend {
     Cuda,
 }
 
-/// Whether pipewright's trainer runs `layout` on `backend` today; Err says
-/// what it lacks. The one place that knows which parallel features exist, so
-/// the planner marks a layout the trainer would refuse instead of proposing it.
-pub fn runnable(layout: &memory::MemLayout, backend: Backend) -> Result<(), &'static str> {
+/// The config `train` would be given for a planned layout: the model's
+/// shape and the layout's parallel settings over the defaults.
+pub fn trainer_config(
+    shape: &ModelShape,
+    layout: &memory::MemLayout,
+    kind: crate::schedule::ScheduleKind,
+    microbatches: usize,
+    backend: Backend,
+) -> Config {
+    let mut c = Config::default();
+    // The data are no layout question: a built-in corpus stands for them.
+    c.data.builtin = crate::config::Builtin::Random;
+    c.model.n_layer = shape.layers;
+    c.model.n_head = shape.heads;
+    c.model.n_embd = shape.hidden;
+    c.model.vocab_size = shape.vocab;
+    c.model.block_size = shape.seq;
+    c.train.micro_batch_size = layout.micro_batch;
+    c.train.recompute = layout.recompute == Recompute::Full;
+    let p = &mut c.parallel;
+    (p.pp, p.dp, p.tp, p.microbatches, p.schedule) = (layout.pp, layout.dp, layout.tp, microbatches, kind);
+    p.chunks = layout.chunks;
+    // The fewest slices a split of tp ranks may have.
+    p.tp_slices = layout.tp;
+    p.zero = layout.zero;
+    c.backend.kind = match backend {
+        Backend::Cpu => crate::config::BackendKind::Cpu,
+        Backend::Cuda => crate::config::BackendKind::Cuda,
+    };
+    c
+}
+
+/// Whether pipewright's trainer runs the planned layout on `backend` today;
+/// Err says what it lacks. The trainer's own checks decide (the config
+/// validation and the pipeline layout `train` builds before its first step),
+/// so the planner never says "runs: yes" of a layout `train` refuses; then
+/// what a config cannot express (selective recompute), and where the
+/// planner's memory model does not describe what the trainer would do.
+pub fn runnable(
+    shape: &ModelShape,
+    layout: &memory::MemLayout,
+    kind: crate::schedule::ScheduleKind,
+    microbatches: usize,
+    backend: Backend,
+) -> Result<(), String> {
+    let cfg = trainer_config(shape, layout, kind, microbatches, backend);
+    if let Err(e) = cfg.validate() {
+        let problems: Vec<String> = e.problems().iter().map(ToString::to_string).collect();
+        return Err(match problems.is_empty() {
+            true => e.to_string(),
+            false => format!("train refuses it ({})", problems.join("; ")),
+        });
+    }
+    crate::actors::Layout::from_config(&cfg).map_err(|e| format!("train refuses it ({e})"))?;
+    if layout.recompute == Recompute::Selective {
+        return Err("selective recompute is not a setting (train.recompute recomputes whole blocks)".into());
+    }
     if layout.tp > 1 && backend != Backend::Cpu {
         // The GPU split runs (parallel.tp on cuda), but keeps the master
         // weights and AdamW's moments whole on each stage's tp rank 0, so the
         // per-GPU figure here (states divided by tp, as Megatron's) is not what
         // it would need.
-        return Err("GPU tensor parallelism keeps the optimizer state whole on tp rank 0, not divided by tp");
-    }
-    match (layout.zero, backend) {
-        (0, _) => {}
-        (1, Backend::Cpu) => {}
-        (1, _) => return Err("ZeRO-1 runs on the CPU backend only (parallel.zero = 1)"),
-        _ => return Err("ZeRO-2 and ZeRO-3 are not implemented"),
-    }
-    if layout.recompute == Recompute::Selective {
-        return Err("selective recompute is not a setting (train.recompute recomputes whole blocks)");
+        return Err(
+            "GPU tensor parallelism keeps the optimizer state whole on tp rank 0, not divided by tp".into()
+        );
     }
     Ok(())
 }
@@ -620,7 +666,7 @@ impl Plan {
         let mut o = line(head.iter().map(|h| h.0).collect());
         for (r, c) in rows.iter().zip(&top) {
             o += &line(r.iter().map(String::as_str).collect());
-            match c.lacks {
+            match &c.lacks {
                 Some(what) => o += &format!("     cannot run in pipewright yet: {what}; {}\n", c.why),
                 None => o += &format!("     why: {}\n", c.why),
             }

@@ -97,7 +97,7 @@ pub struct Candidate {
     pub why: String,
     /// What pipewright's trainer lacks to run this layout (see [`super::runnable`]);
     /// None when it runs today.
-    pub lacks: Option<&'static str>,
+    pub lacks: Option<String>,
 }
 
 /// Layouts the trainer runs first, then the fastest, then the smallest.
@@ -200,7 +200,7 @@ pub fn search(inp: &SearchInput) -> SearchResult {
                                 evaluate(inp, &layout, kind, &sched, worst, compute_s, attn_fwd_share);
                             c.live_microbatches = unit.peak_live.clone();
                             let key = (tp, pp, kind.name().to_string());
-                            c.lacks = super::runnable(&layout, super::Backend::Cuda).err();
+                            c.lacks = super::runnable(shape, &layout, kind, m, super::Backend::Cuda).err();
                             if best.get(&key).is_none_or(|old| order(&c, old).is_lt()) {
                                 best.insert(key, c);
                             }

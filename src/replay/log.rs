@@ -104,6 +104,35 @@ impl Blob {
         self.data.is_some()
     }
 
+    /// Stored bytes agree with the blob's size and digest. The chain proves
+    /// only that a frame is the one written after the frames before it; a
+    /// log rebuilt with other bytes under the old digests would replay
+    /// those bytes while every comparison (by digest) still matched.
+    fn check_data(&self) -> Result<(), String> {
+        let Some(d) = &self.data else { return Ok(()) };
+        let width = match self.dtype {
+            DType::F32 | DType::U32 => 4,
+            DType::F64 => 8,
+            DType::Str => 1,
+            DType::Bytes => return Err("a file's blob stores bytes; only its digest is ever recorded".into()),
+        };
+        if d.len() as u64 != self.len.saturating_mul(width) {
+            return Err(format!("{} bytes stored for {} {:?} values", d.len(), self.len, self.dtype));
+        }
+        let digest = match d.len() > 1 << 20 {
+            true => *blake3::Hasher::new().update_rayon(d).finalize().as_bytes(),
+            false => *blake3::hash(d).as_bytes(),
+        };
+        match digest == self.digest {
+            true => Ok(()),
+            false => Err(format!(
+                "its stored bytes hash to {}, not the recorded digest {}",
+                hex8(&digest),
+                hex8(&self.digest)
+            )),
+        }
+    }
+
     fn data_or_err(&self) -> Result<&[u8], String> {
         self.data.as_deref().ok_or_else(|| format!("{}: only its digest was recorded", self.name))
     }
@@ -141,6 +170,11 @@ impl Blob {
     }
 }
 
+/// A digest's first 8 bytes in hex, enough to tell two apart in a message.
+fn hex8(d: &Digest) -> String {
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// A message the actor sent while handling an entry's message.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Sent {
@@ -170,6 +204,19 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// Every stored value of the entry agrees with its digest; Err names the
+    /// first that does not: `sent[1] Activation to stage-1: x: …`.
+    fn check_blobs(&self) -> Result<(), String> {
+        let named = |place: String, blobs: &[Blob]| -> Result<(), String> {
+            blobs.iter().try_for_each(|b| b.check_data().map_err(|e| format!("{place}`{}`: {e}", b.name)))
+        };
+        named("input ".into(), &self.inputs)?;
+        for (i, m) in self.sent.iter().enumerate() {
+            named(format!("sent[{i}] ({} to {}) ", m.kind, m.to), &m.blobs)?;
+        }
+        named("state ".into(), &self.state)
+    }
+
     pub fn input(&self, name: &str) -> Result<&Blob, String> {
         self.inputs.iter().find(|b| b.name == name).ok_or_else(|| format!("no input `{name}`"))
     }
@@ -255,6 +302,8 @@ pub enum LogError {
     Tampered { path: PathBuf, index: u64, offset: u64 },
     #[error("{path}: entry {index} (byte {offset}) cannot be decoded: {reason}")]
     Corrupt { path: PathBuf, index: u64, offset: u64, reason: String },
+    #[error("{path}: entry {index} (byte {offset}) was altered after recording: {what}")]
+    BadBlob { path: PathBuf, index: u64, offset: u64, what: String },
     #[error("{path}: entry {index} has sequence number {seq}: the entries are out of order")]
     Sequence { path: PathBuf, index: u64, seq: u64 },
 }
@@ -448,6 +497,9 @@ impl LogReader {
         }
         if e.seq != index {
             return Err(LogError::Sequence { path, index, seq: e.seq });
+        }
+        if let Err(what) = e.check_blobs() {
+            return Err(LogError::BadBlob { path, index, offset, what });
         }
         self.chain = chain;
         self.offset += 8 + len + 32;
@@ -643,6 +695,36 @@ mod tests {
         t.push(0);
         std::fs::write(&p, &t).unwrap();
         assert!(matches!(LogReader::read_all(&p).unwrap_err(), LogError::Corrupt { .. }));
+    }
+
+    #[test]
+    fn stored_bytes_that_do_not_match_their_digest_are_refused_naming_the_blob() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.log");
+        // A log written whole, chain and all, by someone who changed an
+        // output's bytes and kept its digest.
+        let mut e = entry(0);
+        let mut sent = Blob::f32s("data", &[1.0, 2.0, 3.0], true);
+        sent.data = Some(Blob::f32s("data", &[1.0, 2.0, 4.0], true).data.unwrap());
+        e.sent[0].blobs.push(sent);
+        let mut w = LogWriter::create(&p, &header()).unwrap();
+        w.append(entry(0)).unwrap();
+        w.append(e.clone()).unwrap();
+        w.finish().unwrap();
+        let err = LogReader::read_all(&p).unwrap_err();
+        assert!(matches!(err, LogError::BadBlob { index: 1, .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("a.log: entry 1") && msg.contains("sent[0] (Activation to stage-1) `data`"),
+            "{msg}"
+        );
+        // Bytes of another length than the values the blob claims.
+        e.sent[0].blobs[0] = Blob { len: 2, ..Blob::f32s("data", &[1.0, 2.0, 3.0], true) };
+        let mut w = LogWriter::create(&p, &header()).unwrap();
+        w.append(e).unwrap();
+        w.finish().unwrap();
+        let msg = LogReader::read_all(&p).unwrap_err().to_string();
+        assert!(msg.contains("12 bytes stored for 2 F32 values"), "{msg}");
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! its recorded inputs in recorded order (`--actor`), or re-run the whole
 //! system and compare every actor's log (`--all`).
 
-use super::{compare, ActorLog, Checker, Divergence, Entry, Header, LogError, LogReader, ReadLog};
+use super::{
+    compare, ActorLog, Anchor, Checker, Divergence, Entry, FileRef, Header, LogError, LogReader, ReadLog,
+};
 use crate::actors::coordinator::{CoordinatorState, Links};
 use crate::actors::data_loader::LoaderMsg;
 use crate::actors::protocol::{CoordinatorMsg, EvalKind, StageMsg};
@@ -155,7 +157,9 @@ fn cut_note(cut: &LogError, path: &Path) -> String {
 fn config_of(h: &Header, path: &Path) -> Result<Config> {
     let origin = format!("{} (header)", path.display());
     let cfg = Config::parse(&h.config, &origin, &[])?;
-    if cfg.hash() != h.config_hash {
+    // The recorded text itself, too: a log from a build with fewer config
+    // fields re-serializes with this build's defaults added, and another hash.
+    if cfg.hash() != h.config_hash && super::blake3_hex(h.config.as_bytes()) != h.config_hash {
         bail!("{origin}: the config's hash does not match the one recorded beside it");
     }
     Ok(cfg)
@@ -248,6 +252,7 @@ pub fn replay_actor(run_dir: &Path, actor: &str, opts: &ReplayOptions) -> Result
     let logs = opts.logs_dir(run_dir);
     let (ReadLog { header, entries, cut }, path) = read_log(&logs, run_dir, actor, opts.allow_truncated)?;
     let cfg = config_of(&header, &path)?;
+    belongs_to_run(run_dir, &logs, actor, &header, &path, &cfg)?;
     let start = opts.from_step.unwrap_or(header.start_step);
     if start < header.start_step {
         bail!("--from-step {start}: the log of {actor} starts at step {}", header.start_step);
@@ -320,6 +325,75 @@ pub fn replay_actor(run_dir: &Path, actor: &str, opts: &ReplayOptions) -> Result
         last_step,
         note: cut.map(|c| cut_note(&c, &path)),
     })
+}
+
+/// What ties a log to one run: its settings and where it started.
+fn run_identity(h: &Header) -> (&String, u64, &Option<FileRef>, &Option<Anchor>) {
+    (&h.config_hash, h.start_step, &h.init, &h.anchor)
+}
+
+/// A log replayed alone must be one of this run's: its header agrees with
+/// every other log of its directory (what `--all` checks) and, for the
+/// run's current logs, with the run's `config.toml`. Without this a log
+/// copied in from a run with another seed replays "identical" against
+/// itself.
+fn belongs_to_run(
+    run_dir: &Path,
+    logs: &Path,
+    actor: &str,
+    header: &Header,
+    path: &Path,
+    cfg: &Config,
+) -> Result<()> {
+    for other in actors_in(run_dir, logs)?.iter().filter(|a| *a != actor) {
+        let other_path = logs.join(format!("{other}.log"));
+        // A sibling that cannot be read is its own replay's error, not this one's.
+        let Ok(o) = LogReader::open(&other_path) else { continue };
+        if run_identity(&o.header) != run_identity(header) {
+            bail!(
+                "{}: recorded by another run than {} ({}): the logs of one directory must come from one run",
+                path.display(),
+                other_path.display(),
+                identity_difference(header, &o.header)
+            );
+        }
+    }
+    if logs != super::replay_dir(run_dir) {
+        return Ok(());
+    }
+    let own = run_dir.join("config.toml");
+    let Ok(text) = std::fs::read_to_string(&own) else { return Ok(()) };
+    if super::blake3_hex(text.as_bytes()) == header.config_hash {
+        return Ok(());
+    }
+    let run_cfg = Config::parse(&text, &own.display().to_string(), &[]).with_context(|| {
+        format!("{}: cannot check which run {} belongs to", own.display(), path.display())
+    })?;
+    if run_cfg.hash() == header.config_hash {
+        return Ok(());
+    }
+    let seeds = match (cfg.train.seed, run_cfg.train.seed) {
+        (a, b) if a != b => format!(" (train.seed {a} in the log, {b} in the run)"),
+        _ => String::new(),
+    };
+    bail!(
+        "{}: recorded by another run: its config hash is {}, {} hashes to {}{seeds}",
+        path.display(),
+        header.config_hash,
+        own.display(),
+        run_cfg.hash()
+    )
+}
+
+/// How two logs' headers disagree, in words.
+fn identity_difference(a: &Header, b: &Header) -> String {
+    if a.config_hash != b.config_hash {
+        format!("config hash {} vs {}", a.config_hash, b.config_hash)
+    } else if a.start_step != b.start_step {
+        format!("first step {} vs {}", a.start_step, b.start_step)
+    } else {
+        "they start from other weights".to_string()
+    }
 }
 
 fn need_payloads(h: &Header, path: &Path, actor: &str) -> Result<()> {
@@ -672,9 +746,7 @@ pub fn prepare_all(run_dir: &Path, opts: &ReplayOptions) -> Result<WholeRun> {
         match &first {
             None => first = Some((h, path)),
             Some((f, fp)) => {
-                if (&f.config_hash, f.start_step, &f.init, &f.anchor)
-                    != (&h.config_hash, h.start_step, &h.init, &h.anchor)
-                {
+                if run_identity(f) != run_identity(&h) {
                     bail!(
                         "{} and {}: logs of different runs (their config or starting point differ)",
                         fp.display(),
@@ -829,4 +901,28 @@ pub fn replay_all(
     chaos_seed: Option<u64>,
 ) -> Result<Vec<Verdict>> {
     prepare_all(run_dir, opts)?.run(out, chaos_seed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(config: String, config_hash: String) -> Header {
+        let (actor, payloads, start_step) = ("stage-0".to_string(), false, 0);
+        Header { actor, config, config_hash, payloads, start_step, init: None, anchor: None }
+    }
+
+    #[test]
+    fn a_log_from_a_build_with_fewer_config_fields_still_reads_its_config() {
+        let text = Config::default().to_toml_string();
+        let older: String =
+            text.lines().filter(|l| !l.starts_with("tp_timeout_s")).map(|l| l.to_string() + "\n").collect();
+        assert_ne!(older, text, "the example must leave out a field");
+        let path = Path::new("replay/stage-0.log");
+        let cfg =
+            config_of(&header(older.clone(), crate::replay::blake3_hex(older.as_bytes())), path).unwrap();
+        assert_eq!(cfg, Config::default());
+        let e = config_of(&header(older, "0".repeat(64)), path).unwrap_err().to_string();
+        assert!(e.contains("the config's hash does not match"), "{e}");
+    }
 }

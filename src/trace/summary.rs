@@ -239,6 +239,10 @@ pub struct Summary {
     pub theory_bubble_frac: Option<f64>,
     /// Why there is no theory, when there is none.
     pub theory_note: Option<String>,
+    /// The schedule's closed-form bubble at equal costs (1F1B's
+    /// (p − 1)/(m + p − 1), …), where it has one: the textbook figure the
+    /// measured and simulated ones are read against.
+    pub closed_form_bubble_frac: Option<f64>,
     /// The simulated step (makespan), ms.
     pub theory_step_ms: Option<f64>,
     /// Median over counted steps of the step window (first action start to last action end), ms.
@@ -360,6 +364,14 @@ pub fn theory(trace: &Trace, costs: &Costs) -> Result<SimReport, String> {
     let mut costs = costs.clone();
     costs.per_stage_factor.resize(s.stages(), 1.0);
     s.simulate(&costs).map_err(|e| e.to_string())
+}
+
+/// The closed-form bubble of the trace's schedule, if it names one that
+/// builds and has a formula.
+fn closed_form(trace: &Trace) -> Option<f64> {
+    let kind: ScheduleKind = trace.meta.schedule.as_deref()?.parse().ok()?;
+    let m = &trace.meta;
+    schedule::build(kind, m.pp, m.microbatches, m.chunks).ok()?.theory_bubble()
 }
 
 /// The actions the last-ending action of `spans` (one step of one replica) waited
@@ -529,6 +541,7 @@ pub fn summarize(trace: &Trace) -> Result<Summary, TraceError> {
         Ok(r) => (Some(r.mean_bubble_frac), Some(r.makespan / 1e3), None),
         Err(e) => (None, None, Some(e)),
     };
+    let closed_form_bubble_frac = closed_form(trace);
     let mean_ms = mean_action_ms(trace, &counted_steps, |_| true);
     let median_spans = steps_map.get(&(0, median_step)).cloned().unwrap_or_default();
     let critical_path = critical_path(&median_spans);
@@ -580,6 +593,7 @@ pub fn summarize(trace: &Trace) -> Result<Summary, TraceError> {
         bubble_frac,
         theory_bubble_frac,
         theory_note,
+        closed_form_bubble_frac,
         theory_step_ms,
         step_ms,
         median_step,
@@ -610,6 +624,7 @@ impl Summary {
             "bubble_frac": self.bubble_frac,
             "theory_bubble_frac": self.theory_bubble_frac,
             "theory_note": self.theory_note,
+            "closed_form_bubble_frac": self.closed_form_bubble_frac,
             "step_ms": self.step_ms,
             "theory_step_ms": self.theory_step_ms,
             "median_step": self.median_step,
@@ -681,7 +696,11 @@ impl Summary {
             (None, Some(n)) => format!("unknown ({n})"),
             (None, None) => "unknown".into(),
         };
-        let _ = writeln!(o, "\nbubble: measured {:.1}%, theory {theory}", 100.0 * self.bubble_frac);
+        let closed = self
+            .closed_form_bubble_frac
+            .map(|c| format!("; closed form {:.1}% (equal costs, no messages)", 100.0 * c))
+            .unwrap_or_default();
+        let _ = writeln!(o, "\nbubble: measured {:.1}%, theory {theory}{closed}", 100.0 * self.bubble_frac);
         if let Some(b) = &self.bottleneck {
             let lane =
                 self.lanes.iter().find(|l| l.rank == b.rank).map(|l| self.lane_name(l)).unwrap_or_default();
@@ -780,6 +799,13 @@ mod tests {
         assert_eq!(s.step_ms, 4.0);
         // Theory at F = 1, B = 1 ms: the same 0.5.
         assert!((s.theory_bubble_frac.unwrap() - 0.5).abs() < 1e-12);
+        // And 1F1B's closed form, (p − 1)/(m + p − 1) = 1/2, beside them.
+        assert_eq!(s.closed_form_bubble_frac, Some(0.5));
+        assert!(s.text().contains(
+            "bubble: measured 50.0%, theory 50.0% (simulated at the measured costs); \
+             closed form 50.0% (equal costs, no messages)"
+        ));
+        assert_eq!(s.to_json()["closed_form_bubble_frac"], 0.5);
         assert_eq!(
             s.critical_path.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
             ["0F0", "1F0", "1B0", "0B0"]

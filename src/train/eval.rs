@@ -10,7 +10,7 @@ use crate::config::{Config, DEFAULT_TOML};
 use crate::data::{Sampler, TokenFile, TokenSource};
 use crate::inspect::CONFIG_METADATA_KEY;
 use crate::model::{hf, io, GptConfig};
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use std::path::Path;
 
 /// Saved weights and the config that gives their shape: `config` (with
@@ -46,30 +46,83 @@ pub fn load_model(
     Ok((cfg, w))
 }
 
-/// Mean loss of `weights` over the first `windows` windows of `data`;
-/// `config` and `overrides` as `--config` and `--set` give them.
+/// How much of the file `eval` reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Amount {
+    /// `--batches N`: N batches of `train.micro_batch_size` windows, the unit
+    /// of `train.eval_batches`, so a run's val loss is `eval` of its weights
+    /// on its val file with its own config.
+    Batches(usize),
+    /// The config's `train.eval_batches` batches (`eval` without a count).
+    ConfigBatches,
+    /// `--windows N`: N windows.
+    Windows(usize),
+}
+
+impl Amount {
+    /// Windows to read under `cfg`, or why the count is refused (naming its flag).
+    fn windows(self, cfg: &Config) -> Result<usize> {
+        let b = cfg.train.micro_batch_size;
+        let (flag, n, per) = match self {
+            Amount::Windows(n) => ("--windows", n, 1),
+            Amount::Batches(n) => ("--batches", n, b),
+            Amount::ConfigBatches => ("train.eval_batches", cfg.train.eval_batches, b),
+        };
+        if n == 0 {
+            bail!("{flag}: 0: expected at least one");
+        }
+        if per == 0 {
+            bail!("train.micro_batch_size: 0: a batch needs at least one window");
+        }
+        n.checked_mul(per).ok_or_else(|| anyhow!("{flag}: {n} batches of {per} windows is too many to count"))
+    }
+
+    fn describe(self, windows: usize) -> String {
+        match self {
+            Amount::Windows(_) => format!("--windows {windows}"),
+            Amount::Batches(n) => format!("--batches {n}: {windows} windows"),
+            Amount::ConfigBatches => format!("train.eval_batches: {windows} windows"),
+        }
+    }
+}
+
+/// Mean loss of `weights` over the first windows of `data` (`amount` says how
+/// many) and the number of windows read; `config` and `overrides` as
+/// `--config` and `--set` give them.
 pub fn eval_file(
     config: Option<&Path>,
     overrides: &[String],
     weights: &Path,
     data: &Path,
-    windows: usize,
-) -> Result<f64> {
-    if windows == 0 {
-        bail!("--batches: 0: expected at least one window");
-    }
+    amount: Amount,
+) -> Result<(f64, usize)> {
     let (mut cfg, w) = load_model(config, overrides, weights)?;
-    // One window per microbatch, so --batches counts windows.
+    let mut windows = amount.windows(&cfg)?;
+    let batch = cfg.train.micro_batch_size;
+    // One window per microbatch: batches of equal size have the windows' mean.
     cfg.train.micro_batch_size = 1;
     cfg.parallel.microbatches = 1;
     let gpt = GptConfig::from_config(&cfg);
     super::finite::check_finite(&w, "--weights")?;
     let file = TokenFile::open_as(data, gpt.vocab_size, cfg.data.format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;
-    if (windows as u64) > sampler.n_windows() {
+    let held = usize::try_from(sampler.n_windows()).unwrap_or(usize::MAX);
+    if amount == Amount::ConfigBatches && windows > held && held >= batch {
+        // As train resolves train.eval_batches: all the whole batches the file holds.
+        let fit = held / batch * batch;
+        tracing::info!(
+            "train.eval_batches: {} → {} (all that {} holds)",
+            windows / batch,
+            fit / batch,
+            data.display()
+        );
+        windows = fit;
+    }
+    if windows > held {
         bail!(
-            "{}: --batches {windows}: the file holds only {} windows of {} tokens",
+            "{}: {}, but the file holds only {} windows of {} tokens",
             data.display(),
+            amount.describe(windows),
             sampler.n_windows(),
             gpt.block_size + 1
         );
@@ -83,5 +136,5 @@ pub fn eval_file(
             weights.display()
         );
     }
-    Ok(loss)
+    Ok((loss, windows))
 }

@@ -141,6 +141,55 @@ pub struct RunFailed(pub String);
 )]
 pub struct StoppedBeforeStart(pub PathBuf);
 
+/// `--resume` of a run that already reached its `train.steps`: nothing was
+/// run, written or changed.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{}: this run is finished (step {steps} of train.steps = {steps}); nothing was run or changed. \
+     To train further, resume to more steps (--steps N, N > {steps}{})",
+    .dir.display(),
+    if *.checkpointed { "" } else { ", which needs a checkpoint: this run saved none" }
+)]
+pub struct AlreadyFinished {
+    pub dir: PathBuf,
+    pub steps: usize,
+    pub checkpointed: bool,
+}
+
+/// What summary.json says of the run that wrote it: its steps, and whether
+/// it ended on its own (not stopped by a signal). None: no summary (the run
+/// never ended), or one that cannot be read.
+fn finished_steps(dir: &Path) -> Option<(usize, bool)> {
+    let path = dir.join("summary.json");
+    let text = crate::fsutil::read_regular_to_string(&path, 1 << 20, "a summary may hold").ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let steps = usize::try_from(v.get("steps")?.as_u64()?).ok()?;
+    let stopped = v.get("stopped_early").and_then(serde_json::Value::as_bool).unwrap_or(false);
+    Some((steps, !stopped))
+}
+
+/// Before a resume touches `dir`: a run that reached `cfg.train.steps` is
+/// left as it is (a resume at its last step would run nothing and rewrite
+/// its summary with no timing and no held-out score), and a finished run
+/// with no checkpoint is not retrained from step 0 over its outputs.
+fn check_resumable(dir: &Path, cfg: &Config) -> Result<()> {
+    let Some((steps, ended)) = finished_steps(dir) else { return Ok(()) };
+    let root = crate::checkpoint::checkpoints_dir(dir);
+    let checkpointed = crate::checkpoint::list(&root).is_ok_and(|(done, _)| !done.is_empty());
+    if ended && steps >= cfg.train.steps {
+        return Err(AlreadyFinished { dir: dir.to_path_buf(), steps, checkpointed }.into());
+    }
+    if !checkpointed {
+        bail!(
+            "{}: holds the outputs of a run that ended at step {steps} and no checkpoint to continue \
+             from (checkpoint.every was 0); --resume would retrain from step 0 over them. Pass --force \
+             without --resume to replace them, or choose another --out",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 fn mean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
@@ -366,6 +415,12 @@ pub fn train_on(
         None => None,
     };
     // A resume sets damaged checkpoints aside: the directory is this process's from here on.
+    // Before the lock, which rewrites its file: a finished run is left byte for
+    // byte as it was. Only reads; a live run continuing to more steps has
+    // fewer in its summary than it was asked for, and is met by the lock.
+    if opts.resume {
+        check_resumable(&opts.out_dir, cfg)?;
+    }
     let mut run_lock = if opts.resume { Some(super::lock::lock(&opts.out_dir)?) } else { None };
     let resume = if opts.resume { super::resume::find_resume_point(&opts.out_dir, cfg)? } else { None };
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
@@ -402,7 +457,9 @@ pub fn train_on(
     std::fs::create_dir_all(&opts.out_dir)
         .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
     let replay_dir = crate::replay::replay_dir(&opts.out_dir);
-    if cfg.replay.record && replay_dir.exists() {
+    // Also when this part does not record: `replay/` must hold only logs of
+    // the config that config.toml (rewritten below) names.
+    if replay_dir.exists() {
         if let Some(r) = &resume {
             // The logs of the run before this resume stay, under their own name.
             let mut kept = opts.out_dir.join(format!("replay.before-step-{}", r.state.step));
