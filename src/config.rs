@@ -1616,6 +1616,8 @@ mod tests {
         c.check_processes(2).unwrap();
         c.check_processes(4).unwrap();
         c.backend.kind = BackendKind::Cuda;
+        // A GPU per tp rank: launch's processes share this machine's GPUs.
+        c.backend.devices = vec![0, 1, 2, 3];
         c.check_processes(2).unwrap();
         let err = c.check_processes(4).unwrap_err().to_string();
         assert!(err.contains("parallel.tp") && err.contains("NCCL inside a node"), "{err}");
