@@ -486,6 +486,9 @@ impl Config {
     /// Reads the config at `path` (the embedded default when `None`), applies
     /// `--set section.key=value` overrides to the TOML tree, then
     /// deserializes. Does not validate: call [`Config::validate`].
+    /// A `--set optim.lr` alone scales `optim.min_lr` with it
+    /// (see `floor_follows_peak`); on the embedded default a `--set data.train`
+    /// turns the built-in corpus off (see `settle_data`).
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
         match path {
             None => Config::parse_with(DEFAULT_TOML, DEFAULT_ORIGIN, overrides, true),
@@ -989,8 +992,10 @@ fn floor_follows_peak(tree: &mut toml::Table, given: &[&str], before: Option<(f6
     if !(lr0 > 0.0 && lr0.is_finite() && lr > 0.0 && lr.is_finite()) {
         return;
     }
-    if let Some(toml::Value::Table(optim)) = tree.get_mut("optim") {
-        optim.insert("min_lr".into(), toml::Value::Float(lr / lr0 * min0));
+    // A ratio that overflows (1e300 over 1e-300) scales nothing either.
+    let floor = lr / lr0 * min0;
+    if let (true, Some(toml::Value::Table(optim))) = (floor.is_finite(), tree.get_mut("optim")) {
+        optim.insert("min_lr".into(), toml::Value::Float(floor));
     }
 }
 
@@ -1714,6 +1719,12 @@ mod tests {
         let text =
             with_set(&["optim.lr=1e-4", "optim.min_lr=3e-4"]).unwrap().validate().unwrap_err().to_string();
         assert!(text.contains("optim.min_lr") && text.contains("--set optim.min_lr="), "{text}");
+        // A ratio that overflows leaves the floor as it was, for validation to judge.
+        let huge = with_set(&["optim.lr=1e300", "optim.min_lr=0"]).unwrap();
+        assert_eq!(huge.optim.min_lr, 0.0);
+        let tiny =
+            Config::parse("[optim]\nlr = 1e-300\nmin_lr = 0.0\n", "t.toml", &["optim.lr=1e300".into()]);
+        assert_eq!(tiny.unwrap().optim.min_lr, 0.0);
         // A broken peak is named once by validation, not scaled into the floor.
         let text = with_set(&["optim.lr=-1"]).unwrap().validate().unwrap_err().to_string();
         assert!(text.starts_with("optim.lr:") && !text.contains("optim.min_lr"), "{text}");
