@@ -139,14 +139,23 @@ fn check_sim_run(dir: &Path, sets: &[String], steps: usize) -> (Trace, Vec<Vec<A
     (t, lists, replayed)
 }
 
+/// `bench --sim`'s action times: 2 ms forward, 4 ms backward (I = W = 2 ms).
+fn bench_costs(schedule: &str) -> Vec<String> {
+    vec![
+        format!("parallel.schedule=\"{schedule}\""),
+        "sim.forward_ms=2".into(),
+        "sim.backward_ms=4".into(),
+        "sim.weight_ms=2".into(),
+    ]
+}
+
 #[test]
 fn each_rank_runs_its_schedule_in_order_and_the_replayed_bubble_is_theory() {
     let _turn = turn();
     let dir = tempfile::tempdir().unwrap();
     for schedule in ["1f1b", "gpipe"] {
         for (pp, m) in [(2, 4), (4, 8), (4, 16)] {
-            let sets = sim_config(pp, m, &[format!("parallel.schedule=\"{schedule}\"")]);
-            check_sim_run(dir.path(), &sets, 2);
+            check_sim_run(dir.path(), &sim_config(pp, m, &bench_costs(schedule)), 2);
         }
     }
 }
@@ -159,17 +168,7 @@ fn headline_cell_runs_the_schedule_and_replays_to_the_theory_bubble_at_bench_cos
     let _turn = turn();
     let dir = tempfile::tempdir().unwrap();
     for schedule in ["1f1b", "gpipe"] {
-        let sets = sim_config(
-            8,
-            32,
-            &[
-                format!("parallel.schedule=\"{schedule}\""),
-                "sim.forward_ms=2".into(),
-                "sim.backward_ms=4".into(),
-                "sim.weight_ms=2".into(),
-            ],
-        );
-        check_sim_run(dir.path(), &sets, 2);
+        check_sim_run(dir.path(), &sim_config(8, 32, &bench_costs(schedule)), 2);
     }
 }
 
