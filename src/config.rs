@@ -514,9 +514,12 @@ impl Config {
     /// Reads the config at `path` (the embedded default when `None`), applies
     /// `--set section.key=value` overrides to the TOML tree, then
     /// deserializes. Does not validate: call [`Config::validate`].
+    /// A `--set optim.lr` alone scales `optim.min_lr` with it
+    /// (see `floor_follows_peak`); on the embedded default a `--set data.train`
+    /// turns the built-in corpus off (see `settle_data`).
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
         match path {
-            None => Config::parse(DEFAULT_TOML, DEFAULT_ORIGIN, overrides),
+            None => Config::parse_with(DEFAULT_TOML, DEFAULT_ORIGIN, overrides, true),
             Some(path) => {
                 let origin = path.display().to_string();
                 let cap = "a config file may hold";
@@ -530,14 +533,31 @@ impl Config {
     /// [`Config::load`] for text already in memory (a checkpoint's stored
     /// config, a test); `origin` is how errors name it.
     pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Config, ConfigError> {
+        Config::parse_with(text, origin, overrides, false)
+    }
+
+    /// [`Config::parse`]; `embedded` says `text` is the embedded default, whose
+    /// built-in corpus a named training file replaces (see [`settle_data`]).
+    fn parse_with(
+        text: &str,
+        origin: &str,
+        overrides: &[String],
+        embedded: bool,
+    ) -> Result<Config, ConfigError> {
         let mut tree: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             origin: origin.to_string(),
             message: e.to_string().trim_end().to_string(),
         })?;
+        let before = lr_and_floor(&tree);
         let mut overridden = Vec::with_capacity(overrides.len());
         for arg in overrides {
             overridden.push((apply_override(&mut tree, arg)?, arg));
         }
+        let given: Vec<&str> = overridden.iter().map(|(p, _)| p.as_str()).collect();
+        if embedded {
+            settle_data(&mut tree, &given);
+        }
+        floor_follows_peak(&mut tree, &given, before);
         serde_path_to_error::deserialize::<_, Config>(tree).map_err(|err| {
             // The path ends with the offending key, unknown keys included.
             let path = err.path().to_string();
@@ -583,7 +603,8 @@ impl Config {
                     path,
                     quoted(value),
                     format!(
-                        "must be empty when data.builtin = {} (a built-in corpus reads no files)",
+                        "must be empty when data.builtin = {} (a built-in corpus reads no files); \
+                         to train on token files set data.builtin = \"\" (--set data.builtin=)",
                         quoted(d.builtin.name())
                     ),
                 );
@@ -599,7 +620,11 @@ impl Config {
             o.min_lr >= 0.0 && (o.min_lr <= o.lr || !lr_ok),
             "optim.min_lr",
             o.min_lr,
-            format!("must be >= 0 and <= optim.lr ({})", o.lr),
+            format!(
+                "must be >= 0 and <= optim.lr ({}); set a floor at most the peak, e.g. --set optim.min_lr={}",
+                o.lr,
+                o.lr / 10.0
+            ),
         );
         // warmup_steps > train.steps is allowed on purpose: a short trial run
         // (`--steps 3`) of a long config simply stays in warmup.
@@ -956,6 +981,59 @@ fn apply_override(tree: &mut toml::Table, arg: &str) -> Result<String, ConfigErr
     };
     table.insert(field.to_string(), value);
     Ok(key.to_string())
+}
+
+/// A user who names a training file (`--set data.train=tok.bin`) on the
+/// embedded default means to train on it; the default's built-in corpus
+/// (`data.builtin = "arithmetic"`) is only the default's choice, so it gives
+/// way unless `data.builtin` is set too. A config file's own `builtin` is the
+/// user's choice: a conflict with it is refused by [`Config::validate`], which
+/// says what to set.
+fn settle_data(tree: &mut toml::Table, given: &[&str]) {
+    if given.contains(&"data.builtin") || !given.contains(&"data.train") {
+        return;
+    }
+    if let Some(toml::Value::Table(data)) = tree.get_mut("data") {
+        if data.get("train").and_then(toml::Value::as_str).is_some_and(|t| !t.is_empty()) {
+            data.insert("builtin".into(), toml::Value::String(String::new()));
+        }
+    }
+}
+
+/// `optim.lr` and `optim.min_lr` as the config text gives them, the schema's
+/// defaults where it does not; `None` where one is not a number (the schema
+/// check names it).
+fn lr_and_floor(tree: &toml::Table) -> Option<(f64, f64)> {
+    let d = OptimSection::default();
+    let optim = tree.get("optim").and_then(toml::Value::as_table);
+    let get = |key: &str, default: f64| match optim.and_then(|o| o.get(key)) {
+        None => Some(default),
+        Some(toml::Value::Float(x)) => Some(*x),
+        Some(toml::Value::Integer(i)) => Some(*i as f64),
+        Some(_) => None,
+    };
+    Some((get("lr", d.lr)?, get("min_lr", d.min_lr)?))
+}
+
+/// The learning-rate floor follows the peak unless set: where `--set` changes
+/// `optim.lr` and does not give `optim.min_lr`, the floor keeps the config's
+/// ratio to the peak (the default's 3e-3 → 3e-4 becomes 1e-4 → 1e-5), as
+/// torchtitan states its floor as a fraction of the peak. Without such a
+/// `--set` nothing changes, bit for bit.
+fn floor_follows_peak(tree: &mut toml::Table, given: &[&str], before: Option<(f64, f64)>) {
+    if !given.contains(&"optim.lr") || given.contains(&"optim.min_lr") {
+        return;
+    }
+    let (Some((lr0, min0)), Some((lr, _))) = (before, lr_and_floor(tree)) else { return };
+    // A broken peak, old or new, is for validation to name, not to scale by.
+    if !(lr0 > 0.0 && lr0.is_finite() && lr > 0.0 && lr.is_finite()) {
+        return;
+    }
+    // A ratio that overflows (1e300 over 1e-300) scales nothing either.
+    let floor = lr / lr0 * min0;
+    if let (true, Some(toml::Value::Table(optim))) = (floor.is_finite(), tree.get_mut("optim")) {
+        optim.insert("min_lr".into(), toml::Value::Float(floor));
+    }
 }
 
 fn quoted(s: &str) -> String {
@@ -1685,6 +1763,64 @@ mod tests {
         let mut c = valid();
         c.data.val = "data/val.bin".into();
         refused(&c, "data.val");
+    }
+
+    #[test]
+    fn naming_a_training_file_on_the_default_trains_on_it_instead_of_the_builtin_corpus() {
+        let c = with_set(&["data.train=tok.bin", "data.val=tok.bin"]).unwrap();
+        assert_eq!(c.data.builtin, Builtin::Files);
+        assert_eq!((c.data.train.as_str(), c.data.val.as_str()), ("tok.bin", "tok.bin"));
+        c.validate().unwrap();
+        // The default's own choice stands when no file is named.
+        assert_eq!(with_set(&[]).unwrap().data.builtin, Builtin::Arithmetic);
+        assert_eq!(with_set(&["data.train="]).unwrap().data.builtin, Builtin::Arithmetic);
+    }
+
+    #[test]
+    fn a_builtin_set_beside_a_training_file_is_refused_saying_what_to_set() {
+        let err = with_set(&["data.builtin=random", "data.train=tok.bin"]).unwrap().validate().unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("data.train") && text.contains("--set data.builtin="), "{text}");
+        // A config file's builtin is the user's choice too.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mine.toml");
+        std::fs::write(&path, "[data]\nbuiltin = \"arithmetic\"\n").unwrap();
+        let c = Config::load(Some(&path), &["data.train=tok.bin".into()]).unwrap();
+        assert_eq!(c.data.builtin, Builtin::Arithmetic);
+        let text = c.validate().unwrap_err().to_string();
+        assert!(text.contains("set data.builtin = \"\" (--set data.builtin=)"), "{text}");
+        // A validation file alone does not say what to train on.
+        let text = with_set(&["data.val=tok.bin"]).unwrap().validate().unwrap_err().to_string();
+        assert!(text.contains("data.val") && text.contains("--set data.builtin="), "{text}");
+    }
+
+    #[test]
+    fn the_lr_floor_follows_a_set_peak_at_the_config_s_ratio_unless_set_itself() {
+        let default = with_set(&[]).unwrap();
+        assert_eq!(default.optim.min_lr.to_bits(), 3e-4f64.to_bits(), "the default run is unchanged");
+        let c = with_set(&["optim.lr=1e-4"]).unwrap();
+        c.validate().unwrap();
+        assert!((c.optim.min_lr - 1e-5).abs() < 1e-18, "{}", c.optim.min_lr);
+        // Setting the peak to what it already is changes nothing, bit for bit.
+        let same = with_set(&["optim.lr=3e-3"]).unwrap();
+        assert_eq!(same.optim.min_lr.to_bits(), default.optim.min_lr.to_bits());
+        let both = with_set(&["optim.lr=1e-4", "optim.min_lr=0"]).unwrap();
+        assert_eq!(both.optim.min_lr, 0.0);
+        let floor_only = with_set(&["optim.min_lr=1e-4"]).unwrap();
+        assert_eq!((floor_only.optim.lr, floor_only.optim.min_lr), (3e-3, 1e-4));
+        // A floor set above the peak is refused with the fix named.
+        let text =
+            with_set(&["optim.lr=1e-4", "optim.min_lr=3e-4"]).unwrap().validate().unwrap_err().to_string();
+        assert!(text.contains("optim.min_lr") && text.contains("--set optim.min_lr="), "{text}");
+        // A ratio that overflows leaves the floor as it was, for validation to judge.
+        let huge = with_set(&["optim.lr=1e300", "optim.min_lr=0"]).unwrap();
+        assert_eq!(huge.optim.min_lr, 0.0);
+        let tiny =
+            Config::parse("[optim]\nlr = 1e-300\nmin_lr = 0.0\n", "t.toml", &["optim.lr=1e300".into()]);
+        assert_eq!(tiny.unwrap().optim.min_lr, 0.0);
+        // A broken peak is named once by validation, not scaled into the floor.
+        let text = with_set(&["optim.lr=-1"]).unwrap().validate().unwrap_err().to_string();
+        assert!(text.starts_with("optim.lr:") && !text.contains("optim.min_lr"), "{text}");
     }
 
     #[test]

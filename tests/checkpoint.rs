@@ -349,18 +349,37 @@ fn a_signal_after_the_last_step_lets_the_final_checkpoint_finish() {
 fn a_second_interrupt_exits_at_once_with_130_saying_what_was_not_saved() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("twice");
+    // The clean stop the first interrupt asks for writes a checkpoint that
+    // takes a minute, so the second finds the process still stopping however
+    // late a loaded machine runs it.
     let mut child =
         cmd(&["train", "--steps", "400", "--out", out.to_str().unwrap()], &["--set", "checkpoint.every=0"])
+            .env("PIPEWRIGHT_CHECKPOINT_WRITE_DELAY_MS", "60000")
+            // The notice below is an info-level line.
+            .env_remove("RUST_LOG")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
     wait_for_steps(&out, 1, &mut [&mut child]);
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    std::thread::sleep(Duration::from_millis(5));
+    // The second goes once the run says it heard the first: two sent back to
+    // back reach a process that did not run in between as one.
+    let mut err = String::new();
+    loop {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() == 0 {
+            break;
+        }
+        err += &line;
+        if line.contains("signal: saving a checkpoint") {
+            break;
+        }
+    }
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-    let res = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&res.stderr);
-    assert_eq!(res.status.code(), Some(130), "{err}");
+    let status = child.wait().unwrap();
+    std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
+    assert_eq!(status.code(), Some(130), "{err}");
     assert!(err.contains("second interrupt") && err.contains("Not saved"), "{err}");
     assert!(err.contains(&format!("--resume {}", out.display())), "{err}");
 }

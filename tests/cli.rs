@@ -482,6 +482,33 @@ fn config_toml_is_the_config_that_ran() {
     assert_eq!(digest(&out), digest(&again));
 }
 
+/// A first user's run (issue 27): weights to start from, a token file named
+/// for training and validation, a peak lr below the default's floor, and no
+/// `--set data.builtin=` or `--set optim.min_lr` to know about: the file is
+/// trained on and the floor follows the peak.
+#[test]
+fn a_named_token_file_and_a_lower_lr_train_from_init_on_the_default_without_further_sets() {
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("init");
+    let (ok, _, err) = tiny_train(&init, &[]);
+    assert!(ok, "{err}");
+    let tokens = dir.path().join("tok.bin");
+    write_llmc(&tokens, &[7; 3000], 20240520, 1, 3000);
+    let t = tokens.to_str().unwrap();
+    let out = dir.path().join("run");
+    let (train, val) = (format!("data.train={t}"), format!("data.val={t}"));
+    let mut args =
+        vec!["train", "--steps", "2", "--out", out.to_str().unwrap(), "--init", init.to_str().unwrap()];
+    args.extend(TINY);
+    args.extend(["--set", &train, "--set", &val, "--set", "optim.lr=1e-4"]);
+    let (ok, _, err) = run(&args);
+    assert!(ok, "{err}");
+    let ran = pipewright::config::Config::load(Some(&out.join("config.toml")), &[]).unwrap();
+    assert_eq!(ran.data.builtin, pipewright::config::Builtin::Files);
+    assert_eq!((ran.data.train.as_str(), ran.data.val.as_str()), (t, t));
+    assert!((ran.optim.min_lr - 1e-5).abs() < 1e-18, "min_lr {}", ran.optim.min_lr);
+}
+
 #[test]
 fn eval_batches_capped_by_a_short_val_file_are_recorded() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,18 +1,18 @@
 //! The simulated backend runs the real actors, messages and schedules with
-//! sleeping stages; what it measures must match what the schedule simulator
-//! and the planner (which uses it) predict. In its own binary, and its tests
-//! take turns (`ONE_AT_A_TIME`), so no other run competes while one measures.
+//! sleeping stages. These tests check what a run does, not how long it takes:
+//! each rank ran its schedule list in order, one action at a time, no action
+//! started before its inputs could exist, and the bubble of the order the
+//! runtime recorded, replayed at the sim's declared costs, is the schedule
+//! simulator's and the planner's exactly. How close the measured (wall-clock)
+//! bubble and step come to theory depends on the machine's load, so that is
+//! what `pipewright bench --sim` measures and docs/benchmarks.md reports, never
+//! an assertion here. In its own binary, and its runs take turns
+//! (`ONE_AT_A_TIME`) so a test's sleeping stages do not crowd another's.
 
-use pipewright::bench::sim_rows;
 use pipewright::config::Config;
-use pipewright::trace::summary;
+use pipewright::schedule::{Action, Costs, Schedule};
+use pipewright::trace::summary::{self, Trace};
 use std::path::Path;
-
-/// How many times a cell is measured before a miss counts. A CI box shared
-/// with other jobs can stall a thread for milliseconds; such a stall lands in
-/// the measured bubble as idle time that the schedule did not cause. A
-/// runtime that really adds waits misses on every attempt.
-const ATTEMPTS: usize = 3;
 
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -20,112 +20,155 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The checks every traced sim run must pass, whatever the machine's load,
+/// over every step of replica 0. Returns each rank's recorded list (the same
+/// for every step, or the check fails).
+///
+/// - Each rank's actions, in the order its compute thread started them, are
+///   its list in `schedule`: every action where the schedule puts it.
+/// - A rank runs one action at a time: each starts after the previous ended.
+/// - Each action lasts at least its least cost, and no action starts before
+///   its inputs could exist: F(s, mb) starts at least the least cost of
+///   F(s − 1, mb) after that one started, likewise a backward after the
+///   backward of stage s + 1. The least cost is the declared one shrunk by
+///   `jitter`; a stage sleeps at least that long before it sends (a sleep
+///   never ends early), so load can only widen these gaps, never close them.
+fn recorded_lists(t: &Trace, schedule: &Schedule, costs: &Costs, jitter: f64) -> Vec<Vec<Action>> {
+    let mut steps: Vec<u64> = t.actions.iter().filter(|a| a.replica == 0).map(|a| a.step).collect();
+    steps.sort();
+    steps.dedup();
+    assert!(!steps.is_empty(), "{}: no actions of replica 0", t.path.display());
+    let least_us = |a: &Action| 1e3 * costs.of(a) * (1.0 - jitter);
+    let mut lists = Vec::new();
+    for step in steps {
+        let mut lanes: Vec<Vec<&summary::Span>> = vec![Vec::new(); schedule.ranks];
+        for a in t.actions.iter().filter(|a| a.replica == 0 && a.step == step) {
+            assert!(
+                a.rank < schedule.ranks,
+                "step {step}: an action on rank {} of {}",
+                a.rank,
+                schedule.ranks
+            );
+            lanes[a.rank].push(a);
+        }
+        lists.clear();
+        for (rank, lane) in lanes.iter_mut().enumerate() {
+            lane.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+            for w in lane.windows(2) {
+                assert!(
+                    w[1].start_us >= w[0].end_us,
+                    "step {step}, rank {rank}: {} started at {} µs, before {} ended at {} µs",
+                    action(w[1]),
+                    w[1].start_us,
+                    action(w[0]),
+                    w[0].end_us
+                );
+            }
+            for a in lane.iter() {
+                // One µs for the trace's rounding of timestamps, here and below.
+                let took = a.end_us - a.start_us;
+                assert!(took + 1.0 >= least_us(&action(a)), "step {step}: {} took {took} µs", action(a));
+            }
+            let list: Vec<Action> = lane.iter().map(|a| action(a)).collect();
+            assert_eq!(list, schedule.actions[rank], "step {step}, rank {rank}: the order the runtime ran");
+            lists.push(list);
+        }
+        let start = |a: Action| {
+            lanes[schedule.rank_of(a.stage)].iter().find(|s| action(s) == a).map(|s| s.start_us).unwrap()
+        };
+        for a in lists.iter().flatten() {
+            for input in inputs(a, schedule.stages()) {
+                let gap = start(*a) - start(input);
+                assert!(
+                    gap + 1.0 >= least_us(&input),
+                    "step {step}: {a} started {gap} µs after {input} began, which sleeps at least {} µs \
+                     before sending what {a} needs",
+                    least_us(&input)
+                );
+            }
+        }
+    }
+    lists
+}
+
+fn action(s: &summary::Span) -> Action {
+    Action {
+        stage: s.stage,
+        kind: s.kind.expect("an action span has a kind"),
+        mb: s.mb.expect("an action span has a microbatch"),
+    }
+}
+
+/// The actions whose output `a` needs (the simulator's rule): the F of the
+/// stage before for an F, the backward of the stage after for a B or I (whose
+/// own F ran earlier on the same rank), the I for a W.
+fn inputs(a: &Action, stages: usize) -> Vec<Action> {
+    use pipewright::schedule::ActionKind::*;
+    let at = |stage, kind| Action { stage, kind, mb: a.mb };
+    match a.kind {
+        F if a.stage > 0 => vec![at(a.stage - 1, F)],
+        B if a.stage + 1 < stages => vec![at(a.stage + 1, B)],
+        I if a.stage + 1 < stages => vec![at(a.stage + 1, I)],
+        W => vec![at(a.stage, I)],
+        _ => vec![],
+    }
+}
+
+/// A traced sim run of `sets`, checked by [`recorded_lists`]. The bubble of
+/// the recorded lists replayed at the declared costs must be the simulator's
+/// and the CPU planner's, exactly (same order, same costs, same arithmetic),
+/// and the closed form's where the schedule has one. Returns the trace, the
+/// lists and that bubble.
+fn check_sim_run(dir: &Path, sets: &[String], steps: usize) -> (Trace, Vec<Vec<Action>>, f64) {
+    let cfg = Config::load(None, sets).unwrap();
+    let schedule = pipewright::actors::Layout::from_config(&cfg).unwrap().schedule;
+    let costs = pipewright::plan::cpu::sim_costs(&cfg);
+    let theory = schedule.simulate(&costs).unwrap().mean_bubble_frac;
+    traced_sim(dir, sets, steps);
+    let t = summary::load(&dir.join("trace.json")).unwrap();
+    let what = format!("{} pp={} m={}", schedule.kind, schedule.ranks, schedule.microbatches);
+    let lists = recorded_lists(&t, &schedule, &costs, cfg.sim.jitter);
+    let replayed =
+        Schedule::from_lists(lists.clone()).and_then(|s| s.simulate(&costs)).unwrap().mean_bubble_frac;
+    assert_eq!(replayed, theory, "{what}: replayed bubble vs the simulator's");
+    assert_eq!(pipewright::plan::cpu::plan(&cfg).unwrap().bubble, theory, "{what}: the planner's bubble");
+    if costs.per_stage_factor.is_empty() && costs.backward == 2.0 * costs.forward {
+        let closed = schedule.theory_bubble().expect("gpipe and 1f1b have a closed form");
+        assert!((replayed - closed).abs() < 1e-12, "{what}: replayed {replayed} vs (p−1)/(m+p−1) = {closed}");
+    }
+    (t, lists, replayed)
+}
+
+/// `bench --sim`'s action times: 2 ms forward, 4 ms backward (I = W = 2 ms).
+fn bench_costs(schedule: &str) -> Vec<String> {
+    vec![
+        format!("parallel.schedule=\"{schedule}\""),
+        "sim.forward_ms=2".into(),
+        "sim.backward_ms=4".into(),
+        "sim.weight_ms=2".into(),
+    ]
+}
+
 #[test]
-fn measured_bubbles_match_the_simulator_and_the_planner() {
+fn each_rank_runs_its_schedule_in_order_and_the_replayed_bubble_is_theory() {
     let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
     for schedule in ["1f1b", "gpipe"] {
-        for cell in [(2, 4), (4, 8), (4, 16)] {
-            let mut seen = Vec::new();
-            let matched = (0..ATTEMPTS).any(|_| {
-                // 10 ms / 20 ms actions: long enough that scheduling jitter
-                // stays small beside them (the bench uses 2 ms / 4 ms).
-                let r = sim_rows(schedule, &[cell], 10.0, 20.0, 3).unwrap().remove(0);
-                seen.push(format!(
-                    "bubble {:.4} vs theory {:.4}, planner {:.4} (overhead {:.2}%)",
-                    r.measured_bubble,
-                    r.theory_bubble,
-                    r.planned_bubble,
-                    100.0 * r.overhead
-                ));
-                (r.measured_bubble - r.theory_bubble).abs() < 0.02
-                    && (r.measured_bubble - r.planned_bubble).abs() < 0.02
-            });
-            assert!(matched, "{schedule} pp={} m={}: {}", cell.0, cell.1, seen.join("; "));
+        for (pp, m) in [(2, 4), (4, 8), (4, 16)] {
+            check_sim_run(dir.path(), &sim_config(pp, m, &bench_costs(schedule)), 2);
         }
     }
 }
 
 /// The issue's own cell at the bench's costs: pp = 8, m = 32, 2 ms forward and
-/// 4 ms backward, eight stage threads on however few cores CI has. Sleeping
-/// stages wake late when other processes hold the cores (two busy loops on a
-/// 2-core box double the step), so an attempt during which others used more
-/// than a quarter of the machine does not count as a miss; if every attempt
-/// was contended the test says SKIPPED, with the figures.
+/// 4 ms backward, eight stage threads on however few cores CI has. How long
+/// the steps took is `bench --sim`'s to report; what the runtime did is here.
 #[test]
-fn headline_cell_bubble_matches_theory_at_bench_costs() {
+fn headline_cell_runs_the_schedule_and_replays_to_the_theory_bubble_at_bench_costs() {
     let _turn = turn();
+    let dir = tempfile::tempdir().unwrap();
     for schedule in ["1f1b", "gpipe"] {
-        let mut seen = Vec::new();
-        let mut quiet_attempts = 0;
-        let matched = (0..ATTEMPTS).any(|_| {
-            let before = CpuSample::now();
-            let r = sim_rows(schedule, &[(8, 32)], 2.0, 4.0, 6).unwrap().remove(0);
-            let others = before.others_share();
-            quiet_attempts += usize::from(others < 0.25);
-            seen.push(format!(
-                "bubble {:.4} vs theory {:.4} (overhead {:.2}%; other processes used {:.0}% of the cores)",
-                r.measured_bubble,
-                r.theory_bubble,
-                100.0 * r.overhead,
-                100.0 * others
-            ));
-            (r.measured_bubble - r.theory_bubble).abs() < 0.02
-        });
-        if !matched && quiet_attempts == 0 {
-            let msg = format!(
-                "SKIPPED headline_cell_bubble_matches_theory_at_bench_costs ({schedule}): other processes held \
-                 the cores during every attempt: {}",
-                seen.join("; ")
-            );
-            println!("{msg}");
-            eprintln!("{msg}");
-            continue;
-        }
-        assert!(matched, "{schedule} pp=8 m=32: {}", seen.join("; "));
-    }
-}
-
-/// Busy CPU time of the whole machine and of this process, to tell how much
-/// of the cores other processes (and the hypervisor's steal) took meanwhile.
-struct CpuSample {
-    machine_s: f64,
-    own_s: f64,
-    at: std::time::Instant,
-}
-
-impl CpuSample {
-    fn now() -> CpuSample {
-        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-        // user nice system idle iowait irq softirq steal: all but idle and iowait.
-        let f: Vec<u64> = stat
-            .lines()
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        let ticks: u64 = [0, 1, 2, 5, 6, 7].iter().filter_map(|&i| f.get(i)).sum();
-        // SAFETY: sysconf and getrusage only read settings and fill the struct given.
-        let (per_s, own) = unsafe {
-            let mut u: libc::rusage = std::mem::zeroed();
-            libc::getrusage(libc::RUSAGE_SELF, &mut u);
-            (libc::sysconf(libc::_SC_CLK_TCK).max(1) as f64, u)
-        };
-        let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
-        CpuSample {
-            machine_s: ticks as f64 / per_s,
-            own_s: t(own.ru_utime) + t(own.ru_stime),
-            at: std::time::Instant::now(),
-        }
-    }
-
-    /// Share of all cores that others used since this sample (0 where /proc is absent).
-    fn others_share(&self) -> f64 {
-        let now = CpuSample::now();
-        let others = (now.machine_s - self.machine_s) - (now.own_s - self.own_s);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-        (others / (self.at.elapsed().as_secs_f64() * cores)).max(0.0)
+        check_sim_run(dir.path(), &sim_config(8, 32, &bench_costs(schedule)), 2);
     }
 }
 
@@ -179,8 +222,8 @@ fn sim_config(pp: usize, m: usize, sets: &[String]) -> Vec<String> {
     v
 }
 
-/// Runs `pipewright train --trace` on a sim config and summarises its trace.
-fn traced_sim(dir: &Path, sets: &[String], steps: usize) -> summary::Summary {
+/// Runs `pipewright train --trace` on a sim config, writing `dir/trace.json`.
+fn traced_sim(dir: &Path, sets: &[String], steps: usize) {
     let mut args = vec!["train".to_string(), "--steps".into(), steps.to_string(), "--trace".into()];
     args.extend(["--force".into(), "--out".into(), dir.display().to_string()]);
     for s in sets {
@@ -193,7 +236,6 @@ fn traced_sim(dir: &Path, sets: &[String], steps: usize) -> summary::Summary {
         err.contains("simulated backend") && !err.contains("GFLOP/s"),
         "sim figures, not compute's: {err}"
     );
-    summary::summarize(&summary::load(&dir.join("trace.json")).unwrap()).unwrap()
 }
 
 #[test]
@@ -205,67 +247,62 @@ fn stage_factors_of_the_wrong_length_are_refused_naming_the_field() {
     Config::load(None, &ok).unwrap().validate().unwrap();
 }
 
-/// A stage twice as slow as the others is the bottleneck `trace summary`
-/// names, and the bubble the run measures is the simulator's for the same
-/// factors (the planner's too).
+/// A stage twice as slow as the others: the run sleeps the factor (each of
+/// that stage's actions lasts at least twice the others' declared cost), the
+/// bubble of its recorded order at the declared costs is the simulator's and
+/// the planner's for those factors, and `trace summary` of that replay names
+/// the stage as the bottleneck at exactly twice the median lane.
 #[test]
-fn a_slow_stage_is_the_bottleneck_and_the_bubble_follows_the_factors() {
+fn a_slow_stage_sets_the_replayed_bubble_and_is_the_bottleneck_of_the_replay() {
     let _turn = turn();
     let dir = tempfile::tempdir().unwrap();
     let sets = sim_config(4, 8, &["sim.stage_factors=[1.0, 1.0, 2.0, 1.0]".into()]);
     let cfg = Config::load(None, &sets).unwrap();
-    let planned = pipewright::plan::cpu::plan(&cfg).unwrap().bubble;
+    let schedule = pipewright::actors::Layout::from_config(&cfg).unwrap().schedule;
     let costs = pipewright::plan::cpu::sim_costs(&cfg);
-    let theory = pipewright::actors::Layout::from_config(&cfg).unwrap().schedule.simulate(&costs).unwrap();
-    let even = pipewright::actors::Layout::from_config(&cfg)
-        .unwrap()
-        .schedule
-        .simulate(&pipewright::plan::cpu::sim_costs(&Config::load(None, &sim_config(4, 8, &[])).unwrap()))
-        .unwrap();
-    assert!(theory.mean_bubble_frac > even.mean_bubble_frac + 0.05, "the slow stage must matter");
-    assert_eq!(planned, theory.mean_bubble_frac);
-    let mut seen = vec![];
-    let ok = (0..ATTEMPTS).any(|_| {
-        let s = traced_sim(dir.path(), &sets, 4);
-        let b = s.bottleneck.clone().expect("four lanes");
-        seen.push(format!(
-            "bottleneck stage {} ({:.2}× median), bubble {:.4} vs simulator {:.4}",
-            b.stage, b.vs_median, s.bubble_frac, theory.mean_bubble_frac
-        ));
-        assert_eq!(b.stage, 2, "{}", seen.join("; "));
-        assert!((b.vs_median - 2.0).abs() < 0.2, "{}", seen.join("; "));
-        (s.bubble_frac - theory.mean_bubble_frac).abs() < 0.02
-    });
-    assert!(ok, "{}", seen.join("; "));
-    let text = summary::summarize(&summary::load(&dir.path().join("trace.json")).unwrap()).unwrap().text();
-    assert!(text.contains("bottleneck: stage 2"), "{text}");
+    let even = schedule
+        .simulate(&pipewright::plan::cpu::sim_costs(&Config::load(None, &sim_config(4, 8, &[])).unwrap()));
+    let (t, lists, replayed) = check_sim_run(dir.path(), &sets, 2);
+    assert!(replayed > even.unwrap().mean_bubble_frac + 0.05, "the slow stage must matter");
+    let f_ms = |stage: usize| {
+        t.actions
+            .iter()
+            .filter(|a| a.stage == stage && a.kind == Some(pipewright::schedule::ActionKind::F))
+            .map(|a| (a.end_us - a.start_us) / 1e3)
+            .fold(f64::INFINITY, f64::min)
+    };
+    assert!(f_ms(2) >= 2.0 * cfg.sim.forward_ms, "stage 2's shortest F: {} ms", f_ms(2));
+
+    let replay = Schedule::from_lists(lists).unwrap();
+    let report = replay.simulate(&costs).unwrap();
+    let records = pipewright::trace::simulated::simulated_records(&replay, &report, 1e3);
+    let meta = pipewright::trace::simulated::simulated_meta(&replay, &costs, 1e3);
+    let json = pipewright::trace::chrome_json(&records, meta).to_string();
+    let s = summary::summarize(&summary::parse(&json, Path::new("replay.json")).unwrap()).unwrap();
+    let b = s.bottleneck.clone().expect("four lanes");
+    assert_eq!((b.stage, b.vs_median), (2, 2.0), "{}", s.text());
+    assert!(s.text().contains("bottleneck: stage 2"), "{}", s.text());
 }
 
-/// Jitter varies every action's time but the run completes, and the schedule
-/// simulated at the measured mean costs still predicts the bubble measured.
+/// Jitter draws each action's time around its cost, yet the runtime still
+/// runs the schedule in order and its replay at the declared (mean) costs is
+/// theory. The F times spread over several ms: drawn within ±30% of 10 ms
+/// (the least, 7 ms, is checked for every action), their spread can only
+/// vanish if every draw under 10 ms woke over 3 ms late.
 #[test]
-fn jitter_varies_action_times_and_theory_from_measured_costs_holds() {
+fn jitter_varies_action_times_and_the_schedule_still_holds() {
     let _turn = turn();
     let dir = tempfile::tempdir().unwrap();
     let sets = sim_config(4, 8, &["sim.jitter=0.3".into()]);
-    let mut seen = vec![];
-    let ok = (0..ATTEMPTS).any(|_| {
-        let s = traced_sim(dir.path(), &sets, 4);
-        let t = summary::load(&dir.path().join("trace.json")).unwrap();
-        let f: Vec<f64> = t
-            .actions
-            .iter()
-            .filter(|a| a.kind == Some(pipewright::schedule::ActionKind::F))
-            .map(|a| (a.end_us - a.start_us) / 1e3)
-            .collect();
-        let (lo, hi) = f.iter().fold((f64::INFINITY, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
-        // ±30% around 10 ms, drawn per action: a spread of several ms.
-        assert!(hi - lo > 3.0 && lo > 6.0, "F from {lo:.2} to {hi:.2} ms");
-        let theory = s.theory_bubble_frac.expect("the schedule is known");
-        seen.push(format!("bubble {:.4} vs theory at measured means {theory:.4}", s.bubble_frac));
-        (s.bubble_frac - theory).abs() < 0.03
-    });
-    assert!(ok, "{}", seen.join("; "));
+    let (t, _, _) = check_sim_run(dir.path(), &sets, 2);
+    let f: Vec<f64> = t
+        .actions
+        .iter()
+        .filter(|a| a.kind == Some(pipewright::schedule::ActionKind::F))
+        .map(|a| (a.end_us - a.start_us) / 1e3)
+        .collect();
+    let (lo, hi) = f.iter().fold((f64::INFINITY, 0.0f64), |(l, h), &x| (l.min(x), h.max(x)));
+    assert!(hi - lo > 3.0, "F from {lo:.2} to {hi:.2} ms");
 }
 
 #[test]
