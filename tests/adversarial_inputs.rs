@@ -7,25 +7,13 @@
 //! no panic; docs/hardening.md ("Adversarial pass 2") holds the rows.
 
 mod common;
-use common::run_to_end;
+use common::{run_to_end, TINY};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_pipewright");
-
-const TINY: [&str; 9] = [
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.block_size=16",
-    "train.micro_batch_size=2",
-    "parallel.microbatches=2",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "checkpoint.every=2",
-];
 
 const TWO_POW_40: &str = "1099511627776";
 

@@ -8,25 +8,13 @@
 //! Heavy: `sigkill_storm_…` (≥ 15 kills and resumes, ~1 minute on 2 cores).
 
 mod common;
-use common::{free_ports, kill_at_random_moment, run_to_end, tmps, wait_for_steps, Kill};
+use common::{free_ports, kill_at_random_moment, run_to_end, tmps, wait_for_steps, Kill, TINY};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_pipewright");
-
-const TINY: [&str; 9] = [
-    "model.n_layer=2",
-    "model.n_embd=32",
-    "model.n_head=2",
-    "model.block_size=16",
-    "train.micro_batch_size=2",
-    "parallel.microbatches=2",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "checkpoint.every=2",
-];
 
 fn sets(extra: &[&str]) -> Vec<String> {
     TINY.iter().chain(extra).flat_map(|s| ["--set".to_string(), s.to_string()]).collect()

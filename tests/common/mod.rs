@@ -7,6 +7,19 @@ use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// A model and run small enough for tests that start many processes.
+pub const TINY: [&str; 9] = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.block_size=16",
+    "train.micro_batch_size=2",
+    "parallel.microbatches=2",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "checkpoint.every=2",
+];
+
 /// Runs `cmd` with stderr kept, killing it (and failing the test with its
 /// stderr) if it runs past `limit`: a hang is a failure, not a stuck suite.
 pub fn run_to_end(mut cmd: Command, limit: Duration) -> Output {

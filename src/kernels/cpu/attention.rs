@@ -296,10 +296,6 @@ mod tests {
         out
     }
 
-    fn to64(x: &[f32]) -> Vec<f64> {
-        x.iter().map(|&v| v as f64).collect()
-    }
-
     #[test]
     fn forward_matches_reference_across_tiles() {
         // T spans three query tiles, the last one partial.

@@ -205,10 +205,6 @@ mod tests {
         (out, lse)
     }
 
-    fn to64(x: &[f32]) -> Vec<f64> {
-        x.iter().map(|&v| v as f64).collect()
-    }
-
     #[test]
     fn forward_matches_the_cpu_attention_across_key_tiles_for_head_sizes_64_and_128() {
         // T spans three key tiles, the last one partial.

@@ -149,10 +149,6 @@ mod tests {
         out
     }
 
-    fn to64(x: &[f32]) -> Vec<f64> {
-        x.iter().map(|&v| v as f64).collect()
-    }
-
     #[test]
     fn forward_matches_reference() {
         let (n, c) = (19, 37);

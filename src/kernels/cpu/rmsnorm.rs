@@ -131,10 +131,6 @@ mod tests {
         out
     }
 
-    fn to64(x: &[f32]) -> Vec<f64> {
-        x.iter().map(|&v| v as f64).collect()
-    }
-
     #[test]
     fn forward_matches_reference() {
         let (n, c) = (19, 37);
@@ -179,7 +175,7 @@ mod tests {
         assert_eq!(bits(&dx), bits(&doubled(&once.0)));
         // The weight's rows are added one by one onto the earlier sum, so only
         // close to twice (the rounding of a longer running sum).
-        assert_close(&dw, &doubled(&once.1).iter().map(|&v| v as f64).collect::<Vec<_>>(), 1e-6);
+        assert_close(&dw, &to64(&doubled(&once.1)), 1e-6);
     }
 
     #[test]

@@ -127,8 +127,7 @@ mod tests {
         let table = RopeTable::new(t, &inv_freq(hs, 10_000.0));
         let mut got = x.clone();
         with_threads(2, || rope_forward(&mut got, &table, n, w, col0, heads));
-        let want =
-            reference(&x.iter().map(|&v| v as f64).collect::<Vec<_>>(), t, hs, 10_000.0, n, w, col0, heads);
+        let want = reference(&to64(&x), t, hs, 10_000.0, n, w, col0, heads);
         assert_close(&got, &want, 1e-5);
         // Columns outside the heads are left as they were.
         for r in 0..n {
@@ -176,7 +175,7 @@ mod tests {
         let mut y = x.clone();
         rope_forward(&mut y, &table, t, hs, 0, 1);
         rope_backward(&mut y, &table, t, hs, 0, 1);
-        assert_close(&y, &x.iter().map(|&v| v as f64).collect::<Vec<_>>(), 1e-6);
+        assert_close(&y, &to64(&x), 1e-6);
     }
 
     #[test]

@@ -66,7 +66,7 @@ mod tests {
         let gu = randn(2 * n * h, 1);
         let mut out = vec![0.0; n * h];
         with_threads(2, || swiglu_forward(&mut out, &gu, n, h));
-        assert_close(&out, &reference(&gu.iter().map(|&v| v as f64).collect::<Vec<_>>(), n, h), 1e-6);
+        assert_close(&out, &reference(&to64(&gu), n, h), 1e-6);
     }
 
     #[test]

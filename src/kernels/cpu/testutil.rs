@@ -8,6 +8,11 @@ pub fn randn(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| r.normal() as f32).collect()
 }
 
+/// The same values in f64, for references computed in f64.
+pub fn to64(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
 pub fn with_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
 }
