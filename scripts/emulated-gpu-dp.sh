@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU data parallelism gives dp 1's bits: trains a small model on the CUDA
-# backend at dp 1 (one GPU, 4 microbatches) and dp 2 (two GPUs in one
-# process, 2 microbatches each: the same global batch), in f32 and bf16, and
-# exits non-zero unless each pair's summary.json `weights_digest` matches.
+# backend at dp 1 (one GPU, 4 microbatches) and dp 2 (two GPUs, 2
+# microbatches each: the same global batch) in one process (`train`) and in
+# two (`launch --nodes 2`), in f32 and bf16, and exits non-zero unless every
+# dp 2 run's summary.json `weights_digest` is its dtype's dp 1 digest.
 # Both sum their gradients by the one fixed tree over the global microbatch
 # index (optim::grad_tree), so any difference is a bug.
 #
@@ -24,18 +25,19 @@ echo "emulated-gpu-dp.sh: building pipewright with --features cuda" >&2
 out="${1:-$(mktemp -d "${TMPDIR:-/tmp}/emulated-gpu-dp.XXXXXX")}"
 mkdir -p "$out"
 
-# run DTYPE DP: one training run, its digest on stdout.
+# run DTYPE DP PROCESSES: one training run, its digest on stdout.
 run() {
-    local dtype="$1" dp="$2" devices="[0]"
+    local dtype="$1" dp="$2" procs="$3" devices="[0]"
     [ "$dp" = 2 ] && devices="[0,1]"
-    local dir="$out/$dtype-dp$dp"
-    if ! "$bin" train --set model.n_layer=2 --set model.n_embd=128 --set model.n_head=2 \
+    local dir="$out/$dtype-dp$dp-p$procs" how=(train)
+    [ "$procs" = 1 ] || how=(launch --nodes "$procs")
+    if ! "$bin" "${how[@]}" --set model.n_layer=2 --set model.n_embd=128 --set model.n_head=2 \
         --set model.vocab_size=256 --set model.block_size=64 --set train.micro_batch_size=4 \
         --set train.eval_every=0 --set 'data.builtin="random"' --set 'backend.kind="cuda"' \
         --set "backend.dtype=\"$dtype\"" --set parallel.pp=1 --set "parallel.dp=$dp" \
         --set "parallel.microbatches=$((4 / dp))" --set "backend.devices=$devices" \
         --steps 3 --out "$dir" --force >"$dir.log" 2>&1; then
-        echo "emulated-gpu-dp.sh: $dtype dp $dp failed; its log, $dir.log, ends:" >&2
+        echo "emulated-gpu-dp.sh: $dtype dp $dp over $procs process(es) failed; its log, $dir.log, ends:" >&2
         tail -n 20 "$dir.log" >&2
         return 1
     fi
@@ -45,19 +47,20 @@ run() {
 status=0
 rows=()
 for dtype in f32 bf16; do
-    one="$(run "$dtype" 1)" || { status=1; continue; }
-    two="$(run "$dtype" 2)" || { status=1; continue; }
-    if [ -z "$one" ] || [ -z "$two" ]; then
+    one="$(run "$dtype" 1 1)" || { status=1; continue; }
+    two="$(run "$dtype" 2 1)" || { status=1; continue; }
+    apart="$(run "$dtype" 2 2)" || { status=1; continue; }
+    if [ -z "$one" ] || [ -z "$two" ] || [ -z "$apart" ]; then
         echo "emulated-gpu-dp.sh: $dtype: a summary.json under $out has no weights_digest" >&2
         status=1
         continue
     fi
     verdict=same
-    [ "$one" = "$two" ] || { verdict=DIFFERENT; status=1; }
-    rows+=("$(printf '%-5s %-16s %-16s %s' "$dtype" "${one:0:16}" "${two:0:16}" "$verdict")")
+    [ "$one" = "$two" ] && [ "$one" = "$apart" ] || { verdict=DIFFERENT; status=1; }
+    rows+=("$(printf '%-5s %-16s %-16s %-16s %s' "$dtype" "${one:0:16}" "${two:0:16}" "${apart:0:16}" "$verdict")")
 done
 
-printf '%-5s %-16s %-16s %s\n' dtype "dp 1 digest" "dp 2 digest" verdict
+printf '%-5s %-16s %-16s %-16s %s\n' dtype "dp 1" "dp 2" "dp 2, 2 procs" verdict
 printf '%s\n' "${rows[@]}"
 echo "zero-1: not checked (parallel.zero = 1 runs on the CPU backend only)"
 echo "runs and logs: $out"
