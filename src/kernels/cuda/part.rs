@@ -943,11 +943,6 @@ impl<X: Elem> GpuPart<X> {
         Ok((self.per_tensor(gpu, &self.m)?, self.per_tensor(gpu, &self.v)?))
     }
 
-    /// Replaces the gradients (the data-parallel sum over replicas), per tensor.
-    pub fn set_gradients(&mut self, gpu: &Gpu, grads: &[Vec<f32>]) -> Result<()> {
-        self.upload_per_tensor(gpu, "gradients", grads, |p| &p.grads)
-    }
-
     /// Sets master weights (and their X copy), per tensor in this part's order.
     pub fn load_weights(&mut self, gpu: &Gpu, weights: &[&[f32]]) -> Result<()> {
         self.upload_per_tensor(gpu, "weight", weights, |p| &p.master)?;
