@@ -8,6 +8,14 @@
 //! host `Vec<f32>`s: that is what messages carry between ranks, processes and
 //! replay logs. A GPU backend stages them through host memory.
 //!
+//! Gradients follow one fixed tree over the global microbatch index
+//! (optim::grad_tree) on every backend: each microbatch's gradient is a leaf
+//! in a zeroed buffer, folded into nodes in the tree's order (on the GPU, in
+//! device buffers by `add_f32`), so a run gives dp 1's bits at any dp. Over
+//! data-parallel replicas, the nodes travel in host memory to the reducer
+//! actor, which adds them by the same tree; there is no NCCL all-reduce of
+//! gradients, whose order of adds is NCCL's own.
+//!
 //! A backend error on the GPU is a failure of the stage: it panics with the
 //! error, and the stage reports it (actor, step, action) like any other.
 
@@ -105,8 +113,8 @@ pub trait StageCompute {
     /// the shard of each tensor this replica owns.
     fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>);
     /// Σg² of chunk `i`'s gradients as (norm slot, value): per owned block on
-    /// the CPU (see `optim::zero`), per tensor under its first slot's
-    /// canonical index on GPUs (same order, other bits).
+    /// the CPU (see `optim::zero`), per tensor under its first block's slot
+    /// on GPUs (same order, other bits).
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>);
     /// ZeRO-1: copies of the owned elements of chunk `i`'s parameters, one
     /// vector per tensor (what this replica updated).
@@ -133,11 +141,6 @@ pub trait StageCompute {
     fn snapshot(&self) -> (Vec<TensorState>, u64);
     /// Loads parameters and moments from a checkpoint (a rollback).
     fn restore(&mut self, c: &Loaded) -> Result<(), String>;
-    /// Sums every chunk's gradients over the data-parallel replicas itself
-    /// (NCCL on GPUs). False when the reducer actor must do it.
-    fn reduce_replicas(&mut self) -> bool {
-        false
-    }
 }
 
 /// Chunks on the CPU: model parts computing on the rank's thread pool.
@@ -417,9 +420,12 @@ mod gpu {
     use super::*;
     use crate::actors::stage::nccl::{link_orders, GpuPlan, NcclKey};
     use crate::kernels::cuda::nccl::{Comm, NcclId, NcclType};
+    use crate::kernels::cuda::part::GpuPart;
     use crate::kernels::cuda::part::{GpuGrad, GpuInput, TpDevices, TpPart};
     use crate::kernels::cuda::transfer::{NcclLink, Outbox, ParcelKey};
-    use crate::kernels::cuda::{CudaError, DeviceBuffer, Elem, Gpu};
+    use crate::kernels::cuda::{adamw, CudaError, DeviceBuffer, Elem, Gpu};
+    use crate::optim::grad_tree::{held_sets, TreeSum};
+    use std::ops::Range;
     use std::sync::Arc;
 
     type CudaResult<T> = crate::kernels::cuda::Result<T>;
@@ -437,6 +443,72 @@ mod gpu {
         /// Device routes (None: every tensor in host memory). A cell: the
         /// receive and the send of one action borrow it one after the other.
         routes: Option<std::cell::RefCell<Routes<X>>>,
+        /// Each chunk's microbatch gradients, summed by the fixed tree.
+        trees: Vec<DeviceTree>,
+    }
+
+    /// A chunk's microbatch tree on its GPU (the CPU's `PartTree`): the
+    /// head's leaves (written in forward) and the rest (written in backward)
+    /// in their own trees, nodes in device buffers added by `add_f32`, which
+    /// rounds as the CPU's `add_into` does.
+    struct DeviceTree {
+        body: TreeSum<DeviceBuffer<f32>>,
+        head: Option<TreeSum<DeviceBuffer<f32>>>,
+        body_len: usize,
+        head_len: usize,
+    }
+
+    impl DeviceTree {
+        /// Buffers for the nodes `block`'s in-order leaves keep alive, plus
+        /// the leaf being taken, allocated now: a step that does not fit
+        /// fails at setup, and a steady step allocates nothing.
+        fn new<X: Elem>(gpu: &Gpu, part: &GpuPart<X>, block: Range<usize>, total: usize) -> CudaResult<Self> {
+            let (body_len, head_len) = (part.body_leaf_len(), part.head_leaf_len());
+            let mut body = TreeSum::new(block.clone(), total);
+            let mut head = part.spec.head.then(|| TreeSum::new(block.clone(), total));
+            for _ in 0..held_sets(block.len()) + 1 {
+                body.recycle(gpu.alloc(body_len)?);
+                if let Some(h) = &mut head {
+                    h.recycle(gpu.alloc(head_len)?);
+                }
+            }
+            Ok(DeviceTree { body, head, body_len, head_len })
+        }
+
+        fn reset(&mut self) {
+            self.body.reset();
+            if let Some(h) = &mut self.head {
+                h.reset();
+            }
+        }
+
+        /// A zeroed-or-stale buffer for a leaf: the leaf's copy overwrites it whole.
+        fn leaf(
+            tree: &mut TreeSum<DeviceBuffer<f32>>,
+            gpu: &Gpu,
+            len: usize,
+        ) -> CudaResult<DeviceBuffer<f32>> {
+            match tree.spare() {
+                Some(b) => Ok(b),
+                None => gpu.alloc(len),
+            }
+        }
+
+        /// Folds `leaf` (microbatch `g`) into `tree`, the adds on `gpu`.
+        fn push(
+            tree: &mut TreeSum<DeviceBuffer<f32>>,
+            gpu: &Gpu,
+            g: usize,
+            leaf: DeviceBuffer<f32>,
+        ) -> CudaResult<()> {
+            let mut failed = None;
+            tree.push_with(g, leaf, &mut |a, b| {
+                if failed.is_none() {
+                    failed = adamw::add_f32(gpu, a.ptr(), a.ptr(), b.ptr(), a.len()).err();
+                }
+            });
+            failed.map_or(Ok(()), Err)
+        }
     }
 
     /// Where this rank's tensors go and come from on the device.
@@ -448,8 +520,6 @@ mod gpu {
         /// NCCL links by (other rank, gradient).
         sends: BTreeMap<(usize, bool), NcclLink<X>>,
         recvs: BTreeMap<(usize, bool), NcclLink<X>>,
-        /// The all-reduce across replicas (dp > 1).
-        replicas: Option<Comm>,
     }
 
     /// A GPU error ends the stage: the worker reports the panic as its failure.
@@ -512,6 +582,15 @@ mod gpu {
                 )?)),
                 None => None,
             };
+            let m = layout.microbatches;
+            let block = place.replica * m..(place.replica + 1) * m;
+            let trees = parts
+                .iter()
+                .map(|p| DeviceTree::new(gpu, p.owner(), block.clone(), layout.dp * m))
+                .collect::<CudaResult<Vec<_>>>()
+                .map_err(|e| {
+                    format!("GPU {} (the gradient tree's buffers, {}): {e}", gpu.name, gpu_memory_hint(&e))
+                })?;
             Ok(GpuCompute {
                 dev,
                 parts,
@@ -520,6 +599,7 @@ mod gpu {
                 replica: place.replica,
                 layout,
                 routes,
+                trees,
             })
         }
     }
@@ -536,7 +616,7 @@ mod gpu {
         ) -> Result<Routes<X>, String> {
             let depth = layout.microbatches + 2;
             let outbox = Outbox::new(gpu, if host_only { 0 } else { depth }, n).map_err(|e| e.to_string())?;
-            let (mut sends, mut recvs, mut replicas) = (BTreeMap::new(), BTreeMap::new(), None);
+            let (mut sends, mut recvs) = (BTreeMap::new(), BTreeMap::new());
             // Ascending key order on every member: no two ranks wait on each
             // other's communicators in opposite orders while joining. Link
             // keys are skipped on every rank alike when recording (host_only
@@ -566,15 +646,10 @@ mod gpu {
                             recvs.insert((from, gradient), NcclLink::receiver(comm));
                         }
                     }
-                    NcclKey::Replicas { rank: k } if k == rank => {
-                        let comm = Comm::init(gpu, &id, layout.dp, replica)
-                            .map_err(|e| format!("NCCL all-reduce of rank {k}: {e}"))?;
-                        replicas = Some(comm);
-                    }
                     _ => {}
                 }
             }
-            Ok(Routes { plan, outbox, sends, recvs, replicas })
+            Ok(Routes { plan, outbox, sends, recvs })
         }
 
         /// Sends the tensor for (`stage`, `mb`) held in `src` on the device:
@@ -691,8 +766,9 @@ mod gpu {
         }
 
         fn zero_grads(&mut self) {
-            for p in &mut self.parts {
+            for (p, t) in self.parts.iter_mut().zip(&mut self.trees) {
                 ok(p.zero_grads(&self.dev), "zero gradients");
+                t.reset();
             }
         }
 
@@ -719,6 +795,14 @@ mod gpu {
             };
             let out = self.parts[i].forward(&self.dev, mb, input, targets, mode, argmax, Some(&mut sink));
             let out = ok(out, "forward");
+            let global = self.replica * self.layout.microbatches + mb;
+            let head_len = self.trees[i].head_len;
+            if let (false, Some(tree)) = (eval, &mut self.trees[i].head) {
+                let gpu = self.dev.gpu(0);
+                let leaf = ok(DeviceTree::leaf(tree, gpu, head_len), "gradient tree buffer");
+                ok(self.parts[i].take_head_leaf(&self.dev, &leaf), "head gradient leaf");
+                ok(DeviceTree::push(tree, gpu, global, leaf), "gradient tree add");
+            }
             ChunkOutput { output: out.output, loss_sum: out.loss_sum }
         }
 
@@ -742,7 +826,13 @@ mod gpu {
                 Some(g) if !g.is_empty() => GpuGrad::Host(g),
                 Some(_) => GpuGrad::Device(&mut fill),
             };
-            ok(self.parts[i].backward(&self.dev, mb, grad, Some(&mut sink)), "backward")
+            let dx = ok(self.parts[i].backward(&self.dev, mb, grad, Some(&mut sink)), "backward");
+            let (gpu, tree) = (self.dev.gpu(0), &mut self.trees[i]);
+            let leaf = ok(DeviceTree::leaf(&mut tree.body, gpu, tree.body_len), "gradient tree buffer");
+            ok(self.parts[i].take_body_leaf(&self.dev, &leaf), "body gradient leaf");
+            let global = self.replica * self.layout.microbatches + mb;
+            ok(DeviceTree::push(&mut tree.body, gpu, global, leaf), "gradient tree add");
+            dx
         }
 
         fn live(&self, i: usize) -> (usize, usize) {
@@ -766,9 +856,44 @@ mod gpu {
             ok(self.summed(i).gradients(self.gpu()), "gradient download")
         }
 
+        fn take_grad_nodes(&mut self, i: usize, _block: Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
+            let (gpu, tree) = (self.dev.gpu(0), &mut self.trees[i]);
+            let body = tree.body.take_nodes();
+            let mut head = tree.head.as_mut().map(|h| h.take_nodes().into_iter());
+            let mut out = Vec::with_capacity(body.len());
+            for (span, b) in body {
+                let h = head.as_mut().map(|h| h.next().expect("the head's nodes match the body's"));
+                if let Some((hs, _)) = &h {
+                    assert_eq!(*hs, span, "the head's and the body's nodes cover the same microbatches");
+                }
+                let grads = self.parts[i].owner().node_gradients(gpu, &b, h.as_ref().map(|h| &h.1));
+                out.push((span, ok(grads, "gradient node download")));
+                tree.body.recycle(b);
+                if let (Some(t), Some((_, hb))) = (&mut tree.head, h) {
+                    t.recycle(hb);
+                }
+            }
+            out
+        }
+
+        fn sums_by_tree(&self) -> bool {
+            true
+        }
+
+        fn finish_grad_tree(&mut self, i: usize) {
+            let (gpu, tree) = (self.dev.gpu(0), &mut self.trees[i]);
+            let body = tree.body.take_root();
+            let head = tree.head.as_mut().map(TreeSum::take_root);
+            ok(self.parts[i].owner_mut().set_tree_roots(gpu, &body, head.as_ref()), "gradient tree root");
+            tree.body.recycle(body);
+            if let (Some(t), Some(h)) = (&mut tree.head, head) {
+                t.recycle(h);
+            }
+        }
+
         fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
             let (owner, gpu) = self.summed_mut(i);
-            ok(owner.set_gradients(gpu, &grads), "gradient upload");
+            ok(owner.set_node_gradients(gpu, &grads), "gradient upload");
         }
 
         fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
@@ -784,16 +909,6 @@ mod gpu {
             for p in &mut self.parts {
                 ok(p.adamw(&self.dev, &hyper, lr, clip), "AdamW");
             }
-        }
-
-        fn reduce_replicas(&mut self) -> bool {
-            let Some(routes) = &self.routes else { return false };
-            let routes = routes.borrow();
-            let Some(comm) = &routes.replicas else { return false };
-            for i in 0..self.parts.len() {
-                ok(self.summed(i).all_reduce_gradients(self.gpu(), comm), "all-reduce across replicas");
-            }
-            true
         }
 
         fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {

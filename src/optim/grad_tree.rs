@@ -66,21 +66,32 @@ fn span_of(level: u32, index: usize, total: usize) -> Span {
 /// inside the block. Leaves that arrive ahead of the next one in ascending
 /// order wait (chunked schedules may run W out of order); in-order leaves
 /// keep at most about 2·log₂ m nodes alive.
-pub struct TreeSum {
+///
+/// A node is host gradients ([`Grads`]) on the CPU, a device buffer on GPUs
+/// (kernels/cuda/part.rs adds them there): the tree's shape and the order
+/// of its adds live here once, whatever holds the values.
+pub struct TreeSum<G = Grads> {
     block: Range<usize>,
     total: usize,
     next: usize,
     /// Nodes by (level, index), the newest last; each is a complete node.
-    stack: Vec<(u32, usize, Grads)>,
-    early: BTreeMap<usize, Grads>,
+    stack: Vec<(u32, usize, G)>,
+    early: BTreeMap<usize, G>,
     /// Freed buffers, reused for the next leaf.
-    spare: Vec<Grads>,
+    spare: Vec<G>,
     /// Most gradient sets held at once (stack + early), for reports.
     pub peak_held: usize,
 }
 
-impl TreeSum {
-    pub fn new(block: Range<usize>, total: usize) -> TreeSum {
+impl TreeSum<Grads> {
+    /// Adds microbatch `g`'s leaf gradient.
+    pub fn push(&mut self, g: usize, leaf: Grads) {
+        self.push_with(g, leaf, &mut |a, b| add_into(a, b));
+    }
+}
+
+impl<G> TreeSum<G> {
+    pub fn new(block: Range<usize>, total: usize) -> TreeSum<G> {
         assert!(block.start <= block.end && block.end <= total, "block {block:?} of {total} microbatches");
         TreeSum {
             next: block.start,
@@ -97,8 +108,13 @@ impl TreeSum {
         self.block.clone()
     }
 
-    /// Adds microbatch `g`'s leaf gradient.
-    pub fn push(&mut self, g: usize, leaf: Grads) {
+    /// A buffer a folded node freed, to hold the next leaf (None: make one).
+    pub fn spare(&mut self) -> Option<G> {
+        self.spare.pop()
+    }
+
+    /// Adds microbatch `g`'s leaf; `add(a, b)` is the tree's one add, a += b.
+    pub fn push_with(&mut self, g: usize, leaf: G, add: &mut dyn FnMut(&mut G, &G)) {
         assert!(self.block.contains(&g), "microbatch {g} outside the block {:?}", self.block);
         assert!(g >= self.next && !self.early.contains_key(&g), "microbatch {g}'s gradient arrived twice");
         if g != self.next {
@@ -107,16 +123,16 @@ impl TreeSum {
             return;
         }
         // In order: no map entry (the engine's steady state allocates nothing).
-        self.fold(g, leaf);
+        self.fold(g, leaf, add);
         self.next += 1;
         while let Some(leaf) = self.early.remove(&self.next) {
-            self.fold(self.next, leaf);
+            self.fold(self.next, leaf, add);
             self.next += 1;
         }
         self.peak_held = self.peak_held.max(self.stack.len() + self.early.len());
     }
 
-    fn fold(&mut self, g: usize, leaf: Grads) {
+    fn fold(&mut self, g: usize, leaf: G, add: &mut dyn FnMut(&mut G, &G)) {
         self.stack.push((0, g, leaf));
         loop {
             let n = self.stack.len();
@@ -135,7 +151,7 @@ impl TreeSum {
             }
             let (_, _, right) = self.stack.pop().expect("two nodes");
             let left = self.stack.last_mut().expect("two nodes");
-            add_into(&mut left.2, &right);
+            add(&mut left.2, &right);
             left.0 = l + 1;
             left.1 = a / 2;
             self.spare.push(right);
@@ -149,6 +165,11 @@ impl TreeSum {
         self.spare.extend(std::mem::take(&mut self.early).into_values());
     }
 
+    /// Gives back a buffer (a root taken and spent) for later leaves.
+    pub fn recycle(&mut self, buffer: G) {
+        self.spare.push(buffer);
+    }
+
     /// Whether every leaf of the block has been folded.
     pub fn complete(&self) -> bool {
         self.next == self.block.end
@@ -156,7 +177,7 @@ impl TreeSum {
 
     /// The block's nodes in ascending order, ready for [`combine`]; the
     /// accumulator is empty afterwards and may start the next step.
-    pub fn take_nodes(&mut self) -> Vec<(Span, Grads)> {
+    pub fn take_nodes(&mut self) -> Vec<(Span, G)> {
         assert!(self.complete(), "block {:?} has folded microbatches up to {} only", self.block, self.next);
         self.next = self.block.start;
         let total = self.total;
@@ -165,7 +186,7 @@ impl TreeSum {
 
     /// The root, when the block is every microbatch: with empty right halves
     /// promoted as they complete, the stack then ends as that one node.
-    fn take_root(&mut self) -> Grads {
+    pub fn take_root(&mut self) -> G {
         assert!(self.complete() && self.block == (0..self.total), "the root needs every microbatch");
         assert_eq!(self.stack.len(), 1, "a whole block folds into the root");
         self.next = self.block.start;
@@ -265,7 +286,7 @@ impl PartTree {
             Leaf::Head => (&mut self.head, &self.head_idx),
             Leaf::Body => (&mut self.body, &self.body_idx),
         };
-        let mut fresh = match tree.spare.pop() {
+        let mut fresh = match tree.spare() {
             Some(mut g) => {
                 g.iter_mut().for_each(|t| t.fill(0.0));
                 g
@@ -354,14 +375,14 @@ impl PartTree {
         for (k, &i) in self.body_idx.iter().enumerate() {
             std::mem::swap(&mut part.params[i].grad, &mut root[k]);
         }
-        self.body.spare.push(root);
+        self.body.recycle(root);
         if self.has_head {
             let mut root = self.head.take_root();
             for (k, &i) in self.head_idx.iter().enumerate() {
                 std::mem::swap(&mut part.params[i].grad, &mut root[k]);
             }
             std::mem::swap(&mut part.wte_head_grad, &mut root[self.head_idx.len()]);
-            self.head.spare.push(root);
+            self.head.recycle(root);
         }
     }
 }
@@ -450,6 +471,47 @@ mod tests {
         assert!(t.peak_held <= 7, "held {} gradient sets for 64 microbatches", t.peak_held);
         assert_eq!(held_sets(64), 7, "the planner's figure is the bound this test holds");
         assert_eq!(t.take_nodes().len(), 1);
+    }
+
+    /// A node that records its adds: the tree's order, whatever holds the values.
+    fn traced(ls: std::ops::Range<usize>, block: Range<usize>, total: usize) -> TreeSum<String> {
+        let mut t = TreeSum::new(block, total);
+        for g in ls {
+            t.push_with(g, g.to_string(), &mut |a: &mut String, b: &String| *a = format!("({a}+{b})"));
+        }
+        t
+    }
+
+    #[test]
+    fn a_tree_of_any_node_type_adds_in_the_dyadic_order_and_splits_into_the_same_nodes() {
+        assert_eq!(traced(0..6, 0..6, 6).take_root(), "(((0+1)+(2+3))+(4+5))");
+        let (mut a, mut b) = (traced(0..3, 0..3, 6), traced(3..6, 3..6, 6));
+        let spans = |t: &mut TreeSum<String>| t.take_nodes();
+        assert_eq!(
+            spans(&mut a),
+            [(Span { lo: 0, hi: 2 }, "(0+1)".to_string()), (Span { lo: 2, hi: 3 }, "2".to_string())]
+        );
+        assert_eq!(
+            spans(&mut b),
+            [(Span { lo: 3, hi: 4 }, "3".to_string()), (Span { lo: 4, hi: 6 }, "(4+5)".to_string())]
+        );
+    }
+
+    #[test]
+    fn recycled_buffers_come_back_for_later_leaves_and_a_reset_frees_partial_sums() {
+        let mut t: TreeSum<String> = TreeSum::new(0..4, 4);
+        t.recycle("spare".into());
+        assert_eq!(t.spare().as_deref(), Some("spare"));
+        assert_eq!(t.spare(), None);
+        let mut add = |a: &mut String, b: &String| *a = format!("({a}+{b})");
+        t.push_with(0, "0".into(), &mut add);
+        t.push_with(1, "1".into(), &mut add);
+        t.reset();
+        // The fold freed leaf 1's buffer; the reset frees the partial sum (0+1).
+        let mut freed: Vec<String> = std::iter::from_fn(|| t.spare()).collect();
+        freed.sort();
+        assert_eq!(freed, ["(0+1)", "1"]);
+        assert!(!t.complete(), "a reset step starts from its first microbatch");
     }
 
     #[test]

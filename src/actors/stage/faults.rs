@@ -254,9 +254,6 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn restore(&mut self, c: &Loaded) -> Result<(), String> {
         self.inner.restore(c)
     }
-    fn reduce_replicas(&mut self) -> bool {
-        self.inner.reduce_replicas()
-    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! The plan of a GPU run's NCCL communicators: which ranks share a process
 //! (their tensors move device to device through `kernels::cuda::transfer`),
-//! a two-member communicator per directed link that crosses processes, an
-//! all-reduce per rank over replicas, and the order each link carries its
-//! tensors in. The GPU compute (`compute::gpu`) opens them; the cluster's
+//! a two-member communicator per directed link that crosses processes, and
+//! the order each link carries its tensors in. Replicas need none: their
+//! gradients are summed by the fixed microbatch tree (optim::grad_tree),
+//! whose nodes the reducer actor moves in host memory; an NCCL all-reduce
+//! adds in its own, size-dependent order and would break dp-invariance. The GPU compute (`compute::gpu`) opens them; the cluster's
 //! roster carries their ids.
 
 /// One NCCL communicator a GPU run needs.
@@ -11,8 +13,6 @@ pub enum NcclKey {
     /// Replica `replica`'s activations (or gradients) from pipeline rank
     /// `from` to rank `to`, where the two live in different processes.
     Link { replica: usize, from: usize, to: usize, gradient: bool },
-    /// Pipeline rank `rank`'s all-reduce across data-parallel replicas.
-    Replicas { rank: usize },
 }
 
 /// What the GPU stages of a run share: which ranks live in this process
@@ -61,7 +61,7 @@ impl GpuPlan {
     }
 
     /// The communicators a layout needs: a link per (replica, from, to, kind)
-    /// that crosses processes, and an all-reduce per rank when dp > 1.
+    /// that crosses processes.
     pub fn needed(layout: &crate::actors::Layout, owner: impl Fn(usize, usize) -> usize) -> Vec<NcclKey> {
         let mut keys = std::collections::BTreeSet::new();
         let last = layout.last_stage();
@@ -73,9 +73,6 @@ impl GpuPlan {
                     keys.insert(NcclKey::Link { replica, from: b, to: a, gradient: true });
                 }
             }
-        }
-        if layout.dp > 1 {
-            keys.extend((0..layout.pp).map(|rank| NcclKey::Replicas { rank }));
         }
         keys.into_iter().collect()
     }

@@ -290,6 +290,16 @@ impl Gpu {
         Ok(())
     }
 
+    /// Elements `offset..offset + len` of `buf` set to `value`, on this GPU's stream.
+    pub fn fill_f32_at(&self, buf: &DeviceBuffer<f32>, offset: usize, len: usize, value: f32) -> Result<()> {
+        ensure(offset + len <= buf.len, || {
+            format!("a fill of elements {offset}..{} of a buffer of {}", offset + len, buf.len)
+        })?;
+        // SAFETY: inside the allocation (checked above), on this GPU's stream.
+        unsafe { sys::cuMemsetD32Async(buf.ptr_at(offset), value.to_bits(), len, self.stream()).result()? };
+        Ok(())
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: our own stream.
         unsafe { result::stream::synchronize(self.stream())? };

@@ -125,8 +125,9 @@ impl Comm {
     /// Sums `count` f32s at `ptr` over every member, in place, on `gpu`'s
     /// stream. NCCL's ring reduces each chunk in one order and hands the same
     /// bits to every member, run after run for a fixed topology and
-    /// NCCL_ALGO; it is not the reducer's replica order, so a GPU run with
-    /// dp > 1 matches a CPU one to rounding, not bit for bit.
+    /// NCCL_ALGO; it is not the microbatch tree's order (optim::grad_tree),
+    /// so no gradient sum goes through it: data-parallel replicas are joined
+    /// by that tree in the reducer actor.
     pub fn all_reduce_sum(&self, gpu: &Gpu, ptr: u64, count: usize) -> Result<()> {
         let p = ptr as *mut c_void;
         let lib = nccl()?;

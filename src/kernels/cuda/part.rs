@@ -66,6 +66,15 @@ pub fn padded_vocab(v: usize) -> usize {
     v.div_ceil(128) * 128
 }
 
+/// The final LayerNorm's gradients in a part's flat buffer as one
+/// (offset, length) run, weight then bias with only alignment padding
+/// between them; None without the head.
+pub fn head_norm_run(tensors: &[TensorSlot], spec: &PartSpec) -> Option<(usize, usize)> {
+    let hb = spec.head.then(|| spec.head_base())?;
+    let (w, b) = (tensors.get(hb)?, tensors.get(hb + 1)?);
+    Some((w.offset, b.offset + b.stored - w.offset))
+}
+
 /// Values of each tensor of a part, in the part's order.
 pub type PerTensor = Vec<Vec<f32>>;
 
@@ -875,15 +884,20 @@ impl<X: Elem> GpuPart<X> {
         }
     }
 
-    /// Per-tensor Σg² as (canonical index, value); the head's copy of wte is
-    /// left out when another part owns the embedding (as `optim::grad_sum_squares`).
+    /// Per-tensor Σg² as (norm slot, value), keyed by the tensor's first norm
+    /// slot (`optim::zero::first_slots`), the key the CPU gives the tensor's
+    /// first block: the coordinator orders them, and replay names them, as the
+    /// CPU's. One value covers the whole tensor (the CPU reports one per
+    /// 1024-element block). The head's copy of wte is left out when another
+    /// part owns the embedding (as `optim::grad_sum_squares`).
     pub fn grad_sum_squares(&self, gpu: &Gpu) -> Result<Vec<(usize, f64)>> {
         let kept: Vec<&TensorSlot> =
             self.tensors.iter().filter(|t| t.name != "wte.weight" || self.spec.embedding).collect();
         let ranges: Vec<(usize, usize)> = kept.iter().map(|t| (t.offset, t.numel)).collect();
         let sums =
             adamw::sum_squares_ranges(gpu, &self.grads, &ranges, &self.s.norm_partial, &self.s.norm_out)?;
-        Ok(kept.iter().zip(sums).map(|(t, s)| (t.canonical, s as f64)).collect())
+        let first = crate::optim::zero::first_slots(&self.cfg);
+        Ok(kept.iter().zip(sums).map(|(t, s)| (first[t.canonical], s as f64)).collect())
     }
 
     /// One AdamW update of every tensor with its (combined) gradient scaled by `clip`.
@@ -927,11 +941,6 @@ impl<X: Elem> GpuPart<X> {
     /// AdamW's first and second moments, per tensor.
     pub fn moments(&self, gpu: &Gpu) -> Result<(PerTensor, PerTensor)> {
         Ok((self.per_tensor(gpu, &self.m)?, self.per_tensor(gpu, &self.v)?))
-    }
-
-    /// Replaces the gradients (the data-parallel sum over replicas), per tensor.
-    pub fn set_gradients(&mut self, gpu: &Gpu, grads: &[Vec<f32>]) -> Result<()> {
-        self.upload_per_tensor(gpu, "gradients", grads, |p| &p.grads)
     }
 
     /// Sets master weights (and their X copy), per tensor in this part's order.
@@ -983,11 +992,123 @@ impl<X: Elem> GpuPart<X> {
         Ok(())
     }
 
-    /// Sums the gradients over the members of `comm` (the data-parallel
-    /// replicas of this stage), in place, finished on return.
-    pub fn all_reduce_gradients(&self, gpu: &Gpu, comm: &super::nccl::Comm) -> Result<()> {
-        comm.all_reduce_sum(gpu, self.grads.ptr(), self.grads.len())?;
-        gpu.synchronize()
+    /// The final LayerNorm's gradients in `grads` as one (offset, length)
+    /// run (the head's forward writes them; nothing lies between its weight
+    /// and bias but zero padding). None without the head.
+    fn head_norm_run(&self) -> Option<(usize, usize)> {
+        head_norm_run(&self.tensors, &self.spec)
+    }
+
+    /// f32 elements of one microbatch's head leaf for the microbatch tree
+    /// (optim::grad_tree): the final LayerNorm's run, then the head's wte
+    /// share. 0 without the head.
+    pub fn head_leaf_len(&self) -> usize {
+        self.head_norm_run().map_or(0, |(_, n)| n + self.head_grad.len())
+    }
+
+    /// f32 elements of one microbatch's body leaf: the whole gradient buffer
+    /// (the final LayerNorm's run in it is zero, its values go in the head leaf).
+    pub fn body_leaf_len(&self) -> usize {
+        self.grads.len()
+    }
+
+    /// Moves the head's gradients of the microbatch whose forward just ran
+    /// into `leaf` (`head_leaf_len`) and resets them to `zero` (the value the
+    /// part's accumulators start from), so the next forward's start from it.
+    pub fn take_head_leaf(&mut self, gpu: &Gpu, leaf: &DeviceBuffer<f32>, zero: f32) -> Result<()> {
+        let (offset, n) = self.head_norm_run().ok_or_else(|| {
+            super::CudaError::Shape("a head leaf taken from a part without the head".into())
+        })?;
+        ensure(leaf.len() == self.head_leaf_len(), || {
+            format!("a head leaf of {} elements, expected {}", leaf.len(), self.head_leaf_len())
+        })?;
+        gpu.copy_raw(leaf.ptr(), self.grads.ptr_at(offset), n * 4)?;
+        gpu.copy_raw(leaf.ptr_at(n), self.head_grad.ptr(), self.head_grad.bytes())?;
+        gpu.fill_f32_at(&self.grads, offset, n, zero)?;
+        gpu.zero(&self.head_grad)
+    }
+
+    /// Copies the gradient buffer into `leaf` (`body_leaf_len`): the body
+    /// leaf of the microbatch whose backward just ran; the caller resets.
+    pub fn copy_body_leaf(&self, gpu: &Gpu, leaf: &DeviceBuffer<f32>) -> Result<()> {
+        gpu.copy_device(leaf, &self.grads)
+    }
+
+    /// Puts the tree's roots (the step's sums over every microbatch) in the
+    /// gradient buffers: the body's whole, then the head's runs over it.
+    pub fn set_tree_roots(
+        &mut self,
+        gpu: &Gpu,
+        body: &DeviceBuffer<f32>,
+        head: Option<&DeviceBuffer<f32>>,
+    ) -> Result<()> {
+        gpu.copy_device(&self.grads, body)?;
+        match (self.head_norm_run(), head) {
+            (Some((offset, n)), Some(h)) => {
+                ensure(h.len() == self.head_leaf_len(), || {
+                    format!("a head root of {} elements, expected {}", h.len(), self.head_leaf_len())
+                })?;
+                gpu.copy_raw(self.grads.ptr_at(offset), h.ptr(), n * 4)?;
+                gpu.copy_raw(self.head_grad.ptr(), h.ptr_at(n), self.head_grad.bytes())
+            }
+            (None, None) => Ok(()),
+            _ => Err(super::CudaError::Shape(
+                "a head root given to a part without the head, or none to one".into(),
+            )),
+        }
+    }
+
+    /// A tree node (body and, with the head, head buffers) in the exchanged
+    /// "part order" of optim::grad_tree::PartTree: one vector per tensor,
+    /// then the head's wte share; the head-only part's copy of wte, which
+    /// only the tied combination writes, as an empty vector.
+    pub fn node_gradients(
+        &self,
+        gpu: &Gpu,
+        body: &DeviceBuffer<f32>,
+        head: Option<&DeviceBuffer<f32>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let all = gpu.download(body)?;
+        let mut out: Vec<Vec<f32>> =
+            self.tensors.iter().map(|s| all[s.offset..s.offset + s.numel].to_vec()).collect();
+        let Some((offset, n)) = self.head_norm_run() else {
+            return Ok(out);
+        };
+        let h =
+            gpu.download(head.ok_or_else(|| super::CudaError::Shape("a head node is missing".into()))?)?;
+        let hb = self.spec.head_base();
+        for k in [hb, hb + 1] {
+            let s = &self.tensors[k];
+            out[k] = h[s.offset - offset..s.offset - offset + s.numel].to_vec();
+        }
+        if !self.spec.embedding {
+            out[self.spec.head_wte()] = Vec::new();
+        }
+        out.push(h[n..n + self.cfg.vocab_size * self.cfg.n_embd].to_vec());
+        Ok(out)
+    }
+
+    /// Sets the gradients from a part-order set (`node_gradients`' layout;
+    /// the data-parallel sum over replicas): empty vectors leave a tensor as
+    /// it is.
+    pub fn set_node_gradients(&mut self, gpu: &Gpu, grads: &[Vec<f32>]) -> Result<()> {
+        let n = self.tensors.len();
+        let want = n + usize::from(self.spec.head);
+        ensure(grads.len() == want, || {
+            format!("{} gradient sets given, the part order has {want}", grads.len())
+        })?;
+        for (k, g) in grads.iter().enumerate() {
+            if g.is_empty() {
+                continue;
+            }
+            let (buf, offset, numel, name) = match self.tensors.get(k) {
+                Some(s) => (&self.grads, s.offset, s.numel, s.name.as_str()),
+                None => (&self.head_grad, 0, self.cfg.vocab_size * self.cfg.n_embd, "the head's wte share"),
+            };
+            ensure(g.len() == numel, || format!("{name} gradient: {} values, expected {numel}", g.len()))?;
+            gpu.copy_to(buf, offset, g)?;
+        }
+        Ok(())
     }
 
     /// Overwrites one gradient element of tensor `i` (the overflow fault knob).
@@ -1046,6 +1167,29 @@ mod tests {
                 Param { name, shape, data: vec![0.0; n], grad: vec![], canonical }
             })
             .collect()
+    }
+
+    #[test]
+    fn the_head_leaf_run_is_exactly_ln_f_weight_and_bias_and_absent_without_the_head() {
+        let cfg = GptConfig { n_layer: 3, n_head: 3, n_embd: 192, vocab_size: 1000, block_size: 64 };
+        let spec = PartSpec { layers: 2..3, embedding: false, head: true };
+        let all = params(&cfg);
+        // A head-only part: block 2, ln_f, then the tied copy of wte.
+        let mut ps: Vec<Param> = all
+            .iter()
+            .filter(|p| p.name.starts_with("h.2.") || p.name.starts_with("ln_f."))
+            .cloned()
+            .collect();
+        ps.push(all[0].clone());
+        let (tensors, _) = tensor_layout(&ps, padded_vocab(cfg.vocab_size), cfg.n_embd);
+        let (offset, n) = head_norm_run(&tensors, &spec).expect("a head part has the run");
+        let inside = |t: &TensorSlot| t.offset >= offset && t.offset + t.stored <= offset + n;
+        let covered: Vec<&str> = tensors.iter().filter(|t| inside(t)).map(|t| t.name.as_str()).collect();
+        assert_eq!(covered, ["ln_f.weight", "ln_f.bias"]);
+        let ln_b = tensors.iter().find(|t| t.name == "ln_f.bias").expect("ln_f.bias");
+        assert_eq!(offset + n, ln_b.offset + ln_b.stored, "the run ends with the bias");
+        let body = PartSpec { layers: 0..2, embedding: true, head: false };
+        assert_eq!(head_norm_run(&tensors, &body), None);
     }
 
     #[test]

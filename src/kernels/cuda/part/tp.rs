@@ -688,6 +688,31 @@ impl<X: Elem + NcclType> TpPart<X> {
         owner.backward_over(dev.gpu(0), mb, dout, sink, blocks)
     }
 
+    /// The value every gradient accumulator starts from (see `zero_grads`).
+    fn zero_value(&self) -> f32 {
+        if self.split() {
+            -0.0
+        } else {
+            0.0
+        }
+    }
+
+    /// The head's leaf of the microbatch whose forward just ran, moved into
+    /// `leaf` (the head runs on the owner only).
+    pub fn take_head_leaf(&mut self, dev: &TpDevices, leaf: &DeviceBuffer<f32>) -> Result<()> {
+        let zero = self.zero_value();
+        self.ranks[0].take_head_leaf(dev.gpu(0), leaf, zero)
+    }
+
+    /// The body leaf of the microbatch whose backward just ran, summed over
+    /// the ranks, moved into `leaf`; every accumulator starts again. The
+    /// head's are already reset (`take_head_leaf` runs after each forward).
+    pub fn take_body_leaf(&mut self, dev: &TpDevices, leaf: &DeviceBuffer<f32>) -> Result<()> {
+        self.sum_grads(dev)?;
+        self.ranks[0].copy_body_leaf(dev.gpu(0), leaf)?;
+        self.zero_grads(dev)
+    }
+
     /// Sums the followers' gradients into the owner's (once per step, before
     /// anything reads them).
     fn sum_grads(&self, dev: &TpDevices) -> Result<()> {
