@@ -6,21 +6,6 @@
 mod nvrtc_support;
 use nvrtc_support::*;
 
-const FILES: &[&str] = &[
-    "adamw.cu",
-    "attention.cu",
-    "cast.cu",
-    "crossentropy.cu",
-    "embedding.cu",
-    "flash_attention.cu",
-    "gelu.cu",
-    "layernorm.cu",
-    "matmul.cu",
-    "norm.cu",
-    "residual.cu",
-    "tp.cu",
-];
-
 /// The kernels of a file by a reading independent of the pre-pass: the
 /// identifier before the first `(` after each `extern "C" __global__`,
 /// skipping a __launch_bounds__(...).
@@ -54,7 +39,8 @@ fn expected_size(ty: &str) -> usize {
 
 #[test]
 fn every_kernel_file_compiles_for_sm80_and_sm90_in_both_precisions_with_an_empty_log() {
-    for file in FILES {
+    for file in kernel_files(".cu") {
+        let file = file.as_str();
         let src = kernel_source(file);
         let common = kernel_source("common.cuh");
         let expected = declared_kernels(&src);

@@ -9,28 +9,13 @@ use nvrtc_support::*;
 use pipewright_emu::nvrtc::prepass;
 use std::ffi::c_void;
 
-const FILES: &[&str] = &[
-    "adamw.cu",
-    "attention.cu",
-    "cast.cu",
-    "common.cuh",
-    "crossentropy.cu",
-    "embedding.cu",
-    "flash_attention.cu",
-    "gelu.cu",
-    "layernorm.cu",
-    "matmul.cu",
-    "norm.cu",
-    "residual.cu",
-    "tp.cu",
-];
-
 #[test]
 fn every_kernel_file_keeps_its_line_count_through_the_pre_pass() {
-    for file in FILES {
+    for file in [kernel_files(".cu"), kernel_files(".cuh")].concat() {
+        let file = file.as_str();
         let src = kernel_source(file);
         let p =
-            prepass::prepare(file, &src, *file != "common.cuh").unwrap_or_else(|e| panic!("{file}: {e:?}"));
+            prepass::prepare(file, &src, file != "common.cuh").unwrap_or_else(|e| panic!("{file}: {e:?}"));
         assert_eq!(p.text.lines().count(), src.lines().count(), "{file}");
         assert!(!p.text.contains("#pragma unroll"), "{file}");
     }

@@ -70,6 +70,20 @@ pub fn compile(name: &str, source: &str, headers: &[(&str, &str)], options: &[&s
     }
 }
 
+/// Every file of kernels/ whose name ends with `ext` (".cu", ".cuh"), sorted:
+/// read from the folder, so a new kernel file is checked without a list to edit.
+pub fn kernel_files(ext: &str) -> Vec<String> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("kernels");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("a directory entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(ext))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no {ext} file in {}", dir.display());
+    files
+}
+
 /// The source of kernels/`file` (the repository's, unmodified).
 pub fn kernel_source(file: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("kernels").join(file);
