@@ -65,7 +65,8 @@ static const PwEmuRuntime* pw_emu_runtime = nullptr;
 
 // The address of a thread_local of this module: touching it makes the loader
 // allocate this thread's block of the module's thread_local storage (the
-// block's shared memory), which the driver then finds through dl_iterate_phdr.
+// block's shared memory); the driver checks that it lies in the block the
+// loader's __tls_get_addr gives for the module.
 inline void* pw_emu_touch_shared() {
     static thread_local char anchor;
     return &anchor;

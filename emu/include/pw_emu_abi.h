@@ -90,7 +90,7 @@ typedef struct PwEmuModuleInfo {
     // Touches the module's thread_local storage on the calling thread (so
     // the loader has allocated this thread's block of it) and returns its
     // anchor's address; the driver then finds the block and its size through
-    // dl_iterate_phdr to poison the block's shared memory at each block start.
+    // __tls_get_addr (offset 0 of the module's TLS id) to poison the block's shared memory at each block start.
     void* (*touch_shared)(void);
 } PwEmuModuleInfo;
 

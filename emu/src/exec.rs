@@ -987,36 +987,39 @@ extern "C" fn rt_trap(what: *const c_char) {
     stop(cu::LAUNCH_FAILED, format!("thread {t}: device-side trap: {what}"));
 }
 
-/// Finds the calling thread's block of a module's thread_local storage
-/// (its static shared memory) from an address inside it.
-fn tls_block(anchor: *mut c_void) -> Option<(*mut u8, usize)> {
-    struct Find {
-        anchor: usize,
-        found: Option<(*mut u8, usize)>,
+#[repr(C)]
+struct TlsIndex {
+    module: usize,
+    offset: usize,
+}
+
+extern "C" {
+    /// The x86-64 ELF TLS ABI's entry point (exported by the dynamic loader):
+    /// the calling thread's address of `offset` in module `module`'s TLS
+    /// block, allocating the block on the thread's first use.
+    fn __tls_get_addr(index: *const TlsIndex) -> *mut c_void;
+}
+
+/// This thread's block of the module's thread_local storage (its static
+/// shared memory), `len` bytes from the returned address. The module's own
+/// anchor (`touch`) must lie inside it, or the module and the loader
+/// disagree about where its thread_locals are.
+fn tls_block(
+    modid: usize,
+    len: usize,
+    touch: extern "C" fn() -> *mut c_void,
+) -> std::result::Result<*mut u8, String> {
+    // SAFETY: `modid` is the loader's id of a module that stays loaded while
+    // a launch of it runs (the launch holds an Arc of the module).
+    let start = unsafe { __tls_get_addr(&TlsIndex { module: modid, offset: 0 }) } as *mut u8;
+    let anchor = touch() as usize;
+    if start.is_null() || !(start as usize..start as usize + len).contains(&anchor) {
+        return Err(format!(
+            "the module's thread_local anchor {anchor:#x} is not in this thread's block of its TLS \
+             (module id {modid}, {start:?}, {len} bytes)"
+        ));
     }
-    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
-        let find = &mut *(data as *mut Find);
-        let info = &*info;
-        if info.dlpi_tls_data.is_null() {
-            return 0;
-        }
-        for i in 0..info.dlpi_phnum as usize {
-            let ph = &*info.dlpi_phdr.add(i);
-            if ph.p_type == libc::PT_TLS {
-                let start = info.dlpi_tls_data as usize;
-                let len = ph.p_memsz as usize;
-                if (start..start + len).contains(&find.anchor) {
-                    find.found = Some((start as *mut u8, len));
-                    return 1;
-                }
-            }
-        }
-        0
-    }
-    let mut find = Find { anchor: anchor as usize, found: None };
-    // SAFETY: the callback only reads the loader's records.
-    unsafe { libc::dl_iterate_phdr(Some(visit), &mut find as *mut Find as *mut c_void) };
-    find.found
+    Ok(start)
 }
 
 fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
@@ -1062,42 +1065,31 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
         b.dynamic_shared.clear();
         b.dynamic_shared.resize((launch.shared as usize).div_ceil(128), SharedChunk([SHARED_POISON; 128]));
     }
-    if let Some(touch) = launch.func.module.touch_shared {
+    if let (Some(touch), Some((modid, len))) = (launch.func.module.touch_shared, launch.func.module.tls) {
         let handle = launch.func.module.handle;
-        let found = match w.tls.iter().find(|(m, _, _)| *m == handle) {
-            Some(&(_, p, len)) => Some((p, len)),
+        let p = match w.tls.iter().find(|(m, _, _)| *m == handle) {
+            Some(&(_, p, _)) => p,
             None => {
-                let block = tls_block(touch());
-                if let Some((p, len)) = block {
-                    w.tls.push((handle, p, len));
-                }
-                block
+                let p = tls_block(modid, len, touch).map_err(|why| {
+                    EmuError::new(cu::LAUNCH_FAILED, format!("{}: {why}", launch.func.label()))
+                })?;
+                w.tls.push((handle, p, len));
+                p
             }
         };
-        match found {
-            Some((_, len)) if len + launch.shared as usize > crate::module::SHARED_OPTIN_MAX as usize => {
-                return Err(EmuError::new(
-                    cu::LAUNCH_OUT_OF_RESOURCES,
-                    format!(
-                        "{len} bytes of static shared memory (the module's thread_locals) and {} of dynamic exceed \
-                         the device's {} bytes per block",
-                        launch.shared,
-                        crate::module::SHARED_OPTIN_MAX
-                    ),
-                ))
-            }
-            // SAFETY: this thread's thread_local block of the module, `len` bytes.
-            Some((p, len)) => unsafe { std::ptr::write_bytes(p, SHARED_POISON, len) },
-            None => {
-                return Err(EmuError::new(
-                    cu::LAUNCH_FAILED,
-                    format!(
-                        "{}: the module's static shared memory (thread_local block) was not found",
-                        launch.func.label()
-                    ),
-                ))
-            }
+        if len + launch.shared as usize > crate::module::SHARED_OPTIN_MAX as usize {
+            return Err(EmuError::new(
+                cu::LAUNCH_OUT_OF_RESOURCES,
+                format!(
+                    "{len} bytes of static shared memory (the module's thread_locals) and {} of dynamic exceed \
+                     the device's {} bytes per block",
+                    launch.shared,
+                    crate::module::SHARED_OPTIN_MAX
+                ),
+            ));
         }
+        // SAFETY: this thread's thread_local block of the module, `len` bytes.
+        unsafe { std::ptr::write_bytes(p, SHARED_POISON, len) };
     }
     let block_ptr: *mut Block = b;
     BLOCK.with(|c| c.set(block_ptr));

@@ -42,6 +42,14 @@ pub struct Module {
     /// Touches the module's thread_local block (its static shared memory)
     /// on the calling thread and returns an address inside it.
     pub touch_shared: Option<extern "C" fn() -> *mut c_void>,
+    /// The module's TLS module id and the length of its PT_TLS block: each
+    /// thread's block of the module (its static shared memory) is found by
+    /// asking the loader for offset 0 of that module (`__tls_get_addr`),
+    /// which allocates it on first use. dl_iterate_phdr's `dlpi_tls_data`
+    /// was used before: it is glibc's best-effort answer and came back null
+    /// for a block this thread had just touched while another thread was
+    /// loading modules (seen once in CI, in the pp 2 run).
+    pub tls: Option<(usize, usize)>,
     /// dlopen's handle; null for a module made from Rust functions.
     lib: *mut c_void,
     /// The memfd the image was loaded from, never closed (one fd per module
@@ -264,7 +272,61 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
         }
     };
     let (source_name, kernels, touch) = module;
-    Ok(register(Module { handle: 0, source_name, kernels, touch_shared: Some(touch), lib, _memfd: fd }))
+    let tls = match tls_of(lib, bytes) {
+        Ok(t) => t,
+        Err(e) => {
+            libc::dlclose(lib);
+            libc::close(fd);
+            return Err(e);
+        }
+    };
+    Ok(register(Module {
+        handle: 0,
+        source_name,
+        kernels,
+        touch_shared: Some(touch),
+        tls: Some(tls),
+        lib,
+        _memfd: fd,
+    }))
+}
+
+const PT_TLS: u32 = 7;
+
+/// The loaded module's TLS module id (from the loader) and the size of its
+/// PT_TLS segment (from the image's program headers). A module from the
+/// NVRTC stand-in always has one: its shared-memory anchor is a thread_local.
+///
+/// # Safety
+/// `lib` is a live dlopen handle of the image `bytes`.
+unsafe fn tls_of(lib: *mut c_void, bytes: &[u8]) -> Result<(usize, usize)> {
+    let refuse = |why: String| EmuError::new(cu::INVALID_IMAGE, format!("cuModuleLoadData: {why}"));
+    let u16_at = |o: usize| bytes.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |o: usize| bytes.get(o..o + 4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+    let u64_at = |o: usize| bytes.get(o..o + 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")));
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (u64_at(32), u16_at(54), u16_at(56)) else {
+        return Err(refuse("the image's ELF header is cut short".into()));
+    };
+    let mut memsz = None;
+    for i in 0..phnum as usize {
+        let at = phoff as usize + i * phentsize as usize;
+        match (u32_at(at), u64_at(at + 40)) {
+            (Some(PT_TLS), Some(m)) => memsz = Some(m as usize),
+            (Some(_), Some(_)) => {}
+            _ => return Err(refuse(format!("program header {i} lies outside the image"))),
+        }
+    }
+    let Some(len) = memsz.filter(|&m| m > 0) else {
+        return Err(refuse(
+            "the module has no thread_local segment (PT_TLS), so no static shared memory anchor (not built by the NVRTC stand-in)".into(),
+        ));
+    };
+    let mut modid: usize = 0;
+    if libc::dlinfo(lib, libc::RTLD_DI_TLS_MODID, &mut modid as *mut usize as *mut c_void) != 0 || modid == 0
+    {
+        return Err(refuse("the loader gave the module no TLS module id".into()));
+    }
+    Ok((modid, len))
 }
 
 type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void);
@@ -339,6 +401,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
         source_name: source_name.to_string(),
         kernels,
         touch_shared: None,
+        tls: None,
         lib: std::ptr::null_mut(),
         _memfd: -1,
     })

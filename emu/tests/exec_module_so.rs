@@ -114,3 +114,65 @@ fn a_shared_object_without_the_module_entry_point_is_refused() {
     let code = unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) };
     assert_error(code, cu::INVALID_IMAGE, &["cuModuleLoadData", "pw_emu_module_init"]);
 }
+
+#[test]
+fn blocks_find_their_shared_memory_while_another_thread_loads_and_unloads_modules() {
+    // Each load and unload of a module with thread_locals changes the
+    // loader's TLS generation; the driver must still find every worker
+    // thread's block of a module (CI once saw the old lookup through
+    // dl_iterate_phdr come back empty while two pipeline stages loaded
+    // their kernels at once).
+    let _s = serial();
+    let gpu = Gpu::new(0);
+    let dir = tempfile::tempdir().unwrap();
+    let image = build(TILE_CU, dir.path());
+    let mut m: Handle = std::ptr::null_mut();
+    // SAFETY: a complete image.
+    assert_eq!(unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) }, cu::SUCCESS);
+    let unwritten = get(m, "unwritten");
+    let flags = gpu.alloc(64 * 4);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loader = {
+        let (stop, image, ctx) = (stop.clone(), image.clone(), gpu.ctx as usize);
+        std::thread::spawn(move || {
+            // SAFETY: the test's live context (it outlives this thread, joined below).
+            assert_eq!(unsafe { pipewright_emu::driver::cuCtxSetCurrent(ctx as Handle) }, cu::SUCCESS);
+            let mut loads = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) || loads < 20 {
+                let mut other: Handle = std::ptr::null_mut();
+                // SAFETY: a complete image; the module is unloaded by its own handle.
+                unsafe {
+                    assert_eq!(cuModuleLoadData(&mut other, image.as_ptr() as *const c_void), cu::SUCCESS);
+                    assert_eq!(pipewright_emu::driver::cuModuleUnload(other), cu::SUCCESS);
+                }
+                loads += 1;
+            }
+            loads
+        })
+    };
+    for round in 0..60 {
+        let mut fl = flags;
+        assert_eq!(launch(unwritten, (8, 1, 1), (64, 1, 1), 0, gpu.stream, &mut [p(&mut fl)]), cu::SUCCESS);
+        let code = gpu.sync();
+        assert_eq!(code, cu::SUCCESS, "round {round}: {}", error_text(code));
+        let bits: Vec<u32> = gpu.download(flags, 64);
+        assert!(bits.iter().all(|&b| b == u32::MAX), "round {round}: {bits:x?}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(loader.join().unwrap() >= 20);
+}
+
+#[test]
+fn a_module_without_thread_locals_is_refused_at_load() {
+    // Its shared-memory anchor is an ordinary static: the driver could not
+    // give each block its own static shared memory.
+    let _s = serial();
+    let _gpu = Gpu::new(0);
+    let dir = tempfile::tempdir().unwrap();
+    let source = TILE_CU.replace("static __thread float tile[64];", "static float tile[64];");
+    let image = build(&source, dir.path());
+    let mut m: Handle = std::ptr::null_mut();
+    // SAFETY: a complete image.
+    let code = unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) };
+    assert_error(code, cu::INVALID_IMAGE, &["cuModuleLoadData", "no thread_local segment (PT_TLS)"]);
+}
