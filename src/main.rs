@@ -244,8 +244,9 @@ enum Command {
         /// GPU ordinal.
         #[arg(long, default_value_t = 0)]
         device: usize,
-        /// Run one group of checks: layernorm, matmul, attention, elementwise,
-        /// crossentropy, embedding, adamw, norm, tree, exactness or steps.
+        /// Run one group of checks: layernorm, rmsnorm, rope, swiglu, matmul,
+        /// attention, elementwise, crossentropy, embedding, adamw, norm, tree,
+        /// exactness or steps.
         #[arg(long)]
         only: Option<String>,
     },

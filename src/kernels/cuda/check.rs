@@ -7,6 +7,7 @@
 //! rounded before the CPU twin sees them, so only the GPU's storage rounding
 //! and its summation order differ.
 
+mod llama;
 mod tp;
 
 use super::model::GpuModel;
@@ -472,6 +473,9 @@ fn adamw_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Group {
     Layernorm,
+    Rmsnorm,
+    Rope,
+    Swiglu,
     Matmul,
     Attention,
     Elementwise,
@@ -485,8 +489,11 @@ pub enum Group {
 }
 
 impl Group {
-    pub const ALL: [Group; 11] = [
+    pub const ALL: [Group; 14] = [
         Group::Layernorm,
+        Group::Rmsnorm,
+        Group::Rope,
+        Group::Swiglu,
         Group::Matmul,
         Group::Attention,
         Group::Elementwise,
@@ -502,6 +509,9 @@ impl Group {
     pub fn name(self) -> &'static str {
         match self {
             Group::Layernorm => "layernorm",
+            Group::Rmsnorm => "rmsnorm",
+            Group::Rope => "rope",
+            Group::Swiglu => "swiglu",
             Group::Matmul => "matmul",
             Group::Attention => "attention",
             Group::Elementwise => "elementwise",
@@ -548,6 +558,9 @@ fn run_precision<X: Elem>(
     let mut cx = Ctx::<X> { gpu, tag, tol, out: vec![], _x: std::marker::PhantomData };
     let ran = match g {
         Group::Layernorm => layernorm_checks(&mut cx),
+        Group::Rmsnorm => llama::rmsnorm_checks(&mut cx),
+        Group::Rope => llama::rope_checks(&mut cx),
+        Group::Swiglu => llama::swiglu_checks(&mut cx),
         Group::Matmul => matmul_checks(&mut cx),
         Group::Attention => attention_checks(&mut cx),
         Group::Elementwise => elementwise_checks(&mut cx),

@@ -24,6 +24,9 @@ pub mod nccl_lib;
 pub mod nvrtc;
 pub mod part;
 pub mod residual;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
 pub mod transfer;
 pub mod tree;
 

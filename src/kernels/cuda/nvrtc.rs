@@ -28,6 +28,9 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul", include_str!("../../../kernels/matmul.cu")),
     ("norm", include_str!("../../../kernels/norm.cu")),
     ("residual", include_str!("../../../kernels/residual.cu")),
+    ("rmsnorm", include_str!("../../../kernels/rmsnorm.cu")),
+    ("rope", include_str!("../../../kernels/rope.cu")),
+    ("swiglu", include_str!("../../../kernels/swiglu.cu")),
     ("tp", include_str!("../../../kernels/tp.cu")),
 ];
 

@@ -1,0 +1,65 @@
+// RMSNorm over channels (Llama); twin of src/kernels/cpu/rmsnorm.rs.
+// inp, out, dout, dinp are (N, C) floatX; weight (C) floatX; rstd (N) f32;
+// dweight (C) f32. One warp per row. eps is the model's rms_norm_eps. The
+// weight gradient is summed without atomics: per-chunk column sums, then the
+// chunks in order.
+#include "common.cuh"
+
+extern "C" __global__ void rmsnorm_forward(floatX* out, float* rstd, const floatX* inp, const floatX* weight,
+                                           int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const floatX* x = inp + (size_t)row * C;
+    float ss = 0.0f;
+    for (int i = lane; i < C; i += 32) {
+        float v = ldx(x[i]);
+        ss += v * v;
+    }
+    float s = 1.0f / sqrtf(warp_sum(ss) / C + eps);
+    floatX* o = out + (size_t)row * C;
+    // Hugging Face's order: normalise, then scale by the weight.
+    for (int i = lane; i < C; i += 32) o[i] = stx(ldx(weight[i]) * (ldx(x[i]) * s));
+    if (lane == 0) rstd[row] = s;
+}
+
+// dinp += ∂L/∂inp: with x̂ = x·s and g = dout·w, dx = s·(g − x̂·mean(g·x̂)).
+extern "C" __global__ void rmsnorm_backward_input(floatX* dinp, const floatX* dout, const floatX* inp,
+                                                  const floatX* weight, const float* rstd, int N, int C) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const floatX* x = inp + (size_t)row * C;
+    const floatX* dy = dout + (size_t)row * C;
+    float s = rstd[row];
+    float dot = 0.0f;
+    for (int i = lane; i < C; i += 32) dot += ldx(dy[i]) * ldx(weight[i]) * (ldx(x[i]) * s);
+    float mean_dot = warp_sum(dot) / C;
+    floatX* dx = dinp + (size_t)row * C;
+    for (int i = lane; i < C; i += 32) {
+        float xhat = ldx(x[i]) * s;
+        dx[i] = stx(ldx(dx[i]) + (ldx(dy[i]) * ldx(weight[i]) - xhat * mean_dot) * s);
+    }
+}
+
+// Pass 1: partial[k, c] = Σ dout·x·rstd over rows [k·rows, (k+1)·rows).
+// Grid (ceil(C / blockDim.x), chunks).
+extern "C" __global__ void rmsnorm_backward_weight_partial(float* partial, const floatX* dout, const floatX* inp,
+                                                           const float* rstd, int N, int C, int rows) {
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    int chunk = blockIdx.y;
+    if (col >= C) return;
+    int r0 = chunk * rows, r1 = min(N, r0 + rows);
+    float sw = 0.0f;
+    for (int r = r0; r < r1; r++) sw += ldx(dout[(size_t)r * C + col]) * (ldx(inp[(size_t)r * C + col]) * rstd[r]);
+    partial[(size_t)chunk * C + col] = sw;
+}
+
+// Pass 2: dweight[c] += Σ_k partial[k, c], chunks in order.
+extern "C" __global__ void rmsnorm_backward_weight_finish(float* dweight, const float* partial, int chunks, int C) {
+    int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    float sw = 0.0f;
+    for (int k = 0; k < chunks; k++) sw += partial[(size_t)k * C + col];
+    dweight[col] += sw;
+}

@@ -1,0 +1,78 @@
+//! The Llama family's kernels (RMSNorm, RoPE, SwiGLU) against their CPU twins.
+
+use super::{randn, rounded, Ctx, C, N, T};
+use crate::kernels::cpu;
+use crate::kernels::cuda::{rmsnorm, rope, swiglu, Elem, Result};
+
+const EPS: f32 = 1e-5;
+
+pub(super) fn rmsnorm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let x = rounded::<X>(&randn(N * C, 31, 1.0));
+    let w = rounded::<X>(&randn(C, 32, 1.0));
+    let (mut out, mut rstd) = (vec![0.0; N * C], vec![0.0; N]);
+    cpu::rmsnorm::rmsnorm_forward(&mut out, &mut rstd, &x, &w, N, C, EPS);
+    let (gx, gw) = (cx.up(&x)?, cx.up(&w)?);
+    let (gout, grstd) = (gpu.alloc::<X>(N * C)?, gpu.alloc::<f32>(N)?);
+    rmsnorm::rmsnorm_forward(gpu, &gout, &grstd, &gx, gw.ptr(), N, C, EPS)?;
+    cx.push("rmsnorm_forward out", &cx.down(&gout)?, &out);
+    cx.push("rmsnorm_forward rstd", &gpu.download(&grstd)?, &rstd);
+
+    // Backward accumulates: dinp starts from another gradient's share.
+    let dout = rounded::<X>(&randn(N * C, 33, 1.0));
+    let dinp0 = rounded::<X>(&randn(N * C, 34, 1.0));
+    let (mut dinp, mut dweight) = (dinp0.clone(), vec![0.0; C]);
+    cpu::rmsnorm::rmsnorm_backward(&mut dinp, &mut dweight, &dout, &x, &w, &rstd, N, C);
+    let (gdout, gdinp, gdw) = (cx.up(&dout)?, cx.up(&dinp0)?, gpu.alloc::<f32>(C)?);
+    let partial = gpu.alloc::<f32>(rmsnorm::partial_len(N, C))?;
+    rmsnorm::rmsnorm_backward_input(gpu, &gdinp, &gdout, &gx, gw.ptr(), &grstd, N, C)?;
+    rmsnorm::rmsnorm_backward_weight(gpu, gdw.ptr(), &partial, &gdout, &gx, &grstd, N, C)?;
+    cx.push("rmsnorm_backward dinp", &cx.down(&gdinp)?, &dinp);
+    cx.push("rmsnorm_backward dweight", &gpu.download(&gdw)?, &dweight);
+    Ok(())
+}
+
+pub(super) fn rope_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    // Grouped-query qkv rows: 4 query heads and 2 key/value heads of 16; RoPE
+    // turns the query and key heads (the first 6), not the value heads.
+    let (hs, nh, nkv) = (16, 4, 2);
+    let w = (nh + 2 * nkv) * hs;
+    let table = cpu::rope::RopeTable::new(T, &cpu::rope::inv_freq(hs, 500_000.0));
+    let dtable = rope::DeviceRope::upload(gpu, &table)?;
+    let x = rounded::<X>(&randn(N * w, 35, 1.0));
+    let mut want = x.clone();
+    cpu::rope::rope_forward(&mut want, &table, N, w, 0, nh + nkv);
+    let gx = cx.up(&x)?;
+    rope::rope_forward(gpu, &gx, &dtable, N, w, 0, nh + nkv)?;
+    cx.push("rope_forward", &cx.down(&gx)?, &want);
+
+    let g = rounded::<X>(&randn(N * w, 36, 1.0));
+    let mut want = g.clone();
+    cpu::rope::rope_backward(&mut want, &table, N, w, 0, nh + nkv);
+    let gg = cx.up(&g)?;
+    rope::rope_backward(gpu, &gg, &dtable, N, w, 0, nh + nkv)?;
+    cx.push("rope_backward", &cx.down(&gg)?, &want);
+    Ok(())
+}
+
+pub(super) fn swiglu_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    // H not a multiple of the block's 256 threads, so the grid's last block is partial.
+    let h = 200;
+    let gate_up = rounded::<X>(&randn(N * 2 * h, 37, 2.0));
+    let mut out = vec![0.0; N * h];
+    cpu::swiglu::swiglu_forward(&mut out, &gate_up, N, h);
+    let (ggu, gout) = (cx.up(&gate_up)?, gpu.alloc::<X>(N * h)?);
+    swiglu::swiglu_forward(gpu, &gout, &ggu, N, h)?;
+    cx.push("swiglu_forward", &cx.down(&gout)?, &out);
+
+    let dout = rounded::<X>(&randn(N * h, 38, 1.0));
+    let d0 = rounded::<X>(&randn(N * 2 * h, 39, 1.0));
+    let mut dgu = d0.clone();
+    cpu::swiglu::swiglu_backward(&mut dgu, &dout, &gate_up, N, h);
+    let (gdout, gdgu) = (cx.up(&dout)?, cx.up(&d0)?);
+    swiglu::swiglu_backward(gpu, &gdgu, &gdout, &ggu, N, h)?;
+    cx.push("swiglu_backward", &cx.down(&gdgu)?, &dgu);
+    Ok(())
+}
