@@ -1,15 +1,19 @@
-// Causal multi-head attention, fused and flash-style (online softmax: no T×T
-// matrix in memory); twin of src/kernels/cpu/attention.rs.
+// Causal attention with grouped-query heads, fused and flash-style (online
+// softmax: no T×T matrix in memory); twin of src/kernels/cpu/attention.rs.
 //
-// qkv is (B, T, 3C) floatX with q, k, v of head h at columns h·HS, C + h·HS,
-// 2C + h·HS; out is (B, T, C); lse is (B, NH, T) f32, the log-sum-exp of each
-// query's scaled scores, saved so backward recomputes probabilities. HS = 64
-// (every GPT-2 size): the launcher refuses other head sizes.
+// NKV key/value heads each serve NH / NKV query heads (NKV = NH: GPT-2's
+// multi-head attention). qkv is (B, T, W) floatX, W = (NH + 2·NKV)·HS, with
+// query head h at column h·HS, key head g at C + g·HS and value head g at
+// C + NKV·HS + g·HS, where C = NH·HS; query head h uses key/value head
+// h / (NH / NKV). out is (B, T, C); lse is (B, NH, T) f32, the log-sum-exp of
+// each query's scaled scores, saved so backward recomputes probabilities.
+// HS = 64 (every GPT-2 size): the launcher refuses other head sizes.
 //
 // Each row (a query, or a key in backward) is held by a pair of adjacent
 // threads, each owning the 32 interleaved dims 2k + half, so the two threads
 // of a pair read neighbouring shared-memory banks. Backward runs without
-// atomics: one kernel owns dq per query, another owns dk, dv per key.
+// atomics: one kernel owns dq per query, another owns dk, dv per key of a
+// key/value head, summing over the head's query group in order.
 #include "common.cuh"
 
 #define HS 64
@@ -28,11 +32,12 @@ __device__ __forceinline__ float pair_sum(float v) {
 
 // Grid (ceil(T / ROWS), NH, B), block 2·ROWS.
 extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_forward(floatX* out, float* lse, const floatX* qkv,
-                                                                        int B, int T, int NH) {
+                                                                        int B, int T, int NH, int NKV) {
     __shared__ float ks[TILE][HS];
     __shared__ float vs[TILE][HS];
-    int C = NH * HS, C3 = 3 * C;
+    int C = NH * HS, C3 = (NH + 2 * NKV) * HS;
     int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * ROWS;
+    int kcol = C + (h / (NH / NKV)) * HS, vcol = kcol + NKV * HS;
     int half = threadIdx.x & 1;
     int i = q0 + (threadIdx.x >> 1);
     bool valid = i < T;
@@ -51,9 +56,9 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_forward(floatX*
             int jr = e / HS, d = e % HS, j = k0 + jr;
             float kv = 0.0f, vv = 0.0f;
             if (j < T) {
-                const floatX* base = qkv + (size_t)(b * T + j) * C3 + h * HS + d;
-                kv = ldx(base[C]);
-                vv = ldx(base[2 * C]);
+                const floatX* base = qkv + (size_t)(b * T + j) * C3 + d;
+                kv = ldx(base[kcol]);
+                vv = ldx(base[vcol]);
             }
             ks[jr][d] = kv;
             vs[jr][d] = vv;
@@ -112,11 +117,13 @@ extern "C" __global__ void attention_backward_delta(float* delta, const floatX* 
 // Grid (ceil(T / ROWS), NH, B), block 2·ROWS.
 extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(floatX* dqkv, const floatX* dout,
                                                                             const floatX* qkv, const float* lse,
-                                                                            const float* delta, int B, int T, int NH) {
+                                                                            const float* delta, int B, int T, int NH,
+                                                                            int NKV) {
     __shared__ float ks[TILE][HS];
     __shared__ float vs[TILE][HS];
-    int C = NH * HS, C3 = 3 * C;
+    int C = NH * HS, C3 = (NH + 2 * NKV) * HS;
     int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * ROWS;
+    int kcol = C + (h / (NH / NKV)) * HS, vcol = kcol + NKV * HS;
     int half = threadIdx.x & 1;
     int i = q0 + (threadIdx.x >> 1);
     bool valid = i < T;
@@ -139,9 +146,9 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(flo
             int jr = e / HS, d = e % HS, j = k0 + jr;
             float kv = 0.0f, vv = 0.0f;
             if (j < T) {
-                const floatX* base = qkv + (size_t)(b * T + j) * C3 + h * HS + d;
-                kv = ldx(base[C]);
-                vv = ldx(base[2 * C]);
+                const floatX* base = qkv + (size_t)(b * T + j) * C3 + d;
+                kv = ldx(base[kcol]);
+                vv = ldx(base[vcol]);
             }
             ks[jr][d] = kv;
             vs[jr][d] = vv;
@@ -170,76 +177,80 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(flo
     for (int k = 0; k < HALF; k++) out[2 * k + half] = stx(dq[k] * SCALE);
 }
 
-// dk and dv for each key; writes (not accumulates) the k and v columns of dqkv.
-// Grid (ceil(T / ROWS), NH, B), block 2·ROWS.
+// dk and dv for each key of key/value head g, summed over g's query heads in
+// head order; writes (not accumulates) the k and v columns of dqkv.
+// Grid (ceil(T / ROWS), NKV, B), block 2·ROWS.
 extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dkdv(floatX* dqkv, const floatX* dout,
                                                                               const floatX* qkv, const float* lse,
                                                                               const float* delta, int B, int T,
-                                                                              int NH) {
+                                                                              int NH, int NKV) {
     __shared__ float qs[TILE][HS];
     __shared__ float dos[TILE][HS];
     __shared__ float ls[TILE], ds_[TILE];
-    int C = NH * HS, C3 = 3 * C;
-    int b = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * ROWS;
+    int C = NH * HS, C3 = (NH + 2 * NKV) * HS, group = NH / NKV;
+    int b = blockIdx.z, g = blockIdx.y, j0 = blockIdx.x * ROWS;
+    int kcol = C + g * HS, vcol = kcol + NKV * HS;
     int half = threadIdx.x & 1;
     int j = j0 + (threadIdx.x >> 1);
     bool valid = j < T;
     int jc = valid ? j : 0;
     float k_[HALF], v_[HALF], dk[HALF], dv[HALF];
-    const floatX* krow = qkv + (size_t)(b * T + jc) * C3 + C + h * HS;
+    const floatX* krow = qkv + (size_t)(b * T + jc) * C3;
 #pragma unroll
     for (int k = 0; k < HALF; k++) {
-        k_[k] = ldx(krow[2 * k + half]);
-        v_[k] = ldx(krow[C + 2 * k + half]);
+        k_[k] = ldx(krow[kcol + 2 * k + half]);
+        v_[k] = ldx(krow[vcol + 2 * k + half]);
         dk[k] = 0.0f;
         dv[k] = 0.0f;
     }
-    // Queries before the block's first key see none of its keys.
-    for (int i0 = (j0 / TILE) * TILE; i0 < T; i0 += TILE) {
-        __syncthreads();
-        for (int e = threadIdx.x; e < TILE * HS; e += blockDim.x) {
-            int ir = e / HS, d = e % HS, i = i0 + ir;
-            float qv = 0.0f, dv_ = 0.0f;
-            if (i < T) {
-                qv = ldx(qkv[(size_t)(b * T + i) * C3 + h * HS + d]) * SCALE;
-                dv_ = ldx(dout[(size_t)(b * T + i) * C + h * HS + d]);
+    for (int h = g * group; h < (g + 1) * group; h++) {
+        // Queries before the block's first key see none of its keys.
+        for (int i0 = (j0 / TILE) * TILE; i0 < T; i0 += TILE) {
+            __syncthreads();
+            for (int e = threadIdx.x; e < TILE * HS; e += blockDim.x) {
+                int ir = e / HS, d = e % HS, i = i0 + ir;
+                float qv = 0.0f, dv_ = 0.0f;
+                if (i < T) {
+                    qv = ldx(qkv[(size_t)(b * T + i) * C3 + h * HS + d]) * SCALE;
+                    dv_ = ldx(dout[(size_t)(b * T + i) * C + h * HS + d]);
+                }
+                qs[ir][d] = qv;
+                dos[ir][d] = dv_;
             }
-            qs[ir][d] = qv;
-            dos[ir][d] = dv_;
-        }
-        for (int ir = threadIdx.x; ir < TILE; ir += blockDim.x) {
-            int i = i0 + ir;
-            size_t row = (size_t)(b * NH + h) * T + (i < T ? i : 0);
-            ls[ir] = lse[row];
-            ds_[ir] = delta[row];
-        }
-        __syncthreads();
-        if (!valid || i0 + TILE - 1 < j) continue;
+            for (int ir = threadIdx.x; ir < TILE; ir += blockDim.x) {
+                int i = i0 + ir;
+                size_t row = (size_t)(b * NH + h) * T + (i < T ? i : 0);
+                ls[ir] = lse[row];
+                ds_[ir] = delta[row];
+            }
+            __syncthreads();
+            if (!valid || i0 + TILE - 1 < j) continue;
 #pragma unroll 4
-        for (int ir = 0; ir < TILE; ir++) {
-            int i = i0 + ir;
-            float s = 0.0f, dp = 0.0f;
+            for (int ir = 0; ir < TILE; ir++) {
+                int i = i0 + ir;
+                float s = 0.0f, dp = 0.0f;
 #pragma unroll
-            for (int k = 0; k < HALF; k++) {
-                s += qs[ir][2 * k + half] * k_[k];
-                dp += dos[ir][2 * k + half] * v_[k];
-            }
-            s = pair_sum(s);
-            dp = pair_sum(dp);
-            float p = (j <= i && i < T) ? expf(s - ls[ir]) : 0.0f;
-            float dsc = p * (dp - ds_[ir]);
+                for (int k = 0; k < HALF; k++) {
+                    s += qs[ir][2 * k + half] * k_[k];
+                    dp += dos[ir][2 * k + half] * v_[k];
+                }
+                s = pair_sum(s);
+                dp = pair_sum(dp);
+                float p = (j <= i && i < T) ? expf(s - ls[ir]) : 0.0f;
+                float dsc = p * (dp - ds_[ir]);
 #pragma unroll
-            for (int k = 0; k < HALF; k++) {
-                dv[k] += p * dos[ir][2 * k + half];
-                dk[k] += dsc * qs[ir][2 * k + half];
+                for (int k = 0; k < HALF; k++) {
+                    dv[k] += p * dos[ir][2 * k + half];
+                    dk[k] += dsc * qs[ir][2 * k + half];
+                }
             }
         }
     }
     if (!valid) return;
-    floatX* out = dqkv + (size_t)(b * T + j) * C3 + C + h * HS;
+    floatX* out = dqkv + (size_t)(b * T + j) * C3;
 #pragma unroll
     for (int k = 0; k < HALF; k++) {
-        out[2 * k + half] = stx(dk[k]);
-        out[C + 2 * k + half] = stx(dv[k]);
+        out[kcol + 2 * k + half] = stx(dk[k]);
+        out[vcol + 2 * k + half] = stx(dv[k]);
     }
 }

@@ -1,9 +1,12 @@
 // Causal attention on tensor cores, FlashAttention-2 style; twin of
 // src/kernels/cpu/flash_attention.rs. Head sizes 64 and 128 (one kernel each).
 //
-// qkv is (B, T, 3C) floatX with q, k, v of head h at columns h·D, C + h·D,
-// 2C + h·D; out is (B, T, C); lse is (B, NH, T) f32; dqkv is (B, T, 3C),
-// written whole (not accumulated).
+// Grouped-query heads as kernels/attention.cu lays them out: qkv is (B, T, W)
+// floatX, W = (NH + 2·NKV)·D, query head h at column h·D, key head g at
+// C + g·D, value head g at C + NKV·D + g·D (C = NH·D); query head h uses
+// key/value head h / (NH / NKV); NKV = NH is multi-head attention. out is
+// (B, T, C); lse is (B, NH, T) f32; dqkv is (B, T, W), written whole (not
+// accumulated).
 //
 // Products run on mma.sync.m16n8k16 (bf16 in, f32 accumulate; sm_80 and
 // sm_90): a warp owns 16 rows. Operands are staged as bf16 (the f32 storage
@@ -18,8 +21,9 @@
 // Forward: a block holds 64 queries (4 warps) and walks key tiles of 64 with
 // an online softmax (running max m, sum l; lse = m + ln l). Backward keeps dq
 // apart from dk, dv (no atomics, so it repeats bit for bit): one kernel per
-// 64 queries walks their keys 16 at a time for dq; another per 64 keys walks
-// their queries 16 at a time for dk and dv. Every sum runs in a fixed order.
+// 64 queries walks their keys 16 at a time for dq; another per 64 keys of a
+// key/value head walks the queries of each head of its group in turn, 16 at
+// a time, for dk and dv. Every sum runs in a fixed order.
 #include "common.cuh"
 
 #define FA_WARPS 4
@@ -104,15 +108,17 @@ __device__ __forceinline__ float quad_max(float v) {
 
 // Grid (ceil(T / 64), NH, B), block 128.
 template <int D>
-__device__ __forceinline__ void flash_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH) {
+__device__ __forceinline__ void flash_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH, int NKV) {
     __shared__ __align__(16) bf16_t ks[FA_KT * (D + FA_PAD)];
     __shared__ __align__(16) bf16_t vts[D * (FA_KT + FA_PAD)];  // V transposed: [d][key]
-    const int C = NH * D, C3 = 3 * C;
+    const int C = NH * D, C3 = (NH + 2 * NKV) * D;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     const float scale = rsqrtf((float)D);
     const floatX* base = qkv + (size_t)b * T * C3 + h * D;
+    const floatX* kbase = qkv + (size_t)b * T * C3 + C + (h / (NH / NKV)) * D;
+    const floatX* vbase = kbase + NKV * D;
     unsigned int qf[D / 16][4];
     load_a<D>(qf, base, r0, T, C3, t);
     float o[D / 8][4];
@@ -124,8 +130,8 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
     const int kend = min(T, q0 + FA_ROWS);
     for (int k0 = 0; k0 < kend; k0 += FA_KT) {
         __syncthreads();
-        stage<D>(ks, base + C, k0, FA_KT, T, C3, false);
-        stage<D>(vts, base + 2 * C, k0, FA_KT, T, C3, true);
+        stage<D>(ks, kbase, k0, FA_KT, T, C3, false);
+        stage<D>(vts, vbase, k0, FA_KT, T, C3, true);
         __syncthreads();
         float s[FA_KT / 8][4];
 #pragma unroll
@@ -208,13 +214,13 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH) {
-    flash_forward<64>(out, lse, qkv, T, NH);
+    flash_forward_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
+    flash_forward<64>(out, lse, qkv, T, NH, NKV);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH) {
-    flash_forward<128>(out, lse, qkv, T, NH);
+    flash_forward_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
+    flash_forward<128>(out, lse, qkv, T, NH, NKV);
 }
 
 // delta[b, h, i] = Σ_d dout·out over head h's D dims, in d order. Grid
@@ -233,15 +239,17 @@ extern "C" __global__ void flash_backward_delta(float* delta, const floatX* dout
 // dq for 64 queries; writes the q columns of dqkv. Grid (ceil(T / 64), NH, B), block 128.
 template <int D>
 __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* dout, const floatX* qkv,
-                                                  const float* lse, const float* delta, int T, int NH) {
+                                                  const float* lse, const float* delta, int T, int NH, int NKV) {
     __shared__ __align__(16) bf16_t ks[FA_BT * (D + FA_PAD)];
     __shared__ __align__(16) bf16_t vs[FA_BT * (D + FA_PAD)];
-    const int C = NH * D, C3 = 3 * C;
+    const int C = NH * D, C3 = (NH + 2 * NKV) * D;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
     const float scale = rsqrtf((float)D);
     const floatX* base = qkv + (size_t)b * T * C3 + h * D;
+    const floatX* kbase = qkv + (size_t)b * T * C3 + C + (h / (NH / NKV)) * D;
+    const floatX* vbase = kbase + NKV * D;
     const floatX* dbase = dout + (size_t)b * T * C + h * D;
     unsigned int qf[D / 16][4], df[D / 16][4];
     load_a<D>(qf, base, r0, T, C3, t);
@@ -255,8 +263,8 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
     const int kend = min(T, q0 + FA_ROWS);
     for (int k0 = 0; k0 < kend; k0 += FA_BT) {
         __syncthreads();
-        stage<D>(ks, base + C, k0, FA_BT, T, C3, false);
-        stage<D>(vs, base + 2 * C, k0, FA_BT, T, C3, false);
+        stage<D>(ks, kbase, k0, FA_BT, T, C3, false);
+        stage<D>(vs, vbase, k0, FA_BT, T, C3, false);
         __syncthreads();
         if (q0 + warp * 16 + 15 < k0) continue;  // this warp's queries see none of these keys
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -309,38 +317,38 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                           const float* delta, int B, int T, int NH) {
-    flash_backward_dq<64>(dqkv, dout, qkv, lse, delta, T, NH);
+                           const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dq<64>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                            const float* delta, int B, int T, int NH) {
-    flash_backward_dq<128>(dqkv, dout, qkv, lse, delta, T, NH);
+                            const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dq<128>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
 }
 
 // dk and dv for 64 keys; writes the k and v columns of dqkv. The products run
 // transposed (keys as rows): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q.
 // K and V stay in shared memory (in registers they would not fit at D = 128).
-// Grid (ceil(T / 64), NH, B), block 128.
+// Grid (ceil(T / 64), NKV, B), block 128: the block sums over key/value head
+// blockIdx.y's query heads in head order.
 template <int D>
 __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* dout, const floatX* qkv,
-                                                    const float* lse, const float* delta, int T, int NH) {
+                                                    const float* lse, const float* delta, int T, int NH, int NKV) {
     __shared__ __align__(16) bf16_t ks[FA_ROWS * (D + FA_PAD)];
     __shared__ __align__(16) bf16_t vs[FA_ROWS * (D + FA_PAD)];
     __shared__ __align__(16) bf16_t qs[FA_BT * (D + FA_PAD)];
     __shared__ __align__(16) bf16_t dos[FA_BT * (D + FA_PAD)];
     __shared__ float ls[FA_BT], dls[FA_BT];
-    const int C = NH * D, C3 = 3 * C;
-    const int b = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * FA_ROWS;
+    const int C = NH * D, C3 = (NH + 2 * NKV) * D, group = NH / NKV;
+    const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int c0 = j0 + warp * 16 + g, c1 = c0 + 8;  // this thread's two keys
     const float scale = rsqrtf((float)D);
-    const floatX* base = qkv + (size_t)b * T * C3 + h * D;
-    const floatX* dbase = dout + (size_t)b * T * C + h * D;
-    const size_t lrow = (size_t)(b * NH + h) * T;
-    stage<D>(ks, base + C, j0, FA_ROWS, T, C3, false);
-    stage<D>(vs, base + 2 * C, j0, FA_ROWS, T, C3, false);
+    const int kcol = C + kvh * D;
+    const floatX* kbase = qkv + (size_t)b * T * C3 + kcol;
+    stage<D>(ks, kbase, j0, FA_ROWS, T, C3, false);
+    stage<D>(vs, kbase + NKV * D, j0, FA_ROWS, T, C3, false);
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
     for (int dt = 0; dt < D / 8; dt++) {
@@ -349,86 +357,91 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
     }
     const bf16_t* kw = ks + (warp * 16 + g) * (D + FA_PAD);  // row g of this warp's keys
     const bf16_t* vw = vs + (warp * 16 + g) * (D + FA_PAD);
-    // Only queries at or after the block's first key see any of its keys.
-    for (int i0 = j0; i0 < T; i0 += FA_BT) {
-        __syncthreads();
-        stage<D>(qs, base, i0, FA_BT, T, C3, false);
-        stage<D>(dos, dbase, i0, FA_BT, T, C, false);
-        if (threadIdx.x < FA_BT) {
-            int i = i0 + threadIdx.x;
-            ls[threadIdx.x] = i < T ? lse[lrow + i] : 0.0f;
-            dls[threadIdx.x] = i < T ? delta[lrow + i] : 0.0f;
-        }
-        __syncthreads();
-        if (i0 + FA_BT - 1 < j0 + warp * 16) continue;  // every query here precedes this warp's keys
-        float st[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        float dpt[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            int c = kk * 16 + 2 * t, r8 = 8 * (D + FA_PAD);
-            unsigned int ka[4] = {lds2(kw + c), lds2(kw + r8 + c), lds2(kw + c + 8), lds2(kw + r8 + c + 8)};
-            unsigned int va[4] = {lds2(vw + c), lds2(vw + r8 + c), lds2(vw + c + 8), lds2(vw + r8 + c + 8)};
-#pragma unroll
+    for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+        const floatX* base = qkv + (size_t)b * T * C3 + h * D;
+        const floatX* dbase = dout + (size_t)b * T * C + h * D;
+        const size_t lrow = (size_t)(b * NH + h) * T;
+        // Only queries at or after the block's first key see any of its keys.
+        for (int i0 = j0; i0 < T; i0 += FA_BT) {
+            __syncthreads();
+            stage<D>(qs, base, i0, FA_BT, T, C3, false);
+            stage<D>(dos, dbase, i0, FA_BT, T, C, false);
+            if (threadIdx.x < FA_BT) {
+                int i = i0 + threadIdx.x;
+                ls[threadIdx.x] = i < T ? lse[lrow + i] : 0.0f;
+                dls[threadIdx.x] = i < T ? delta[lrow + i] : 0.0f;
+            }
+            __syncthreads();
+            if (i0 + FA_BT - 1 < j0 + warp * 16) continue;  // every query here precedes this warp's keys
+            float st[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            float dpt[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    #pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                int c = kk * 16 + 2 * t, r8 = 8 * (D + FA_PAD);
+                unsigned int ka[4] = {lds2(kw + c), lds2(kw + r8 + c), lds2(kw + c + 8), lds2(kw + r8 + c + 8)};
+                unsigned int va[4] = {lds2(vw + c), lds2(vw + r8 + c), lds2(vw + c + 8), lds2(vw + r8 + c + 8)};
+    #pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    int at = (nt * 8 + g) * (D + FA_PAD) + c;
+                    mma_bf16(st[nt], ka, lds2(qs + at), lds2(qs + at + 8));
+                    mma_bf16(dpt[nt], va, lds2(dos + at), lds2(dos + at + 8));
+                }
+            }
+            float pt[2][4], dst[2][4];
+    #pragma unroll
             for (int nt = 0; nt < 2; nt++) {
-                int at = (nt * 8 + g) * (D + FA_PAD) + c;
-                mma_bf16(st[nt], ka, lds2(qs + at), lds2(qs + at + 8));
-                mma_bf16(dpt[nt], va, lds2(dos + at), lds2(dos + at + 8));
+    #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int qi = nt * 8 + 2 * t + (e & 1), i = i0 + qi, key = e < 2 ? c0 : c1;
+                    float p = (key <= i && i < T) ? expf(st[nt][e] * scale - ls[qi]) : 0.0f;
+                    pt[nt][e] = p;
+                    dst[nt][e] = p * (dpt[nt][e] - dls[qi]);
+                }
             }
-        }
-        float pt[2][4], dst[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int qi = nt * 8 + 2 * t + (e & 1), i = i0 + qi, key = e < 2 ? c0 : c1;
-                float p = (key <= i && i < T) ? expf(st[nt][e] * scale - ls[qi]) : 0.0f;
-                pt[nt][e] = p;
-                dst[nt][e] = p * (dpt[nt][e] - dls[qi]);
+            unsigned int ap[4] = {pack_bf16(pt[0][0], pt[0][1]), pack_bf16(pt[0][2], pt[0][3]),
+                                  pack_bf16(pt[1][0], pt[1][1]), pack_bf16(pt[1][2], pt[1][3])};
+            unsigned int as[4] = {pack_bf16(dst[0][0], dst[0][1]), pack_bf16(dst[0][2], dst[0][3]),
+                                  pack_bf16(dst[1][0], dst[1][1]), pack_bf16(dst[1][2], dst[1][3])};
+            // B = dO or Q (queries × d), two queries per register, read down a column.
+    #pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                const bf16_t* oc = dos + dt * 8 + g;
+                const bf16_t* qc = qs + dt * 8 + g;
+                int i0r = (2 * t) * (D + FA_PAD), i1r = (2 * t + 1) * (D + FA_PAD);
+                int i8r = (2 * t + 8) * (D + FA_PAD), i9r = (2 * t + 9) * (D + FA_PAD);
+                mma_bf16(dv[dt], ap, pack_bits(oc[i0r], oc[i1r]), pack_bits(oc[i8r], oc[i9r]));
+                mma_bf16(dk[dt], as, pack_bits(qc[i0r], qc[i1r]), pack_bits(qc[i8r], qc[i9r]));
             }
-        }
-        unsigned int ap[4] = {pack_bf16(pt[0][0], pt[0][1]), pack_bf16(pt[0][2], pt[0][3]),
-                              pack_bf16(pt[1][0], pt[1][1]), pack_bf16(pt[1][2], pt[1][3])};
-        unsigned int as[4] = {pack_bf16(dst[0][0], dst[0][1]), pack_bf16(dst[0][2], dst[0][3]),
-                              pack_bf16(dst[1][0], dst[1][1]), pack_bf16(dst[1][2], dst[1][3])};
-        // B = dO or Q (queries × d), two queries per register, read down a column.
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt++) {
-            const bf16_t* oc = dos + dt * 8 + g;
-            const bf16_t* qc = qs + dt * 8 + g;
-            int i0r = (2 * t) * (D + FA_PAD), i1r = (2 * t + 1) * (D + FA_PAD);
-            int i8r = (2 * t + 8) * (D + FA_PAD), i9r = (2 * t + 9) * (D + FA_PAD);
-            mma_bf16(dv[dt], ap, pack_bits(oc[i0r], oc[i1r]), pack_bits(oc[i8r], oc[i9r]));
-            mma_bf16(dk[dt], as, pack_bits(qc[i0r], qc[i1r]), pack_bits(qc[i8r], qc[i9r]));
         }
     }
 #pragma unroll
     for (int dt = 0; dt < D / 8; dt++) {
-        int col = C + h * D + dt * 8 + 2 * t;
+        int col = kcol + dt * 8 + 2 * t, vo = NKV * D;
         if (c0 < T) {
             floatX* g0 = dqkv + (size_t)(b * T + c0) * C3 + col;
             g0[0] = stx(dk[dt][0] * scale);
             g0[1] = stx(dk[dt][1] * scale);
-            g0[C] = stx(dv[dt][0]);
-            g0[C + 1] = stx(dv[dt][1]);
+            g0[vo] = stx(dv[dt][0]);
+            g0[vo + 1] = stx(dv[dt][1]);
         }
         if (c1 < T) {
             floatX* g1 = dqkv + (size_t)(b * T + c1) * C3 + col;
             g1[0] = stx(dk[dt][2] * scale);
             g1[1] = stx(dk[dt][3] * scale);
-            g1[C] = stx(dv[dt][2]);
-            g1[C + 1] = stx(dv[dt][3]);
+            g1[vo] = stx(dv[dt][2]);
+            g1[vo + 1] = stx(dv[dt][3]);
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                             const float* delta, int B, int T, int NH) {
-    flash_backward_dkdv<64>(dqkv, dout, qkv, lse, delta, T, NH);
+                             const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dkdv<64>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                              const float* delta, int B, int T, int NH) {
-    flash_backward_dkdv<128>(dqkv, dout, qkv, lse, delta, T, NH);
+                              const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dkdv<128>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
 }

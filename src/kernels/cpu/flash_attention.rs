@@ -4,7 +4,8 @@
 //! (kernels/cpu/attention.rs is the CPU backend's attention); plain loops in
 //! f64, one query or key at a time.
 //!
-//! qkv is (B, T, 3C), out (B, T, C), lse (B, NH, T), dqkv (B, T, 3C); HS = C / NH.
+//! qkv is (B, T, W), out (B, T, NH·HS), lse (B, NH, T), dqkv (B, T, W), with
+//! grouped-query heads laid out as in kernels/cpu/attention.rs (`Heads`).
 //!
 //! Forward walks keys in tiles of `KEY_TILE` with an online softmax: per query
 //! a running maximum m, a running sum l of exp(s − m) and an accumulator,
@@ -14,6 +15,8 @@
 //! GPU, so no gradient is summed by atomics). With `Rounding::Bf16`, P and dS
 //! are rounded to bf16 before they multiply V, dO, K or Q, as the kernels feed
 //! them to `mma.sync`; sums and the softmax stay in high precision.
+
+use super::attention::Heads;
 
 /// Keys per tile in forward (the kernel's key tile).
 pub const KEY_TILE: usize = 64;
@@ -45,60 +48,70 @@ pub fn bf16_round(x: f32) -> f32 {
     f32::from_bits(u.wrapping_add(0x7fff + ((u >> 16) & 1)) & 0xffff_0000)
 }
 
-/// Views of one (batch, head): row i's q, k, v and out.
+/// Views of one (batch, query head): row i's q, its key/value head's k and v,
+/// and out, in the grouped-query layout of kernels/cpu/attention.rs.
 struct Head<'a> {
     qkv: &'a [f32],
     b: usize,
     h: usize,
     t: usize,
-    c: usize,
-    hs: usize,
+    heads: Heads,
 }
 
 impl Head<'_> {
+    fn at(&self, i: usize, col: usize) -> usize {
+        (self.b * self.t + i) * self.heads.qkv_width() + col
+    }
+    fn kcol(&self) -> usize {
+        (self.heads.nh + self.h / self.heads.group()) * self.heads.hs
+    }
+    fn vcol(&self) -> usize {
+        self.kcol() + self.heads.nkv * self.heads.hs
+    }
     fn q(&self, i: usize) -> &[f32] {
-        &self.qkv[(self.b * self.t + i) * 3 * self.c + self.h * self.hs..][..self.hs]
+        &self.qkv[self.at(i, self.h * self.heads.hs)..][..self.heads.hs]
     }
     fn k(&self, j: usize) -> &[f32] {
-        &self.qkv[(self.b * self.t + j) * 3 * self.c + self.c + self.h * self.hs..][..self.hs]
+        &self.qkv[self.at(j, self.kcol())..][..self.heads.hs]
     }
     fn v(&self, j: usize) -> &[f32] {
-        &self.qkv[(self.b * self.t + j) * 3 * self.c + 2 * self.c + self.h * self.hs..][..self.hs]
+        &self.qkv[self.at(j, self.vcol())..][..self.heads.hs]
     }
     fn row(&self, i: usize) -> usize {
-        (self.b * self.t + i) * self.c + self.h * self.hs
+        (self.b * self.t + i) * self.heads.out_width() + self.h * self.heads.hs
     }
-    fn lse_at(&self, i: usize, nh: usize) -> usize {
-        (self.b * nh + self.h) * self.t + i
+    fn lse_at(&self, i: usize) -> usize {
+        (self.b * self.heads.nh + self.h) * self.t + i
     }
     /// The scaled score of query i against key j.
     fn score(&self, i: usize, j: usize) -> f64 {
         let dot: f64 = self.q(i).iter().zip(self.k(j)).map(|(&a, &b)| a as f64 * b as f64).sum();
-        dot / (self.hs as f64).sqrt()
+        dot / (self.heads.hs as f64).sqrt()
     }
 }
 
-fn heads(b: usize, nh: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..b).flat_map(move |bi| (0..nh).map(move |h| (bi, h)))
+fn check(heads: Heads, qkv: usize, out: usize, lse: usize, b: usize, t: usize) {
+    assert!(
+        heads.nh > 0 && heads.nkv > 0 && heads.nh.is_multiple_of(heads.nkv),
+        "{heads:?}: key/value heads must divide query heads"
+    );
+    assert!(qkv == b * t * heads.qkv_width() && out == b * t * heads.out_width() && lse == b * heads.nh * t);
 }
 
-/// out (B, T, C) and lse (B, NH, T) from qkv (B, T, 3C), overwritten.
-#[allow(clippy::too_many_arguments)]
+/// out (B, T, NH·HS) and lse (B, NH, T) from qkv (B, T, W), overwritten.
 pub fn flash_attention_forward(
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
     b: usize,
     t: usize,
-    c: usize,
-    nh: usize,
+    heads: Heads,
     rounding: Rounding,
 ) {
-    assert!(nh > 0 && c.is_multiple_of(nh) && qkv.len() == b * t * 3 * c);
-    assert!(out.len() == b * t * c && lse.len() == b * nh * t);
-    let hs = c / nh;
-    for (bi, h) in heads(b, nh) {
-        let hd = Head { qkv, b: bi, h, t, c, hs };
+    check(heads, qkv.len(), out.len(), lse.len(), b, t);
+    let hs = heads.hs;
+    for (bi, h) in (0..b).flat_map(|bi| (0..heads.nh).map(move |h| (bi, h))) {
+        let hd = Head { qkv, b: bi, h, t, heads };
         for i in 0..t {
             let (mut m, mut l) = (f64::NEG_INFINITY, 0.0f64);
             let mut acc = vec![0.0f64; hs];
@@ -123,12 +136,12 @@ pub fn flash_attention_forward(
             for (o, a) in o.iter_mut().zip(&acc) {
                 *o = (a / l) as f32;
             }
-            lse[hd.lse_at(i, nh)] = (m + l.ln()) as f32;
+            lse[hd.lse_at(i)] = (m + l.ln()) as f32;
         }
     }
 }
 
-/// dqkv (B, T, 3C) overwritten with ∂L/∂qkv, given dout (B, T, C) and
+/// dqkv (B, T, W) overwritten with ∂L/∂qkv, given dout (B, T, NH·HS) and
 /// forward's out and lse (the kernels write dqkv whole too).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
@@ -139,54 +152,66 @@ pub fn flash_attention_backward(
     lse: &[f32],
     b: usize,
     t: usize,
-    c: usize,
-    nh: usize,
+    heads: Heads,
     rounding: Rounding,
 ) {
-    assert!(nh > 0 && c.is_multiple_of(nh) && qkv.len() == b * t * 3 * c && dqkv.len() == qkv.len());
-    assert!(dout.len() == b * t * c && out.len() == b * t * c && lse.len() == b * nh * t);
-    let hs = c / nh;
+    check(heads, qkv.len(), out.len(), lse.len(), b, t);
+    assert!(dqkv.len() == qkv.len() && dout.len() == out.len());
+    let hs = heads.hs;
     let scale = 1.0 / (hs as f64).sqrt();
-    for (bi, h) in heads(b, nh) {
-        let hd = Head { qkv, b: bi, h, t, c, hs };
-        let dot = |x: &[f32], y: &[f32]| -> f64 { x.iter().zip(y).map(|(&a, &b)| a as f64 * b as f64).sum() };
-        // delta_i = Σ_d dO·O: the softmax backward's row term.
-        let delta: Vec<f64> =
-            (0..t).map(|i| dot(&dout[hd.row(i)..][..hs], &out[hd.row(i)..][..hs])).collect();
-        let p = |i: usize, j: usize| (hd.score(i, j) - lse[hd.lse_at(i, nh)] as f64).exp();
-        let ds = |i: usize, j: usize| p(i, j) * (dot(&dout[hd.row(i)..][..hs], hd.v(j)) - delta[i]);
+    let dot = |x: &[f32], y: &[f32]| -> f64 { x.iter().zip(y).map(|(&a, &b)| a as f64 * b as f64).sum() };
+    for bi in 0..b {
+        let hd = |h: usize| Head { qkv, b: bi, h, t, heads };
+        // delta_i = Σ_d dO·O per query head: the softmax backward's row term.
+        let delta: Vec<Vec<f64>> = (0..heads.nh)
+            .map(|h| (0..t).map(|i| dot(&dout[hd(h).row(i)..][..hs], &out[hd(h).row(i)..][..hs])).collect())
+            .collect();
+        let p = |h: usize, i: usize, j: usize| (hd(h).score(i, j) - lse[hd(h).lse_at(i)] as f64).exp();
+        let ds = |h: usize, i: usize, j: usize| {
+            p(h, i, j) * (dot(&dout[hd(h).row(i)..][..hs], hd(h).v(j)) - delta[h][i])
+        };
         // dq: one query at a time over its keys (the dq kernel).
-        for i in 0..t {
-            let mut dq = vec![0.0f64; hs];
-            for j in 0..=i {
-                let d = rounding.apply(ds(i, j));
-                for (a, &k) in dq.iter_mut().zip(hd.k(j)) {
-                    *a += d * k as f64;
+        for h in 0..heads.nh {
+            for i in 0..t {
+                let mut dq = vec![0.0f64; hs];
+                for j in 0..=i {
+                    let d = rounding.apply(ds(h, i, j));
+                    for (a, &k) in dq.iter_mut().zip(hd(h).k(j)) {
+                        *a += d * k as f64;
+                    }
                 }
-            }
-            let at = (bi * t + i) * 3 * c + h * hs;
-            for (g, a) in dqkv[at..][..hs].iter_mut().zip(&dq) {
-                *g = (a * scale) as f32;
+                let at = hd(h).at(i, h * hs);
+                for (g, a) in dqkv[at..][..hs].iter_mut().zip(&dq) {
+                    *g = (a * scale) as f32;
+                }
             }
         }
-        // dk, dv: one key at a time over the queries that see it (the dk/dv kernel).
-        for j in 0..t {
-            let (mut dk, mut dv) = (vec![0.0f64; hs], vec![0.0f64; hs]);
-            for i in j..t {
-                let (pij, dij) = (rounding.apply(p(i, j)), rounding.apply(ds(i, j)));
-                for ((dk, dv), (&q, &g)) in
-                    dk.iter_mut().zip(dv.iter_mut()).zip(hd.q(i).iter().zip(&dout[hd.row(i)..][..hs]))
-                {
-                    *dv += pij * g as f64;
-                    *dk += dij * q as f64;
+        // dk, dv: one key of a key/value head at a time, over the queries of
+        // each head of its group that see it, heads in order (the dk/dv kernel).
+        for g in 0..heads.nkv {
+            let group = g * heads.group()..(g + 1) * heads.group();
+            for j in 0..t {
+                let (mut dk, mut dv) = (vec![0.0f64; hs], vec![0.0f64; hs]);
+                for h in group.clone() {
+                    for i in j..t {
+                        let (pij, dij) = (rounding.apply(p(h, i, j)), rounding.apply(ds(h, i, j)));
+                        let dy = &dout[hd(h).row(i)..][..hs];
+                        for ((dk, dv), (&q, &gy)) in
+                            dk.iter_mut().zip(dv.iter_mut()).zip(hd(h).q(i).iter().zip(dy))
+                        {
+                            *dv += pij * gy as f64;
+                            *dk += dij * q as f64;
+                        }
+                    }
                 }
-            }
-            let at = (bi * t + j) * 3 * c + c + h * hs;
-            for (g, a) in dqkv[at..][..hs].iter_mut().zip(&dk) {
-                *g = (a * scale) as f32;
-            }
-            for (g, a) in dqkv[at + c..][..hs].iter_mut().zip(&dv) {
-                *g = *a as f32;
+                let first = hd(group.start);
+                let (ka, va) = (first.at(j, first.kcol()), first.at(j, first.vcol()));
+                for (g, a) in dqkv[ka..][..hs].iter_mut().zip(&dk) {
+                    *g = (a * scale) as f32;
+                }
+                for (g, a) in dqkv[va..][..hs].iter_mut().zip(&dv) {
+                    *g = *a as f32;
+                }
             }
         }
     }
@@ -213,7 +238,7 @@ mod tests {
             let qkv = randn(b * t * 3 * c, 1);
             let (want_out, want_lse) = cpu_attention(&qkv, b, t, c, nh);
             let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-            flash_attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, Rounding::None);
+            flash_attention_forward(&mut out, &mut lse, &qkv, b, t, Heads::mha(c, nh), Rounding::None);
             assert_close(&out, &to64(&want_out), 1e-5);
             assert_close(&lse, &to64(&want_lse), 1e-6);
         }
@@ -224,9 +249,9 @@ mod tests {
         let (b, t, c, nh) = (1, KEY_TILE + 20, 128, 2);
         let qkv = randn(b * t * 3 * c, 2);
         let (mut exact, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-        flash_attention_forward(&mut exact, &mut lse, &qkv, b, t, c, nh, Rounding::None);
+        flash_attention_forward(&mut exact, &mut lse, &qkv, b, t, Heads::mha(c, nh), Rounding::None);
         let (mut rounded, mut lse_r) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-        flash_attention_forward(&mut rounded, &mut lse_r, &qkv, b, t, c, nh, Rounding::Bf16);
+        flash_attention_forward(&mut rounded, &mut lse_r, &qkv, b, t, Heads::mha(c, nh), Rounding::Bf16);
         let e = rel_err(&rounded, &to64(&exact));
         assert!(e > 0.0 && e < 1e-2, "rounding P moved the output by {e:e}");
         // lse is formed before any rounding.
@@ -245,7 +270,7 @@ mod tests {
             attention::attention_backward(&mut want, &mut scratch, &dout, &qkv, &out, &lse, b, t, c, nh)
         });
         let mut got = vec![1e9; qkv.len()]; // overwritten whole
-        flash_attention_backward(&mut got, &dout, &qkv, &out, &lse, b, t, c, nh, Rounding::None);
+        flash_attention_backward(&mut got, &dout, &qkv, &out, &lse, b, t, Heads::mha(c, nh), Rounding::None);
         assert_close(&got, &to64(&want), 1e-5);
     }
 
@@ -258,9 +283,9 @@ mod tests {
         let loss =
             |p: &[Vec<f64>]| reference(&p[0], b, t, c, nh).iter().zip(&g).map(|(o, &g)| o * g as f64).sum();
         let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-        flash_attention_forward(&mut out, &mut lse, &qkv, b, t, c, nh, Rounding::None);
+        flash_attention_forward(&mut out, &mut lse, &qkv, b, t, Heads::mha(c, nh), Rounding::None);
         let mut dqkv = vec![0.0; qkv.len()];
-        flash_attention_backward(&mut dqkv, &g, &qkv, &out, &lse, b, t, c, nh, Rounding::None);
+        flash_attention_backward(&mut dqkv, &g, &qkv, &out, &lse, b, t, Heads::mha(c, nh), Rounding::None);
         check_grads(&[qkv], &[dqkv], loss, 1e-4);
     }
 
@@ -268,7 +293,7 @@ mod tests {
     fn reference(qkv: &[f64], b: usize, t: usize, c: usize, nh: usize) -> Vec<f64> {
         let hs = c / nh;
         let mut out = vec![0.0; b * t * c];
-        for (bi, h) in heads(b, nh) {
+        for (bi, h) in (0..b).flat_map(|bi| (0..nh).map(move |h| (bi, h))) {
             let at = |i: usize, part: usize| (bi * t + i) * 3 * c + part * c + h * hs;
             for i in 0..t {
                 let s: Vec<f64> = (0..=i)
@@ -295,5 +320,27 @@ mod tests {
         assert_eq!(bf16_round(1.0 + 3.0 / 256.0), 1.0 + 4.0 / 256.0);
         assert!(bf16_round(f32::NAN).is_nan());
         assert_eq!(bf16_round(f32::INFINITY), f32::INFINITY);
+    }
+
+    #[test]
+    fn grouped_query_twin_matches_the_cpu_attention_forward_and_backward() {
+        let (b, t) = (2, KEY_TILE + 7);
+        let heads = Heads { nh: 4, nkv: 2, hs: 16 };
+        let qkv = randn(b * t * heads.qkv_width(), 13);
+        let dout = randn(b * t * heads.out_width(), 14);
+        let (mut want_out, mut want_lse) = (vec![0.0; dout.len()], vec![0.0; b * heads.nh * t]);
+        let mut scratch = vec![0.0; attention::scratch_len(b, heads.nh, t)];
+        let mut want = vec![0.0; qkv.len()];
+        with_threads(1, || {
+            attention::gqa_forward(&mut want_out, &mut want_lse, &mut scratch, &qkv, b, t, heads);
+            attention::gqa_backward(&mut want, &mut scratch, &dout, &qkv, &want_out, &want_lse, b, t, heads);
+        });
+        let (mut out, mut lse) = (vec![0.0; dout.len()], vec![0.0; b * heads.nh * t]);
+        flash_attention_forward(&mut out, &mut lse, &qkv, b, t, heads, Rounding::None);
+        assert_close(&out, &to64(&want_out), 1e-5);
+        assert_close(&lse, &to64(&want_lse), 1e-6);
+        let mut got = vec![1e9; qkv.len()]; // overwritten whole
+        flash_attention_backward(&mut got, &dout, &qkv, &out, &lse, b, t, heads, Rounding::None);
+        assert_close(&got, &to64(&want), 1e-5);
     }
 }

@@ -1,4 +1,5 @@
-//! Causal attention launchers: qkv (B, T, 3C) X, out (B, T, C) X, lse (B, NH, T) f32.
+//! Causal attention launchers: qkv (B, T, 3C) X, out (B, T, C) X, lse (B, NH, T) f32;
+//! the `gqa_` launchers take grouped-query heads (qkv (B, T, (NH + 2·NKV)·HS)).
 //!
 //! Two kernel families compute the same thing. In bf16 storage, head sizes 64
 //! and 128 run on tensor cores (kernels/flash_attention.cu, FlashAttention-2
@@ -9,6 +10,7 @@
 
 use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, Elem, Result};
+pub use crate::kernels::cpu::attention::Heads;
 
 /// The head size the CUDA-core kernels take (every GPT-2 size).
 pub const HEAD_SIZE: usize = 64;
@@ -51,7 +53,18 @@ fn flash_name(kernel: &str, head_size: usize) -> &'static str {
     }
 }
 
-/// out and lse from qkv (head sizes as `kernels_for` says).
+/// The kernels for grouped-query `heads` in storage X, or why none fits.
+pub fn kernels_for_heads<X: Elem>(heads: Heads) -> Result<Kernels> {
+    if heads.nh == 0 || heads.nkv == 0 || !heads.nh.is_multiple_of(heads.nkv) {
+        return Err(super::CudaError::Shape(format!(
+            "attention: {} key/value heads do not divide {} query heads",
+            heads.nkv, heads.nh
+        )));
+    }
+    kernels_for::<X>(heads.out_width(), heads.nh)
+}
+
+/// out and lse from qkv (head sizes as `kernels_for` says), multi-head.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<X: Elem>(
     gpu: &Gpu,
@@ -63,22 +76,40 @@ pub fn attention_forward<X: Elem>(
     c: usize,
     nh: usize,
 ) -> Result<()> {
-    let kernels = kernels_for::<X>(c, nh)?;
-    ensure(out.len() >= b * t * c && qkv.len() >= b * t * 3 * c && lse.len() >= b * nh * t, || {
-        format!("attention_forward: buffers for B={b} T={t} C={c}")
+    kernels_for::<X>(c, nh)?;
+    gqa_forward(gpu, out, lse, qkv, b, t, Heads::mha(c, nh))
+}
+
+/// out (B, T, NH·HS) and lse (B, NH, T) from qkv (B, T, (NH + 2·NKV)·HS),
+/// grouped-query heads laid out as kernels/cpu/attention.rs has them.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_forward<X: Elem>(
+    gpu: &Gpu,
+    out: &DeviceBuffer<X>,
+    lse: &DeviceBuffer<f32>,
+    qkv: &DeviceBuffer<X>,
+    b: usize,
+    t: usize,
+    heads: Heads,
+) -> Result<()> {
+    let kernels = kernels_for_heads::<X>(heads)?;
+    let (nh, w, c) = (heads.nh, heads.qkv_width(), heads.out_width());
+    ensure(out.len() >= b * t * c && qkv.len() >= b * t * w && lse.len() >= b * nh * t, || {
+        format!("attention_forward: buffers for B={b} T={t} {heads:?}")
     })?;
-    let (o, l, q, bi, ti, nhi) = (out.ptr(), lse.ptr(), qkv.ptr(), b as i32, t as i32, nh as i32);
+    let (o, l, q, bi, ti, nhi, nkvi) =
+        (out.ptr(), lse.ptr(), qkv.ptr(), b as i32, t as i32, nh as i32, heads.nkv as i32);
     if let Kernels::TensorCore { head_size } = kernels {
         let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size))?;
         let grid = (blocks(t, FLASH_ROWS), nh as u32, b as u32);
-        return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi]);
+        return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi]);
     }
     let f = gpu.function::<X>("attention", "attention_forward")?;
     gpu.launch(
         f,
         (blocks(t, ROWS), nh as u32, b as u32),
         (2 * ROWS as u32, 1, 1),
-        &mut args![o, l, q, bi, ti, nhi],
+        &mut args![o, l, q, bi, ti, nhi, nkvi],
     )
 }
 
@@ -98,36 +129,57 @@ pub fn attention_backward<X: Elem>(
     c: usize,
     nh: usize,
 ) -> Result<()> {
-    let kernels = kernels_for::<X>(c, nh)?;
+    kernels_for::<X>(c, nh)?;
+    gqa_backward(gpu, dqkv, delta, dout, qkv, out, lse, b, t, Heads::mha(c, nh))
+}
+
+/// Writes dqkv (B, T, (NH + 2·NKV)·HS) whole; a key/value head's gradient is
+/// summed over its query group in head order by one block (no atomics).
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_backward<X: Elem>(
+    gpu: &Gpu,
+    dqkv: &DeviceBuffer<X>,
+    delta: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<X>,
+    qkv: &DeviceBuffer<X>,
+    out: &DeviceBuffer<X>,
+    lse: &DeviceBuffer<f32>,
+    b: usize,
+    t: usize,
+    heads: Heads,
+) -> Result<()> {
+    let kernels = kernels_for_heads::<X>(heads)?;
+    let (nh, nkv, w, c) = (heads.nh, heads.nkv, heads.qkv_width(), heads.out_width());
     ensure(
-        dqkv.len() >= b * t * 3 * c
-            && qkv.len() >= b * t * 3 * c
+        dqkv.len() >= b * t * w
+            && qkv.len() >= b * t * w
             && dout.len() >= b * t * c
             && out.len() >= b * t * c
             && lse.len() >= b * nh * t
             && delta.len() >= b * nh * t,
-        || format!("attention_backward: buffers for B={b} T={t} C={c}"),
+        || format!("attention_backward: buffers for B={b} T={t} {heads:?}"),
     )?;
     let (dq, de, dy, q, o, l) = (dqkv.ptr(), delta.ptr(), dout.ptr(), qkv.ptr(), out.ptr(), lse.ptr());
-    let (bi, ti, nhi) = (b as i32, t as i32, nh as i32);
+    let (bi, ti, nhi, nkvi) = (b as i32, t as i32, nh as i32, nkv as i32);
+    let (queries, keys) = ((blocks(t, ROWS), nh as u32, b as u32), (blocks(t, ROWS), nkv as u32, b as u32));
     if let Kernels::TensorCore { head_size } = kernels {
         let hsi = head_size as i32;
         let f = gpu.function::<X>("flash_attention", "flash_backward_delta")?;
         gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi, hsi])?;
-        let grid = (blocks(t, FLASH_ROWS), nh as u32, b as u32);
+        let (queries, keys) =
+            ((blocks(t, FLASH_ROWS), nh as u32, b as u32), (blocks(t, FLASH_ROWS), nkv as u32, b as u32));
         let f = gpu.function::<X>("flash_attention", flash_name("dq", head_size))?;
-        gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi])?;
+        gpu.launch(f, queries, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
         let f = gpu.function::<X>("flash_attention", flash_name("dkdv", head_size))?;
-        return gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi]);
+        return gpu.launch(f, keys, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi]);
     }
     let f = gpu.function::<X>("attention", "attention_backward_delta")?;
     gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi])?;
-    let grid = (blocks(t, ROWS), nh as u32, b as u32);
     let block = (2 * ROWS as u32, 1, 1);
     let f = gpu.function::<X>("attention", "attention_backward_dq")?;
-    gpu.launch(f, grid, block, &mut args![dq, dy, q, l, de, bi, ti, nhi])?;
+    gpu.launch(f, queries, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
     let f = gpu.function::<X>("attention", "attention_backward_dkdv")?;
-    gpu.launch(f, grid, block, &mut args![dq, dy, q, l, de, bi, ti, nhi])
+    gpu.launch(f, keys, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])
 }
 
 #[cfg(test)]
@@ -144,5 +196,15 @@ mod tests {
         assert!(err.contains("n_embd 1024 / n_head 8 in f32"), "{err}");
         assert!(kernels_for::<Bf16>(96 * 4, 4).is_err());
         assert!(kernels_for::<Bf16>(100, 0).is_err());
+    }
+
+    #[test]
+    fn grouped_query_heads_must_divide_and_keep_the_head_size_rules() {
+        let llama = Heads { nh: 32, nkv: 8, hs: 128 };
+        assert_eq!(kernels_for_heads::<Bf16>(llama).unwrap(), Kernels::TensorCore { head_size: 128 });
+        assert!(kernels_for_heads::<f32>(llama).is_err());
+        assert_eq!(kernels_for_heads::<f32>(Heads { nh: 4, nkv: 2, hs: 64 }).unwrap(), Kernels::CudaCore);
+        let err = kernels_for_heads::<Bf16>(Heads { nh: 6, nkv: 4, hs: 64 }).unwrap_err().to_string();
+        assert!(err.contains("4 key/value heads do not divide 6 query heads"), "{err}");
     }
 }

@@ -20,6 +20,7 @@ use crate::model::{GptConfig, ModelPart, PartSpec};
 use crate::optim::{self, AdamState, Hyper};
 use crate::rng::{Purpose, Rng};
 use crate::train::engine::StepStats;
+use attention::Heads;
 
 /// One comparison's outcome.
 #[derive(Clone, Debug)]
@@ -175,67 +176,82 @@ fn matmul_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
 }
 
 fn attention_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
-    let gpu = cx.gpu;
-    let qkv = rounded::<X>(&randn(N * 3 * C, 20, 1.0));
-    let (mut out, mut lse) = (vec![0.0; N * C], vec![0.0; B * NH * T]);
-    let mut scratch = vec![0.0; cpu::attention::scratch_len(B, NH, T)];
-    cpu::attention::attention_forward(&mut out, &mut lse, &mut scratch, &qkv, B, T, C, NH);
-    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(N * C)?, gpu.alloc::<f32>(B * NH * T)?);
-    attention::attention_forward(gpu, &gout, &glse, &gqkv, B, T, C, NH)?;
-    cx.push("attention_forward out", &cx.down(&gout)?, &out);
-    cx.push("attention_forward lse", &gpu.download(&glse)?, &lse);
-
-    let dout = rounded::<X>(&randn(N * C, 21, 1.0));
-    // The CPU backward gets the GPU's forward results, as the model would hand them over.
-    let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
-    let mut dqkv = vec![0.0; N * 3 * C];
-    cpu::attention::attention_backward(&mut dqkv, &mut scratch, &dout, &qkv, &gpu_out, &gpu_lse, B, T, C, NH);
-    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(N * 3 * C)?, gpu.alloc::<f32>(B * NH * T)?);
-    attention::attention_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, C, NH)?;
-    let got = cx.down(&gdqkv)?;
-    // Compare q, k and v gradients separately: each has its own scale.
-    for (part, name) in ["dq", "dk", "dv"].iter().enumerate() {
-        let pick = |v: &[f32]| -> Vec<f32> {
-            v.chunks(3 * C).flat_map(|row| row[part * C..(part + 1) * C].to_vec()).collect()
-        };
-        cx.push(&format!("attention_backward {name}"), &pick(&got), &pick(&dqkv));
-    }
-    if !X::IS_F32 {
-        for hs in [64, 128] {
-            flash_against_twin(cx, hs)?;
+    if X::IS_F32 {
+        // The CUDA-core kernels (f32 storage) against the CPU backend's attention:
+        // GPT-2's multi-head layout, then grouped-query heads (Llama's).
+        attention_vs_cpu(cx, "", Heads::mha(C, NH), 20)?;
+        attention_vs_cpu(cx, "gqa 4q/2kv ", Heads { nh: 4, nkv: 2, hs: attention::HEAD_SIZE }, 22)?;
+    } else {
+        attention_vs_cpu(cx, "", Heads::mha(C, NH), 20)?;
+        for heads in [
+            Heads::mha(NH * 64, NH),
+            Heads::mha(NH * 128, NH),
+            Heads { nh: 4, nkv: 2, hs: 64 },
+            Heads { nh: 4, nkv: 1, hs: 128 },
+        ] {
+            flash_against_twin(cx, heads)?;
         }
     }
     Ok(())
 }
 
+/// Forward and backward of `heads` against kernels/cpu/attention.rs.
+fn attention_vs_cpu<X: Elem>(cx: &mut Ctx<X>, label: &str, heads: Heads, seed: u64) -> Result<()> {
+    let gpu = cx.gpu;
+    let (nh, w, c) = (heads.nh, heads.qkv_width(), heads.out_width());
+    let qkv = rounded::<X>(&randn(N * w, seed, 1.0));
+    let (mut out, mut lse) = (vec![0.0; N * c], vec![0.0; B * nh * T]);
+    let mut scratch = vec![0.0; cpu::attention::scratch_len(B, nh, T)];
+    cpu::attention::gqa_forward(&mut out, &mut lse, &mut scratch, &qkv, B, T, heads);
+    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(N * c)?, gpu.alloc::<f32>(B * nh * T)?);
+    attention::gqa_forward(gpu, &gout, &glse, &gqkv, B, T, heads)?;
+    cx.push(&format!("attention_forward {label}out"), &cx.down(&gout)?, &out);
+    cx.push(&format!("attention_forward {label}lse"), &gpu.download(&glse)?, &lse);
+
+    let dout = rounded::<X>(&randn(N * c, seed + 1, 1.0));
+    // The CPU backward gets the GPU's forward results, as the model would hand them over.
+    let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
+    let mut dqkv = vec![0.0; N * w];
+    cpu::attention::gqa_backward(&mut dqkv, &mut scratch, &dout, &qkv, &gpu_out, &gpu_lse, B, T, heads);
+    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(N * w)?, gpu.alloc::<f32>(B * nh * T)?);
+    attention::gqa_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, heads)?;
+    push_qkv_parts(cx, &format!("attention_backward {label}"), heads, &cx.down(&gdqkv)?, &dqkv);
+    Ok(())
+}
+
+/// Compares q, k and v gradients separately: each has its own scale.
+fn push_qkv_parts<X: Elem>(cx: &mut Ctx<X>, prefix: &str, heads: Heads, got: &[f32], want: &[f32]) {
+    let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
+    for (name, cols) in [("dq", 0..q), ("dk", q..q + kv), ("dv", q + kv..w)] {
+        let pick =
+            |v: &[f32]| -> Vec<f32> { v.chunks(w).flat_map(|row| row[cols.clone()].to_vec()).collect() };
+        cx.push(&format!("{prefix}{name}"), &pick(got), &pick(want));
+    }
+}
+
 /// The tensor-core kernels (bf16) against their CPU twin, which rounds P and
 /// dS to bf16 where the kernels do: what is left is bf16 storage of the
 /// outputs and the order of f32 sums (< 1e-2 relative, as every bf16 check).
-fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, hs: usize) -> Result<()> {
+fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, heads: Heads) -> Result<()> {
     use cpu::flash_attention::{flash_attention_backward, flash_attention_forward, Rounding};
     let gpu = cx.gpu;
-    let c = NH * hs;
-    let n = N * c;
-    let qkv = rounded::<X>(&randn(3 * n, 90 + hs as u64, 1.0));
-    let (mut out, mut lse) = (vec![0.0; n], vec![0.0; B * NH * T]);
-    flash_attention_forward(&mut out, &mut lse, &qkv, B, T, c, NH, Rounding::Bf16);
-    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(n)?, gpu.alloc::<f32>(B * NH * T)?);
-    attention::attention_forward(gpu, &gout, &glse, &gqkv, B, T, c, NH)?;
-    cx.push(&format!("flash forward hs{hs} out vs twin"), &cx.down(&gout)?, &out);
-    cx.push(&format!("flash forward hs{hs} lse vs twin"), &gpu.download(&glse)?, &lse);
-    let dout = rounded::<X>(&randn(n, 91 + hs as u64, 1.0));
+    let (nh, hs, w, c) = (heads.nh, heads.hs, heads.qkv_width(), heads.out_width());
+    let label = if heads.nkv == nh { format!("hs{hs}") } else { format!("hs{hs} gqa {nh}q/{}kv", heads.nkv) };
+    let seed = 90 + hs as u64 + 7 * heads.nkv as u64;
+    let qkv = rounded::<X>(&randn(N * w, seed, 1.0));
+    let (mut out, mut lse) = (vec![0.0; N * c], vec![0.0; B * nh * T]);
+    flash_attention_forward(&mut out, &mut lse, &qkv, B, T, heads, Rounding::Bf16);
+    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(N * c)?, gpu.alloc::<f32>(B * nh * T)?);
+    attention::gqa_forward(gpu, &gout, &glse, &gqkv, B, T, heads)?;
+    cx.push(&format!("flash forward {label} out vs twin"), &cx.down(&gout)?, &out);
+    cx.push(&format!("flash forward {label} lse vs twin"), &gpu.download(&glse)?, &lse);
+    let dout = rounded::<X>(&randn(N * c, seed + 1, 1.0));
     let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
-    let mut dqkv = vec![0.0; 3 * n];
-    flash_attention_backward(&mut dqkv, &dout, &qkv, &gpu_out, &gpu_lse, B, T, c, NH, Rounding::Bf16);
-    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(3 * n)?, gpu.alloc::<f32>(B * NH * T)?);
-    attention::attention_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, c, NH)?;
-    let got = cx.down(&gdqkv)?;
-    for (part, name) in ["dq", "dk", "dv"].iter().enumerate() {
-        let pick = |v: &[f32]| -> Vec<f32> {
-            v.chunks(3 * c).flat_map(|row| row[part * c..(part + 1) * c].to_vec()).collect()
-        };
-        cx.push(&format!("flash backward hs{hs} {name} vs twin"), &pick(&got), &pick(&dqkv));
-    }
+    let mut dqkv = vec![0.0; N * w];
+    flash_attention_backward(&mut dqkv, &dout, &qkv, &gpu_out, &gpu_lse, B, T, heads, Rounding::Bf16);
+    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(N * w)?, gpu.alloc::<f32>(B * nh * T)?);
+    attention::gqa_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, heads)?;
+    push_qkv_parts(cx, &format!("flash backward {label} "), heads, &cx.down(&gdqkv)?, &dqkv);
     Ok(())
 }
 
