@@ -638,3 +638,76 @@ fn a_bad_tls_file_is_an_error_naming_it() {
     assert!(!o.status.success());
     assert!(text(&o).contains(&format!("PIPEWRIGHT_TLS_CA {missing}: cannot read")), "{}", text(&o));
 }
+
+#[test]
+fn strangers_holding_connections_open_cannot_stop_a_run() {
+    // Rank 0 may open 256 descriptors. Strangers open 300 connections to each
+    // of its ports and say nothing, or a byte every two seconds: without caps
+    // and deadlines they would hold every descriptor, and the run would end at
+    // its next file. Past the caps they are closed at once; the admitted ones
+    // are closed at the handshake deadline; then rank 1 joins and the run
+    // ends on the bits of one process.
+    use std::os::unix::process::CommandExt;
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let base = [model(&["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
+    let reference = one_process(dir.path(), &base);
+    let run = dir.path().join("run");
+    let args =
+        [base, vec!["--out".into(), run.display().to_string(), "--join-timeout".into(), "120".into()]].concat();
+    let port = free_ports();
+    let mut c = common::worker_command(port, 0, 2, "s3cret", &args);
+    // SAFETY: setrlimit only, between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            let lim = libc::rlimit { rlim_cur: 256, rlim_max: 256 };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let rank0 = c.spawn().unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    for p in [port, port + 1] {
+        while TcpStream::connect(("127.0.0.1", p)).is_err() {
+            assert!(Instant::now() < until, "rank 0's port {p} did not open");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let mut strangers = vec![];
+    for p in [port, port + 1] {
+        for _ in 0..300 {
+            if let Ok(s) = TcpStream::connect(("127.0.0.1", p)) {
+                strangers.push(s);
+            }
+        }
+    }
+    let trickle = |p: u16| {
+        std::thread::spawn(move || {
+            let Ok(mut s) = TcpStream::connect(("127.0.0.1", p)) else { return };
+            for _ in 0..15 {
+                if s.write_all(b"\x00").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_secs(2));
+            }
+        })
+    };
+    let tricklers = [trickle(port), trickle(port + 1)];
+    // Past the handshake deadline, the admitted strangers are gone too.
+    std::thread::sleep(Duration::from_secs(12));
+    let rank1 = worker(port, 1, 2, "s3cret", &args);
+    let o1 = finish(rank1, Duration::from_secs(90), "rank 1");
+    let o0 = finish(rank0, Duration::from_secs(90), "rank 0");
+    let err = text(&o0);
+    assert!(o0.status.success() && o1.status.success(), "rank 0: {err}\nrank 1: {}", text(&o1));
+    assert_eq!(digest(&run), reference);
+    assert!(err.contains("have not authenticated yet (at most"), "no cap was reported: {err}");
+    assert!(err.contains("no handshake within"), "the data port's deadline was not reported: {err}");
+    assert!(err.contains("no authentication within"), "the cluster port's deadline was not reported: {err}");
+    drop(strangers);
+    for t in tricklers {
+        t.join().unwrap();
+    }
+}

@@ -12,6 +12,7 @@
 
 pub mod bench;
 pub mod frame;
+pub mod gate;
 pub mod link;
 pub mod mesh;
 pub mod node;
@@ -178,14 +179,38 @@ fn accept_links(
     admit_above: usize,
 ) {
     let world = fabric.world;
+    // A listening process holds a descriptor per connection: take what the
+    // system allows, as servers do, before strangers can take a share.
+    gate::raise_descriptor_limit();
     std::thread::Builder::new()
         .name("link-accept".into())
         .spawn(move || {
+            let gate = gate::Gate::for_this_process();
             for s in listener.incoming() {
-                let Ok(s) = s else { continue };
+                let Ok(s) = s else {
+                    // Out of descriptors, say: let some close before trying again.
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                };
+                let Ok(peer) = s.peer_addr() else { continue };
+                let permit = match gate.admit(peer.ip()) {
+                    Ok(p) => p,
+                    Err(r) => {
+                        if gate::worth_logging(&r) {
+                            tracing::warn!(
+                                "refused data link {peer}: {} ({} refused so far)",
+                                r.why,
+                                r.count
+                            );
+                        }
+                        continue;
+                    }
+                };
                 let (fabric, cookie, tls) = (fabric.clone(), cookie.clone(), tls.clone());
                 // One thread per handshake: a silent peer must not hold up the next.
                 let _ = std::thread::Builder::new().name("link-handshake".into()).spawn(move || {
+                    let _permit = permit;
+                    let Ok(deadline) = gate::Deadline::start(&s, link::HANDSHAKE_TIMEOUT) else { return };
                     let me = fabric.me;
                     let admit = |r: u32| {
                         let r = r as usize;
@@ -197,13 +222,19 @@ fn accept_links(
                             Ok(())
                         }
                     };
-                    match link::accept(s, me as u32, world as u32, &cookie, tls.as_ref(), admit) {
-                        Ok(j) => {
+                    let joined = link::accept(s, me as u32, world as u32, &cookie, tls.as_ref(), admit);
+                    let in_time = deadline.finish();
+                    match (joined, in_time) {
+                        (Ok(j), true) => {
                             if let Err(e) = fabric.add_link(j.rank as usize, j.stream, j.listen) {
                                 tracing::error!("error: cannot start the data link to rank {}: {e}", j.rank);
                             }
                         }
-                        Err(e) => tracing::warn!("refused data link {e}"),
+                        (_, false) => tracing::warn!(
+                            "refused data link {peer}: no handshake within {:?}",
+                            link::HANDSHAKE_TIMEOUT
+                        ),
+                        (Err(e), true) => tracing::warn!("refused data link {e}"),
                     }
                 });
             }

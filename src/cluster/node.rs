@@ -5,12 +5,17 @@
 //! before authenticating is a refused peer (logged with its address), and an
 //! authenticated worker whose session closes has left the run.
 //!
-//! With TLS, rank 0 accepts the node's connections itself and hands each
-//! established session to the node server, rather than letting
-//! ractor_cluster's listener run the handshakes: that listener awaits each
-//! one in turn with no time limit (one silent connection would hold up every
-//! later join) and drops a failed one without saying whose it was.
+//! Rank 0 accepts the node's connections itself and hands each to the node
+//! server (after its TLS handshake, under TLS), rather than letting
+//! ractor_cluster's listener take them: that listener admits any number of
+//! connections that never authenticate, holding a descriptor each for ever,
+//! awaits TLS handshakes in turn with no time limit (one silent connection
+//! would hold up every later join), and drops a failed one without saying
+//! whose it was. Here unauthenticated connections are capped per address and
+//! in all (`gate`), and every session that has not authenticated within
+//! `HANDSHAKE_TIMEOUT` of opening is closed.
 
+use super::gate::{self, Gate, Permit};
 use super::link::{Cookie, HANDSHAKE_TIMEOUT};
 use super::tls::Tls;
 use crossbeam_channel::{Receiver, Sender};
@@ -19,7 +24,7 @@ use ractor_cluster::node::{NodeEventSubscription, NodeServerSessionInformation};
 use ractor_cluster::{
     ClientConnectErr, IncomingEncryptionMode, NetworkStream, NodeServer, NodeServerMessage,
 };
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -137,6 +142,16 @@ struct Subscription {
     authenticated: Arc<Mutex<HashSet<u64>>>,
     /// Why a session that never authenticated most likely failed.
     refusal: &'static str,
+    /// The gate's permits of connections not yet authenticated, by peer address.
+    pending: Pending,
+    /// Sessions closed for running past the deadline (their refusal says so).
+    expired: Arc<Mutex<HashSet<u64>>>,
+}
+
+type Pending = Arc<Mutex<HashMap<String, Permit>>>;
+
+fn release(pending: &Pending, addr: &str) {
+    pending.lock().unwrap_or_else(|p| p.into_inner()).remove(addr);
 }
 
 /// Says a session joined, once: the subscription and the catch-up after it
@@ -152,17 +167,34 @@ fn name_of(ses: &NodeServerSessionInformation) -> String {
 }
 
 impl NodeEventSubscription for Subscription {
-    fn node_session_opened(&self, _ses: NodeServerSessionInformation) {}
+    fn node_session_opened(&self, ses: NodeServerSessionInformation) {
+        // Every session, from whichever listener: authenticate in time or go.
+        let (authenticated, expired) = (self.authenticated.clone(), self.expired.clone());
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            tokio::time::sleep(HANDSHAKE_TIMEOUT).await;
+            if authenticated.lock().expect("auth set").contains(&ses.node_id) {
+                return;
+            }
+            expired.lock().expect("expired set").insert(ses.node_id);
+            ses.actor.stop(Some(format!("no authentication within {HANDSHAKE_TIMEOUT:?}")));
+        });
+    }
 
     fn node_session_authenticated(&self, ses: NodeServerSessionInformation) {
+        release(&self.pending, &ses.peer_addr);
         announce_joined(&self.authenticated, &self.tx, &ses);
     }
 
     fn node_session_disconnected(&self, ses: NodeServerSessionInformation) {
+        release(&self.pending, &ses.peer_addr);
         let was = self.authenticated.lock().expect("auth set").remove(&ses.node_id);
+        let late = self.expired.lock().expect("expired set").remove(&ses.node_id);
         let addr = ses.peer_addr.clone();
         let _ = self.tx.send(if was {
             NodeEvent::Left { name: name_of(&ses), addr }
+        } else if late {
+            NodeEvent::Refused { addr, why: format!("no authentication within {HANDSHAKE_TIMEOUT:?}") }
         } else {
             NodeEvent::Refused { addr, why: self.refusal.into() }
         });
@@ -188,16 +220,12 @@ impl Node {
         let addr = SocketAddr::new(ip, port);
         let start = |why: String| NodeError::Start { addr, why };
         let (name, host, cookie) = (node_name(rank), ip.to_string(), cookie.text().to_string());
-        let server = match tls {
-            None => NodeServer::new(port, cookie, name, host, None, None),
-            // ractor_cluster's own listener cannot be turned off: it gets a
-            // port of its own, demands the same mutual TLS, and nobody is
-            // told of it. Rank 0's real port is served below.
-            Some(t) => {
-                NodeServer::new(0, cookie, name, host, Some(IncomingEncryptionMode::Tls(t.acceptor())), None)
-            }
-        }
-        .with_listen_addr(ip);
+        // ractor_cluster's own listener cannot be turned off: it gets a port
+        // of its own (demanding the same mutual TLS), nobody is told of it,
+        // and its sessions are held to the same deadline. Rank 0's real port
+        // is served below.
+        let mode = tls.map(|t| IncomingEncryptionMode::Tls(t.acceptor()));
+        let server = NodeServer::new(0, cookie, name, host, mode, None).with_listen_addr(ip);
         let (server, _) = Actor::spawn(None, server, ()).await.map_err(|e| start(e.to_string()))?;
         let (tx, events) = crossbeam_channel::unbounded();
         // Under TLS a session only gets here once its certificate passed.
@@ -211,7 +239,14 @@ impl Node {
             }
         };
         let authenticated = Arc::new(Mutex::new(HashSet::new()));
-        let sub = Subscription { tx: tx.clone(), authenticated: authenticated.clone(), refusal };
+        let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
+        let sub = Subscription {
+            tx: tx.clone(),
+            authenticated: authenticated.clone(),
+            refusal,
+            pending: pending.clone(),
+            expired: Arc::new(Mutex::new(HashSet::new())),
+        };
         server
             .cast(NodeServerMessage::SubscribeToEvents {
                 id: "pipewright".into(),
@@ -227,9 +262,10 @@ impl Node {
         for ses in sessions.values() {
             announce_joined(&authenticated, &tx, ses);
         }
-        if let (Some(t), true) = (tls, port != 0) {
+        if port != 0 {
             let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| start(e.to_string()))?;
-            tokio::spawn(accept_tls(listener, server.clone(), t.clone(), tx));
+            let gate = Gate::for_this_process();
+            tokio::spawn(accept_nodes(listener, server.clone(), tls.cloned(), tx, gate, pending));
         }
         Ok(Node { server, events, tls: tls.cloned() })
     }
@@ -278,15 +314,18 @@ impl Node {
     }
 }
 
-/// Rank 0's cluster port under TLS: each connection's handshake runs on its
-/// own task with a time limit, a failed one is reported with the peer's
-/// address, and an established one goes to the node server as if its own
-/// listener had accepted it.
-async fn accept_tls(
+/// Rank 0's cluster port: each connection past the gate is refused at once;
+/// under TLS its handshake runs on its own task with a time limit, and a
+/// failed one is reported with the peer's address; an admitted connection
+/// goes to the node server as if its own listener had accepted it, holding
+/// its permit until its session authenticates or closes.
+async fn accept_nodes(
     listener: tokio::net::TcpListener,
     server: ActorRef<NodeServerMessage>,
-    tls: Tls,
+    tls: Option<Tls>,
     events: Sender<NodeEvent>,
+    gate: Arc<Gate>,
+    pending: Pending,
 ) {
     loop {
         let (stream, peer_addr) = match listener.accept().await {
@@ -297,21 +336,57 @@ async fn accept_tls(
                 continue;
             }
         };
-        let (server, acceptor, events) = (server.clone(), tls.acceptor(), events.clone());
-        tokio::spawn(async move {
-            let refused = |why: String| {
+        let refused = {
+            let events = events.clone();
+            move |why: String| {
                 let _ = events.send(NodeEvent::Refused { addr: peer_addr.to_string(), why });
-            };
-            let Ok(local_addr) = stream.local_addr() else { return };
-            let _ = stream.set_nodelay(true);
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                Ok(Ok(stream)) => {
-                    let stream = Box::new(NetworkStream::TlsServer { peer_addr, local_addr, stream });
-                    let _ = server.cast(NodeServerMessage::ConnectionOpened { stream, is_server: true });
-                }
-                Ok(Err(e)) => refused(format!("TLS handshake failed: {e}")),
-                Err(_) => refused(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}")),
             }
+        };
+        let permit = match gate.admit(peer_addr.ip()) {
+            Ok(p) => p,
+            Err(r) => {
+                if gate::worth_logging(&r) {
+                    refused(format!("{} ({} refused so far)", r.why, r.count));
+                }
+                continue;
+            }
+        };
+        // Held until the session authenticates or closes (the subscription
+        // releases it), or dropped here if no session opens.
+        pending.lock().unwrap_or_else(|p| p.into_inner()).insert(peer_addr.to_string(), permit);
+        let (server, tls, pending) = (server.clone(), tls.clone(), pending.clone());
+        tokio::spawn(async move {
+            let Ok(local_addr) = stream.local_addr() else {
+                release(&pending, &peer_addr.to_string());
+                return;
+            };
+            let _ = stream.set_nodelay(true);
+            let stream = match tls {
+                None => NetworkStream::Raw { peer_addr, local_addr, stream },
+                Some(tls) => {
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor().accept(stream)).await {
+                        Ok(Ok(stream)) => NetworkStream::TlsServer { peer_addr, local_addr, stream },
+                        Ok(Err(e)) => {
+                            release(&pending, &peer_addr.to_string());
+                            return refused(format!("TLS handshake failed: {e}"));
+                        }
+                        Err(_) => {
+                            release(&pending, &peer_addr.to_string());
+                            return refused(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}"));
+                        }
+                    }
+                }
+            };
+            if server
+                .cast(NodeServerMessage::ConnectionOpened { stream: Box::new(stream), is_server: true })
+                .is_err()
+            {
+                release(&pending, &peer_addr.to_string());
+            }
+            // A session that never opens, or one the deadline closed, has no
+            // more use for its place.
+            tokio::time::sleep(2 * HANDSHAKE_TIMEOUT).await;
+            release(&pending, &peer_addr.to_string());
         });
     }
 }
