@@ -9,6 +9,7 @@
 pub mod block;
 pub mod hf;
 pub mod io;
+pub mod llama;
 pub mod params;
 pub mod part;
 pub mod tp;
