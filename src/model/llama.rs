@@ -105,6 +105,7 @@ fn cols(buf: &[f32], rows: usize, cols_: usize, col0: usize, width: usize) -> Ma
 
 /// out[:, col0..col0+o] (row stride `out_cols`) = x (N, I) · wᵀ, w (O, I): a
 /// Linear layer without bias, writing its columns of a wider buffer.
+#[allow(clippy::too_many_arguments)]
 fn linear(out: &mut [f32], out_cols: usize, col0: usize, x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
     assert!(x.len() == n * i && w.len() == o * i && col0 + o <= out_cols && out.len() == n * out_cols);
     // SAFETY: the views stay in x (N, I), w (O, I) and out's columns [col0, col0 + O) of N rows.
