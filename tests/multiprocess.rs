@@ -653,8 +653,8 @@ fn strangers_holding_connections_open_cannot_stop_a_run() {
     let base = [model(&["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
     let reference = one_process(dir.path(), &base);
     let run = dir.path().join("run");
-    let args =
-        [base, vec!["--out".into(), run.display().to_string(), "--join-timeout".into(), "120".into()]].concat();
+    let args = [base, vec!["--out".into(), run.display().to_string(), "--join-timeout".into(), "120".into()]]
+        .concat();
     let port = free_ports();
     let mut c = common::worker_command(port, 0, 2, "s3cret", &args);
     // SAFETY: setrlimit only, between fork and exec.
