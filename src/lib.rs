@@ -13,6 +13,7 @@ pub mod data;
 pub mod fsutil;
 pub mod fuzz;
 pub mod generate;
+pub mod host;
 pub mod inspect;
 pub mod kernels;
 pub mod limits;
