@@ -220,7 +220,7 @@ fn write_files(tmp: &Path, tensors: &[TensorState], state: &mut StateFile) -> Re
         optim.insert(format!("{}.exp_avg_sq", t.name), (t.shape.as_slice(), t.exp_avg_sq.as_slice()));
     }
     let mut meta = HashMap::new();
-    meta.insert(crate::inspect::CONFIG_METADATA_KEY.to_string(), state.config.clone());
+    meta.insert(crate::model::io::CONFIG_METADATA_KEY.to_string(), state.config.clone());
     meta.insert("format".to_string(), "pt".to_string());
     let disk_full = fault_disk_full(state.step);
     for (i, (file, map)) in

@@ -14,8 +14,8 @@ use crate::config::{BackendKind, Builtin, Config, Dtype, ScheduleKind};
 use crate::data::{
     ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenFile, TokenSource, TrainText, RANDOM_TOKENS,
 };
-use crate::inspect::CONFIG_METADATA_KEY;
-use crate::model::{io, GptConfig};
+use crate::model::io::{self, CONFIG_METADATA_KEY};
+use crate::model::GptConfig;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::collections::HashMap;
