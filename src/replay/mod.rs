@@ -24,16 +24,14 @@
 //! closes its own only when the run completed, so a run that failed or was
 //! killed always leaves at least one log without one. Each header says where
 //! the run started ([`Origin`]): step 0 from fresh or `--init` weights, or a
-//! checkpoint, which [`pin`] keeps out of `checkpoint.keep`'s reach.
+//! checkpoint, which `checkpoint::pin` keeps out of `checkpoint.keep`'s reach.
 
 pub mod log;
-pub mod pin;
 pub mod run;
 
 pub use log::{
     Anchor, Blob, DType, Digest, Entry, FileRef, Header, LogError, LogReader, LogWriter, ReadLog, Sent,
 };
-pub use pin::{pin, pinned_steps};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};

@@ -71,7 +71,7 @@ impl Actor for Coordinator {
         let mut topology = Topology::new(cfg, layout, run_dir, init, resume)?;
         if let Some(a) = topology.origin.as_ref().and_then(|o| o.anchor.as_ref()) {
             // This run's logs start from that checkpoint: retention must keep it.
-            replay::pin(&topology.run_dir, a.step)?;
+            crate::checkpoint::pin::pin(&topology.run_dir, a.step)?;
         }
         topology.chaos_seed = chaos_seed;
         topology.trace = trace.clone();
