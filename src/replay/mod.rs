@@ -26,6 +26,7 @@
 //! the run started ([`Origin`]): step 0 from fresh or `--init` weights, or a
 //! checkpoint, which `checkpoint::pin` keeps out of `checkpoint.keep`'s reach.
 
+pub mod key;
 pub mod log;
 pub mod run;
 
@@ -212,9 +213,9 @@ fn compare_blobs(
             let rs = format!("{} {:?}[{}]", short(&a.digest), a.dtype, a.len);
             let ns = format!("{} {:?}[{}]", short(&b.digest), b.dtype, b.len);
             let mut diff = num_diff(a, b);
-            if let Some(d) = diff.as_mut().filter(|_| a.name == crate::actors::protocol::key::GRAD_SUMSQ) {
+            if let Some(d) = diff.as_mut().filter(|_| a.name == key::GRAD_SUMSQ) {
                 // Its sibling blob says which parameter each Σg² is of.
-                let index = rec.iter().find(|b| b.name == crate::actors::protocol::key::GRAD_SUMSQ_INDEX);
+                let index = rec.iter().find(|b| b.name == key::GRAD_SUMSQ_INDEX);
                 let canonical = index.and_then(|b| b.to_u32s().ok()).and_then(|ix| ix.get(d.index).copied());
                 d.param = canonical.map(|c| (c as usize, None));
             }
@@ -658,7 +659,6 @@ impl Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::actors::protocol::key as protocol_key;
 
     fn entry(state: Vec<Blob>, inputs: Vec<Blob>) -> Entry {
         Entry {
@@ -693,8 +693,8 @@ mod tests {
         // every tensor of this model is one block).
         let sums = |x: f64| {
             vec![
-                Blob::u32s(protocol_key::GRAD_SUMSQ_INDEX, &[2, 3], true),
-                Blob::f64s(protocol_key::GRAD_SUMSQ, &[1.0, x], true),
+                Blob::u32s(key::GRAD_SUMSQ_INDEX, &[2, 3], true),
+                Blob::f64s(key::GRAD_SUMSQ, &[1.0, x], true),
             ]
         };
         let d =

@@ -103,8 +103,8 @@ impl CoordinatorState {
             LoaderMsg::Eval { kind, batches, .. } => (
                 "Eval",
                 vec![
-                    Blob::str(protocol::key::EVAL_KIND, kind.name()),
-                    Blob::f64(protocol::key::BATCHES, *batches as f64),
+                    Blob::str(replay::key::EVAL_KIND, kind.name()),
+                    Blob::f64(replay::key::BATCHES, *batches as f64),
                 ],
             ),
         };
