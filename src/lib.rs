@@ -17,6 +17,7 @@ pub mod host;
 pub mod inspect;
 pub mod kernels;
 pub mod limits;
+pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod plan;

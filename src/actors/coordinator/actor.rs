@@ -7,9 +7,9 @@ use super::{CoordinatorMsg, CoordinatorState, Links, RunInputs, RunOutcome, Wait
 use crate::actors::monitor::MonitorArgs;
 use crate::actors::topology::{plain_name, Host, Spawned, Topology};
 use crate::config::BackendKind;
+use crate::metrics::Progress;
 use crate::optim::scaler::LossScaler;
 use crate::replay;
-use crate::train::run::Progress;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use std::sync::Arc;
 use std::time::Instant;

@@ -7,8 +7,8 @@ use crate::actors::data_loader::LoaderMsg;
 use crate::actors::monitor::MonitorMsg;
 use crate::actors::protocol;
 use crate::actors::reducer::ReducerMsg;
+use crate::metrics::StepMetrics;
 use crate::replay::{self, Blob};
-use crate::train::run::StepMetrics;
 use ractor::{ActorProcessingErr, ActorRef};
 
 /// The actors the coordinator sends to (all empty when replaying it alone).
