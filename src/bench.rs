@@ -3,11 +3,12 @@
 //! run, so every figure can be read as a fraction of what this machine can do.
 
 use crate::config::Config;
+use crate::host::thread_count;
 use crate::kernels::cpu::matmul;
 use crate::kernels::profile;
 use crate::model::GptConfig;
 use crate::rng::{Purpose, Rng};
-use crate::train::engine::{thread_count, Engine};
+use crate::train::engine::Engine;
 use serde::Serialize;
 use std::time::Instant;
 

@@ -1,9 +1,12 @@
 //! What the process runs on, as the OS reports it: the machine's memory,
-//! cores and thread ceiling.
+//! cores and thread ceiling, the compute threads a run takes from them, and
+//! the stop signals it answers ([`signals`]).
 //!
 //! Sits at the bottom of the crate (it imports nothing of it), so the file
 //! readers, the config checks and the runtime can all ask the machine without
 //! reaching up into `train/` or `limits`.
+
+pub mod signals;
 
 /// What this machine offers, as read from the OS.
 #[derive(Clone, Copy, Debug)]
@@ -24,6 +27,15 @@ impl Machine {
     /// thread-pool builder to fail.
     pub fn max_threads(&self) -> usize {
         (64 * self.cores).max(1024).min(self.thread_ceiling)
+    }
+}
+
+/// Compute threads: the configured count, or one per available core.
+pub fn thread_count(configured: usize) -> usize {
+    if configured > 0 {
+        configured
+    } else {
+        cores()
     }
 }
 

@@ -29,20 +29,11 @@ pub struct Engine {
     first_slots: Vec<usize>,
 }
 
-/// Compute threads: the configured count, or one per available core.
-pub fn thread_count(configured: usize) -> usize {
-    if configured > 0 {
-        configured
-    } else {
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-    }
-}
-
 impl Engine {
     pub fn new(cfg: &crate::config::Config) -> Self {
         let gpt = GptConfig::from_config(cfg);
         let b = cfg.train.micro_batch_size;
-        let threads = thread_count(cfg.backend.threads);
+        let threads = crate::host::thread_count(cfg.backend.threads);
         let tp = TpShape::from_config(cfg);
         let part = ModelPart::new(gpt, PartSpec::whole(&gpt), b, cfg.train.seed, cfg.train.recompute)
             .with_tp(tp, threads);

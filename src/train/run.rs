@@ -14,6 +14,7 @@ use crate::config::{BackendKind, Builtin, Config, Dtype, ScheduleKind};
 use crate::data::{
     ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenFile, TokenSource, TrainText, RANDOM_TOKENS,
 };
+use crate::host::signals::{self, StoppedBeforeStart};
 use crate::metrics::StepMetrics;
 use crate::model::io::{self, CONFIG_METADATA_KEY};
 use crate::model::GptConfig;
@@ -99,15 +100,6 @@ pub fn peak_rss_bytes() -> Option<u64> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct RunFailed(pub String);
-
-/// SIGINT or SIGTERM arrived before the first step: nothing was written.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "stopped by a signal during start-up, before the first step: nothing to save, and nothing in {} was \
-     written or changed",
-    .0.display()
-)]
-pub struct StoppedBeforeStart(pub PathBuf);
 
 /// `--resume` of a run that already reached its `train.steps`: nothing was
 /// run, written or changed.
@@ -395,8 +387,8 @@ pub fn train_on(
     let on_cpu = cfg.backend.kind == BackendKind::Cpu;
     let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
     // Start-up ends here: a signal until now leaves nothing to save or undo.
-    super::signals::end_start_up();
-    if super::signals::requested() {
+    signals::end_start_up();
+    if signals::requested() {
         return Err(StoppedBeforeStart(opts.out_dir.clone()).into());
     }
     // Before anything in the directory is looked at for replacing: a second
