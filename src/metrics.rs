@@ -1,13 +1,17 @@
 //! What a step reports and how a run shows it: the optimizer step's own
-//! numbers ([`StepStats`]), a metrics.jsonl line ([`StepMetrics`]) and the
-//! progress bar or log lines ([`Progress`]).
+//! numbers ([`StepStats`]), a metrics.jsonl line ([`StepMetrics`]), the
+//! progress bar or log lines ([`Progress`]), and the machine's gemm rate that
+//! the throughput figures are read against ([`gemm_peak`]).
 //!
 //! Below both the runtime that measures steps (`actors/`) and the trainer
 //! that runs them (`train/`), so neither reaches into the other for them.
 
+use crate::kernels::cpu::matmul;
+use crate::rng::{Purpose, Rng};
 use serde::Serialize;
 use std::io::IsTerminal;
 use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Clone, Copy, Debug)]
 pub struct StepStats {
@@ -52,6 +56,25 @@ pub struct StepMetrics {
 
 fn null_is_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(<Option<f64> as serde::Deserialize>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// GFLOP/s of a 1024×1024×1024 f32 product on `threads` threads (best of 5).
+pub fn gemm_peak(threads: usize) -> f64 {
+    let n = 1024;
+    let mut rng = Rng::new(0, Purpose::Test, &[]);
+    let a: Vec<f32> = (0..n * n).map(|_| rng.normal() as f32).collect();
+    let b: Vec<f32> = (0..n * n).map(|_| rng.normal() as f32).collect();
+    let mut c = vec![0.0f32; n * n];
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
+    let mut best = f64::INFINITY;
+    pool.install(|| {
+        for _ in 0..5 {
+            let t = Instant::now();
+            matmul::gemm_checked(&mut c, false, &a, (n as isize, 1), &b, (n as isize, 1), n, n, n, 1.0);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    });
+    2.0 * (n * n * n) as f64 / best / 1e9
 }
 
 /// A progress bar on a terminal, plain log lines otherwise, or nothing when disabled.

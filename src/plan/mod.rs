@@ -760,7 +760,7 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
     let fail = |e: anyhow::Error| err("--config", format!("{e:#}"));
     let layout = cpu::plan_over(&cfg, nodes_of(args, &cfg)?).map_err(fail)?;
     let threads = crate::host::thread_count(cfg.backend.threads);
-    let gemm_gflops = crate::bench::gemm_peak(threads);
+    let gemm_gflops = crate::metrics::gemm_peak(threads);
     let step_ms = cpu::step_ms(&cfg, gemm_gflops * args.mfu, threads).map_err(fail)?;
     let run_s = step_ms * cfg.train.steps as f64 / 1e3;
     if args.json {

@@ -9,13 +9,12 @@
 use super::plot::loss_svg;
 use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
-use crate::bench::gemm_peak;
 use crate::config::{BackendKind, Builtin, Config, Dtype, ScheduleKind};
 use crate::data::{
     ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenFile, TokenSource, TrainText, RANDOM_TOKENS,
 };
 use crate::host::signals::{self, StoppedBeforeStart};
-use crate::metrics::StepMetrics;
+use crate::metrics::{gemm_peak, StepMetrics};
 use crate::model::io::{self, CONFIG_METADATA_KEY};
 use crate::model::GptConfig;
 use anyhow::{bail, Context, Result};
