@@ -485,7 +485,7 @@ pub fn train_on(
     };
     let cluster_fabric = fabric.clone();
     let inputs = RunInputs {
-        cluster: fabric,
+        cluster: fabric.map(|f| f as Arc<dyn crate::actors::processes::Processes>),
         run_dir: opts.out_dir.clone(),
         resume: resume.map(Arc::new),
         cfg: cfg.clone(),

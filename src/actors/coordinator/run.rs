@@ -31,7 +31,7 @@ pub struct RunInputs {
     pub chaos_seed: Option<u64>,
     /// Set when the run spans processes: stages owned elsewhere are reached
     /// through it, and the trace clock is the fabric's.
-    pub cluster: Option<Arc<crate::cluster::Fabric>>,
+    pub cluster: Option<Arc<dyn crate::actors::processes::Processes>>,
 }
 
 #[derive(Debug, Default)]
