@@ -7,9 +7,9 @@
 //! So a run in one process never touches the network code, and the actors
 //! never import it.
 
-use super::coordinator::CoordinatorMsg;
+use super::protocol::{CoordinatorMsg, StageMsg};
 use super::reducer::ReducerMsg;
-use super::stage::{nccl::GpuPlan, StageMsg};
+use super::stage::nccl::GpuPlan;
 use crate::model::tp::Remote;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::sync::Arc;
