@@ -3,11 +3,12 @@
 //! run, so every figure can be read as a fraction of what this machine can do.
 
 use crate::config::Config;
-use crate::kernels::cpu::matmul;
+use crate::host::thread_count;
 use crate::kernels::profile;
+use crate::metrics::gemm_peak;
 use crate::model::GptConfig;
 use crate::rng::{Purpose, Rng};
-use crate::train::engine::{thread_count, Engine};
+use crate::train::engine::Engine;
 use serde::Serialize;
 use std::time::Instant;
 
@@ -29,25 +30,6 @@ pub struct BenchReport {
     /// Fraction of step time in each kernel.
     pub kernel_share: Vec<(String, f64)>,
     pub final_loss: f64,
-}
-
-/// GFLOP/s of a 1024×1024×1024 f32 product on `threads` threads (best of 5).
-pub fn gemm_peak(threads: usize) -> f64 {
-    let n = 1024;
-    let mut rng = Rng::new(0, Purpose::Test, &[]);
-    let a: Vec<f32> = (0..n * n).map(|_| rng.normal() as f32).collect();
-    let b: Vec<f32> = (0..n * n).map(|_| rng.normal() as f32).collect();
-    let mut c = vec![0.0f32; n * n];
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("pool");
-    let mut best = f64::INFINITY;
-    pool.install(|| {
-        for _ in 0..5 {
-            let t = Instant::now();
-            matmul::gemm_checked(&mut c, false, &a, (n as isize, 1), &b, (n as isize, 1), n, n, n, 1.0);
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-    });
-    2.0 * (n * n * n) as f64 / best / 1e9
 }
 
 pub fn run(cfg: &Config, steps: usize, warmup: usize, mut progress: impl FnMut(usize, f64)) -> BenchReport {

@@ -133,7 +133,7 @@ pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// The machine's memory, the cap on a file read whole into it (weights).
 pub fn memory_cap() -> u64 {
-    let total = crate::limits::Machine::this().memory_bytes;
+    let total = crate::host::Machine::this().memory_bytes;
     if total.is_finite() {
         total as u64
     } else {

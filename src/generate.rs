@@ -242,7 +242,7 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     // The sums are taken over the slices the model was trained with (one
     // rank: generation gains nothing from splitting).
     let slices = crate::model::tp::TpShape { size: 1, slices: cfg.parallel.tp_slices };
-    let threads = crate::train::engine::thread_count(cfg.backend.threads);
+    let threads = crate::host::thread_count(cfg.backend.threads);
     let mut part =
         ModelPart::new(gpt, PartSpec::whole(&gpt), 1, cfg.train.seed, false).with_tp(slices, threads);
     weights.assign(&mut part)?;
@@ -263,7 +263,7 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     let new = if on_gpu {
         gpu_greedy(&cfg, &part, &prompt, req.max_new_tokens, &mut print)?
     } else {
-        let threads = crate::train::engine::thread_count(cfg.backend.threads);
+        let threads = crate::host::thread_count(cfg.backend.threads);
         Generator::new(part, threads).generate(&prompt, req.max_new_tokens, &req.sampling, print)
     };
     if let Some(e) = failed {

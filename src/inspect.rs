@@ -12,11 +12,8 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Metadata;
 
-/// The `__metadata__` key under which a run stores its resolved config TOML.
-pub const CONFIG_METADATA_KEY: &str = "pipewright.config";
-
-/// The file a checkpoint directory keeps its weights in.
-pub const MODEL_FILE: &str = "model.safetensors";
+// The config key is shown whole and readers outside the crate look it up by this path.
+pub use crate::model::io::CONFIG_METADATA_KEY;
 
 /// safetensors' own limit: a header past this is refused by every reader.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -201,6 +198,7 @@ fn grouped(n: u128) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::io::MODEL_FILE;
     use safetensors::tensor::TensorView;
     use safetensors::Dtype;
     use std::collections::HashMap;

@@ -6,7 +6,8 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
-use pipewright::train::run::{train_on, AlreadyFinished, RunFailed, StoppedBeforeStart, TrainOptions};
+use pipewright::host::signals::{self, StoppedBeforeStart};
+use pipewright::train::run::{train_on, AlreadyFinished, RunFailed, TrainOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -599,7 +600,7 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
                 config.config = Some(own);
             }
         }
-        pipewright::train::signals::install(&out_dir)?;
+        signals::install(&out_dir)?;
         // An --init folder's config.json gives the model's shape (under --set).
         let shape = match &init {
             Some(dir) => pipewright::model::hf::read_shape(dir)?,

@@ -82,8 +82,8 @@ impl LoaderArgs {
                 LoaderMsg::Eval { step, kind, batches } => {
                     replay::entry("coordinator", "Eval", *step, self.replica).with_eval(true).with_inputs(
                         vec![
-                            Blob::str(super::protocol::key::EVAL_KIND, kind.name()),
-                            Blob::f64(super::protocol::key::BATCHES, *batches as f64),
+                            Blob::str(replay::key::EVAL_KIND, kind.name()),
+                            Blob::f64(replay::key::BATCHES, *batches as f64),
                         ],
                     )
                 }

@@ -79,7 +79,7 @@ impl Layout {
         let schedule = schedule::build(kind, p.pp, p.microbatches, chunks)
             .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule.name()))?;
         check_schedule(&schedule, &format!("parallel.schedule = {:?}", p.schedule.name()))?;
-        let total = crate::train::engine::thread_count(cfg.backend.threads);
+        let total = crate::host::thread_count(cfg.backend.threads);
         let threads_per_rank = (total / (p.pp * p.dp)).max(1);
         Ok(Layout {
             pp: p.pp,

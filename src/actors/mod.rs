@@ -12,6 +12,8 @@
 //! - `checkpointer`: writes checkpoints in the background.
 //! - `topology`: spawns a run's actors and links them (one process, a cluster
 //!   worker's share, or the arguments of one actor replayed alone).
+//! - `processes`: the other processes of a run as a trait (`cluster`
+//!   implements it), and the stand-in for a stage that lives in one of them.
 //! - `protocol`: every message kind, declared once, and its encodings (frame
 //!   header + tensors for the wire, named blobs for the replay log).
 //!
@@ -25,6 +27,7 @@ pub mod coordinator;
 pub mod data_loader;
 pub mod layout;
 pub mod monitor;
+pub mod processes;
 pub mod protocol;
 pub mod reducer;
 pub mod stage;

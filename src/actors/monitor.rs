@@ -2,7 +2,7 @@
 //! progress display. Slow consumers never hold up a stage: it only hears from
 //! the coordinator, once per step.
 
-use crate::train::run::{Progress, StepMetrics};
+use crate::metrics::{Progress, StepMetrics};
 use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
 use std::io::Write;
 

@@ -5,7 +5,7 @@
 //!   tensor fields skipped) carrying every scalar, plus the tensors as raw arrays, bit for bit.
 //! - As a replay log entry (`replay`): the header's kind name, step, stage and
 //!   microbatch as entry fields, the other scalars and the tensors as named
-//!   blobs (`key::*`).
+//!   blobs (`replay::key`).
 //!
 //! Both go through the header, so a message kind's fields are listed here and
 //! nowhere else. Decoding is fallible: a frame or entry that does not fit the
@@ -14,7 +14,7 @@
 
 use crate::checkpoint::TensorState;
 use crate::model::Param;
-use crate::replay::{Blob, Entry};
+use crate::replay::{key, Blob, Entry};
 use ractor::Message;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -50,26 +50,6 @@ impl EvalKind {
             other => Err(format!("unknown evaluation `{other}`")),
         }
     }
-}
-
-/// Names of the blobs a message's payload is logged under.
-pub mod key {
-    pub const TOKENS: &str = "tokens";
-    pub const TARGETS: &str = "targets";
-    pub const DATA: &str = "data";
-    pub const LOSS_SCALE: &str = "loss_scale";
-    pub const LR: &str = "lr";
-    pub const CLIP: &str = "clip";
-    pub const SKIP: &str = "skip";
-    pub const EVAL_KIND: &str = "kind";
-    pub const BATCHES: &str = "batches";
-    pub const CHECKPOINT: &str = "checkpoint";
-    pub const GRAD_SUMSQ_INDEX: &str = "grad_sumsq.index";
-    pub const GRAD_SUMSQ: &str = "grad_sumsq";
-    pub const LOSS_SUM: &str = "loss_sum";
-    pub const TOKEN_COUNT: &str = "tokens";
-    pub const PREDICTIONS: &str = "predictions";
-    pub const ADAM_STEP: &str = "adam_step";
 }
 
 /// Actor names as the replay log uses them: stage-R (replica 0), stage-R.K.

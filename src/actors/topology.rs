@@ -13,10 +13,10 @@ use super::coordinator::RunData;
 use super::data_loader::{DataLoader, LoaderArgs, LoaderMsg};
 use super::layout::Layout;
 use super::monitor::{Monitor, MonitorArgs, MonitorMsg};
+use super::processes::{Processes, RemoteStage, RemoteStageArgs};
 use super::protocol::{stage_name, CoordinatorMsg, StageMsg};
 use super::reducer::{Reducer, ReducerArgs, ReducerMsg};
 use super::stage::{nccl::GpuPlan, Links, StageActor, StageArgs};
-use crate::cluster::{Fabric, RemoteStage, RemoteStageArgs};
 use crate::config::Config;
 use crate::replay::{self, ActorLog, LogError};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
@@ -39,27 +39,27 @@ pub fn plain_name(registered: &str) -> &str {
 
 /// Where a caller's stages run and what their actors are called.
 pub enum Host {
-    /// The run's own process: every actor registered as `name#run`; with a
-    /// fabric (rank 0 of a cluster), stages placed elsewhere get stand-ins.
-    Run { id: u64, fabric: Option<Arc<Fabric>> },
+    /// The run's own process: every actor registered as `name#run`; with
+    /// other processes (rank 0 of a cluster), stages placed elsewhere get stand-ins.
+    Run { id: u64, processes: Option<Arc<dyn Processes>> },
     /// A cluster worker, which hosts one run: its stages go by their plain
     /// names, the stand-ins for the others are unnamed.
-    Worker(Arc<Fabric>),
+    Worker(Arc<dyn Processes>),
 }
 
 impl Host {
-    fn fabric(&self) -> Option<&Arc<Fabric>> {
+    fn processes(&self) -> Option<&Arc<dyn Processes>> {
         match self {
-            Host::Run { fabric, .. } => fabric.as_ref(),
+            Host::Run { processes, .. } => processes.as_ref(),
             Host::Worker(f) => Some(f),
         }
     }
 
     /// The stand-in's arguments when another process runs (replica, rank).
     fn elsewhere(&self, replica: usize, rank: usize) -> Option<RemoteStageArgs> {
-        let f = self.fabric()?;
-        let owner = f.owner(replica, rank);
-        (owner != f.me).then(|| RemoteStageArgs { fabric: f.clone(), replica, rank, owner })
+        let p = self.processes()?;
+        let owner = p.owner(replica, rank);
+        (owner != p.me()).then(|| RemoteStageArgs { processes: p.clone(), replica, rank, owner })
     }
 
     /// The name `actor` is registered under; `stand_in` for a remote stage's proxy.
@@ -72,10 +72,10 @@ impl Host {
         }
     }
 
-    /// The stages this process runs, by (replica, rank): what the fabric
-    /// delivers incoming stage messages to.
+    /// The stages this process runs, by (replica, rank): where the other
+    /// processes' messages for stages are delivered.
     pub fn local_routes(&self, stages: &StageRefs) -> Vec<Vec<Option<ActorRef<StageMsg>>>> {
-        let here = |replica, rank| self.fabric().is_none_or(|f| f.owner(replica, rank) == f.me);
+        let here = |replica, rank| self.processes().is_none_or(|p| p.owner(replica, rank) == p.me());
         let per_replica = stages.iter().enumerate();
         per_replica
             .map(|(replica, refs)| {
@@ -164,7 +164,7 @@ impl Topology {
             latencies_us: Default::default(),
             trace: self.trace.clone(),
             gpu_plan: self.gpu_plan.clone(),
-            fabric: None,
+            processes: None,
         })
     }
 
@@ -244,7 +244,7 @@ impl Topology {
                 };
                 let mut args =
                     self.stage_args(replica, rank, links, self.cores_of(&cores, replica * pp + rank))?;
-                args.fabric = host.fabric().cloned();
+                args.processes = host.processes().cloned();
                 let (r, _) =
                     Actor::spawn_linked(host.name(&name, false), StageActor, args, supervisor.clone())
                         .await?;

@@ -12,6 +12,8 @@
 //! `step_….old/`, so a complete copy exists under one of the two names at
 //! every moment; [`list`] knows both.
 
+pub mod pin;
+
 use crate::model::io::{self, LoadedWeights, WeightsError};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -220,7 +222,7 @@ fn write_files(tmp: &Path, tensors: &[TensorState], state: &mut StateFile) -> Re
         optim.insert(format!("{}.exp_avg_sq", t.name), (t.shape.as_slice(), t.exp_avg_sq.as_slice()));
     }
     let mut meta = HashMap::new();
-    meta.insert(crate::inspect::CONFIG_METADATA_KEY.to_string(), state.config.clone());
+    meta.insert(crate::model::io::CONFIG_METADATA_KEY.to_string(), state.config.clone());
     meta.insert("format".to_string(), "pt".to_string());
     let disk_full = fault_disk_full(state.step);
     for (i, (file, map)) in
@@ -365,10 +367,10 @@ fn remove_leftovers(root: &Path) -> Result<(), CheckpointError> {
 }
 
 /// Keeps the newest `keep` checkpoints, every one whose step is a multiple
-/// of `keep_every` (0: none kept for good), and the pinned ones (`crate::replay::pin`).
+/// of `keep_every` (0: none kept for good), and the pinned ones ([`pin`]).
 fn retain(root: &Path, keep: usize, keep_every: u64) -> Result<(), CheckpointError> {
     let (done, _) = list(root)?;
-    let pinned = crate::replay::pinned_steps(root).map_err(io_err(&crate::replay::pin::pinned_path(root)))?;
+    let pinned = pin::pinned_steps(root).map_err(io_err(&pin::pinned_path(root)))?;
     let n = done.len();
     for (i, (step, path)) in done.into_iter().enumerate() {
         let newest = i + keep >= n;

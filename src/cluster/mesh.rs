@@ -2,9 +2,10 @@
 //! (replica, pipeline rank) lives, and the stand-in actors that make a remote
 //! actor look local.
 //!
-//! A `RemoteStage` is an `ActorRef<StageMsg>` like any stage: the coordinator,
-//! loaders, reducer and neighbouring stages send to it unchanged, and it turns
-//! each message into a frame for the process that owns the stage. There, the
+//! The runtime's `RemoteStage` (`actors::processes`) is an `ActorRef<StageMsg>`
+//! like any stage: the coordinator, loaders, reducer and neighbouring stages
+//! send to it unchanged, and [`Fabric`], as the run's `Processes`, turns each
+//! message into a frame for the process that owns the stage. There, the
 //! link's reader turns the frame back into the same `StageMsg` for the real
 //! stage actor, so stage compute — and every bit of its result — is the same
 //! as in one process. `RemoteCoordinator` and `RemoteReducer` do the same for
@@ -14,6 +15,7 @@ use super::frame::Frame;
 use super::link::{Link, Sink};
 use super::wire::{self, Kind};
 use crate::actors::coordinator::{CoordinatorMsg, Failure};
+use crate::actors::processes::{Processes, Routes};
 use crate::actors::reducer::ReducerMsg;
 use crate::actors::stage::StageMsg;
 use crossbeam_channel::{Receiver, Sender};
@@ -147,15 +149,6 @@ pub struct ClockEstimate {
     pub offset_us: f64,
     pub rtt_us: f64,
     pub probes: u32,
-}
-
-/// Where frames for this process's actors are delivered.
-#[derive(Default)]
-pub struct Routes {
-    /// By (replica, rank); `None` for stages that live elsewhere.
-    pub stages: Vec<Vec<Option<ActorRef<StageMsg>>>>,
-    pub coordinator: Option<ActorRef<CoordinatorMsg>>,
-    pub reducer: Option<ActorRef<ReducerMsg>>,
 }
 
 pub struct Fabric {
@@ -502,40 +495,43 @@ pub fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
-/// Stands in for a stage that lives in process `owner`.
-pub struct RemoteStage;
-
-pub struct RemoteStageArgs {
-    pub fabric: Arc<Fabric>,
-    pub replica: usize,
-    pub rank: usize,
-    pub owner: usize,
-}
-
-impl Actor for RemoteStage {
-    type Msg = StageMsg;
-    type State = RemoteStageArgs;
-    type Arguments = RemoteStageArgs;
-
-    async fn pre_start(
-        &self,
-        _me: ActorRef<StageMsg>,
-        args: RemoteStageArgs,
-    ) -> Result<RemoteStageArgs, ActorProcessingErr> {
-        Ok(args)
+/// How the actor runtime reaches the run's other processes: through these links.
+impl Processes for Fabric {
+    fn me(&self) -> usize {
+        self.me
     }
 
-    async fn handle(
-        &self,
-        _me: ActorRef<StageMsg>,
-        msg: StageMsg,
-        st: &mut RemoteStageArgs,
-    ) -> Result<(), ActorProcessingErr> {
-        if let Some(f) = wire::stage_frame(st.replica, st.rank, msg) {
+    fn owner(&self, replica: usize, rank: usize) -> usize {
+        Fabric::owner(self, replica, rank)
+    }
+
+    fn epoch(&self) -> Instant {
+        *self.epoch.lock().expect("epoch")
+    }
+
+    fn gpu_plan(&self) -> Option<Arc<crate::actors::stage::nccl::GpuPlan>> {
+        self.gpu_plan.get().cloned()
+    }
+
+    fn set_routes(&self, routes: Routes) {
+        Fabric::set_routes(self, routes)
+    }
+
+    fn send_stage(&self, owner: usize, replica: usize, rank: usize, msg: StageMsg) {
+        if let Some(f) = wire::stage_frame(replica, rank, msg) {
             // A closed link has already been reported as the failure.
-            st.fabric.send(st.owner, f);
+            self.send(owner, f);
         }
-        Ok(())
+    }
+
+    fn tp_remote(
+        self: Arc<Self>,
+        replica: usize,
+        rank: usize,
+        chunk: usize,
+        timeout: Duration,
+    ) -> Result<Option<crate::model::tp::Remote>, String> {
+        super::tp::owner_remote(&self, replica, rank, chunk, timeout)
     }
 }
 

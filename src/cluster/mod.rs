@@ -20,9 +20,10 @@ pub mod tls;
 pub mod tp;
 pub mod wire;
 
-pub use mesh::{ClockEstimate, Fabric, Placement, RemoteStage, RemoteStageArgs, Routes};
+pub use mesh::{ClockEstimate, Fabric, Placement};
 
 use crate::actors::coordinator::{CoordinatorMsg, Failure};
+use crate::actors::processes::Routes;
 use crate::actors::stage::StageMsg;
 use crate::actors::topology::{Host, Topology};
 use crate::actors::Layout;

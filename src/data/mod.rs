@@ -13,4 +13,6 @@ pub mod token_file;
 pub use arithmetic::{AnswerSpan, ArithmeticCorpus, EvalSet, Problem, TrainText};
 pub use prepare::{prepare, prepare_all, PrepareReport, Tokenizer, DEFAULT_VAL_FRACTION};
 pub use sampler::{Sampler, SamplerKind};
-pub use token_file::{write_llmc, DataError, FileFormat, RandomText, TokenFile, TokenFormat, TokenSource};
+pub use token_file::{
+    write_llmc, DataError, FileFormat, RandomText, TokenFile, TokenFormat, TokenSource, RANDOM_TOKENS,
+};

@@ -12,6 +12,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// The `__metadata__` key under which a run stores its resolved config TOML.
+pub const CONFIG_METADATA_KEY: &str = "pipewright.config";
+
+/// The file a checkpoint directory keeps its weights in.
+pub const MODEL_FILE: &str = "model.safetensors";
+
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {
     #[error("{path}: {error}")]
@@ -169,7 +175,7 @@ pub struct LoadedWeights {
 /// folder's `model.safetensors` (a run, a checkpoint, a `save_pretrained` folder).
 pub fn weights_file(path: &Path) -> std::path::PathBuf {
     if path.is_dir() {
-        path.join(crate::inspect::MODEL_FILE)
+        path.join(MODEL_FILE)
     } else {
         path.to_path_buf()
     }

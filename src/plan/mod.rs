@@ -759,8 +759,8 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
     let cfg = Config::load(args.config.as_deref(), &args.set).map_err(|e| err("--config", e.to_string()))?;
     let fail = |e: anyhow::Error| err("--config", format!("{e:#}"));
     let layout = cpu::plan_over(&cfg, nodes_of(args, &cfg)?).map_err(fail)?;
-    let threads = crate::train::engine::thread_count(cfg.backend.threads);
-    let gemm_gflops = crate::bench::gemm_peak(threads);
+    let threads = crate::host::thread_count(cfg.backend.threads);
+    let gemm_gflops = crate::metrics::gemm_peak(threads);
     let step_ms = cpu::step_ms(&cfg, gemm_gflops * args.mfu, threads).map_err(fail)?;
     let run_s = step_ms * cfg.train.steps as f64 / 1e3;
     if args.json {

@@ -24,16 +24,15 @@
 //! closes its own only when the run completed, so a run that failed or was
 //! killed always leaves at least one log without one. Each header says where
 //! the run started ([`Origin`]): step 0 from fresh or `--init` weights, or a
-//! checkpoint, which [`pin`] keeps out of `checkpoint.keep`'s reach.
+//! checkpoint, which `checkpoint::pin` keeps out of `checkpoint.keep`'s reach.
 
+pub mod key;
 pub mod log;
-pub mod pin;
 pub mod run;
 
 pub use log::{
     Anchor, Blob, DType, Digest, Entry, FileRef, Header, LogError, LogReader, LogWriter, ReadLog, Sent,
 };
-pub use pin::{pin, pinned_steps};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -214,9 +213,9 @@ fn compare_blobs(
             let rs = format!("{} {:?}[{}]", short(&a.digest), a.dtype, a.len);
             let ns = format!("{} {:?}[{}]", short(&b.digest), b.dtype, b.len);
             let mut diff = num_diff(a, b);
-            if let Some(d) = diff.as_mut().filter(|_| a.name == crate::actors::protocol::key::GRAD_SUMSQ) {
+            if let Some(d) = diff.as_mut().filter(|_| a.name == key::GRAD_SUMSQ) {
                 // Its sibling blob says which parameter each Σg² is of.
-                let index = rec.iter().find(|b| b.name == crate::actors::protocol::key::GRAD_SUMSQ_INDEX);
+                let index = rec.iter().find(|b| b.name == key::GRAD_SUMSQ_INDEX);
                 let canonical = index.and_then(|b| b.to_u32s().ok()).and_then(|ix| ix.get(d.index).copied());
                 d.param = canonical.map(|c| (c as usize, None));
             }
@@ -660,7 +659,6 @@ impl Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::actors::protocol::key as protocol_key;
 
     fn entry(state: Vec<Blob>, inputs: Vec<Blob>) -> Entry {
         Entry {
@@ -695,8 +693,8 @@ mod tests {
         // every tensor of this model is one block).
         let sums = |x: f64| {
             vec![
-                Blob::u32s(protocol_key::GRAD_SUMSQ_INDEX, &[2, 3], true),
-                Blob::f64s(protocol_key::GRAD_SUMSQ, &[1.0, x], true),
+                Blob::u32s(key::GRAD_SUMSQ_INDEX, &[2, 3], true),
+                Blob::f64s(key::GRAD_SUMSQ, &[1.0, x], true),
             ]
         };
         let d =

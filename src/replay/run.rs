@@ -536,9 +536,7 @@ fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) ->
             "Eval" => {
                 let err = |why: String| anyhow!("{actor}: {}: {why}", e.describe());
                 let kind = EvalKind::from_name(
-                    &e.input(crate::actors::protocol::key::EVAL_KIND)
-                        .and_then(|b| b.to_str())
-                        .map_err(err)?,
+                    &e.input(crate::replay::key::EVAL_KIND).and_then(|b| b.to_str()).map_err(err)?,
                 )
                 .map_err(err)?;
                 let batches = e.input("batches").and_then(|b| b.to_f64()).map_err(err)? as usize;

@@ -3,22 +3,13 @@
 //! tree (`optim::grad_tree`), the tied embedding's shares are combined, the global norm decides clipping or a skip, and AdamW
 //! updates. The actor runtime runs the same arithmetic spread over stages.
 
+// kernels/cuda (model.rs, check.rs) still names StepStats by this path.
+pub use crate::metrics::StepStats;
 use crate::model::part::{Mode, PartInput};
 use crate::model::tp::TpShape;
 use crate::model::{GptConfig, ModelPart, PartSpec};
 use crate::optim::grad_tree::{Leaf, PartTree};
 use crate::optim::{self, AdamState, Hyper};
-
-#[derive(Clone, Copy, Debug)]
-pub struct StepStats {
-    /// Mean loss over every token of the step.
-    pub loss: f64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    pub lr: f64,
-    /// True when a non-finite loss or gradient stopped the update.
-    pub skipped: bool,
-}
 
 pub struct Engine {
     pub part: ModelPart,
@@ -38,20 +29,11 @@ pub struct Engine {
     first_slots: Vec<usize>,
 }
 
-/// Compute threads: the configured count, or one per available core.
-pub fn thread_count(configured: usize) -> usize {
-    if configured > 0 {
-        configured
-    } else {
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-    }
-}
-
 impl Engine {
     pub fn new(cfg: &crate::config::Config) -> Self {
         let gpt = GptConfig::from_config(cfg);
         let b = cfg.train.micro_batch_size;
-        let threads = thread_count(cfg.backend.threads);
+        let threads = crate::host::thread_count(cfg.backend.threads);
         let tp = TpShape::from_config(cfg);
         let part = ModelPart::new(gpt, PartSpec::whole(&gpt), b, cfg.train.seed, cfg.train.recompute)
             .with_tp(tp, threads);

@@ -8,7 +8,7 @@
 use super::engine::Engine;
 use crate::config::{Config, DEFAULT_TOML};
 use crate::data::{Sampler, TokenFile, TokenSource};
-use crate::inspect::CONFIG_METADATA_KEY;
+use crate::model::io::CONFIG_METADATA_KEY;
 use crate::model::{hf, io, GptConfig};
 use anyhow::{anyhow, bail, Result};
 use std::path::Path;

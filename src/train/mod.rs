@@ -1,5 +1,6 @@
 //! A training run: the step engine, the run loop with its outputs (metrics,
-//! summary, weights, loss curve), and progress reporting.
+//! summary, weights, loss curve), resuming and evaluation. What a step
+//! reports and the progress display live below it, in `metrics`.
 
 pub mod engine;
 pub mod eval;
@@ -8,4 +9,3 @@ pub mod lock;
 pub mod plot;
 pub mod resume;
 pub mod run;
-pub mod signals;

@@ -7,9 +7,9 @@ use super::{CoordinatorMsg, CoordinatorState, Links, RunInputs, RunOutcome, Wait
 use crate::actors::monitor::MonitorArgs;
 use crate::actors::topology::{plain_name, Host, Spawned, Topology};
 use crate::config::BackendKind;
+use crate::metrics::Progress;
 use crate::optim::scaler::LossScaler;
 use crate::replay;
-use crate::train::run::Progress;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use std::sync::Arc;
 use std::time::Instant;
@@ -48,13 +48,13 @@ impl Actor for Coordinator {
         let start_step = resume.as_ref().map_or(0, |r| r.state.step);
         let scaler =
             LossScaler::for_run(&cfg.optim, resume.as_ref().and_then(|r| r.state.loss_scaler.clone()));
-        let epoch = cluster.as_ref().map_or_else(Instant::now, |f| *f.epoch.lock().expect("epoch"));
+        let epoch = cluster.as_ref().map_or_else(Instant::now, |p| p.epoch());
         let trace = cfg.trace.enabled.then(|| crate::trace::RunTrace::start(epoch));
         // GPU runs: in one process every rank is local; across processes the
         // driver made the plan (and its NCCL ids) when it sent the roster.
         let gpu_plan = match (&cluster, cfg.backend.kind) {
             (_, kind) if kind != BackendKind::Cuda => None,
-            (Some(f), _) => f.gpu_plan.get().cloned(),
+            (Some(p), _) => p.gpu_plan(),
             (None, _) => Some(Arc::new(
                 crate::actors::stage::nccl::GpuPlan::make(&layout, |_, _| 0, 0)
                     .map_err(|e| format!("NCCL: {e}"))?,
@@ -71,15 +71,15 @@ impl Actor for Coordinator {
         let mut topology = Topology::new(cfg, layout, run_dir, init, resume)?;
         if let Some(a) = topology.origin.as_ref().and_then(|o| o.anchor.as_ref()) {
             // This run's logs start from that checkpoint: retention must keep it.
-            replay::pin(&topology.run_dir, a.step)?;
+            crate::checkpoint::pin::pin(&topology.run_dir, a.step)?;
         }
         topology.chaos_seed = chaos_seed;
         topology.trace = trace.clone();
         topology.gpu_plan = gpu_plan;
-        let host = Host::Run { id, fabric: cluster.clone() };
+        let host = Host::Run { id, processes: cluster.clone() };
         let spawned = topology.spawn_run(&host, &me, data, monitor_args).await?;
         if let Some(f) = &cluster {
-            f.set_routes(crate::cluster::Routes {
+            f.set_routes(crate::actors::processes::Routes {
                 stages: host.local_routes(&spawned.stages),
                 coordinator: Some(me.clone()),
                 reducer: spawned.reducer.clone(),

@@ -7,8 +7,8 @@ use crate::actors::data_loader::LoaderMsg;
 use crate::actors::monitor::MonitorMsg;
 use crate::actors::protocol;
 use crate::actors::reducer::ReducerMsg;
+use crate::metrics::StepMetrics;
 use crate::replay::{self, Blob};
-use crate::train::run::StepMetrics;
 use ractor::{ActorProcessingErr, ActorRef};
 
 /// The actors the coordinator sends to (all empty when replaying it alone).
@@ -103,8 +103,8 @@ impl CoordinatorState {
             LoaderMsg::Eval { kind, batches, .. } => (
                 "Eval",
                 vec![
-                    Blob::str(protocol::key::EVAL_KIND, kind.name()),
-                    Blob::f64(protocol::key::BATCHES, *batches as f64),
+                    Blob::str(replay::key::EVAL_KIND, kind.name()),
+                    Blob::f64(replay::key::BATCHES, *batches as f64),
                 ],
             ),
         };

@@ -31,7 +31,7 @@ pub struct RunInputs {
     pub chaos_seed: Option<u64>,
     /// Set when the run spans processes: stages owned elsewhere are reached
     /// through it, and the trace clock is the fabric's.
-    pub cluster: Option<Arc<crate::cluster::Fabric>>,
+    pub cluster: Option<Arc<dyn crate::actors::processes::Processes>>,
 }
 
 #[derive(Debug, Default)]
@@ -78,12 +78,12 @@ pub async fn run(inputs: RunInputs) -> anyhow::Result<RunOutcome> {
         .await
         .map_err(|e| anyhow::anyhow!("cannot start the coordinator: {e}"))?;
     let actors = coord.get_children();
-    // SIGINT / SIGTERM (crate::train::signals): a checkpoint at the next step
+    // SIGINT / SIGTERM (crate::host::signals): a checkpoint at the next step
     // boundary, then a clean exit.
     let signals = {
         let coord = coord.clone();
         tokio::spawn(async move {
-            while !crate::train::signals::requested() {
+            while !crate::host::signals::requested() {
                 tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
             tracing::warn!(

@@ -71,14 +71,10 @@ fn build_cpu(
     let mut adam = Vec::new();
     for (chunk, (spec, params)) in chunks.into_iter().enumerate() {
         let tp = TpShape::from_config(cfg);
-        let remote = match &args.fabric {
-            Some(f) if tp.size > 1 => crate::cluster::tp::owner_remote(
-                f,
-                args.replica,
-                args.rank,
-                chunk,
-                cfg.parallel.tp_timeout(),
-            )?,
+        let remote = match &args.processes {
+            Some(p) if tp.size > 1 => {
+                p.clone().tp_remote(args.replica, args.rank, chunk, cfg.parallel.tp_timeout())?
+            }
             _ => None,
         };
         let part = ModelPart::from_params(gpt, spec, b, cfg.train.recompute, params).with_tp_over(

@@ -85,9 +85,9 @@ pub struct StageArgs {
     pub trace: Option<crate::trace::RunTrace>,
     /// GPU runs: which ranks share this process and the NCCL ids of the rest.
     pub gpu_plan: Option<Arc<nccl::GpuPlan>>,
-    /// A cluster's links, over which the stage reaches tensor-parallel ranks
-    /// that other processes hold (`None`: every rank is here).
-    pub fabric: Option<Arc<crate::cluster::Fabric>>,
+    /// The run's other processes, through which the stage reaches the
+    /// tensor-parallel ranks they hold (`None`: every rank is here).
+    pub processes: Option<Arc<dyn crate::actors::processes::Processes>>,
 }
 
 pub struct StageActor;

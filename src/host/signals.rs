@@ -10,7 +10,7 @@
 //! and writes messages prepared beforehand before `_exit`: nothing that is
 //! not async-signal-safe. The run polls [`requested`].
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
@@ -19,6 +19,15 @@ static SECOND_MESSAGE: OnceLock<Vec<u8>> = OnceLock::new();
 static START_UP_MESSAGE: OnceLock<Vec<u8>> = OnceLock::new();
 /// Start-up is under way: nothing written yet, so a signal may end the process outright.
 static STARTING: AtomicBool = AtomicBool::new(false);
+
+/// SIGINT or SIGTERM arrived before the first step: nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "stopped by a signal during start-up, before the first step: nothing to save, and nothing in {} was \
+     written or changed",
+    .0.display()
+)]
+pub struct StoppedBeforeStart(pub PathBuf);
 
 /// Exit status after a second signal: 128 + SIGINT, as shells report Ctrl-C.
 pub const FORCED_EXIT: i32 = 130;
@@ -32,7 +41,7 @@ pub fn install(run_dir: &Path) -> std::io::Result<()> {
         run_dir.display()
     );
     let _ = SECOND_MESSAGE.set(msg.into_bytes());
-    let early = format!("{}\n", crate::train::run::StoppedBeforeStart(run_dir.to_path_buf()));
+    let early = format!("{}\n", StoppedBeforeStart(run_dir.to_path_buf()));
     let _ = START_UP_MESSAGE.set(early.into_bytes());
     STARTING.store(true, Ordering::SeqCst);
     for sig in [libc::SIGINT, libc::SIGTERM] {

@@ -25,10 +25,10 @@ pub fn pinned_steps(checkpoints_dir: &Path) -> std::io::Result<Vec<u64>> {
 }
 
 /// Adds `step` to the pinned steps of the run in `run_dir`.
-pub fn pin(run_dir: &Path, step: u64) -> Result<(), super::LogError> {
-    let root = crate::checkpoint::checkpoints_dir(run_dir);
+pub fn pin(run_dir: &Path, step: u64) -> Result<(), super::CheckpointError> {
+    let root = super::checkpoints_dir(run_dir);
     let p = pinned_path(&root);
-    let io = super::LogError::io(&p);
+    let io = |error| super::CheckpointError::Io { path: p.clone(), error };
     let mut steps = pinned_steps(&root).map_err(io)?;
     if steps.contains(&step) {
         return Ok(());
