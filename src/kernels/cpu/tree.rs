@@ -60,4 +60,25 @@ mod tests {
         assert_eq!(all[0][0], (v[0][0] + v[1][0]) + (v[2][0] + v[3][0]));
         assert_ne!(all[0][0], running, "the example must tell the orders apart");
     }
+
+    #[test]
+    fn the_elementwise_tree_has_the_bits_of_tree_sum_for_every_power_of_two_count() {
+        // Longer than one 4096-element chunk, with magnitudes far apart so any
+        // other order of the adds would round differently somewhere.
+        let len = 3 * 4096 + 17;
+        let mut r = crate::rng::Rng::new(11, crate::rng::Purpose::Test, &[]);
+        for count in [1usize, 2, 4, 8, 16] {
+            let nodes: Vec<Vec<f32>> = (0..count)
+                .map(|j| (0..len).map(|_| (r.normal() * 10f64.powi(j as i32 % 4 * 3)) as f32).collect())
+                .collect();
+            let mut want = nodes.clone();
+            let mut bufs: Vec<&mut [f32]> = want.iter_mut().map(|n| n.as_mut_slice()).collect();
+            tree_sum(&mut bufs);
+            let views: Vec<&[f32]> = nodes.iter().map(Vec::as_slice).collect();
+            let mut got = vec![f32::NAN; len];
+            tree_sum_elementwise(&mut got, &views);
+            let differs = (0..len).find(|&e| got[e].to_bits() != want[0][e].to_bits());
+            assert_eq!(differs, None, "{count} nodes: first element whose bits differ");
+        }
+    }
 }

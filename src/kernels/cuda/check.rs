@@ -474,6 +474,7 @@ pub enum Group {
     Norm,
     Tree,
     Exactness,
+    /// Whole training steps, run by model/gpu/check.rs (see [`StepChecks`]).
     Steps,
 }
 
