@@ -1,6 +1,6 @@
 // Joins a tensor-parallel stage's partial sums: the pairwise tree over `count`
 // f32 nodes (contiguous, count × len), element by element, in the order of
-// tree_sum in src/model/block.rs (step 1, 2, 4…: node[i] += node[i + step]),
+// tree_sum in src/kernels/cpu/tree.rs (step 1, 2, 4…: node[i] += node[i + step]),
 // so a GPU join has the CPU's bits whatever the layout. Every add is
 // __fadd_rn: one rounding each, never fused or reordered by the compiler.
 #include "common.cuh"

@@ -248,7 +248,7 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     weights.assign(&mut part)?;
     // The GPUs of a cuda config (none otherwise); a build without the
     // feature says so here, before anything is printed.
-    let on_gpu = !crate::kernels::check_backend(cfg.backend.kind, &cfg.backend.devices)?.is_empty();
+    let on_gpu = !crate::model::gpu::check_backend(cfg.backend.kind, &cfg.backend.devices)?.is_empty();
     let greedy = req.sampling.temperature == 0.0 || req.sampling.top_k == Some(1);
     if on_gpu && !greedy {
         return Err(GenerateError::GpuSampling(req.sampling.temperature).into());
@@ -294,7 +294,8 @@ fn gpu_greedy(
     max_new: usize,
     on_token: &mut dyn FnMut(u32),
 ) -> anyhow::Result<Vec<u32>> {
-    use crate::kernels::cuda::{model::GpuModel, Bf16, Gpu};
+    use crate::kernels::cuda::{Bf16, Gpu};
+    use crate::model::gpu::model::GpuModel;
     let ordinal = cfg.backend.devices.first().copied().unwrap_or(0);
     let gpu = Gpu::new(ordinal).map_err(|e| anyhow::anyhow!("backend.devices: GPU {ordinal}: {e}"))?;
     let weights: Vec<&[f32]> = part.params.iter().map(|p| p.data.as_slice()).collect();
@@ -308,7 +309,7 @@ fn gpu_greedy(
 
 #[cfg(feature = "cuda")]
 fn greedy_on<X: crate::kernels::cuda::Elem>(
-    mut model: crate::kernels::cuda::model::GpuModel<X>,
+    mut model: crate::model::gpu::model::GpuModel<X>,
     prompt: &[u32],
     max_new: usize,
     on_token: &mut dyn FnMut(u32),

@@ -454,7 +454,8 @@ where
 
 #[cfg(feature = "cuda")]
 fn gpu_check(device: usize, only: Option<String>) -> anyhow::Result<()> {
-    use pipewright::kernels::cuda::{check, Gpu};
+    use pipewright::kernels::cuda::Gpu;
+    use pipewright::model::gpu::check;
     let only =
         only.map(|o| o.parse::<check::Group>()).transpose().map_err(|e| anyhow::anyhow!("--only: {e}"))?;
     let gpu = Gpu::new(device)?;
@@ -477,7 +478,8 @@ fn gpu_check(_device: usize, _only: Option<String>) -> anyhow::Result<()> {
 
 #[cfg(feature = "cuda")]
 fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
-    use pipewright::kernels::cuda::{bench, Gpu};
+    use pipewright::kernels::cuda::Gpu;
+    use pipewright::model::gpu::bench;
     use pipewright::model::GptConfig;
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     anyhow::ensure!(args.micro_batch != Some(0), "--micro-batch must be at least 1");

@@ -6,7 +6,8 @@
 //! a machine without a driver is refused before it writes anything.
 #![cfg(feature = "cuda")]
 
-use pipewright::kernels::cuda::{check, driver_present, CudaError, Gpu};
+use pipewright::kernels::cuda::{driver_present, CudaError, Gpu};
+use pipewright::model::gpu::check;
 
 fn gpu() -> Option<Gpu> {
     let required = std::env::var("PIPEWRIGHT_REQUIRE_GPU").is_ok_and(|v| v == "1");

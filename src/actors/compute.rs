@@ -420,10 +420,10 @@ mod gpu {
     use super::*;
     use crate::actors::stage::nccl::{link_orders, GpuPlan, NcclKey};
     use crate::kernels::cuda::nccl::{Comm, NcclId, NcclType};
-    use crate::kernels::cuda::part::GpuPart;
-    use crate::kernels::cuda::part::{GpuGrad, GpuInput, TpDevices, TpPart};
     use crate::kernels::cuda::transfer::{NcclLink, Outbox, ParcelKey};
     use crate::kernels::cuda::{adamw, CudaError, DeviceBuffer, Elem, Gpu};
+    use crate::model::gpu::part::GpuPart;
+    use crate::model::gpu::part::{GpuGrad, GpuInput, TpDevices, TpPart};
     use crate::optim::grad_tree::{held_sets, TreeSum};
     use std::ops::Range;
     use std::sync::Arc;
@@ -709,7 +709,7 @@ mod gpu {
     }
 
     fn gpu_memory_hint(e: &CudaError) -> &'static str {
-        if crate::kernels::cuda::model::is_out_of_memory(e) {
+        if crate::model::gpu::model::is_out_of_memory(e) {
             "out of device memory: fewer microbatches alive (schedule), a smaller train.micro_batch_size, or train.recompute"
         } else {
             "could not set up the stage's part"
@@ -749,12 +749,12 @@ mod gpu {
         }
 
         /// Chunk i's owner, its gradients summed over the tensor-parallel ranks.
-        fn summed(&self, i: usize) -> &crate::kernels::cuda::part::GpuPart<X> {
+        fn summed(&self, i: usize) -> &crate::model::gpu::part::GpuPart<X> {
             ok(self.parts[i].summed(&self.dev), "gradient sum over tensor-parallel ranks")
         }
 
         /// [`Self::summed`], to change the owner's gradients.
-        fn summed_mut(&mut self, i: usize) -> (&mut crate::kernels::cuda::part::GpuPart<X>, &Gpu) {
+        fn summed_mut(&mut self, i: usize) -> (&mut crate::model::gpu::part::GpuPart<X>, &Gpu) {
             let part = ok(self.parts[i].summed_mut(&self.dev), "gradient sum over tensor-parallel ranks");
             (part, self.dev.gpu(0))
         }

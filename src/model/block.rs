@@ -27,9 +27,9 @@ use super::params::block::*;
 use super::params::{GptConfig, Param};
 use super::part::pair;
 use crate::kernels::cpu::matmul::{gemm_checked, gemm_raw, pool_par, Mat};
+use crate::kernels::cpu::tree::{tree_sum, tree_sum_elementwise};
 use crate::kernels::cpu::{attention, gelu, layernorm, matmul, residual};
 use crate::kernels::profile::{timed, Kernel};
-use rayon::prelude::*;
 
 /// Joins every rank's subtree sum into the root of the slice tree.
 pub trait TensorGroup: Sync {
@@ -60,45 +60,6 @@ impl TpRank<'_> {
             self.group.expect("a split block needs its tensor group").all_reduce(self.rank, node);
         }
     }
-}
-
-/// The pairwise tree over `bufs` (each the same length), into `bufs[0]`.
-pub fn tree_sum(bufs: &mut [&mut [f32]]) {
-    let mut step = 1;
-    while step < bufs.len() {
-        let mut i = 0;
-        while i + step < bufs.len() {
-            let (lo, hi) = bufs.split_at_mut(i + step);
-            residual::accumulate(lo[i], hi[0]);
-            i += 2 * step;
-        }
-        step *= 2;
-    }
-}
-
-/// out = the pairwise tree over `nodes` (a power-of-two count), element by
-/// element: the adds of [`tree_sum`] in its order, without its buffers.
-fn tree_sum_elementwise(out: &mut [f32], nodes: &[&[f32]]) {
-    const CHUNK: usize = 4096;
-    let t = nodes.len();
-    debug_assert!(t.is_power_of_two());
-    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
-        let mut v = vec![0.0f32; t];
-        for (e, x) in o.iter_mut().enumerate() {
-            let at = c * CHUNK + e;
-            for (vj, n) in v.iter_mut().zip(nodes) {
-                *vj = n[at];
-            }
-            let mut step = 1;
-            while step < t {
-                for i in (0..t).step_by(2 * step) {
-                    v[i] += v[i + step];
-                }
-                step *= 2;
-            }
-            *x = v[0];
-        }
-    });
 }
 
 /// Intermediate values of one block for one microbatch, for one rank.
@@ -994,18 +955,6 @@ mod tests {
             &crate::model::tp::TpShape::WHOLE.single(),
         );
         same_bits(&got, &want, "one slice against matmul_forward");
-    }
-
-    #[test]
-    fn the_tree_over_ranks_is_the_upper_levels_of_the_tree_over_slices() {
-        // A running sum would differ: a tree over 4 nodes is (a+b)+(c+d).
-        let v: Vec<Vec<f32>> = [1.0e8f32, 3.0, -1.0e8, 5.0].iter().map(|&x| vec![x]).collect();
-        let mut all = v.clone();
-        let mut bufs: Vec<&mut [f32]> = all.iter_mut().map(|x| x.as_mut_slice()).collect();
-        tree_sum(&mut bufs);
-        let running = ((v[0][0] + v[1][0]) + v[2][0]) + v[3][0];
-        assert_eq!(all[0][0], (v[0][0] + v[1][0]) + (v[2][0] + v[3][0]));
-        assert_ne!(all[0][0], running, "the example must tell the orders apart");
     }
 
     #[test]

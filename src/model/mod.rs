@@ -7,6 +7,7 @@
 //! knows about schedules, threads or messages.
 
 pub mod block;
+pub mod gpu;
 pub mod hf;
 pub mod io;
 pub mod llama;

@@ -68,7 +68,7 @@ fn span_of(level: u32, index: usize, total: usize) -> Span {
 /// keep at most about 2·log₂ m nodes alive.
 ///
 /// A node is host gradients ([`Grads`]) on the CPU, a device buffer on GPUs
-/// (kernels/cuda/part.rs adds them there): the tree's shape and the order
+/// (model/gpu/part.rs adds them there): the tree's shape and the order
 /// of its adds live here once, whatever holds the values.
 pub struct TreeSum<G = Grads> {
     block: Range<usize>,

@@ -97,3 +97,18 @@ impl FromStr for Gpu {
             .ok_or_else(|| format!("unknown GPU {s:?}; expected one of a100, h100, h200"))
     }
 }
+
+/// The dense bf16 peak of the GPUs a run uses (one entry per device), from the
+/// table above (`GPUS`) by name, and where the figure comes from; NaN for a GPU
+/// the table does not know.
+pub fn gpu_peak_flops(names: &[String]) -> (f64, String) {
+    let mut total = 0.0;
+    for n in names {
+        let n_low = n.to_ascii_lowercase();
+        match GPUS.iter().find(|g| n_low.contains(g.name)) {
+            Some(g) => total += g.peak_flops,
+            None => return (f64::NAN, format!("no bf16 peak known for {n}")),
+        }
+    }
+    (total, format!("bf16 dense datasheet peak of {}", names.join(", ")))
+}

@@ -3,8 +3,7 @@
 //! tree (`optim::grad_tree`), the tied embedding's shares are combined, the global norm decides clipping or a skip, and AdamW
 //! updates. The actor runtime runs the same arithmetic spread over stages.
 
-// kernels/cuda (model.rs, check.rs) still names StepStats by this path.
-pub use crate::metrics::StepStats;
+use crate::metrics::StepStats;
 use crate::model::part::{Mode, PartInput};
 use crate::model::tp::TpShape;
 use crate::model::{GptConfig, ModelPart, PartSpec};

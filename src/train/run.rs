@@ -332,7 +332,7 @@ pub fn train_on(
 ) -> Result<(Summary, RunOutcome)> {
     cfg.validate()?;
     crate::limits::check(cfg)?;
-    let gpus = crate::kernels::check_backend(cfg.backend.kind, &cfg.backend.devices)?;
+    let gpus = crate::model::gpu::check_backend(cfg.backend.kind, &cfg.backend.devices)?;
     let gpt = GptConfig::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
@@ -534,7 +534,7 @@ pub fn train_on(
             format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
         ),
         BackendKind::Cuda => {
-            let (flops, source) = crate::kernels::gpu_peak_flops(&gpus);
+            let (flops, source) = crate::plan::hardware::gpu_peak_flops(&gpus);
             (flops / 1e9, source)
         }
         _ => (f64::NAN, "sim backend: nothing is computed".to_string()),

@@ -117,8 +117,8 @@ fn build_gpu(
     chunks: Vec<(crate::model::PartSpec, Vec<crate::model::Param>)>,
 ) -> Result<Box<dyn StageCompute>, String> {
     use super::super::compute::{GpuCompute, GpuPlace};
-    use crate::kernels::cuda::part::TpDevices;
     use crate::kernels::cuda::Bf16;
+    use crate::model::gpu::part::TpDevices;
     let cfg = &args.cfg;
     let ordinals =
         tp_ordinals(&cfg.backend.devices, args.layout.pp, cfg.parallel.tp, args.rank, args.replica);

@@ -19,6 +19,7 @@ pub mod residual;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
+pub mod tree;
 
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -9,7 +9,6 @@
 
 pub mod adamw;
 pub mod attention;
-pub mod bench;
 pub mod cast;
 pub mod check;
 pub mod crossentropy;
@@ -18,11 +17,9 @@ pub mod embedding;
 pub mod gelu;
 pub mod layernorm;
 pub mod matmul;
-pub mod model;
 pub mod nccl;
 pub mod nccl_lib;
 pub mod nvrtc;
-pub mod part;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;

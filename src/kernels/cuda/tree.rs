@@ -1,5 +1,5 @@
 //! Joins of a tensor-parallel stage's partial sums on one GPU
-//! (kernels/tp.cu): the pairwise tree of `tree_sum` in src/model/block.rs,
+//! (kernels/tp.cu): the pairwise tree of `tree_sum` in src/kernels/cpu/tree.rs,
 //! over `count` f32 nodes laid out contiguously (count × len), so a GPU join
 //! has the CPU's bits for every tp size. Never allocates; the nodes are the
 //! caller's (gathered there by NCCL or by copies between ranks).

@@ -3,9 +3,9 @@
 //! token — against an H100 SXM's 989 TFLOP/s bf16 dense peak and against the
 //! cuBLASLt bf16 rate measured in the same call.
 
-use super::matmul::{gemm, GemmShape};
 use super::model::{is_out_of_memory, GpuModel};
-use super::{Bf16, CudaError, Gpu, Result};
+use crate::kernels::cuda::matmul::{gemm, GemmShape};
+use crate::kernels::cuda::{Bf16, CudaError, Gpu, Result};
 use crate::model::params::{all_tensors, init_tensor, GptConfig};
 use crate::optim::Hyper;
 use crate::rng::{Purpose, Rng};

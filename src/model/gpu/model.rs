@@ -6,11 +6,11 @@
 //! would be: what `gpu-bench` times and `gpu-check` compares.
 
 use super::part::{GpuGrad, GpuInput, GpuPart};
-use super::{ensure, CudaError, Elem, Gpu, Result};
+use crate::kernels::cuda::{ensure, CudaError, Elem, Gpu, Result};
+use crate::metrics::StepStats;
 use crate::model::params::{all_tensors, GptConfig, Param};
 use crate::model::part::{Mode, PartSpec};
 use crate::optim::{self, Hyper};
-use crate::train::engine::StepStats;
 
 pub use super::part::{padded_vocab, TensorSlot};
 

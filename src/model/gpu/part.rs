@@ -22,9 +22,9 @@
 mod tp;
 pub use tp::{GpuTp, TpDevices, TpPart};
 
-use super::embedding::{DeviceOwners, TokenOwners};
-use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
-use super::{ensure, DeviceBuffer, Elem, Gpu, Result};
+use crate::kernels::cuda::embedding::{DeviceOwners, TokenOwners};
+use crate::kernels::cuda::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
+use crate::kernels::cuda::{ensure, CudaError, DeviceBuffer, Elem, Gpu, Result};
 use crate::model::params::block::*;
 use crate::model::part::{Mode, PartSpec};
 use crate::model::{GptConfig, Param};
@@ -509,7 +509,7 @@ impl<X: Elem> GpuPart<X> {
         let train = matches!(mode, Mode::Train { .. });
         ensure(!train || !self.saved.contains_key(&mb), || format!("microbatch {mb} ran forward twice"))?;
         let k = self.free.pop().ok_or_else(|| {
-            super::CudaError::Shape(format!(
+            CudaError::Shape(format!(
                 "more than {} microbatches alive on this GPU part: the schedule keeps more than was planned",
                 self.slots.len()
             ))
@@ -576,7 +576,7 @@ impl<X: Elem> GpuPart<X> {
             let y = hand_over(gpu, out, &mut self.s.host_x, sink)?;
             return Ok(GpuForward { output: Some(y), loss_sum: None });
         }
-        let targets = targets.ok_or_else(|| super::CudaError::Shape("the last part needs targets".into()))?;
+        let targets = targets.ok_or_else(|| CudaError::Shape("the last part needs targets".into()))?;
         ensure(targets.len() == n, || format!("{} targets for {n} tokens", targets.len()))?;
         check_ids(targets, v, "target")?;
         let loss_sum = self.head(gpu, k, targets, mode, argmax)?;
@@ -721,9 +721,10 @@ impl<X: Elem> GpuPart<X> {
         sink: Option<Sink<X>>,
         blocks: Blocks<X>,
     ) -> Result<Option<Vec<f32>>> {
-        let k = self.saved.remove(&mb).ok_or_else(|| {
-            super::CudaError::Shape(format!("backward of microbatch {mb} before its forward"))
-        })?;
+        let k = self
+            .saved
+            .remove(&mb)
+            .ok_or_else(|| CudaError::Shape(format!("backward of microbatch {mb} before its forward")))?;
         self.live_bytes -= self.slot_bytes;
         let result = self.backward_in(gpu, k, dout, sink, blocks);
         self.free.push(k);
@@ -752,7 +753,7 @@ impl<X: Elem> GpuPart<X> {
                 upload_f32(gpu, &self.s.dres, &mut self.s.host_x, d)?;
             }
             _ => {
-                return Err(super::CudaError::Shape(
+                return Err(CudaError::Shape(
                     "the last part takes no output gradient; others need one".into(),
                 ))
             }
@@ -1016,9 +1017,9 @@ impl<X: Elem> GpuPart<X> {
     /// into `leaf` (`head_leaf_len`) and resets them to `zero` (the value the
     /// part's accumulators start from), so the next forward's start from it.
     pub fn take_head_leaf(&mut self, gpu: &Gpu, leaf: &DeviceBuffer<f32>, zero: f32) -> Result<()> {
-        let (offset, n) = self.head_norm_run().ok_or_else(|| {
-            super::CudaError::Shape("a head leaf taken from a part without the head".into())
-        })?;
+        let (offset, n) = self
+            .head_norm_run()
+            .ok_or_else(|| CudaError::Shape("a head leaf taken from a part without the head".into()))?;
         ensure(leaf.len() == self.head_leaf_len(), || {
             format!("a head leaf of {} elements, expected {}", leaf.len(), self.head_leaf_len())
         })?;
@@ -1052,9 +1053,7 @@ impl<X: Elem> GpuPart<X> {
                 gpu.copy_raw(self.head_grad.ptr(), h.ptr_at(n), self.head_grad.bytes())
             }
             (None, None) => Ok(()),
-            _ => Err(super::CudaError::Shape(
-                "a head root given to a part without the head, or none to one".into(),
-            )),
+            _ => Err(CudaError::Shape("a head root given to a part without the head, or none to one".into())),
         }
     }
 
@@ -1074,8 +1073,7 @@ impl<X: Elem> GpuPart<X> {
         let Some((offset, n)) = self.head_norm_run() else {
             return Ok(out);
         };
-        let h =
-            gpu.download(head.ok_or_else(|| super::CudaError::Shape("a head node is missing".into()))?)?;
+        let h = gpu.download(head.ok_or_else(|| CudaError::Shape("a head node is missing".into()))?)?;
         let hb = self.spec.head_base();
         for k in [hb, hb + 1] {
             let s = &self.tensors[k];
@@ -1147,7 +1145,7 @@ fn hand_over<X: Elem>(
 fn check_ids(ids: &[u32], v: usize, what: &str) -> Result<()> {
     match ids.iter().position(|&i| i as usize >= v) {
         Some(at) => {
-            Err(super::CudaError::Shape(format!("{what} id {} at {at} is not below vocab_size {v}", ids[at])))
+            Err(CudaError::Shape(format!("{what} id {} at {at} is not below vocab_size {v}", ids[at])))
         }
         None => Ok(()),
     }

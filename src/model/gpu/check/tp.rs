@@ -7,8 +7,8 @@
 use super::{bits_differ, cpu_step, rel_err, step_batch, Check};
 use super::{STEP_B, STEP_CLIP, STEP_HYPER, STEP_LR, STEP_MICROBATCHES, STEP_SEED};
 use crate::kernels::cuda::nccl::NcclType;
-use crate::kernels::cuda::part::{GpuGrad, GpuInput, TpDevices, TpPart};
 use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
+use crate::model::gpu::part::{GpuGrad, GpuInput, TpDevices, TpPart};
 use crate::model::part::Mode;
 use crate::model::{GptConfig, ModelPart, PartSpec};
 use crate::optim::{self, AdamState};

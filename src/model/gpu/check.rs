@@ -1,0 +1,246 @@
+//! The whole-model checks of `gpu-check` (group `steps`): GPU training steps
+//! against the CPU model's, bit-identical repeats, a pipeline cut against one
+//! part, and tensor-parallel ranks against one rank. They drive the model, so
+//! they live here beside it; the kernels' own twin checks, the group list and
+//! the report format are `kernels::cuda::check`'s, re-exported so `gpu-check`
+//! and the tests reach the whole list from one place.
+
+mod tp;
+
+use super::model::GpuModel;
+use super::part::{GpuGrad, GpuInput, GpuPart};
+use crate::kernels::cuda::check as kernel_checks;
+use crate::kernels::cuda::check::{bits_differ, rel_err};
+pub use crate::kernels::cuda::check::{line, run_all, table, Check, Group, Progress};
+use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
+use crate::metrics::StepStats;
+use crate::model::part::{Mode, PartInput};
+use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::optim::{self, AdamState, Hyper};
+use crate::rng::{Purpose, Rng};
+
+/// Runs every group (or `only` one), the kernels' and the whole model's,
+/// reporting each check as it finishes; on an error, the checks that
+/// finished before it have been reported.
+pub fn run(gpu: &Gpu, only: Option<Group>, report: &mut dyn FnMut(Progress)) -> Result<Vec<Check>> {
+    kernel_checks::run(gpu, only, report, Some(&mut |out: &mut Vec<Check>| step_checks_into(gpu, out)))
+}
+
+// The whole-model step check: a model small enough for the CPU to step in a
+// moment, with every part of GPT-2 (two blocks, a padded vocabulary, two
+// microbatches of gradient accumulation, clipping on).
+const STEP_CFG: GptConfig =
+    GptConfig { n_layer: 2, n_head: 2, n_embd: 128, vocab_size: 1000, block_size: 64 };
+const STEP_B: usize = 2;
+const STEP_MICROBATCHES: usize = 2;
+const STEP_SEED: u64 = 7;
+const STEP_LR: f64 = 1e-3;
+const STEP_HYPER: Hyper = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+const STEP_CLIP: f64 = 1.0;
+
+/// Microbatch `mb` of step `step`: random tokens, keyed so the CPU and the GPU see the same.
+fn step_batch(step: u64, mb: usize, inputs: &mut [u32], targets: &mut [u32]) {
+    let mut r = Rng::new(STEP_SEED, Purpose::Test, &[step, mb as u64]);
+    let v = STEP_CFG.vocab_size as u64;
+    for (i, t) in inputs.iter_mut().zip(targets.iter_mut()) {
+        *i = r.below(v) as u32;
+        *t = r.below(v) as u32;
+    }
+}
+
+/// One step of the CPU model, as train::engine::Engine::step does it.
+fn cpu_step(part: &mut ModelPart, adam: &mut AdamState, step: u64) -> StepStats {
+    let n = part.b * part.cfg.block_size;
+    let dloss = 1.0 / (STEP_MICROBATCHES * n) as f32;
+    let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);
+    part.zero_grads();
+    let mut loss_sum = 0.0;
+    for mb in 0..STEP_MICROBATCHES {
+        step_batch(step, mb, &mut inputs, &mut targets);
+        let out = part.forward(PartInput::Tokens(&inputs), Some(&targets), Mode::Train { dloss });
+        loss_sum += out.loss_sum.unwrap_or(f64::NAN);
+        if let Some(acts) = out.acts {
+            part.backward(acts, None);
+        }
+    }
+    part.combine_tied_grads(None);
+    let mut norms = vec![];
+    let first = optim::zero::first_slots(&part.cfg);
+    optim::grad_sum_squares(part, optim::zero::Shard::WHOLE, &first, &mut norms);
+    let grad_norm = optim::global_norm(&mut norms);
+    adam.step(part, STEP_HYPER, STEP_LR, optim::clip_coefficient(grad_norm, STEP_CLIP));
+    StepStats { loss: loss_sum * dloss as f64, grad_norm, lr: STEP_LR, skipped: false }
+}
+
+fn gpu_step<X: Elem>(model: &mut GpuModel<X>, step: u64) -> Result<StepStats> {
+    model.step(STEP_LR, &STEP_HYPER, STEP_CLIP, STEP_MICROBATCHES, |mb, i, t| step_batch(step, mb, i, t))
+}
+
+fn gpu_model<'g, X: Elem>(gpu: &'g Gpu, part: &ModelPart) -> Result<GpuModel<'g, X>> {
+    let weights: Vec<&[f32]> = part.params.iter().map(|p| p.data.as_slice()).collect();
+    GpuModel::new(gpu, part.cfg, part.b, &weights)
+}
+
+/// Two steps of the GPU model in storage type X from the CPU model's initial
+/// weights: the losses against the CPU's (absolute difference < 1e-2), and in
+/// f32 the gradient norm and every gradient of the first step (relative < 1e-3).
+fn step_vs_cpu<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let mut part = ModelPart::new(STEP_CFG, PartSpec::whole(&STEP_CFG), STEP_B, STEP_SEED, false);
+    let mut adam = AdamState::new(&part);
+    let mut model = gpu_model::<X>(gpu, &part)?;
+    let abs = |a: f64, b: f64| if (a - b).is_nan() { f64::INFINITY } else { (a - b).abs() };
+    for step in 1..=2u64 {
+        let cpu = cpu_step(&mut part, &mut adam, step);
+        let got = gpu_step(&mut model, step)?;
+        out.push(Check {
+            name: format!("train step {step} loss, |gpu − cpu| ({tag}, cpu {:.4})", cpu.loss),
+            rel_err: abs(got.loss, cpu.loss),
+            tol: 1e-2,
+        });
+        if step == 1 && X::IS_F32 {
+            out.push(Check {
+                name: format!("train step 1 gradient norm ({tag})"),
+                rel_err: abs(got.grad_norm, cpu.grad_norm) / cpu.grad_norm,
+                tol: 1e-3,
+            });
+            let grads = model.gradients()?;
+            let (mut worst, mut which) = (0.0f64, String::new());
+            for (p, g) in part.params.iter().zip(&grads) {
+                let e = rel_err(g, &p.grad);
+                if e > worst || which.is_empty() {
+                    (worst, which) = (e, p.name.clone());
+                }
+            }
+            out.push(Check {
+                name: format!("train step 1 gradients, worst {which} ({tag})"),
+                rel_err: worst,
+                tol: 1e-3,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The same two GPU steps twice from the same weights: losses, norms and
+/// master weights must repeat bit for bit.
+fn step_repeats<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let part = ModelPart::new(STEP_CFG, PartSpec::whole(&STEP_CFG), STEP_B, STEP_SEED, false);
+    let mut runs = vec![];
+    for _ in 0..2 {
+        let mut model = gpu_model::<X>(gpu, &part)?;
+        let mut figures = vec![];
+        for step in 1..=2u64 {
+            let s = gpu_step(&mut model, step)?;
+            figures.extend([s.loss as f32, s.grad_norm as f32]);
+        }
+        figures.extend(model.master_weights()?.concat());
+        runs.push(figures);
+    }
+    out.push(Check {
+        name: format!("two train steps repeat bit for bit ({tag})"),
+        rel_err: bits_differ(&runs[0], &runs[1]),
+        tol: 0.5,
+    });
+    Ok(())
+}
+
+/// Forward and backward of the step's microbatches through `parts` (a
+/// pipeline cut, run in GPipe order on one GPU, activations and gradients
+/// staged through the host as stage messages carry them), the tied shares
+/// combined: (loss sum, every gradient in canonical order).
+fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f64, Vec<Vec<f32>>)> {
+    let n = STEP_B * STEP_CFG.block_size;
+    let dloss = 1.0 / (STEP_MICROBATCHES * n) as f32;
+    let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);
+    let last = parts.len() - 1;
+    let mut loss = 0.0;
+    for p in parts.iter_mut() {
+        p.zero_grads(gpu)?;
+    }
+    for mb in 0..STEP_MICROBATCHES {
+        step_batch(1, mb, &mut inputs, &mut targets);
+        let mut act: Option<Vec<f32>> = None;
+        for (k, p) in parts.iter_mut().enumerate() {
+            let input = match &act {
+                None => GpuInput::Tokens(&inputs),
+                Some(a) => GpuInput::Activation(a),
+            };
+            let t = (k == last).then_some(targets.as_slice());
+            let out = p.forward(gpu, mb, input, t, Mode::Train { dloss }, None, None)?;
+            loss += out.loss_sum.unwrap_or(0.0);
+            act = out.output;
+        }
+        let mut grad: Option<Vec<f32>> = None;
+        for p in parts.iter_mut().rev() {
+            let dout = match &grad {
+                None => GpuGrad::FromLoss,
+                Some(g) => GpuGrad::Host(g),
+            };
+            grad = p.backward(gpu, mb, dout, None)?;
+        }
+    }
+    if parts.len() == 1 {
+        parts[0].combine_tied(gpu, None)?;
+    } else {
+        let (embed, head) = (parts[0].tied_share(gpu)?, parts[last].tied_share(gpu)?);
+        parts[0].combine_tied(gpu, Some(&head))?;
+        parts[last].combine_tied(gpu, Some(&embed))?;
+    }
+    let mut grads: Vec<(usize, Vec<f32>)> = vec![];
+    for (k, p) in parts.iter().enumerate() {
+        for (t, g) in p.tensors.iter().zip(p.gradients(gpu)?) {
+            // The head's wte copy repeats the embedding's combined gradient.
+            if !(k > 0 && t.name == "wte.weight") {
+                grads.push((t.canonical, g));
+            }
+        }
+    }
+    grads.sort_by_key(|(c, _)| *c);
+    Ok((loss, grads.into_iter().map(|(_, g)| g).collect()))
+}
+
+/// The model cut into two pipeline parts on one GPU against one part holding
+/// everything: the same loss and gradients, bit for bit — activations cross
+/// the cut exactly (X → f32 → X), and each part accumulates in microbatch order.
+fn pipeline_parts_match_one_part<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let cfg = STEP_CFG;
+    let whole = PartSpec::whole(&cfg);
+    let cut = [
+        PartSpec { layers: 0..1, embedding: true, head: false },
+        PartSpec { layers: 1..cfg.n_layer, embedding: false, head: true },
+    ];
+    let build = |spec: &PartSpec| {
+        let params = crate::model::part::part_params(&cfg, spec, STEP_SEED);
+        GpuPart::<X>::new(gpu, cfg, spec.clone(), STEP_B, false, STEP_MICROBATCHES, &params)
+    };
+    let mut one = vec![build(&whole)?];
+    let mut two = cut.iter().map(build).collect::<Result<Vec<_>>>()?;
+    let (l1, g1) = pipeline_gradients(gpu, &mut one)?;
+    let (l2, g2) = pipeline_gradients(gpu, &mut two)?;
+    let mut a = vec![l1 as f32];
+    a.extend(g1.concat());
+    let mut b = vec![l2 as f32];
+    b.extend(g2.concat());
+    out.push(Check {
+        name: format!("two pipeline parts = one part, loss and gradients bit for bit ({tag})"),
+        rel_err: bits_differ(&a, &b),
+        tol: 0.5,
+    });
+    Ok(())
+}
+
+/// The whole-model checks: GPU training steps against the CPU model's (f32
+/// and bf16), bit-identical repeats, and a pipeline cut against one part.
+pub fn step_checks(gpu: &Gpu) -> Result<Vec<Check>> {
+    run(gpu, Some(Group::Steps), &mut |_| {})
+}
+
+fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
+    step_vs_cpu::<f32>(gpu, "f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, "bf16", out)?;
+    step_repeats::<f32>(gpu, "f32", out)?;
+    step_repeats::<Bf16>(gpu, "bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, "f32", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, "bf16", out)?;
+    tp::tp_checks(gpu, out)
+}
