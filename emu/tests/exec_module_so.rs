@@ -61,6 +61,20 @@ fn build(source: &str, dir: &Path) -> Vec<u8> {
     std::fs::read(so).unwrap()
 }
 
+/// cuModuleLoadData's result code and module for a built image.
+fn try_load(image: &[u8]) -> (u32, Handle) {
+    let mut m: Handle = std::ptr::null_mut();
+    // SAFETY: a complete image, as `build` returns it.
+    let code = unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) };
+    (code, m)
+}
+
+fn load(image: &[u8]) -> Handle {
+    let (code, m) = try_load(image);
+    assert_eq!(code, cu::SUCCESS, "{}", error_text(code));
+    m
+}
+
 fn get(m: Handle, name: &str) -> Handle {
     let name = CString::new(name).unwrap();
     let mut f: Handle = std::ptr::null_mut();
@@ -75,9 +89,7 @@ fn a_shared_object_module_runs_with_its_thread_locals_as_poisoned_shared_memory(
     let gpu = Gpu::new(0);
     let dir = tempfile::tempdir().unwrap();
     let image = build(TILE_CU, dir.path());
-    let mut m: Handle = std::ptr::null_mut();
-    // SAFETY: a complete image.
-    assert_eq!(unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) }, cu::SUCCESS);
+    let m = load(&image);
     let (rotate, unwritten) = (get(m, "rotate"), get(m, "unwritten"));
 
     let out = gpu.alloc(4 * 64 * 4);
@@ -109,9 +121,7 @@ fn a_shared_object_without_the_module_entry_point_is_refused() {
     let _gpu = Gpu::new(0);
     let dir = tempfile::tempdir().unwrap();
     let image = build("int not_a_module(void) { return 1; }\n", dir.path());
-    let mut m: Handle = std::ptr::null_mut();
-    // SAFETY: a complete image.
-    let code = unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) };
+    let (code, _) = try_load(&image);
     assert_error(code, cu::INVALID_IMAGE, &["cuModuleLoadData", "pw_emu_module_init"]);
 }
 
@@ -126,9 +136,7 @@ fn blocks_find_their_shared_memory_while_another_thread_loads_and_unloads_module
     let gpu = Gpu::new(0);
     let dir = tempfile::tempdir().unwrap();
     let image = build(TILE_CU, dir.path());
-    let mut m: Handle = std::ptr::null_mut();
-    // SAFETY: a complete image.
-    assert_eq!(unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) }, cu::SUCCESS);
+    let m = load(&image);
     let unwritten = get(m, "unwritten");
     let flags = gpu.alloc(64 * 4);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -139,12 +147,9 @@ fn blocks_find_their_shared_memory_while_another_thread_loads_and_unloads_module
             assert_eq!(unsafe { pipewright_emu::driver::cuCtxSetCurrent(ctx as Handle) }, cu::SUCCESS);
             let mut loads = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) || loads < 20 {
-                let mut other: Handle = std::ptr::null_mut();
-                // SAFETY: a complete image; the module is unloaded by its own handle.
-                unsafe {
-                    assert_eq!(cuModuleLoadData(&mut other, image.as_ptr() as *const c_void), cu::SUCCESS);
-                    assert_eq!(pipewright_emu::driver::cuModuleUnload(other), cu::SUCCESS);
-                }
+                let other = load(&image);
+                // SAFETY: the module just loaded, unloaded once.
+                assert_eq!(unsafe { pipewright_emu::driver::cuModuleUnload(other) }, cu::SUCCESS);
                 loads += 1;
             }
             loads
@@ -171,8 +176,6 @@ fn a_module_without_thread_locals_is_refused_at_load() {
     let dir = tempfile::tempdir().unwrap();
     let source = TILE_CU.replace("static __thread float tile[64];", "static float tile[64];");
     let image = build(&source, dir.path());
-    let mut m: Handle = std::ptr::null_mut();
-    // SAFETY: a complete image.
-    let code = unsafe { cuModuleLoadData(&mut m, image.as_ptr() as *const c_void) };
+    let (code, _) = try_load(&image);
     assert_error(code, cu::INVALID_IMAGE, &["cuModuleLoadData", "no thread_local segment (PT_TLS)"]);
 }
