@@ -100,6 +100,7 @@ fn attention_forward_records_its_launch_bounds_and_parameters_as_declared() {
             ("B", "int", 4, false, false),
             ("T", "int", 4, false, false),
             ("NH", "int", 4, false, false),
+            ("NKV", "int", 4, false, false),
         ]
     );
     assert_eq!(m.kernel("attention_backward_delta").launch_bounds, 0, "declared without bounds");
