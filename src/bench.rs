@@ -442,7 +442,7 @@ pub fn sim_table(rows: &[SimRow]) -> String {
         rows.len() - missed,
         rows.len(),
         match rows.iter().find(|r| r.pp == 8 && r.microbatches == 32) {
-            Some(r) => format!("; overhead at pp = 8, m = 32: {:.2}% (target ≤ 3%)", 100.0 * r.overhead),
+            Some(r) => format!("; overhead at pp = 8, m = 32: {:.2}% (target ≤ 2%)", 100.0 * r.overhead),
             None => String::new(),
         }
     );
