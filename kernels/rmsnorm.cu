@@ -42,7 +42,8 @@ extern "C" __global__ void rmsnorm_backward_input(floatX* dinp, const floatX* do
     }
 }
 
-// Pass 1: partial[k, c] = Σ dout·x·rstd over rows [k·rows, (k+1)·rows).
+// Pass 1: partial[k, c] = Σ dout·x·rstd over rows [k·rows, (k+1)·rows); pass 2
+// is matmul.cu's bias_backward_finish (the chunks summed in order).
 // Grid (ceil(C / blockDim.x), chunks).
 extern "C" __global__ void rmsnorm_backward_weight_partial(float* partial, const floatX* dout, const floatX* inp,
                                                            const float* rstd, int N, int C, int rows) {
@@ -53,13 +54,4 @@ extern "C" __global__ void rmsnorm_backward_weight_partial(float* partial, const
     float sw = 0.0f;
     for (int r = r0; r < r1; r++) sw += ldx(dout[(size_t)r * C + col]) * (ldx(inp[(size_t)r * C + col]) * rstd[r]);
     partial[(size_t)chunk * C + col] = sw;
-}
-
-// Pass 2: dweight[c] += Σ_k partial[k, c], chunks in order.
-extern "C" __global__ void rmsnorm_backward_weight_finish(float* dweight, const float* partial, int chunks, int C) {
-    int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
-    float sw = 0.0f;
-    for (int k = 0; k < chunks; k++) sw += partial[(size_t)k * C + col];
-    dweight[col] += sw;
 }

@@ -356,37 +356,48 @@ async fn accept_nodes(
         pending.lock().unwrap_or_else(|p| p.into_inner()).insert(peer_addr.to_string(), permit);
         let (server, tls, pending) = (server.clone(), tls.clone(), pending.clone());
         tokio::spawn(async move {
-            let Ok(local_addr) = stream.local_addr() else {
-                release(&pending, &peer_addr.to_string());
-                return;
-            };
-            let _ = stream.set_nodelay(true);
-            let stream = match tls {
-                None => NetworkStream::Raw { peer_addr, local_addr, stream },
-                Some(tls) => {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor().accept(stream)).await {
-                        Ok(Ok(stream)) => NetworkStream::TlsServer { peer_addr, local_addr, stream },
-                        Ok(Err(e)) => {
-                            release(&pending, &peer_addr.to_string());
-                            return refused(format!("TLS handshake failed: {e}"));
+            let key = peer_addr.to_string();
+            let opened = match stream.local_addr() {
+                Err(_) => false,
+                Ok(local_addr) => {
+                    let _ = stream.set_nodelay(true);
+                    let stream = match tls {
+                        None => Some(NetworkStream::Raw { peer_addr, local_addr, stream }),
+                        Some(tls) => {
+                            match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor().accept(stream)).await
+                            {
+                                Ok(Ok(stream)) => {
+                                    Some(NetworkStream::TlsServer { peer_addr, local_addr, stream })
+                                }
+                                Ok(Err(e)) => {
+                                    refused(format!("TLS handshake failed: {e}"));
+                                    None
+                                }
+                                Err(_) => {
+                                    refused(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}"));
+                                    None
+                                }
+                            }
                         }
-                        Err(_) => {
-                            release(&pending, &peer_addr.to_string());
-                            return refused(format!("no TLS handshake within {HANDSHAKE_TIMEOUT:?}"));
-                        }
-                    }
+                    };
+                    stream.is_some_and(|stream| {
+                        server
+                            .cast(NodeServerMessage::ConnectionOpened {
+                                stream: Box::new(stream),
+                                is_server: true,
+                            })
+                            .is_ok()
+                    })
                 }
             };
-            if server
-                .cast(NodeServerMessage::ConnectionOpened { stream: Box::new(stream), is_server: true })
-                .is_err()
-            {
-                release(&pending, &peer_addr.to_string());
+            if !opened {
+                release(&pending, &key);
+                return;
             }
             // A session that never opens, or one the deadline closed, has no
             // more use for its place.
             tokio::time::sleep(2 * HANDSHAKE_TIMEOUT).await;
-            release(&pending, &peer_addr.to_string());
+            release(&pending, &key);
         });
     }
 }

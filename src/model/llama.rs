@@ -75,6 +75,12 @@ pub struct LlamaActs {
     gate_up: Vec<f32>, // (N, 2F)
     act: Vec<f32>,     // (N, F)
     scratch: Vec<f32>,
+    // Backward's intermediate gradients, kept so a step allocates nothing.
+    dact: Vec<f32>,  // (N, F)
+    dgu: Vec<f32>,   // (N, 2F)
+    dn: Vec<f32>,    // (N, C): ∂L/∂n2, then ∂L/∂n1
+    datty: Vec<f32>, // (N, NH·HS)
+    dqkv: Vec<f32>,  // (N, W)
 }
 
 impl LlamaActs {
@@ -93,6 +99,11 @@ impl LlamaActs {
             gate_up: vec![0.0; n * 2 * f],
             act: vec![0.0; n * f],
             scratch: vec![0.0; scratch_len(b, heads.nh, t)],
+            dact: vec![0.0; n * f],
+            dgu: vec![0.0; n * 2 * f],
+            dn: vec![0.0; n * c],
+            datty: vec![0.0; n * heads.out_width()],
+            dqkv: vec![0.0; n * heads.qkv_width()],
         }
     }
 }
@@ -197,34 +208,31 @@ pub fn llama_block_backward(
     let (n, c, f, heads) = (b * t, s.c, s.f, s.heads);
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     // MLP: dres is ∂L/∂out, which is also the residual's share of ∂L/∂h.
-    let mut dact = vec![0.0; n * f];
     let (wd, dwd) = split(p, DOWN);
-    linear_backward(&mut dact, false, dwd, dres, c, 0, &a.act, wd, n, f, c);
-    let mut dgu = vec![0.0; n * 2 * f];
-    swiglu::swiglu_backward(&mut dgu, &dact, &a.gate_up, n, f);
-    let mut dn2 = vec![0.0; n * c];
+    linear_backward(&mut a.dact, false, dwd, dres, c, 0, &a.act, wd, n, f, c);
+    // The two kernels below accumulate: their gradients start from zero.
+    a.dgu.fill(0.0);
+    swiglu::swiglu_backward(&mut a.dgu, &a.dact, &a.gate_up, n, f);
     let (wg, dwg) = split(p, GATE);
-    linear_backward(&mut dn2, false, dwg, &dgu, 2 * f, 0, &a.n2, wg, n, c, f);
+    linear_backward(&mut a.dn, false, dwg, &a.dgu, 2 * f, 0, &a.n2, wg, n, c, f);
     let (wu, dwu) = split(p, UP);
-    linear_backward(&mut dn2, true, dwu, &dgu, 2 * f, f, &a.n2, wu, n, c, f);
+    linear_backward(&mut a.dn, true, dwu, &a.dgu, 2 * f, f, &a.n2, wu, n, c, f);
     let (w2, dw2) = split(p, POST_NORM);
-    rmsnorm::rmsnorm_backward(dres, dw2, &dn2, &a.h, w2, &a.rstd2, n, c);
+    rmsnorm::rmsnorm_backward(dres, dw2, &a.dn, &a.h, w2, &a.rstd2, n, c);
     // Attention: dres is now ∂L/∂h, the residual's share of ∂L/∂x.
-    let mut datty = vec![0.0; n * q];
     let (wo, dwo) = split(p, O);
-    linear_backward(&mut datty, false, dwo, dres, c, 0, &a.atty, wo, n, q, c);
-    let mut dqkv = vec![0.0; n * w];
-    gqa_backward(&mut dqkv, &mut a.scratch, &datty, &a.qkv, &a.atty, &a.lse, b, t, heads);
-    rope_backward(&mut dqkv, rope, n, w, 0, heads.nh + heads.nkv);
-    let mut dn1 = vec![0.0; n * c];
+    linear_backward(&mut a.datty, false, dwo, dres, c, 0, &a.atty, wo, n, q, c);
+    a.dqkv.fill(0.0);
+    gqa_backward(&mut a.dqkv, &mut a.scratch, &a.datty, &a.qkv, &a.atty, &a.lse, b, t, heads);
+    rope_backward(&mut a.dqkv, rope, n, w, 0, heads.nh + heads.nkv);
     let (wq, dwq) = split(p, Q);
-    linear_backward(&mut dn1, false, dwq, &dqkv, w, 0, &a.n1, wq, n, c, q);
+    linear_backward(&mut a.dn, false, dwq, &a.dqkv, w, 0, &a.n1, wq, n, c, q);
     let (wk, dwk) = split(p, K);
-    linear_backward(&mut dn1, true, dwk, &dqkv, w, q, &a.n1, wk, n, c, kv);
+    linear_backward(&mut a.dn, true, dwk, &a.dqkv, w, q, &a.n1, wk, n, c, kv);
     let (wv, dwv) = split(p, V);
-    linear_backward(&mut dn1, true, dwv, &dqkv, w, q + kv, &a.n1, wv, n, c, kv);
+    linear_backward(&mut a.dn, true, dwv, &a.dqkv, w, q + kv, &a.n1, wv, n, c, kv);
     let (w1, dw1) = split(p, IN_NORM);
-    rmsnorm::rmsnorm_backward(dres, dw1, &dn1, x, w1, &a.rstd1, n, c);
+    rmsnorm::rmsnorm_backward(dres, dw1, &a.dn, x, w1, &a.rstd1, n, c);
 }
 
 /// A parameter's values and its gradient, borrowed apart.

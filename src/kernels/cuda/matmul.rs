@@ -377,9 +377,25 @@ pub fn bias_backward_view<X: Elem>(
     let (p, d, ni, oci, ld, rows) =
         (partial.ptr(), dout.ptr, n as i32, oc as i32, dout.ld as i32, BIAS_ROWS as i32);
     gpu.launch(f, (blocks(oc, 256), chunks as u32, 1), (256, 1, 1), &mut args![p, d, ni, oci, ld, rows])?;
+    sum_chunks::<X>(gpu, dbias, partial, chunks, oc)
+}
+
+/// out (cols) f32 += Σ_k partial[k, ..] over `chunks` rows of per-chunk
+/// column sums, chunks in order: the second pass of every column reduction
+/// without atomics (bias and RMSNorm weight gradients).
+pub fn sum_chunks<X: Elem>(
+    gpu: &Gpu,
+    out: u64,
+    partial: &DeviceBuffer<f32>,
+    chunks: usize,
+    cols: usize,
+) -> Result<()> {
+    ensure(partial.len() >= chunks * cols, || {
+        format!("sum_chunks: scratch of {} for {chunks}×{cols}", partial.len())
+    })?;
     let f = gpu.function::<X>("matmul", "bias_backward_finish")?;
-    let ch = chunks as i32;
-    gpu.launch(f, (blocks(oc, 256), 1, 1), (256, 1, 1), &mut args![dbias, p, ch, oci])
+    let (p, ch, ci) = (partial.ptr(), chunks as i32, cols as i32);
+    gpu.launch(f, (blocks(cols, 256), 1, 1), (256, 1, 1), &mut args![out, p, ch, ci])
 }
 
 /// A row-major matrix on the device: its address and its row stride in

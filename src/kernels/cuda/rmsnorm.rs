@@ -84,7 +84,5 @@ pub fn rmsnorm_backward_weight<X: Elem>(
     let (p, dy, x, r, ni, ci, rows) =
         (partial.ptr(), dout.ptr(), inp.ptr(), rstd.ptr(), n as i32, c as i32, ROWS as i32);
     gpu.launch(f, (blocks(c, 256), chunks as u32, 1), (256, 1, 1), &mut args![p, dy, x, r, ni, ci, rows])?;
-    let f = gpu.function::<X>("rmsnorm", "rmsnorm_backward_weight_finish")?;
-    let ch = chunks as i32;
-    gpu.launch(f, (blocks(c, 256), 1, 1), (256, 1, 1), &mut args![dweight, p, ch, ci])
+    super::matmul::sum_chunks::<X>(gpu, dweight, partial, chunks, c)
 }
