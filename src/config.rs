@@ -85,6 +85,17 @@ choice! {
 }
 
 choice! {
+    /// The architecture (`model.family`).
+    pub enum Family {
+        /// GPT-2: LayerNorm, learned positions, GELU MLP, biases, tied head.
+        Gpt2 = "gpt2",
+        /// Llama: RMSNorm, rotary positions, SwiGLU MLP, grouped-query
+        /// attention, no biases, untied head unless tied.
+        Llama = "llama",
+    }
+}
+
+choice! {
     /// A corpus made in memory instead of token files (`data.builtin`).
     pub enum Builtin {
         /// No built-in corpus: read `data.train` (and `data.val`).
@@ -190,9 +201,24 @@ pub struct TraceSection {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
+    /// "gpt2" or "llama".
+    pub family: Family,
     pub n_layer: usize,
     pub n_head: usize,
     pub n_embd: usize,
+    /// Key/value heads (Llama's `num_key_value_heads`), dividing `n_head`;
+    /// 0 means one per query head. GPT-2 has one per query head.
+    pub n_kv_head: usize,
+    /// Width of the MLP's hidden layer (`intermediate_size`); 0 means
+    /// GPT-2's 4·n_embd, which is the only width GPT-2 takes.
+    pub intermediate_size: usize,
+    /// Llama: the rotary embedding's base.
+    pub rope_theta: f64,
+    /// Llama: RMSNorm's epsilon.
+    pub rms_norm_eps: f64,
+    /// Whether the LM head reads the token embedding. GPT-2's always does;
+    /// Llama's does only when this is true.
+    pub tie_word_embeddings: Option<bool>,
     /// Tokens the model can predict; the embedding is padded internally to a
     /// multiple of 64 but padded rows are never predicted nor exported.
     pub vocab_size: usize,
@@ -369,7 +395,19 @@ impl Default for SimSection {
 
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, block_size: 1024 }
+        ModelSection {
+            family: Family::Gpt2,
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            n_kv_head: 0,
+            intermediate_size: 0,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: None,
+            vocab_size: 50257,
+            block_size: 1024,
+        }
     }
 }
 
@@ -453,6 +491,30 @@ impl ModelSection {
     /// where `n_embd % n_head == 0` has been checked.
     pub fn head_dim(&self) -> usize {
         self.n_embd / self.n_head
+    }
+
+    /// Key/value heads: `n_kv_head`, or one per query head.
+    pub fn kv_heads(&self) -> usize {
+        match (self.family, self.n_kv_head) {
+            (Family::Llama, k) if k > 0 => k,
+            _ => self.n_head,
+        }
+    }
+
+    /// The MLP's hidden width.
+    pub fn ffn_width(&self) -> usize {
+        match (self.family, self.intermediate_size) {
+            (Family::Llama, f) if f > 0 => f,
+            _ => 4 * self.n_embd,
+        }
+    }
+
+    /// Whether the head reads the token embedding.
+    pub fn tied(&self) -> bool {
+        match self.family {
+            Family::Gpt2 => true,
+            Family::Llama => self.tie_word_embeddings.unwrap_or(false),
+        }
     }
 }
 
@@ -862,6 +924,21 @@ impl Config {
                 p.tp_slices,
                 format!("must divide model.n_head = {} (a slice is whole heads)", self.model.n_head),
             );
+            v.check(
+                self.model.kv_heads().is_multiple_of(p.tp_slices),
+                "parallel.tp_slices",
+                p.tp_slices,
+                format!(
+                    "must divide the key/value heads = {} (model.n_kv_head: a slice is whole groups)",
+                    self.model.kv_heads()
+                ),
+            );
+            v.check(
+                self.model.ffn_width().is_multiple_of(p.tp_slices),
+                "parallel.tp_slices",
+                p.tp_slices,
+                format!("must divide model.intermediate_size = {}", self.model.ffn_width()),
+            );
         }
         let kind = self.backend.kind;
         v.check(
@@ -909,10 +986,80 @@ impl Config {
                 format!("must be divisible by model.n_head ({})", m.n_head),
             );
         }
+        self.check_family(v);
         // Token ids travel as i32 (llm.c's format, the kernels' indices).
         v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
         // One position predicts the next: a window of one token has no target.
         v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
+    }
+
+    /// The fields one family reads and the other refuses.
+    fn check_family(&self, v: &mut Validator) {
+        let m = &self.model;
+        match m.family {
+            Family::Gpt2 => {
+                v.check(
+                    m.n_kv_head == 0 || m.n_kv_head == m.n_head,
+                    "model.n_kv_head",
+                    m.n_kv_head,
+                    "must be 0 or model.n_head with model.family = \"gpt2\" (GPT-2 has a key/value head per \
+                     query head; grouped-query attention is model.family = \"llama\")",
+                );
+                v.check(
+                    m.intermediate_size == 0 || m.intermediate_size == 4 * m.n_embd,
+                    "model.intermediate_size",
+                    m.intermediate_size,
+                    format!("must be 0 or 4·model.n_embd = {} with model.family = \"gpt2\"", 4 * m.n_embd),
+                );
+                v.check(
+                    m.tie_word_embeddings != Some(false),
+                    "model.tie_word_embeddings",
+                    "false",
+                    "must be true (or unset) with model.family = \"gpt2\": GPT-2's head is the token embedding",
+                );
+            }
+            Family::Llama => {
+                let kv = m.kv_heads();
+                if m.n_head > 0 {
+                    v.check(
+                        kv > 0 && m.n_head.is_multiple_of(kv),
+                        "model.n_kv_head",
+                        m.n_kv_head,
+                        format!(
+                            "must divide model.n_head = {} (each key/value head serves a group)",
+                            m.n_head
+                        ),
+                    );
+                    v.check(
+                        m.head_dim().is_multiple_of(2) && m.n_embd.is_multiple_of(m.n_head),
+                        "model.n_embd",
+                        m.n_embd,
+                        format!(
+                            "must be model.n_head ({}) times an even head width (rotary embeddings turn pairs)",
+                            m.n_head
+                        ),
+                    );
+                }
+                v.check(
+                    m.intermediate_size > 0,
+                    "model.intermediate_size",
+                    m.intermediate_size,
+                    "must be > 0 with model.family = \"llama\" (the SwiGLU MLP's width)",
+                );
+                v.check(
+                    m.rope_theta.is_finite() && m.rope_theta > 1.0 && m.rope_theta <= 1e12,
+                    "model.rope_theta",
+                    m.rope_theta,
+                    "must be a finite base in (1, 1e12]",
+                );
+                v.check(
+                    m.rms_norm_eps.is_finite() && m.rms_norm_eps > 0.0 && m.rms_norm_eps < 1.0,
+                    "model.rms_norm_eps",
+                    m.rms_norm_eps,
+                    "must be a finite epsilon in (0, 1)",
+                );
+            }
+        }
     }
 
     /// Whether `name` is an actor of a run with this config (or "all").

@@ -344,7 +344,7 @@ mod tests {
     use super::*;
 
     fn tiny() -> GptConfig {
-        GptConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 40, block_size: 12 }
+        GptConfig::gpt2(2, 2, 16, 40, 12)
     }
 
     const GREEDY: Sampling = Sampling { temperature: 0.0, top_k: None, seed: 0 };

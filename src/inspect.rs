@@ -282,7 +282,7 @@ mod tests {
     fn a_hugging_face_config_json_beside_the_weights_is_summarized() {
         let dir = tempfile::tempdir().unwrap();
         tiny_model(dir.path());
-        let cfg = crate::model::GptConfig { n_layer: 2, n_head: 1, n_embd: 4, vocab_size: 10, block_size: 8 };
+        let cfg = crate::model::GptConfig::gpt2(2, 1, 4, 10, 8);
         std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
         let out = inspect(dir.path()).unwrap();
         assert!(

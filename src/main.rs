@@ -486,13 +486,7 @@ fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.matmul_size > 0, "--matmul-size must be at least 1");
     let gpu = Gpu::new(args.device)?;
     eprintln!("pipewright gpu-bench: GPU {}, {} (sm_{})", args.device, gpu.name, gpu.arch);
-    let cfg = GptConfig {
-        n_layer: args.layers,
-        n_head: args.heads,
-        n_embd: args.embd,
-        vocab_size: args.vocab,
-        block_size: args.seq,
-    };
+    let cfg = GptConfig::gpt2(args.layers, args.heads, args.embd, args.vocab, args.seq);
     let bargs = bench::BenchArgs {
         cfg,
         micro_batch: args.micro_batch,

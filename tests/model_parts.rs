@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 fn tiny() -> GptConfig {
-    GptConfig { n_layer: 3, n_head: 2, n_embd: 16, vocab_size: 13, block_size: 7 }
+    GptConfig::gpt2(3, 2, 16, 13, 7)
 }
 
 fn batch(cfg: &GptConfig, b: usize, seed: u32) -> (Vec<u32>, Vec<u32>) {
@@ -125,7 +125,7 @@ fn two_parts_give_the_same_bits_as_one() {
 
 #[test]
 fn recompute_keeps_less_activation_memory() {
-    let cfg = GptConfig { n_layer: 4, n_head: 2, n_embd: 32, vocab_size: 50, block_size: 16 };
+    let cfg = GptConfig::gpt2(4, 2, 32, 50, 16);
     let (tok, tgt) = batch(&cfg, 4, 0);
     let mut bytes = vec![];
     for recompute in [false, true] {
@@ -233,7 +233,7 @@ fn split_run_over(
     zb: bool,
     recompute: bool,
 ) -> (f64, Vec<(String, Vec<u32>)>) {
-    let cfg = GptConfig { n_layer: 3, n_head: 4, n_embd: 32, vocab_size: 13, block_size: 8 };
+    let cfg = GptConfig::gpt2(3, 4, 32, 13, 8);
     let b = 2;
     let mut followers = Vec::new();
     let mut mk = |spec: PartSpec| {
@@ -416,7 +416,7 @@ impl Exchange for Unreached {
 
 #[test]
 fn a_follower_refuses_commands_that_do_not_fit_its_part_with_a_reason() {
-    let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 32, vocab_size: 13, block_size: 8 };
+    let cfg = GptConfig::gpt2(2, 4, 32, 13, 8);
     let spec = PartSpec { layers: 0..2, embedding: false, head: false };
     let tp = TpShape { size: 2, slices: 2 };
     let mut f = TpFollower::new(cfg, spec, 2, false, tp, 1..2, 1, Box::new(Unreached));

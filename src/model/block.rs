@@ -23,8 +23,9 @@
 //! other paths for other shapes, so a block of a larger product need not
 //! have that product's bits (at small shapes it does not; tested below).
 
+use super::llama::{self, LlamaActs, LlamaGrads, LlamaScratch};
 use super::params::block::*;
-use super::params::{GptConfig, Param};
+use super::params::{Family, GptConfig, Param};
 use super::part::pair;
 use crate::kernels::cpu::matmul::{gemm_checked, gemm_raw, pool_par, Mat};
 use crate::kernels::cpu::tree::{tree_sum, tree_sum_elementwise};
@@ -62,9 +63,136 @@ impl TpRank<'_> {
     }
 }
 
-/// Intermediate values of one block for one microbatch, for one rank.
+/// One block's intermediate values for one microbatch on one rank, in its family's form.
+pub enum BlockActs {
+    Gpt2(Gpt2Acts),
+    Llama(LlamaActs),
+}
+
+/// The gradients a block's I keeps for its W, in its family's form.
+pub enum BlockGrads {
+    Gpt2(Gpt2Grads),
+    Llama(LlamaGrads),
+}
+
+/// One rank's block workspace, in its family's form.
+pub enum BlockScratch {
+    Gpt2(Gpt2Scratch),
+    Llama(LlamaScratch),
+}
+
+impl BlockActs {
+    pub fn new(b: usize, cfg: &GptConfig, size: usize) -> Self {
+        match cfg.family {
+            Family::Gpt2 => BlockActs::Gpt2(Gpt2Acts::new(b, cfg, size)),
+            Family::Llama => BlockActs::Llama(LlamaActs::new(b, cfg, size)),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            BlockActs::Gpt2(a) => a.bytes(),
+            BlockActs::Llama(a) => a.bytes(),
+        }
+    }
+}
+
+impl BlockGrads {
+    pub fn new(n: usize, cfg: &GptConfig, size: usize) -> Self {
+        match cfg.family {
+            Family::Gpt2 => BlockGrads::Gpt2(Gpt2Grads::new(n, cfg.n_embd, size)),
+            Family::Llama => BlockGrads::Llama(LlamaGrads::new(n, cfg, size)),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            BlockGrads::Gpt2(g) => g.bytes(),
+            BlockGrads::Llama(g) => g.bytes(),
+        }
+    }
+}
+
+impl BlockScratch {
+    pub fn new(b: usize, cfg: &GptConfig, tp: &TpRank) -> Self {
+        match cfg.family {
+            Family::Gpt2 => BlockScratch::Gpt2(Gpt2Scratch::new(b, cfg, tp)),
+            Family::Llama => BlockScratch::Llama(LlamaScratch::new(b, cfg, tp)),
+        }
+    }
+}
+
+/// A family mismatch between a block's buffers: they are all made from one config.
+fn mismatch() -> ! {
+    unreachable!("a block's buffers made for another family")
+}
+
+/// One block's forward on one rank: `p` holds the rank's shards of the
+/// block's tensors (`cfg.block_len()` of them).
+#[allow(clippy::too_many_arguments)]
+pub fn block_forward(
+    p: &[Param],
+    a: &mut BlockActs,
+    x: &[f32],
+    out: &mut [f32],
+    s: &mut BlockScratch,
+    b: usize,
+    cfg: &GptConfig,
+    tp: &TpRank,
+) {
+    match (a, s) {
+        (BlockActs::Gpt2(a), BlockScratch::Gpt2(s)) => gpt2_forward(p, a, x, out, s, b, cfg, tp),
+        (BlockActs::Llama(a), BlockScratch::Llama(s)) => llama::forward(p, a, x, out, s, b, cfg, tp),
+        _ => mismatch(),
+    }
+}
+
+/// The input half of one block's backward on one rank (see
+/// [`gpt2_backward_input`]); with `full`, the weight half too, as it goes.
+#[allow(clippy::too_many_arguments)]
+pub fn block_backward_input(
+    p: &mut [Param],
+    a: &BlockActs,
+    x: &[f32],
+    dres: &mut [f32],
+    g: &mut BlockGrads,
+    s: &mut BlockScratch,
+    b: usize,
+    cfg: &GptConfig,
+    tp: &TpRank,
+    full: bool,
+) {
+    match (a, g, s) {
+        (BlockActs::Gpt2(a), BlockGrads::Gpt2(g), BlockScratch::Gpt2(s)) => {
+            gpt2_backward_input(p, a, x, dres, g, s, b, cfg, tp, full)
+        }
+        (BlockActs::Llama(a), BlockGrads::Llama(g), BlockScratch::Llama(s)) => {
+            llama::backward_input(p, a, x, dres, g, s, b, cfg, tp, full)
+        }
+        _ => mismatch(),
+    }
+}
+
+/// The weight half of one block's backward (a W) on one rank.
+pub fn block_backward_weight(
+    p: &mut [Param],
+    a: &BlockActs,
+    x: &[f32],
+    g: &BlockGrads,
+    b: usize,
+    cfg: &GptConfig,
+    tp: &TpRank,
+) {
+    match (a, g) {
+        (BlockActs::Gpt2(a), BlockGrads::Gpt2(g)) => gpt2_backward_weight(p, a, x, g, b, cfg, tp),
+        (BlockActs::Llama(a), BlockGrads::Llama(g)) => llama::backward_weight(p, a, x, g, b, cfg, tp),
+        _ => mismatch(),
+    }
+}
+
+/// GPT-2's intermediate values of one block for one microbatch, for one rank.
 #[derive(Default)]
-pub struct BlockActs {
+pub struct Gpt2Acts {
     ln1: Vec<f32>,      // (N, C)
     ln1_mean: Vec<f32>, // (N)
     ln1_rstd: Vec<f32>, // (N)
@@ -79,11 +207,11 @@ pub struct BlockActs {
     fch_gelu: Vec<f32>, // (N, 4C/size)
 }
 
-impl BlockActs {
+impl Gpt2Acts {
     pub fn new(b: usize, cfg: &GptConfig, size: usize) -> Self {
         let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
         let (n, cl) = (b * t, c / size);
-        BlockActs {
+        Gpt2Acts {
             ln1: vec![0.0; n * c],
             ln1_mean: vec![0.0; n],
             ln1_rstd: vec![0.0; n],
@@ -117,7 +245,7 @@ impl BlockActs {
 
 /// The gradients of a block's intermediate outputs, produced by the input half
 /// of its backward (I) and consumed by the weight half (W).
-pub struct BlockGrads {
+pub struct Gpt2Grads {
     dout: Vec<f32>,  // (N, C) the block's output
     dfch: Vec<f32>,  // (N, 4C/size) the MLP's first product
     dln2: Vec<f32>,  // (N, C)
@@ -126,10 +254,10 @@ pub struct BlockGrads {
     dln1: Vec<f32>,  // (N, C)
 }
 
-impl BlockGrads {
+impl Gpt2Grads {
     pub fn new(n: usize, c: usize, size: usize) -> Self {
         let cl = c / size;
-        BlockGrads {
+        Gpt2Grads {
             dout: vec![0.0; n * c],
             dfch: vec![0.0; n * 4 * cl],
             dln2: vec![0.0; n * c],
@@ -150,7 +278,7 @@ impl BlockGrads {
 }
 
 /// Workspace of one rank's blocks (one microbatch runs at a time).
-pub struct BlockScratch {
+pub struct Gpt2Scratch {
     datty: Vec<f32>, // (N, C/size)
     dgelu: Vec<f32>, // (N, 4C/size)
     attn: Vec<f32>,
@@ -159,10 +287,10 @@ pub struct BlockScratch {
     leaves: Vec<Vec<f32>>,
 }
 
-impl BlockScratch {
+impl Gpt2Scratch {
     pub fn new(b: usize, cfg: &GptConfig, tp: &TpRank) -> Self {
         let (n, cl) = (b * cfg.block_size, cfg.n_embd / tp.size);
-        BlockScratch {
+        Gpt2Scratch {
             datty: vec![0.0; n * cl],
             dgelu: vec![0.0; n * 4 * cl],
             attn: vec![0.0; attention::scratch_len(b, cfg.n_head / tp.size, cfg.block_size)],
@@ -357,12 +485,12 @@ enum Split {
 
 /// One block's forward on one rank: `p` holds the rank's shards.
 #[allow(clippy::too_many_arguments)]
-pub fn block_forward(
+fn gpt2_forward(
     p: &[Param],
-    a: &mut BlockActs,
+    a: &mut Gpt2Acts,
     x: &[f32],
     out: &mut [f32],
-    s: &mut BlockScratch,
+    s: &mut Gpt2Scratch,
     b: usize,
     cfg: &GptConfig,
     tp: &TpRank,
@@ -417,13 +545,13 @@ pub fn block_forward(
 /// kernel calls on the same inputs as the later W of a split backward, so the
 /// same bits — and the gradients that `dres` carries need no copies.
 #[allow(clippy::too_many_arguments)]
-pub fn block_backward_input(
+fn gpt2_backward_input(
     p: &mut [Param],
-    a: &BlockActs,
+    a: &Gpt2Acts,
     x: &[f32],
     dres: &mut [f32],
-    g: &mut BlockGrads,
-    s: &mut BlockScratch,
+    g: &mut Gpt2Grads,
+    s: &mut Gpt2Scratch,
     b: usize,
     cfg: &GptConfig,
     tp: &TpRank,
@@ -559,11 +687,11 @@ fn norm_grad(
 
 /// The weight half of one block's backward (a W): accumulates every weight
 /// gradient of the block from its activations and the output gradients its I kept.
-pub fn block_backward_weight(
+fn gpt2_backward_weight(
     p: &mut [Param],
-    a: &BlockActs,
+    a: &Gpt2Acts,
     x: &[f32],
-    g: &BlockGrads,
+    g: &Gpt2Grads,
     b: usize,
     cfg: &GptConfig,
     tp: &TpRank,
@@ -590,8 +718,11 @@ pub enum Cut {
     Rows,
 }
 
-/// How block tensor `i` (its index among the block's 12) is cut.
-pub fn cut_of(i: usize) -> Cut {
+/// How block tensor `i` (its index among the block's tensors) is cut.
+pub fn cut_of(cfg: &GptConfig, i: usize) -> Cut {
+    if cfg.family == Family::Llama {
+        return super::llama::cut_of(i);
+    }
     match i {
         QKVW | QKVB => Cut::Columns { parts: 3 },
         FCW | FCB => Cut::Columns { parts: 1 },
@@ -601,16 +732,16 @@ pub fn cut_of(i: usize) -> Cut {
 }
 
 /// Rank `rank` of `size`'s piece of block tensor `i`, whose last dimension is `cols` long.
-pub fn shard(i: usize, full: &[f32], cols: usize, rank: usize, size: usize) -> Vec<f32> {
+pub fn shard(cut: Cut, full: &[f32], cols: usize, rank: usize, size: usize) -> Vec<f32> {
     let mut out = Vec::new();
-    shard_into(&mut out, i, full, cols, rank, size);
+    shard_into(&mut out, cut, full, cols, rank, size);
     out
 }
 
 /// [`shard`] into `out`, reusing its memory (ranks cut their shards at every forward).
-pub fn shard_into(out: &mut Vec<f32>, i: usize, full: &[f32], cols: usize, rank: usize, size: usize) {
+pub fn shard_into(out: &mut Vec<f32>, cut: Cut, full: &[f32], cols: usize, rank: usize, size: usize) {
     out.clear();
-    match cut_of(i) {
+    match cut {
         Cut::Whole => out.extend_from_slice(full),
         Cut::Rows => {
             let run = full.len() / size;
@@ -629,21 +760,21 @@ pub fn shard_into(out: &mut Vec<f32>, i: usize, full: &[f32], cols: usize, rank:
 
 /// Block tensor `i` joined from every rank's piece (rank order); the
 /// inverse of [`shard`]. A whole tensor is rank 0's.
-pub fn unshard(i: usize, pieces: &[&[f32]], cols: usize) -> Vec<f32> {
-    let len = match cut_of(i) {
+pub fn unshard(cut: Cut, pieces: &[&[f32]], cols: usize) -> Vec<f32> {
+    let len = match cut {
         Cut::Whole => pieces[0].len(),
         _ => pieces.iter().map(|p| p.len()).sum(),
     };
     let mut full = vec![0.0; len];
-    unshard_into(&mut full, i, pieces, cols);
+    unshard_into(&mut full, cut, pieces, cols);
     full
 }
 
 /// [`unshard`] into `full`, the whole tensor's memory (gradients are joined
 /// after every block's weight gradients).
-pub fn unshard_into(full: &mut [f32], i: usize, pieces: &[&[f32]], cols: usize) {
+pub fn unshard_into(full: &mut [f32], cut: Cut, pieces: &[&[f32]], cols: usize) {
     let size = pieces.len();
-    match cut_of(i) {
+    match cut {
         Cut::Whole => full.copy_from_slice(pieces[0]),
         Cut::Rows => {
             for (dst, src) in full.chunks_mut(full.len() / size).zip(pieces) {
@@ -795,13 +926,13 @@ mod tests {
     const B: usize = 2;
 
     fn cfg() -> GptConfig {
-        GptConfig { n_layer: 1, n_head: 8, n_embd: 64, vocab_size: 16, block_size: 24 }
+        GptConfig::gpt2(1, 8, 64, 16, 24)
     }
 
     /// Shapes small enough that `gemm` takes other paths than for `cfg`'s:
     /// a column block of a product is then not the whole product's bits.
     fn small_cfg() -> GptConfig {
-        GptConfig { n_layer: 1, n_head: 4, n_embd: 32, vocab_size: 16, block_size: 8 }
+        GptConfig::gpt2(1, 4, 32, 16, 8)
     }
 
     fn noise(len: usize, seed: u64) -> Vec<f32> {
@@ -848,7 +979,7 @@ mod tests {
             .enumerate()
             .map(|(i, q)| {
                 let cols = *q.shape.last().unwrap();
-                let data = shard(i, &q.data, cols, tp.rank, tp.size);
+                let data = shard(cut_of(cfg, i), &q.data, cols, tp.rank, tp.size);
                 Param { grad: vec![0.0; data.len()], data, ..q.clone() }
             })
             .collect();
@@ -858,7 +989,7 @@ mod tests {
         let mut out = vec![0.0; n * c];
         block_forward(&p, &mut a, &x, &mut out, &mut s, B, cfg, tp);
         let mut dx = noise(n * c, 8);
-        let mut g = BlockGrads::new(n, c, tp.size);
+        let mut g = BlockGrads::new(n, cfg, tp.size);
         block_backward_input(&mut p, &a, &x, &mut dx, &mut g, &mut s, B, cfg, tp, !split);
         if split {
             block_backward_weight(&mut p, &a, &x, &g, B, cfg, tp);
@@ -913,8 +1044,12 @@ mod tests {
             for (i, whole) in one.grads.iter().enumerate() {
                 let pieces: Vec<&[f32]> = ranks.iter().map(|res| res.grads[i].as_slice()).collect();
                 let cols = *full[i].shape.last().unwrap();
-                same_bits(&unshard(i, &pieces, cols), whole, &format!("{} at {size} ranks", full[i].name));
-                if cut_of(i) == Cut::Whole {
+                same_bits(
+                    &unshard(cut_of(&cfg, i), &pieces, cols),
+                    whole,
+                    &format!("{} at {size} ranks", full[i].name),
+                );
+                if cut_of(&cfg, i) == Cut::Whole {
                     for (r, p) in pieces.iter().enumerate() {
                         same_bits(p, whole, &format!("{}: rank {r} of {size} holds it whole", full[i].name));
                     }
@@ -964,13 +1099,14 @@ mod tests {
         for size in [1, 2, 4, 8] {
             for (i, p) in full.iter().enumerate() {
                 let cols = *p.shape.last().unwrap();
-                let pieces: Vec<Vec<f32>> = (0..size).map(|r| shard(i, &p.data, cols, r, size)).collect();
+                let pieces: Vec<Vec<f32>> =
+                    (0..size).map(|r| shard(cut_of(&cfg, i), &p.data, cols, r, size)).collect();
                 let refs: Vec<&[f32]> = pieces.iter().map(Vec::as_slice).collect();
-                same_bits(&unshard(i, &refs, cols), &p.data, &format!("{} at {size}", p.name));
+                same_bits(&unshard(cut_of(&cfg, i), &refs, cols), &p.data, &format!("{} at {size}", p.name));
             }
         }
         // Rank 1 of 2 holds heads 4..8: q columns 32..64 of row 0 come first.
-        let q = shard(QKVW, &full[QKVW].data, 192, 1, 2);
+        let q = shard(cut_of(&cfg, QKVW), &full[QKVW].data, 192, 1, 2);
         assert_eq!(&q[..32], &full[QKVW].data[32..64]);
         assert_eq!(&q[32..64], &full[QKVW].data[64 + 32..128]);
     }

@@ -176,7 +176,7 @@ mod tests {
 
     #[test]
     fn what_we_write_reads_back_as_the_same_shape() {
-        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 16, vocab_size: 256, block_size: 65 };
+        let cfg = GptConfig::gpt2(3, 2, 16, 256, 65);
         let s = parse_shape(Path::new("config.json"), &config_json(&cfg)).unwrap();
         assert_eq!((s.n_layer, s.n_head, s.n_embd, s.vocab_size, s.n_positions), (3, 2, 16, 256, 65));
         let v: serde_json::Value = serde_json::from_str(&config_json(&cfg)).unwrap();

@@ -379,7 +379,7 @@ mod tests {
     use super::*;
 
     fn tiny(n_layer: usize) -> GptConfig {
-        GptConfig { n_layer, n_head: 2, n_embd: 8, vocab_size: 16, block_size: 4 }
+        GptConfig::gpt2(n_layer, 2, 8, 16, 4)
     }
 
     /// A safetensors file holding every tensor of `cfg` (zeros), each name

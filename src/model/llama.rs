@@ -13,10 +13,11 @@
 //! the layer, written out from `kernels::cpu` like GPT-2's block. Its tensor
 //! split and its place in a pipeline part come with the family seam.
 
-use super::params::Param;
+use super::block::{Cut, TpRank};
+use super::params::{GptConfig, Param};
 use crate::kernels::cpu::attention::{gqa_backward, gqa_forward, scratch_len, Heads};
 use crate::kernels::cpu::matmul::{gemm_raw, pool_par, Mat};
-use crate::kernels::cpu::rope::{rope_backward, rope_forward, RopeTable};
+use crate::kernels::cpu::rope::{inv_freq, rope_backward, rope_forward, RopeTable};
 use crate::kernels::cpu::{residual, rmsnorm, swiglu};
 
 /// The shape of one Llama block.
@@ -30,6 +31,15 @@ pub struct LlamaBlockShape {
     /// `rms_norm_eps`.
     pub eps: f32,
 }
+
+impl LlamaBlockShape {
+    pub fn of(cfg: &super::GptConfig) -> Self {
+        LlamaBlockShape { c: cfg.n_embd, heads: cfg.heads(), f: cfg.ffn(), eps: cfg.norm_eps }
+    }
+}
+
+/// Tensors per block.
+pub const BLOCK_LEN: usize = 9;
 
 /// Indices of a block's tensors, in [`block_tensors`] order.
 pub const IN_NORM: usize = 0;
@@ -74,17 +84,20 @@ pub struct LlamaActs {
     rstd2: Vec<f32>,   // (N)
     gate_up: Vec<f32>, // (N, 2F)
     act: Vec<f32>,     // (N, F)
-    scratch: Vec<f32>,
-    // Backward's intermediate gradients, kept so a step allocates nothing.
-    dact: Vec<f32>,  // (N, F)
-    dgu: Vec<f32>,   // (N, 2F)
-    dn: Vec<f32>,    // (N, C): ∂L/∂n2, then ∂L/∂n1
-    datty: Vec<f32>, // (N, NH·HS)
-    dqkv: Vec<f32>,  // (N, W)
 }
 
 impl LlamaActs {
-    pub fn new(b: usize, t: usize, s: &LlamaBlockShape) -> Self {
+    pub fn new(b: usize, cfg: &GptConfig, size: usize) -> Self {
+        assert_eq!(size, 1, "a Llama block split over ranks (refused by the config)");
+        LlamaActs::with_shape(b, cfg.block_size, &LlamaBlockShape::of(cfg))
+    }
+
+    pub fn bytes(&self) -> usize {
+        let all = [&self.n1, &self.rstd1, &self.qkv, &self.atty, &self.lse, &self.h, &self.n2, &self.rstd2];
+        4 * (all.iter().map(|v| v.len()).sum::<usize>() + self.gate_up.len() + self.act.len())
+    }
+
+    pub fn with_shape(b: usize, t: usize, s: &LlamaBlockShape) -> Self {
         let n = b * t;
         let (c, f, heads) = (s.c, s.f, s.heads);
         LlamaActs {
@@ -98,7 +111,48 @@ impl LlamaActs {
             rstd2: vec![0.0; n],
             gate_up: vec![0.0; n * 2 * f],
             act: vec![0.0; n * f],
-            scratch: vec![0.0; scratch_len(b, heads.nh, t)],
+        }
+    }
+}
+
+/// What a block's I keeps for its W.
+pub struct LlamaGrads;
+
+impl LlamaGrads {
+    pub fn new(_n: usize, _cfg: &GptConfig, _size: usize) -> Self {
+        LlamaGrads
+    }
+
+    pub fn bytes(&self) -> usize {
+        0
+    }
+}
+
+/// One rank's workspace (one microbatch runs at a time): the rotary table
+/// and backward's intermediate gradients, kept so a step allocates nothing.
+pub struct LlamaScratch {
+    rope: RopeTable,
+    attn: Vec<f32>,
+    dact: Vec<f32>,  // (N, F)
+    dgu: Vec<f32>,   // (N, 2F)
+    dn: Vec<f32>,    // (N, C): ∂L/∂n2, then ∂L/∂n1
+    datty: Vec<f32>, // (N, NH·HS)
+    dqkv: Vec<f32>,  // (N, W)
+}
+
+impl LlamaScratch {
+    pub fn new(b: usize, cfg: &GptConfig, tp: &TpRank) -> Self {
+        assert_eq!((tp.size, tp.slices), (1, 1), "a Llama block split over ranks (refused by the config)");
+        let rope = RopeTable::new(cfg.block_size, &inv_freq(cfg.head_dim(), cfg.rope_theta));
+        LlamaScratch::with_shape(b, rope, &LlamaBlockShape::of(cfg))
+    }
+
+    pub fn with_shape(b: usize, rope: RopeTable, s: &LlamaBlockShape) -> Self {
+        let n = b * rope.t;
+        let (c, f, heads) = (s.c, s.f, s.heads);
+        LlamaScratch {
+            attn: vec![0.0; scratch_len(b, heads.nh, rope.t)],
+            rope,
             dact: vec![0.0; n * f],
             dgu: vec![0.0; n * 2 * f],
             dn: vec![0.0; n * c],
@@ -106,6 +160,63 @@ impl LlamaActs {
             dqkv: vec![0.0; n * heads.qkv_width()],
         }
     }
+}
+
+/// How block tensor `i` is cut over tensor-parallel ranks (weights are
+/// (out, in)): the norms whole, q, k, v, gate and up by output rows, o and
+/// down by input columns.
+pub fn cut_of(i: usize) -> Cut {
+    match i {
+        Q | K | V | GATE | UP => Cut::Rows,
+        O | DOWN => Cut::Columns { parts: 1 },
+        _ => Cut::Whole,
+    }
+}
+
+/// The block's forward on one rank (see [`llama_block_forward`]).
+#[allow(clippy::too_many_arguments)]
+pub fn forward(
+    p: &[Param],
+    a: &mut LlamaActs,
+    x: &[f32],
+    out: &mut [f32],
+    s: &mut LlamaScratch,
+    b: usize,
+    cfg: &GptConfig,
+    _tp: &TpRank,
+) {
+    llama_block_forward(p, a, x, out, s, b, &LlamaBlockShape::of(cfg));
+}
+
+/// The block's backward on one rank; only whole (B) for now.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_input(
+    p: &mut [Param],
+    a: &LlamaActs,
+    x: &[f32],
+    dres: &mut [f32],
+    _g: &mut LlamaGrads,
+    s: &mut LlamaScratch,
+    b: usize,
+    cfg: &GptConfig,
+    _tp: &TpRank,
+    full: bool,
+) {
+    assert!(full, "a split Llama backward (refused by the config)");
+    llama_block_backward(p, a, x, dres, s, b, &LlamaBlockShape::of(cfg));
+}
+
+/// The weight half of the block's backward.
+pub fn backward_weight(
+    _p: &mut [Param],
+    _a: &LlamaActs,
+    _x: &[f32],
+    _g: &LlamaGrads,
+    _b: usize,
+    _cfg: &GptConfig,
+    _tp: &TpRank,
+) {
+    unreachable!("a split Llama backward (refused by the config)")
 }
 
 /// A row-major (rows, cols) buffer's column block [col0, col0 + width) as a view.
@@ -169,11 +280,11 @@ pub fn llama_block_forward(
     a: &mut LlamaActs,
     x: &[f32],
     out: &mut [f32],
-    rope: &RopeTable,
+    sc: &mut LlamaScratch,
     b: usize,
     s: &LlamaBlockShape,
 ) {
-    let t = rope.t;
+    let t = sc.rope.t;
     let (n, c, f, heads) = (b * t, s.c, s.f, s.heads);
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     rmsnorm::rmsnorm_forward(&mut a.n1, &mut a.rstd1, x, &p[IN_NORM].data, n, c, s.eps);
@@ -181,8 +292,8 @@ pub fn llama_block_forward(
     linear(&mut a.qkv, w, q, &a.n1, &p[K].data, n, c, kv);
     linear(&mut a.qkv, w, q + kv, &a.n1, &p[V].data, n, c, kv);
     // q's and k's heads are the first NH + NKV head-wide column blocks.
-    rope_forward(&mut a.qkv, rope, n, w, 0, heads.nh + heads.nkv);
-    gqa_forward(&mut a.atty, &mut a.lse, &mut a.scratch, &a.qkv, b, t, heads);
+    rope_forward(&mut a.qkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
+    gqa_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads);
     linear(&mut a.h, c, 0, &a.atty, &p[O].data, n, q, c);
     residual::accumulate(&mut a.h, x);
     rmsnorm::rmsnorm_forward(&mut a.n2, &mut a.rstd2, &a.h, &p[POST_NORM].data, n, c, s.eps);
@@ -197,42 +308,42 @@ pub fn llama_block_forward(
 /// ∂L/∂x on return; every weight's gradient accumulates into its `grad`.
 pub fn llama_block_backward(
     p: &mut [Param],
-    a: &mut LlamaActs,
+    a: &LlamaActs,
     x: &[f32],
     dres: &mut [f32],
-    rope: &RopeTable,
+    sc: &mut LlamaScratch,
     b: usize,
     s: &LlamaBlockShape,
 ) {
-    let t = rope.t;
+    let t = sc.rope.t;
     let (n, c, f, heads) = (b * t, s.c, s.f, s.heads);
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     // MLP: dres is ∂L/∂out, which is also the residual's share of ∂L/∂h.
     let (wd, dwd) = split(p, DOWN);
-    linear_backward(&mut a.dact, false, dwd, dres, c, 0, &a.act, wd, n, f, c);
+    linear_backward(&mut sc.dact, false, dwd, dres, c, 0, &a.act, wd, n, f, c);
     // The two kernels below accumulate: their gradients start from zero.
-    a.dgu.fill(0.0);
-    swiglu::swiglu_backward(&mut a.dgu, &a.dact, &a.gate_up, n, f);
+    sc.dgu.fill(0.0);
+    swiglu::swiglu_backward(&mut sc.dgu, &sc.dact, &a.gate_up, n, f);
     let (wg, dwg) = split(p, GATE);
-    linear_backward(&mut a.dn, false, dwg, &a.dgu, 2 * f, 0, &a.n2, wg, n, c, f);
+    linear_backward(&mut sc.dn, false, dwg, &sc.dgu, 2 * f, 0, &a.n2, wg, n, c, f);
     let (wu, dwu) = split(p, UP);
-    linear_backward(&mut a.dn, true, dwu, &a.dgu, 2 * f, f, &a.n2, wu, n, c, f);
+    linear_backward(&mut sc.dn, true, dwu, &sc.dgu, 2 * f, f, &a.n2, wu, n, c, f);
     let (w2, dw2) = split(p, POST_NORM);
-    rmsnorm::rmsnorm_backward(dres, dw2, &a.dn, &a.h, w2, &a.rstd2, n, c);
+    rmsnorm::rmsnorm_backward(dres, dw2, &sc.dn, &a.h, w2, &a.rstd2, n, c);
     // Attention: dres is now ∂L/∂h, the residual's share of ∂L/∂x.
     let (wo, dwo) = split(p, O);
-    linear_backward(&mut a.datty, false, dwo, dres, c, 0, &a.atty, wo, n, q, c);
-    a.dqkv.fill(0.0);
-    gqa_backward(&mut a.dqkv, &mut a.scratch, &a.datty, &a.qkv, &a.atty, &a.lse, b, t, heads);
-    rope_backward(&mut a.dqkv, rope, n, w, 0, heads.nh + heads.nkv);
+    linear_backward(&mut sc.datty, false, dwo, dres, c, 0, &a.atty, wo, n, q, c);
+    sc.dqkv.fill(0.0);
+    gqa_backward(&mut sc.dqkv, &mut sc.attn, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads);
+    rope_backward(&mut sc.dqkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
     let (wq, dwq) = split(p, Q);
-    linear_backward(&mut a.dn, false, dwq, &a.dqkv, w, 0, &a.n1, wq, n, c, q);
+    linear_backward(&mut sc.dn, false, dwq, &sc.dqkv, w, 0, &a.n1, wq, n, c, q);
     let (wk, dwk) = split(p, K);
-    linear_backward(&mut a.dn, true, dwk, &a.dqkv, w, q, &a.n1, wk, n, c, kv);
+    linear_backward(&mut sc.dn, true, dwk, &sc.dqkv, w, q, &a.n1, wk, n, c, kv);
     let (wv, dwv) = split(p, V);
-    linear_backward(&mut a.dn, true, dwv, &a.dqkv, w, q + kv, &a.n1, wv, n, c, kv);
+    linear_backward(&mut sc.dn, true, dwv, &sc.dqkv, w, q + kv, &a.n1, wv, n, c, kv);
     let (w1, dw1) = split(p, IN_NORM);
-    rmsnorm::rmsnorm_backward(dres, dw1, &a.dn, x, w1, &a.rstd1, n, c);
+    rmsnorm::rmsnorm_backward(dres, dw1, &sc.dn, x, w1, &a.rstd1, n, c);
 }
 
 /// A parameter's values and its gradient, borrowed apart.
@@ -351,11 +462,12 @@ mod tests {
 
     fn run(p: &mut [Param], x: &[f32], dout: &[f32], b: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
         let rope = RopeTable::new(t, &inv_freq(SHAPE.heads.hs, THETA));
-        let mut a = LlamaActs::new(b, t, &SHAPE);
+        let mut a = LlamaActs::with_shape(b, t, &SHAPE);
+        let mut sc = LlamaScratch::with_shape(b, rope, &SHAPE);
         let mut out = vec![0.0; x.len()];
-        llama_block_forward(p, &mut a, x, &mut out, &rope, b, &SHAPE);
+        llama_block_forward(p, &mut a, x, &mut out, &mut sc, b, &SHAPE);
         let mut dres = dout.to_vec();
-        llama_block_backward(p, &mut a, x, &mut dres, &rope, b, &SHAPE);
+        llama_block_backward(p, &a, x, &mut dres, &mut sc, b, &SHAPE);
         (out, dres)
     }
 
@@ -398,11 +510,12 @@ mod tests {
             with_threads(threads, || {
                 let mut p = params(&s, 5);
                 let rope = RopeTable::new(t, &inv_freq(s.heads.hs, 500_000.0));
-                let mut a = LlamaActs::new(b, t, &s);
+                let mut a = LlamaActs::with_shape(b, t, &s);
+                let mut sc = LlamaScratch::with_shape(b, rope, &s);
                 let mut out = vec![0.0; x.len()];
-                llama_block_forward(&p, &mut a, &x, &mut out, &rope, b, &s);
+                llama_block_forward(&p, &mut a, &x, &mut out, &mut sc, b, &s);
                 let mut dres = g.clone();
-                llama_block_backward(&mut p, &mut a, &x, &mut dres, &rope, b, &s);
+                llama_block_backward(&mut p, &a, &x, &mut dres, &mut sc, b, &s);
                 let grads: Vec<Vec<u32>> = p.iter().map(|q| bits(&q.grad)).collect();
                 (bits(&out), bits(&dres), grads)
             })

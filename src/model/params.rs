@@ -2,26 +2,144 @@
 //! initialisation. Names and layouts are Hugging Face GPT-2's, so weights move
 //! to and from that ecosystem unchanged.
 
+pub use crate::config::Family;
 use crate::rng::{hash_str, Purpose, Rng};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The model's shape, for every family: the one description the runtime,
+/// optimizer, checkpoints, tensor split and planner ask (through the
+/// functions below), never a family's own fields.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GptConfig {
+    pub family: Family,
     pub n_layer: usize,
     pub n_head: usize,
     pub n_embd: usize,
     pub vocab_size: usize,
     pub block_size: usize,
+    /// Key/value heads (read through [`GptConfig::kv_heads`]).
+    pub n_kv_head: usize,
+    /// The MLP's width (read through [`GptConfig::ffn`]).
+    pub intermediate_size: usize,
+    pub rope_theta: f32,
+    pub norm_eps: f32,
+    /// Whether the head reads the token embedding (read through [`GptConfig::tied`]).
+    pub tie_word_embeddings: bool,
 }
 
 impl GptConfig {
-    pub fn from_config(c: &crate::config::Config) -> Self {
+    /// A GPT-2 of this shape.
+    pub const fn gpt2(
+        n_layer: usize,
+        n_head: usize,
+        n_embd: usize,
+        vocab_size: usize,
+        block_size: usize,
+    ) -> Self {
         GptConfig {
-            n_layer: c.model.n_layer,
-            n_head: c.model.n_head,
-            n_embd: c.model.n_embd,
-            vocab_size: c.model.vocab_size,
-            block_size: c.model.block_size,
+            family: Family::Gpt2,
+            n_layer,
+            n_head,
+            n_embd,
+            vocab_size,
+            block_size,
+            n_kv_head: n_head,
+            intermediate_size: 4 * n_embd,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            tie_word_embeddings: true,
         }
+    }
+
+    /// A Llama of this shape, its head untied.
+    #[allow(clippy::too_many_arguments)]
+    pub const fn llama(
+        n_layer: usize,
+        n_head: usize,
+        n_kv_head: usize,
+        n_embd: usize,
+        intermediate_size: usize,
+        vocab_size: usize,
+        block_size: usize,
+        rope_theta: f32,
+    ) -> Self {
+        GptConfig {
+            family: Family::Llama,
+            n_layer,
+            n_head,
+            n_embd,
+            vocab_size,
+            block_size,
+            n_kv_head,
+            intermediate_size,
+            rope_theta,
+            norm_eps: 1e-5,
+            tie_word_embeddings: false,
+        }
+    }
+
+    pub fn from_config(c: &crate::config::Config) -> Self {
+        let m = &c.model;
+        GptConfig {
+            family: m.family,
+            n_layer: m.n_layer,
+            n_head: m.n_head,
+            n_embd: m.n_embd,
+            vocab_size: m.vocab_size,
+            block_size: m.block_size,
+            n_kv_head: m.kv_heads(),
+            intermediate_size: m.ffn_width(),
+            rope_theta: m.rope_theta as f32,
+            norm_eps: m.rms_norm_eps as f32,
+            tie_word_embeddings: m.tied(),
+        }
+    }
+
+    /// Key/value heads: GPT-2 has one per query head.
+    pub fn kv_heads(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => self.n_head,
+            Family::Llama => self.n_kv_head,
+        }
+    }
+
+    /// The MLP's hidden width: GPT-2's is 4·C whatever the field says.
+    pub fn ffn(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => 4 * self.n_embd,
+            Family::Llama => self.intermediate_size,
+        }
+    }
+
+    /// Whether the LM head reads the token embedding (GPT-2's always does).
+    pub fn tied(&self) -> bool {
+        self.family == Family::Gpt2 || self.tie_word_embeddings
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+
+    /// The attention heads' shape.
+    pub fn heads(&self) -> crate::kernels::cpu::attention::Heads {
+        crate::kernels::cpu::attention::Heads { nh: self.n_head, nkv: self.kv_heads(), hs: self.head_dim() }
+    }
+
+    /// Tensors per block.
+    pub fn block_len(&self) -> usize {
+        match self.family {
+            Family::Gpt2 => 12,
+            Family::Llama => super::llama::BLOCK_LEN,
+        }
+    }
+
+    /// Tensors of the embedding (GPT-2: tokens and positions; Llama: tokens).
+    pub fn embedding_len(&self) -> usize {
+        embedding_tensors(self).len()
+    }
+
+    /// Tensors of the final norm.
+    pub fn final_norm_len(&self) -> usize {
+        final_norm_tensors(self).len()
     }
 
     /// Parameters in the model (the tied embedding counted once).
@@ -30,7 +148,8 @@ impl GptConfig {
     }
 
     /// Training FLOPs per token as llm.c counts them: 6·N for the matrix products
-    /// (forward + backward) plus 6·L·C·T for attention.
+    /// (forward + backward) plus 6·L·C·T for attention (the query heads'
+    /// width is C in both families).
     pub fn flops_per_token(&self) -> f64 {
         let (l, c, t) = (self.n_layer as f64, self.n_embd as f64, self.block_size as f64);
         6.0 * self.num_params() as f64 + 6.0 * l * c * t
@@ -62,8 +181,11 @@ impl Param {
     }
 }
 
-/// The 12 tensors of block `i` in canonical order, with their shapes.
+/// Block `i`'s tensors in canonical order, with their shapes.
 pub fn block_tensors(cfg: &GptConfig, i: usize) -> Vec<(String, Vec<usize>)> {
+    if cfg.family == Family::Llama {
+        return super::llama::block_tensors(&super::llama::LlamaBlockShape::of(cfg), i);
+    }
     let c = cfg.n_embd;
     let p = |s: &str| format!("h.{i}.{s}");
     vec![
@@ -82,7 +204,11 @@ pub fn block_tensors(cfg: &GptConfig, i: usize) -> Vec<(String, Vec<usize>)> {
     ]
 }
 
+/// The embedding's tensors, the token embedding first.
 pub fn embedding_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+    if cfg.family == Family::Llama {
+        return vec![("embed_tokens.weight".into(), vec![cfg.vocab_size, cfg.n_embd])];
+    }
     vec![
         ("wte.weight".into(), vec![cfg.vocab_size, cfg.n_embd]),
         ("wpe.weight".into(), vec![cfg.block_size, cfg.n_embd]),
@@ -90,7 +216,18 @@ pub fn embedding_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 pub fn final_norm_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+    if cfg.family == Family::Llama {
+        return vec![("norm.weight".into(), vec![cfg.n_embd])];
+    }
     vec![("ln_f.weight".into(), vec![cfg.n_embd]), ("ln_f.bias".into(), vec![cfg.n_embd])]
+}
+
+/// The untied LM head's weight (none when the head reads the embedding).
+pub fn head_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+    match cfg.tied() {
+        true => vec![],
+        false => vec![("lm_head.weight".into(), vec![cfg.vocab_size, cfg.n_embd])],
+    }
 }
 
 /// Every tensor of the model in canonical order (the order gradient norms are
@@ -101,14 +238,25 @@ pub fn all_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
         v.extend(block_tensors(cfg, i));
     }
     v.extend(final_norm_tensors(cfg));
+    v.extend(head_tensors(cfg));
     v
 }
 
 /// GPT-2 initialisation, keyed by the tensor's name so every layout and every
 /// copy of a tied tensor starts from the same values: LayerNorm weights 1,
 /// biases 0, weights N(0, 0.02), residual output projections N(0, 0.02/√(2·L)).
+///
+/// Llama as Hugging Face initialises it: norm weights 1, every other tensor
+/// N(0, 0.02) (`initializer_range`).
 pub fn init_tensor(cfg: &GptConfig, name: &str, shape: &[usize], seed: u64) -> Vec<f32> {
     let n: usize = shape.iter().product();
+    if cfg.family == Family::Llama {
+        if name.ends_with("norm.weight") {
+            return vec![1.0; n];
+        }
+        let mut rng = Rng::new(seed, Purpose::Init, &[hash_str(name)]);
+        return (0..n).map(|_| (rng.normal() * 0.02) as f32).collect();
+    }
     if name.ends_with(".bias") {
         return vec![0.0; n];
     }
@@ -126,39 +274,32 @@ pub fn init_tensor(cfg: &GptConfig, name: &str, shape: &[usize], seed: u64) -> V
 pub fn new_param(cfg: &GptConfig, name: String, shape: Vec<usize>, seed: u64) -> Param {
     let data = init_tensor(cfg, &name, &shape, seed);
     let grad = vec![0.0; data.len()];
-    let canonical = canonical_index(cfg, &name).expect("a GPT-2 tensor name");
+    let canonical = canonical_index(cfg, &name).expect("a tensor name of the family");
     Param { name, shape, data, grad, canonical }
 }
 
 /// Position of a tensor in `all_tensors` order, from its name alone.
 pub fn canonical_index(cfg: &GptConfig, name: &str) -> Option<usize> {
-    const BLOCK: [&str; 12] = [
-        "ln_1.weight",
-        "ln_1.bias",
-        "attn.c_attn.weight",
-        "attn.c_attn.bias",
-        "attn.c_proj.weight",
-        "attn.c_proj.bias",
-        "ln_2.weight",
-        "ln_2.bias",
-        "mlp.c_fc.weight",
-        "mlp.c_fc.bias",
-        "mlp.c_proj.weight",
-        "mlp.c_proj.bias",
-    ];
-    match name {
-        "wte.weight" => Some(0),
-        "wpe.weight" => Some(1),
-        "ln_f.weight" => Some(2 + 12 * cfg.n_layer),
-        "ln_f.bias" => Some(3 + 12 * cfg.n_layer),
-        _ => {
-            let rest = name.strip_prefix("h.")?;
-            let (layer, tensor) = rest.split_once('.')?;
-            let layer: usize = layer.parse().ok()?;
-            let k = BLOCK.iter().position(|b| *b == tensor)?;
-            (layer < cfg.n_layer).then_some(2 + 12 * layer + k)
-        }
+    let embed = embedding_tensors(cfg);
+    if let Some(k) = embed.iter().position(|(n, _)| n == name) {
+        return Some(k);
     }
+    let (e, bl) = (embed.len(), cfg.block_len());
+    let tail = e + bl * cfg.n_layer;
+    let head = final_norm_tensors(cfg).into_iter().chain(head_tensors(cfg));
+    if let Some(k) = head.map(|(n, _)| n).position(|n| n == name) {
+        return Some(tail + k);
+    }
+    let prefix = match cfg.family {
+        Family::Gpt2 => "h.",
+        Family::Llama => "layers.",
+    };
+    let rest = name.strip_prefix(prefix)?;
+    let (layer, tensor) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok().filter(|l| *l < cfg.n_layer && !layer.starts_with('+'))?;
+    let want = format!("{prefix}0.{tensor}");
+    let k = block_tensors(cfg, 0).iter().position(|(n, _)| *n == want)?;
+    Some(e + bl * layer + k)
 }
 
 #[cfg(test)]
@@ -167,12 +308,23 @@ mod tests {
 
     #[test]
     fn canonical_index_matches_all_tensors_order() {
-        let cfg = GptConfig { n_layer: 3, n_head: 2, n_embd: 8, vocab_size: 10, block_size: 4 };
+        let cfg = GptConfig::gpt2(3, 2, 8, 10, 4);
         for (i, (name, _)) in all_tensors(&cfg).iter().enumerate() {
             assert_eq!(canonical_index(&cfg, name), Some(i), "{name}");
         }
         assert_eq!(canonical_index(&cfg, "h.3.ln_1.weight"), None);
         assert_eq!(canonical_index(&cfg, "lm_head.weight"), None);
+        for tied in [false, true] {
+            let llama =
+                GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 4, 2, 8, 12, 10, 4, 1e4) };
+            let all = all_tensors(&llama);
+            assert_eq!(all.len(), 1 + 9 * 3 + 1 + usize::from(!tied));
+            for (i, (name, _)) in all.iter().enumerate() {
+                assert_eq!(canonical_index(&llama, name), Some(i), "{name}");
+            }
+            assert_eq!(canonical_index(&llama, "h.0.ln_1.weight"), None);
+            assert_eq!(canonical_index(&llama, "layers.3.input_layernorm.weight"), None);
+        }
     }
 }
 

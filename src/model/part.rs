@@ -19,9 +19,9 @@
 use super::block::{
     block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch,
 };
-use super::params::{self, GptConfig, Param};
+use super::params::{self, Family, GptConfig, Param};
 use super::tp::{Members, Remote, TpRanks, TpShape};
-use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul};
+use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul, rmsnorm};
 use crate::kernels::profile::{timed, Kernel};
 use std::ops::Range;
 
@@ -39,22 +39,23 @@ impl PartSpec {
     }
 
     /// Index of local block `l`'s first tensor in `part_params` order.
-    pub fn block_base(&self, l: usize) -> usize {
-        (if self.embedding { 2 } else { 0 }) + 12 * l
+    pub fn block_base(&self, cfg: &GptConfig, l: usize) -> usize {
+        (if self.embedding { cfg.embedding_len() } else { 0 }) + cfg.block_len() * l
     }
 
-    /// Index of ln_f.weight (the head's first tensor).
-    pub fn head_base(&self) -> usize {
-        self.block_base(self.layers.len())
+    /// Index of the final norm's first tensor (the head's first tensor).
+    pub fn head_base(&self, cfg: &GptConfig) -> usize {
+        self.block_base(cfg, self.layers.len())
     }
 
-    /// Index of the wte the head reads: the embedding's own when the part
-    /// holds both, else its tied copy after ln_f.
-    pub fn head_wte(&self) -> usize {
-        if self.embedding {
+    /// Index of the weight the head reads: the token embedding's own when
+    /// the head is tied and the part holds both, else the tensor after the
+    /// final norm (the tied copy of the embedding, or the untied `lm_head`).
+    pub fn head_wte(&self, cfg: &GptConfig) -> usize {
+        if self.embedding && cfg.tied() {
             0
         } else {
-            self.head_base() + 2
+            self.head_base(cfg) + cfg.final_norm_len()
         }
     }
 }
@@ -118,7 +119,7 @@ pub struct ForwardOut {
 
 /// Workspace shared by all microbatches (only one runs at a time on a part).
 struct Scratch {
-    dln: Vec<f32>, // (N, C) the head's LayerNorm output gradient
+    dln: Vec<f32>, // (N, C) the head's norm output gradient
     block: BlockScratch,
     // Head (last part only).
     lnf: Vec<f32>,
@@ -134,11 +135,13 @@ pub struct ModelPart {
     /// Sequences per microbatch.
     pub b: usize,
     pub recompute: bool,
-    /// This part's tensors: [wte, wpe] if first, 12 per block, [ln_f.w, ln_f.b] if
-    /// last, then a copy of wte if last but not first (the tied head).
+    /// This part's tensors: the embedding's if first, the blocks', the final
+    /// norm's if last, then the head's weight if it is not the embedding held
+    /// here (a tied copy of wte, or the untied lm_head).
     pub params: Vec<Param>,
     /// The head's share of the tied wte gradient, kept apart until the step ends
-    /// so both shares are summed in the same order whatever the layout.
+    /// so both shares are summed in the same order whatever the layout (empty
+    /// when the head is untied: its gradient is its own tensor's).
     pub wte_head_grad: Vec<f32>,
     scratch: Scratch,
     /// One block's intermediates, recomputed in backward when `recompute` is on.
@@ -162,9 +165,10 @@ pub struct ModelPart {
     pub peak_live_bytes: usize,
 }
 
-/// The tensors a part holds, in its order, with their initial values: [wte,
-/// wpe] if first, 12 per block, [ln_f.w, ln_f.b] if last, then a copy of wte
-/// if last but not first (the tied head). Every backend builds its parts from these.
+/// The tensors a part holds, in its order, with their initial values: the
+/// embedding's if first, each block's, the final norm's if last, then the
+/// head's weight unless it is the embedding held here (a copy of wte if tied,
+/// lm_head if not). Every backend builds its parts from these.
 pub fn part_params(cfg: &GptConfig, spec: &PartSpec, seed: u64) -> Vec<Param> {
     let mut params = Vec::new();
     let mut add = |list: Vec<(String, Vec<usize>)>| {
@@ -180,8 +184,10 @@ pub fn part_params(cfg: &GptConfig, spec: &PartSpec, seed: u64) -> Vec<Param> {
     }
     if spec.head {
         add(params::final_norm_tensors(cfg));
-        if !spec.embedding {
-            add(vec![params::embedding_tensors(cfg).remove(0)]);
+        match cfg.tied() {
+            true if !spec.embedding => add(vec![params::embedding_tensors(cfg).remove(0)]),
+            true => {}
+            false => add(params::head_tensors(cfg)),
         }
     }
     params
@@ -226,12 +232,12 @@ impl ModelPart {
             b,
             recompute,
             params,
-            wte_head_grad: if head { vec![0.0; v * c] } else { vec![] },
+            wte_head_grad: if head && cfg.tied() { vec![0.0; v * c] } else { vec![] },
             scratch,
             recompute_acts: recompute.then(|| BlockActs::new(b, &cfg, 1)),
             pending_w: std::collections::BTreeMap::new(),
             grads_pool: Vec::new(),
-            full_grads: BlockGrads::new(n, c, 1),
+            full_grads: BlockGrads::new(n, &cfg, 1),
             nc_pool: Vec::new(),
             acts_pool: Vec::new(),
             tp: TpShape::WHOLE,
@@ -343,8 +349,13 @@ impl ModelPart {
                 assert_eq!(tokens.len(), n);
                 acts.tokens.copy_from_slice(tokens);
                 let mut x = self.take_nc();
-                let (wte, wpe) = (&self.params[0].data, &self.params[1].data);
-                timed(Kernel::Embedding, || embedding::embedding_forward(&mut x, tokens, wte, wpe, t, c));
+                let wte = &self.params[0].data;
+                timed(Kernel::Embedding, || match self.cfg.family {
+                    Family::Gpt2 => {
+                        embedding::embedding_forward(&mut x, tokens, wte, &self.params[1].data, t, c)
+                    }
+                    Family::Llama => embedding::token_embedding_forward(&mut x, tokens, wte, c),
+                });
                 x
             }
             PartInput::Activation(x) => {
@@ -366,12 +377,12 @@ impl ModelPart {
                 let blocks = (!self.recompute).then(|| &mut acts.blocks[l * t..(l + 1) * t]);
                 sp.forward(l, acts.key, blocks, false, x, &mut out, self.b, &self.cfg);
             } else {
-                let base = self.spec.block_base(l);
+                let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
                 let ba =
                     if self.recompute { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
                 let tp = self.tp.single();
                 block_forward(
-                    &self.params[base..base + 12],
+                    &self.params[base..base + bl],
                     ba,
                     x,
                     &mut out,
@@ -431,14 +442,23 @@ impl ModelPart {
     ) -> (f64, Option<Vec<f32>>) {
         let (c, v) = (self.cfg.n_embd, self.cfg.vocab_size);
         let n = self.n();
-        let hb = self.spec.head_base();
-        let wte_i = self.spec.head_wte();
+        let hb = self.spec.head_base(&self.cfg);
+        let wte_i = self.spec.head_wte(&self.cfg);
+        let (family, eps) = (self.cfg.family, self.cfg.norm_eps);
         let s = &mut self.scratch;
-        {
-            let (w, b) = (&self.params[hb].data, &self.params[hb + 1].data);
-            timed(Kernel::LayerNorm, || {
-                layernorm::layernorm_forward(&mut s.lnf, &mut s.lnf_mean, &mut s.lnf_rstd, x, w, b, n, c)
-            });
+        match family {
+            Family::Gpt2 => {
+                let (w, b) = (&self.params[hb].data, &self.params[hb + 1].data);
+                timed(Kernel::LayerNorm, || {
+                    layernorm::layernorm_forward(&mut s.lnf, &mut s.lnf_mean, &mut s.lnf_rstd, x, w, b, n, c)
+                });
+            }
+            Family::Llama => {
+                let w = &self.params[hb].data;
+                timed(Kernel::LayerNorm, || {
+                    rmsnorm::rmsnorm_forward(&mut s.lnf, &mut s.lnf_rstd, x, w, n, c, eps)
+                });
+            }
         }
         let wte = &self.params[wte_i].data;
         // logits (N, V) = lnf (N, C) · wteᵀ
@@ -471,13 +491,22 @@ impl ModelPart {
         let loss_sum = s.losses.iter().map(|&l| l as f64).sum();
         // dlnf (N, C) = dlogits (N, V) · wte (V, C); dwte_head (V, C) += dlogitsᵀ · lnf
         s.dln.fill(0.0);
+        // Tied, the head's share is kept apart (see `wte_head_grad`); untied,
+        // it is the lm_head's own gradient.
+        let (head_w, head_grad) = match self.cfg.tied() {
+            true => (&self.params[wte_i].data, &mut self.wte_head_grad),
+            false => {
+                let Param { data, grad, .. } = &mut self.params[wte_i];
+                (&*data, grad)
+            }
+        };
         timed(Kernel::Matmul, || {
             matmul::gemm_checked(
                 &mut s.dln,
                 true,
                 &s.logits,
                 (v as isize, 1),
-                wte,
+                head_w,
                 (c as isize, 1),
                 n,
                 c,
@@ -485,7 +514,7 @@ impl ModelPart {
                 1.0,
             );
             matmul::gemm_checked(
-                &mut self.wte_head_grad,
+                head_grad,
                 true,
                 &s.logits,
                 (1, v as isize),
@@ -499,6 +528,13 @@ impl ModelPart {
         });
         let mut dx = self.nc_pool.pop().filter(|b| b.len() == n * c).unwrap_or_else(|| vec![0.0; n * c]);
         dx.fill(0.0);
+        if family == Family::Llama {
+            let Param { data, grad, .. } = &mut self.params[hb];
+            timed(Kernel::LayerNorm, || {
+                rmsnorm::rmsnorm_backward(&mut dx, grad, &s.dln, x, data, &s.lnf_rstd, n, c)
+            });
+            return (loss_sum, Some(dx));
+        }
         let (pw, pb) = pair(&mut self.params, hb, hb + 1);
         timed(Kernel::LayerNorm, || {
             layernorm::layernorm_backward(
@@ -524,7 +560,7 @@ impl ModelPart {
         self.live_bytes -= acts.bytes();
         let mut dres = self.output_grad(&mut acts, dout);
         for l in (0..self.n_blocks()).rev() {
-            let base = self.spec.block_base(l);
+            let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
             if self.recompute {
                 self.recompute_block(&acts, l);
             }
@@ -534,14 +570,14 @@ impl ModelPart {
             if let Some(sp) = &mut self.split {
                 let t = sp.held_here();
                 let blocks = (!self.recompute).then(|| &acts.blocks[l * t..(l + 1) * t]);
-                sp.load_grads(l, &self.params[base..base + 12]);
+                sp.load_grads(l, &self.params[base..base + bl]);
                 sp.backward_input(l, acts.key, blocks, None, x, &mut dres, self.b, &self.cfg, true);
-                sp.store_grads(l, &mut self.params[base..base + 12]);
+                sp.store_grads(l, &mut self.params[base..base + bl]);
                 continue;
             }
             let ba = if self.recompute { self.recompute_acts.as_ref().unwrap() } else { &acts.blocks[l] };
             block_backward_input(
-                &mut self.params[base..base + 12],
+                &mut self.params[base..base + bl],
                 ba,
                 x,
                 &mut dres,
@@ -577,10 +613,10 @@ impl ModelPart {
         let n = self.n();
         let t = self.held();
         while grads.len() < self.n_blocks() * t {
-            grads.push(BlockGrads::new(n, self.cfg.n_embd, self.tp.size));
+            grads.push(BlockGrads::new(n, &self.cfg, self.tp.size));
         }
         for l in (0..self.n_blocks()).rev() {
-            let base = self.spec.block_base(l);
+            let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
             if let Some(sp) = &mut self.split {
                 let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &mut grads[l * t..(l + 1) * t]);
                 sp.backward_input(
@@ -597,7 +633,7 @@ impl ModelPart {
                 continue;
             }
             block_backward_input(
-                &mut self.params[base..base + 12],
+                &mut self.params[base..base + bl],
                 &acts.blocks[l],
                 &acts.inputs[l],
                 &mut dres,
@@ -622,17 +658,17 @@ impl ModelPart {
         let PendingWeight { acts, grads, dembed } = self.pending_w.remove(&mb).expect("I ran before W");
         self.live_bytes -= acts.bytes() + grads.iter().map(BlockGrads::bytes).sum::<usize>();
         for l in (0..self.n_blocks()).rev() {
-            let base = self.spec.block_base(l);
+            let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
             if let Some(sp) = &mut self.split {
                 let t = sp.held_here();
                 let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &grads[l * t..(l + 1) * t]);
-                sp.load_grads(l, &self.params[base..base + 12]);
+                sp.load_grads(l, &self.params[base..base + bl]);
                 sp.backward_weight(l, acts.key, blocks, g, &acts.inputs[l], self.b, &self.cfg);
-                sp.store_grads(l, &mut self.params[base..base + 12]);
+                sp.store_grads(l, &mut self.params[base..base + bl]);
                 continue;
             }
             block_backward_weight(
-                &mut self.params[base..base + 12],
+                &mut self.params[base..base + bl],
                 &acts.blocks[l],
                 &acts.inputs[l],
                 &grads[l],
@@ -659,7 +695,7 @@ impl ModelPart {
     }
 
     fn recompute_block(&mut self, acts: &MicroActs, l: usize) {
-        let base = self.spec.block_base(l);
+        let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
         let mut out =
             self.nc_pool.pop().unwrap_or_else(|| vec![0.0; self.b * self.cfg.block_size * self.cfg.n_embd]);
         if let Some(sp) = &mut self.split {
@@ -668,7 +704,7 @@ impl ModelPart {
             let ba = self.recompute_acts.as_mut().unwrap();
             let tp = self.tp.single();
             block_forward(
-                &self.params[base..base + 12],
+                &self.params[base..base + bl],
                 ba,
                 &acts.inputs[l],
                 &mut out,
@@ -686,6 +722,12 @@ impl ModelPart {
     fn finish_input(&mut self, acts: &MicroActs, dres: Vec<f32>, _weights: bool) -> Option<Vec<f32>> {
         if self.spec.embedding {
             let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
+            if self.cfg.family == Family::Llama {
+                let wte = &mut self.params[0].grad;
+                timed(Kernel::Embedding, || embedding::token_embedding_backward(wte, &dres, &acts.tokens, c));
+                self.give_nc(dres);
+                return None;
+            }
             let (wte, wpe) = pair(&mut self.params, 0, 1);
             timed(Kernel::Embedding, || {
                 embedding::embedding_backward(&mut wte.grad, &mut wpe.grad, &dres, &acts.tokens, t, c)
@@ -698,8 +740,12 @@ impl ModelPart {
     }
 
     /// Sum the tied embedding's two gradient shares into `wte.grad` (first
-    /// part) given the other share; in one part holding both, pass None.
+    /// part) given the other share; in one part holding both, pass None. An
+    /// untied head has nothing to combine.
     pub fn combine_tied_grads(&mut self, other_share: Option<&[f32]>) {
+        if !self.cfg.tied() {
+            return;
+        }
         let share: &[f32] = match other_share {
             Some(s) => s,
             None => {
@@ -712,7 +758,7 @@ impl ModelPart {
                 return;
             }
         };
-        let i = self.spec.head_wte();
+        let i = self.spec.head_wte(&self.cfg);
         let own_is_embedding = self.spec.embedding;
         let g = &mut self.params[i].grad;
         if own_is_embedding {

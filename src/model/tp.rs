@@ -17,8 +17,8 @@
 //! gradients have the bits of one rank (see `block`).
 
 use super::block::{
-    block_backward_input, block_backward_weight, block_forward, shard, shard_into, unshard_into, BlockActs,
-    BlockGrads, BlockScratch, Exchange, TensorGroup, ThreadGroup, TpRank,
+    block_backward_input, block_backward_weight, block_forward, cut_of, shard, shard_into, unshard_into,
+    BlockActs, BlockGrads, BlockScratch, Exchange, TensorGroup, ThreadGroup, TpRank,
 };
 use super::params::{GptConfig, Param};
 // PIPEWRIGHT_NONDET's random bias-gradient order is a per-thread switch: the
@@ -125,6 +125,7 @@ struct Rank {
 
 /// The ranks of a split part held in this process.
 pub struct TpRanks {
+    cfg: GptConfig,
     shape: TpShape,
     /// The ranks held here.
     local: std::ops::Range<usize>,
@@ -157,24 +158,25 @@ impl TpRanks {
         members: Members,
     ) -> Self {
         let Members { local, group, followers } = members;
-        let (n, c) = (b * cfg.block_size, cfg.n_embd);
+        let (n, c, bl) = (b * cfg.block_size, cfg.n_embd, cfg.block_len());
         let per = (threads / local.len()).max(1);
         let ranks = local
             .clone()
             .map(|r| {
                 let tp = shape.rank(r, None);
                 let params = (0..spec.layers.len())
-                    .flat_map(|l| whole[spec.block_base(l)..spec.block_base(l) + 12].iter())
+                    .flat_map(|l| whole[spec.block_base(cfg, l)..spec.block_base(cfg, l) + bl].iter())
                     .enumerate()
                     .map(|(j, p)| {
-                        let data = shard(j % 12, &p.data, *p.shape.last().expect("a shape"), r, shape.size);
+                        let cut = cut_of(cfg, j % bl);
+                        let data = shard(cut, &p.data, *p.shape.last().expect("a shape"), r, shape.size);
                         Param { grad: vec![0.0; data.len()], data, ..p.clone() }
                     })
                     .collect();
                 Rank {
                     params,
                     scratch: BlockScratch::new(b, cfg, &tp),
-                    full_grads: BlockGrads::new(n, c, shape.size),
+                    full_grads: BlockGrads::new(n, cfg, shape.size),
                     recompute_acts: recompute.then(|| BlockActs::new(b, cfg, shape.size)),
                     pool: rayon::ThreadPoolBuilder::new()
                         .num_threads(per)
@@ -186,6 +188,7 @@ impl TpRanks {
             .collect();
         let followers_n = followers.as_ref().map_or(0, |f| f.count());
         TpRanks {
+            cfg: *cfg,
             shape,
             copies: (1..local.len()).map(|_| vec![0.0; n * c]).collect(),
             local,
@@ -204,7 +207,7 @@ impl TpRanks {
 
     /// The part's blocks.
     fn blocks(&self) -> usize {
-        self.ranks[0].params.len() / 12
+        self.ranks[0].params.len() / self.cfg.block_len()
     }
 
     /// Ranks held in this process: the activation and gradient sets a
@@ -241,11 +244,12 @@ impl TpRanks {
     /// Cuts every rank's shards again from the whole tensors (followers'
     /// are sent to them when they differ from the last sent, bit for bit).
     pub fn refresh(&mut self, whole: &[Param], spec: &PartSpec) {
-        let size = self.shape.size;
+        let (size, cfg, bl) = (self.shape.size, &self.cfg, self.cfg.block_len());
         for (rank, r) in self.ranks.iter_mut().zip(self.local.clone()) {
             for (j, p) in rank.params.iter_mut().enumerate() {
-                let w = &whole[spec.block_base(j / 12) + j % 12];
-                shard_into(&mut p.data, j % 12, &w.data, *w.shape.last().expect("a shape"), r, size);
+                let w = &whole[spec.block_base(cfg, j / bl) + j % bl];
+                let cut = cut_of(cfg, j % bl);
+                shard_into(&mut p.data, cut, &w.data, *w.shape.last().expect("a shape"), r, size);
             }
         }
         // Cut into buffers kept from the last forward, so that a forward
@@ -256,11 +260,14 @@ impl TpRanks {
             let mut i = 0;
             for r in ranks {
                 for l in 0..spec.layers.len() {
-                    for (k, w) in whole[spec.block_base(l)..spec.block_base(l) + 12].iter().enumerate() {
+                    for (k, w) in
+                        whole[spec.block_base(cfg, l)..spec.block_base(cfg, l) + bl].iter().enumerate()
+                    {
                         if cut.len() == i {
                             cut.push(Vec::new());
                         }
-                        shard_into(&mut cut[i], k, &w.data, *w.shape.last().expect("a shape"), r, size);
+                        let how = cut_of(cfg, k);
+                        shard_into(&mut cut[i], how, &w.data, *w.shape.last().expect("a shape"), r, size);
                         i += 1;
                     }
                 }
@@ -280,12 +287,12 @@ impl TpRanks {
     /// (`whole`: the block's 12 tensors), so that its kernels accumulate onto
     /// what an unsplit part's would.
     pub fn load_grads(&mut self, l: usize, whole: &[Param]) {
-        let size = self.shape.size;
+        let (size, cfg, bl) = (self.shape.size, &self.cfg, self.cfg.block_len());
         for (rank, r) in self.ranks.iter_mut().zip(self.local.clone()) {
             for (k, w) in whole.iter().enumerate() {
                 shard_into(
-                    &mut rank.params[12 * l + k].grad,
-                    k,
+                    &mut rank.params[bl * l + k].grad,
+                    cut_of(cfg, k),
                     &w.grad,
                     *w.shape.last().expect("a shape"),
                     r,
@@ -300,7 +307,7 @@ impl TpRanks {
             let mut arrays = Vec::new();
             for r in self.follower_ranks(f).filter(|_| !zero) {
                 for (k, w) in whole.iter().enumerate() {
-                    arrays.push(shard(k, &w.grad, *w.shape.last().expect("a shape"), r, size));
+                    arrays.push(shard(cut_of(cfg, k), &w.grad, *w.shape.last().expect("a shape"), r, size));
                 }
             }
             self.loads[f] = arrays;
@@ -316,16 +323,16 @@ impl TpRanks {
             Some(f) => (0..f.count()).map(|i| f.answer(i)).collect(),
             None => Vec::new(),
         };
-        let per = self.local.len();
+        let (per, bl) = (self.local.len(), self.cfg.block_len());
         for (k, w) in whole.iter_mut().enumerate() {
             let cols = *w.shape.last().expect("a shape");
             let mut pieces: Vec<&[f32]> =
-                self.ranks.iter().map(|r| r.params[12 * l + k].grad.as_slice()).collect();
+                self.ranks.iter().map(|r| r.params[bl * l + k].grad.as_slice()).collect();
             for a in &theirs {
-                assert_eq!(a.len(), 12 * per, "a follower's gradient shards of block {l}");
-                pieces.extend((0..per).map(|r| a[12 * r + k].as_slice()));
+                assert_eq!(a.len(), bl * per, "a follower's gradient shards of block {l}");
+                pieces.extend((0..per).map(|r| a[bl * r + k].as_slice()));
             }
-            unshard_into(&mut w.grad, k, &pieces, cols);
+            unshard_into(&mut w.grad, cut_of(&self.cfg, k), &pieces, cols);
         }
     }
 
@@ -362,8 +369,11 @@ impl TpRanks {
                     Some(it) => it.next().expect("an activation set per rank"),
                     None => rank.recompute_acts.as_mut().expect("recompute buffers"),
                 };
-                let (params, scratch, pool) =
-                    (&rank.params[12 * l..12 * (l + 1)], &mut rank.scratch, &rank.pool);
+                let (params, scratch, pool) = (
+                    &rank.params[cfg.block_len() * l..cfg.block_len() * (l + 1)],
+                    &mut rank.scratch,
+                    &rank.pool,
+                );
                 sc.spawn(move || pool.install(|| block_forward(params, ba, x, o, scratch, b, cfg, &tp)));
             }
         });
@@ -430,8 +440,11 @@ impl TpRanks {
                     Some(it) => it.next().expect("a gradient set per rank"),
                     None => &mut rank.full_grads,
                 };
-                let (params, scratch, pool) =
-                    (&mut rank.params[12 * l..12 * (l + 1)], &mut rank.scratch, &rank.pool);
+                let (params, scratch, pool) = (
+                    &mut rank.params[cfg.block_len() * l..cfg.block_len() * (l + 1)],
+                    &mut rank.scratch,
+                    &rank.pool,
+                );
                 sc.spawn(move || {
                     pool.install(|| {
                         with_random_order(nondet, || {
@@ -463,8 +476,12 @@ impl TpRanks {
         std::thread::scope(|sc| {
             for (i, rank) in self.ranks.iter_mut().enumerate() {
                 let tp = shape.rank(self.local.start + i, None);
-                let (params, pool, ba, g) =
-                    (&mut rank.params[12 * l..12 * (l + 1)], &rank.pool, &blocks[i], &grads[i]);
+                let (params, pool, ba, g) = (
+                    &mut rank.params[cfg.block_len() * l..cfg.block_len() * (l + 1)],
+                    &rank.pool,
+                    &blocks[i],
+                    &grads[i],
+                );
                 sc.spawn(move || {
                     pool.install(|| {
                         with_random_order(nondet, || block_backward_weight(params, ba, x, g, b, cfg, &tp))
@@ -474,32 +491,34 @@ impl TpRanks {
         });
     }
 
-    /// Local block `l`'s gradient shards of every held rank, 12 per rank.
+    /// Local block `l`'s gradient shards of every held rank, a block's tensors per rank.
     fn grads_of(&self, l: usize) -> Vec<Vec<f32>> {
+        let bl = self.cfg.block_len();
         self.ranks
             .iter()
-            .flat_map(|r| r.params[12 * l..12 * (l + 1)].iter().map(|p| p.grad.clone()))
+            .flat_map(|r| r.params[bl * l..bl * (l + 1)].iter().map(|p| p.grad.clone()))
             .collect()
     }
 
-    /// Sets local block `l`'s gradient shards of every held rank from `arrays` (12 per rank).
+    /// Sets local block `l`'s gradient shards of every held rank from `arrays` (a block's tensors per rank).
     fn set_grads(&mut self, l: usize, arrays: &[Vec<f32>]) -> Result<(), String> {
+        let bl = self.cfg.block_len();
         if arrays.is_empty() {
             // All +0.0: what the owner's whole gradients held.
             for rank in &mut self.ranks {
-                rank.params[12 * l..12 * (l + 1)].iter_mut().for_each(|p| p.grad.fill(0.0));
+                rank.params[bl * l..bl * (l + 1)].iter_mut().for_each(|p| p.grad.fill(0.0));
             }
             return Ok(());
         }
-        if arrays.len() != 12 * self.ranks.len() {
+        if arrays.len() != bl * self.ranks.len() {
             return Err(format!(
-                "{} gradient shards for {} ranks' 12 tensors",
+                "{} gradient shards for {} ranks' {bl} tensors",
                 arrays.len(),
                 self.ranks.len()
             ));
         }
-        for (rank, a) in self.ranks.iter_mut().zip(arrays.chunks(12)) {
-            for (p, g) in rank.params[12 * l..12 * (l + 1)].iter_mut().zip(a) {
+        for (rank, a) in self.ranks.iter_mut().zip(arrays.chunks(bl)) {
+            for (p, g) in rank.params[bl * l..bl * (l + 1)].iter_mut().zip(a) {
                 if p.grad.len() != g.len() {
                     return Err(format!("{}: a shard of {} elements, not {}", p.name, g.len(), p.grad.len()));
                 }
@@ -585,7 +604,7 @@ impl TpFollower {
             k.blocks = (0..nb * per).map(|_| BlockActs::new(b, &cfg, size)).collect();
         }
         if grads && k.grads.len() != nb * per {
-            k.grads = (0..nb * per).map(|_| BlockGrads::new(n, cfg.n_embd, size)).collect();
+            k.grads = (0..nb * per).map(|_| BlockGrads::new(n, &cfg, size)).collect();
         }
         k
     }
@@ -594,7 +613,7 @@ impl TpFollower {
     pub fn handle(&mut self, cmd: TpCmd, arrays: Vec<Vec<f32>>) -> Result<Option<Vec<Vec<f32>>>, String> {
         let (b, cfg, per) = (self.b, self.cfg, self.ranks.held_here());
         let n = b * cfg.block_size * cfg.n_embd;
-        let nb = self.spec.layers.len();
+        let (nb, bl) = (self.spec.layers.len(), cfg.block_len());
         let layer = |l: u32| -> Result<usize, String> {
             match (l as usize) < nb {
                 true => Ok(l as usize),
@@ -606,9 +625,9 @@ impl TpFollower {
             false => Err(format!("{what} of microbatch key {key}, which has no forward here")),
         };
         // The arrays a command carries: `whole` (N, C) tensors first, then
-        // `shards` sets of 12 per held rank.
+        // `shards` sets of a block's tensors per held rank.
         let split = |mut a: Vec<Vec<f32>>, whole: usize, shards: bool| -> Result<(Arrays, Arrays), String> {
-            let want = whole + if shards { 12 * per } else { 0 };
+            let want = whole + if shards { bl * per } else { 0 };
             // Gradient shards that are all zero are left out.
             if a.len() != want && !(shards && a.len() == whole) {
                 return Err(format!("{} arrays, not {want}", a.len()));
@@ -621,11 +640,11 @@ impl TpFollower {
         };
         match cmd {
             TpCmd::Refresh => {
-                if arrays.len() != 12 * nb * per {
-                    return Err(format!("{} shards, not {}", arrays.len(), 12 * nb * per));
+                if arrays.len() != bl * nb * per {
+                    return Err(format!("{} shards, not {}", arrays.len(), bl * nb * per));
                 }
                 let mut arrays = arrays;
-                for (rank, a) in self.ranks.ranks.iter_mut().zip(arrays.chunks_mut(12 * nb)) {
+                for (rank, a) in self.ranks.ranks.iter_mut().zip(arrays.chunks_mut(bl * nb)) {
                     for (p, d) in rank.params.iter_mut().zip(a) {
                         if p.data.len() != d.len() {
                             return Err(format!(

@@ -236,8 +236,9 @@ fn node_sum(have: &mut BTreeMap<Span, Grads>, level: u32, index: usize, total: u
     Some(left)
 }
 
-/// Which of a part's gradients an action writes: the head's (final LayerNorm
-/// and the head's share of the tied wte) in F, everything else in B or W.
+/// Which of a part's gradients an action writes: the head's (final norm and
+/// the head's weight: its share of the tied wte, or the untied lm_head) in F,
+/// everything else in B or W.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Leaf {
     Head,
@@ -262,9 +263,16 @@ pub struct PartTree {
 impl PartTree {
     /// The tree of `part` for microbatches `block` of `total`.
     pub fn new(part: &ModelPart, block: Range<usize>, total: usize) -> PartTree {
-        let spec = &part.spec;
-        let head_norm = if spec.head { vec![spec.head_base(), spec.head_base() + 1] } else { vec![] };
-        let wte_copy = (spec.head && !spec.embedding).then(|| spec.head_wte());
+        let (spec, cfg) = (&part.spec, &part.cfg);
+        // F writes the final norm's gradients and, untied, the lm_head's.
+        let mut head_norm: Vec<usize> = match spec.head {
+            true => (spec.head_base(cfg)..spec.head_base(cfg) + cfg.final_norm_len()).collect(),
+            false => vec![],
+        };
+        if spec.head && !cfg.tied() {
+            head_norm.push(spec.head_wte(cfg));
+        }
+        let wte_copy = (spec.head && !spec.embedding && cfg.tied()).then(|| spec.head_wte(cfg));
         let body_idx =
             (0..part.params.len()).filter(|i| !head_norm.contains(i) && Some(*i) != wte_copy).collect();
         PartTree {

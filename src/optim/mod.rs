@@ -244,7 +244,7 @@ mod tests {
     #[test]
     fn adamw_decays_two_dimensional_tensors_only_as_pytorch_does() {
         use crate::model::PartSpec;
-        let gpt = GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 11, block_size: 5 };
+        let gpt = GptConfig::gpt2(2, 2, 8, 11, 5);
         let mut part = ModelPart::new(gpt, PartSpec::whole(&gpt), 1, 3, false);
         for (i, p) in part.params.iter_mut().enumerate() {
             // Biases and LayerNorm start at 0 and 1; give every tensor values

@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn norm_slots_follow_canonical_order_then_blocks() {
-        let cfg = GptConfig { n_layer: 1, n_head: 2, n_embd: 32, vocab_size: 100, block_size: 16 };
+        let cfg = GptConfig::gpt2(1, 2, 32, 100, 16);
         let first = first_slots(&cfg);
         let sizes: Vec<usize> = all_tensors(&cfg).iter().map(|(_, s)| s.iter().product()).collect();
         assert_eq!(first[0], 0);

@@ -700,12 +700,11 @@ mod tests {
         let d =
             compare("stage-0", &entry(vec![], sums(2.0)), &entry(vec![], sums(2.5))).expect("a divergence");
         assert!(d.to_string().contains("grad_sumsq[1] (the Σg² of norm slot 3)"), "{d}");
-        let cfg = crate::model::GptConfig { n_layer: 2, n_head: 2, n_embd: 8, vocab_size: 10, block_size: 4 };
+        let cfg = crate::model::GptConfig::gpt2(2, 2, 8, 10, 4);
         let named = d.name_params(&cfg).to_string();
         assert!(named.contains("(at grad_sumsq[1] (the Σg² of h.0.ln_1.bias);"), "{named}");
         // A wider model: wte (64·64 = 4 blocks) takes slots 0..4, wpe (4·64) slot 4.
-        let wide =
-            crate::model::GptConfig { n_layer: 1, n_head: 2, n_embd: 64, vocab_size: 64, block_size: 4 };
+        let wide = crate::model::GptConfig::gpt2(1, 2, 64, 64, 4);
         assert_eq!(slot_name(&wide, 2).as_deref(), Some("wte.weight, block 2 (elements 2048..3072)"));
         assert_eq!(slot_name(&wide, 4).as_deref(), Some("wpe.weight"));
     }

@@ -29,8 +29,7 @@ pub fn run(gpu: &Gpu, only: Option<Group>, report: &mut dyn FnMut(Progress)) -> 
 // The whole-model step check: a model small enough for the CPU to step in a
 // moment, with every part of GPT-2 (two blocks, a padded vocabulary, two
 // microbatches of gradient accumulation, clipping on).
-const STEP_CFG: GptConfig =
-    GptConfig { n_layer: 2, n_head: 2, n_embd: 128, vocab_size: 1000, block_size: 64 };
+const STEP_CFG: GptConfig = GptConfig::gpt2(2, 2, 128, 1000, 64);
 const STEP_B: usize = 2;
 const STEP_MICROBATCHES: usize = 2;
 const STEP_SEED: u64 = 7;

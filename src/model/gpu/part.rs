@@ -69,8 +69,8 @@ pub fn padded_vocab(v: usize) -> usize {
 /// The final LayerNorm's gradients in a part's flat buffer as one
 /// (offset, length) run, weight then bias with only alignment padding
 /// between them; None without the head.
-pub fn head_norm_run(tensors: &[TensorSlot], spec: &PartSpec) -> Option<(usize, usize)> {
-    let hb = spec.head.then(|| spec.head_base())?;
+pub fn head_norm_run(tensors: &[TensorSlot], spec: &PartSpec, cfg: &GptConfig) -> Option<(usize, usize)> {
+    let hb = spec.head.then(|| spec.head_base(cfg))?;
     let (w, b) = (tensors.get(hb)?, tensors.get(hb + 1)?);
     Some((w.offset, b.offset + b.stored - w.offset))
 }
@@ -590,7 +590,7 @@ impl<X: Elem> GpuPart<X> {
         ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
-        let base = self.spec.block_base(l);
+        let base = self.spec.block_base(&self.cfg, l);
         let w = |i: usize| self.w(base + i);
         let x = &self.slots[k].stream[l];
         let (a, out) = self.forward_acts(k, l, recomputing);
@@ -636,7 +636,7 @@ impl<X: Elem> GpuPart<X> {
         argmax: Option<&mut [u32]>,
     ) -> Result<f64> {
         let (c, v, vp, n) = (self.cfg.n_embd, self.cfg.vocab_size, self.vp, self.n());
-        let (hb, wte) = (self.spec.head_base(), self.spec.head_wte());
+        let (hb, wte) = (self.spec.head_base(&self.cfg), self.spec.head_wte(&self.cfg));
         let (lnw, lnb, wte_w) = (self.w(hb), self.w(hb + 1), self.w(wte));
         let (glnw, glnb) = (self.g(hb), self.g(hb + 1));
         let s = &mut self.s;
@@ -775,7 +775,7 @@ impl<X: Elem> GpuPart<X> {
         ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
-        let base = self.spec.block_base(l);
+        let base = self.spec.block_base(&self.cfg, l);
         let (w, g) = (|i: usize| self.w(base + i), |i: usize| self.g(base + i));
         let x = &self.slots[k].stream[l];
         let a = self.backward_acts(k, l);
@@ -878,7 +878,7 @@ impl<X: Elem> GpuPart<X> {
                     let g0 = self.g(0);
                     adamw::add_f32(gpu, g0, g0, self.s.tied.ptr(), vc)
                 } else {
-                    let gw = self.g(self.spec.head_wte());
+                    let gw = self.g(self.spec.head_wte(&self.cfg));
                     adamw::add_f32(gpu, gw, self.s.tied.ptr(), self.head_grad.ptr(), vc)
                 }
             }
@@ -997,7 +997,7 @@ impl<X: Elem> GpuPart<X> {
     /// run (the head's forward writes them; nothing lies between its weight
     /// and bias but zero padding). None without the head.
     fn head_norm_run(&self) -> Option<(usize, usize)> {
-        head_norm_run(&self.tensors, &self.spec)
+        head_norm_run(&self.tensors, &self.spec, &self.cfg)
     }
 
     /// f32 elements of one microbatch's head leaf for the microbatch tree
@@ -1074,13 +1074,13 @@ impl<X: Elem> GpuPart<X> {
             return Ok(out);
         };
         let h = gpu.download(head.ok_or_else(|| CudaError::Shape("a head node is missing".into()))?)?;
-        let hb = self.spec.head_base();
+        let hb = self.spec.head_base(&self.cfg);
         for k in [hb, hb + 1] {
             let s = &self.tensors[k];
             out[k] = h[s.offset - offset..s.offset - offset + s.numel].to_vec();
         }
         if !self.spec.embedding {
-            out[self.spec.head_wte()] = Vec::new();
+            out[self.spec.head_wte(&self.cfg)] = Vec::new();
         }
         out.push(h[n..n + self.cfg.vocab_size * self.cfg.n_embd].to_vec());
         Ok(out)
@@ -1169,7 +1169,7 @@ mod tests {
 
     #[test]
     fn the_head_leaf_run_is_exactly_ln_f_weight_and_bias_and_absent_without_the_head() {
-        let cfg = GptConfig { n_layer: 3, n_head: 3, n_embd: 192, vocab_size: 1000, block_size: 64 };
+        let cfg = GptConfig::gpt2(3, 3, 192, 1000, 64);
         let spec = PartSpec { layers: 2..3, embedding: false, head: true };
         let all = params(&cfg);
         // A head-only part: block 2, ln_f, then the tied copy of wte.
@@ -1180,14 +1180,14 @@ mod tests {
             .collect();
         ps.push(all[0].clone());
         let (tensors, _) = tensor_layout(&ps, padded_vocab(cfg.vocab_size), cfg.n_embd);
-        let (offset, n) = head_norm_run(&tensors, &spec).expect("a head part has the run");
+        let (offset, n) = head_norm_run(&tensors, &spec, &cfg).expect("a head part has the run");
         let inside = |t: &TensorSlot| t.offset >= offset && t.offset + t.stored <= offset + n;
         let covered: Vec<&str> = tensors.iter().filter(|t| inside(t)).map(|t| t.name.as_str()).collect();
         assert_eq!(covered, ["ln_f.weight", "ln_f.bias"]);
         let ln_b = tensors.iter().find(|t| t.name == "ln_f.bias").expect("ln_f.bias");
         assert_eq!(offset + n, ln_b.offset + ln_b.stored, "the run ends with the bias");
         let body = PartSpec { layers: 0..2, embedding: true, head: false };
-        assert_eq!(head_norm_run(&tensors, &body), None);
+        assert_eq!(head_norm_run(&tensors, &body, &cfg), None);
     }
 
     #[test]
@@ -1195,7 +1195,7 @@ mod tests {
         // n_embd = 192: biases of 192 and 576 elements are 64 × odd, the sizes
         // that left the next tensor 128 bytes off a 256-byte boundary.
         for c in [192, 320, 768] {
-            let cfg = GptConfig { n_layer: 2, n_head: c / 64, n_embd: c, vocab_size: 1000, block_size: 64 };
+            let cfg = GptConfig::gpt2(2, c / 64, c, 1000, 64);
             let ps = params(&cfg);
             let (tensors, total) = tensor_layout(&ps, padded_vocab(cfg.vocab_size), c);
             let mut end = 0;

@@ -14,7 +14,7 @@ use crate::model::{GptConfig, ModelPart, PartSpec};
 use crate::optim::{self, AdamState};
 
 /// Four heads of 64, so 1, 2 and 4 ranks each take whole slices of 4.
-const TP_CFG: GptConfig = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, vocab_size: 1000, block_size: 64 };
+const TP_CFG: GptConfig = GptConfig::gpt2(2, 4, 256, 1000, 64);
 const SLICES: usize = 4;
 
 /// What two steps leave: each step's loss and gradient norm, then the master

@@ -198,7 +198,7 @@ impl<X: Elem> GpuPart<X> {
     /// Block l, up to the attention projection's subtree sum.
     fn tp_attention(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
-        let (n, base, size) = (self.n(), self.spec.block_base(l), self.tp.size);
+        let (n, base, size) = (self.n(), self.spec.block_base(&self.cfg, l), self.tp.size);
         let w = |i: usize| self.w(base + i);
         let x = &self.slots[k].stream[l];
         let (a, _) = self.forward_acts(k, l, recomputing);
@@ -210,7 +210,7 @@ impl<X: Elem> GpuPart<X> {
 
     /// Block l from res2 up to the MLP projection's subtree sum.
     fn tp_mlp(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
-        let (n, c, base) = (self.n(), self.cfg.n_embd, self.spec.block_base(l));
+        let (n, c, base) = (self.n(), self.cfg.n_embd, self.spec.block_base(&self.cfg, l));
         let w = |i: usize| self.w(base + i);
         let (a, _) = self.forward_acts(k, l, recomputing);
         self.join(gpu, &a.res2, Some(&self.slots[k].stream[l]))?;
@@ -316,7 +316,7 @@ impl<X: Elem> GpuPart<X> {
     /// Backward of block l's MLP projection and GELU, up to the subtree sum
     /// of ∂L/∂ln2.
     fn tp_back_mlp(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
-        let (n, c, base, s) = (self.n(), self.cfg.n_embd, self.spec.block_base(l), &self.s);
+        let (n, c, base, s) = (self.n(), self.cfg.n_embd, self.spec.block_base(&self.cfg, l), &self.s);
         let a = self.backward_acts(k, l);
         self.row_weight_grads(gpu, &a.fch_gelu, (base + FCPW, base + FCPB), 4 * c)?;
         self.row_dx(gpu, &s.dfch, base + FCPW, 4 * c)?;
@@ -327,7 +327,7 @@ impl<X: Elem> GpuPart<X> {
     /// From ∂L/∂ln2's sums through attention, up to the subtree sum of ∂L/∂ln1.
     fn tp_back_attention(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
-        let (base, s, size) = (self.spec.block_base(l), &self.s, self.tp.size);
+        let (base, s, size) = (self.spec.block_base(&self.cfg, l), &self.s, self.tp.size);
         let a = self.backward_acts(k, l);
         self.join(gpu, &s.dln, None)?;
         self.column_weight_grads(gpu, &s.dfch, &a.ln2, (base + FCW, base + FCB), self.cut(4 * c, 1))?;
@@ -352,7 +352,7 @@ impl<X: Elem> GpuPart<X> {
 
     /// From ∂L/∂ln1's sums to ∂L/∂(block input) in `dres`.
     fn tp_back_input(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
-        let (c, base, s) = (self.cfg.n_embd, self.spec.block_base(l), &self.s);
+        let (c, base, s) = (self.cfg.n_embd, self.spec.block_base(&self.cfg, l), &self.s);
         let a = self.backward_acts(k, l);
         self.join(gpu, &s.dln, None)?;
         self.column_weight_grads(gpu, &s.dqkv, &a.ln1, (base + QKVW, base + QKVB), self.cut(3 * c, 3))?;
@@ -848,7 +848,7 @@ mod tests {
 
     #[test]
     fn ranks_and_slices_that_do_not_divide_the_heads_or_each_other_are_refused() {
-        let cfg = GptConfig { n_layer: 2, n_head: 4, n_embd: 256, vocab_size: 100, block_size: 8 };
+        let cfg = GptConfig::gpt2(2, 4, 256, 100, 8);
         let ok = |rank, size, slices| GpuTp { rank, size, slices }.check(&cfg).is_ok();
         assert!(ok(0, 1, 1) && ok(1, 2, 4) && ok(3, 4, 4));
         assert!(!ok(0, 4, 2), "fewer slices than ranks");
