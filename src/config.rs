@@ -216,9 +216,10 @@ pub struct ModelSection {
     pub rope_theta: f64,
     /// Llama: RMSNorm's epsilon.
     pub rms_norm_eps: f64,
-    /// Whether the LM head reads the token embedding. GPT-2's always does;
-    /// Llama's does only when this is true.
-    pub tie_word_embeddings: Option<bool>,
+    /// Llama: whether the LM head reads the token embedding (Hugging
+    /// Face's name; untied unless set). GPT-2's head always does, whatever
+    /// this says, as it ignores the other Llama fields.
+    pub tie_word_embeddings: bool,
     /// Tokens the model can predict; the embedding is padded internally to a
     /// multiple of 64 but padded rows are never predicted nor exported.
     pub vocab_size: usize,
@@ -404,7 +405,7 @@ impl Default for ModelSection {
             intermediate_size: 0,
             rope_theta: 10_000.0,
             rms_norm_eps: 1e-5,
-            tie_word_embeddings: None,
+            tie_word_embeddings: false,
             vocab_size: 50257,
             block_size: 1024,
         }
@@ -513,7 +514,7 @@ impl ModelSection {
     pub fn tied(&self) -> bool {
         match self.family {
             Family::Gpt2 => true,
-            Family::Llama => self.tie_word_embeddings.unwrap_or(false),
+            Family::Llama => self.tie_word_embeddings,
         }
     }
 }
@@ -772,6 +773,26 @@ impl Config {
                 mixed.unwrap_or_default()
             ),
         );
+        let llama = self.model.family == Family::Llama;
+        v.check(
+            !llama || self.backend.kind != BackendKind::Cuda,
+            "backend.kind",
+            self.backend.kind.name(),
+            "must be \"cpu\" (or \"sim\") with model.family = \"llama\": the GPU model is GPT-2's so far",
+        );
+        v.check(
+            !llama || p.tp == 1,
+            "parallel.tp",
+            p.tp,
+            "must be 1 with model.family = \"llama\" (its block is not split over ranks yet)",
+        );
+        v.check(
+            !llama || !p.schedule.splits_backward(),
+            "parallel.schedule",
+            p.schedule,
+            "must not split the backward (zb-h1, zb-v) with model.family = \"llama\" yet: use gpipe, 1f1b or \
+             interleaved",
+        );
         v.check(
             self.backend.kind != BackendKind::Cuda || !p.schedule.splits_backward(),
             "parallel.schedule",
@@ -1010,12 +1031,6 @@ impl Config {
                     "model.intermediate_size",
                     m.intermediate_size,
                     format!("must be 0 or 4·model.n_embd = {} with model.family = \"gpt2\"", 4 * m.n_embd),
-                );
-                v.check(
-                    m.tie_word_embeddings != Some(false),
-                    "model.tie_word_embeddings",
-                    "false",
-                    "must be true (or unset) with model.family = \"gpt2\": GPT-2's head is the token embedding",
                 );
             }
             Family::Llama => {

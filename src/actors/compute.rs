@@ -213,7 +213,8 @@ pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<
 /// does not own are zero and never read.
 fn set_grad_shards(part: &mut ModelPart, shard: Shard, grads: Vec<Vec<f32>>) {
     let n = part.params.len();
-    let wte = part.cfg.vocab_size * part.cfg.n_embd;
+    // An untied head has no share apart: its gradient is its own tensor's.
+    let wte = if part.cfg.tied() { part.cfg.vocab_size * part.cfg.n_embd } else { 0 };
     for (k, g) in grads.into_iter().enumerate() {
         let (numel, target) = match k < n {
             true => (part.params[k].numel(), &mut part.params[k].grad),

@@ -1,26 +1,41 @@
-//! Hugging Face GPT-2 folders: the `config.json` (a `GPT2Config`) that sits
-//! beside `model.safetensors`. Read, it gives a model its shape, so a
-//! `save_pretrained` folder needs no `--set`; written into a run directory,
-//! it lets `GPT2LMHeadModel.from_pretrained(run_dir)` open the run unchanged.
+//! Hugging Face folders: the `config.json` (a `GPT2Config` or a
+//! `LlamaConfig`) that sits beside `model.safetensors`. Read, it gives a
+//! model its family and shape, so a `save_pretrained` folder needs no
+//! `--set`; written into a run directory, it lets `GPT2LMHeadModel` or
+//! `LlamaForCausalLM.from_pretrained(run_dir)` open the run unchanged.
 //! Only the fields that change the arithmetic are checked; the rest (dropout,
 //! token ids, generation settings) mean nothing to pipewright.
 
-use super::params::GptConfig;
+use super::params::{Family, GptConfig};
 use std::path::{Path, PathBuf};
 
 /// The file Hugging Face keeps a model's config in.
 pub const HF_CONFIG_FILE: &str = "config.json";
 
-/// A GPT-2's shape as its `config.json` states it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A model's family and shape as its `config.json` states it.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HfShape {
+    pub family: Family,
     pub n_layer: usize,
     pub n_head: usize,
     pub n_embd: usize,
     pub vocab_size: usize,
-    /// Positions the file's `wpe.weight` holds; pipewright's `model.block_size`
-    /// may be smaller (the table is cropped), never larger.
+    /// GPT-2: positions the file's `wpe.weight` holds; pipewright's
+    /// `model.block_size` may be smaller (the table is cropped), never
+    /// larger. Llama: `max_position_embeddings`, the default block size.
     pub n_positions: usize,
+    /// Llama's own fields (GPT-2: one key/value head per query head, 4·C).
+    pub llama: Option<LlamaFields>,
+}
+
+/// What a `LlamaConfig` adds to the shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LlamaFields {
+    pub n_kv_head: usize,
+    pub intermediate_size: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -53,10 +68,14 @@ pub fn read_shape(dir: &Path) -> Result<Option<HfShape>, HfError> {
     }
 }
 
-/// `config.json`'s text as a GPT-2 shape; `path` names it in errors.
+/// `config.json`'s text as a shape (`model_type` "gpt2", the default, or
+/// "llama"); `path` names it in errors.
 pub fn parse_shape(path: &Path, text: &str) -> Result<HfShape, HfError> {
     let v: serde_json::Value = serde_json::from_str(text)
         .map_err(|e| HfError::Json { path: path.to_path_buf(), msg: e.to_string() })?;
+    if v.get("model_type").is_some_and(|t| t == "llama") {
+        return parse_llama(path, &v);
+    }
     let bad = |field: &'static str, got: &serde_json::Value, expected: &str| HfError::Field {
         path: path.to_path_buf(),
         field,
@@ -96,11 +115,99 @@ pub fn parse_shape(path: &Path, text: &str) -> Result<HfShape, HfError> {
         None => int("n_ctx")?,
     };
     Ok(HfShape {
+        family: Family::Gpt2,
         n_layer: int("n_layer")?,
         n_head: int("n_head")?,
         n_embd: int("n_embd")?,
         vocab_size: int("vocab_size")?,
         n_positions,
+        llama: None,
+    })
+}
+
+/// A `LlamaConfig`: the fields pipewright computes, and every field whose
+/// other values would change the arithmetic checked. The rotary base comes
+/// from `rope_theta` (transformers 4) or `rope_parameters.rope_theta`
+/// (transformers 5); scaled rotary embeddings (Llama 3.1's "llama3" type,
+/// YaRN, …) are refused, since pipewright computes the plain ones.
+fn parse_llama(path: &Path, v: &serde_json::Value) -> Result<HfShape, HfError> {
+    let bad = |field: &'static str, got: &serde_json::Value, expected: &str| HfError::Field {
+        path: path.to_path_buf(),
+        field,
+        got: got.to_string(),
+        expected: expected.to_string(),
+    };
+    let null = serde_json::Value::Null;
+    let int = |field: &'static str| -> Result<usize, HfError> {
+        let got = v.get(field).unwrap_or(&null);
+        match got.as_u64() {
+            Some(n) if n > 0 => Ok(n as usize),
+            _ => Err(bad(field, got, "a whole number of at least 1")),
+        }
+    };
+    let must =
+        |field: &'static str, ok: &dyn Fn(&serde_json::Value) -> bool, expected: &str| match v.get(field) {
+            Some(got) if !got.is_null() && !ok(got) => Err(bad(field, got, expected)),
+            _ => Ok(()),
+        };
+    must("hidden_act", &|g| g == "silu", "\"silu\" (SwiGLU's gate, which pipewright computes)")?;
+    must("attention_bias", &|g| g == false, "false (pipewright's Llama has no biases)")?;
+    must("mlp_bias", &|g| g == false, "false (pipewright's Llama has no biases)")?;
+    must("pretraining_tp", &|g| g == 1, "1 (the plain products)")?;
+    let (n_head, n_embd) = (int("num_attention_heads")?, int("hidden_size")?);
+    must(
+        "head_dim",
+        &|g| g.as_u64().is_some_and(|d| d as usize * n_head == n_embd),
+        "hidden_size / num_attention_heads",
+    )?;
+    let n_kv_head = match v.get("num_key_value_heads") {
+        Some(g) if !g.is_null() => int("num_key_value_heads")?,
+        _ => n_head,
+    };
+    let float = |field: &'static str, got: &serde_json::Value| -> Result<f64, HfError> {
+        got.as_f64().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| bad(field, got, "a positive number"))
+    };
+    let scaled =
+        |g: &serde_json::Value| g.get("rope_type").or_else(|| g.get("type")).is_some_and(|t| t != "default");
+    let params = v.get("rope_parameters").filter(|p| !p.is_null());
+    for (field, p) in [("rope_scaling", v.get("rope_scaling")), ("rope_parameters", params)] {
+        if let Some(p) = p.filter(|p| !p.is_null() && scaled(p)) {
+            return Err(bad(
+                field,
+                p,
+                "null or rope_type \"default\" (scaled rotary embeddings are not computed)",
+            ));
+        }
+    }
+    let rope_theta = match (params.and_then(|p| p.get("rope_theta")), v.get("rope_theta")) {
+        (Some(t), _) => float("rope_parameters", t)?,
+        (None, Some(t)) if !t.is_null() => float("rope_theta", t)?,
+        // LlamaConfig's default.
+        _ => 10_000.0,
+    };
+    let rms_norm_eps = match v.get("rms_norm_eps") {
+        Some(e) if !e.is_null() => float("rms_norm_eps", e)?,
+        _ => 1e-6,
+    };
+    let tie_word_embeddings = match v.get("tie_word_embeddings") {
+        Some(serde_json::Value::Bool(b)) => *b,
+        Some(g) if !g.is_null() => return Err(bad("tie_word_embeddings", g, "true or false")),
+        _ => false,
+    };
+    Ok(HfShape {
+        family: Family::Llama,
+        n_layer: int("num_hidden_layers")?,
+        n_head,
+        n_embd,
+        vocab_size: int("vocab_size")?,
+        n_positions: int("max_position_embeddings")?,
+        llama: Some(LlamaFields {
+            n_kv_head,
+            intermediate_size: int("intermediate_size")?,
+            rope_theta,
+            rms_norm_eps,
+            tie_word_embeddings,
+        }),
     })
 }
 
@@ -109,13 +216,24 @@ impl HfShape {
     /// included; put the user's own overrides after them so theirs win
     /// (a smaller `model.block_size` crops the position table).
     pub fn overrides(&self) -> Vec<String> {
-        vec![
+        let mut v = vec![
+            format!("model.family=\"{}\"", self.family),
             format!("model.n_layer={}", self.n_layer),
             format!("model.n_head={}", self.n_head),
             format!("model.n_embd={}", self.n_embd),
             format!("model.vocab_size={}", self.vocab_size),
             format!("model.block_size={}", self.n_positions),
-        ]
+        ];
+        if let Some(l) = &self.llama {
+            v.extend([
+                format!("model.n_kv_head={}", l.n_kv_head),
+                format!("model.intermediate_size={}", l.intermediate_size),
+                format!("model.rope_theta={:?}", l.rope_theta),
+                format!("model.rms_norm_eps={:?}", l.rms_norm_eps),
+                format!("model.tie_word_embeddings={}", l.tie_word_embeddings),
+            ]);
+        }
+        v
     }
 }
 
@@ -124,6 +242,9 @@ impl HfShape {
 /// (pipewright trains without it). GPT-2's end-of-text id only where the
 /// vocabulary holds it.
 pub fn config_json(cfg: &GptConfig) -> String {
+    if cfg.family == Family::Llama {
+        return llama_config_json(cfg);
+    }
     let eot = (cfg.vocab_size > 50_256).then_some(50_256);
     let v = serde_json::json!({
         "architectures": ["GPT2LMHeadModel"],
@@ -153,6 +274,46 @@ pub fn config_json(cfg: &GptConfig) -> String {
     text
 }
 
+/// An f32 field as the decimal it was written as (1e-5, not 9.99999974e-6).
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().expect("an f32 prints as a decimal")
+}
+
+/// A `config.json` that `LlamaForCausalLM.from_pretrained` reads as this
+/// model, under transformers 4 (`rope_theta`) and 5 (`rope_parameters`).
+fn llama_config_json(cfg: &GptConfig) -> String {
+    let theta = decimal(cfg.rope_theta);
+    let v = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads(),
+        "hidden_size": cfg.n_embd,
+        "head_dim": cfg.head_dim(),
+        "intermediate_size": cfg.ffn(),
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": decimal(cfg.norm_eps),
+        "rope_theta": theta,
+        "rope_scaling": null,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tied(),
+        "initializer_range": 0.02,
+        "bos_token_id": null,
+        "eos_token_id": null,
+        "torch_dtype": "float32",
+    });
+    let mut text = serde_json::to_string_pretty(&v).expect("a JSON value serializes");
+    text.push('\n');
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,7 +330,15 @@ mod tests {
     #[test]
     fn the_hub_gpt2_config_gives_the_124m_shape() {
         let s = parse_shape(Path::new("config.json"), GPT2_HUB).unwrap();
-        let want = HfShape { n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, n_positions: 1024 };
+        let want = HfShape {
+            family: Family::Gpt2,
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            vocab_size: 50257,
+            n_positions: 1024,
+            llama: None,
+        };
         assert_eq!(s, want);
         assert!(s.overrides().contains(&"model.block_size=1024".to_string()));
     }
@@ -199,5 +368,71 @@ mod tests {
         assert_eq!(read_shape(dir.path()).unwrap(), None);
         std::fs::write(dir.path().join(HF_CONFIG_FILE), GPT2_HUB).unwrap();
         assert_eq!(read_shape(dir.path()).unwrap().unwrap().n_layer, 12);
+    }
+
+    /// Meta's Llama 3 8B `config.json` as transformers 4 wrote it.
+    const LLAMA3_8B: &str = r#"{
+      "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+      "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+      "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+      "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": null,
+      "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+      "use_cache": true, "vocab_size": 128256
+    }"#;
+
+    #[test]
+    fn the_llama3_8b_config_gives_its_shape_and_rope_base() {
+        let s = parse_shape(Path::new("config.json"), LLAMA3_8B).unwrap();
+        assert_eq!(
+            (s.family, s.n_layer, s.n_head, s.n_embd, s.vocab_size),
+            (Family::Llama, 32, 32, 4096, 128256)
+        );
+        let l = s.llama.unwrap();
+        assert_eq!((l.n_kv_head, l.intermediate_size, l.rope_theta, l.rms_norm_eps), (8, 14336, 5e5, 1e-5));
+        assert!(!l.tie_word_embeddings);
+        let o = s.overrides();
+        for want in ["model.family=\"llama\"", "model.n_kv_head=8", "model.rope_theta=500000.0"] {
+            assert!(o.contains(&want.to_string()), "{o:?}");
+        }
+    }
+
+    #[test]
+    fn transformers_5_rope_parameters_give_the_rope_base() {
+        let v5 = LLAMA3_8B.replace("\"rope_theta\": 500000.0,", "").replace(
+            "\"rope_scaling\": null,",
+            "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": 250000.0},",
+        );
+        let s = parse_shape(Path::new("config.json"), &v5).unwrap();
+        assert_eq!(s.llama.unwrap().rope_theta, 2.5e5);
+    }
+
+    #[test]
+    fn scaled_rope_and_biases_are_refused_by_name() {
+        let scaled = LLAMA3_8B.replace(
+            "\"rope_scaling\": null",
+            "\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8.0}",
+        );
+        let err = parse_shape(Path::new("m/config.json"), &scaled).unwrap_err().to_string();
+        assert!(err.contains("m/config.json") && err.contains("`rope_scaling`"), "{err}");
+        let biased = LLAMA3_8B.replace("\"attention_bias\": false", "\"attention_bias\": true");
+        let err = parse_shape(Path::new("config.json"), &biased).unwrap_err().to_string();
+        assert!(err.contains("`attention_bias`"), "{err}");
+    }
+
+    #[test]
+    fn a_llama_we_write_reads_back_as_the_same_shape() {
+        for tied in [false, true] {
+            let cfg =
+                GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 4, 2, 16, 40, 256, 32, 5e5) };
+            let s = parse_shape(Path::new("config.json"), &config_json(&cfg)).unwrap();
+            assert_eq!(
+                (s.family, s.n_layer, s.n_head, s.n_embd, s.n_positions),
+                (Family::Llama, 3, 4, 16, 32)
+            );
+            let l = s.llama.unwrap();
+            assert_eq!((l.n_kv_head, l.intermediate_size, l.rope_theta, l.rms_norm_eps), (2, 40, 5e5, 1e-5));
+            assert_eq!(l.tie_word_embeddings, tied);
+        }
     }
 }

@@ -1,11 +1,13 @@
-//! Weights in and out: safetensors files with Hugging Face GPT-2 names and
-//! layouts, and the layout-independent weights digest.
+//! Weights in and out: safetensors files with Hugging Face's names and
+//! layouts (GPT-2's as `GPT2LMHeadModel` saves them, Llama's as
+//! `LlamaForCausalLM` does, `model.` prefix included), and the
+//! layout-independent weights digest, over pipewright's own names.
 //!
 //! Files are written to a temporary name in the same directory, synced and then
 //! renamed, so a crash never leaves a half-written file under the final name.
 //! Reading never panics on bad bytes: every problem names the file.
 
-use super::params::{all_tensors, GptConfig};
+use super::params::{all_tensors, Family, GptConfig};
 use super::{ModelPart, Param};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
@@ -32,12 +34,13 @@ pub enum WeightsError {
     Dtype { path: PathBuf, name: String, got: String },
     #[error(
         "{path}: tensor `{name}` is not part of this model ({count} such tensor(s); expected exactly the \
-         {expected} tensors of a GPT-2 with n_layer = {n_layer}: is the file from a larger model?)"
+         {expected} tensors of a {family} with n_layer = {n_layer}: is the file from a larger model, or \
+         another family (model.family)?)"
     )]
-    Unexpected { path: PathBuf, name: String, count: usize, expected: usize, n_layer: usize },
+    Unexpected { path: PathBuf, name: String, count: usize, expected: usize, family: Family, n_layer: usize },
     #[error(
         "{path}: tensors `{first}` and `{second}` are both `{canonical}` (one with Hugging Face's \
-         `transformer.` prefix, one without): expected each tensor once"
+         `transformer.` or `model.` prefix, one without): expected each tensor once"
     )]
     Duplicate { path: PathBuf, first: String, second: String, canonical: String },
 }
@@ -76,6 +79,17 @@ pub fn digest_of(tensors: &BTreeMap<String, (&[usize], &[f32])>) -> String {
     h.finalize().to_hex().to_string()
 }
 
+/// A tensor's name in a file: Llama's body lives under `model.` in
+/// `LlamaForCausalLM`'s files (its head, `lm_head.weight`, does not);
+/// GPT-2's names are written as they are, which `GPT2LMHeadModel` reads.
+pub fn file_name_of(name: &str) -> std::borrow::Cow<'_, str> {
+    let llama_body = name.starts_with("layers.") || name == "embed_tokens.weight" || name == "norm.weight";
+    match llama_body {
+        true => format!("model.{name}").into(),
+        false => name.into(),
+    }
+}
+
 fn to_le_bytes(x: &[f32]) -> Vec<u8> {
     let mut v = Vec::with_capacity(x.len() * 4);
     for f in x {
@@ -101,8 +115,10 @@ pub fn to_safetensors(
     tensors: &BTreeMap<String, (&[usize], &[f32])>,
     metadata: HashMap<String, String>,
 ) -> Result<Vec<u8>, WeightsError> {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
-        tensors.iter().map(|(n, (s, d))| (n.clone(), s.to_vec(), to_le_bytes(d))).collect();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, (s, d))| (file_name_of(n).into_owned(), s.to_vec(), to_le_bytes(d)))
+        .collect();
     let views = bytes.iter().map(|(n, s, b)| {
         (
             n.clone(),
@@ -163,8 +179,9 @@ pub struct LoadedWeights {
     pub path: PathBuf,
     pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
     pub metadata: HashMap<String, String>,
-    /// `transformer.` when the file names its tensors so (Hugging Face's
-    /// GPT2LMHeadModel): errors name tensors as the file does.
+    /// `transformer.` (Hugging Face's GPT2LMHeadModel) or `model.`
+    /// (LlamaForCausalLM) when the file names its tensors so: errors name
+    /// tensors as the file does.
     pub prefix: String,
     /// What the file holds that loading drops though it matters (a head
     /// that differs from wte), each also logged as a warning.
@@ -191,9 +208,10 @@ pub fn load_for(path: &Path, cfg: &GptConfig) -> Result<LoadedWeights, WeightsEr
     Ok(w)
 }
 
-/// Reads a safetensors file. Accepts Hugging Face's `transformer.` prefix and
-/// ignores what GPT-2 checkpoints carry beside the weights (`lm_head.weight`,
-/// which is tied to wte, and the attention mask buffers).
+/// Reads a safetensors file. Accepts Hugging Face's `transformer.` and
+/// `model.` prefixes and ignores the attention mask buffers GPT-2
+/// checkpoints carry beside the weights. `lm_head.weight` is kept: a tied
+/// model drops it when fitted (see [`LoadedWeights::fit`]).
 pub fn load(path: &Path) -> Result<LoadedWeights, WeightsError> {
     let cap = crate::fsutil::memory_cap();
     let buf = crate::fsutil::read_regular(path, cap, "this machine's memory holds")
@@ -210,20 +228,16 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
     let mut tensors = HashMap::new();
     // The name each tensor had in the file, by the name it is loaded under.
     let mut spelled: HashMap<String, String> = HashMap::new();
-    let mut head = None;
     let mut prefix = String::new();
     for (file_name, view) in st.tensors() {
-        let name = match file_name.strip_prefix("transformer.") {
-            Some(n) => {
-                prefix = "transformer.".to_string();
+        let stripped = ["transformer.", "model."].iter().find_map(|p| Some((*p, file_name.strip_prefix(p)?)));
+        let name = match stripped {
+            Some((p, n)) => {
+                prefix = p.to_string();
                 n.to_string()
             }
             None => file_name.clone(),
         };
-        if name == "lm_head.weight" {
-            head = Some((file_name, view));
-            continue;
-        }
         if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
             continue;
         }
@@ -244,44 +258,48 @@ pub fn parse(path: &Path, buf: &[u8]) -> Result<LoadedWeights, WeightsError> {
             view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         tensors.insert(name, (view.shape().to_vec(), data));
     }
-    let mut warnings = Vec::new();
-    if let Some((head_name, view)) = head {
-        if !head_is_wte(&view, tensors.get("wte.weight")) {
-            let w = format!(
-                "{}: `{head_name}` differs from `{prefix}wte.weight` and is ignored: pipewright ties the \
-                 output head to wte",
-                path.display()
-            );
-            tracing::warn!("{w}");
-            warnings.push(w);
-        }
-    }
-    Ok(LoadedWeights { path: path.to_path_buf(), tensors, metadata, prefix, warnings })
+    Ok(LoadedWeights { path: path.to_path_buf(), tensors, metadata, prefix, warnings: Vec::new() })
 }
 
-/// Whether a file's `lm_head.weight` holds exactly `wte` (as a tied model
+/// Whether a file's head holds exactly the token embedding (as a tied model
 /// saves it), bit for bit.
-fn head_is_wte(head: &safetensors::tensor::TensorView<'_>, wte: Option<&(Vec<usize>, Vec<f32>)>) -> bool {
+fn head_is_wte(head: &(Vec<usize>, Vec<f32>), wte: Option<&(Vec<usize>, Vec<f32>)>) -> bool {
     let Some((shape, data)) = wte else { return false };
-    head.dtype() == Dtype::F32
-        && head.shape() == shape.as_slice()
-        && head.data().len() == 4 * data.len()
-        && head
-            .data()
-            .chunks_exact(4)
-            .zip(data)
-            .all(|(b, x)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).to_bits() == x.to_bits())
+    head.0 == *shape
+        && head.1.len() == data.len()
+        && head.1.iter().zip(data).all(|(a, b)| a.to_bits() == b.to_bits())
 }
 
 impl LoadedWeights {
     /// A tensor's name as the file spells it.
     pub fn file_name(&self, name: &str) -> String {
-        format!("{}{name}", self.prefix)
+        match self.prefix.as_str() {
+            "model." => file_name_of(name).into_owned(),
+            p => format!("{p}{name}"),
+        }
     }
 
     /// Crops the position table to `cfg.block_size` (saying so on stderr),
-    /// then checks every tensor against `cfg`.
+    /// drops a tied model's `lm_head.weight` (warning, naming it, when it is
+    /// not the embedding: that head is not the one trained), then checks
+    /// every tensor against `cfg`.
     pub fn fit(&mut self, cfg: &GptConfig) -> Result<(), WeightsError> {
+        if cfg.tied() {
+            if let Some(head) = self.tensors.remove("lm_head.weight") {
+                let embed = super::params::embedding_tensors(cfg).remove(0).0;
+                if !head_is_wte(&head, self.tensors.get(&embed)) {
+                    // Hugging Face writes the head without the body's prefix.
+                    let w = format!(
+                        "{}: `lm_head.weight` differs from `{}` and is ignored: this model's output head is tied \
+                         to it",
+                        self.path.display(),
+                        self.file_name(&embed)
+                    );
+                    tracing::warn!("{w}");
+                    self.warnings.push(w);
+                }
+            }
+        }
         if let Some(rows) = self.crop_positions(cfg.block_size) {
             tracing::warn!(
                 "{}: `{}` holds {rows} positions; using the first {} (model.block_size)",
@@ -321,6 +339,7 @@ impl LoadedWeights {
                 name: self.file_name(extra[0]),
                 count: extra.len(),
                 expected: all.len(),
+                family: cfg.family,
                 n_layer: cfg.n_layer,
             });
         }
@@ -425,8 +444,8 @@ mod tests {
     #[test]
     fn hugging_face_extras_and_prefix_are_accepted() {
         let extras = ["lm_head.weight", "transformer.h.0.attn.bias", "transformer.h.0.attn.masked_bias"];
-        let w = file_of(&tiny(1), |n| format!("transformer.{n}"), &extras);
-        w.check(&tiny(1)).unwrap();
+        let mut w = file_of(&tiny(1), |n| format!("transformer.{n}"), &extras);
+        w.fit(&tiny(1)).unwrap();
     }
 
     #[test]
@@ -503,7 +522,8 @@ mod tests {
     #[test]
     fn a_head_that_differs_from_wte_is_named_in_a_warning_and_one_equal_to_it_is_not() {
         let (_dir, path) = saved_with(&tiny(1), &[("lm_head.weight", 2.0)]);
-        let w = load(&path).unwrap();
+        let mut w = load(&path).unwrap();
+        w.fit(&tiny(1)).unwrap();
         assert_eq!(w.warnings.len(), 1, "{:?}", w.warnings);
         assert!(
             w.warnings[0].contains("`lm_head.weight` differs from `wte.weight`")
@@ -511,9 +531,8 @@ mod tests {
             "{}",
             w.warnings[0]
         );
-        w.check(&tiny(1)).unwrap();
         let (_dir, path) = saved_with(&tiny(1), &[("lm_head.weight", 1.0)]);
-        assert!(load(&path).unwrap().warnings.is_empty());
+        assert!(load_for(&path, &tiny(1)).unwrap().warnings.is_empty());
     }
 
     #[test]
@@ -535,5 +554,42 @@ mod tests {
         let loaded = load(&dir.path().join("0.safetensors")).unwrap();
         assert_eq!(loaded.tensors["a"], (shape, data));
         assert_eq!(loaded.metadata["format"], "pt");
+    }
+
+    #[test]
+    fn llama_weights_are_written_as_llama_for_causal_lm_names_them_and_read_back() {
+        for tied in [false, true] {
+            let cfg = GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(2, 4, 2, 8, 12, 16, 4, 1e4) };
+            let part = ModelPart::new(cfg, crate::model::PartSpec::whole(&cfg), 1, 3, false);
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("model.safetensors");
+            save(&path, &gather(&[&part]), HashMap::new()).unwrap();
+            let raw = load(&path).unwrap();
+            assert_eq!(raw.prefix, "model.");
+            let bytes = std::fs::read(&path).unwrap();
+            let names: Vec<String> =
+                SafeTensors::deserialize(&bytes).unwrap().names().into_iter().map(String::from).collect();
+            assert!(names.contains(&"model.layers.1.mlp.down_proj.weight".to_string()), "{names:?}");
+            assert!(names.contains(&"model.embed_tokens.weight".to_string()));
+            assert_eq!(names.contains(&"lm_head.weight".to_string()), !tied, "{names:?}");
+            let w = load_for(&path, &cfg).unwrap();
+            assert!(w.warnings.is_empty());
+            for p in &part.params {
+                assert_eq!(w.tensors[&p.name].1, p.data, "{}", p.name);
+            }
+        }
+        // An untied model needs its head; the error names it as the file would.
+        let untied = GptConfig::llama(2, 4, 2, 8, 12, 16, 4, 1e4);
+        let tied = GptConfig { tie_word_embeddings: true, ..untied };
+        let part = ModelPart::new(tied, crate::model::PartSpec::whole(&tied), 1, 3, false);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        save(&path, &gather(&[&part]), HashMap::new()).unwrap();
+        let err = load_for(&path, &untied).err().unwrap().to_string();
+        assert!(err.contains("tensor `lm_head.weight` is missing"), "{err}");
+        // A GPT-2 file read as a Llama names the family.
+        let (_gpt2_dir, gpt2) = saved_with(&tiny(1), &[]);
+        let err = load_for(&gpt2, &untied).err().unwrap().to_string();
+        assert!(err.contains("llama"), "{err}");
     }
 }

@@ -103,7 +103,7 @@ impl LrSchedule {
 pub fn grad_sum_squares(part: &ModelPart, shard: zero::Shard, first: &[usize], out: &mut Vec<(usize, f64)>) {
     out.clear();
     for p in &part.params {
-        if p.name == "wte.weight" && !part.spec.embedding {
+        if p.canonical == 0 && !part.spec.embedding {
             continue;
         }
         timed(Kernel::GradNorm, || zero::block_sum_squares(&p.grad, first[p.canonical], shard, out));

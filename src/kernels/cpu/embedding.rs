@@ -162,7 +162,7 @@ mod tests {
         };
         let mut dwte = vec![0.0; v * c];
         with_threads(2, || token_embedding_backward(&mut dwte, &g, &tokens, c));
-        check_grads(&[wte.clone()], &[dwte], loss, 1e-4);
+        check_grads(std::slice::from_ref(&wte), &[dwte], loss, 1e-4);
         assert_thread_count_independent(|| {
             let mut d = randn(v * c, 11);
             token_embedding_backward(&mut d, &g, &tokens, c);
