@@ -18,7 +18,7 @@ fn close(got: f64, want: f64, tol: f64) -> bool {
 #[test]
 fn gpt3_175b_on_300b_tokens_is_3_14e23_flops() {
     // GPT-3 paper, table D.1: 3.14e23 training FLOPs for 175B on 300B tokens.
-    let shape = ModelShape { layers: 96, hidden: 12288, heads: 96, seq: 2048, vocab: 50257 };
+    let shape = ModelShape::gpt2(96, 12288, 96, 2048, 50257);
     let f = flops::train_flops(175e9, 300e9, &shape);
     assert!(close(f.six_nd, 3.14e23, 0.01), "6ND = {:e}", f.six_nd);
     // The attention term is small for GPT-3 (T = 2048 ≪ 6·C): about 1.4% on top.
@@ -37,7 +37,7 @@ fn gpt3_175b_on_300b_tokens_is_3_14e23_flops() {
 #[test]
 fn a_7b_model_with_adamw_in_mixed_precision_is_16_to_18_bytes_per_param() {
     // LLaMA-7B's shape; the planner scales every count to the 7e9 given.
-    let seven_b = ModelShape { layers: 32, hidden: 4096, heads: 32, seq: 4096, vocab: 32000 };
+    let seven_b = ModelShape::gpt2(32, 4096, 32, 4096, 32000);
     let n = 7e9;
     let tied = (seven_b.vocab * seven_b.hidden) as f64 * n / seven_b.params();
     for (pp, tied_copy) in [(1, 0.0), (4, tied)] {
@@ -132,9 +132,9 @@ fn one_f_one_b_keeps_p_minus_s_microbatches_on_stage_s() {
 }
 
 fn inputs() -> Vec<SearchInput> {
-    let seven_b = ModelShape { layers: 32, hidden: 4096, heads: 32, seq: 4096, vocab: 32000 };
-    let seventy_b = ModelShape { layers: 80, hidden: 8192, heads: 64, seq: 4096, vocab: 32000 };
-    let gpt3 = ModelShape { layers: 96, hidden: 12288, heads: 96, seq: 2048, vocab: 50257 };
+    let seven_b = ModelShape::gpt2(32, 4096, 32, 4096, 32000);
+    let seventy_b = ModelShape::gpt2(80, 8192, 64, 4096, 32000);
+    let gpt3 = ModelShape::gpt2(96, 12288, 96, 2048, 50257);
     let case = |shape: ModelShape, gpus, gpu, global_batch| SearchInput {
         shape,
         params: shape.params(),

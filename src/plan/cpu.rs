@@ -84,15 +84,15 @@ fn tp_link_bytes(
     held: usize,
     recompute: bool,
 ) -> TpLinkBytes {
-    let (nc4, l, h, t, c) =
-        (4.0 * (n * shape.hidden) as f64, layers as f64, held as f64, tp.size as f64, shape.hidden as f64);
+    let (nc4, l, h, t) = (4.0 * (n * shape.hidden) as f64, layers as f64, held as f64, tp.size as f64);
     let followers = (tp.size / held - 1) as f64;
     // Two all-reduces in a block's forward, two in its backward, and the
     // forward's two again when the block is recomputed.
     let all_reduces = if recompute { 6.0 } else { 4.0 };
-    // A rank's shards of one block: 1/tp of it, the 6 C of LayerNorms and
-    // projection biases whole.
-    let shard = 4.0 * ((shape.layer_params() - 6.0 * c) / t + 6.0 * c);
+    // A rank's shards of one block: 1/tp of it, the norms (and GPT-2's
+    // projection biases) whole.
+    let whole = shape.layer_whole_params();
+    let shard = 4.0 * ((shape.layer_params() - whole) / t + whole);
     TpLinkBytes {
         nodes_sent: l * all_reduces * h * nc4 * followers,
         commands_sent: followers * 2.0 * nc4,
@@ -166,9 +166,10 @@ impl TpSite<'_> {
             return leaves;
         }
         let cl = c / t;
-        // A rank's 1/tp of the block's tensors, but the LayerNorms and the
-        // projections' biases (6 C) whole; data and gradient.
-        let shards = 8.0 * layers as f64 * h * ((shape.layer_params() - 6.0 * c) / t + 6.0 * c);
+        // A rank's 1/tp of the block's tensors, but the norms (and GPT-2's
+        // projection biases) whole; data and gradient.
+        let whole = shape.layer_whole_params();
+        let shards = 8.0 * layers as f64 * h * ((shape.layer_params() - whole) / t + whole);
         let attn =
             crate::kernels::cpu::attention::scratch_len(b, gpt.n_head / tp.size, gpt.block_size) as f64;
         let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (4.0 * c + 7.0 * cl);
@@ -189,13 +190,7 @@ impl TpSite<'_> {
 }
 
 fn shape_of(gpt: &GptConfig) -> ModelShape {
-    ModelShape {
-        layers: gpt.n_layer,
-        hidden: gpt.n_embd,
-        heads: gpt.n_head,
-        seq: gpt.block_size,
-        vocab: gpt.vocab_size,
-    }
+    ModelShape::of(gpt)
 }
 
 /// Memory and FLOPs per rank, and the schedule's bubble, for `cfg` as configured.

@@ -9,7 +9,7 @@
 
 use serde::Serialize;
 
-/// Shape of a GPT-2 style model.
+/// Shape of a model: GPT-2's, or Llama's when `llama` says how it differs.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct ModelShape {
     pub layers: usize,
@@ -18,6 +18,19 @@ pub struct ModelShape {
     /// Sequence length T.
     pub seq: usize,
     pub vocab: usize,
+    /// A Llama block (RMSNorm, grouped-query attention, SwiGLU, no biases,
+    /// no position table) instead of GPT-2's.
+    pub llama: Option<LlamaShape>,
+}
+
+/// What a Llama adds to the shape.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct LlamaShape {
+    pub kv_heads: usize,
+    /// The SwiGLU MLP's width F.
+    pub ffn: usize,
+    /// Whether the head reads the token embedding.
+    pub tied: bool,
 }
 
 /// Shapes from the GPT-3 paper's table 2.1 (and LLaMA for the larger sizes), used to
@@ -38,34 +51,73 @@ pub const KNOWN_SHAPES: [(usize, usize, usize); 12] = [
 ];
 
 impl ModelShape {
-    /// Parameters of one transformer block: attention 4C² + 4C, MLP 8C² + 5C, two
-    /// layernorms 4C.
+    pub const fn gpt2(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Self {
+        ModelShape { layers, hidden, heads, seq, vocab, llama: None }
+    }
+
+    /// The shape of a model config, whichever its family.
+    pub fn of(cfg: &crate::model::GptConfig) -> Self {
+        let mut s = ModelShape::gpt2(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size);
+        if cfg.family == crate::config::Family::Llama {
+            s.llama = Some(LlamaShape { kv_heads: cfg.kv_heads(), ffn: cfg.ffn(), tied: cfg.tied() });
+        }
+        s
+    }
+
+    /// Parameters of one transformer block. GPT-2: attention 4C² + 4C, MLP
+    /// 8C² + 5C, two layernorms 4C. Llama: q and o 2C², k and v 2·C·(C·KV/H),
+    /// the SwiGLU MLP 3·C·F, two RMSNorms 2C.
     pub fn layer_params(&self) -> f64 {
         let c = self.hidden as f64;
-        12.0 * c * c + 13.0 * c
+        match self.llama {
+            None => 12.0 * c * c + 13.0 * c,
+            Some(l) => {
+                let kv = c * l.kv_heads as f64 / self.heads as f64;
+                2.0 * c * c + 2.0 * c * kv + 3.0 * c * l.ffn as f64 + 2.0 * c
+            }
+        }
     }
 
-    /// Token and position embeddings (the LM head is tied to the token embedding).
+    /// A block's parameters every tensor-parallel rank holds whole: GPT-2's
+    /// LayerNorms and row-parallel biases (6C), Llama's RMSNorms (2C).
+    pub fn layer_whole_params(&self) -> f64 {
+        let c = self.hidden as f64;
+        if self.llama.is_some() {
+            2.0 * c
+        } else {
+            6.0 * c
+        }
+    }
+
+    /// The embedding: GPT-2's token and position tables (its head is tied to
+    /// the first), Llama's token table.
     pub fn embedding_params(&self) -> f64 {
-        ((self.vocab + self.seq) * self.hidden) as f64
+        match self.llama {
+            None => ((self.vocab + self.seq) * self.hidden) as f64,
+            Some(_) => (self.vocab * self.hidden) as f64,
+        }
     }
 
-    /// All parameters: 12·L·C² + 13·L·C + (V + T)·C + 2C (final layernorm), GPT-2's
-    /// count with tied embeddings, as llm.c has it.
+    /// The final norm (GPT-2's LayerNorm has a bias, RMSNorm none) and an
+    /// untied head.
+    pub fn head_params(&self) -> f64 {
+        let c = self.hidden as f64;
+        match self.llama {
+            None => 2.0 * c,
+            Some(l) => c + if l.tied { 0.0 } else { (self.vocab * self.hidden) as f64 },
+        }
+    }
+
+    /// All parameters. GPT-2: 12·L·C² + 13·L·C + (V + T)·C + 2C, its count
+    /// with tied embeddings, as llm.c has it. Llama-3 8B: 8,030,261,248.
     pub fn params(&self) -> f64 {
-        self.layers as f64 * self.layer_params() + self.embedding_params() + 2.0 * self.hidden as f64
+        self.layers as f64 * self.layer_params() + self.embedding_params() + self.head_params()
     }
 
     /// The table shape whose parameter count is nearest `params` (in log space),
     /// with sequence length `seq` and vocabulary `vocab`.
     pub fn guess(params: f64, seq: usize, vocab: usize) -> ModelShape {
-        let shape = |&(layers, hidden, heads): &(usize, usize, usize)| ModelShape {
-            layers,
-            hidden,
-            heads,
-            seq,
-            vocab,
-        };
+        let shape = |&(layers, hidden, heads): &(usize, usize, usize)| ModelShape::gpt2(layers, hidden, heads, seq, vocab);
         KNOWN_SHAPES
             .iter()
             .map(shape)
@@ -177,7 +229,7 @@ mod tests {
 
     #[test]
     fn gpt2_124m_has_llm_c_parameter_count() {
-        let s = ModelShape { layers: 12, hidden: 768, heads: 12, seq: 1024, vocab: 50257 };
+        let s = ModelShape::gpt2(12, 768, 12, 1024, 50257);
         assert_eq!(s.params(), 124_439_808.0);
     }
 

@@ -67,9 +67,22 @@ pub fn activation_bytes_per_layer(
     tp: usize,
 ) -> f64 {
     let (s, b, h, a) = (shape.seq as f64, micro_batch as f64, shape.hidden as f64, shape.heads as f64);
+    // Korthikanti et al.'s count in bytes per s·b·h (16-bit activations):
+    // GPT-2's 34 = attention 11 + MLP 19 + LayerNorms 4, with dropout masks,
+    // plus 5·a·s/h for the scores, softmax and its mask. Llama's block, by
+    // the same count without dropout: the norms' inputs 4; attention 2 (input)
+    // + 2 (q) + 4·KV/H (k, v) + 2 (context); the SwiGLU MLP 2 (input) + 4·F/h
+    // (gate and up) + 2·F/h (their product); scores and softmax 4·a·s/h.
+    let (body, scores) = match shape.llama {
+        None => (34.0, 5.0),
+        Some(l) => {
+            let (kv, f) = (l.kv_heads as f64 / a, l.ffn as f64 / h);
+            (4.0 + 6.0 + 4.0 * kv + 2.0 + 6.0 * f, 4.0)
+        }
+    };
     let per = match recompute {
-        Recompute::None => 34.0 + 5.0 * a * s / h,
-        Recompute::Selective => 34.0,
+        Recompute::None => body + scores * a * s / h,
+        Recompute::Selective => body,
         Recompute::Full => 2.0,
     };
     s * b * h * per / tp as f64
@@ -160,8 +173,9 @@ pub fn rank_memory(shape: &ModelShape, params: f64, l: &MemLayout, peak_live: &[
                 p += shape.embedding_params();
             }
             if rank == l.pp - 1 {
-                p += 2.0 * shape.hidden as f64;
-                if l.pp > 1 {
+                p += shape.head_params();
+                let tied = shape.llama.is_none_or(|m| m.tied);
+                if l.pp > 1 && tied {
                     p += (shape.vocab * shape.hidden) as f64; // the tied LM head's copy
                 }
             }
@@ -196,7 +210,7 @@ mod tests {
     #[test]
     fn activation_formula() {
         // GPT-3 175B figures from Korthikanti et al.: s=2048, h=12288, a=96, b=1.
-        let s = ModelShape { layers: 96, hidden: 12288, heads: 96, seq: 2048, vocab: 51200 };
+        let s = ModelShape::gpt2(96, 12288, 96, 2048, 51200);
         let none = activation_bytes_per_layer(&s, 1, Recompute::None, 1);
         assert_eq!(none, 2048.0 * 12288.0 * (34.0 + 5.0 * 96.0 * 2048.0 / 12288.0));
         assert_eq!(activation_bytes_per_layer(&s, 1, Recompute::Full, 8), 2.0 * 2048.0 * 12288.0 / 8.0);

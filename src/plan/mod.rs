@@ -22,7 +22,7 @@ pub mod memory;
 pub mod search;
 
 use crate::config::Config;
-use flops::{Chinchilla, ModelShape, TrainFlops};
+use flops::{Chinchilla, LlamaShape, ModelShape, TrainFlops};
 use hardware::Gpu;
 use memory::{Recompute, StateBytes};
 use search::{SearchInput, SearchResult};
@@ -128,6 +128,12 @@ pub fn trainer_config(
     c.model.n_embd = shape.hidden;
     c.model.vocab_size = shape.vocab;
     c.model.block_size = shape.seq;
+    if let Some(l) = shape.llama {
+        c.model.family = crate::config::Family::Llama;
+        c.model.n_kv_head = l.kv_heads;
+        c.model.intermediate_size = l.ffn;
+        c.model.tie_word_embeddings = l.tied;
+    }
     c.train.micro_batch_size = layout.micro_batch;
     c.train.recompute = layout.recompute == Recompute::Full;
     let p = &mut c.parallel;
@@ -270,13 +276,18 @@ pub fn resolve(a: &PlanArgs) -> Result<PlanInput, PlanError> {
             let pick = |flag: &str, x: Option<usize>, c: Option<usize>| {
                 x.or(c).ok_or_else(|| err(flag, "required with the other shape flags (or use --config)"))
             };
-            let shape = ModelShape {
-                layers: pick("--layers", layers, from_cfg.map(|c| c.0))?,
-                hidden: pick("--hidden", hidden, from_cfg.map(|c| c.1))?,
-                heads: pick("--heads", heads, from_cfg.map(|c| c.2))?,
+            let mut shape = ModelShape::gpt2(
+                pick("--layers", layers, from_cfg.map(|c| c.0))?,
+                pick("--hidden", hidden, from_cfg.map(|c| c.1))?,
+                pick("--heads", heads, from_cfg.map(|c| c.2))?,
                 seq,
                 vocab,
-            };
+            );
+            // A Llama config's block, with its own key/value heads and MLP width.
+            if let Some(c) = cfg.as_ref().filter(|c| c.model.family == crate::config::Family::Llama) {
+                let m = &c.model;
+                shape.llama = Some(LlamaShape { kv_heads: m.kv_heads(), ffn: m.ffn_width(), tied: m.tied() });
+            }
             if !shape.hidden.is_multiple_of(shape.heads) {
                 return Err(err(
                     "--heads",
@@ -444,13 +455,22 @@ impl Plan {
         let s = &i.shape;
         let _ = writeln!(
             o,
-            "model: {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}{}",
+            "model: {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}{}{}",
             si(i.params),
             s.layers,
             s.hidden,
             s.heads,
             s.seq,
             s.vocab,
+            match s.llama {
+                Some(l) => format!(
+                    "; Llama: {} key/value heads, SwiGLU width {}, head {}",
+                    l.kv_heads,
+                    l.ffn,
+                    if l.tied { "tied" } else { "untied" }
+                ),
+                None => String::new(),
+            },
             if i.shape_guessed { " (shape guessed from --params: nearest GPT-3/LLaMA size)" } else { "" }
         );
         let _ = writeln!(
@@ -778,7 +798,8 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
     let gpt = crate::model::GptConfig::from_config(&cfg);
     let m = &cfg.model;
     let mut t = format!(
-        "model: {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}\n",
+        "model: {} {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}\n",
+        m.family,
         si(gpt.num_params() as f64),
         m.n_layer,
         m.n_embd,
