@@ -1010,10 +1010,10 @@ mod tests {
                       w: &[f32],
                       i: usize,
                       o: usize| {
-            // SAFETY: the views stay in x (N, I), w (O, I) and out's columns [col0, col0 + O) of N rows.
             assert!(
                 x.len() == n * i && w.len() == o * i && out.len() == n * out_cols && col0 + o <= out_cols
             );
+            // SAFETY: the views stay in x (N, I), w (O, I) and out's columns [col0, col0 + O) of N rows.
             unsafe {
                 let (xv, wv) = (Mat::rows(x, i), Mat::rows_t(w, i));
                 gemm_raw(n, o, i, out[col0..].as_mut_ptr(), out_cols as isize, false, xv, wv, 1.0, pool_par())
