@@ -9,18 +9,32 @@
 //! layout and names (`nn.Linear`'s (out, in)), so a checkpoint maps onto them
 //! one to one; the products read them transposed through strided views.
 //!
-//! This is the family's block on one rank: the forward and the backward of
-//! the layer, written out from `kernels::cpu` like GPT-2's block. Its tensor
-//! split and its place in a pipeline part come with the family seam.
+//! The block runs on rank `rank` of `size` tensor-parallel ranks as GPT-2's
+//! does (see block.rs's module comment): a rank holds the q rows of its query
+//! heads, the k and v rows of their key/value heads (`size` divides NKV, so a
+//! group never straddles ranks), a row block of gate and up, and the matching
+//! input columns of o and down; the norms are whole. Attention, RoPE and
+//! SwiGLU are per head or per element and need no communication. The sums
+//! over ranks — forward's o and down products, backward's input gradients of
+//! q/k/v and of gate/up — are each the pairwise tree over `slices` K-slices,
+//! slice j reading query heads [j·NH/S, (j+1)·NH/S), key/value heads
+//! [j·NKV/S, ..) and MLP rows [j·F/S, ..); a rank sums its aligned run of
+//! S/size slices and the group joins the runs, so every size dividing S gives
+//! the bits of size 1. The products that are not summed over ranks are cut
+//! into the same slices, each a product of its own, so a column's bits do not
+//! depend on which rank computes it. With one slice every product is the
+//! plain one.
 
 use super::block::{Cut, TpRank};
 use super::params::{GptConfig, Param};
 use crate::kernels::cpu::attention::{gqa_backward, gqa_forward, scratch_len, Heads};
 use crate::kernels::cpu::matmul::{gemm_raw, pool_par, Mat};
 use crate::kernels::cpu::rope::{inv_freq, rope_backward, rope_forward, RopeTable};
+use crate::kernels::cpu::tree::tree_sum;
 use crate::kernels::cpu::{residual, rmsnorm, swiglu};
+use crate::kernels::profile::{timed, Kernel};
 
-/// The shape of one Llama block.
+/// The shape of one Llama block, or of one rank's share of it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LlamaBlockShape {
     /// Hidden size C.
@@ -35,6 +49,13 @@ pub struct LlamaBlockShape {
 impl LlamaBlockShape {
     pub fn of(cfg: &super::GptConfig) -> Self {
         LlamaBlockShape { c: cfg.n_embd, heads: cfg.heads(), f: cfg.ffn(), eps: cfg.norm_eps }
+    }
+
+    /// One rank's share over `size` ranks: its query and key/value heads and
+    /// MLP rows (the hidden size stays whole).
+    pub fn share(&self, size: usize) -> Self {
+        let Heads { nh, nkv, hs } = self.heads;
+        LlamaBlockShape { heads: Heads { nh: nh / size, nkv: nkv / size, hs }, f: self.f / size, ..*self }
     }
 }
 
@@ -71,7 +92,8 @@ pub fn block_tensors(s: &LlamaBlockShape, i: usize) -> Vec<(String, Vec<usize>)>
     ]
 }
 
-/// Intermediate values of one block for one microbatch.
+/// Intermediate values of one block for one microbatch on one rank (the
+/// widths are the rank's share: W = (NH + 2·NKV)·HS, F and the heads per rank).
 #[derive(Default)]
 pub struct LlamaActs {
     n1: Vec<f32>,      // (N, C)
@@ -88,15 +110,26 @@ pub struct LlamaActs {
 
 impl LlamaActs {
     pub fn new(b: usize, cfg: &GptConfig, size: usize) -> Self {
-        assert_eq!(size, 1, "a Llama block split over ranks (refused by the config)");
-        LlamaActs::with_shape(b, cfg.block_size, &LlamaBlockShape::of(cfg))
+        LlamaActs::with_shape(b, cfg.block_size, &LlamaBlockShape::of(cfg).share(size))
     }
 
     pub fn bytes(&self) -> usize {
-        let all = [&self.n1, &self.rstd1, &self.qkv, &self.atty, &self.lse, &self.h, &self.n2, &self.rstd2];
-        4 * (all.iter().map(|v| v.len()).sum::<usize>() + self.gate_up.len() + self.act.len())
+        let all = [
+            &self.n1,
+            &self.rstd1,
+            &self.qkv,
+            &self.atty,
+            &self.lse,
+            &self.h,
+            &self.n2,
+            &self.rstd2,
+            &self.gate_up,
+            &self.act,
+        ];
+        4 * all.iter().map(|v| v.len()).sum::<usize>()
     }
 
+    /// For a block (or a rank's share) of shape `s`.
     pub fn with_shape(b: usize, t: usize, s: &LlamaBlockShape) -> Self {
         let n = b * t;
         let (c, f, heads) = (s.c, s.f, s.heads);
@@ -115,16 +148,39 @@ impl LlamaActs {
     }
 }
 
-/// What a block's I keeps for its W.
-pub struct LlamaGrads;
+/// The gradients of a block's intermediate outputs on one rank, written by
+/// the input half of its backward (I) and read by the weight half (W). A
+/// full backward (B) works in the four it computes anyway and leaves `dout`
+/// and `dh`, which it reads from the caller's buffer, untouched.
+pub struct LlamaGrads {
+    dout: Vec<f32>, // (N, C) the block's output: down's output gradient
+    dgu: Vec<f32>,  // (N, 2F) gate's and up's outputs
+    dn2: Vec<f32>,  // (N, C) the post-attention norm's output
+    dh: Vec<f32>,   // (N, C) the residual after attention: o's output gradient
+    dqkv: Vec<f32>, // (N, W) q, k, v's outputs (before RoPE for q and k)
+    dn1: Vec<f32>,  // (N, C) the input norm's output
+}
 
 impl LlamaGrads {
-    pub fn new(_n: usize, _cfg: &GptConfig, _size: usize) -> Self {
-        LlamaGrads
+    /// For `n` rows (B·T) on a rank of `size`.
+    pub fn new(n: usize, cfg: &GptConfig, size: usize) -> Self {
+        LlamaGrads::with_shape(n, &LlamaBlockShape::of(cfg).share(size))
+    }
+
+    pub fn with_shape(n: usize, s: &LlamaBlockShape) -> Self {
+        LlamaGrads {
+            dout: vec![0.0; n * s.c],
+            dgu: vec![0.0; n * 2 * s.f],
+            dn2: vec![0.0; n * s.c],
+            dh: vec![0.0; n * s.c],
+            dqkv: vec![0.0; n * s.heads.qkv_width()],
+            dn1: vec![0.0; n * s.c],
+        }
     }
 
     pub fn bytes(&self) -> usize {
-        0
+        let all = [&self.dout, &self.dgu, &self.dn2, &self.dh, &self.dqkv, &self.dn1];
+        4 * all.iter().map(|v| v.len()).sum::<usize>()
     }
 }
 
@@ -134,30 +190,42 @@ pub struct LlamaScratch {
     rope: RopeTable,
     attn: Vec<f32>,
     dact: Vec<f32>,  // (N, F)
-    dgu: Vec<f32>,   // (N, 2F)
-    dn: Vec<f32>,    // (N, C): ∂L/∂n2, then ∂L/∂n1
     datty: Vec<f32>, // (N, NH·HS)
-    dqkv: Vec<f32>,  // (N, W)
+    /// Slices 1.. of this rank's run of a split sum, (N, C) each (slice 0
+    /// is summed in the output itself).
+    leaves: Vec<Vec<f32>>,
 }
 
 impl LlamaScratch {
     pub fn new(b: usize, cfg: &GptConfig, tp: &TpRank) -> Self {
-        assert_eq!((tp.size, tp.slices), (1, 1), "a Llama block split over ranks (refused by the config)");
+        let whole = LlamaBlockShape::of(cfg);
+        let Heads { nh, nkv, .. } = whole.heads;
+        // The config refuses other splits (config.rs, check_tp); a slice must be whole heads and groups.
+        assert!(
+            tp.slices.is_multiple_of(tp.size)
+                && nkv.is_multiple_of(tp.slices)
+                && nh.is_multiple_of(tp.slices)
+                && whole.f.is_multiple_of(tp.slices),
+            "a Llama block of {nh} query heads, {nkv} key/value heads and MLP width {} over {} slices \
+             on {} ranks: the slices must divide all three and be a multiple of the ranks",
+            whole.f,
+            tp.slices,
+            tp.size
+        );
         let rope = RopeTable::new(cfg.block_size, &inv_freq(cfg.head_dim(), cfg.rope_theta));
-        LlamaScratch::with_shape(b, rope, &LlamaBlockShape::of(cfg))
+        LlamaScratch::with_shape(b, rope, &whole.share(tp.size), tp.slices / tp.size)
     }
 
-    pub fn with_shape(b: usize, rope: RopeTable, s: &LlamaBlockShape) -> Self {
+    /// For a rank's share `s` that sums `leaves` slices of each split sum.
+    pub fn with_shape(b: usize, rope: RopeTable, s: &LlamaBlockShape, leaves: usize) -> Self {
         let n = b * rope.t;
         let (c, f, heads) = (s.c, s.f, s.heads);
         LlamaScratch {
             attn: vec![0.0; scratch_len(b, heads.nh, rope.t)],
             rope,
             dact: vec![0.0; n * f],
-            dgu: vec![0.0; n * 2 * f],
-            dn: vec![0.0; n * c],
             datty: vec![0.0; n * heads.out_width()],
-            dqkv: vec![0.0; n * heads.qkv_width()],
+            leaves: (1..leaves).map(|_| vec![0.0; n * c]).collect(),
         }
     }
 }
@@ -183,98 +251,245 @@ pub fn forward(
     s: &mut LlamaScratch,
     b: usize,
     cfg: &GptConfig,
-    _tp: &TpRank,
+    tp: &TpRank,
 ) {
-    llama_block_forward(p, a, x, out, s, b, &LlamaBlockShape::of(cfg));
+    llama_block_forward(p, a, x, out, s, b, &LlamaBlockShape::of(cfg).share(tp.size), tp);
 }
 
-/// The block's backward on one rank; only whole (B) for now.
+/// The input half of the block's backward on one rank, with `full` the
+/// weight half too (see [`llama_block_backward_input`]).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_input(
     p: &mut [Param],
     a: &LlamaActs,
     x: &[f32],
     dres: &mut [f32],
-    _g: &mut LlamaGrads,
+    g: &mut LlamaGrads,
     s: &mut LlamaScratch,
     b: usize,
     cfg: &GptConfig,
-    _tp: &TpRank,
+    tp: &TpRank,
     full: bool,
 ) {
-    assert!(full, "a split Llama backward (refused by the config)");
-    llama_block_backward(p, a, x, dres, s, b, &LlamaBlockShape::of(cfg));
+    let share = LlamaBlockShape::of(cfg).share(tp.size);
+    llama_block_backward_input(p, a, x, dres, g, s, b, &share, tp, full);
 }
 
-/// The weight half of the block's backward.
+/// The weight half of the block's backward on one rank (see [`llama_block_backward_weight`]).
 pub fn backward_weight(
-    _p: &mut [Param],
-    _a: &LlamaActs,
-    _x: &[f32],
-    _g: &LlamaGrads,
-    _b: usize,
-    _cfg: &GptConfig,
-    _tp: &TpRank,
+    p: &mut [Param],
+    a: &LlamaActs,
+    x: &[f32],
+    g: &LlamaGrads,
+    b: usize,
+    cfg: &GptConfig,
+    tp: &TpRank,
 ) {
-    unreachable!("a split Llama backward (refused by the config)")
+    let share = LlamaBlockShape::of(cfg).share(tp.size);
+    llama_block_backward_weight(p, a, x, g, b * cfg.block_size, &share, tp);
 }
 
-/// A row-major (rows, cols) buffer's column block [col0, col0 + width) as a view.
-fn cols(buf: &[f32], rows: usize, cols_: usize, col0: usize, width: usize) -> Mat {
-    assert!(col0 + width <= cols_ && buf.len() >= rows * cols_);
-    Mat { ptr: buf[col0..].as_ptr(), rs: cols_ as isize, cs: 1 }
+/// A strided view of a buffer: element (i, j) at `buf[at + i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    buf: &'a [f32],
+    at: usize,
+    rs: usize,
+    cs: usize,
 }
 
-/// out[:, col0..col0+o] (row stride `out_cols`) = x (N, I) · wᵀ, w (O, I): a
-/// Linear layer without bias, writing its columns of a wider buffer.
-#[allow(clippy::too_many_arguments)]
-fn linear(out: &mut [f32], out_cols: usize, col0: usize, x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
-    assert!(x.len() == n * i && w.len() == o * i && col0 + o <= out_cols && out.len() == n * out_cols);
-    // SAFETY: the views stay in x (N, I), w (O, I) and out's columns [col0, col0 + O) of N rows.
-    unsafe {
-        gemm_raw(
-            n,
-            o,
-            i,
-            out[col0..].as_mut_ptr(),
-            out_cols as isize,
-            false,
-            Mat::rows(x, i),
-            Mat::rows_t(w, i),
-            1.0,
-            pool_par(),
-        )
+impl<'a> View<'a> {
+    /// Row-major with `cols` columns, from column `col0` on.
+    fn rows(buf: &'a [f32], cols: usize, col0: usize) -> Self {
+        View { buf, at: col0, rs: cols, cs: 1 }
+    }
+
+    /// The transpose of row-major with `cols` columns, from `at` on.
+    fn rows_t(buf: &'a [f32], cols: usize, at: usize) -> Self {
+        View { buf, at, rs: 1, cs: cols }
+    }
+
+    /// Panics unless every element of an (r, c) window is in the buffer.
+    fn mat(&self, r: usize, c: usize) -> Mat {
+        assert!(
+            r == 0 || c == 0 || self.at + (r - 1) * self.rs + (c - 1) * self.cs < self.buf.len(),
+            "a ({r}, {c}) view at {} with strides ({}, {}) past a buffer of {}",
+            self.at,
+            self.rs,
+            self.cs,
+            self.buf.len()
+        );
+        Mat {
+            ptr: self.buf[self.at.min(self.buf.len())..].as_ptr(),
+            rs: self.rs as isize,
+            cs: self.cs as isize,
+        }
     }
 }
 
-/// dx (N, I) [+]= dy (N, O) · w, with dy the columns [col0, col0 + O) of a
-/// (N, dy_cols) buffer; and dw (O, I) += dyᵀ · x.
+/// dst[at..] (m, n), rows `dst_rs` apart, [+]= a (m, k) · b (k, n).
 #[allow(clippy::too_many_arguments)]
-fn linear_backward(
-    dx: &mut [f32],
+fn gemm_into(
+    dst: &mut [f32],
+    at: usize,
+    dst_rs: usize,
     accumulate: bool,
+    a: View,
+    b: View,
+    (m, n, k): (usize, usize, usize),
+) {
+    assert!(m == 0 || n == 0 || at + (m - 1) * dst_rs + n <= dst.len(), "a product's rows past its output");
+    let (a, b) = (a.mat(m, k), b.mat(k, n));
+    // SAFETY: every element the three views address is in bounds (checked
+    // above and by `mat`), and dst is a unique borrow, so it overlaps neither input.
+    unsafe { gemm_raw(m, n, k, dst[at..].as_mut_ptr(), dst_rs as isize, accumulate, a, b, 1.0, pool_par()) };
+}
+
+/// Column-parallel forward: out[:, col0..col0 + O] (rows `out_cols` apart) =
+/// x (N, I) · wᵀ, w (O, I) this rank's rows, one product per slice.
+#[allow(clippy::too_many_arguments)]
+fn column_product(
+    out: &mut [f32],
+    out_cols: usize,
+    col0: usize,
+    x: &[f32],
+    w: &[f32],
+    (n, i, o): (usize, usize, usize),
+    leaves: usize,
+) {
+    assert!(x.len() == n * i && w.len() == o * i);
+    let per = o / leaves;
+    for j in 0..leaves {
+        let (xv, wv) = (View::rows(x, i, 0), View::rows_t(w, i, j * per * i));
+        gemm_into(out, col0 + j * per, out_cols, false, xv, wv, (n, per, i));
+    }
+}
+
+/// The weight gradient of a column-parallel product: dw (O, I) += dyᵀ · x,
+/// dy the columns [col0, col0 + O) of a (N, dy_cols) buffer; per slice.
+#[allow(clippy::too_many_arguments)]
+fn column_weight_grad(
     dw: &mut [f32],
     dy: &[f32],
     dy_cols: usize,
     col0: usize,
     x: &[f32],
-    w: &[f32],
-    n: usize,
-    i: usize,
-    o: usize,
+    (n, i, o): (usize, usize, usize),
+    leaves: usize,
 ) {
-    assert!(dx.len() == n * i && x.len() == n * i && w.len() == o * i && dw.len() == o * i);
-    let dyv = cols(dy, n, dy_cols, col0, o);
-    // SAFETY: every view is bounds-checked above (dy's by `cols`); dx and dw
-    // are distinct from the inputs.
-    unsafe {
-        gemm_raw(n, i, o, dx.as_mut_ptr(), i as isize, accumulate, dyv, Mat::rows(w, i), 1.0, pool_par());
-        let dyt = Mat { ptr: dyv.ptr, rs: 1, cs: dy_cols as isize };
-        gemm_raw(o, i, n, dw.as_mut_ptr(), i as isize, true, dyt, Mat::rows(x, i), 1.0, pool_par());
+    assert!(x.len() == n * i && dw.len() == o * i);
+    let per = o / leaves;
+    for j in 0..leaves {
+        let dyt = View::rows_t(dy, dy_cols, col0 + j * per);
+        gemm_into(dw, j * per * i, i, true, dyt, View::rows(x, i, 0), (per, i, n));
     }
 }
 
-/// out (N, C) = the block applied to x (N, C), keeping what backward needs.
+/// One of the products a column-parallel input gradient sums: `dy`'s columns
+/// [col0, col0 + O) (of `dy_cols`) against w (O, I), this rank's rows.
+struct ColumnPart<'a> {
+    dy: &'a [f32],
+    dy_cols: usize,
+    col0: usize,
+    w: &'a [f32],
+    o: usize,
+}
+
+/// The input gradient of column-parallel products, dx (N, I) = Σ over this
+/// rank's slices of Σ over `parts` of dy[:, slice] · w[slice, :], added in
+/// `parts` order within a slice, by the slice tree and then the group.
+fn column_parallel_dx(
+    dx: &mut [f32],
+    leaves: &mut [Vec<f32>],
+    parts: &[ColumnPart],
+    (n, i): (usize, usize),
+    tp: &TpRank,
+) {
+    let count = leaves.len() + 1;
+    let leaf = |dst: &mut [f32], j: usize| {
+        for (q, part) in parts.iter().enumerate() {
+            assert!(part.w.len() == part.o * i);
+            let per = part.o / count;
+            let dyv = View::rows(part.dy, part.dy_cols, part.col0 + j * per);
+            gemm_into(dst, 0, i, q > 0, dyv, View::rows(part.w, i, j * per * i), (n, i, per));
+        }
+    };
+    timed(Kernel::Matmul, || {
+        leaf(dx, 0);
+        for (j, l) in leaves.iter_mut().enumerate() {
+            leaf(l, j + 1);
+        }
+    });
+    sum_slices(dx, leaves, tp);
+}
+
+/// Row-parallel forward: out (N, C) = Σ over this rank's slices of
+/// x[:, slice] · w[:, slice]ᵀ, x (N, K) and w (C, K) with K this rank's
+/// share of the reduction, by the slice tree and then the group.
+fn row_parallel(
+    out: &mut [f32],
+    leaves: &mut [Vec<f32>],
+    x: &[f32],
+    w: &[f32],
+    (n, k, c): (usize, usize, usize),
+    tp: &TpRank,
+) {
+    assert!(x.len() == n * k && w.len() == c * k);
+    let ks = k / (leaves.len() + 1);
+    let leaf = |dst: &mut [f32], j: usize| {
+        let (xv, wv) = (View::rows(x, k, j * ks), View::rows_t(w, k, j * ks));
+        gemm_into(dst, 0, c, false, xv, wv, (n, c, ks));
+    };
+    timed(Kernel::Matmul, || {
+        leaf(out, 0);
+        for (j, l) in leaves.iter_mut().enumerate() {
+            leaf(l, j + 1);
+        }
+    });
+    sum_slices(out, leaves, tp);
+}
+
+/// The input gradient of a row-parallel product, dx (N, K) = dy (N, C) · w,
+/// w (C, K) this rank's columns; per slice.
+fn row_parallel_dx(dx: &mut [f32], dy: &[f32], w: &[f32], (n, k, c): (usize, usize, usize), leaves: usize) {
+    assert!(dy.len() == n * c && w.len() == c * k);
+    let ks = k / leaves;
+    for j in 0..leaves {
+        let (dyv, wv) = (View::rows(dy, c, 0), View::rows(w, k, j * ks));
+        gemm_into(dx, j * ks, k, false, dyv, wv, (n, ks, c));
+    }
+}
+
+/// The weight gradient of a row-parallel product, dw (C, K) += dyᵀ · x; per slice.
+fn row_weight_grad(dw: &mut [f32], dy: &[f32], x: &[f32], (n, k, c): (usize, usize, usize), leaves: usize) {
+    assert!(dy.len() == n * c && x.len() == n * k && dw.len() == c * k);
+    let ks = k / leaves;
+    for j in 0..leaves {
+        let (dyt, xv) = (View::rows_t(dy, c, 0), View::rows(x, k, j * ks));
+        gemm_into(dw, j * ks, k, true, dyt, xv, (c, ks, n));
+    }
+}
+
+/// out = the slice tree over `out` (slice 0) and `leaves`, then over the group.
+fn sum_slices(out: &mut [f32], leaves: &mut [Vec<f32>], tp: &TpRank) {
+    if !leaves.is_empty() {
+        let mut bufs: Vec<&mut [f32]> =
+            std::iter::once(out as &mut [f32]).chain(leaves.iter_mut().map(|l| l.as_mut_slice())).collect();
+        timed(Kernel::Residual, || tree_sum(&mut bufs));
+    }
+    if tp.size > 1 {
+        tp.group.expect("a split Llama block needs its tensor group").all_reduce(tp.rank, out);
+    }
+}
+
+/// Slices of each split sum that rank `tp` computes.
+fn leaves_of(tp: &TpRank) -> usize {
+    tp.slices / tp.size
+}
+
+/// out (N, C) = the block applied to x (N, C) on one rank, `s` the rank's
+/// share; keeps what backward needs.
+#[allow(clippy::too_many_arguments)]
 pub fn llama_block_forward(
     p: &[Param],
     a: &mut LlamaActs,
@@ -283,73 +498,171 @@ pub fn llama_block_forward(
     sc: &mut LlamaScratch,
     b: usize,
     s: &LlamaBlockShape,
+    tp: &TpRank,
 ) {
     let t = sc.rope.t;
-    let (n, c, f, heads) = (b * t, s.c, s.f, s.heads);
+    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, leaves_of(tp));
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
-    rmsnorm::rmsnorm_forward(&mut a.n1, &mut a.rstd1, x, &p[IN_NORM].data, n, c, s.eps);
-    linear(&mut a.qkv, w, 0, &a.n1, &p[Q].data, n, c, q);
-    linear(&mut a.qkv, w, q, &a.n1, &p[K].data, n, c, kv);
-    linear(&mut a.qkv, w, q + kv, &a.n1, &p[V].data, n, c, kv);
-    // q's and k's heads are the first NH + NKV head-wide column blocks.
-    rope_forward(&mut a.qkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
-    gqa_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads);
-    linear(&mut a.h, c, 0, &a.atty, &p[O].data, n, q, c);
-    residual::accumulate(&mut a.h, x);
-    rmsnorm::rmsnorm_forward(&mut a.n2, &mut a.rstd2, &a.h, &p[POST_NORM].data, n, c, s.eps);
-    linear(&mut a.gate_up, 2 * f, 0, &a.n2, &p[GATE].data, n, c, f);
-    linear(&mut a.gate_up, 2 * f, f, &a.n2, &p[UP].data, n, c, f);
-    swiglu::swiglu_forward(&mut a.act, &a.gate_up, n, f);
-    linear(out, c, 0, &a.act, &p[DOWN].data, n, f, c);
-    residual::accumulate(out, &a.h);
+    timed(Kernel::LayerNorm, || {
+        rmsnorm::rmsnorm_forward(&mut a.n1, &mut a.rstd1, x, &p[IN_NORM].data, n, c, s.eps)
+    });
+    timed(Kernel::Matmul, || {
+        column_product(&mut a.qkv, w, 0, &a.n1, &p[Q].data, (n, c, q), l);
+        column_product(&mut a.qkv, w, q, &a.n1, &p[K].data, (n, c, kv), l);
+        column_product(&mut a.qkv, w, q + kv, &a.n1, &p[V].data, (n, c, kv), l);
+    });
+    timed(Kernel::Attention, || {
+        // q's and k's heads are the first NH + NKV head-wide column blocks.
+        rope_forward(&mut a.qkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
+        gqa_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads);
+    });
+    row_parallel(&mut a.h, &mut sc.leaves, &a.atty, &p[O].data, (n, q, c), tp);
+    timed(Kernel::Residual, || residual::accumulate(&mut a.h, x));
+    timed(Kernel::LayerNorm, || {
+        rmsnorm::rmsnorm_forward(&mut a.n2, &mut a.rstd2, &a.h, &p[POST_NORM].data, n, c, s.eps)
+    });
+    timed(Kernel::Matmul, || {
+        column_product(&mut a.gate_up, 2 * f, 0, &a.n2, &p[GATE].data, (n, c, f), l);
+        column_product(&mut a.gate_up, 2 * f, f, &a.n2, &p[UP].data, (n, c, f), l);
+    });
+    // SwiGLU is the MLP's activation: it shares GELU's bucket of the profile.
+    timed(Kernel::Gelu, || swiglu::swiglu_forward(&mut a.act, &a.gate_up, n, f));
+    row_parallel(out, &mut sc.leaves, &a.act, &p[DOWN].data, (n, f, c), tp);
+    timed(Kernel::Residual, || residual::accumulate(out, &a.h));
 }
 
-/// Backward of [`llama_block_forward`]: `dres` holds ∂L/∂out on entry and
-/// ∂L/∂x on return; every weight's gradient accumulates into its `grad`.
-pub fn llama_block_backward(
+/// The input half of [`llama_block_forward`]'s backward on one rank: `dres`
+/// holds ∂L/∂out on entry and ∂L/∂x on return; `g` receives the intermediate
+/// output gradients. With `full` (a B) every weight gradient accumulates as
+/// soon as its output gradient exists, by the same kernel calls on the same
+/// inputs as [`llama_block_backward_weight`] makes, so I then W gives B's bits.
+#[allow(clippy::too_many_arguments)]
+pub fn llama_block_backward_input(
     p: &mut [Param],
     a: &LlamaActs,
     x: &[f32],
     dres: &mut [f32],
+    g: &mut LlamaGrads,
     sc: &mut LlamaScratch,
     b: usize,
     s: &LlamaBlockShape,
+    tp: &TpRank,
+    full: bool,
 ) {
     let t = sc.rope.t;
-    let (n, c, f, heads) = (b * t, s.c, s.f, s.heads);
+    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, leaves_of(tp));
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     // MLP: dres is ∂L/∂out, which is also the residual's share of ∂L/∂h.
-    let (wd, dwd) = split(p, DOWN);
-    linear_backward(&mut sc.dact, false, dwd, dres, c, 0, &a.act, wd, n, f, c);
-    // The two kernels below accumulate: their gradients start from zero.
-    sc.dgu.fill(0.0);
-    swiglu::swiglu_backward(&mut sc.dgu, &sc.dact, &a.gate_up, n, f);
-    let (wg, dwg) = split(p, GATE);
-    linear_backward(&mut sc.dn, false, dwg, &sc.dgu, 2 * f, 0, &a.n2, wg, n, c, f);
-    let (wu, dwu) = split(p, UP);
-    linear_backward(&mut sc.dn, true, dwu, &sc.dgu, 2 * f, f, &a.n2, wu, n, c, f);
-    let (w2, dw2) = split(p, POST_NORM);
-    rmsnorm::rmsnorm_backward(dres, dw2, &sc.dn, &a.h, w2, &a.rstd2, n, c);
+    if full {
+        down_grad(p, dres, a, (n, f, c), l);
+    } else {
+        g.dout.copy_from_slice(dres);
+    }
+    timed(Kernel::Matmul, || row_parallel_dx(&mut sc.dact, dres, &p[DOWN].data, (n, f, c), l));
+    // swiglu_backward accumulates: its gradient starts from zero.
+    g.dgu.fill(0.0);
+    timed(Kernel::Gelu, || swiglu::swiglu_backward(&mut g.dgu, &sc.dact, &a.gate_up, n, f));
+    let parts = [
+        ColumnPart { dy: &g.dgu, dy_cols: 2 * f, col0: 0, w: &p[GATE].data, o: f },
+        ColumnPart { dy: &g.dgu, dy_cols: 2 * f, col0: f, w: &p[UP].data, o: f },
+    ];
+    column_parallel_dx(&mut g.dn2, &mut sc.leaves, &parts, (n, c), tp);
+    if full {
+        gate_up_grads(p, &g.dgu, a, (n, c, f), l);
+    }
+    let (w2, h, rstd2) = (&p[POST_NORM].data, &a.h, &a.rstd2);
+    timed(Kernel::LayerNorm, || rmsnorm::rmsnorm_backward_input(dres, &g.dn2, h, w2, rstd2, n, c));
+    if full {
+        norm_grad(&mut p[POST_NORM].grad, &g.dn2, &a.h, &a.rstd2, n, c);
+    }
     // Attention: dres is now ∂L/∂h, the residual's share of ∂L/∂x.
-    let (wo, dwo) = split(p, O);
-    linear_backward(&mut sc.datty, false, dwo, dres, c, 0, &a.atty, wo, n, q, c);
-    sc.dqkv.fill(0.0);
-    gqa_backward(&mut sc.dqkv, &mut sc.attn, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads);
-    rope_backward(&mut sc.dqkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
-    let (wq, dwq) = split(p, Q);
-    linear_backward(&mut sc.dn, false, dwq, &sc.dqkv, w, 0, &a.n1, wq, n, c, q);
-    let (wk, dwk) = split(p, K);
-    linear_backward(&mut sc.dn, true, dwk, &sc.dqkv, w, q, &a.n1, wk, n, c, kv);
-    let (wv, dwv) = split(p, V);
-    linear_backward(&mut sc.dn, true, dwv, &sc.dqkv, w, q + kv, &a.n1, wv, n, c, kv);
-    let (w1, dw1) = split(p, IN_NORM);
-    rmsnorm::rmsnorm_backward(dres, dw1, &sc.dn, x, w1, &a.rstd1, n, c);
+    if full {
+        o_grad(p, dres, a, (n, q, c), l);
+    } else {
+        g.dh.copy_from_slice(dres);
+    }
+    timed(Kernel::Matmul, || row_parallel_dx(&mut sc.datty, dres, &p[O].data, (n, q, c), l));
+    // dK and dV accumulate over query tiles, so this one starts from zero.
+    g.dqkv.fill(0.0);
+    timed(Kernel::Attention, || {
+        gqa_backward(&mut g.dqkv, &mut sc.attn, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads);
+        rope_backward(&mut g.dqkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
+    });
+    let parts = [
+        ColumnPart { dy: &g.dqkv, dy_cols: w, col0: 0, w: &p[Q].data, o: q },
+        ColumnPart { dy: &g.dqkv, dy_cols: w, col0: q, w: &p[K].data, o: kv },
+        ColumnPart { dy: &g.dqkv, dy_cols: w, col0: q + kv, w: &p[V].data, o: kv },
+    ];
+    column_parallel_dx(&mut g.dn1, &mut sc.leaves, &parts, (n, c), tp);
+    if full {
+        qkv_grads(p, &g.dqkv, a, (n, c, q, kv), l);
+    }
+    let (w1, rstd1) = (&p[IN_NORM].data, &a.rstd1);
+    timed(Kernel::LayerNorm, || rmsnorm::rmsnorm_backward_input(dres, &g.dn1, x, w1, rstd1, n, c));
+    if full {
+        norm_grad(&mut p[IN_NORM].grad, &g.dn1, x, &a.rstd1, n, c);
+    }
 }
 
-/// A parameter's values and its gradient, borrowed apart.
-fn split(p: &mut [Param], i: usize) -> (&[f32], &mut [f32]) {
-    let Param { data, grad, .. } = &mut p[i];
-    (data, grad)
+/// The weight half of the block's backward (a W) on one rank, over `n`
+/// rows: accumulates every weight gradient from the activations and the
+/// output gradients its I kept.
+pub fn llama_block_backward_weight(
+    p: &mut [Param],
+    a: &LlamaActs,
+    x: &[f32],
+    g: &LlamaGrads,
+    n: usize,
+    s: &LlamaBlockShape,
+    tp: &TpRank,
+) {
+    let (c, f, heads, l) = (s.c, s.f, s.heads, leaves_of(tp));
+    let (q, kv) = (heads.out_width(), heads.nkv * heads.hs);
+    down_grad(p, &g.dout, a, (n, f, c), l);
+    gate_up_grads(p, &g.dgu, a, (n, c, f), l);
+    norm_grad(&mut p[POST_NORM].grad, &g.dn2, &a.h, &a.rstd2, n, c);
+    o_grad(p, &g.dh, a, (n, q, c), l);
+    qkv_grads(p, &g.dqkv, a, (n, c, q, kv), l);
+    norm_grad(&mut p[IN_NORM].grad, &g.dn1, x, &a.rstd1, n, c);
+}
+
+/// down's weight gradient from its output gradient.
+fn down_grad(p: &mut [Param], dout: &[f32], a: &LlamaActs, nfc: (usize, usize, usize), l: usize) {
+    timed(Kernel::Matmul, || row_weight_grad(&mut p[DOWN].grad, dout, &a.act, nfc, l));
+}
+
+/// o's weight gradient from its output gradient (∂L/∂h).
+fn o_grad(p: &mut [Param], dh: &[f32], a: &LlamaActs, nqc: (usize, usize, usize), l: usize) {
+    timed(Kernel::Matmul, || row_weight_grad(&mut p[O].grad, dh, &a.atty, nqc, l));
+}
+
+/// gate's and up's weight gradients from theirs, `dgu` (N, 2F).
+fn gate_up_grads(p: &mut [Param], dgu: &[f32], a: &LlamaActs, (n, c, f): (usize, usize, usize), l: usize) {
+    timed(Kernel::Matmul, || {
+        column_weight_grad(&mut p[GATE].grad, dgu, 2 * f, 0, &a.n2, (n, c, f), l);
+        column_weight_grad(&mut p[UP].grad, dgu, 2 * f, f, &a.n2, (n, c, f), l);
+    });
+}
+
+/// q's, k's and v's weight gradients from theirs, `dqkv` (N, Q + 2·KV).
+fn qkv_grads(
+    p: &mut [Param],
+    dqkv: &[f32],
+    a: &LlamaActs,
+    (n, c, q, kv): (usize, usize, usize, usize),
+    l: usize,
+) {
+    let w = q + 2 * kv;
+    timed(Kernel::Matmul, || {
+        column_weight_grad(&mut p[Q].grad, dqkv, w, 0, &a.n1, (n, c, q), l);
+        column_weight_grad(&mut p[K].grad, dqkv, w, q, &a.n1, (n, c, kv), l);
+        column_weight_grad(&mut p[V].grad, dqkv, w, q + kv, &a.n1, (n, c, kv), l);
+    });
+}
+
+/// An RMSNorm's weight gradient from its output gradient.
+fn norm_grad(dw: &mut [f32], dout: &[f32], inp: &[f32], rstd: &[f32], n: usize, c: usize) {
+    timed(Kernel::LayerNorm, || rmsnorm::rmsnorm_backward_weight(dw, dout, inp, rstd, n, c));
 }
 
 #[cfg(test)]
@@ -357,6 +670,8 @@ mod tests {
     use super::*;
     use crate::kernels::cpu::rope::inv_freq;
     use crate::kernels::cpu::testutil::*;
+    use crate::model::block::{shard, unshard, TensorGroup, ThreadGroup};
+    use crate::model::tp::TpShape;
 
     const SHAPE: LlamaBlockShape =
         LlamaBlockShape { c: 8, heads: Heads { nh: 4, nkv: 2, hs: 2 }, f: 12, eps: 1e-5 };
@@ -460,14 +775,29 @@ mod tests {
         h.iter().zip(&down).map(|(a, b)| a + b).collect()
     }
 
+    /// A forward and a full backward of the whole block (one rank, one slice).
     fn run(p: &mut [Param], x: &[f32], dout: &[f32], b: usize, t: usize) -> (Vec<f32>, Vec<f32>) {
         let rope = RopeTable::new(t, &inv_freq(SHAPE.heads.hs, THETA));
-        let mut a = LlamaActs::with_shape(b, t, &SHAPE);
-        let mut sc = LlamaScratch::with_shape(b, rope, &SHAPE);
+        whole_block(p, x, dout, b, rope, &SHAPE)
+    }
+
+    fn whole_block(
+        p: &mut [Param],
+        x: &[f32],
+        dout: &[f32],
+        b: usize,
+        rope: RopeTable,
+        s: &LlamaBlockShape,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let one = TpShape::WHOLE.single();
+        let t = rope.t;
+        let mut a = LlamaActs::with_shape(b, t, s);
+        let mut g = LlamaGrads::with_shape(b * t, s);
+        let mut sc = LlamaScratch::with_shape(b, rope, s, 1);
         let mut out = vec![0.0; x.len()];
-        llama_block_forward(p, &mut a, x, &mut out, &mut sc, b, &SHAPE);
+        llama_block_forward(p, &mut a, x, &mut out, &mut sc, b, s, &one);
         let mut dres = dout.to_vec();
-        llama_block_backward(p, &a, x, &mut dres, &mut sc, b, &SHAPE);
+        llama_block_backward_input(p, &a, x, &mut dres, &mut g, &mut sc, b, s, &one, true);
         (out, dres)
     }
 
@@ -510,12 +840,7 @@ mod tests {
             with_threads(threads, || {
                 let mut p = params(&s, 5);
                 let rope = RopeTable::new(t, &inv_freq(s.heads.hs, 500_000.0));
-                let mut a = LlamaActs::with_shape(b, t, &s);
-                let mut sc = LlamaScratch::with_shape(b, rope, &s);
-                let mut out = vec![0.0; x.len()];
-                llama_block_forward(&p, &mut a, &x, &mut out, &mut sc, b, &s);
-                let mut dres = g.clone();
-                llama_block_backward(&mut p, &a, &x, &mut dres, &mut sc, b, &s);
+                let (out, dres) = whole_block(&mut p, &x, &g, b, rope, &s);
                 let grads: Vec<Vec<u32>> = p.iter().map(|q| bits(&q.grad)).collect();
                 (bits(&out), bits(&dres), grads)
             })
@@ -532,5 +857,259 @@ mod tests {
         // Llama-3 8B's block: 218,112,000 parameters.
         let per_block: usize = ts.iter().map(|(_, sh)| sh.iter().product::<usize>()).sum();
         assert_eq!(per_block, 218_112_000);
+    }
+
+    // Tensor parallelism and the split backward, on a grouped-query shape
+    // (NH 8, NKV 4, HS 4) whose heads, groups and MLP rows cut into 4 slices.
+    const B: usize = 2;
+
+    fn gqa_cfg() -> GptConfig {
+        GptConfig::llama(1, 8, 4, 32, 48, 64, 6, THETA)
+    }
+
+    /// What one rank computes: the block's output, the input gradient and
+    /// its shards' weight gradients.
+    struct Ranked {
+        out: Vec<f32>,
+        dx: Vec<f32>,
+        grads: Vec<Vec<f32>>,
+    }
+
+    /// How far one rank's backward goes.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Backward {
+        /// B: input and weight gradients together.
+        Full,
+        /// I, then W.
+        Split,
+        /// I alone.
+        InputOnly,
+    }
+
+    fn run_rank(whole: &[Param], cfg: &GptConfig, tp: &TpRank, how: Backward) -> Ranked {
+        let n = B * cfg.block_size;
+        let c = cfg.n_embd;
+        let mut p: Vec<Param> = whole
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let data = shard(cut_of(i), &q.data, *q.shape.last().unwrap(), tp.rank, tp.size);
+                Param { grad: vec![0.0; data.len()], data, ..q.clone() }
+            })
+            .collect();
+        let x = randn(n * c, 7);
+        let mut a = LlamaActs::new(B, cfg, tp.size);
+        let mut s = LlamaScratch::new(B, cfg, tp);
+        let mut out = vec![0.0; n * c];
+        forward(&p, &mut a, &x, &mut out, &mut s, B, cfg, tp);
+        let mut dx = randn(n * c, 8);
+        let mut g = LlamaGrads::new(n, cfg, tp.size);
+        backward_input(&mut p, &a, &x, &mut dx, &mut g, &mut s, B, cfg, tp, how == Backward::Full);
+        if how == Backward::Split {
+            backward_weight(&mut p, &a, &x, &g, B, cfg, tp);
+        }
+        Ranked { out, dx, grads: p.into_iter().map(|q| q.grad).collect() }
+    }
+
+    /// Runs `size` ranks as threads joined by one group; the ranks' results.
+    fn run_ranks(whole: &[Param], cfg: &GptConfig, size: usize, slices: usize, how: Backward) -> Vec<Ranked> {
+        let group = ThreadGroup::new(size);
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..size)
+                .map(|rank| {
+                    let group: &dyn TensorGroup = &group;
+                    let tp = TpShape { size, slices }.rank(rank, Some(group));
+                    sc.spawn(move || run_rank(whole, cfg, &tp, how))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Panics naming the first element whose bits differ.
+    fn same_bits(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            panic!("{what}: element {i} is {} where {} was wanted", got[i], want[i]);
+        }
+    }
+
+    fn same_results(got: &Ranked, want: &Ranked, what: &str) {
+        same_bits(&got.out, &want.out, &format!("{what}: output"));
+        same_bits(&got.dx, &want.dx, &format!("{what}: input gradient"));
+        for (i, (g, w)) in got.grads.iter().zip(&want.grads).enumerate() {
+            same_bits(g, w, &format!("{what}: gradient of tensor {i}"));
+        }
+    }
+
+    #[test]
+    fn input_then_weight_gives_the_bits_of_the_full_backward() {
+        let cfg = gqa_cfg();
+        let whole = params(&LlamaBlockShape::of(&cfg), 11);
+        for slices in [1, 2] {
+            let b = run_ranks(&whole, &cfg, 1, slices, Backward::Full).pop().unwrap();
+            let iw = run_ranks(&whole, &cfg, 1, slices, Backward::Split).pop().unwrap();
+            same_results(&iw, &b, &format!("I then W at {slices} slices"));
+            assert!(b.grads.iter().all(|g| g.iter().any(|&v| v != 0.0)), "every weight has a gradient");
+            // The input half leaves every weight gradient to the weight half.
+            let i = run_ranks(&whole, &cfg, 1, slices, Backward::InputOnly).pop().unwrap();
+            same_bits(&i.dx, &b.dx, &format!("I alone at {slices} slices: input gradient"));
+            assert!(i.grads.iter().all(|g| g.iter().all(|&v| v == 0.0)), "I alone wrote a weight gradient");
+        }
+    }
+
+    #[test]
+    fn every_rank_count_dividing_the_slices_gives_the_bits_of_one_rank() {
+        let cfg = gqa_cfg();
+        let whole = params(&LlamaBlockShape::of(&cfg), 12);
+        for slices in [2, 4] {
+            let one = run_ranks(&whole, &cfg, 1, slices, Backward::Full).pop().unwrap();
+            for size in [1, 2, 4].into_iter().filter(|s| slices % s == 0) {
+                for how in [Backward::Full, Backward::Split] {
+                    let ranks = run_ranks(&whole, &cfg, size, slices, how);
+                    let at = format!(
+                        "{slices} slices, {size} ranks, {}",
+                        if how == Backward::Full { "B" } else { "I+W" }
+                    );
+                    for (r, res) in ranks.iter().enumerate() {
+                        same_bits(&res.out, &one.out, &format!("{at}: output of rank {r}"));
+                        same_bits(&res.dx, &one.dx, &format!("{at}: input gradient of rank {r}"));
+                    }
+                    for (i, want) in one.grads.iter().enumerate() {
+                        let pieces: Vec<&[f32]> = ranks.iter().map(|res| res.grads[i].as_slice()).collect();
+                        let cols = *whole[i].shape.last().unwrap();
+                        let name = &whole[i].name;
+                        same_bits(&unshard(cut_of(i), &pieces, cols), want, &format!("{at}: {name}"));
+                        if cut_of(i) == Cut::Whole {
+                            for (r, piece) in pieces.iter().enumerate() {
+                                same_bits(piece, want, &format!("{at}: {name} whole on rank {r}"));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The block as it ran before the tensor split, one plain product per
+    /// Linear layer (Hugging Face's (out, in) weights read transposed):
+    /// the output and the input gradient, weight gradients into `p`.
+    fn plain_block(p: &mut [Param], x: &[f32], dout: &[f32], cfg: &GptConfig) -> (Vec<f32>, Vec<f32>) {
+        let s = LlamaBlockShape::of(cfg);
+        let (t, heads) = (cfg.block_size, s.heads);
+        let (n, c, f) = (B * t, s.c, s.f);
+        let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
+        let rope = RopeTable::new(t, &inv_freq(heads.hs, cfg.rope_theta));
+        let mut a = LlamaActs::with_shape(B, t, &s);
+        let mut attn = vec![0.0; scratch_len(B, heads.nh, t)];
+        // out[:, col0..col0 + o] (rows out_cols apart) = x (N, I) · w (O, I)ᵀ
+        let linear = |out: &mut [f32],
+                      out_cols: usize,
+                      col0: usize,
+                      x: &[f32],
+                      w: &[f32],
+                      i: usize,
+                      o: usize| {
+            assert!(
+                x.len() == n * i && w.len() == o * i && out.len() == n * out_cols && col0 + o <= out_cols
+            );
+            // SAFETY: the views stay in x (N, I), w (O, I) and out's columns [col0, col0 + O) of N rows.
+            unsafe {
+                let (xv, wv) = (Mat::rows(x, i), Mat::rows_t(w, i));
+                gemm_raw(n, o, i, out[col0..].as_mut_ptr(), out_cols as isize, false, xv, wv, 1.0, pool_par())
+            }
+        };
+        // dx (N, I) [+]= dy[:, col0..col0 + O] · w; dw (O, I) += dyᵀ · x
+        let linear_backward = |dx: &mut [f32],
+                               acc: bool,
+                               dw: &mut [f32],
+                               dy: &[f32],
+                               dy_cols: usize,
+                               col0: usize,
+                               x: &[f32],
+                               w: &[f32],
+                               i: usize,
+                               o: usize| {
+            assert!(dx.len() == n * i && x.len() == n * i && w.len() == o * i && dw.len() == o * i);
+            assert!(dy.len() == n * dy_cols && col0 + o <= dy_cols);
+            let dyv = Mat { ptr: dy[col0..].as_ptr(), rs: dy_cols as isize, cs: 1 };
+            let dyt = Mat { ptr: dyv.ptr, rs: 1, cs: dy_cols as isize };
+            // SAFETY: every view is bounds-checked above; dx and dw are distinct from the inputs.
+            unsafe {
+                gemm_raw(n, i, o, dx.as_mut_ptr(), i as isize, acc, dyv, Mat::rows(w, i), 1.0, pool_par());
+                gemm_raw(o, i, n, dw.as_mut_ptr(), i as isize, true, dyt, Mat::rows(x, i), 1.0, pool_par());
+            }
+        };
+        rmsnorm::rmsnorm_forward(&mut a.n1, &mut a.rstd1, x, &p[IN_NORM].data, n, c, s.eps);
+        linear(&mut a.qkv, w, 0, &a.n1, &p[Q].data, c, q);
+        linear(&mut a.qkv, w, q, &a.n1, &p[K].data, c, kv);
+        linear(&mut a.qkv, w, q + kv, &a.n1, &p[V].data, c, kv);
+        rope_forward(&mut a.qkv, &rope, n, w, 0, heads.nh + heads.nkv);
+        gqa_forward(&mut a.atty, &mut a.lse, &mut attn, &a.qkv, B, t, heads);
+        linear(&mut a.h, c, 0, &a.atty, &p[O].data, q, c);
+        residual::accumulate(&mut a.h, x);
+        rmsnorm::rmsnorm_forward(&mut a.n2, &mut a.rstd2, &a.h, &p[POST_NORM].data, n, c, s.eps);
+        linear(&mut a.gate_up, 2 * f, 0, &a.n2, &p[GATE].data, c, f);
+        linear(&mut a.gate_up, 2 * f, f, &a.n2, &p[UP].data, c, f);
+        swiglu::swiglu_forward(&mut a.act, &a.gate_up, n, f);
+        let mut out = vec![0.0; n * c];
+        linear(&mut out, c, 0, &a.act, &p[DOWN].data, f, c);
+        residual::accumulate(&mut out, &a.h);
+
+        let mut dres = dout.to_vec();
+        let (mut dact, mut dgu, mut dn) = (vec![0.0; n * f], vec![0.0; n * 2 * f], vec![0.0; n * c]);
+        let (mut datty, mut dqkv) = (vec![0.0; n * q], vec![0.0; n * w]);
+        let Param { data, grad, .. } = &mut p[DOWN];
+        linear_backward(&mut dact, false, grad, &dres, c, 0, &a.act, data, f, c);
+        swiglu::swiglu_backward(&mut dgu, &dact, &a.gate_up, n, f);
+        let Param { data, grad, .. } = &mut p[GATE];
+        linear_backward(&mut dn, false, grad, &dgu, 2 * f, 0, &a.n2, data, c, f);
+        let Param { data, grad, .. } = &mut p[UP];
+        linear_backward(&mut dn, true, grad, &dgu, 2 * f, f, &a.n2, data, c, f);
+        let Param { data, grad, .. } = &mut p[POST_NORM];
+        rmsnorm::rmsnorm_backward(&mut dres, grad, &dn, &a.h, data, &a.rstd2, n, c);
+        let Param { data, grad, .. } = &mut p[O];
+        linear_backward(&mut datty, false, grad, &dres, c, 0, &a.atty, data, q, c);
+        gqa_backward(&mut dqkv, &mut attn, &datty, &a.qkv, &a.atty, &a.lse, B, t, heads);
+        rope_backward(&mut dqkv, &rope, n, w, 0, heads.nh + heads.nkv);
+        for (i, col0, o, acc) in [(Q, 0, q, false), (K, q, kv, true), (V, q + kv, kv, true)] {
+            let Param { data, grad, .. } = &mut p[i];
+            linear_backward(&mut dn, acc, grad, &dqkv, w, col0, &a.n1, data, c, o);
+        }
+        let Param { data, grad, .. } = &mut p[IN_NORM];
+        rmsnorm::rmsnorm_backward(&mut dres, grad, &dn, x, data, &a.rstd1, n, c);
+        (out, dres)
+    }
+
+    #[test]
+    fn one_slice_is_the_plain_block_and_more_slices_change_only_the_rounding() {
+        let cfg = gqa_cfg();
+        let whole = params(&LlamaBlockShape::of(&cfg), 13);
+        let n = B * cfg.block_size;
+        let mut p = whole.clone();
+        let (out, dx) = plain_block(&mut p, &randn(n * cfg.n_embd, 7), &randn(n * cfg.n_embd, 8), &cfg);
+        let plain = Ranked { out, dx, grads: p.into_iter().map(|q| q.grad).collect() };
+        let one = run_ranks(&whole, &cfg, 1, 1, Backward::Full).pop().unwrap();
+        same_results(&one, &plain, "one slice against the plain block");
+        // Relative to the tensor's scale: an element that cancels to near zero
+        // carries the rounding of the large terms it summed.
+        let close = |got: &[f32], want: &[f32], what: &str| {
+            let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+            let worst = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max) / scale;
+            assert!(
+                worst < 1e-5,
+                "{what}: sliced sums are the same sums, yet differ by {worst} of the largest"
+            );
+        };
+        for slices in [2, 4] {
+            let sliced = run_ranks(&whole, &cfg, 1, slices, Backward::Full).pop().unwrap();
+            // Another order of the same sums: other bits, the same values to f32's rounding.
+            assert_ne!((bits(&sliced.out), bits(&sliced.dx)), (bits(&one.out), bits(&one.dx)));
+            close(&sliced.out, &one.out, &format!("output at {slices} slices"));
+            close(&sliced.dx, &one.dx, &format!("input gradient at {slices} slices"));
+            for (i, (g, w)) in sliced.grads.iter().zip(&one.grads).enumerate() {
+                close(g, w, &format!("{} at {slices} slices", whole[i].name));
+            }
+        }
     }
 }
