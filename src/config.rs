@@ -781,19 +781,6 @@ impl Config {
             "must be \"cpu\" (or \"sim\") with model.family = \"llama\": the GPU model is GPT-2's so far",
         );
         v.check(
-            !llama || p.tp == 1,
-            "parallel.tp",
-            p.tp,
-            "must be 1 with model.family = \"llama\" (its block is not split over ranks yet)",
-        );
-        v.check(
-            !llama || !p.schedule.splits_backward(),
-            "parallel.schedule",
-            p.schedule,
-            "must not split the backward (zb-h1, zb-v) with model.family = \"llama\" yet: use gpipe, 1f1b or \
-             interleaved",
-        );
-        v.check(
             self.backend.kind != BackendKind::Cuda || !p.schedule.splits_backward(),
             "parallel.schedule",
             p.schedule,
@@ -945,8 +932,20 @@ impl Config {
                 p.tp_slices,
                 format!("must divide model.n_head = {} (a slice is whole heads)", self.model.n_head),
             );
+            let llama = self.model.family == Family::Llama;
             v.check(
-                self.model.kv_heads().is_multiple_of(p.tp_slices),
+                !llama || self.model.kv_heads().is_multiple_of(p.tp),
+                "parallel.tp",
+                p.tp,
+                format!(
+                    "must divide the key/value heads = {} (model.n_kv_head: each rank holds whole groups)",
+                    self.model.kv_heads()
+                ),
+            );
+            v.check(
+                !llama
+                    || !self.model.kv_heads().is_multiple_of(p.tp)
+                    || self.model.kv_heads().is_multiple_of(p.tp_slices),
                 "parallel.tp_slices",
                 p.tp_slices,
                 format!(
@@ -1861,6 +1860,62 @@ mod tests {
         c.check_processes(2).unwrap();
         let err = c.check_processes(4).unwrap_err().to_string();
         assert!(err.contains("parallel.tp") && err.contains("NCCL inside a node"), "{err}");
+    }
+
+    fn llama(c: &mut Config) {
+        c.model.family = Family::Llama;
+        c.model.n_kv_head = 2;
+        c.model.intermediate_size = 48;
+    }
+
+    #[test]
+    fn a_valid_llama_passes_and_each_family_field_is_checked_by_name() {
+        let mut c = valid();
+        llama(&mut c);
+        c.validate().unwrap();
+        let mut bad = c.clone();
+        bad.model.n_kv_head = 3;
+        let err = refused(&bad, "model.n_kv_head");
+        assert!(err.contains("must divide model.n_head"), "{err}");
+        let mut bad = c.clone();
+        bad.model.intermediate_size = 0;
+        refused(&bad, "model.intermediate_size");
+        for theta in [f64::NAN, 0.5, 1e300] {
+            let mut bad = c.clone();
+            bad.model.rope_theta = theta;
+            refused(&bad, "model.rope_theta");
+        }
+        let mut bad = c.clone();
+        bad.model.rms_norm_eps = -1.0;
+        refused(&bad, "model.rms_norm_eps");
+        let mut bad = c.clone();
+        bad.backend.kind = BackendKind::Cuda;
+        bad.backend.devices = vec![0; bad.parallel.pp];
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("model.family = \"llama\""), "{err}");
+        // GPT-2 takes no grouped-query attention and no other MLP width.
+        let mut gpt2 = valid();
+        gpt2.model.n_kv_head = 2;
+        refused(&gpt2, "model.n_kv_head");
+        let mut gpt2 = valid();
+        gpt2.model.intermediate_size = 100;
+        refused(&gpt2, "model.intermediate_size");
+    }
+
+    #[test]
+    fn tensor_parallel_ranks_must_divide_the_key_value_heads() {
+        let mut c = valid();
+        llama(&mut c);
+        c.model.n_head = 8;
+        c.parallel.tp = 4;
+        c.parallel.tp_slices = 4;
+        let err = refused(&c, "parallel.tp");
+        assert!(err.contains("must divide the key/value heads = 2 (model.n_kv_head"), "{err}");
+        c.parallel.tp = 2;
+        let err = refused(&c, "parallel.tp_slices");
+        assert!(err.contains("model.n_kv_head"), "{err}");
+        c.parallel.tp_slices = 2;
+        c.validate().unwrap();
     }
 
     #[test]

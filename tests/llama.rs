@@ -1,6 +1,7 @@
 //! A Llama-style model (model.family = "llama") through the whole trainer:
 //! one weights digest whatever the layout, as GPT-2 has (tests/multiprocess.rs),
 //! and its run folder read back through its own Hugging Face config.json.
+//! (scripts/hf_check_llama.sh holds it to transformers and PyTorch.)
 
 mod common;
 
@@ -52,56 +53,78 @@ fn train(dir: &Path, name: &str, args: &[String], flag: &str) -> String {
     digest(&run)
 }
 
-/// pp 1/2/4 × dp 1/2 × ZeRO 0/1, GPipe and interleaved beside 1F1B, two
-/// processes, and a run stopped in its last step resumed at another layout:
-/// one digest, untied and tied.
+/// pp 1/2 × tp 1/2 × dp 1/2 × ZeRO 0/1 (tp_slices = 2 on every run: the
+/// slices define the sums, the ranks only who computes them), pp 4, GPipe,
+/// interleaved and the zero-bubble schedules beside 1F1B, recompute, two and
+/// four processes (tp ranks across them), and a run stopped in its last step
+/// resumed at another layout: one digest, untied and tied.
 #[test]
-fn a_llama_gives_one_digest_across_pp_dp_zero_schedules_processes_and_a_resume_at_another_layout() {
+fn a_llama_gives_one_digest_across_pp_tp_dp_zero_schedules_processes_and_a_resume_at_another_layout() {
     let dir = tempfile::tempdir().unwrap();
     for tied in ["false", "true"] {
         let tie = format!("model.tie_word_embeddings={tied}");
-        let layout = |dp: usize, pp: usize, zero: u8, extra: &[&str]| {
+        let layout = |dp: usize, pp: usize, tp: usize, zero: u8, extra: &[&str]| {
             let m = format!("parallel.microbatches={}", 8 / dp);
-            let (dp, pp, zero) =
-                (format!("parallel.dp={dp}"), format!("parallel.pp={pp}"), format!("parallel.zero={zero}"));
-            let mut sets = vec![tie.as_str(), "checkpoint.every=1", &dp, &pp, &m, &zero];
+            let (dp, pp, tp, zero) = (
+                format!("parallel.dp={dp}"),
+                format!("parallel.pp={pp}"),
+                format!("parallel.tp={tp}"),
+                format!("parallel.zero={zero}"),
+            );
+            let mut sets =
+                vec![tie.as_str(), "checkpoint.every=1", "parallel.tp_slices=2", &dp, &pp, &tp, &m, &zero];
             sets.extend_from_slice(extra);
             llama(&sets)
         };
         let at = |name: &str| format!("{tied}-{name}");
-        let reference = train(dir.path(), &at("ref"), &layout(1, 1, 0, &[]), "--out");
-        let table = [(1, 2, 0), (1, 4, 0), (2, 1, 0), (2, 2, 0), (2, 2, 1), (2, 4, 1)];
-        for (dp, pp, zero) in table {
-            let name = at(&format!("dp{dp}-pp{pp}-zero{zero}"));
-            assert_eq!(train(dir.path(), &name, &layout(dp, pp, zero, &[]), "--out"), reference, "{name}");
+        let reference = train(dir.path(), &at("ref"), &layout(1, 1, 1, 0, &[]), "--out");
+        for pp in [1, 2] {
+            for tp in [1, 2] {
+                for (dp, zero) in [(1, 0), (2, 0), (2, 1)] {
+                    if (pp, tp, dp) == (1, 1, 1) {
+                        continue;
+                    }
+                    let name = at(&format!("dp{dp}-pp{pp}-tp{tp}-zero{zero}"));
+                    let args = layout(dp, pp, tp, zero, &[]);
+                    assert_eq!(train(dir.path(), &name, &args, "--out"), reference, "{name}");
+                }
+            }
         }
-        for (i, schedule) in [
-            &["parallel.schedule=\"gpipe\""][..],
-            &["parallel.schedule=\"interleaved\"", "parallel.chunks=2"][..],
-        ]
-        .iter()
-        .enumerate()
-        {
-            let name = at(&format!("schedule{i}"));
-            assert_eq!(train(dir.path(), &name, &layout(2, 2, 0, schedule), "--out"), reference, "{name}");
+        let others: [(usize, usize, &[&str]); 6] = [
+            (1, 4, &[]),
+            (2, 2, &["parallel.schedule=\"gpipe\""]),
+            (2, 2, &["parallel.schedule=\"interleaved\"", "parallel.chunks=2"]),
+            (2, 2, &["parallel.schedule=\"zb-h1\""]),
+            (1, 2, &["parallel.schedule=\"zb-v\""]),
+            (1, 2, &["train.recompute=true"]),
+        ];
+        for (i, (dp, pp, extra)) in others.iter().enumerate() {
+            let name = at(&format!("other{i}"));
+            let args = layout(*dp, *pp, 2, 0, extra);
+            assert_eq!(train(dir.path(), &name, &args, "--out"), reference, "{name}: {extra:?}");
         }
-        // Two processes, a pipeline stage each.
-        let run = dir.path().join(at("launch2"));
-        let mut c = Command::new(BIN);
-        c.args(["launch", "--nodes", "2"])
-            .args(layout(1, 2, 0, &[]))
-            .args(["--steps", "3", "--out"])
-            .arg(&run);
-        let o = run_to_end(c, Duration::from_secs(120));
-        assert!(o.status.success(), "launch: {}", text(&o));
-        assert_eq!(digest(&run), reference, "pp 2 over two processes");
-        // Stopped in its last step at dp 1 × pp 1, resumed at dp 2 × pp 2 with ZeRO-1.
+        // Two processes, a pipeline stage each; four, each stage's two tp
+        // ranks in two processes (the all-reduces cross the data links).
+        for nodes in [2, 4] {
+            let run = dir.path().join(at(&format!("launch{nodes}")));
+            let mut c = Command::new(BIN);
+            c.args(["launch", "--nodes", &nodes.to_string()]).args(layout(1, 2, 2, 0, &[]));
+            c.args(["--steps", "3", "--out"]).arg(&run);
+            let o = run_to_end(c, Duration::from_secs(120));
+            assert!(o.status.success(), "launch --nodes {nodes}: {}", text(&o));
+            assert_eq!(digest(&run), reference, "pp 2 × tp 2 over {nodes} processes");
+        }
+        // Stopped in its last step at dp 1 × pp 1 × tp 1, resumed at dp 2 ×
+        // pp 2 × tp 2 with ZeRO-1.
         let name = at("resumed");
         let mut c = Command::new(BIN);
-        c.arg("train").args(layout(1, 1, 0, &[])).args(["--steps", "3", "--out"]).arg(dir.path().join(&name));
+        c.arg("train")
+            .args(layout(1, 1, 1, 0, &[]))
+            .args(["--steps", "3", "--out"])
+            .arg(dir.path().join(&name));
         c.env("PIPEWRIGHT_FAULT", "stage=0,step=2,mb=1,kind=error");
         assert!(!run_to_end(c, Duration::from_secs(120)).status.success(), "the injected fault stops it");
-        assert_eq!(train(dir.path(), &name, &layout(2, 2, 1, &[]), "--resume"), reference, "{name}");
+        assert_eq!(train(dir.path(), &name, &layout(2, 2, 2, 1, &[]), "--resume"), reference, "{name}");
     }
 }
 

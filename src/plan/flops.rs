@@ -117,7 +117,9 @@ impl ModelShape {
     /// The table shape whose parameter count is nearest `params` (in log space),
     /// with sequence length `seq` and vocabulary `vocab`.
     pub fn guess(params: f64, seq: usize, vocab: usize) -> ModelShape {
-        let shape = |&(layers, hidden, heads): &(usize, usize, usize)| ModelShape::gpt2(layers, hidden, heads, seq, vocab);
+        let shape = |&(layers, hidden, heads): &(usize, usize, usize)| {
+            ModelShape::gpt2(layers, hidden, heads, seq, vocab)
+        };
         KNOWN_SHAPES
             .iter()
             .map(shape)
