@@ -53,15 +53,29 @@ fn hf_config_lines(file: &Path) -> String {
     let folder = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     match crate::model::hf::read_shape(folder) {
         Ok(None) => String::new(),
-        Ok(Some(s)) => format!(
-            "{}: GPT-2, n_layer = {}, n_head = {}, n_embd = {}, vocab_size = {}, n_positions = {}\n",
-            folder.join(crate::model::hf::HF_CONFIG_FILE).display(),
-            s.n_layer,
-            s.n_head,
-            s.n_embd,
-            s.vocab_size,
-            s.n_positions
-        ),
+        Ok(Some(s)) => {
+            let llama = match s.llama {
+                Some(l) => format!(
+                    ", num_key_value_heads = {}, intermediate_size = {}, rope_theta = {}, rms_norm_eps = {}, \
+                     tie_word_embeddings = {}",
+                    l.n_kv_head, l.intermediate_size, l.rope_theta, l.rms_norm_eps, l.tie_word_embeddings
+                ),
+                None => String::new(),
+            };
+            format!(
+                "{}: {}, n_layer = {}, n_head = {}, n_embd = {}, vocab_size = {}, n_positions = {}{llama}\n",
+                folder.join(crate::model::hf::HF_CONFIG_FILE).display(),
+                match s.family {
+                    crate::config::Family::Gpt2 => "GPT-2",
+                    crate::config::Family::Llama => "Llama",
+                },
+                s.n_layer,
+                s.n_head,
+                s.n_embd,
+                s.vocab_size,
+                s.n_positions
+            )
+        }
         Err(e) => format!("{e} (eval and train --init cannot use it)\n"),
     }
 }

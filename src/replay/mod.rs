@@ -707,5 +707,12 @@ mod tests {
         let wide = crate::model::GptConfig::gpt2(1, 2, 64, 64, 4);
         assert_eq!(slot_name(&wide, 2).as_deref(), Some("wte.weight, block 2 (elements 2048..3072)"));
         assert_eq!(slot_name(&wide, 4).as_deref(), Some("wpe.weight"));
+        // A Llama's slots name its own tensors: embed_tokens (one block),
+        // then block 0's input norm and q_proj, …, the untied head last.
+        let llama = crate::model::GptConfig::llama(1, 2, 1, 8, 12, 10, 4, 1e4);
+        assert_eq!(slot_name(&llama, 0).as_deref(), Some("embed_tokens.weight"));
+        assert_eq!(slot_name(&llama, 2).as_deref(), Some("layers.0.self_attn.q_proj.weight"));
+        let last = crate::optim::zero::first_slots(&llama).last().copied().unwrap();
+        assert_eq!(slot_name(&llama, last).as_deref(), Some("lm_head.weight"));
     }
 }
