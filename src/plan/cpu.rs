@@ -132,10 +132,16 @@ fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usiz
         4.0 * n * c
     } else {
         // The block's input; each rank's share of the sharded qkv, attention
-        // output, MLP products and softmax statistics ((12 C + heads) / tp);
-        // and what every rank holds whole: both LayerNorm outputs, the
-        // residual after attention and the LayerNorm statistics.
-        4.0 * n * (c + h * ((12.0 * c + a) / t + 3.0 * c + 4.0))
+        // output, MLP products and softmax statistics (GPT-2: (12 C + heads)
+        // / tp; Llama: q, k, v, the attention output, gate, up and their
+        // product, (2 C + 2 C·KV/H + 3 F + heads) / tp); and what every rank
+        // holds whole: both norms' outputs, the residual after attention and
+        // the norms' statistics (GPT-2 a mean and a 1/σ each, RMSNorm a 1/rms).
+        let (sharded, whole) = match shape.llama {
+            None => (12.0 * c + a, 3.0 * c + 4.0),
+            Some(l) => (2.0 * c + 2.0 * c * l.kv_heads as f64 / a + 3.0 * l.ffn as f64 + a, 3.0 * c + 2.0),
+        };
+        4.0 * n * (c + h * (sharded / t + whole))
     }
 }
 
