@@ -17,9 +17,12 @@ pub enum Kernel {
     CrossEntropy,
     AdamW,
     GradNorm,
+    RmsNorm,
+    Rope,
+    Swiglu,
 }
 
-pub const ALL: [Kernel; 9] = [
+pub const ALL: [Kernel; 12] = [
     Kernel::Embedding,
     Kernel::LayerNorm,
     Kernel::Matmul,
@@ -29,6 +32,9 @@ pub const ALL: [Kernel; 9] = [
     Kernel::CrossEntropy,
     Kernel::AdamW,
     Kernel::GradNorm,
+    Kernel::RmsNorm,
+    Kernel::Rope,
+    Kernel::Swiglu,
 ];
 
 impl Kernel {
@@ -43,12 +49,15 @@ impl Kernel {
             Kernel::CrossEntropy => "crossentropy",
             Kernel::AdamW => "adamw",
             Kernel::GradNorm => "grad_norm",
+            Kernel::RmsNorm => "rmsnorm",
+            Kernel::Rope => "rope",
+            Kernel::Swiglu => "swiglu",
         }
     }
 }
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
-static NANOS: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
+static NANOS: [AtomicU64; ALL.len()] = [const { AtomicU64::new(0) }; ALL.len()];
 
 pub fn enable(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);

@@ -503,7 +503,7 @@ pub fn llama_block_forward(
     let t = sc.rope.t;
     let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, leaves_of(tp));
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
-    timed(Kernel::LayerNorm, || {
+    timed(Kernel::RmsNorm, || {
         rmsnorm::rmsnorm_forward(&mut a.n1, &mut a.rstd1, x, &p[IN_NORM].data, n, c, s.eps)
     });
     timed(Kernel::Matmul, || {
@@ -511,22 +511,19 @@ pub fn llama_block_forward(
         column_product(&mut a.qkv, w, q, &a.n1, &p[K].data, (n, c, kv), l);
         column_product(&mut a.qkv, w, q + kv, &a.n1, &p[V].data, (n, c, kv), l);
     });
-    timed(Kernel::Attention, || {
-        // q's and k's heads are the first NH + NKV head-wide column blocks.
-        rope_forward(&mut a.qkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
-        gqa_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads);
-    });
+    // q's and k's heads are the first NH + NKV head-wide column blocks.
+    timed(Kernel::Rope, || rope_forward(&mut a.qkv, &sc.rope, n, w, 0, heads.nh + heads.nkv));
+    timed(Kernel::Attention, || gqa_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads));
     row_parallel(&mut a.h, &mut sc.leaves, &a.atty, &p[O].data, (n, q, c), tp);
     timed(Kernel::Residual, || residual::accumulate(&mut a.h, x));
-    timed(Kernel::LayerNorm, || {
+    timed(Kernel::RmsNorm, || {
         rmsnorm::rmsnorm_forward(&mut a.n2, &mut a.rstd2, &a.h, &p[POST_NORM].data, n, c, s.eps)
     });
     timed(Kernel::Matmul, || {
         column_product(&mut a.gate_up, 2 * f, 0, &a.n2, &p[GATE].data, (n, c, f), l);
         column_product(&mut a.gate_up, 2 * f, f, &a.n2, &p[UP].data, (n, c, f), l);
     });
-    // SwiGLU is the MLP's activation: it shares GELU's bucket of the profile.
-    timed(Kernel::Gelu, || swiglu::swiglu_forward(&mut a.act, &a.gate_up, n, f));
+    timed(Kernel::Swiglu, || swiglu::swiglu_forward(&mut a.act, &a.gate_up, n, f));
     row_parallel(out, &mut sc.leaves, &a.act, &p[DOWN].data, (n, f, c), tp);
     timed(Kernel::Residual, || residual::accumulate(out, &a.h));
 }
@@ -561,7 +558,7 @@ pub fn llama_block_backward_input(
     timed(Kernel::Matmul, || row_parallel_dx(&mut sc.dact, dres, &p[DOWN].data, (n, f, c), l));
     // swiglu_backward accumulates: its gradient starts from zero.
     g.dgu.fill(0.0);
-    timed(Kernel::Gelu, || swiglu::swiglu_backward(&mut g.dgu, &sc.dact, &a.gate_up, n, f));
+    timed(Kernel::Swiglu, || swiglu::swiglu_backward(&mut g.dgu, &sc.dact, &a.gate_up, n, f));
     let parts = [
         ColumnPart { dy: &g.dgu, dy_cols: 2 * f, col0: 0, w: &p[GATE].data, o: f },
         ColumnPart { dy: &g.dgu, dy_cols: 2 * f, col0: f, w: &p[UP].data, o: f },
@@ -571,7 +568,7 @@ pub fn llama_block_backward_input(
         gate_up_grads(p, &g.dgu, a, (n, c, f), l);
     }
     let (w2, h, rstd2) = (&p[POST_NORM].data, &a.h, &a.rstd2);
-    timed(Kernel::LayerNorm, || rmsnorm::rmsnorm_backward_input(dres, &g.dn2, h, w2, rstd2, n, c));
+    timed(Kernel::RmsNorm, || rmsnorm::rmsnorm_backward_input(dres, &g.dn2, h, w2, rstd2, n, c));
     if full {
         norm_grad(&mut p[POST_NORM].grad, &g.dn2, &a.h, &a.rstd2, n, c);
     }
@@ -585,9 +582,9 @@ pub fn llama_block_backward_input(
     // dK and dV accumulate over query tiles, so this one starts from zero.
     g.dqkv.fill(0.0);
     timed(Kernel::Attention, || {
-        gqa_backward(&mut g.dqkv, &mut sc.attn, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads);
-        rope_backward(&mut g.dqkv, &sc.rope, n, w, 0, heads.nh + heads.nkv);
+        gqa_backward(&mut g.dqkv, &mut sc.attn, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads)
     });
+    timed(Kernel::Rope, || rope_backward(&mut g.dqkv, &sc.rope, n, w, 0, heads.nh + heads.nkv));
     let parts = [
         ColumnPart { dy: &g.dqkv, dy_cols: w, col0: 0, w: &p[Q].data, o: q },
         ColumnPart { dy: &g.dqkv, dy_cols: w, col0: q, w: &p[K].data, o: kv },
@@ -598,7 +595,7 @@ pub fn llama_block_backward_input(
         qkv_grads(p, &g.dqkv, a, (n, c, q, kv), l);
     }
     let (w1, rstd1) = (&p[IN_NORM].data, &a.rstd1);
-    timed(Kernel::LayerNorm, || rmsnorm::rmsnorm_backward_input(dres, &g.dn1, x, w1, rstd1, n, c));
+    timed(Kernel::RmsNorm, || rmsnorm::rmsnorm_backward_input(dres, &g.dn1, x, w1, rstd1, n, c));
     if full {
         norm_grad(&mut p[IN_NORM].grad, &g.dn1, x, &a.rstd1, n, c);
     }
@@ -662,7 +659,7 @@ fn qkv_grads(
 
 /// An RMSNorm's weight gradient from its output gradient.
 fn norm_grad(dw: &mut [f32], dout: &[f32], inp: &[f32], rstd: &[f32], n: usize, c: usize) {
-    timed(Kernel::LayerNorm, || rmsnorm::rmsnorm_backward_weight(dw, dout, inp, rstd, n, c));
+    timed(Kernel::RmsNorm, || rmsnorm::rmsnorm_backward_weight(dw, dout, inp, rstd, n, c));
 }
 
 #[cfg(test)]

@@ -132,14 +132,22 @@ impl GptConfig {
         }
     }
 
-    /// Tensors of the embedding (GPT-2: tokens and positions; Llama: tokens).
+    /// Tensors of the embedding (GPT-2: tokens and positions; Llama:
+    /// tokens), as [`embedding_tensors`] lists them; counted without building
+    /// the list, since parts index by it on every step.
     pub fn embedding_len(&self) -> usize {
-        embedding_tensors(self).len()
+        match self.family {
+            Family::Gpt2 => 2,
+            Family::Llama => 1,
+        }
     }
 
-    /// Tensors of the final norm.
+    /// Tensors of the final norm (GPT-2's LayerNorm has a bias, RMSNorm none).
     pub fn final_norm_len(&self) -> usize {
-        final_norm_tensors(self).len()
+        match self.family {
+            Family::Gpt2 => 2,
+            Family::Llama => 1,
+        }
     }
 
     /// Parameters in the model (the tied embedding counted once).
@@ -314,11 +322,17 @@ mod tests {
         }
         assert_eq!(canonical_index(&cfg, "h.3.ln_1.weight"), None);
         assert_eq!(canonical_index(&cfg, "lm_head.weight"), None);
+        assert_eq!(embedding_tensors(&cfg).len(), cfg.embedding_len());
+        assert_eq!(final_norm_tensors(&cfg).len(), cfg.final_norm_len());
+        assert_eq!(block_tensors(&cfg, 0).len(), cfg.block_len());
         for tied in [false, true] {
             let llama =
                 GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 4, 2, 8, 12, 10, 4, 1e4) };
             let all = all_tensors(&llama);
             assert_eq!(all.len(), 1 + 9 * 3 + 1 + usize::from(!tied));
+            assert_eq!(embedding_tensors(&llama).len(), llama.embedding_len());
+            assert_eq!(final_norm_tensors(&llama).len(), llama.final_norm_len());
+            assert_eq!(block_tensors(&llama, 0).len(), llama.block_len());
             for (i, (name, _)) in all.iter().enumerate() {
                 assert_eq!(canonical_index(&llama, name), Some(i), "{name}");
             }

@@ -455,7 +455,7 @@ impl ModelPart {
             }
             Family::Llama => {
                 let w = &self.params[hb].data;
-                timed(Kernel::LayerNorm, || {
+                timed(Kernel::RmsNorm, || {
                     rmsnorm::rmsnorm_forward(&mut s.lnf, &mut s.lnf_rstd, x, w, n, c, eps)
                 });
             }
@@ -530,7 +530,7 @@ impl ModelPart {
         dx.fill(0.0);
         if family == Family::Llama {
             let Param { data, grad, .. } = &mut self.params[hb];
-            timed(Kernel::LayerNorm, || {
+            timed(Kernel::RmsNorm, || {
                 rmsnorm::rmsnorm_backward(&mut dx, grad, &s.dln, x, data, &s.lnf_rstd, n, c)
             });
             return (loss_sum, Some(dx));

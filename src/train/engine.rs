@@ -148,8 +148,13 @@ mod tests {
 
     /// Two blocks, T = 70 (two attention tiles), two microbatches, one thread,
     /// so all the work, gemm's included, happens on the pool's one thread.
-    fn small(recompute: bool) -> Config {
+    fn small(recompute: bool, llama: bool) -> Config {
         let mut cfg = Config::default();
+        if llama {
+            cfg.model.family = crate::config::Family::Llama;
+            cfg.model.n_kv_head = 1;
+            cfg.model.intermediate_size = 48;
+        }
         cfg.model.n_layer = 2;
         cfg.model.n_head = 2;
         cfg.model.n_embd = 32;
@@ -177,8 +182,8 @@ mod tests {
     /// counted apart and allowed: gemm 0.19 cannot be given memory.
     #[test]
     fn steady_state_steps_allocate_nothing_of_ours() {
-        for recompute in [false, true] {
-            let mut engine = Engine::new(&small(recompute));
+        for (recompute, llama) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut engine = Engine::new(&small(recompute, llama));
             for s in 0..2 {
                 engine.step(1e-3, fill(s));
                 engine.evaluate(2, fill(100 + s), None);
@@ -190,7 +195,11 @@ mod tests {
                 engine.evaluate(2, fill(100 + s), None);
             }
             let (ours1, gemm1) = engine.pool.install(allocations_on_this_thread);
-            assert_eq!(ours1 - ours0, 0, "recompute = {recompute}: our code allocated in the steady state");
+            assert_eq!(
+                ours1 - ours0,
+                0,
+                "recompute = {recompute}, llama = {llama}: our code allocated in the steady state"
+            );
             // If gemm ever stops allocating, this says so and the claim can grow.
             assert!(gemm1 > gemm0, "gemm allocated nothing: update the notes in model::part and README");
         }
@@ -201,7 +210,13 @@ mod tests {
     /// back, and each received buffer returns to its part's pool once used.
     #[test]
     fn pipeline_parts_with_split_backward_allocate_nothing_of_ours() {
-        let cfg = small(false);
+        for llama in [false, true] {
+            pipeline_parts_allocate_nothing(llama);
+        }
+    }
+
+    fn pipeline_parts_allocate_nothing(llama: bool) {
+        let cfg = small(false, llama);
         let gpt = GptConfig::from_config(&cfg);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         pool.install(|| {
@@ -238,7 +253,7 @@ mod tests {
             }
             counts.push(allocations_on_this_thread());
             let ours: Vec<u64> = counts.windows(2).map(|w| w[1].0 - w[0].0).collect();
-            assert_eq!(ours[2..], [0, 0, 0], "allocations of ours per step: {ours:?}");
+            assert_eq!(ours[2..], [0, 0, 0], "llama = {llama}: allocations of ours per step: {ours:?}");
         });
     }
 }
