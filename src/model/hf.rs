@@ -68,6 +68,45 @@ pub fn read_shape(dir: &Path) -> Result<Option<HfShape>, HfError> {
     }
 }
 
+/// A parsed `config.json` and its path, for errors that name both.
+struct Fields<'a> {
+    path: &'a Path,
+    v: &'a serde_json::Value,
+}
+
+impl Fields<'_> {
+    fn bad(&self, field: &'static str, got: &serde_json::Value, expected: &str) -> HfError {
+        HfError::Field {
+            path: self.path.to_path_buf(),
+            field,
+            got: got.to_string(),
+            expected: expected.to_string(),
+        }
+    }
+
+    /// A whole number of at least 1.
+    fn int(&self, field: &'static str) -> Result<usize, HfError> {
+        let got = self.v.get(field).unwrap_or(&serde_json::Value::Null);
+        match got.as_u64() {
+            Some(n) if n > 0 => Ok(n as usize),
+            _ => Err(self.bad(field, got, "a whole number of at least 1")),
+        }
+    }
+
+    /// A field that, when present and not null, must pass `ok`.
+    fn must(
+        &self,
+        field: &'static str,
+        ok: &dyn Fn(&serde_json::Value) -> bool,
+        expected: &str,
+    ) -> Result<(), HfError> {
+        match self.v.get(field) {
+            Some(got) if !got.is_null() && !ok(got) => Err(self.bad(field, got, expected)),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// `config.json`'s text as a shape (`model_type` "gpt2", the default, or
 /// "llama"); `path` names it in errors.
 pub fn parse_shape(path: &Path, text: &str) -> Result<HfShape, HfError> {
@@ -76,50 +115,33 @@ pub fn parse_shape(path: &Path, text: &str) -> Result<HfShape, HfError> {
     if v.get("model_type").is_some_and(|t| t == "llama") {
         return parse_llama(path, &v);
     }
-    let bad = |field: &'static str, got: &serde_json::Value, expected: &str| HfError::Field {
-        path: path.to_path_buf(),
-        field,
-        got: got.to_string(),
-        expected: expected.to_string(),
-    };
-    let int = |field: &'static str| -> Result<usize, HfError> {
-        let got = v.get(field).unwrap_or(&serde_json::Value::Null);
-        match got.as_u64() {
-            Some(n) if n > 0 => Ok(n as usize),
-            _ => Err(bad(field, got, "a whole number of at least 1")),
-        }
-    };
+    let f = Fields { path, v: &v };
     // Fields whose other values would change the arithmetic (absent: GPT-2's own).
-    let must =
-        |field: &'static str, ok: &dyn Fn(&serde_json::Value) -> bool, expected: &str| match v.get(field) {
-            Some(got) if !got.is_null() && !ok(got) => Err(bad(field, got, expected)),
-            _ => Ok(()),
-        };
-    must("model_type", &|g| g == "gpt2", "\"gpt2\"")?;
-    must(
+    f.must("model_type", &|g| g == "gpt2", "\"gpt2\"")?;
+    f.must(
         "activation_function",
         &|g| g == "gelu_new" || g == "gelu_pytorch_tanh",
         "\"gelu_new\" (GPT-2's tanh GELU, which pipewright computes)",
     )?;
-    must("layer_norm_epsilon", &|g| g.as_f64() == Some(1e-5), "1e-05 (pipewright's LayerNorm)")?;
-    must("tie_word_embeddings", &|g| g == true, "true (pipewright ties the head to wte)")?;
-    must("scale_attn_by_inverse_layer_idx", &|g| g == false, "false")?;
-    must("reorder_and_upcast_attn", &|g| g == false, "false")?;
-    must(
+    f.must("layer_norm_epsilon", &|g| g.as_f64() == Some(1e-5), "1e-05 (pipewright's LayerNorm)")?;
+    f.must("tie_word_embeddings", &|g| g == true, "true (pipewright ties the head to wte)")?;
+    f.must("scale_attn_by_inverse_layer_idx", &|g| g == false, "false")?;
+    f.must("reorder_and_upcast_attn", &|g| g == false, "false")?;
+    f.must(
         "n_inner",
-        &|g| g.as_u64().is_some_and(|n| Some(n as usize) == int("n_embd").ok().map(|c| 4 * c)),
+        &|g| g.as_u64().is_some_and(|n| Some(n as usize) == f.int("n_embd").ok().map(|c| 4 * c)),
         "4 × n_embd or null",
     )?;
     let n_positions = match v.get("n_positions") {
-        Some(_) => int("n_positions")?,
-        None => int("n_ctx")?,
+        Some(_) => f.int("n_positions")?,
+        None => f.int("n_ctx")?,
     };
     Ok(HfShape {
         family: Family::Gpt2,
-        n_layer: int("n_layer")?,
-        n_head: int("n_head")?,
-        n_embd: int("n_embd")?,
-        vocab_size: int("vocab_size")?,
+        n_layer: f.int("n_layer")?,
+        n_head: f.int("n_head")?,
+        n_embd: f.int("n_embd")?,
+        vocab_size: f.int("vocab_size")?,
         n_positions,
         llama: None,
     })
@@ -131,48 +153,32 @@ pub fn parse_shape(path: &Path, text: &str) -> Result<HfShape, HfError> {
 /// (transformers 5); scaled rotary embeddings (Llama 3.1's "llama3" type,
 /// YaRN, …) are refused, since pipewright computes the plain ones.
 fn parse_llama(path: &Path, v: &serde_json::Value) -> Result<HfShape, HfError> {
-    let bad = |field: &'static str, got: &serde_json::Value, expected: &str| HfError::Field {
-        path: path.to_path_buf(),
-        field,
-        got: got.to_string(),
-        expected: expected.to_string(),
-    };
-    let null = serde_json::Value::Null;
-    let int = |field: &'static str| -> Result<usize, HfError> {
-        let got = v.get(field).unwrap_or(&null);
-        match got.as_u64() {
-            Some(n) if n > 0 => Ok(n as usize),
-            _ => Err(bad(field, got, "a whole number of at least 1")),
-        }
-    };
-    let must =
-        |field: &'static str, ok: &dyn Fn(&serde_json::Value) -> bool, expected: &str| match v.get(field) {
-            Some(got) if !got.is_null() && !ok(got) => Err(bad(field, got, expected)),
-            _ => Ok(()),
-        };
-    must("hidden_act", &|g| g == "silu", "\"silu\" (SwiGLU's gate, which pipewright computes)")?;
-    must("attention_bias", &|g| g == false, "false (pipewright's Llama has no biases)")?;
-    must("mlp_bias", &|g| g == false, "false (pipewright's Llama has no biases)")?;
-    must("pretraining_tp", &|g| g == 1, "1 (the plain products)")?;
-    let (n_head, n_embd) = (int("num_attention_heads")?, int("hidden_size")?);
-    must(
+    let f = Fields { path, v };
+    f.must("hidden_act", &|g| g == "silu", "\"silu\" (SwiGLU's gate, which pipewright computes)")?;
+    f.must("attention_bias", &|g| g == false, "false (pipewright's Llama has no biases)")?;
+    f.must("mlp_bias", &|g| g == false, "false (pipewright's Llama has no biases)")?;
+    f.must("pretraining_tp", &|g| g == 1, "1 (the plain products)")?;
+    let (n_head, n_embd) = (f.int("num_attention_heads")?, f.int("hidden_size")?);
+    f.must(
         "head_dim",
         &|g| g.as_u64().is_some_and(|d| d as usize * n_head == n_embd),
         "hidden_size / num_attention_heads",
     )?;
     let n_kv_head = match v.get("num_key_value_heads") {
-        Some(g) if !g.is_null() => int("num_key_value_heads")?,
+        Some(g) if !g.is_null() => f.int("num_key_value_heads")?,
         _ => n_head,
     };
     let float = |field: &'static str, got: &serde_json::Value| -> Result<f64, HfError> {
-        got.as_f64().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| bad(field, got, "a positive number"))
+        got.as_f64()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .ok_or_else(|| f.bad(field, got, "a positive number"))
     };
     let scaled =
         |g: &serde_json::Value| g.get("rope_type").or_else(|| g.get("type")).is_some_and(|t| t != "default");
     let params = v.get("rope_parameters").filter(|p| !p.is_null());
     for (field, p) in [("rope_scaling", v.get("rope_scaling")), ("rope_parameters", params)] {
         if let Some(p) = p.filter(|p| !p.is_null() && scaled(p)) {
-            return Err(bad(
+            return Err(f.bad(
                 field,
                 p,
                 "null or rope_type \"default\" (scaled rotary embeddings are not computed)",
@@ -191,19 +197,19 @@ fn parse_llama(path: &Path, v: &serde_json::Value) -> Result<HfShape, HfError> {
     };
     let tie_word_embeddings = match v.get("tie_word_embeddings") {
         Some(serde_json::Value::Bool(b)) => *b,
-        Some(g) if !g.is_null() => return Err(bad("tie_word_embeddings", g, "true or false")),
+        Some(g) if !g.is_null() => return Err(f.bad("tie_word_embeddings", g, "true or false")),
         _ => false,
     };
     Ok(HfShape {
         family: Family::Llama,
-        n_layer: int("num_hidden_layers")?,
+        n_layer: f.int("num_hidden_layers")?,
         n_head,
         n_embd,
-        vocab_size: int("vocab_size")?,
-        n_positions: int("max_position_embeddings")?,
+        vocab_size: f.int("vocab_size")?,
+        n_positions: f.int("max_position_embeddings")?,
         llama: Some(LlamaFields {
             n_kv_head,
-            intermediate_size: int("intermediate_size")?,
+            intermediate_size: f.int("intermediate_size")?,
             rope_theta,
             rms_norm_eps,
             tie_word_embeddings,
