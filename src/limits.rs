@@ -28,11 +28,20 @@ impl MemoryNeed {
     }
 }
 
-/// GPT-2's parameter count for the config's shape, in f64.
+/// The parameter count of the config's model, in f64 (from the fields, so
+/// that no shape is too large to count).
 pub fn param_count(cfg: &Config) -> f64 {
     let m = &cfg.model;
     let (l, c, v, t) = (m.n_layer as f64, m.n_embd as f64, m.vocab_size as f64, m.block_size as f64);
-    v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c
+    match m.family {
+        crate::config::Family::Gpt2 => v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c,
+        crate::config::Family::Llama => {
+            let kv = c * m.kv_heads() as f64 / m.n_head.max(1) as f64;
+            let f = m.ffn_width() as f64;
+            let head = if m.tied() { 0.0 } else { v * c };
+            v * c + l * (2.0 * c * c + 2.0 * c * kv + 3.0 * c * f + 2.0 * c) + c + head
+        }
+    }
 }
 
 /// The least memory a run of `cfg` holds in this process.
@@ -111,6 +120,7 @@ fn biggest_memory_field(cfg: &Config) -> (&'static str, String) {
         ("model.n_layer", l),
         ("model.block_size", t * t),
         ("model.vocab_size", v),
+        ("model.intermediate_size", m.intermediate_size as f64),
         ("train.micro_batch_size", b),
         ("parallel.dp", cfg.parallel.dp as f64),
         (
@@ -126,6 +136,7 @@ fn biggest_memory_field(cfg: &Config) -> (&'static str, String) {
         "model.n_layer" => m.n_layer.to_string(),
         "model.block_size" => m.block_size.to_string(),
         "model.vocab_size" => m.vocab_size.to_string(),
+        "model.intermediate_size" => m.intermediate_size.to_string(),
         "train.micro_batch_size" => cfg.train.micro_batch_size.to_string(),
         "parallel.dp" => cfg.parallel.dp.to_string(),
         "train.eval_batches" => cfg.train.eval_batches.to_string(),
@@ -222,6 +233,7 @@ pub fn check_inference_on(cfg: &Config, machine: &Machine) -> Result<(), ConfigE
         ("model.n_layer", m.n_layer as f64, m.n_layer),
         ("model.block_size", m.block_size as f64 * m.block_size as f64, m.block_size),
         ("model.vocab_size", m.vocab_size as f64, m.vocab_size),
+        ("model.intermediate_size", m.intermediate_size as f64, m.intermediate_size),
     ];
     let (path, _, value) = shares.iter().copied().fold(shares[0], |a, x| if x.1 > a.1 { x } else { a });
     Err(ConfigError::Invalid(vec![Problem {
@@ -315,6 +327,20 @@ mod tests {
             "model.block_size=1024",
         ]);
         check_inference_on(&xl, &BOX).unwrap();
+        // A Llama's own width counts: an MLP of 2^40 is refused by name, and
+        // Llama 3 8B's shape is counted as its 8.03 B parameters.
+        let llama = ["model.family=\"llama\"", "model.n_kv_head=2"];
+        let wide = with(&[&llama[..], &["model.intermediate_size=1099511627776"]].concat());
+        let err = check_inference_on(&wide, &BOX).unwrap_err().to_string();
+        assert!(err.contains("model.intermediate_size: 1099511627776"), "{err}");
+        let err = refused(&[&llama[..], &["model.intermediate_size=1099511627776"]].concat());
+        assert!(err.contains("model.intermediate_size: 1099511627776"), "{err}");
+        let cfg = Config::load(
+            Some(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/llama3-8b.toml"))),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(param_count(&cfg), 8_030_261_248.0);
     }
 
     #[test]
