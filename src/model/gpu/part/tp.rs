@@ -800,8 +800,9 @@ mod tests {
 
     #[test]
     fn a_gpu_rank_holds_the_cpu_rank_s_shard_of_every_split_weight() {
-        use crate::model::block::shard;
+        use crate::model::block::{cut_of, shard};
         let c = 16;
+        let gpt2 = crate::model::GptConfig::gpt2(1, 4, c, 10, 4);
         for (i, width, parts, rows_cut) in [
             (QKVW, 3 * c, 3, false),
             (QKVB, 3 * c, 3, false),
@@ -821,7 +822,7 @@ mod tests {
                     let gpu = gpu_shard(&w, cols, cut, rows_cut);
                     assert_eq!(
                         gpu,
-                        shard(i, &w, cols, rank, size),
+                        shard(cut_of(&gpt2, i), &w, cols, rank, size),
                         "tensor {i}, rank {rank} of {size}, {slices} slices"
                     );
                 }
