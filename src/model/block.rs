@@ -52,7 +52,7 @@ pub struct TpRank<'g> {
 
 impl TpRank<'_> {
     /// Slices of each split sum this rank computes.
-    fn leaves(&self) -> usize {
+    pub(super) fn leaves(&self) -> usize {
         self.slices / self.size
     }
 
@@ -340,8 +340,9 @@ fn row_parallel(
     sum_slices(out, leaves, tp);
 }
 
-/// out (N, C) = the slice tree over `out` (slice 0) and `leaves`, then over the group.
-fn sum_slices(out: &mut [f32], leaves: &mut [Vec<f32>], tp: &TpRank) {
+/// out (N, C) = the slice tree over `out` (slice 0) and `leaves`, then over
+/// the group (both families' split sums end here).
+pub(super) fn sum_slices(out: &mut [f32], leaves: &mut [Vec<f32>], tp: &TpRank) {
     if !leaves.is_empty() {
         let mut bufs: Vec<&mut [f32]> =
             std::iter::once(out as &mut [f32]).chain(leaves.iter_mut().map(|l| l.as_mut_slice())).collect();

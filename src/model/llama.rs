@@ -25,12 +25,11 @@
 //! depend on which rank computes it. With one slice every product is the
 //! plain one.
 
-use super::block::{Cut, TpRank};
+use super::block::{sum_slices, Cut, TpRank};
 use super::params::{GptConfig, Param};
 use crate::kernels::cpu::attention::{gqa_backward, gqa_forward, scratch_len, Heads};
 use crate::kernels::cpu::matmul::{gemm_raw, pool_par, Mat};
 use crate::kernels::cpu::rope::{inv_freq, rope_backward, rope_forward, RopeTable};
-use crate::kernels::cpu::tree::tree_sum;
 use crate::kernels::cpu::{residual, rmsnorm, swiglu};
 use crate::kernels::profile::{timed, Kernel};
 
@@ -470,23 +469,6 @@ fn row_weight_grad(dw: &mut [f32], dy: &[f32], x: &[f32], (n, k, c): (usize, usi
     }
 }
 
-/// out = the slice tree over `out` (slice 0) and `leaves`, then over the group.
-fn sum_slices(out: &mut [f32], leaves: &mut [Vec<f32>], tp: &TpRank) {
-    if !leaves.is_empty() {
-        let mut bufs: Vec<&mut [f32]> =
-            std::iter::once(out as &mut [f32]).chain(leaves.iter_mut().map(|l| l.as_mut_slice())).collect();
-        timed(Kernel::Residual, || tree_sum(&mut bufs));
-    }
-    if tp.size > 1 {
-        tp.group.expect("a split Llama block needs its tensor group").all_reduce(tp.rank, out);
-    }
-}
-
-/// Slices of each split sum that rank `tp` computes.
-fn leaves_of(tp: &TpRank) -> usize {
-    tp.slices / tp.size
-}
-
 /// out (N, C) = the block applied to x (N, C) on one rank, `s` the rank's
 /// share; keeps what backward needs.
 #[allow(clippy::too_many_arguments)]
@@ -501,7 +483,7 @@ pub fn llama_block_forward(
     tp: &TpRank,
 ) {
     let t = sc.rope.t;
-    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, leaves_of(tp));
+    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, tp.leaves());
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     timed(Kernel::RmsNorm, || {
         rmsnorm::rmsnorm_forward(&mut a.n1, &mut a.rstd1, x, &p[IN_NORM].data, n, c, s.eps)
@@ -547,7 +529,7 @@ pub fn llama_block_backward_input(
     full: bool,
 ) {
     let t = sc.rope.t;
-    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, leaves_of(tp));
+    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, tp.leaves());
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     // MLP: dres is ∂L/∂out, which is also the residual's share of ∂L/∂h.
     if full {
@@ -613,7 +595,7 @@ pub fn llama_block_backward_weight(
     s: &LlamaBlockShape,
     tp: &TpRank,
 ) {
-    let (c, f, heads, l) = (s.c, s.f, s.heads, leaves_of(tp));
+    let (c, f, heads, l) = (s.c, s.f, s.heads, tp.leaves());
     let (q, kv) = (heads.out_width(), heads.nkv * heads.hs);
     down_grad(p, &g.dout, a, (n, f, c), l);
     gate_up_grads(p, &g.dgu, a, (n, c, f), l);
