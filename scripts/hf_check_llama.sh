@@ -16,6 +16,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-/work/venv-torch/bin/python}
 N=${N:-16}
 STEPS=${STEPS:-4}
+# AdamW's eps: near 1e-8, m/√v turns f32 rounding of a tiny gradient into a
+# whole step of lr; a larger EPS shows how close the gradients themselves are.
+EPS=${EPS:-1e-8}
 WORK=${WORK:-/tmp/hfcheck-llama}
 if ! "$PYTHON" -c "import torch, transformers, safetensors" 2>/dev/null; then
     echo "error: $PYTHON cannot import torch, transformers and safetensors" >&2
@@ -41,9 +44,10 @@ back=$("$BIN" eval --weights "$WORK/hf" --data "$WORK/data/val.bin" --windows "$
     --set data.sampler=sequential --set train.micro_batch_size=4 --set parallel.pp=1 \
     --set parallel.microbatches=1 --set optim.schedule=constant --set optim.warmup_steps=0 \
     --set optim.lr=1e-3 --set optim.min_lr=1e-3 --set optim.weight_decay=0.1 --set optim.grad_clip=1.0 \
+    --set optim.eps="$EPS" \
     --set train.eval_every=0 --set checkpoint.every=0 --out "$WORK/steps" > "$WORK/steps.log" 2>&1
 "$PYTHON" scripts/hf_llama.py train "$WORK/hf" "$WORK/data/train.bin" "$STEPS" 4 1e-3 0.1 1.0 \
-    "$WORK/torch.safetensors" 2> "$WORK/torch.log"
+    "$WORK/torch.safetensors" "$EPS" 2> "$WORK/torch.log"
 "$PYTHON" scripts/hf_llama.py compare "$WORK/steps/model.safetensors" "$WORK/torch.safetensors" \
     > "$WORK/compare.txt"
 read -r wdiff wname < "$WORK/compare.txt"

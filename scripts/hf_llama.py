@@ -7,12 +7,12 @@
         file (window i = tokens[i*T : i*T+T+1], as `pipewright eval` reads
         them), and writes the model with save_pretrained into OUT_DIR.
 
-    python scripts/hf_llama.py train HF_DIR TOKENS.bin STEPS SEQS LR WD CLIP OUT.safetensors
+    python scripts/hf_llama.py train HF_DIR TOKENS.bin STEPS SEQS LR WD CLIP OUT.safetensors [EPS]
         Trains the model in HF_DIR for STEPS AdamW steps of SEQS sequences
         each, read in order (the g-th sequence is window g), with the mean
         token loss, torch.nn.utils.clip_grad_norm_(CLIP), weight decay WD on
-        tensors of two or more dimensions (betas 0.9/0.95, eps 1e-8), and
-        writes the weights under Hugging Face's names.
+        tensors of two or more dimensions (betas 0.9/0.95, eps EPS, 1e-8 by
+        default), and writes the weights under Hugging Face's names.
 
     python scripts/hf_llama.py compare A.safetensors B.safetensors
         Prints the largest relative difference over all tensors.
@@ -53,7 +53,7 @@ def evaluate(run, out, data, n):
     model.save_pretrained(out)
 
 
-def train(hf, data, steps, seqs, lr, wd, clip, out):
+def train(hf, data, steps, seqs, lr, wd, clip, out, eps=1e-8):
     torch.manual_seed(0)
     model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").train()
     T = model.config.max_position_embeddings
@@ -63,7 +63,7 @@ def train(hf, data, steps, seqs, lr, wd, clip, out):
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=eps)
     for s in range(steps):
         batch = torch.stack([window(tokens, s * seqs + j, T) for j in range(seqs)])
         logits = model(batch[:, :-1]).logits
@@ -96,9 +96,10 @@ def main():
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "eval" and len(sys.argv) == 6:
         evaluate(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
-    elif cmd == "train" and len(sys.argv) == 10:
+    elif cmd == "train" and len(sys.argv) in (10, 11):
         a = sys.argv
-        train(a[2], a[3], int(a[4]), int(a[5]), float(a[6]), float(a[7]), float(a[8]), a[9])
+        eps = float(a[10]) if len(a) == 11 else 1e-8
+        train(a[2], a[3], int(a[4]), int(a[5]), float(a[6]), float(a[7]), float(a[8]), a[9], eps)
     elif cmd == "compare" and len(sys.argv) == 4:
         compare(sys.argv[2], sys.argv[3])
     else:
