@@ -1888,6 +1888,11 @@ mod tests {
         let mut bad = c.clone();
         bad.model.rms_norm_eps = -1.0;
         refused(&bad, "model.rms_norm_eps");
+        // Rotary embeddings turn pairs: a head of odd width is refused.
+        let mut bad = c.clone();
+        (bad.model.n_head, bad.model.n_embd) = (4, 12);
+        let err = refused(&bad, "model.n_embd");
+        assert!(err.contains("even head width"), "{err}");
         let mut bad = c.clone();
         bad.backend.kind = BackendKind::Cuda;
         bad.backend.devices = vec![0; bad.parallel.pp];
