@@ -28,20 +28,10 @@ impl MemoryNeed {
     }
 }
 
-/// The parameter count of the config's model, in f64 (from the fields, so
-/// that no shape is too large to count).
+/// The parameter count of the config's model, in f64: the planner's count
+/// for the family, from the fields alone, so no shape is too large to count.
 pub fn param_count(cfg: &Config) -> f64 {
-    let m = &cfg.model;
-    let (l, c, v, t) = (m.n_layer as f64, m.n_embd as f64, m.vocab_size as f64, m.block_size as f64);
-    match m.family {
-        crate::config::Family::Gpt2 => v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c,
-        crate::config::Family::Llama => {
-            let kv = c * m.kv_heads() as f64 / m.n_head.max(1) as f64;
-            let f = m.ffn_width() as f64;
-            let head = if m.tied() { 0.0 } else { v * c };
-            v * c + l * (2.0 * c * c + 2.0 * c * kv + 3.0 * c * f + 2.0 * c) + c + head
-        }
-    }
+    crate::plan::flops::ModelShape::of(&crate::model::GptConfig::from_config(cfg)).params()
 }
 
 /// The least memory a run of `cfg` holds in this process.

@@ -123,6 +123,12 @@ struct Rank {
     pool: rayon::ThreadPool,
 }
 
+/// Where local block `l`'s shards lie in a rank's parameters.
+fn block_range(cfg: &GptConfig, l: usize) -> std::ops::Range<usize> {
+    let bl = cfg.block_len();
+    bl * l..bl * (l + 1)
+}
+
 /// The ranks of a split part held in this process.
 pub struct TpRanks {
     cfg: GptConfig,
@@ -369,11 +375,8 @@ impl TpRanks {
                     Some(it) => it.next().expect("an activation set per rank"),
                     None => rank.recompute_acts.as_mut().expect("recompute buffers"),
                 };
-                let (params, scratch, pool) = (
-                    &rank.params[cfg.block_len() * l..cfg.block_len() * (l + 1)],
-                    &mut rank.scratch,
-                    &rank.pool,
-                );
+                let (params, scratch, pool) =
+                    (&rank.params[block_range(cfg, l)], &mut rank.scratch, &rank.pool);
                 sc.spawn(move || pool.install(|| block_forward(params, ba, x, o, scratch, b, cfg, &tp)));
             }
         });
@@ -440,11 +443,8 @@ impl TpRanks {
                     Some(it) => it.next().expect("a gradient set per rank"),
                     None => &mut rank.full_grads,
                 };
-                let (params, scratch, pool) = (
-                    &mut rank.params[cfg.block_len() * l..cfg.block_len() * (l + 1)],
-                    &mut rank.scratch,
-                    &rank.pool,
-                );
+                let (params, scratch, pool) =
+                    (&mut rank.params[block_range(cfg, l)], &mut rank.scratch, &rank.pool);
                 sc.spawn(move || {
                     pool.install(|| {
                         with_random_order(nondet, || {
@@ -476,12 +476,8 @@ impl TpRanks {
         std::thread::scope(|sc| {
             for (i, rank) in self.ranks.iter_mut().enumerate() {
                 let tp = shape.rank(self.local.start + i, None);
-                let (params, pool, ba, g) = (
-                    &mut rank.params[cfg.block_len() * l..cfg.block_len() * (l + 1)],
-                    &rank.pool,
-                    &blocks[i],
-                    &grads[i],
-                );
+                let (params, pool, ba, g) =
+                    (&mut rank.params[block_range(cfg, l)], &rank.pool, &blocks[i], &grads[i]);
                 sc.spawn(move || {
                     pool.install(|| {
                         with_random_order(nondet, || block_backward_weight(params, ba, x, g, b, cfg, &tp))
@@ -493,10 +489,9 @@ impl TpRanks {
 
     /// Local block `l`'s gradient shards of every held rank, a block's tensors per rank.
     fn grads_of(&self, l: usize) -> Vec<Vec<f32>> {
-        let bl = self.cfg.block_len();
         self.ranks
             .iter()
-            .flat_map(|r| r.params[bl * l..bl * (l + 1)].iter().map(|p| p.grad.clone()))
+            .flat_map(|r| r.params[block_range(&self.cfg, l)].iter().map(|p| p.grad.clone()))
             .collect()
     }
 
@@ -506,7 +501,7 @@ impl TpRanks {
         if arrays.is_empty() {
             // All +0.0: what the owner's whole gradients held.
             for rank in &mut self.ranks {
-                rank.params[bl * l..bl * (l + 1)].iter_mut().for_each(|p| p.grad.fill(0.0));
+                rank.params[block_range(&self.cfg, l)].iter_mut().for_each(|p| p.grad.fill(0.0));
             }
             return Ok(());
         }
@@ -518,7 +513,7 @@ impl TpRanks {
             ));
         }
         for (rank, a) in self.ranks.iter_mut().zip(arrays.chunks(bl)) {
-            for (p, g) in rank.params[bl * l..bl * (l + 1)].iter_mut().zip(a) {
+            for (p, g) in rank.params[block_range(&self.cfg, l)].iter_mut().zip(a) {
                 if p.grad.len() != g.len() {
                     return Err(format!("{}: a shard of {} elements, not {}", p.name, g.len(), p.grad.len()));
                 }

@@ -195,10 +195,6 @@ impl TpSite<'_> {
     }
 }
 
-fn shape_of(gpt: &GptConfig) -> ModelShape {
-    ModelShape::of(gpt)
-}
-
 /// Memory and FLOPs per rank, and the schedule's bubble, for `cfg` as configured.
 pub fn plan(cfg: &Config) -> Result<CpuPlan> {
     plan_over(cfg, 1)
@@ -210,7 +206,7 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
 pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     let layout = Layout::from_config(cfg)?;
     let gpt = GptConfig::from_config(cfg);
-    let shape = shape_of(&gpt);
+    let shape = ModelShape::of(&gpt);
     let (c, t, v) = (gpt.n_embd as f64, gpt.block_size as f64, gpt.vocab_size as f64);
     let b = cfg.train.micro_batch_size;
     let n = b * gpt.block_size;
@@ -391,7 +387,7 @@ fn stage_costs(layout: &Layout, shape: &ModelShape, vocab: usize, n: usize) -> (
 pub fn step_ms(cfg: &Config, gflops: f64, cores: usize) -> Result<f64> {
     let layout = Layout::from_config(cfg)?;
     let gpt = GptConfig::from_config(cfg);
-    let shape = shape_of(&gpt);
+    let shape = ModelShape::of(&gpt);
     let n = cfg.train.micro_batch_size * gpt.block_size;
     let cores = cores.max(1) as f64;
     let per_core = gflops * 1e9 / cores;
