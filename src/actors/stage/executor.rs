@@ -333,6 +333,11 @@ impl Executor {
     /// Both shares of the tied embedding's gradient, summed in one order on both
     /// ranks that hold a copy: embedding share + head share.
     fn combine_tied(&mut self) -> Result<(), Stopped> {
+        // An untied head's gradient is its own tensor's: there is nothing to
+        // exchange, and the embedding's share (V·C floats) must not travel.
+        if !self.gpt.tied() {
+            return Ok(());
+        }
         let last = self.layout.last_stage();
         let (first_here, last_here) = (self.stages.contains(&0), self.stages.contains(&last));
         if last == 0 {
