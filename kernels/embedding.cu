@@ -1,4 +1,6 @@
-// Token plus learned position embedding; twin of src/kernels/cpu/embedding.rs.
+// Token plus learned position embedding (GPT-2), and the token embedding
+// alone (Llama: positions enter as rotations of q and k); twin of
+// src/kernels/cpu/embedding.rs.
 // tokens (N = B·T) u32; wte (Vp, C) and wpe (maxT, C) floatX; out (N, C)
 // floatX; dwte, dwpe f32. Backward has no atomics: dwpe sums over the batch
 // per (t, c); dwte is owned per token id — the host lists each distinct id
@@ -14,6 +16,15 @@ extern "C" __global__ void embedding_forward(floatX* out, const unsigned int* to
     int t = n % T;
     unsigned int tok = tokens[n];
     out[idx] = stx(ldx(wte[(size_t)tok * C + c]) + ldx(wpe[(size_t)t * C + c]));
+}
+
+// out[n, c] = wte[tokens[n], c]. Grid ceil(N·C / blockDim.x).
+extern "C" __global__ void embedding_forward_tokens(floatX* out, const unsigned int* tokens, const floatX* wte,
+                                                    int N, int C) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)N * C) return;
+    int n = (int)(idx / C), c = (int)(idx % C);
+    out[idx] = wte[(size_t)tokens[n] * C + c];
 }
 
 // dwpe[t, c] += Σ_b dout[b, t, c], b in order. Grid ceil(T·C / blockDim.x).

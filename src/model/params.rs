@@ -150,6 +150,20 @@ impl GptConfig {
         }
     }
 
+    /// Tensors in the model, as [`all_tensors`] lists them.
+    pub fn tensor_count(&self) -> usize {
+        self.embedding_len()
+            + self.n_layer * self.block_len()
+            + self.final_norm_len()
+            + usize::from(!self.tied())
+    }
+
+    /// Whether tensor `canonical` has one row per vocabulary entry: the token
+    /// embedding, and an untied head (the GPU pads both to 128-row multiples).
+    pub fn vocab_rows(&self, canonical: usize) -> bool {
+        canonical == 0 || (!self.tied() && canonical + 1 == self.tensor_count())
+    }
+
     /// Parameters in the model (the tied embedding counted once).
     pub fn num_params(&self) -> usize {
         all_tensors(self).iter().map(|(_, s)| s.iter().product::<usize>()).sum()
@@ -325,6 +339,9 @@ mod tests {
         assert_eq!(embedding_tensors(&cfg).len(), cfg.embedding_len());
         assert_eq!(final_norm_tensors(&cfg).len(), cfg.final_norm_len());
         assert_eq!(block_tensors(&cfg, 0).len(), cfg.block_len());
+        assert_eq!(all_tensors(&cfg).len(), cfg.tensor_count());
+        let gpt2_vocab: Vec<usize> = (0..cfg.tensor_count()).filter(|&i| cfg.vocab_rows(i)).collect();
+        assert_eq!(gpt2_vocab, [0], "wte alone: the head reads it");
         for tied in [false, true] {
             let llama =
                 GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 4, 2, 8, 12, 10, 4, 1e4) };
@@ -333,6 +350,16 @@ mod tests {
             assert_eq!(embedding_tensors(&llama).len(), llama.embedding_len());
             assert_eq!(final_norm_tensors(&llama).len(), llama.final_norm_len());
             assert_eq!(block_tensors(&llama, 0).len(), llama.block_len());
+            assert_eq!(all.len(), llama.tensor_count());
+            let vocab: Vec<&str> = all
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| llama.vocab_rows(*i))
+                .map(|(_, t)| t.0.as_str())
+                .collect();
+            let want: &[&str] =
+                if tied { &["embed_tokens.weight"] } else { &["embed_tokens.weight", "lm_head.weight"] };
+            assert_eq!(vocab, want);
             for (i, (name, _)) in all.iter().enumerate() {
                 assert_eq!(canonical_index(&llama, name), Some(i), "{name}");
             }

@@ -451,9 +451,20 @@ fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     cpu::embedding::embedding_backward(&mut dwte, &mut dwpe, &dout, &tokens, T, C);
     let owners = embedding::DeviceOwners::upload(gpu, &embedding::TokenOwners::new(&tokens))?;
     let (gdwte, gdwpe, gdout) = (gpu.alloc::<f32>(V * C)?, gpu.alloc::<f32>(T * C)?, cx.up(&dout)?);
-    embedding::embedding_backward(gpu, gdwte.ptr(), gdwpe.ptr(), &gdout, &owners, B, T, C)?;
+    embedding::embedding_backward(gpu, gdwte.ptr(), Some(gdwpe.ptr()), &gdout, &owners, B, T, C)?;
     cx.push("embedding_backward dwte", &gpu.download(&gdwte)?, &dwte);
     cx.push("embedding_backward dwpe", &gpu.download(&gdwpe)?, &dwpe);
+    // The token embedding alone (Llama), into fresh buffers: nothing of the above carries over.
+    let mut out = vec![0.0; N * C];
+    cpu::embedding::token_embedding_forward(&mut out, &tokens, &wte, C);
+    let gout = gpu.alloc::<X>(N * C)?;
+    embedding::token_embedding_forward(gpu, &gout, &gtok, gwte.ptr(), N, C)?;
+    cx.push("token_embedding_forward", &cx.down(&gout)?, &out);
+    let mut dwte = vec![0.0; V * C];
+    cpu::embedding::token_embedding_backward(&mut dwte, &dout, &tokens, C);
+    let gdwte = gpu.alloc::<f32>(V * C)?;
+    embedding::embedding_backward(gpu, gdwte.ptr(), None, &gdout, &owners, B, T, C)?;
+    cx.push("token_embedding_backward dwte", &gpu.download(&gdwte)?, &dwte);
     Ok(())
 }
 

@@ -75,12 +75,31 @@ pub fn embedding_forward<X: Elem>(
     gpu.launch(f, (blocks(n * c, 256), 1, 1), (256, 1, 1), &mut args![o, tk, wte, wpe, ni, ti, ci])
 }
 
-/// dwte[token] += dout rows, dwpe[t] += Σ_b dout[b, t]; both f32.
+/// out (N, C) = wte[tokens]: the token embedding alone (no position table).
+pub fn token_embedding_forward<X: Elem>(
+    gpu: &Gpu,
+    out: &DeviceBuffer<X>,
+    tokens: &DeviceBuffer<u32>,
+    wte: u64,
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    ensure(out.len() >= n * c && tokens.len() >= n, || {
+        format!("token_embedding_forward: buffers for N={n} C={c}")
+    })?;
+    let f = gpu.function::<X>("embedding", "embedding_forward_tokens")?;
+    let (o, tk, ni, ci) = (out.ptr(), tokens.ptr(), n as i32, c as i32);
+    gpu.launch(f, (blocks(n * c, 256), 1, 1), (256, 1, 1), &mut args![o, tk, wte, ni, ci])
+}
+
+/// dwte[token] += dout rows, and with a position table dwpe[t] += Σ_b
+/// dout[b, t]; both f32. Without one (`dwpe` None) it is the token
+/// embedding's backward alone.
 #[allow(clippy::too_many_arguments)]
 pub fn embedding_backward<X: Elem>(
     gpu: &Gpu,
     dwte: u64,
-    dwpe: u64,
+    dwpe: Option<u64>,
     dout: &DeviceBuffer<X>,
     owners: &DeviceOwners,
     b: usize,
@@ -92,8 +111,10 @@ pub fn embedding_backward<X: Elem>(
     })?;
     let d = dout.ptr();
     let (bi, ti, ci) = (b as i32, t as i32, c as i32);
-    let f = gpu.function::<X>("embedding", "embedding_backward_wpe")?;
-    gpu.launch(f, (blocks(t * c, 256), 1, 1), (256, 1, 1), &mut args![dwpe, d, bi, ti, ci])?;
+    if let Some(dwpe) = dwpe {
+        let f = gpu.function::<X>("embedding", "embedding_backward_wpe")?;
+        gpu.launch(f, (blocks(t * c, 256), 1, 1), (256, 1, 1), &mut args![dwpe, d, bi, ti, ci])?;
+    }
     if owners.count == 0 {
         return Ok(());
     }

@@ -30,6 +30,10 @@ pub fn run(gpu: &Gpu, only: Option<Group>, report: &mut dyn FnMut(Progress)) -> 
 // moment, with every part of GPT-2 (two blocks, a padded vocabulary, two
 // microbatches of gradient accumulation, clipping on).
 const STEP_CFG: GptConfig = GptConfig::gpt2(2, 2, 128, 1000, 64);
+// The same for a Llama: grouped-query attention (two query heads sharing one
+// key/value head, of size 64 as the f32 kernels take), a SwiGLU MLP of
+// width 192, RoPE, RMSNorms and an untied head.
+const LLAMA_STEP_CFG: GptConfig = GptConfig::llama(2, 2, 1, 128, 192, 1000, 64, 10_000.0);
 const STEP_B: usize = 2;
 const STEP_MICROBATCHES: usize = 2;
 const STEP_SEED: u64 = 7;
@@ -37,10 +41,10 @@ const STEP_LR: f64 = 1e-3;
 const STEP_HYPER: Hyper = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
 const STEP_CLIP: f64 = 1.0;
 
-/// Microbatch `mb` of step `step`: random tokens, keyed so the CPU and the GPU see the same.
-fn step_batch(step: u64, mb: usize, inputs: &mut [u32], targets: &mut [u32]) {
+/// Microbatch `mb` of step `step`: random tokens below `v`, keyed so the CPU and the GPU see the same.
+fn step_batch(v: usize, step: u64, mb: usize, inputs: &mut [u32], targets: &mut [u32]) {
     let mut r = Rng::new(STEP_SEED, Purpose::Test, &[step, mb as u64]);
-    let v = STEP_CFG.vocab_size as u64;
+    let v = v as u64;
     for (i, t) in inputs.iter_mut().zip(targets.iter_mut()) {
         *i = r.below(v) as u32;
         *t = r.below(v) as u32;
@@ -55,7 +59,7 @@ fn cpu_step(part: &mut ModelPart, adam: &mut AdamState, step: u64) -> StepStats 
     part.zero_grads();
     let mut loss_sum = 0.0;
     for mb in 0..STEP_MICROBATCHES {
-        step_batch(step, mb, &mut inputs, &mut targets);
+        step_batch(part.cfg.vocab_size, step, mb, &mut inputs, &mut targets);
         let out = part.forward(PartInput::Tokens(&inputs), Some(&targets), Mode::Train { dloss });
         loss_sum += out.loss_sum.unwrap_or(f64::NAN);
         if let Some(acts) = out.acts {
@@ -72,7 +76,8 @@ fn cpu_step(part: &mut ModelPart, adam: &mut AdamState, step: u64) -> StepStats 
 }
 
 fn gpu_step<X: Elem>(model: &mut GpuModel<X>, step: u64) -> Result<StepStats> {
-    model.step(STEP_LR, &STEP_HYPER, STEP_CLIP, STEP_MICROBATCHES, |mb, i, t| step_batch(step, mb, i, t))
+    let v = model.cfg.vocab_size;
+    model.step(STEP_LR, &STEP_HYPER, STEP_CLIP, STEP_MICROBATCHES, |mb, i, t| step_batch(v, step, mb, i, t))
 }
 
 fn gpu_model<'g, X: Elem>(gpu: &'g Gpu, part: &ModelPart) -> Result<GpuModel<'g, X>> {
@@ -83,8 +88,8 @@ fn gpu_model<'g, X: Elem>(gpu: &'g Gpu, part: &ModelPart) -> Result<GpuModel<'g,
 /// Two steps of the GPU model in storage type X from the CPU model's initial
 /// weights: the losses against the CPU's (absolute difference < 1e-2), and in
 /// f32 the gradient norm and every gradient of the first step (relative < 1e-3).
-fn step_vs_cpu<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
-    let mut part = ModelPart::new(STEP_CFG, PartSpec::whole(&STEP_CFG), STEP_B, STEP_SEED, false);
+fn step_vs_cpu<X: Elem>(gpu: &Gpu, cfg: GptConfig, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let mut part = ModelPart::new(cfg, PartSpec::whole(&cfg), STEP_B, STEP_SEED, false);
     let mut adam = AdamState::new(&part);
     let mut model = gpu_model::<X>(gpu, &part)?;
     let abs = |a: f64, b: f64| if (a - b).is_nan() { f64::INFINITY } else { (a - b).abs() };
@@ -122,8 +127,8 @@ fn step_vs_cpu<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()
 
 /// The same two GPU steps twice from the same weights: losses, norms and
 /// master weights must repeat bit for bit.
-fn step_repeats<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
-    let part = ModelPart::new(STEP_CFG, PartSpec::whole(&STEP_CFG), STEP_B, STEP_SEED, false);
+fn step_repeats<X: Elem>(gpu: &Gpu, cfg: GptConfig, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+    let part = ModelPart::new(cfg, PartSpec::whole(&cfg), STEP_B, STEP_SEED, false);
     let mut runs = vec![];
     for _ in 0..2 {
         let mut model = gpu_model::<X>(gpu, &part)?;
@@ -148,7 +153,8 @@ fn step_repeats<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<(
 /// staged through the host as stage messages carry them), the tied shares
 /// combined: (loss sum, every gradient in canonical order).
 fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f64, Vec<Vec<f32>>)> {
-    let n = STEP_B * STEP_CFG.block_size;
+    let cfg = parts[0].cfg;
+    let n = STEP_B * cfg.block_size;
     let dloss = 1.0 / (STEP_MICROBATCHES * n) as f32;
     let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);
     let last = parts.len() - 1;
@@ -157,7 +163,7 @@ fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f
         p.zero_grads(gpu)?;
     }
     for mb in 0..STEP_MICROBATCHES {
-        step_batch(1, mb, &mut inputs, &mut targets);
+        step_batch(cfg.vocab_size, 1, mb, &mut inputs, &mut targets);
         let mut act: Option<Vec<f32>> = None;
         for (k, p) in parts.iter_mut().enumerate() {
             let input = match &act {
@@ -188,8 +194,8 @@ fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f
     let mut grads: Vec<(usize, Vec<f32>)> = vec![];
     for (k, p) in parts.iter().enumerate() {
         for (t, g) in p.tensors.iter().zip(p.gradients(gpu)?) {
-            // The head's wte copy repeats the embedding's combined gradient.
-            if !(k > 0 && t.name == "wte.weight") {
+            // The head's copy of a tied embedding repeats the embedding's combined gradient.
+            if !(k > 0 && t.canonical == 0) {
                 grads.push((t.canonical, g));
             }
         }
@@ -201,8 +207,12 @@ fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f
 /// The model cut into two pipeline parts on one GPU against one part holding
 /// everything: the same loss and gradients, bit for bit — activations cross
 /// the cut exactly (X → f32 → X), and each part accumulates in microbatch order.
-fn pipeline_parts_match_one_part<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Check>) -> Result<()> {
-    let cfg = STEP_CFG;
+fn pipeline_parts_match_one_part<X: Elem>(
+    gpu: &Gpu,
+    cfg: GptConfig,
+    tag: &str,
+    out: &mut Vec<Check>,
+) -> Result<()> {
     let whole = PartSpec::whole(&cfg);
     let cut = [
         PartSpec { layers: 0..1, embedding: true, head: false },
@@ -229,17 +239,27 @@ fn pipeline_parts_match_one_part<X: Elem>(gpu: &Gpu, tag: &str, out: &mut Vec<Ch
 }
 
 /// The whole-model checks: GPU training steps against the CPU model's (f32
-/// and bf16), bit-identical repeats, and a pipeline cut against one part.
+/// and bf16), bit-identical repeats, and a pipeline cut against one part,
+/// for GPT-2 and for a Llama (untied, and tied across the cut).
 pub fn step_checks(gpu: &Gpu) -> Result<Vec<Check>> {
     run(gpu, Some(Group::Steps), &mut |_| {})
 }
 
 fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
-    step_vs_cpu::<f32>(gpu, "f32", out)?;
-    step_vs_cpu::<Bf16>(gpu, "bf16", out)?;
-    step_repeats::<f32>(gpu, "f32", out)?;
-    step_repeats::<Bf16>(gpu, "bf16", out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, "f32", out)?;
-    pipeline_parts_match_one_part::<Bf16>(gpu, "bf16", out)?;
+    step_vs_cpu::<f32>(gpu, STEP_CFG, "f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, STEP_CFG, "bf16", out)?;
+    step_repeats::<f32>(gpu, STEP_CFG, "f32", out)?;
+    step_repeats::<Bf16>(gpu, STEP_CFG, "bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, STEP_CFG, "f32", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, STEP_CFG, "bf16", out)?;
+    let llama = LLAMA_STEP_CFG;
+    step_vs_cpu::<f32>(gpu, llama, "llama f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, llama, "llama bf16", out)?;
+    step_repeats::<Bf16>(gpu, llama, "llama bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, llama, "llama f32", out)?;
+    let tied = GptConfig { tie_word_embeddings: true, ..llama };
+    step_vs_cpu::<f32>(gpu, tied, "llama tied f32", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, tied, "llama tied f32", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, tied, "llama tied bf16", out)?;
     tp::tp_checks(gpu, out)
 }

@@ -1,13 +1,17 @@
-//! One pipeline stage's part of GPT-2 on a GPU: the twin of model/part.rs
-//! (`ModelPart`), with the same tensors in the same order, the same forward
-//! and backward in the same kernel order, and the same rules — backward
-//! accumulates weight gradients, the head runs its backward inside forward
-//! (llm.c's fused classifier), the head's share of the tied wte gradient is
-//! kept apart until the step ends.
+//! One pipeline stage's part of the model on a GPU: the twin of
+//! model/part.rs (`ModelPart`), with the same tensors in the same order, the
+//! same forward and backward in the same kernel order, and the same rules —
+//! backward accumulates weight gradients, the head runs its backward inside
+//! forward (llm.c's fused classifier), the head's share of a tied embedding's
+//! gradient is kept apart until the step ends. GPT-2's block is here, a
+//! Llama's in llama.rs; the embedding and head follow the family (a Llama
+//! has no position table, an RMSNorm before the head and, untied, its own
+//! `lm_head` whose gradient is an ordinary tensor's).
 //!
 //! Shapes: B = micro_batch_size, T = block_size, C = n_embd, N = B·T,
-//! V = vocab_size, Vp = V rounded up to 128 (wte is stored with Vp rows, the
-//! padding zero with zero gradient, so the head's products are aligned).
+//! V = vocab_size, Vp = V rounded up to 128 (the token embedding and an
+//! untied head are stored with Vp rows, the padding zero with zero gradient,
+//! so the head's products are aligned).
 //!
 //! Storage type X is bf16 (training) or f32 (the twin checks); master weights,
 //! gradients and AdamW moments are f32. Every device buffer is allocated in
@@ -19,13 +23,19 @@
 //! to every call, so one GPU serves several parts (interleaved chunks, or
 //! several stages on one device) and no part outlives its context.
 
+mod llama;
 mod tp;
+use llama::LlamaActs;
 pub use tp::{GpuTp, TpDevices, TpPart};
 
+use crate::kernels::cpu::rope::{inv_freq, RopeTable};
 use crate::kernels::cuda::embedding::{DeviceOwners, TokenOwners};
+use crate::kernels::cuda::rope::DeviceRope;
 use crate::kernels::cuda::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
-use crate::kernels::cuda::{ensure, CudaError, DeviceBuffer, Elem, Gpu, Result};
+use crate::kernels::cuda::{ensure, rmsnorm, CudaError, DeviceBuffer, Elem, Gpu, Result};
+use crate::model::llama::LlamaBlockShape;
 use crate::model::params::block::*;
+use crate::model::params::Family;
 use crate::model::part::{Mode, PartSpec};
 use crate::model::{GptConfig, Param};
 use crate::optim::Hyper;
@@ -41,12 +51,12 @@ pub const ALIGN: usize = 128;
 
 /// Where each tensor of a part starts in the flat parameter buffer, and the
 /// buffer's length: offsets in `params` order, each a multiple of `ALIGN`;
-/// wte takes `vp` rows.
-pub fn tensor_layout(params: &[Param], vp: usize, c: usize) -> (Vec<TensorSlot>, usize) {
+/// the tensors with a row per token (`GptConfig::vocab_rows`) take `vp` rows.
+pub fn tensor_layout(cfg: &GptConfig, params: &[Param], vp: usize) -> (Vec<TensorSlot>, usize) {
     let mut tensors = Vec::with_capacity(params.len());
     let mut offset = 0;
     for p in params {
-        let stored = if p.name == "wte.weight" { vp * c } else { p.numel() };
+        let stored = if cfg.vocab_rows(p.canonical) { vp * cfg.n_embd } else { p.numel() };
         tensors.push(TensorSlot {
             name: p.name.clone(),
             shape: p.shape.clone(),
@@ -66,13 +76,15 @@ pub fn padded_vocab(v: usize) -> usize {
     v.div_ceil(128) * 128
 }
 
-/// The final LayerNorm's gradients in a part's flat buffer as one
-/// (offset, length) run, weight then bias with only alignment padding
-/// between them; None without the head.
+/// The gradients the head's forward writes, in a part's flat buffer as one
+/// (offset, length) run: the final norm's tensors and, untied, the head's
+/// own weight after them, with only alignment padding between them; None
+/// without the head.
 pub fn head_norm_run(tensors: &[TensorSlot], spec: &PartSpec, cfg: &GptConfig) -> Option<(usize, usize)> {
     let hb = spec.head.then(|| spec.head_base(cfg))?;
-    let (w, b) = (tensors.get(hb)?, tensors.get(hb + 1)?);
-    Some((w.offset, b.offset + b.stored - w.offset))
+    let last = if cfg.tied() { hb + cfg.final_norm_len() - 1 } else { spec.head_wte(cfg) };
+    let (first, last) = (tensors.get(hb)?, tensors.get(last)?);
+    Some((first.offset, last.offset + last.stored - first.offset))
 }
 
 /// Values of each tensor of a part, in the part's order.
@@ -88,7 +100,7 @@ pub struct TensorSlot {
     pub offset: usize,
     /// Elements of the CPU tensor.
     pub numel: usize,
-    /// Elements on the device (wte: padded rows included).
+    /// Elements on the device (a vocabulary tensor's padded rows included).
     pub stored: usize,
     pub decay: bool,
 }
@@ -145,13 +157,51 @@ impl<X: Elem> BlockActs<X> {
     }
 }
 
+/// One block's intermediates, by family.
+pub(super) enum Acts<X: Elem> {
+    Gpt2(BlockActs<X>),
+    Llama(LlamaActs<X>),
+}
+
+impl<X: Elem> Acts<X> {
+    /// For a rank holding `size`'s share of the block.
+    fn new(gpu: &Gpu, cfg: &GptConfig, b: usize, size: usize) -> Result<Self> {
+        let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
+        Ok(match cfg.family {
+            Family::Gpt2 => Acts::Gpt2(BlockActs::new(gpu, b, t, c, nh, size)?),
+            Family::Llama => Acts::Llama(LlamaActs::new(gpu, b, t, &LlamaBlockShape::of(cfg).share(size))?),
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Acts::Gpt2(a) => a.bytes(),
+            Acts::Llama(a) => a.bytes(),
+        }
+    }
+
+    pub(super) fn gpt2(&self) -> Result<&BlockActs<X>> {
+        match self {
+            Acts::Gpt2(a) => Ok(a),
+            Acts::Llama(_) => Err(CudaError::Shape("GPT-2's block given a Llama block's buffers".into())),
+        }
+    }
+
+    fn llama(&self) -> Result<&LlamaActs<X>> {
+        match self {
+            Acts::Llama(a) => Ok(a),
+            Acts::Gpt2(_) => Err(CudaError::Shape("a Llama block given GPT-2's block buffers".into())),
+        }
+    }
+}
+
 /// Everything one microbatch keeps on this part between its forward and its backward.
 struct Slot<X: Elem> {
     /// stream[l]: the residual stream entering local block l; stream[nb]: the
     /// part's output (the head's input on the last part).
     stream: Vec<DeviceBuffer<X>>,
     /// Per-block intermediates; empty when recomputing.
-    blocks: Vec<BlockActs<X>>,
+    blocks: Vec<Acts<X>>,
     /// First part: the token ids and who owns each id's wte gradient row.
     tokens: Option<(DeviceBuffer<u32>, DeviceOwners)>,
     /// Last part: the gradient of the head's input, formed in forward.
@@ -161,7 +211,7 @@ struct Slot<X: Elem> {
 impl<X: Elem> Slot<X> {
     fn bytes(&self) -> usize {
         self.stream.iter().map(DeviceBuffer::bytes).sum::<usize>()
-            + self.blocks.iter().map(BlockActs::bytes).sum::<usize>()
+            + self.blocks.iter().map(Acts::bytes).sum::<usize>()
             + self
                 .tokens
                 .as_ref()
@@ -176,7 +226,10 @@ struct Scratch<X: Elem> {
     dln: DeviceBuffer<X>,
     datty: DeviceBuffer<X>,
     dqkv: DeviceBuffer<X>,
+    /// The MLP's hidden gradient: GPT-2's (N, 4C), a Llama's gate and up (N, 2F).
     dfch: DeviceBuffer<X>,
+    /// A Llama's SwiGLU output gradient (N, F); empty for GPT-2.
+    dact: DeviceBuffer<X>,
     delta: DeviceBuffer<f32>,
     ln_partial: DeviceBuffer<f32>,
     bias_partial: DeviceBuffer<f32>,
@@ -184,7 +237,9 @@ struct Scratch<X: Elem> {
     /// One f32 per tensor: the per-tensor sums of squares.
     norm_out: DeviceBuffer<f32>,
     /// Recompute: one block's intermediates and its (discarded) output.
-    recompute: Option<(BlockActs<X>, DeviceBuffer<X>)>,
+    recompute: Option<(Acts<X>, DeviceBuffer<X>)>,
+    /// A Llama's rotary table (T, HS/2).
+    rope: Option<DeviceRope>,
     /// Sliced products (tp.rs): this rank's slices of one split sum, (L, N, C) f32.
     leaves: DeviceBuffer<f32>,
     /// Every rank's subtree sum of one split sum, (size, N, C) f32: this
@@ -199,7 +254,7 @@ struct Scratch<X: Elem> {
     losses: DeviceBuffer<f32>,
     targets: DeviceBuffer<u32>,
     argmax: DeviceBuffer<u32>,
-    /// The other part's share of the tied wte gradient, uploaded (Vp, C).
+    /// The other part's share of the tied embedding's gradient, uploaded (Vp, C).
     tied: DeviceBuffer<f32>,
     // Host staging, so a message costs a copy and no allocation but its own.
     host_x: Vec<X>,
@@ -234,7 +289,8 @@ pub struct GpuPart<X: Elem> {
     v: DeviceBuffer<f32>,
     /// AdamW updates applied so far.
     pub adam_t: u64,
-    /// The head's share of the tied wte gradient (Vp, C), f32.
+    /// The head's share of the tied embedding's gradient (Vp, C), f32;
+    /// empty untied (the head's gradient is then its own tensor's).
     head_grad: DeviceBuffer<f32>,
     slots: Vec<Slot<X>>,
     free: Vec<usize>,
@@ -316,16 +372,21 @@ impl<X: Elem> GpuPart<X> {
         let (t, c, nh, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
         tp.check(&cfg)?;
         let (size, owner) = (tp.size, tp.rank == 0);
-        attention::kernels_for::<X>(c / size, nh / size)?;
+        let heads = cfg.heads();
+        attention::kernels_for_heads::<X>(heads)?;
+        attention::kernels_for::<X>(heads.out_width() / size, nh / size)?;
         ensure(b > 0 && t > 0 && v > 0 && live > 0, || {
             format!("a GPU part needs B, T, V and live slots > 0 (B={b}, T={t}, V={v}, live={live})")
         })?;
         let n = b * t;
         let vp = padded_vocab(v);
-        ensure(n <= i32::MAX as usize / (4 * c) && n.saturating_mul(vp) < (1 << 40), || {
+        // The widest row any block buffer has: GPT-2's MLP (4C), a Llama's gate and up (2F), q/k/v.
+        let (ffn, llama) = (cfg.ffn(), cfg.family == Family::Llama);
+        let widest = [4 * c, 2 * ffn, heads.qkv_width()].into_iter().max().unwrap_or(c).max(1);
+        ensure(n <= i32::MAX as usize / widest && n.saturating_mul(vp) < (1 << 40), || {
             format!("the CUDA kernels index with 32-bit rows: B·T = {n} is too many")
         })?;
-        let (tensors, total) = tensor_layout(params, vp, c);
+        let (tensors, total) = tensor_layout(&cfg, params, vp);
         let nb = spec.layers.len();
         let head = spec.head;
         let new_slot = || -> Result<Slot<X>> {
@@ -334,7 +395,7 @@ impl<X: Elem> GpuPart<X> {
                 blocks: if recompute {
                     vec![]
                 } else {
-                    (0..nb).map(|_| BlockActs::new(gpu, b, t, c, nh, size)).collect::<Result<_>>()?
+                    (0..nb).map(|_| Acts::new(gpu, &cfg, b, size)).collect::<Result<_>>()?
                 },
                 tokens: if spec.embedding && owner {
                     let owners = DeviceOwners {
@@ -353,20 +414,30 @@ impl<X: Elem> GpuPart<X> {
         let slots = (0..live).map(|_| new_slot()).collect::<Result<Vec<_>>>()?;
         let slot_bytes = slots[0].bytes();
         let hn = if head && owner { n } else { 0 };
-        let (cl, split) = (c / size, tp.is_split());
+        let split = tp.is_split();
+        // The MLP's hidden width per rank: GPT-2's 4C columns, a Llama's gate and up rows.
+        let hidden = if llama { 2 * ffn } else { ffn } / size;
+        let norm_partial = if llama { rmsnorm::partial_len(n, c) } else { layernorm::partial_len(n, c) };
         let s = Scratch {
             dres: gpu.alloc(n * c)?,
             dln: gpu.alloc(n * c)?,
-            datty: gpu.alloc(n * cl)?,
-            dqkv: gpu.alloc(n * 3 * cl)?,
-            dfch: gpu.alloc(n * 4 * cl)?,
+            datty: gpu.alloc(n * heads.out_width() / size)?,
+            dqkv: gpu.alloc(n * heads.qkv_width() / size)?,
+            dfch: gpu.alloc(n * hidden)?,
+            dact: gpu.alloc(if llama { n * ffn / size } else { 0 })?,
             delta: gpu.alloc(b * (nh / size) * t)?,
-            ln_partial: gpu.alloc(layernorm::partial_len(n, c))?,
+            ln_partial: gpu.alloc(norm_partial)?,
             bias_partial: gpu.alloc(matmul::bias_partial_len(n, (4 * c).max(c)))?,
             norm_partial: gpu.alloc(adamw::NORM_BLOCKS)?,
             norm_out: gpu.alloc(tensors.len().max(1))?,
             recompute: if recompute {
-                Some((BlockActs::new(gpu, b, t, c, nh, size)?, gpu.alloc(n * c)?))
+                Some((Acts::new(gpu, &cfg, b, size)?, gpu.alloc(n * c)?))
+            } else {
+                None
+            },
+            rope: if llama {
+                let table = RopeTable::new(t, &inv_freq(cfg.head_dim(), cfg.rope_theta));
+                Some(DeviceRope::upload(gpu, &table)?)
             } else {
                 None
             },
@@ -379,7 +450,7 @@ impl<X: Elem> GpuPart<X> {
             losses: gpu.alloc(hn)?,
             targets: gpu.alloc(hn)?,
             argmax: gpu.alloc(hn)?,
-            tied: gpu.alloc(if owner && (head || spec.embedding) { vp * c } else { 0 })?,
+            tied: gpu.alloc(if owner && cfg.tied() && (head || spec.embedding) { vp * c } else { 0 })?,
             host_x: vec![X::default(); n * c],
             host_losses: vec![0.0; hn],
         };
@@ -398,7 +469,7 @@ impl<X: Elem> GpuPart<X> {
             m: gpu.alloc(kept)?,
             v: gpu.alloc(kept)?,
             adam_t: 0,
-            head_grad: gpu.alloc(if head && owner { vp * c } else { 0 })?,
+            head_grad: gpu.alloc(if head && owner && cfg.tied() { vp * c } else { 0 })?,
             free: (0..live).rev().collect(),
             slots,
             saved: BTreeMap::new(),
@@ -451,6 +522,7 @@ impl<X: Elem> GpuPart<X> {
             + s.datty.bytes()
             + s.dqkv.bytes()
             + s.dfch.bytes()
+            + s.dact.bytes()
             + s.logits.bytes()
             + s.lnf.bytes()
             + s.tied.bytes()
@@ -548,7 +620,8 @@ impl<X: Elem> GpuPart<X> {
                     )
                 })?;
                 check_ids(tokens, v, "token")?;
-                let (w0, w1) = (self.w(0), self.w(1));
+                let (family, w0) = (self.cfg.family, self.w(0));
+                let w1 = (family == Family::Gpt2).then(|| self.w(1));
                 let slot = &mut self.slots[k];
                 let (dev, owners) = slot.tokens.as_mut().expect("first part keeps tokens");
                 gpu.copy_to(dev, 0, tokens)?;
@@ -557,7 +630,10 @@ impl<X: Elem> GpuPart<X> {
                 gpu.copy_to(&owners.offsets, 0, &o.offsets)?;
                 gpu.copy_to(&owners.positions, 0, &o.positions)?;
                 owners.count = o.ids.len();
-                embedding::embedding_forward(gpu, &slot.stream[0], dev, w0, w1, n, t, c)?;
+                match w1 {
+                    Some(wpe) => embedding::embedding_forward(gpu, &slot.stream[0], dev, w0, wpe, n, t, c)?,
+                    None => embedding::token_embedding_forward(gpu, &slot.stream[0], dev, w0, n, c)?,
+                }
             }
             GpuInput::Activation(x) => {
                 ensure(!self.spec.embedding && x.len() == n * c, || {
@@ -588,12 +664,16 @@ impl<X: Elem> GpuPart<X> {
     /// already holds it).
     fn block_forward(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
         ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
+        if self.cfg.family == Family::Llama {
+            return self.llama_block_forward(gpu, k, l, recomputing);
+        }
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
         let base = self.spec.block_base(&self.cfg, l);
         let w = |i: usize| self.w(base + i);
         let x = &self.slots[k].stream[l];
         let (a, out) = self.forward_acts(k, l, recomputing);
+        let a = a.gpt2()?;
         layernorm::layernorm_forward(gpu, &a.ln1, &a.ln1_mean, &a.ln1_rstd, x, w(LN1W), w(LN1B), n, c)?;
         matmul::matmul_forward(gpu, &a.qkv, &a.ln1, w(QKVW), Some(w(QKVB)), n, c, 3 * c)?;
         attention::attention_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, c, nh)?;
@@ -607,7 +687,7 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// Where block l's forward for slot k writes: its intermediates and its output.
-    fn forward_acts(&self, k: usize, l: usize, recomputing: bool) -> (&BlockActs<X>, &DeviceBuffer<X>) {
+    fn forward_acts(&self, k: usize, l: usize, recomputing: bool) -> (&Acts<X>, &DeviceBuffer<X>) {
         let slot = &self.slots[k];
         match (&self.s.recompute, recomputing) {
             (Some((acts, scratch_out)), true) => (acts, scratch_out),
@@ -617,16 +697,16 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// Block l's intermediates for backward of slot k (recomputed or kept).
-    fn backward_acts(&self, k: usize, l: usize) -> &BlockActs<X> {
+    fn backward_acts(&self, k: usize, l: usize) -> &Acts<X> {
         match &self.s.recompute {
             Some((acts, _)) => acts,
             None => &self.slots[k].blocks[l],
         }
     }
 
-    /// Final LayerNorm, tied head and loss of the microbatch in slot `k`; in
-    /// training also their backward, leaving the head input's gradient in the
-    /// slot. Returns Σ loss.
+    /// Final norm, head and loss of the microbatch in slot `k`; in training
+    /// also their backward, leaving the head input's gradient in the slot.
+    /// Returns Σ loss.
     fn head(
         &mut self,
         gpu: &Gpu,
@@ -637,13 +717,24 @@ impl<X: Elem> GpuPart<X> {
     ) -> Result<f64> {
         let (c, v, vp, n) = (self.cfg.n_embd, self.cfg.vocab_size, self.vp, self.n());
         let (hb, wte) = (self.spec.head_base(&self.cfg), self.spec.head_wte(&self.cfg));
-        let (lnw, lnb, wte_w) = (self.w(hb), self.w(hb + 1), self.w(wte));
-        let (glnw, glnb) = (self.g(hb), self.g(hb + 1));
+        // GPT-2's LayerNorm has a bias, a Llama's RMSNorm none.
+        let gpt2 = self.cfg.family == Family::Gpt2;
+        let (lnw, lnb, wte_w) = (self.w(hb), gpt2.then(|| self.w(hb + 1)), self.w(wte));
+        let (glnw, glnb) = (self.g(hb), gpt2.then(|| self.g(hb + 1)));
+        // Tied, the head's share of the embedding's gradient waits apart; untied it is lm_head's own.
+        let head_grad = if self.cfg.tied() { self.head_grad.ptr() } else { self.g(wte) };
+        let eps = self.cfg.norm_eps;
         let s = &mut self.s;
         let x = &self.slots[k].stream[self.spec.layers.len()];
         gpu.copy_to(&s.targets, 0, targets)?;
-        layernorm::layernorm_forward(gpu, &s.lnf, &s.lnf_mean, &s.lnf_rstd, x, lnw, lnb, n, c)?;
-        // logits (N, Vp) = lnf (N, C) · wteᵀ: the input-gradient product with wte as (Vp, C).
+        match lnb {
+            Some(lnb) => {
+                layernorm::layernorm_forward(gpu, &s.lnf, &s.lnf_mean, &s.lnf_rstd, x, lnw, lnb, n, c)?
+            }
+            None => rmsnorm::rmsnorm_forward(gpu, &s.lnf, &s.lnf_rstd, x, lnw, n, c, eps)?,
+        }
+        // logits (N, Vp) = lnf (N, C) · Wᵀ: the input-gradient product with W (the
+        // token embedding or lm_head, both (Vp, C)) as the weight.
         matmul::matmul_backward_input(gpu, &s.logits, &s.lnf, wte_w, n, vp, c)?;
         let dloss = match mode {
             Mode::Eval => {
@@ -667,12 +758,16 @@ impl<X: Elem> GpuPart<X> {
             Mode::Train { dloss } => dloss,
         };
         crossentropy::crossentropy_forward_backward(gpu, &s.logits, &s.losses, &s.targets, dloss, n, v, vp)?;
-        // dlnf (N, C) = dlogits (N, Vp) · wte (Vp, C); head share (Vp, C) += dlogitsᵀ · lnf.
+        // dlnf (N, C) = dlogits (N, Vp) · W (Vp, C); dW (Vp, C) += dlogitsᵀ · lnf.
         matmul::matmul_forward(gpu, &s.dln, &s.logits, wte_w, None, n, vp, c)?;
-        let hg = self.head_grad.ptr();
-        matmul::matmul_backward_weight(gpu, hg, None, &s.bias_partial, &s.lnf, &s.logits, n, vp, c)?;
+        matmul::matmul_backward_weight(gpu, head_grad, None, &s.bias_partial, &s.lnf, &s.logits, n, vp, c)?;
         let dhead = self.slots[k].dhead.as_ref().expect("last part keeps dhead");
         gpu.zero(dhead)?;
+        let Some(glnb) = glnb else {
+            rmsnorm::rmsnorm_backward_input(gpu, dhead, &s.dln, x, lnw, &s.lnf_rstd, n, c)?;
+            rmsnorm::rmsnorm_backward_weight(gpu, glnw, &s.ln_partial, &s.dln, x, &s.lnf_rstd, n, c)?;
+            return s.loss_sum(gpu);
+        };
         layernorm::layernorm_backward_input(gpu, dhead, &s.dln, x, lnw, &s.lnf_mean, &s.lnf_rstd, n, c)?;
         layernorm::layernorm_backward_weight(
             gpu,
@@ -760,7 +855,8 @@ impl<X: Elem> GpuPart<X> {
         }
         blocks(self, gpu, k)?;
         if self.spec.embedding {
-            let (dwte, dwpe) = (self.g(0), self.g(1));
+            let dwte = self.g(0);
+            let dwpe = (self.cfg.family == Family::Gpt2).then(|| self.g(1));
             let (_, owners) = self.slots[k].tokens.as_ref().expect("first part keeps tokens");
             embedding::embedding_backward(gpu, dwte, dwpe, &self.s.dres, owners, self.b, t, c)?;
             return Ok(None);
@@ -773,12 +869,15 @@ impl<X: Elem> GpuPart<X> {
     /// model's order (part.rs, a full B).
     fn block_backward(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
         ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
+        if self.cfg.family == Family::Llama {
+            return self.llama_block_backward(gpu, k, l);
+        }
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
         let base = self.spec.block_base(&self.cfg, l);
         let (w, g) = (|i: usize| self.w(base + i), |i: usize| self.g(base + i));
         let x = &self.slots[k].stream[l];
-        let a = self.backward_acts(k, l);
+        let a = self.backward_acts(k, l).gpt2()?;
         let s = &self.s;
         let bp = &s.bias_partial;
         // MLP first.
@@ -843,9 +942,13 @@ impl<X: Elem> GpuPart<X> {
         )
     }
 
-    /// This part's share of the tied wte gradient, (V, C) without padding:
-    /// the embedding's gradient on the first part, the head's on a head-only part.
+    /// This part's share of the tied embedding's gradient, (V, C) without
+    /// padding: the embedding's gradient on the first part, the head's on a
+    /// head-only part; empty when the head is untied (nothing is shared).
     pub fn tied_share(&self, gpu: &Gpu) -> Result<Vec<f32>> {
+        if !self.cfg.tied() {
+            return Ok(vec![]);
+        }
         let vc = self.cfg.vocab_size * self.cfg.n_embd;
         let mut out = vec![0.0f32; vc];
         if self.spec.embedding {
@@ -862,6 +965,9 @@ impl<X: Elem> GpuPart<X> {
     /// as `ModelPart::combine_tied_grads`). `other` is the other part's share;
     /// None when this part holds both.
     pub fn combine_tied(&mut self, gpu: &Gpu, other: Option<&[f32]>) -> Result<()> {
+        if !self.cfg.tied() {
+            return Ok(());
+        }
         let vc = self.cfg.vocab_size * self.cfg.n_embd;
         match other {
             None => {
@@ -889,11 +995,11 @@ impl<X: Elem> GpuPart<X> {
     /// slot (`optim::zero::first_slots`), the key the CPU gives the tensor's
     /// first block: the coordinator orders them, and replay names them, as the
     /// CPU's. One value covers the whole tensor (the CPU reports one per
-    /// 1024-element block). The head's copy of wte is left out when another
-    /// part owns the embedding (as `optim::grad_sum_squares`).
+    /// 1024-element block). The head's copy of the tied embedding is left
+    /// out when another part owns the embedding (as `optim::grad_sum_squares`).
     pub fn grad_sum_squares(&self, gpu: &Gpu) -> Result<Vec<(usize, f64)>> {
         let kept: Vec<&TensorSlot> =
-            self.tensors.iter().filter(|t| t.name != "wte.weight" || self.spec.embedding).collect();
+            self.tensors.iter().filter(|t| t.canonical != 0 || self.spec.embedding).collect();
         let ranges: Vec<(usize, usize)> = kept.iter().map(|t| (t.offset, t.numel)).collect();
         let sums =
             adamw::sum_squares_ranges(gpu, &self.grads, &ranges, &self.s.norm_partial, &self.s.norm_out)?;
@@ -1001,8 +1107,8 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// f32 elements of one microbatch's head leaf for the microbatch tree
-    /// (optim::grad_tree): the final LayerNorm's run, then the head's wte
-    /// share. 0 without the head.
+    /// (optim::grad_tree): the head's run (`head_norm_run`), then the head's
+    /// share of a tied embedding. 0 without the head.
     pub fn head_leaf_len(&self) -> usize {
         self.head_norm_run().map_or(0, |(_, n)| n + self.head_grad.len())
     }
@@ -1059,8 +1165,9 @@ impl<X: Elem> GpuPart<X> {
 
     /// A tree node (body and, with the head, head buffers) in the exchanged
     /// "part order" of optim::grad_tree::PartTree: one vector per tensor,
-    /// then the head's wte share; the head-only part's copy of wte, which
-    /// only the tied combination writes, as an empty vector.
+    /// then the head's share of a tied embedding (empty untied); the
+    /// head-only part's copy of the embedding, which only the tied
+    /// combination writes, as an empty vector.
     pub fn node_gradients(
         &self,
         gpu: &Gpu,
@@ -1074,15 +1181,18 @@ impl<X: Elem> GpuPart<X> {
             return Ok(out);
         };
         let h = gpu.download(head.ok_or_else(|| CudaError::Shape("a head node is missing".into()))?)?;
-        let hb = self.spec.head_base(&self.cfg);
-        for k in [hb, hb + 1] {
+        let (hb, wte, tied) =
+            (self.spec.head_base(&self.cfg), self.spec.head_wte(&self.cfg), self.cfg.tied());
+        let head_run = hb..if tied { hb + self.cfg.final_norm_len() } else { wte + 1 };
+        for k in head_run {
             let s = &self.tensors[k];
             out[k] = h[s.offset - offset..s.offset - offset + s.numel].to_vec();
         }
-        if !self.spec.embedding {
-            out[self.spec.head_wte(&self.cfg)] = Vec::new();
+        if !self.spec.embedding && tied {
+            out[wte] = Vec::new();
         }
-        out.push(h[n..n + self.cfg.vocab_size * self.cfg.n_embd].to_vec());
+        let share = if tied { self.cfg.vocab_size * self.cfg.n_embd } else { 0 };
+        out.push(h[n..n + share].to_vec());
         Ok(out)
     }
 
@@ -1101,7 +1211,7 @@ impl<X: Elem> GpuPart<X> {
             }
             let (buf, offset, numel, name) = match self.tensors.get(k) {
                 Some(s) => (&self.grads, s.offset, s.numel, s.name.as_str()),
-                None => (&self.head_grad, 0, self.cfg.vocab_size * self.cfg.n_embd, "the head's wte share"),
+                None => (&self.head_grad, 0, self.cfg.vocab_size * self.cfg.n_embd, "the head's tied share"),
             };
             ensure(g.len() == numel, || format!("{name} gradient: {} values, expected {numel}", g.len()))?;
             gpu.copy_to(buf, offset, g)?;
@@ -1179,7 +1289,7 @@ mod tests {
             .cloned()
             .collect();
         ps.push(all[0].clone());
-        let (tensors, _) = tensor_layout(&ps, padded_vocab(cfg.vocab_size), cfg.n_embd);
+        let (tensors, _) = tensor_layout(&cfg, &ps, padded_vocab(cfg.vocab_size));
         let (offset, n) = head_norm_run(&tensors, &spec, &cfg).expect("a head part has the run");
         let inside = |t: &TensorSlot| t.offset >= offset && t.offset + t.stored <= offset + n;
         let covered: Vec<&str> = tensors.iter().filter(|t| inside(t)).map(|t| t.name.as_str()).collect();
@@ -1191,13 +1301,42 @@ mod tests {
     }
 
     #[test]
+    fn a_llama_head_run_is_the_norm_then_its_own_lm_head_untied_and_the_norm_alone_tied() {
+        for tied in [false, true] {
+            let cfg =
+                GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 2, 1, 128, 192, 1000, 64, 1e4) };
+            let spec = PartSpec { layers: 2..3, embedding: false, head: true };
+            let all = params(&cfg);
+            let mut ps: Vec<Param> = all
+                .iter()
+                .filter(|p| {
+                    p.name.starts_with("layers.2.") || p.name == "norm.weight" || p.name == "lm_head.weight"
+                })
+                .cloned()
+                .collect();
+            if tied {
+                ps.push(all[0].clone());
+            }
+            let vp = padded_vocab(cfg.vocab_size);
+            let (tensors, _) = tensor_layout(&cfg, &ps, vp);
+            let last = tensors.last().expect("the head's weight");
+            assert_eq!(last.stored, vp * cfg.n_embd, "{} keeps the padded vocabulary rows", last.name);
+            let (offset, n) = head_norm_run(&tensors, &spec, &cfg).expect("a head part has the run");
+            let inside = |t: &TensorSlot| t.offset >= offset && t.offset + t.stored <= offset + n;
+            let covered: Vec<&str> = tensors.iter().filter(|t| inside(t)).map(|t| t.name.as_str()).collect();
+            let want: &[&str] = if tied { &["norm.weight"] } else { &["norm.weight", "lm_head.weight"] };
+            assert_eq!(covered, want, "tied {tied}");
+        }
+    }
+
+    #[test]
     fn every_tensor_starts_256_byte_aligned_in_bf16_even_when_n_embd_is_64_times_odd() {
         // n_embd = 192: biases of 192 and 576 elements are 64 × odd, the sizes
         // that left the next tensor 128 bytes off a 256-byte boundary.
         for c in [192, 320, 768] {
             let cfg = GptConfig::gpt2(2, c / 64, c, 1000, 64);
             let ps = params(&cfg);
-            let (tensors, total) = tensor_layout(&ps, padded_vocab(cfg.vocab_size), c);
+            let (tensors, total) = tensor_layout(&cfg, &ps, padded_vocab(cfg.vocab_size));
             let mut end = 0;
             for t in &tensors {
                 assert_eq!(t.offset * 2 % 256, 0, "{} at element {} (n_embd {c})", t.name, t.offset);

@@ -54,7 +54,7 @@ fn tp_run<X: Elem + NcclType>(
         part.zero_grads(&dev)?;
         let mut loss = 0.0;
         for mb in 0..STEP_MICROBATCHES {
-            step_batch(step, mb, &mut inputs, &mut targets);
+            step_batch(TP_CFG.vocab_size, step, mb, &mut inputs, &mut targets);
             let input = GpuInput::Tokens(&inputs);
             let out = part.forward(&dev, mb, input, Some(&targets), Mode::Train { dloss }, None, None)?;
             loss += out.loss_sum.unwrap_or(f64::NAN);

@@ -60,6 +60,13 @@ impl GpuTp {
 
     pub(super) fn check(&self, cfg: &GptConfig) -> Result<()> {
         let GpuTp { rank, size, slices } = *self;
+        ensure(cfg.family == crate::model::params::Family::Gpt2 || !self.is_split(), || {
+            format!(
+                "a Llama part on the GPU runs unsplit: rank {rank} of {size} over {slices} slices asks for \
+                 the GPU twin of llama.rs's tensor-parallel slices, which is not built (parallel.tp and \
+                 parallel.tp_slices must be 1 with backend.kind = \"cuda\")"
+            )
+        })?;
         ensure(
             size.is_power_of_two()
                 && slices.is_power_of_two()
@@ -201,7 +208,7 @@ impl<X: Elem> GpuPart<X> {
         let (n, base, size) = (self.n(), self.spec.block_base(&self.cfg, l), self.tp.size);
         let w = |i: usize| self.w(base + i);
         let x = &self.slots[k].stream[l];
-        let (a, _) = self.forward_acts(k, l, recomputing);
+        let a = self.forward_acts(k, l, recomputing).0.gpt2()?;
         layernorm::layernorm_forward(gpu, &a.ln1, &a.ln1_mean, &a.ln1_rstd, x, w(LN1W), w(LN1B), n, c)?;
         self.column_slices(gpu, &a.qkv, &a.ln1, (base + QKVW, base + QKVB), self.cut(3 * c, 3))?;
         attention::attention_forward(gpu, &a.atty, &a.lse, &a.qkv, self.b, t, c / size, nh / size)?;
@@ -212,7 +219,7 @@ impl<X: Elem> GpuPart<X> {
     fn tp_mlp(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
         let (n, c, base) = (self.n(), self.cfg.n_embd, self.spec.block_base(&self.cfg, l));
         let w = |i: usize| self.w(base + i);
-        let (a, _) = self.forward_acts(k, l, recomputing);
+        let a = self.forward_acts(k, l, recomputing).0.gpt2()?;
         self.join(gpu, &a.res2, Some(&self.slots[k].stream[l]))?;
         layernorm::layernorm_forward(gpu, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.res2, w(LN2W), w(LN2B), n, c)?;
         self.column_slices(gpu, &a.fch, &a.ln2, (base + FCW, base + FCB), self.cut(4 * c, 1))?;
@@ -223,6 +230,7 @@ impl<X: Elem> GpuPart<X> {
     /// Block l's output.
     fn tp_out(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
         let (a, out) = self.forward_acts(k, l, recomputing);
+        let a = a.gpt2()?;
         self.join(gpu, out, Some(&a.res2))
     }
 
@@ -317,7 +325,7 @@ impl<X: Elem> GpuPart<X> {
     /// of ∂L/∂ln2.
     fn tp_back_mlp(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
         let (n, c, base, s) = (self.n(), self.cfg.n_embd, self.spec.block_base(&self.cfg, l), &self.s);
-        let a = self.backward_acts(k, l);
+        let a = self.backward_acts(k, l).gpt2()?;
         self.row_weight_grads(gpu, &a.fch_gelu, (base + FCPW, base + FCPB), 4 * c)?;
         self.row_dx(gpu, &s.dfch, base + FCPW, 4 * c)?;
         gelu::gelu_backward(gpu, &s.dfch, &a.fch, &s.dfch, n * 4 * c / self.tp.size)?;
@@ -328,7 +336,7 @@ impl<X: Elem> GpuPart<X> {
     fn tp_back_attention(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (base, s, size) = (self.spec.block_base(&self.cfg, l), &self.s, self.tp.size);
-        let a = self.backward_acts(k, l);
+        let a = self.backward_acts(k, l).gpt2()?;
         self.join(gpu, &s.dln, None)?;
         self.column_weight_grads(gpu, &s.dfch, &a.ln2, (base + FCW, base + FCB), self.cut(4 * c, 1))?;
         self.layernorm_back(gpu, &a.res2, (base + LN2W, base + LN2B), &a.ln2_mean, &a.ln2_rstd)?;
@@ -353,7 +361,7 @@ impl<X: Elem> GpuPart<X> {
     /// From ∂L/∂ln1's sums to ∂L/∂(block input) in `dres`.
     fn tp_back_input(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
         let (c, base, s) = (self.cfg.n_embd, self.spec.block_base(&self.cfg, l), &self.s);
-        let a = self.backward_acts(k, l);
+        let a = self.backward_acts(k, l).gpt2()?;
         self.join(gpu, &s.dln, None)?;
         self.column_weight_grads(gpu, &s.dqkv, &a.ln1, (base + QKVW, base + QKVB), self.cut(3 * c, 3))?;
         let x = &self.slots[k].stream[l];
