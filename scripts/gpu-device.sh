@@ -6,10 +6,11 @@
 #           re-running what failed with CUDA_LAUNCH_BLOCKING=1 and cuBLASLt's
 #           log; then training through the actor runtime, pp = 1 against pp = 2
 #           (1F1B, GPipe; f32, bf16) on one GPU, and tp = 2 (both ranks taking
-#           turns on this GPU) against tp = 1 over the same 2 slices: the
-#           weights must match.
+#           turns on this GPU) against tp = 1 over the same 2 slices, and a
+#           Llama at pp = 2 against pp = 1: the weights must match.
 #   bench   gpu-bench (GPT-2 124M, bf16, T = 1024), then PyTorch on the same
-#           micro-batch, eager and torch.compile.
+#           micro-batch, eager and torch.compile; then gpu-bench of a Llama
+#           of the same width and depth.
 # Everything is written under /tmp/pw-gpu/PHASE; $OUT (or the 2nd argument)
 # receives three files: PHASE.tar.gz (all of it), PHASE-summary.json and
 # PHASE-summary.txt, the table that is also printed last. A failing step is
@@ -108,6 +109,15 @@ pipeline_runs() {
                 --set parallel.tp="$tp" --set parallel.tp_slices=2 --set "backend.devices=$devs" --out "$run" >/dev/null
             echo "$dtype tp$tp-s2 $(digest_of "$run")" >>"$WORK/pipeline.txt"
         done
+        # A Llama (grouped-query attention, SwiGLU, RoPE, untied head): pp 2 against pp 1.
+        for pp in 1 2; do
+            local run="$WORK/train-llama-$dtype-pp$pp" devs
+            devs="[$(printf "$GPU,%.0s" $(seq "$pp") | sed 's/,$//')]"
+            step "train-llama-$dtype-pp$pp" 120 "$BIN" train "${small[@]}" --set 'model.family="llama"' \
+                --set model.n_kv_head=1 --set model.intermediate_size=192 --set "backend.dtype=\"$dtype\"" \
+                --set "parallel.pp=$pp" --set "backend.devices=$devs" --out "$run" >/dev/null
+            echo "$dtype llama-pp$pp $(digest_of "$run")" >>"$WORK/pipeline.txt"
+        done
     done
     cat "$WORK/pipeline.txt"
 }
@@ -127,6 +137,10 @@ phase_bench() {
         --steps "$STEPS" --no-compile --json
     CUDA_VISIBLE_DEVICES="$GPU" step torch-compile 220 python3 "$ROOT/scripts/torch_gpu_bench.py" "${mbarg[@]}" \
         --steps "$STEPS" --json
+    # A Llama of GPT-2 124M's width and depth (12 query heads over 4 key/value heads, SwiGLU of 2048,
+    # Llama 2's 32000-token vocabulary, untied): what the family seam costs on tensor cores.
+    step gpu-bench-llama 60 "$BIN" gpu-bench --device "$GPU" --steps 10 --warmup 2 --json --family llama \
+        --layers 12 --embd 768 --heads 12 --kv-heads 4 --ffn 2048 --vocab 32000 --seq 1024
 }
 
 case "$PHASE" in

@@ -53,6 +53,8 @@ def check_summary(work):
             bits[f"{dtype} {layout} = pp1"] = ok
         one, two = digests.get((dtype, "tp1-s2")), digests.get((dtype, "tp2-s2"))
         bits[f"{dtype} tp2 = tp1 (2 slices)"] = one is not None and one != "FAILED" and one == two
+        one, two = digests.get((dtype, "llama-pp1")), digests.get((dtype, "llama-pp2"))
+        bits[f"{dtype} llama pp2 = pp1"] = one is not None and one != "FAILED" and one == two
     summary = {
         "gpu_check_passed": rc(work, "gpu-check") == 0,
         "gpu_checks_ok": passed,
@@ -74,6 +76,7 @@ def bench_summary(work):
     pw = last_json(work, "gpu-bench")
     eager = last_json(work, "torch-eager")
     comp = last_json(work, "torch-compile")
+    llama = last_json(work, "gpu-bench-llama")
     get = lambda d, k: None if d is None else d.get(k)
     ratio = lambda a, b: None if a is None or b is None else a["tokens_per_s"] / b["tokens_per_s"]
     summary = {
@@ -92,8 +95,12 @@ def bench_summary(work):
         "pytorch_ms_per_step": get(comp, "ms_per_step"),
         "ratio_tokens_per_s": ratio(pw, comp),
         "ratio_tokens_per_s_eager": ratio(pw, eager),
-        "steps_rc": {n: rc(work, n) for n in ("gpu-bench", "torch-eager", "torch-compile")},
+        "llama_tokens_per_s": get(llama, "tokens_per_s"),
+        "llama_mfu": get(llama, "mfu"),
+        "llama_vs_gpt2_tokens_per_s": ratio(llama, pw),
+        "steps_rc": {n: rc(work, n) for n in ("gpu-bench", "torch-eager", "torch-compile", "gpu-bench-llama")},
         "pipewright_report": pw,
+        "llama_report": llama,
     }
     f = lambda x, fmt, scale=1: "n/a" if x is None else format(x * scale, fmt)
     rows = [
@@ -106,6 +113,8 @@ def bench_summary(work):
         ("PyTorch compile MFU %", f(summary["pytorch_mfu"], ".1f", 100)),
         ("pipewright / compile", f(summary["ratio_tokens_per_s"], ".3f")),
         ("cuBLASLt bf16 TFLOP/s", f(summary["matmul_tflops"], ".1f")),
+        ("Llama (same L, C) tokens/s", f(summary["llama_tokens_per_s"], ".0f")),
+        ("Llama MFU (989 TF) %", f(summary["llama_mfu"], ".1f", 100)),
     ]
     return summary, rows, all(v == 0 for v in summary["steps_rc"].values())
 

@@ -480,13 +480,49 @@ fn gpu_check(_device: usize, _only: Option<String>) -> anyhow::Result<()> {
 fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
     use pipewright::kernels::cuda::Gpu;
     use pipewright::model::gpu::bench;
+    use pipewright::model::params::Family;
     use pipewright::model::GptConfig;
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     anyhow::ensure!(args.micro_batch != Some(0), "--micro-batch must be at least 1");
     anyhow::ensure!(args.matmul_size > 0, "--matmul-size must be at least 1");
+    let cfg = match args.family {
+        Family::Gpt2 => {
+            anyhow::ensure!(
+                args.kv_heads.is_none() && args.ffn.is_none() && !args.tied,
+                "--kv-heads, --ffn and --tied are Llama's (--family llama); GPT-2 has one key/value head per \
+                 query head, an MLP of 4·embd and a tied head"
+            );
+            GptConfig::gpt2(args.layers, args.heads, args.embd, args.vocab, args.seq)
+        }
+        Family::Llama => {
+            let ffn =
+                args.ffn.ok_or_else(|| anyhow::anyhow!("--family llama needs --ffn (intermediate_size)"))?;
+            let kv = args.kv_heads.unwrap_or(args.heads);
+            anyhow::ensure!(
+                kv > 0 && args.heads.is_multiple_of(kv),
+                "--kv-heads {kv} must divide --heads {}",
+                args.heads
+            );
+            anyhow::ensure!(
+                args.rope_theta.is_finite() && args.rope_theta > 0.0,
+                "--rope-theta must be a positive number"
+            );
+            let llama = GptConfig::llama(
+                args.layers,
+                args.heads,
+                kv,
+                args.embd,
+                ffn,
+                args.vocab,
+                args.seq,
+                args.rope_theta as f32,
+            );
+            GptConfig { tie_word_embeddings: args.tied, ..llama }
+        }
+    };
+    // The flags are checked before the GPU opens, so a mistake is named on any machine.
     let gpu = Gpu::new(args.device)?;
     eprintln!("pipewright gpu-bench: GPU {}, {} (sm_{})", args.device, gpu.name, gpu.arch);
-    let cfg = GptConfig::gpt2(args.layers, args.heads, args.embd, args.vocab, args.seq);
     let bargs = bench::BenchArgs {
         cfg,
         micro_batch: args.micro_batch,
@@ -511,6 +547,21 @@ fn gpu_bench(_args: GpuBenchArgs) -> anyhow::Result<()> {
 #[derive(clap::Args)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct GpuBenchArgs {
+    /// The architecture: "gpt2" or "llama" (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+    #[arg(long, default_value = "gpt2", value_parser = parse_family)]
+    family: pipewright::model::params::Family,
+    /// Llama: key/value heads, dividing --heads [default: --heads].
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Llama: the SwiGLU MLP's width (intermediate_size).
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// Llama: the rotary embedding's base.
+    #[arg(long, default_value_t = 10_000.0)]
+    rope_theta: f64,
+    /// Llama: the head reads the token embedding (tie_word_embeddings).
+    #[arg(long)]
+    tied: bool,
     /// Transformer blocks (n_layer).
     #[arg(long, default_value_t = 12)]
     layers: usize,
@@ -544,6 +595,15 @@ struct GpuBenchArgs {
     /// End with one JSON line holding the figures.
     #[arg(long)]
     json: bool,
+}
+
+fn parse_family(s: &str) -> Result<pipewright::model::params::Family, String> {
+    use pipewright::model::params::Family;
+    match s {
+        "gpt2" => Ok(Family::Gpt2),
+        "llama" => Ok(Family::Llama),
+        _ => Err(format!("\"{s}\": expected \"gpt2\" or \"llama\"")),
+    }
 }
 
 fn default_run_dir() -> PathBuf {

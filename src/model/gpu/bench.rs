@@ -35,9 +35,15 @@ pub struct BenchArgs {
 pub struct BenchReport {
     pub device: String,
     pub arch: u32,
+    /// "gpt2" or "llama".
+    pub family: String,
     pub n_layer: usize,
     pub n_embd: usize,
     pub n_head: usize,
+    pub n_kv_head: usize,
+    /// The MLP's width.
+    pub ffn: usize,
+    pub tied: bool,
     pub vocab_size: usize,
     pub padded_vocab: usize,
     pub seq: usize,
@@ -187,9 +193,13 @@ pub fn run(gpu: &Gpu, args: &BenchArgs, mut log: impl FnMut(&str)) -> Result<Ben
     Ok(BenchReport {
         device: gpu.name.clone(),
         arch: gpu.arch,
+        family: cfg.family.name().to_string(),
         n_layer: cfg.n_layer,
         n_embd: cfg.n_embd,
         n_head: cfg.n_head,
+        n_kv_head: cfg.kv_heads(),
+        ffn: cfg.ffn(),
+        tied: cfg.tied(),
         vocab_size: cfg.vocab_size,
         padded_vocab: super::model::padded_vocab(model.cfg.vocab_size),
         seq: cfg.block_size,
@@ -212,15 +222,19 @@ pub fn run(gpu: &Gpu, args: &BenchArgs, mut log: impl FnMut(&str)) -> Result<Ben
 /// The report as lines for a terminal.
 pub fn table(r: &BenchReport) -> String {
     format!(
-        "GPT-2 L={} C={} NH={} V={} (padded {}) T={}: {:.1} M parameters, micro-batch {}, {} steps\n\
+        "{} L={} C={} NH={} NKV={} F={} V={} (padded {}{}) T={}: {:.1} M parameters, micro-batch {}, {} steps\n\
          {:.1} ms/step   {:.0} tokens/s\n\
          MFU {:.1}% of 989 TFLOP/s bf16 (H100 SXM)   {:.1}% of the measured cuBLASLt {:.1} TFLOP/s\n\
          loss {:.4} → {:.4}\n",
+        if r.family == "llama" { "Llama" } else { "GPT-2" },
         r.n_layer,
         r.n_embd,
         r.n_head,
+        r.n_kv_head,
+        r.ffn,
         r.vocab_size,
         r.padded_vocab,
+        if r.tied { ", tied head" } else { ", untied head" },
         r.seq,
         r.params as f64 / 1e6,
         r.micro_batch,
