@@ -12,7 +12,8 @@
 #      a checkpoint and a resume end on the uninterrupted run's weights;
 #      greedy generate on the GPU writes the CPU's text;
 #   3. the same for a Llama (grouped-query attention, SwiGLU, RoPE, untied
-#      head): f32 and bf16 losses against the CPU's, pp 2 = pp 1, generate.
+#      head): f32 and bf16 losses against the CPU's, pp 2 = recompute = dp 2
+#      = pp 1, tp 2 on two GPUs = tp 1, greedy generate = the CPU's text.
 # Prints a table last; exits non-zero if any row failed.
 # usage: scripts/emulated-gpu.sh --gpus 4 scripts/emulated-gpu-check.sh [--no-gpu-check]
 set -uo pipefail
@@ -158,6 +159,15 @@ run llama-gpu-dp2 "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="
     --set parallel.microbatches=1 --set 'backend.devices=[0,1]' --steps 4 --out "$work/llama-gpu-dp2"
 b=$(digest "$work/llama-gpu-dp2")
 row "cuda llama dp 2 (2 GPUs) = dp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+# tp 2 over two emulated GPUs (NCCL) against tp 1, both over 2 slices: a
+# rank needs whole key/value groups, so here each query head has its own.
+for tp in 1 2; do
+    devs="[0]"; [ $tp = 2 ] && devs="[0,1]"
+    run "llama-gpu-tp$tp" "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set model.n_kv_head=2 \
+        --set parallel.tp=$tp --set parallel.tp_slices=2 --set "backend.devices=$devs" --steps 3 --out "$work/llama-gpu-tp$tp"
+done
+a=$(digest "$work/llama-gpu-tp1"); b=$(digest "$work/llama-gpu-tp2")
+row "cuda llama tp 2 (2 GPUs) = tp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
 gen=(generate "${llama_model[@]}" --weights "$work/llama-gpu-f32" --prompt "ab" --max-new-tokens 24 --temperature 0)
 run llama-gen-cpu "$bin" "${gen[@]}"
 run llama-gen-gpu "$bin" "${gen[@]}" "${cuda[@]}" --set 'backend.dtype="f32"'

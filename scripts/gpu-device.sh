@@ -7,7 +7,7 @@
 #           log; then training through the actor runtime, pp = 1 against pp = 2
 #           (1F1B, GPipe; f32, bf16) on one GPU, and tp = 2 (both ranks taking
 #           turns on this GPU) against tp = 1 over the same 2 slices, and a
-#           Llama at pp = 2 against pp = 1: the weights must match.
+#           Llama at pp = 2 and tp = 2 likewise: the weights must match.
 #   bench   gpu-bench (GPT-2 124M, bf16, T = 1024), then PyTorch on the same
 #           micro-batch, eager and torch.compile; then gpu-bench of a Llama
 #           of the same width and depth.
@@ -117,6 +117,15 @@ pipeline_runs() {
                 --set model.n_kv_head=1 --set model.intermediate_size=192 --set "backend.dtype=\"$dtype\"" \
                 --set "parallel.pp=$pp" --set "backend.devices=$devs" --out "$run" >/dev/null
             echo "$dtype llama-pp$pp $(digest_of "$run")" >>"$WORK/pipeline.txt"
+        done
+        # And split: tp 2 (both ranks taking turns on this GPU) against tp 1 over the same 2 slices.
+        for tp in 1 2; do
+            local run="$WORK/train-llama-$dtype-tp$tp" devs
+            devs="[$(printf "$GPU,%.0s" $(seq "$tp") | sed 's/,$//')]"
+            step "train-llama-$dtype-tp$tp" 120 "$BIN" train "${small[@]}" --set 'model.family="llama"' \
+                --set model.n_kv_head=2 --set model.intermediate_size=192 --set "backend.dtype=\"$dtype\"" \
+                --set parallel.tp="$tp" --set parallel.tp_slices=2 --set "backend.devices=$devs" --out "$run" >/dev/null
+            echo "$dtype llama-tp$tp-s2 $(digest_of "$run")" >>"$WORK/pipeline.txt"
         done
     done
     cat "$WORK/pipeline.txt"

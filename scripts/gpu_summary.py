@@ -55,6 +55,8 @@ def check_summary(work):
         bits[f"{dtype} tp2 = tp1 (2 slices)"] = one is not None and one != "FAILED" and one == two
         one, two = digests.get((dtype, "llama-pp1")), digests.get((dtype, "llama-pp2"))
         bits[f"{dtype} llama pp2 = pp1"] = one is not None and one != "FAILED" and one == two
+        one, two = digests.get((dtype, "llama-tp1-s2")), digests.get((dtype, "llama-tp2-s2"))
+        bits[f"{dtype} llama tp2 = tp1 (2 slices)"] = one is not None and one != "FAILED" and one == two
     summary = {
         "gpu_check_passed": rc(work, "gpu-check") == 0,
         "gpu_checks_ok": passed,

@@ -773,14 +773,6 @@ impl Config {
                 mixed.unwrap_or_default()
             ),
         );
-        let llama = self.model.family == Family::Llama;
-        v.check(
-            !llama || self.backend.kind != BackendKind::Cuda || (p.tp == 1 && p.tp_slices == 1),
-            "parallel.tp",
-            format!("{} (tp_slices {})", p.tp, p.tp_slices),
-            "must be 1, with parallel.tp_slices 1, for model.family = \"llama\" on backend.kind = \"cuda\": \
-             the GPU Llama block runs unsplit (tensor parallelism for Llama is built for the CPU backend)",
-        );
         v.check(
             self.backend.kind != BackendKind::Cuda || !p.schedule.splits_backward(),
             "parallel.schedule",
@@ -1894,15 +1886,15 @@ mod tests {
         (bad.model.n_head, bad.model.n_embd) = (4, 12);
         let err = refused(&bad, "model.n_embd");
         assert!(err.contains("even head width"), "{err}");
-        // On the GPU a Llama runs unsplit: tensor parallelism is refused by name.
+        // A Llama runs on the GPU, split over tensor-parallel ranks too.
         let mut gpu = c.clone();
         gpu.backend.kind = BackendKind::Cuda;
         gpu.backend.devices = vec![0; gpu.parallel.pp];
         gpu.validate().unwrap();
-        let mut bad = gpu.clone();
-        bad.parallel.tp_slices = 2;
-        let err = refused(&bad, "parallel.tp");
-        assert!(err.contains("model.family = \"llama\" on backend.kind = \"cuda\""), "{err}");
+        gpu.parallel.tp = 2;
+        gpu.parallel.tp_slices = 2;
+        gpu.backend.devices = vec![0; gpu.parallel.pp * 2];
+        gpu.validate().unwrap();
         // GPT-2 takes no grouped-query attention and no other MLP width.
         let mut gpt2 = valid();
         gpt2.model.n_kv_head = 2;

@@ -187,7 +187,7 @@ impl<X: Elem> Acts<X> {
         }
     }
 
-    fn llama(&self) -> Result<&LlamaActs<X>> {
+    pub(super) fn llama(&self) -> Result<&LlamaActs<X>> {
         match self {
             Acts::Llama(a) => Ok(a),
             Acts::Gpt2(_) => Err(CudaError::Shape("a Llama block given GPT-2's block buffers".into())),

@@ -16,6 +16,10 @@ use crate::optim::{self, AdamState};
 /// Four heads of 64, so 1, 2 and 4 ranks each take whole slices of 4.
 const TP_CFG: GptConfig = GptConfig::gpt2(2, 4, 256, 1000, 64);
 const SLICES: usize = 4;
+/// A Llama of four query heads of 64 over two key/value heads, split into
+/// two slices (a slice is whole groups): 1 and 2 ranks.
+const LLAMA_TP_CFG: GptConfig = GptConfig::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0);
+const LLAMA_SLICES: usize = 2;
 
 /// What two steps leave: each step's loss and gradient norm, then the master
 /// weights; and the first step's gradients.
@@ -33,8 +37,11 @@ enum Ranks {
 }
 
 /// Two training steps of the whole model over `size` ranks.
+#[allow(clippy::too_many_arguments)]
 fn tp_run<X: Elem + NcclType>(
     gpu: &Gpu,
+    cfg: GptConfig,
+    slices: usize,
     params: &[crate::model::Param],
     size: usize,
     recompute: bool,
@@ -44,9 +51,9 @@ fn tp_run<X: Elem + NcclType>(
         Ranks::OnOneGpu => TpDevices::one_device(Gpu::new(gpu.ordinal)?, size),
         Ranks::OneGpuEach => TpDevices::open(&(0..size).collect::<Vec<_>>())?,
     };
-    let spec = PartSpec::whole(&TP_CFG);
-    let mut part = TpPart::<X>::new(&dev, TP_CFG, spec, STEP_B, recompute, 1, params, SLICES)?;
-    let n = STEP_B * TP_CFG.block_size;
+    let spec = PartSpec::whole(&cfg);
+    let mut part = TpPart::<X>::new(&dev, cfg, spec, STEP_B, recompute, 1, params, slices)?;
+    let n = STEP_B * cfg.block_size;
     let dloss = 1.0 / (STEP_MICROBATCHES * n) as f32;
     let (mut inputs, mut targets) = (vec![0u32; n], vec![0u32; n]);
     let mut run = Run { figures: vec![], first_grads: vec![] };
@@ -54,7 +61,7 @@ fn tp_run<X: Elem + NcclType>(
         part.zero_grads(&dev)?;
         let mut loss = 0.0;
         for mb in 0..STEP_MICROBATCHES {
-            step_batch(TP_CFG.vocab_size, step, mb, &mut inputs, &mut targets);
+            step_batch(cfg.vocab_size, step, mb, &mut inputs, &mut targets);
             let input = GpuInput::Tokens(&inputs);
             let out = part.forward(&dev, mb, input, Some(&targets), Mode::Train { dloss }, None, None)?;
             loss += out.loss_sum.unwrap_or(f64::NAN);
@@ -73,16 +80,23 @@ fn tp_run<X: Elem + NcclType>(
     Ok(run)
 }
 
-/// 1, 2 and 4 ranks (and 2 with recompute) give one rank's bits; in f32 the
-/// sliced step's gradients match the CPU model's.
-fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, gpus: usize, tag: &str, out: &mut Vec<Check>) -> Result<()> {
-    let mut cpu = ModelPart::new(TP_CFG, PartSpec::whole(&TP_CFG), STEP_B, STEP_SEED, false);
-    let one = tp_run::<X>(gpu, &cpu.params, 1, false, Ranks::OnOneGpu)?;
-    for (size, recompute) in [(2, false), (4, false), (2, true)] {
-        let run = tp_run::<X>(gpu, &cpu.params, size, recompute, Ranks::OnOneGpu)?;
+/// Every rank count dividing `slices` (and 2 with recompute) gives one
+/// rank's bits; in f32 the sliced step's gradients match the CPU model's.
+fn tp_checks_in<X: Elem + NcclType>(
+    gpu: &Gpu,
+    (cfg, slices): (GptConfig, usize),
+    gpus: usize,
+    tag: &str,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let mut cpu = ModelPart::new(cfg, PartSpec::whole(&cfg), STEP_B, STEP_SEED, false);
+    let one = tp_run::<X>(gpu, cfg, slices, &cpu.params, 1, false, Ranks::OnOneGpu)?;
+    let sizes = [(2, false), (4, false), (2, true)].into_iter().filter(|&(size, _)| size <= slices);
+    for (size, recompute) in sizes {
+        let run = tp_run::<X>(gpu, cfg, slices, &cpu.params, size, recompute, Ranks::OnOneGpu)?;
         out.push(Check {
             name: format!(
-                "tp {size}{} = tp 1 over {SLICES} slices, 2 steps bit for bit ({tag})",
+                "tp {size}{} = tp 1 over {slices} slices, 2 steps bit for bit ({tag})",
                 if recompute { " recompute" } else { "" }
             ),
             rel_err: bits_differ(&run.figures, &one.figures),
@@ -91,10 +105,10 @@ fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, gpus: usize, tag: &str, out: &mut
     }
     // With GPUs enough, the same ranks one per GPU: NCCL moves the bytes
     // the device copies moved above, and the bits must not change.
-    for size in [2, 4].into_iter().filter(|&s| s <= gpus) {
-        let run = tp_run::<X>(gpu, &cpu.params, size, false, Ranks::OneGpuEach)?;
+    for size in [2, 4].into_iter().filter(|&s| s <= gpus && s <= slices) {
+        let run = tp_run::<X>(gpu, cfg, slices, &cpu.params, size, false, Ranks::OneGpuEach)?;
         out.push(Check {
-            name: format!("tp {size} on {size} GPUs (NCCL) = tp 1 over {SLICES} slices, bit for bit ({tag})"),
+            name: format!("tp {size} on {size} GPUs (NCCL) = tp 1 over {slices} slices, bit for bit ({tag})"),
             rel_err: bits_differ(&run.figures, &one.figures),
             tol: 0.5,
         });
@@ -105,7 +119,7 @@ fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, gpus: usize, tag: &str, out: &mut
         let worst =
             cpu.params.iter().zip(&one.first_grads).map(|(p, g)| rel_err(g, &p.grad)).fold(0.0, f64::max);
         out.push(Check {
-            name: format!("tp over {SLICES} slices, step 1 gradients vs cpu ({tag})"),
+            name: format!("tp over {slices} slices, step 1 gradients vs cpu ({tag})"),
             rel_err: worst,
             tol: 1e-3,
         });
@@ -116,6 +130,8 @@ fn tp_checks_in<X: Elem + NcclType>(gpu: &Gpu, gpus: usize, tag: &str, out: &mut
 /// The split's checks in f32 and bf16.
 pub(super) fn tp_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     let gpus = cudarc::driver::result::device::get_count()? as usize;
-    tp_checks_in::<f32>(gpu, gpus, "f32", out)?;
-    tp_checks_in::<Bf16>(gpu, gpus, "bf16", out)
+    tp_checks_in::<f32>(gpu, (TP_CFG, SLICES), gpus, "f32", out)?;
+    tp_checks_in::<Bf16>(gpu, (TP_CFG, SLICES), gpus, "bf16", out)?;
+    tp_checks_in::<f32>(gpu, (LLAMA_TP_CFG, LLAMA_SLICES), gpus, "llama f32", out)?;
+    tp_checks_in::<Bf16>(gpu, (LLAMA_TP_CFG, LLAMA_SLICES), gpus, "llama bf16", out)
 }

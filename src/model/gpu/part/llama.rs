@@ -8,8 +8,8 @@
 //! q, k and v are written into one (N, (NH + 2·NKV)·HS) buffer through
 //! strided views, the layout the attention kernels read.
 //!
-//! One rank only: a split Llama part is refused (`GpuTp::check`); the
-//! tensor-parallel twin of llama.rs's slices is not built on the GPU.
+//! This is the plain block (one rank, one slice); tp/llama.rs runs it split
+//! over tensor-parallel ranks.
 
 use super::{GpuPart, Result};
 use crate::kernels::cuda::matmul::{self, Out, View};
@@ -20,19 +20,19 @@ use crate::model::llama::{LlamaBlockShape, DOWN, GATE, IN_NORM, K, O, POST_NORM,
 
 /// One Llama block's intermediates for one microbatch, kept from forward for backward.
 pub(in crate::model::gpu) struct LlamaActs<X: Elem> {
-    n1: DeviceBuffer<X>,
-    rstd1: DeviceBuffer<f32>,
+    pub(in crate::model::gpu::part) n1: DeviceBuffer<X>,
+    pub(in crate::model::gpu::part) rstd1: DeviceBuffer<f32>,
     /// (N, W): q and k after RoPE, then v.
-    qkv: DeviceBuffer<X>,
-    atty: DeviceBuffer<X>,
-    lse: DeviceBuffer<f32>,
+    pub(in crate::model::gpu::part) qkv: DeviceBuffer<X>,
+    pub(in crate::model::gpu::part) atty: DeviceBuffer<X>,
+    pub(in crate::model::gpu::part) lse: DeviceBuffer<f32>,
     /// The residual stream after attention.
-    h: DeviceBuffer<X>,
-    n2: DeviceBuffer<X>,
-    rstd2: DeviceBuffer<f32>,
+    pub(in crate::model::gpu::part) h: DeviceBuffer<X>,
+    pub(in crate::model::gpu::part) n2: DeviceBuffer<X>,
+    pub(in crate::model::gpu::part) rstd2: DeviceBuffer<f32>,
     /// (N, 2F): gate's outputs, then up's.
-    gate_up: DeviceBuffer<X>,
-    act: DeviceBuffer<X>,
+    pub(in crate::model::gpu::part) gate_up: DeviceBuffer<X>,
+    pub(in crate::model::gpu::part) act: DeviceBuffer<X>,
 }
 
 impl<X: Elem> LlamaActs<X> {
@@ -84,7 +84,7 @@ fn linear_dw<X: Elem>(gpu: &Gpu, dw: u64, dy: View, x: View, (n, i, o): (usize, 
 }
 
 impl<X: Elem> GpuPart<X> {
-    fn rope_table(&self) -> Result<&DeviceRope> {
+    pub(super) fn rope_table(&self) -> Result<&DeviceRope> {
         self.s.rope.as_ref().ok_or_else(|| CudaError::Shape("a Llama part without its rotary table".into()))
     }
 

@@ -25,6 +25,8 @@
 //! activations the followers hold: the split saves compute and activations,
 //! not optimizer state.
 
+mod llama;
+
 use super::{Blocks, DeviceBuffer, GpuForward, GpuGrad, GpuInput, GpuPart, Sink};
 use crate::kernels::cuda::matmul::{self, Out, View};
 use crate::kernels::cuda::nccl::{self, Comm, NcclType};
@@ -32,6 +34,7 @@ use crate::kernels::cuda::tree::{self, MAX_NODES};
 use crate::kernels::cuda::{adamw, attention, gelu, layernorm};
 use crate::kernels::cuda::{ensure, CudaError, Elem, Gpu, Result};
 use crate::model::params::block::*;
+use crate::model::params::Family;
 use crate::model::part::{Mode, PartSpec};
 use crate::model::{GptConfig, Param};
 use std::cell::Cell;
@@ -60,13 +63,19 @@ impl GpuTp {
 
     pub(super) fn check(&self, cfg: &GptConfig) -> Result<()> {
         let GpuTp { rank, size, slices } = *self;
-        ensure(cfg.family == crate::model::params::Family::Gpt2 || !self.is_split(), || {
-            format!(
-                "a Llama part on the GPU runs unsplit: rank {rank} of {size} over {slices} slices asks for \
-                 the GPU twin of llama.rs's tensor-parallel slices, which is not built (parallel.tp and \
-                 parallel.tp_slices must be 1 with backend.kind = \"cuda\")"
-            )
-        })?;
+        // A Llama slice is whole key/value groups and a block of MLP rows (as llama.rs cuts it).
+        ensure(
+            cfg.family == Family::Gpt2
+                || (cfg.kv_heads().is_multiple_of(slices) && cfg.ffn().is_multiple_of(slices)),
+            || {
+                format!(
+                    "a Llama over {slices} tensor-parallel slices: they must divide the key/value heads \
+                     ({}) and the MLP width ({})",
+                    cfg.kv_heads(),
+                    cfg.ffn()
+                )
+            },
+        )?;
         ensure(
             size.is_power_of_two()
                 && slices.is_power_of_two()
@@ -204,6 +213,9 @@ impl<X: Elem> GpuPart<X> {
 
     /// Block l, up to the attention projection's subtree sum.
     fn tp_attention(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
+        if self.cfg.family == Family::Llama {
+            return self.llama_tp_attention(gpu, k, l, recomputing);
+        }
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (n, base, size) = (self.n(), self.spec.block_base(&self.cfg, l), self.tp.size);
         let w = |i: usize| self.w(base + i);
@@ -217,6 +229,9 @@ impl<X: Elem> GpuPart<X> {
 
     /// Block l from res2 up to the MLP projection's subtree sum.
     fn tp_mlp(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
+        if self.cfg.family == Family::Llama {
+            return self.llama_tp_mlp(gpu, k, l, recomputing);
+        }
         let (n, c, base) = (self.n(), self.cfg.n_embd, self.spec.block_base(&self.cfg, l));
         let w = |i: usize| self.w(base + i);
         let a = self.forward_acts(k, l, recomputing).0.gpt2()?;
@@ -229,6 +244,9 @@ impl<X: Elem> GpuPart<X> {
 
     /// Block l's output.
     fn tp_out(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
+        if self.cfg.family == Family::Llama {
+            return self.llama_tp_out(gpu, k, l, recomputing);
+        }
         let (a, out) = self.forward_acts(k, l, recomputing);
         let a = a.gpt2()?;
         self.join(gpu, out, Some(&a.res2))
@@ -324,6 +342,9 @@ impl<X: Elem> GpuPart<X> {
     /// Backward of block l's MLP projection and GELU, up to the subtree sum
     /// of ∂L/∂ln2.
     fn tp_back_mlp(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
+        if self.cfg.family == Family::Llama {
+            return self.llama_tp_back_mlp(gpu, k, l);
+        }
         let (n, c, base, s) = (self.n(), self.cfg.n_embd, self.spec.block_base(&self.cfg, l), &self.s);
         let a = self.backward_acts(k, l).gpt2()?;
         self.row_weight_grads(gpu, &a.fch_gelu, (base + FCPW, base + FCPB), 4 * c)?;
@@ -334,6 +355,9 @@ impl<X: Elem> GpuPart<X> {
 
     /// From ∂L/∂ln2's sums through attention, up to the subtree sum of ∂L/∂ln1.
     fn tp_back_attention(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
+        if self.cfg.family == Family::Llama {
+            return self.llama_tp_back_attention(gpu, k, l);
+        }
         let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (base, s, size) = (self.spec.block_base(&self.cfg, l), &self.s, self.tp.size);
         let a = self.backward_acts(k, l).gpt2()?;
@@ -360,6 +384,9 @@ impl<X: Elem> GpuPart<X> {
 
     /// From ∂L/∂ln1's sums to ∂L/∂(block input) in `dres`.
     fn tp_back_input(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
+        if self.cfg.family == Family::Llama {
+            return self.llama_tp_back_input(gpu, k, l);
+        }
         let (c, base, s) = (self.cfg.n_embd, self.spec.block_base(&self.cfg, l), &self.s);
         let a = self.backward_acts(k, l).gpt2()?;
         self.join(gpu, &s.dln, None)?;
