@@ -62,6 +62,43 @@ sys.exit(0 if worst <= tol else 1)
 PY
 }
 
+# vs_cpu NAME LABEL REF DTYPE SETS...: 4 steps on the GPU into $work/NAME-DTYPE, its
+# losses against the CPU run REF's (f32 to 1e-5 relative, bf16 within its rounding, 2e-2).
+vs_cpu() {
+    local name="$1-$4" label="$2" ref="$3" dtype="$4" tol=1e-5 detail ok
+    shift 4
+    [ "$dtype" = bf16 ] && tol=2e-2
+    run "$name" "$bin" train "$@" "${cuda[@]}" --set "backend.dtype=\"$dtype\"" --steps 4 --out "$work/$name"
+    if [ $rc = 0 ]; then
+        detail=$(losses "$work/$name" "$ref" "$tol"); ok=$?
+        row "train $label $dtype vs cpu losses" "$([ $ok = 0 ] && echo ok || echo FAIL)" "$detail" "$secs"
+    else
+        row "train $label $dtype vs cpu losses" FAIL "exit $rc" "$secs"
+    fi
+}
+
+# same_weights LABEL REF_RUN RUN: a row, ok when both runs end on one weights digest.
+same_weights() {
+    local a b
+    a=$(digest "$2"); b=$(digest "$3")
+    row "$1" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+}
+
+# same_text LABEL NAME RUN MODEL_SETS...: greedy generation from RUN's weights on
+# the CPU and on the GPU (f32); ok when the two texts are the same bytes.
+same_text() {
+    local label="$1" name="$2" weights="$3"
+    shift 3
+    local gen=(generate "$@" --weights "$weights" --prompt "ab" --max-new-tokens 24 --temperature 0)
+    run "$name-cpu" "$bin" "${gen[@]}"
+    run "$name-gpu" "$bin" "${gen[@]}" "${cuda[@]}" --set 'backend.dtype="f32"'
+    if [ $rc = 0 ] && cmp -s "$work/$name-cpu.log" "$work/$name-gpu.log"; then
+        row "$label" ok "$(wc -c <"$work/$name-gpu.log") bytes" "$secs"
+    else
+        row "$label" FAIL "$(diff "$work/$name-cpu.log" "$work/$name-gpu.log" | head -n 4 | tr '\n' ' ')" "$secs"
+    fi
+}
+
 # The model (what generate needs too), then the run.
 model=(--set model.n_layer=2 --set model.n_embd=128 --set model.n_head=2 --set model.vocab_size=256
        --set model.block_size=64)
@@ -79,21 +116,13 @@ fi
 run cpu "$bin" train "${small[@]}" --steps 4 --out "$work/cpu"
 row "train cpu (reference)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "digest $(digest "$work/cpu" | cut -c1-12)" "$secs"
 for dtype in f32 bf16; do
-    run "gpu-$dtype" "$bin" train "${small[@]}" "${cuda[@]}" --set "backend.dtype=\"$dtype\"" --steps 4 --out "$work/gpu-$dtype"
-    tol=1e-5; [ "$dtype" = bf16 ] && tol=2e-2
-    if [ $rc = 0 ]; then
-        detail=$(losses "$work/gpu-$dtype" "$work/cpu" "$tol"); ok=$?
-        row "train cuda $dtype vs cpu losses" "$([ $ok = 0 ] && echo ok || echo FAIL)" "$detail" "$secs"
-    else
-        row "train cuda $dtype vs cpu losses" FAIL "exit $rc" "$secs"
-    fi
+    vs_cpu gpu cuda "$work/cpu" "$dtype" "${small[@]}"
 done
 
 # pp 2 on one GPU (both stages on GPU 0) against pp 1.
 run gpu-pp2 "$bin" train "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.pp=2 \
     --set 'backend.devices=[0,0]' --steps 4 --out "$work/gpu-pp2"
-a=$(digest "$work/gpu-f32"); b=$(digest "$work/gpu-pp2")
-row "cuda pp 2 = pp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+same_weights "cuda pp 2 = pp 1 weights" "$work/gpu-f32" "$work/gpu-pp2"
 
 # tp 2 over two emulated GPUs (NCCL between them) against tp 1, both over 2 slices.
 for tp in 1 2; do
@@ -101,8 +130,7 @@ for tp in 1 2; do
     run "gpu-tp$tp" "$bin" train "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.tp=$tp \
         --set parallel.tp_slices=2 --set "backend.devices=$devs" --steps 3 --out "$work/gpu-tp$tp"
 done
-a=$(digest "$work/gpu-tp1"); b=$(digest "$work/gpu-tp2")
-row "cuda tp 2 (2 GPUs) = tp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+same_weights "cuda tp 2 (2 GPUs) = tp 1 weights" "$work/gpu-tp1" "$work/gpu-tp2"
 
 # dp 2 across two processes: launch, NCCL between the processes (GPU 0 and GPU 1).
 run gpu-launch-dp2 "$bin" launch --nodes 2 "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.dp=2 \
@@ -114,18 +142,10 @@ row "cuda dp 2 over 2 processes (launch)" "$([ $rc = 0 ] && [ "$(digest "$work/g
 run gpu-ckpt "$bin" train "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set checkpoint.every=2 \
     --steps 2 --out "$work/gpu-ckpt"
 run gpu-resume "$bin" train --resume "$work/gpu-ckpt" --steps 4
-a=$(digest "$work/gpu-f32"); b=$(digest "$work/gpu-ckpt")
-row "cuda checkpoint + resume = whole run" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+same_weights "cuda checkpoint + resume = whole run" "$work/gpu-f32" "$work/gpu-ckpt"
 
 # Greedy generation on the GPU writes the CPU's text from the same weights.
-gen=(generate "${model[@]}" --weights "$work/gpu-f32" --prompt "ab" --max-new-tokens 24 --temperature 0)
-run gen-cpu "$bin" "${gen[@]}"
-run gen-gpu "$bin" "${gen[@]}" "${cuda[@]}" --set 'backend.dtype="f32"'
-if [ $rc = 0 ] && cmp -s "$work/gen-cpu.log" "$work/gen-gpu.log"; then
-    row "cuda greedy generate = cpu text" ok "$(wc -c <"$work/gen-gpu.log") bytes" "$secs"
-else
-    row "cuda greedy generate = cpu text" FAIL "$(diff "$work/gen-cpu.log" "$work/gen-gpu.log" | head -n 4 | tr '\n' ' ')" "$secs"
-fi
+same_text "cuda greedy generate = cpu text" gen "$work/gpu-f32" "${model[@]}"
 
 # 3. A Llama (RMSNorm, RoPE, SwiGLU, two query heads sharing one key/value
 # head of size 64, an untied head) on the GPU against the CPU and itself.
@@ -134,31 +154,20 @@ llama=("${small[@]}" --set 'model.family="llama"' --set model.n_kv_head=1 --set 
 run llama-cpu "$bin" train "${llama[@]}" --steps 4 --out "$work/llama-cpu"
 row "train llama cpu (reference)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "digest $(digest "$work/llama-cpu" | cut -c1-12)" "$secs"
 for dtype in f32 bf16; do
-    run "llama-gpu-$dtype" "$bin" train "${llama[@]}" "${cuda[@]}" --set "backend.dtype=\"$dtype\"" --steps 4 \
-        --out "$work/llama-gpu-$dtype"
-    tol=1e-5; [ "$dtype" = bf16 ] && tol=2e-2
-    if [ $rc = 0 ]; then
-        detail=$(losses "$work/llama-gpu-$dtype" "$work/llama-cpu" "$tol"); ok=$?
-        row "train llama cuda $dtype vs cpu losses" "$([ $ok = 0 ] && echo ok || echo FAIL)" "$detail" "$secs"
-    else
-        row "train llama cuda $dtype vs cpu losses" FAIL "exit $rc" "$secs"
-    fi
+    vs_cpu llama-gpu "llama cuda" "$work/llama-cpu" "$dtype" "${llama[@]}"
 done
 run llama-gpu-pp2 "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.pp=2 \
     --set 'backend.devices=[0,0]' --steps 4 --out "$work/llama-gpu-pp2"
-a=$(digest "$work/llama-gpu-f32"); b=$(digest "$work/llama-gpu-pp2")
-row "cuda llama pp 2 = pp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+same_weights "cuda llama pp 2 = pp 1 weights" "$work/llama-gpu-f32" "$work/llama-gpu-pp2"
 # Recompute in backward, and dp 2 (two GPUs, one microbatch each: the same
 # global batch; the microbatch tree's sums exchanged in the untied head's
 # part order): the same weights.
 run llama-gpu-recompute "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set train.recompute=true \
     --steps 4 --out "$work/llama-gpu-recompute"
-b=$(digest "$work/llama-gpu-recompute")
-row "cuda llama recompute = plain weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+same_weights "cuda llama recompute = plain weights" "$work/llama-gpu-f32" "$work/llama-gpu-recompute"
 run llama-gpu-dp2 "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.dp=2 \
     --set parallel.microbatches=1 --set 'backend.devices=[0,1]' --steps 4 --out "$work/llama-gpu-dp2"
-b=$(digest "$work/llama-gpu-dp2")
-row "cuda llama dp 2 (2 GPUs) = dp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+same_weights "cuda llama dp 2 (2 GPUs) = dp 1 weights" "$work/llama-gpu-f32" "$work/llama-gpu-dp2"
 # tp 2 over two emulated GPUs (NCCL) against tp 1, both over 2 slices: a
 # rank needs whole key/value groups, so here each query head has its own.
 for tp in 1 2; do
@@ -166,16 +175,8 @@ for tp in 1 2; do
     run "llama-gpu-tp$tp" "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set model.n_kv_head=2 \
         --set parallel.tp=$tp --set parallel.tp_slices=2 --set "backend.devices=$devs" --steps 3 --out "$work/llama-gpu-tp$tp"
 done
-a=$(digest "$work/llama-gpu-tp1"); b=$(digest "$work/llama-gpu-tp2")
-row "cuda llama tp 2 (2 GPUs) = tp 1 weights" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
-gen=(generate "${llama_model[@]}" --weights "$work/llama-gpu-f32" --prompt "ab" --max-new-tokens 24 --temperature 0)
-run llama-gen-cpu "$bin" "${gen[@]}"
-run llama-gen-gpu "$bin" "${gen[@]}" "${cuda[@]}" --set 'backend.dtype="f32"'
-if [ $rc = 0 ] && cmp -s "$work/llama-gen-cpu.log" "$work/llama-gen-gpu.log"; then
-    row "cuda llama greedy generate = cpu" ok "$(wc -c <"$work/llama-gen-gpu.log") bytes" "$secs"
-else
-    row "cuda llama greedy generate = cpu" FAIL "$(diff "$work/llama-gen-cpu.log" "$work/llama-gen-gpu.log" | head -n 4 | tr '\n' ' ')" "$secs"
-fi
+same_weights "cuda llama tp 2 (2 GPUs) = tp 1 weights" "$work/llama-gpu-tp1" "$work/llama-gpu-tp2"
+same_text "cuda llama greedy generate = cpu" llama-gen "$work/llama-gpu-f32" "${llama_model[@]}"
 
 echo
 echo "emulated GPU checks ($PW_EMU_GPUS emulated GPUs, $(( $(date +%s) - start_all )) s in all; logs in $work)"

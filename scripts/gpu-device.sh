@@ -87,45 +87,38 @@ phase_check() {
 }
 
 # pp = 1 against pp = 2 on one GPU: a small model with head size 64, random tokens.
+# pp = 1 unless a run says otherwise (the default config's is 2, which left the
+# tp runs' one-entry device lists refused until the emulated GPU ran this).
 pipeline_runs() {
     local small=(--set model.n_layer=4 --set model.n_embd=128 --set model.n_head=2 --set model.vocab_size=256
-        --set model.block_size=64 --set train.micro_batch_size=4 --set train.eval_every=0
+        --set model.block_size=64 --set train.micro_batch_size=4 --set train.eval_every=0 --set parallel.pp=1
         --set 'data.builtin="random"' --set parallel.microbatches=4 --set 'backend.kind="cuda"' --steps 10 --force)
     : >"$WORK/pipeline.txt"
+    # layout NAME KEY RANKS SETS...: one run on RANKS ranks of this GPU; "$dtype KEY digest" into pipeline.txt.
+    layout() {
+        local name="$1" key="$2" devs
+        devs="[$(printf "$GPU,%.0s" $(seq "$3") | sed 's/,$//')]"
+        shift 3
+        step "$name" 120 "$BIN" train "${small[@]}" --set "backend.dtype=\"$dtype\"" --set "backend.devices=$devs" \
+            "$@" --out "$WORK/$name" >/dev/null
+        echo "$dtype $key $(digest_of "$WORK/$name")" >>"$WORK/pipeline.txt"
+    }
+    local llama=(--set 'model.family="llama"' --set model.intermediate_size=192)
     for dtype in f32 bf16; do
-        for layout in "1 1f1b" "2 1f1b" "2 gpipe"; do
-            set -- $layout
-            local devs run="$WORK/train-$dtype-pp$1-$2"
-            devs="[$(printf "$GPU,%.0s" $(seq "$1") | sed 's/,$//')]"
-            step "train-$dtype-pp$1-$2" 120 "$BIN" train "${small[@]}" --set "backend.dtype=\"$dtype\"" \
-                --set "parallel.pp=$1" --set "parallel.schedule=\"$2\"" --set "backend.devices=$devs" --out "$run" >/dev/null
-            echo "$dtype pp$1-$2 $(digest_of "$run")" >>"$WORK/pipeline.txt"
+        for pp_schedule in "1 1f1b" "2 1f1b" "2 gpipe"; do
+            set -- $pp_schedule
+            layout "train-$dtype-pp$1-$2" "pp$1-$2" "$1" --set "parallel.pp=$1" --set "parallel.schedule=\"$2\""
         done
         # Tensor parallelism, both ranks taking turns on this GPU: tp 2 against tp 1 over the same 2 slices.
         for tp in 1 2; do
-            local run="$WORK/train-$dtype-tp$tp" devs
-            devs="[$(printf "$GPU,%.0s" $(seq "$tp") | sed 's/,$//')]"
-            step "train-$dtype-tp$tp" 120 "$BIN" train "${small[@]}" --set "backend.dtype=\"$dtype\"" \
-                --set parallel.tp="$tp" --set parallel.tp_slices=2 --set "backend.devices=$devs" --out "$run" >/dev/null
-            echo "$dtype tp$tp-s2 $(digest_of "$run")" >>"$WORK/pipeline.txt"
+            layout "train-$dtype-tp$tp" "tp$tp-s2" "$tp" --set parallel.tp="$tp" --set parallel.tp_slices=2
         done
-        # A Llama (grouped-query attention, SwiGLU, RoPE, untied head): pp 2 against pp 1.
-        for pp in 1 2; do
-            local run="$WORK/train-llama-$dtype-pp$pp" devs
-            devs="[$(printf "$GPU,%.0s" $(seq "$pp") | sed 's/,$//')]"
-            step "train-llama-$dtype-pp$pp" 120 "$BIN" train "${small[@]}" --set 'model.family="llama"' \
-                --set model.n_kv_head=1 --set model.intermediate_size=192 --set "backend.dtype=\"$dtype\"" \
-                --set "parallel.pp=$pp" --set "backend.devices=$devs" --out "$run" >/dev/null
-            echo "$dtype llama-pp$pp $(digest_of "$run")" >>"$WORK/pipeline.txt"
-        done
-        # And split: tp 2 (both ranks taking turns on this GPU) against tp 1 over the same 2 slices.
-        for tp in 1 2; do
-            local run="$WORK/train-llama-$dtype-tp$tp" devs
-            devs="[$(printf "$GPU,%.0s" $(seq "$tp") | sed 's/,$//')]"
-            step "train-llama-$dtype-tp$tp" 120 "$BIN" train "${small[@]}" --set 'model.family="llama"' \
-                --set model.n_kv_head=2 --set model.intermediate_size=192 --set "backend.dtype=\"$dtype\"" \
-                --set parallel.tp="$tp" --set parallel.tp_slices=2 --set "backend.devices=$devs" --out "$run" >/dev/null
-            echo "$dtype llama-tp$tp-s2 $(digest_of "$run")" >>"$WORK/pipeline.txt"
+        # A Llama (SwiGLU, RoPE, untied head): pp 2 with two query heads sharing one
+        # key/value head, and tp 2 (a rank holds whole groups: one each), against 1.
+        for n in 1 2; do
+            layout "train-llama-$dtype-pp$n" "llama-pp$n" "$n" "${llama[@]}" --set model.n_kv_head=1 --set "parallel.pp=$n"
+            layout "train-llama-$dtype-tp$n" "llama-tp$n-s2" "$n" "${llama[@]}" --set model.n_kv_head=2 \
+                --set parallel.tp="$n" --set parallel.tp_slices=2
         done
     done
     cat "$WORK/pipeline.txt"
