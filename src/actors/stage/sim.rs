@@ -76,19 +76,24 @@ impl SimCompute {
     }
 }
 
-/// Sleeps until `deadline`: the OS sleep for all but the last stretch, then
-/// yielding, so simulated actions end on time without hogging a core.
+/// Holds the thread until `deadline`, yielding its core to any thread that is
+/// ready; only an action longer than `YIELD_FOR` sleeps, for all but that
+/// last stretch. At the bench's costs (2 ms / 4 ms) a stage never sleeps.
 ///
-/// The stretch is long because on a shared 2-vCPU VM a woken thread can wait
-/// hundreds of µs for a core, and a stage that wakes late delays every stage
-/// after it. Alternating runs of `bench --sim --cells 8x32,32x256` (four
-/// rounds each) measured pp = 32, m = 256 at 4.6% overhead with 150 µs,
-/// 3.5% with a margin learnt from each thread's recent lateness, 2.75% with
-/// 600 µs; pp = 8 was the same with all three (about 2%). A yielding thread
-/// gives its core to any other that is ready, so the long stretch costs idle
-/// cycles, not other stages' time.
+/// The stretch was 150 µs, then 600 µs: on a shared 2-vCPU VM a woken thread
+/// can wait hundreds of µs for a core, and a stage that wakes late delays
+/// every stage after it. Issue 27 measured longer stretches against 600 µs
+/// (`bench --sim --cells 8x32,32x32,32x128`, alternating, four rounds each,
+/// medians, idle machine): 1200 µs 1.93% / 1.86% / 2.08%, 1800 µs
+/// 1.78% / 1.78% / 2.12%, 5 ms 1.57% / 1.50% / 2.06%, against
+/// 1.97% / 1.91% / 2.26%. Ending on an OS timer instead (1 ns timer slack,
+/// an absolute `clock_nanosleep`) overshot by a median 35 µs per action under
+/// load, and a busy spin for the last 100 or 200 µs, with or without
+/// idle-priority threads keeping the cores awake, measured 3.1–5.1% at
+/// pp = 8. Yielding spends a core's idle cycles, not other threads' time:
+/// `sched_yield` hands the core to whichever thread is ready.
 fn sleep_until(deadline: Instant) {
-    const YIELD_FOR: Duration = Duration::from_micros(600);
+    const YIELD_FOR: Duration = Duration::from_millis(5);
     let now = Instant::now();
     if deadline > now + YIELD_FOR {
         std::thread::sleep(deadline - now - YIELD_FOR);
