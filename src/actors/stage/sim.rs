@@ -80,17 +80,13 @@ impl SimCompute {
 /// ready; only an action longer than `YIELD_FOR` sleeps, for all but that
 /// last stretch. At the bench's costs (2 ms / 4 ms) a stage never sleeps.
 ///
-/// The stretch was 150 µs, then 600 µs: on a shared 2-vCPU VM a woken thread
-/// can wait hundreds of µs for a core, and a stage that wakes late delays
-/// every stage after it. Issue 27 measured longer stretches against 600 µs
-/// (`bench --sim --cells 8x32,32x32,32x128`, alternating, four rounds each,
-/// medians, idle machine): 1200 µs 1.93% / 1.86% / 2.08%, 1800 µs
-/// 1.78% / 1.78% / 2.12%, 5 ms 1.57% / 1.50% / 2.06%, against
-/// 1.97% / 1.91% / 2.26%. Ending on an OS timer instead (1 ns timer slack,
-/// an absolute `clock_nanosleep`) overshot by a median 35 µs per action under
-/// load, and a busy spin for the last 100 or 200 µs, with or without
-/// idle-priority threads keeping the cores awake, measured 3.1–5.1% at
-/// pp = 8. Yielding spends a core's idle cycles, not other threads' time:
+/// A stage busy in its action is what a real stage is, and waking from a
+/// sleep is what made the sim late: on a shared 2-vCPU VM a woken thread can
+/// wait hundreds of µs for a core, and a stage that ends late delays every
+/// stage after it. Longer yield stretches measured better at every step up to
+/// 5 ms; OS timers (1 ns slack, absolute `clock_nanosleep`) and busy spins
+/// measured worse (docs/benchmarks.md, "Issue 27's overhead: closing the
+/// gap"). Yielding spends idle cycles, not other threads' time:
 /// `sched_yield` hands the core to whichever thread is ready.
 fn sleep_until(deadline: Instant) {
     const YIELD_FOR: Duration = Duration::from_millis(5);
