@@ -106,6 +106,31 @@ fn without_a_gpu_a_cuda_run_is_refused_with_the_reason() {
     assert!(!out.join("metrics.jsonl").exists(), "a refused run wrote outputs");
 }
 
+/// gpu-bench's model flags are checked before the GPU opens, so each mistake
+/// is named, with a non-zero exit, on any machine.
+#[test]
+fn gpu_bench_names_a_bad_model_flag_before_opening_a_gpu() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["--family", "llama"], "--family llama needs --ffn"),
+        (
+            &["--family", "llama", "--ffn", "64", "--heads", "12", "--kv-heads", "5"],
+            "--kv-heads 5 must divide --heads 12",
+        ),
+        (&["--ffn", "64"], "are Llama's (--family llama)"),
+        (&["--family", "mamba"], "expected \"gpt2\" or \"llama\""),
+    ];
+    for (args, want) in cases {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))
+            .arg("gpu-bench")
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} was accepted");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
 /// `generate --temperature 0` on the GPU (f32) writes what the CPU writes for
 /// the same weights, and refuses to sample there. (A near-tie between two
 /// logits could flip an argmax between the backends' summation orders; a
