@@ -211,8 +211,7 @@ impl LlamaScratch {
             tp.slices,
             tp.size
         );
-        let rope = RopeTable::new(cfg.block_size, &inv_freq(cfg.head_dim(), cfg.rope_theta));
-        LlamaScratch::with_shape(b, rope, &whole.share(tp.size), tp.slices / tp.size)
+        LlamaScratch::with_shape(b, rope_table(cfg), &whole.share(tp.size), tp.slices / tp.size)
     }
 
     /// For a rank's share `s` that sums `leaves` slices of each split sum.
@@ -227,6 +226,11 @@ impl LlamaScratch {
             leaves: (1..leaves).map(|_| vec![0.0; n * c]).collect(),
         }
     }
+}
+
+/// The rotary table of a model's positions and head size (both backends use it).
+pub fn rope_table(cfg: &GptConfig) -> RopeTable {
+    RopeTable::new(cfg.block_size, &inv_freq(cfg.head_dim(), cfg.rope_theta))
 }
 
 /// How block tensor `i` is cut over tensor-parallel ranks (weights are

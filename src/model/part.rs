@@ -58,6 +58,16 @@ impl PartSpec {
             self.head_base(cfg) + cfg.final_norm_len()
         }
     }
+
+    /// The tensors whose gradients the head's forward writes: the final
+    /// norm's and, untied, `lm_head` after them (empty without the head).
+    pub fn head_leaf(&self, cfg: &GptConfig) -> std::ops::Range<usize> {
+        if !self.head {
+            return 0..0;
+        }
+        let hb = self.head_base(cfg);
+        hb..hb + cfg.final_norm_len() + usize::from(!cfg.tied())
+    }
 }
 
 /// The input of a part's forward: token ids (first part) or the previous part's activation.

@@ -265,13 +265,7 @@ impl PartTree {
     pub fn new(part: &ModelPart, block: Range<usize>, total: usize) -> PartTree {
         let (spec, cfg) = (&part.spec, &part.cfg);
         // F writes the final norm's gradients and, untied, the lm_head's.
-        let mut head_norm: Vec<usize> = match spec.head {
-            true => (spec.head_base(cfg)..spec.head_base(cfg) + cfg.final_norm_len()).collect(),
-            false => vec![],
-        };
-        if spec.head && !cfg.tied() {
-            head_norm.push(spec.head_wte(cfg));
-        }
+        let head_norm: Vec<usize> = spec.head_leaf(cfg).collect();
         let wte_copy = (spec.head && !spec.embedding && cfg.tied()).then(|| spec.head_wte(cfg));
         let body_idx =
             (0..part.params.len()).filter(|i| !head_norm.contains(i) && Some(*i) != wte_copy).collect();

@@ -28,7 +28,7 @@ mod tp;
 use llama::LlamaActs;
 pub use tp::{GpuTp, TpDevices, TpPart};
 
-use crate::kernels::cpu::rope::{inv_freq, RopeTable};
+use crate::kernels::cuda::attention::Heads;
 use crate::kernels::cuda::embedding::{DeviceOwners, TokenOwners};
 use crate::kernels::cuda::rope::DeviceRope;
 use crate::kernels::cuda::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
@@ -81,9 +81,8 @@ pub fn padded_vocab(v: usize) -> usize {
 /// own weight after them, with only alignment padding between them; None
 /// without the head.
 pub fn head_norm_run(tensors: &[TensorSlot], spec: &PartSpec, cfg: &GptConfig) -> Option<(usize, usize)> {
-    let hb = spec.head.then(|| spec.head_base(cfg))?;
-    let last = if cfg.tied() { hb + cfg.final_norm_len() - 1 } else { spec.head_wte(cfg) };
-    let (first, last) = (tensors.get(hb)?, tensors.get(last)?);
+    let run = spec.head_leaf(cfg);
+    let (first, last) = (tensors.get(run.start)?, tensors.get(run.end.checked_sub(1)?)?);
     Some((first.offset, last.offset + last.stored - first.offset))
 }
 
@@ -373,8 +372,9 @@ impl<X: Elem> GpuPart<X> {
         tp.check(&cfg)?;
         let (size, owner) = (tp.size, tp.rank == 0);
         let heads = cfg.heads();
-        attention::kernels_for_heads::<X>(heads)?;
-        attention::kernels_for::<X>(heads.out_width() / size, nh / size)?;
+        // The rank's share of the heads, as its attention calls see them.
+        let local = Heads { nh: nh / size, nkv: heads.nkv / size, hs: heads.hs };
+        attention::kernels_for_heads::<X>(local)?;
         ensure(b > 0 && t > 0 && v > 0 && live > 0, || {
             format!("a GPU part needs B, T, V and live slots > 0 (B={b}, T={t}, V={v}, live={live})")
         })?;
@@ -436,8 +436,7 @@ impl<X: Elem> GpuPart<X> {
                 None
             },
             rope: if llama {
-                let table = RopeTable::new(t, &inv_freq(cfg.head_dim(), cfg.rope_theta));
-                Some(DeviceRope::upload(gpu, &table)?)
+                Some(DeviceRope::upload(gpu, &crate::model::llama::rope_table(&cfg))?)
             } else {
                 None
             },
@@ -1181,10 +1180,8 @@ impl<X: Elem> GpuPart<X> {
             return Ok(out);
         };
         let h = gpu.download(head.ok_or_else(|| CudaError::Shape("a head node is missing".into()))?)?;
-        let (hb, wte, tied) =
-            (self.spec.head_base(&self.cfg), self.spec.head_wte(&self.cfg), self.cfg.tied());
-        let head_run = hb..if tied { hb + self.cfg.final_norm_len() } else { wte + 1 };
-        for k in head_run {
+        let (wte, tied) = (self.spec.head_wte(&self.cfg), self.cfg.tied());
+        for k in self.spec.head_leaf(&self.cfg) {
             let s = &self.tensors[k];
             out[k] = h[s.offset - offset..s.offset - offset + s.numel].to_vec();
         }
