@@ -10,7 +10,7 @@
 use crate::data::Tokenizer;
 use crate::kernels::cpu::crossentropy::first_argmax;
 use crate::model::part::{Mode, PartInput};
-use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::model::{Arch, ModelPart, PartSpec};
 use crate::rng::{Purpose, Rng};
 
 /// How each next token is chosen.
@@ -162,7 +162,7 @@ impl Generator {
     }
 
     /// A model with `cfg`'s shape and its seeded initial weights.
-    pub fn with_init(cfg: GptConfig, seed: u64, threads: usize) -> Self {
+    pub fn with_init(cfg: Arch, seed: u64, threads: usize) -> Self {
         Generator::new(ModelPart::new(cfg, PartSpec::whole(&cfg), 1, seed, false), threads)
     }
 
@@ -233,7 +233,7 @@ pub struct GenerateRequest<'a> {
 pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Result<Vec<u32>> {
     req.sampling.check()?;
     let (cfg, weights) = crate::train::eval::load_model(req.config, req.overrides, req.weights)?;
-    let gpt = GptConfig::from_config(&cfg);
+    let gpt = Arch::from_config(&cfg);
     let tok = match req.tokenizer {
         Some(t) => t,
         None => tokenizer_for(gpt.vocab_size)?,
@@ -343,8 +343,8 @@ fn gpu_greedy(
 mod tests {
     use super::*;
 
-    fn tiny() -> GptConfig {
-        GptConfig::gpt2(2, 2, 16, 40, 12)
+    fn tiny() -> Arch {
+        Arch::gpt2(2, 2, 16, 40, 12)
     }
 
     const GREEDY: Sampling = Sampling { temperature: 0.0, top_k: None, seed: 0 };
@@ -354,7 +354,7 @@ mod tests {
     /// must predict each generated token at the position before it.
     /// GPT-2's initial weights (std 0.02) are too small to tell tokens apart:
     /// scaled up, the model's choices depend on the context.
-    fn lively(cfg: GptConfig, seed: u64) -> ModelPart {
+    fn lively(cfg: Arch, seed: u64) -> ModelPart {
         let mut part = ModelPart::new(cfg, PartSpec::whole(&cfg), 1, seed, false);
         for p in &mut part.params {
             p.data.iter_mut().for_each(|x| *x *= 40.0);

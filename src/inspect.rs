@@ -296,7 +296,7 @@ mod tests {
     fn a_hugging_face_config_json_beside_the_weights_is_summarized() {
         let dir = tempfile::tempdir().unwrap();
         tiny_model(dir.path());
-        let cfg = crate::model::GptConfig::gpt2(2, 1, 4, 10, 8);
+        let cfg = crate::model::Arch::gpt2(2, 1, 4, 10, 8);
         std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
         let out = inspect(dir.path()).unwrap();
         assert!(

@@ -481,7 +481,7 @@ fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
     use pipewright::kernels::cuda::Gpu;
     use pipewright::model::gpu::bench;
     use pipewright::model::params::Family;
-    use pipewright::model::GptConfig;
+    use pipewright::model::Arch;
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     anyhow::ensure!(args.micro_batch != Some(0), "--micro-batch must be at least 1");
     anyhow::ensure!(args.matmul_size > 0, "--matmul-size must be at least 1");
@@ -492,7 +492,7 @@ fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
                 "--kv-heads, --ffn and --tied are Llama's (--family llama); GPT-2 has one key/value head per \
                  query head, an MLP of 4·embd and a tied head"
             );
-            GptConfig::gpt2(args.layers, args.heads, args.embd, args.vocab, args.seq)
+            Arch::gpt2(args.layers, args.heads, args.embd, args.vocab, args.seq)
         }
         Family::Llama => {
             let ffn =
@@ -507,7 +507,7 @@ fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
                 args.rope_theta.is_finite() && args.rope_theta > 0.0,
                 "--rope-theta must be a positive number"
             );
-            let llama = GptConfig::llama(
+            let llama = Arch::llama(
                 args.layers,
                 args.heads,
                 kv,
@@ -517,7 +517,7 @@ fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
                 args.seq,
                 args.rope_theta as f32,
             );
-            GptConfig { tie_word_embeddings: args.tied, ..llama }
+            Arch { tie_word_embeddings: args.tied, ..llama }
         }
     };
     // The flags are checked before the GPU opens, so a mistake is named on any machine.

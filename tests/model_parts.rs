@@ -5,15 +5,15 @@ use crossbeam_channel::{Receiver, Sender};
 use pipewright::model::block::Exchange;
 use pipewright::model::part::{Mode, PartInput};
 use pipewright::model::tp::{Followers, Remote, TpCmd, TpFollower, TpShape};
-use pipewright::model::{GptConfig, ModelPart, PartSpec};
+use pipewright::model::{Arch, ModelPart, PartSpec};
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-fn tiny() -> GptConfig {
-    GptConfig::gpt2(3, 2, 16, 13, 7)
+fn tiny() -> Arch {
+    Arch::gpt2(3, 2, 16, 13, 7)
 }
 
-fn batch(cfg: &GptConfig, b: usize, seed: u32) -> (Vec<u32>, Vec<u32>) {
+fn batch(cfg: &Arch, b: usize, seed: u32) -> (Vec<u32>, Vec<u32>) {
     let n = b * cfg.block_size;
     let v = cfg.vocab_size as u32;
     let tok: Vec<u32> = (0..n as u32).map(|i| (i * 7 + seed * 3 + i * i) % v).collect();
@@ -125,7 +125,7 @@ fn two_parts_give_the_same_bits_as_one() {
 
 #[test]
 fn recompute_keeps_less_activation_memory() {
-    let cfg = GptConfig::gpt2(4, 2, 32, 50, 16);
+    let cfg = Arch::gpt2(4, 2, 32, 50, 16);
     let (tok, tgt) = batch(&cfg, 4, 0);
     let mut bytes = vec![];
     for recompute in [false, true] {
@@ -233,7 +233,7 @@ fn split_run_over(
     zb: bool,
     recompute: bool,
 ) -> (f64, Vec<(String, Vec<u32>)>) {
-    let cfg = GptConfig::gpt2(3, 4, 32, 13, 8);
+    let cfg = Arch::gpt2(3, 4, 32, 13, 8);
     let b = 2;
     let mut followers = Vec::new();
     let mut mk = |spec: PartSpec| {
@@ -335,7 +335,7 @@ impl Followers for Pipes {
 /// A part's tp group as `size / per` processes of `per` ranks: the owner's
 /// side, and a thread running each follower's commands.
 fn processes(
-    cfg: GptConfig,
+    cfg: Arch,
     spec: PartSpec,
     b: usize,
     recompute: bool,
@@ -416,7 +416,7 @@ impl Exchange for Unreached {
 
 #[test]
 fn a_follower_refuses_commands_that_do_not_fit_its_part_with_a_reason() {
-    let cfg = GptConfig::gpt2(2, 4, 32, 13, 8);
+    let cfg = Arch::gpt2(2, 4, 32, 13, 8);
     let spec = PartSpec { layers: 0..2, embedding: false, head: false };
     let tp = TpShape { size: 2, slices: 2 };
     let mut f = TpFollower::new(cfg, spec, 2, false, tp, 1..2, 1, Box::new(Unreached));

@@ -549,7 +549,7 @@ mod gpu {
         pub fn new(
             dev: TpDevices,
             chunks: Vec<(crate::model::PartSpec, Vec<Param>)>,
-            cfg: crate::model::GptConfig,
+            cfg: crate::model::Arch,
             b: usize,
             recompute: bool,
             live: &[usize],

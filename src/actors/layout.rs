@@ -3,7 +3,7 @@
 //! Refuses layouts that cannot work before anything starts, naming the field.
 
 use crate::config::Config;
-use crate::model::{GptConfig, PartSpec};
+use crate::model::{Arch, PartSpec};
 use crate::schedule::{self, Schedule};
 use anyhow::{bail, Result};
 
@@ -33,7 +33,7 @@ pub fn check_schedule(schedule: &Schedule, field: &str) -> Result<()> {
 
 impl Layout {
     pub fn from_config(cfg: &Config) -> Result<Layout> {
-        let gpt = GptConfig::from_config(cfg);
+        let gpt = Arch::from_config(cfg);
         let p = &cfg.parallel;
         let kind = p.schedule;
         let Some(chunks) = kind.chunks_for(p.chunks) else {

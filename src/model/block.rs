@@ -25,7 +25,7 @@
 
 use super::llama::{self, LlamaActs, LlamaGrads, LlamaScratch};
 use super::params::block::*;
-use super::params::{Family, GptConfig, Param};
+use super::params::{Arch, Family, Param};
 use super::part::pair;
 use crate::kernels::cpu::matmul::{gemm_checked, gemm_raw, pool_par, Mat};
 use crate::kernels::cpu::tree::{tree_sum, tree_sum_elementwise};
@@ -82,7 +82,7 @@ pub enum BlockScratch {
 }
 
 impl BlockActs {
-    pub fn new(b: usize, cfg: &GptConfig, size: usize) -> Self {
+    pub fn new(b: usize, cfg: &Arch, size: usize) -> Self {
         match cfg.family {
             Family::Gpt2 => BlockActs::Gpt2(Gpt2Acts::new(b, cfg, size)),
             Family::Llama => BlockActs::Llama(LlamaActs::new(b, cfg, size)),
@@ -98,7 +98,7 @@ impl BlockActs {
 }
 
 impl BlockGrads {
-    pub fn new(n: usize, cfg: &GptConfig, size: usize) -> Self {
+    pub fn new(n: usize, cfg: &Arch, size: usize) -> Self {
         match cfg.family {
             Family::Gpt2 => BlockGrads::Gpt2(Gpt2Grads::new(n, cfg.n_embd, size)),
             Family::Llama => BlockGrads::Llama(LlamaGrads::new(n, cfg, size)),
@@ -114,7 +114,7 @@ impl BlockGrads {
 }
 
 impl BlockScratch {
-    pub fn new(b: usize, cfg: &GptConfig, tp: &TpRank) -> Self {
+    pub fn new(b: usize, cfg: &Arch, tp: &TpRank) -> Self {
         match cfg.family {
             Family::Gpt2 => BlockScratch::Gpt2(Gpt2Scratch::new(b, cfg, tp)),
             Family::Llama => BlockScratch::Llama(LlamaScratch::new(b, cfg, tp)),
@@ -137,7 +137,7 @@ pub fn block_forward(
     out: &mut [f32],
     s: &mut BlockScratch,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
 ) {
     match (a, s) {
@@ -158,7 +158,7 @@ pub fn block_backward_input(
     g: &mut BlockGrads,
     s: &mut BlockScratch,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
     full: bool,
 ) {
@@ -180,7 +180,7 @@ pub fn block_backward_weight(
     x: &[f32],
     g: &BlockGrads,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
 ) {
     match (a, g) {
@@ -208,7 +208,7 @@ pub struct Gpt2Acts {
 }
 
 impl Gpt2Acts {
-    pub fn new(b: usize, cfg: &GptConfig, size: usize) -> Self {
+    pub fn new(b: usize, cfg: &Arch, size: usize) -> Self {
         let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
         let (n, cl) = (b * t, c / size);
         Gpt2Acts {
@@ -288,7 +288,7 @@ pub struct Gpt2Scratch {
 }
 
 impl Gpt2Scratch {
-    pub fn new(b: usize, cfg: &GptConfig, tp: &TpRank) -> Self {
+    pub fn new(b: usize, cfg: &Arch, tp: &TpRank) -> Self {
         let (n, cl) = (b * cfg.block_size, cfg.n_embd / tp.size);
         Gpt2Scratch {
             datty: vec![0.0; n * cl],
@@ -493,7 +493,7 @@ fn gpt2_forward(
     out: &mut [f32],
     s: &mut Gpt2Scratch,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
 ) {
     let (t, c) = (cfg.block_size, cfg.n_embd);
@@ -554,7 +554,7 @@ fn gpt2_backward_input(
     g: &mut Gpt2Grads,
     s: &mut Gpt2Scratch,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
     full: bool,
 ) {
@@ -694,7 +694,7 @@ fn gpt2_backward_weight(
     x: &[f32],
     g: &Gpt2Grads,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
 ) {
     let c = cfg.n_embd;
@@ -720,7 +720,7 @@ pub enum Cut {
 }
 
 /// How block tensor `i` (its index among the block's tensors) is cut.
-pub fn cut_of(cfg: &GptConfig, i: usize) -> Cut {
+pub fn cut_of(cfg: &Arch, i: usize) -> Cut {
     if cfg.family == Family::Llama {
         return super::llama::cut_of(i);
     }
@@ -926,14 +926,14 @@ mod tests {
 
     const B: usize = 2;
 
-    fn cfg() -> GptConfig {
-        GptConfig::gpt2(1, 8, 64, 16, 24)
+    fn cfg() -> Arch {
+        Arch::gpt2(1, 8, 64, 16, 24)
     }
 
     /// Shapes small enough that `gemm` takes other paths than for `cfg`'s:
     /// a column block of a product is then not the whole product's bits.
-    fn small_cfg() -> GptConfig {
-        GptConfig::gpt2(1, 4, 32, 16, 8)
+    fn small_cfg() -> Arch {
+        Arch::gpt2(1, 4, 32, 16, 8)
     }
 
     fn noise(len: usize, seed: u64) -> Vec<f32> {
@@ -949,7 +949,7 @@ mod tests {
     }
 
     /// Block 0's 12 tensors with random values (LayerNorm gains near 1).
-    fn block_params(cfg: &GptConfig) -> Vec<Param> {
+    fn block_params(cfg: &Arch) -> Vec<Param> {
         block_tensors(cfg, 0)
             .iter()
             .enumerate()
@@ -972,7 +972,7 @@ mod tests {
         grads: Vec<Vec<f32>>,
     }
 
-    fn run_rank(full: &[Param], cfg: &GptConfig, tp: &TpRank, split: bool) -> Result {
+    fn run_rank(full: &[Param], cfg: &Arch, tp: &TpRank, split: bool) -> Result {
         let n = B * cfg.block_size;
         let c = cfg.n_embd;
         let mut p: Vec<Param> = full
@@ -999,7 +999,7 @@ mod tests {
     }
 
     /// Runs `size` ranks as threads with one group; the ranks' results.
-    fn run_split(full: &[Param], cfg: &GptConfig, size: usize, slices: usize, split: bool) -> Vec<Result> {
+    fn run_split(full: &[Param], cfg: &Arch, size: usize, slices: usize, split: bool) -> Vec<Result> {
         let group = ThreadGroup::new(size);
         std::thread::scope(|sc| {
             let hs: Vec<_> = (0..size)
@@ -1032,7 +1032,7 @@ mod tests {
         }
     }
 
-    fn ranks_give_one_ranks_bits(cfg: &GptConfig) {
+    fn ranks_give_one_ranks_bits(cfg: &Arch) {
         let cfg = *cfg;
         let full = block_params(&cfg);
         let one = run_split(&full, &cfg, 1, 4, false).pop().unwrap();

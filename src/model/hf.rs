@@ -6,7 +6,7 @@
 //! Only the fields that change the arithmetic are checked; the rest (dropout,
 //! token ids, generation settings) mean nothing to pipewright.
 
-use super::params::{Family, GptConfig};
+use super::params::{Arch, Family};
 use std::path::{Path, PathBuf};
 
 /// The file Hugging Face keeps a model's config in.
@@ -247,7 +247,7 @@ impl HfShape {
 /// reads as this model: GPT-2's tanh GELU, eps 1e-5, tied head, no dropout
 /// (pipewright trains without it). GPT-2's end-of-text id only where the
 /// vocabulary holds it.
-pub fn config_json(cfg: &GptConfig) -> String {
+pub fn config_json(cfg: &Arch) -> String {
     if cfg.family == Family::Llama {
         return llama_config_json(cfg);
     }
@@ -287,7 +287,7 @@ fn decimal(x: f32) -> f64 {
 
 /// A `config.json` that `LlamaForCausalLM.from_pretrained` reads as this
 /// model, under transformers 4 (`rope_theta`) and 5 (`rope_parameters`).
-fn llama_config_json(cfg: &GptConfig) -> String {
+fn llama_config_json(cfg: &Arch) -> String {
     let theta = decimal(cfg.rope_theta);
     let v = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
@@ -351,7 +351,7 @@ mod tests {
 
     #[test]
     fn what_we_write_reads_back_as_the_same_shape() {
-        let cfg = GptConfig::gpt2(3, 2, 16, 256, 65);
+        let cfg = Arch::gpt2(3, 2, 16, 256, 65);
         let s = parse_shape(Path::new("config.json"), &config_json(&cfg)).unwrap();
         assert_eq!((s.n_layer, s.n_head, s.n_embd, s.vocab_size, s.n_positions), (3, 2, 16, 256, 65));
         let v: serde_json::Value = serde_json::from_str(&config_json(&cfg)).unwrap();
@@ -429,8 +429,7 @@ mod tests {
     #[test]
     fn a_llama_we_write_reads_back_as_the_same_shape() {
         for tied in [false, true] {
-            let cfg =
-                GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 4, 2, 16, 40, 256, 32, 5e5) };
+            let cfg = Arch { tie_word_embeddings: tied, ..Arch::llama(3, 4, 2, 16, 40, 256, 32, 5e5) };
             let s = parse_shape(Path::new("config.json"), &config_json(&cfg)).unwrap();
             assert_eq!(
                 (s.family, s.n_layer, s.n_head, s.n_embd, s.n_positions),

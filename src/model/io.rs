@@ -7,7 +7,7 @@
 //! renamed, so a crash never leaves a half-written file under the final name.
 //! Reading never panics on bad bytes: every problem names the file.
 
-use super::params::{all_tensors, Family, GptConfig};
+use super::params::{all_tensors, Arch, Family};
 use super::{ModelPart, Param};
 use safetensors::{Dtype, SafeTensors};
 use std::collections::{BTreeMap, HashMap};
@@ -202,7 +202,7 @@ pub fn weights_file(path: &Path) -> std::path::PathBuf {
 /// holding `model.safetensors` (a run, a checkpoint, a Hugging Face
 /// `save_pretrained` folder). A position table longer than `cfg.block_size`
 /// keeps its first rows, as nanoGPT crops GPT-2's 1024 (said on stderr).
-pub fn load_for(path: &Path, cfg: &GptConfig) -> Result<LoadedWeights, WeightsError> {
+pub fn load_for(path: &Path, cfg: &Arch) -> Result<LoadedWeights, WeightsError> {
     let mut w = load(&weights_file(path))?;
     w.fit(cfg)?;
     Ok(w)
@@ -283,7 +283,7 @@ impl LoadedWeights {
     /// drops a tied model's `lm_head.weight` (warning, naming it, when it is
     /// not the embedding: that head is not the one trained), then checks
     /// every tensor against `cfg`.
-    pub fn fit(&mut self, cfg: &GptConfig) -> Result<(), WeightsError> {
+    pub fn fit(&mut self, cfg: &Arch) -> Result<(), WeightsError> {
         if cfg.tied() {
             if let Some(head) = self.tensors.remove("lm_head.weight") {
                 let embed = super::params::embedding_tensors(cfg).remove(0).0;
@@ -327,7 +327,7 @@ impl LoadedWeights {
     /// Checks that every tensor of `cfg`'s model is present with its shape,
     /// and that there is nothing else: extra tensors mean the file was made
     /// for another model, and loading part of it would pass silently.
-    pub fn check(&self, cfg: &GptConfig) -> Result<(), WeightsError> {
+    pub fn check(&self, cfg: &Arch) -> Result<(), WeightsError> {
         let all = all_tensors(cfg);
         let known: std::collections::HashSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
         let mut extra: Vec<&String> = self.tensors.keys().filter(|n| !known.contains(n.as_str())).collect();
@@ -397,13 +397,13 @@ impl LoadedWeights {
 mod tests {
     use super::*;
 
-    fn tiny(n_layer: usize) -> GptConfig {
-        GptConfig::gpt2(n_layer, 2, 8, 16, 4)
+    fn tiny(n_layer: usize) -> Arch {
+        Arch::gpt2(n_layer, 2, 8, 16, 4)
     }
 
     /// A safetensors file holding every tensor of `cfg` (zeros), each name
     /// passed through `rename`, plus `extra` tensors; parsed back.
-    fn file_of(cfg: &GptConfig, rename: impl Fn(&str) -> String, extra: &[&str]) -> LoadedWeights {
+    fn file_of(cfg: &Arch, rename: impl Fn(&str) -> String, extra: &[&str]) -> LoadedWeights {
         let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = all_tensors(cfg)
             .into_iter()
             .map(|(n, s)| {
@@ -454,14 +454,14 @@ mod tests {
         let err = w.check(&tiny(1)).unwrap_err().to_string();
         assert!(err.contains("`transformer.h.0.mlp.extra`"), "{err}");
         let w = file_of(&tiny(1), |n| format!("transformer.{n}"), &[]);
-        let wide = GptConfig { n_embd: 12, ..tiny(1) };
+        let wide = Arch { n_embd: 12, ..tiny(1) };
         let err = w.check(&wide).unwrap_err().to_string();
         assert!(err.contains("`transformer.wte.weight`"), "{err}");
     }
 
     #[test]
     fn a_longer_position_table_is_cropped_to_block_size() {
-        let long = GptConfig { block_size: 10, ..tiny(1) };
+        let long = Arch { block_size: 10, ..tiny(1) };
         let dir = tempfile::tempdir().unwrap();
         let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = vec![];
         for (n, s) in all_tensors(&long) {
@@ -475,13 +475,13 @@ mod tests {
         let (shape, data) = &w.tensors["wpe.weight"];
         assert_eq!(shape, &vec![4, 8]);
         assert_eq!(data, &(0..32).map(|i| i as f32).collect::<Vec<_>>());
-        let err = load_for(dir.path(), &GptConfig { block_size: 11, ..tiny(1) }).err().unwrap().to_string();
+        let err = load_for(dir.path(), &Arch { block_size: 11, ..tiny(1) }).err().unwrap().to_string();
         assert!(err.contains("`wpe.weight` has shape [10, 8], expected [11, 8]"), "{err}");
     }
 
     /// A file of `cfg`'s tensors (wte holding 1.0 everywhere, the rest
     /// zeros) plus `extra` named tensors shaped like wte, holding `value`.
-    fn saved_with(cfg: &GptConfig, extra: &[(&str, f32)]) -> (tempfile::TempDir, PathBuf) {
+    fn saved_with(cfg: &Arch, extra: &[(&str, f32)]) -> (tempfile::TempDir, PathBuf) {
         let mut owned: Vec<(String, Vec<usize>, Vec<f32>)> = all_tensors(cfg)
             .into_iter()
             .map(|(n, s)| {
@@ -559,7 +559,7 @@ mod tests {
     #[test]
     fn llama_weights_are_written_as_llama_for_causal_lm_names_them_and_read_back() {
         for tied in [false, true] {
-            let cfg = GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(2, 4, 2, 8, 12, 16, 4, 1e4) };
+            let cfg = Arch { tie_word_embeddings: tied, ..Arch::llama(2, 4, 2, 8, 12, 16, 4, 1e4) };
             let part = ModelPart::new(cfg, crate::model::PartSpec::whole(&cfg), 1, 3, false);
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("model.safetensors");
@@ -579,8 +579,8 @@ mod tests {
             }
         }
         // An untied model needs its head; the error names it as the file would.
-        let untied = GptConfig::llama(2, 4, 2, 8, 12, 16, 4, 1e4);
-        let tied = GptConfig { tie_word_embeddings: true, ..untied };
+        let untied = Arch::llama(2, 4, 2, 8, 12, 16, 4, 1e4);
+        let tied = Arch { tie_word_embeddings: true, ..untied };
         let part = ModelPart::new(tied, crate::model::PartSpec::whole(&tied), 1, 3, false);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("model.safetensors");

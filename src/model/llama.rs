@@ -26,7 +26,7 @@
 //! plain one.
 
 use super::block::{sum_slices, Cut, TpRank};
-use super::params::{GptConfig, Param};
+use super::params::{Arch, Param};
 use crate::kernels::cpu::attention::{gqa_backward, gqa_forward, scratch_len, Heads};
 use crate::kernels::cpu::matmul::{gemm_raw, pool_par, Mat};
 use crate::kernels::cpu::rope::{inv_freq, rope_backward, rope_forward, RopeTable};
@@ -46,7 +46,7 @@ pub struct LlamaBlockShape {
 }
 
 impl LlamaBlockShape {
-    pub fn of(cfg: &super::GptConfig) -> Self {
+    pub fn of(cfg: &super::Arch) -> Self {
         LlamaBlockShape { c: cfg.n_embd, heads: cfg.heads(), f: cfg.ffn(), eps: cfg.norm_eps }
     }
 
@@ -108,7 +108,7 @@ pub struct LlamaActs {
 }
 
 impl LlamaActs {
-    pub fn new(b: usize, cfg: &GptConfig, size: usize) -> Self {
+    pub fn new(b: usize, cfg: &Arch, size: usize) -> Self {
         LlamaActs::with_shape(b, cfg.block_size, &LlamaBlockShape::of(cfg).share(size))
     }
 
@@ -162,7 +162,7 @@ pub struct LlamaGrads {
 
 impl LlamaGrads {
     /// For `n` rows (B·T) on a rank of `size`.
-    pub fn new(n: usize, cfg: &GptConfig, size: usize) -> Self {
+    pub fn new(n: usize, cfg: &Arch, size: usize) -> Self {
         LlamaGrads::with_shape(n, &LlamaBlockShape::of(cfg).share(size))
     }
 
@@ -196,7 +196,7 @@ pub struct LlamaScratch {
 }
 
 impl LlamaScratch {
-    pub fn new(b: usize, cfg: &GptConfig, tp: &TpRank) -> Self {
+    pub fn new(b: usize, cfg: &Arch, tp: &TpRank) -> Self {
         let whole = LlamaBlockShape::of(cfg);
         let Heads { nh, nkv, .. } = whole.heads;
         // The config refuses other splits (config.rs, check_tp); a slice must be whole heads and groups.
@@ -229,7 +229,7 @@ impl LlamaScratch {
 }
 
 /// The rotary table of a model's positions and head size (both backends use it).
-pub fn rope_table(cfg: &GptConfig) -> RopeTable {
+pub fn rope_table(cfg: &Arch) -> RopeTable {
     RopeTable::new(cfg.block_size, &inv_freq(cfg.head_dim(), cfg.rope_theta))
 }
 
@@ -253,7 +253,7 @@ pub fn forward(
     out: &mut [f32],
     s: &mut LlamaScratch,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
 ) {
     llama_block_forward(p, a, x, out, s, b, &LlamaBlockShape::of(cfg).share(tp.size), tp);
@@ -270,7 +270,7 @@ pub fn backward_input(
     g: &mut LlamaGrads,
     s: &mut LlamaScratch,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
     full: bool,
 ) {
@@ -285,7 +285,7 @@ pub fn backward_weight(
     x: &[f32],
     g: &LlamaGrads,
     b: usize,
-    cfg: &GptConfig,
+    cfg: &Arch,
     tp: &TpRank,
 ) {
     let share = LlamaBlockShape::of(cfg).share(tp.size);
@@ -846,8 +846,8 @@ mod tests {
     // (NH 8, NKV 4, HS 4) whose heads, groups and MLP rows cut into 4 slices.
     const B: usize = 2;
 
-    fn gqa_cfg() -> GptConfig {
-        GptConfig::llama(1, 8, 4, 32, 48, 64, 6, THETA)
+    fn gqa_cfg() -> Arch {
+        Arch::llama(1, 8, 4, 32, 48, 64, 6, THETA)
     }
 
     /// What one rank computes: the block's output, the input gradient and
@@ -869,7 +869,7 @@ mod tests {
         InputOnly,
     }
 
-    fn run_rank(whole: &[Param], cfg: &GptConfig, tp: &TpRank, how: Backward) -> Ranked {
+    fn run_rank(whole: &[Param], cfg: &Arch, tp: &TpRank, how: Backward) -> Ranked {
         let n = B * cfg.block_size;
         let c = cfg.n_embd;
         let mut p: Vec<Param> = whole
@@ -895,7 +895,7 @@ mod tests {
     }
 
     /// Runs `size` ranks as threads joined by one group; the ranks' results.
-    fn run_ranks(whole: &[Param], cfg: &GptConfig, size: usize, slices: usize, how: Backward) -> Vec<Ranked> {
+    fn run_ranks(whole: &[Param], cfg: &Arch, size: usize, slices: usize, how: Backward) -> Vec<Ranked> {
         let group = ThreadGroup::new(size);
         std::thread::scope(|sc| {
             let hs: Vec<_> = (0..size)
@@ -977,7 +977,7 @@ mod tests {
     /// The block as it ran before the tensor split, one plain product per
     /// Linear layer (Hugging Face's (out, in) weights read transposed):
     /// the output and the input gradient, weight gradients into `p`.
-    fn plain_block(p: &mut [Param], x: &[f32], dout: &[f32], cfg: &GptConfig) -> (Vec<f32>, Vec<f32>) {
+    fn plain_block(p: &mut [Param], x: &[f32], dout: &[f32], cfg: &Arch) -> (Vec<f32>, Vec<f32>) {
         let s = LlamaBlockShape::of(cfg);
         let (t, heads) = (cfg.block_size, s.heads);
         let (n, c, f) = (B * t, s.c, s.f);

@@ -15,5 +15,5 @@ pub mod params;
 pub mod part;
 pub mod tp;
 
-pub use params::{GptConfig, Param};
+pub use params::{Arch, Param};
 pub use part::{ModelPart, PartSpec};

@@ -9,24 +9,24 @@ use crate::rng::{hash_str, Purpose, Rng};
 /// optimizer, checkpoints, tensor split and planner ask (through the
 /// functions below), never a family's own fields.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct GptConfig {
+pub struct Arch {
     pub family: Family,
     pub n_layer: usize,
     pub n_head: usize,
     pub n_embd: usize,
     pub vocab_size: usize,
     pub block_size: usize,
-    /// Key/value heads (read through [`GptConfig::kv_heads`]).
+    /// Key/value heads (read through [`Arch::kv_heads`]).
     pub n_kv_head: usize,
-    /// The MLP's width (read through [`GptConfig::ffn`]).
+    /// The MLP's width (read through [`Arch::ffn`]).
     pub intermediate_size: usize,
     pub rope_theta: f32,
     pub norm_eps: f32,
-    /// Whether the head reads the token embedding (read through [`GptConfig::tied`]).
+    /// Whether the head reads the token embedding (read through [`Arch::tied`]).
     pub tie_word_embeddings: bool,
 }
 
-impl GptConfig {
+impl Arch {
     /// A GPT-2 of this shape.
     pub const fn gpt2(
         n_layer: usize,
@@ -35,7 +35,7 @@ impl GptConfig {
         vocab_size: usize,
         block_size: usize,
     ) -> Self {
-        GptConfig {
+        Arch {
             family: Family::Gpt2,
             n_layer,
             n_head,
@@ -62,7 +62,7 @@ impl GptConfig {
         block_size: usize,
         rope_theta: f32,
     ) -> Self {
-        GptConfig {
+        Arch {
             family: Family::Llama,
             n_layer,
             n_head,
@@ -79,7 +79,7 @@ impl GptConfig {
 
     pub fn from_config(c: &crate::config::Config) -> Self {
         let m = &c.model;
-        GptConfig {
+        Arch {
             family: m.family,
             n_layer: m.n_layer,
             n_head: m.n_head,
@@ -204,7 +204,7 @@ impl Param {
 }
 
 /// Block `i`'s tensors in canonical order, with their shapes.
-pub fn block_tensors(cfg: &GptConfig, i: usize) -> Vec<(String, Vec<usize>)> {
+pub fn block_tensors(cfg: &Arch, i: usize) -> Vec<(String, Vec<usize>)> {
     if cfg.family == Family::Llama {
         return super::llama::block_tensors(&super::llama::LlamaBlockShape::of(cfg), i);
     }
@@ -227,7 +227,7 @@ pub fn block_tensors(cfg: &GptConfig, i: usize) -> Vec<(String, Vec<usize>)> {
 }
 
 /// The embedding's tensors, the token embedding first.
-pub fn embedding_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+pub fn embedding_tensors(cfg: &Arch) -> Vec<(String, Vec<usize>)> {
     if cfg.family == Family::Llama {
         return vec![("embed_tokens.weight".into(), vec![cfg.vocab_size, cfg.n_embd])];
     }
@@ -237,7 +237,7 @@ pub fn embedding_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
     ]
 }
 
-pub fn final_norm_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+pub fn final_norm_tensors(cfg: &Arch) -> Vec<(String, Vec<usize>)> {
     if cfg.family == Family::Llama {
         return vec![("norm.weight".into(), vec![cfg.n_embd])];
     }
@@ -245,7 +245,7 @@ pub fn final_norm_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 /// The untied LM head's weight (none when the head reads the embedding).
-pub fn head_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+pub fn head_tensors(cfg: &Arch) -> Vec<(String, Vec<usize>)> {
     match cfg.tied() {
         true => vec![],
         false => vec![("lm_head.weight".into(), vec![cfg.vocab_size, cfg.n_embd])],
@@ -254,7 +254,7 @@ pub fn head_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
 
 /// Every tensor of the model in canonical order (the order gradient norms are
 /// summed in, whatever the layout).
-pub fn all_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+pub fn all_tensors(cfg: &Arch) -> Vec<(String, Vec<usize>)> {
     let mut v = embedding_tensors(cfg);
     for i in 0..cfg.n_layer {
         v.extend(block_tensors(cfg, i));
@@ -270,7 +270,7 @@ pub fn all_tensors(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
 ///
 /// Llama as Hugging Face initialises it: norm weights 1, every other tensor
 /// N(0, 0.02) (`initializer_range`).
-pub fn init_tensor(cfg: &GptConfig, name: &str, shape: &[usize], seed: u64) -> Vec<f32> {
+pub fn init_tensor(cfg: &Arch, name: &str, shape: &[usize], seed: u64) -> Vec<f32> {
     let n: usize = shape.iter().product();
     if cfg.family == Family::Llama {
         if name.ends_with("norm.weight") {
@@ -293,7 +293,7 @@ pub fn init_tensor(cfg: &GptConfig, name: &str, shape: &[usize], seed: u64) -> V
     (0..n).map(|_| (rng.normal() * std) as f32).collect()
 }
 
-pub fn new_param(cfg: &GptConfig, name: String, shape: Vec<usize>, seed: u64) -> Param {
+pub fn new_param(cfg: &Arch, name: String, shape: Vec<usize>, seed: u64) -> Param {
     let data = init_tensor(cfg, &name, &shape, seed);
     let grad = vec![0.0; data.len()];
     let canonical = canonical_index(cfg, &name).expect("a tensor name of the family");
@@ -301,7 +301,7 @@ pub fn new_param(cfg: &GptConfig, name: String, shape: Vec<usize>, seed: u64) ->
 }
 
 /// Position of a tensor in `all_tensors` order, from its name alone.
-pub fn canonical_index(cfg: &GptConfig, name: &str) -> Option<usize> {
+pub fn canonical_index(cfg: &Arch, name: &str) -> Option<usize> {
     let embed = embedding_tensors(cfg);
     if let Some(k) = embed.iter().position(|(n, _)| n == name) {
         return Some(k);
@@ -330,7 +330,7 @@ mod tests {
 
     #[test]
     fn canonical_index_matches_all_tensors_order() {
-        let cfg = GptConfig::gpt2(3, 2, 8, 10, 4);
+        let cfg = Arch::gpt2(3, 2, 8, 10, 4);
         for (i, (name, _)) in all_tensors(&cfg).iter().enumerate() {
             assert_eq!(canonical_index(&cfg, name), Some(i), "{name}");
         }
@@ -343,8 +343,7 @@ mod tests {
         let gpt2_vocab: Vec<usize> = (0..cfg.tensor_count()).filter(|&i| cfg.vocab_rows(i)).collect();
         assert_eq!(gpt2_vocab, [0], "wte alone: the head reads it");
         for tied in [false, true] {
-            let llama =
-                GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 4, 2, 8, 12, 10, 4, 1e4) };
+            let llama = Arch { tie_word_embeddings: tied, ..Arch::llama(3, 4, 2, 8, 12, 10, 4, 1e4) };
             let all = all_tensors(&llama);
             assert_eq!(all.len(), 1 + 9 * 3 + 1 + usize::from(!tied));
             assert_eq!(embedding_tensors(&llama).len(), llama.embedding_len());

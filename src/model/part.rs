@@ -19,7 +19,7 @@
 use super::block::{
     block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch,
 };
-use super::params::{self, Family, GptConfig, Param};
+use super::params::{self, Arch, Family, Param};
 use super::tp::{Members, Remote, TpRanks, TpShape};
 use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul, rmsnorm};
 use crate::kernels::profile::{timed, Kernel};
@@ -34,24 +34,24 @@ pub struct PartSpec {
 }
 
 impl PartSpec {
-    pub fn whole(cfg: &GptConfig) -> Self {
+    pub fn whole(cfg: &Arch) -> Self {
         PartSpec { layers: 0..cfg.n_layer, embedding: true, head: true }
     }
 
     /// Index of local block `l`'s first tensor in `part_params` order.
-    pub fn block_base(&self, cfg: &GptConfig, l: usize) -> usize {
+    pub fn block_base(&self, cfg: &Arch, l: usize) -> usize {
         (if self.embedding { cfg.embedding_len() } else { 0 }) + cfg.block_len() * l
     }
 
     /// Index of the final norm's first tensor (the head's first tensor).
-    pub fn head_base(&self, cfg: &GptConfig) -> usize {
+    pub fn head_base(&self, cfg: &Arch) -> usize {
         self.block_base(cfg, self.layers.len())
     }
 
     /// Index of the weight the head reads: the token embedding's own when
     /// the head is tied and the part holds both, else the tensor after the
     /// final norm (the tied copy of the embedding, or the untied `lm_head`).
-    pub fn head_wte(&self, cfg: &GptConfig) -> usize {
+    pub fn head_wte(&self, cfg: &Arch) -> usize {
         if self.embedding && cfg.tied() {
             0
         } else {
@@ -61,7 +61,7 @@ impl PartSpec {
 
     /// The tensors whose gradients the head's forward writes: the final
     /// norm's and, untied, `lm_head` after them (empty without the head).
-    pub fn head_leaf(&self, cfg: &GptConfig) -> std::ops::Range<usize> {
+    pub fn head_leaf(&self, cfg: &Arch) -> std::ops::Range<usize> {
         if !self.head {
             return 0..0;
         }
@@ -140,7 +140,7 @@ struct Scratch {
 }
 
 pub struct ModelPart {
-    pub cfg: GptConfig,
+    pub cfg: Arch,
     pub spec: PartSpec,
     /// Sequences per microbatch.
     pub b: usize,
@@ -179,7 +179,7 @@ pub struct ModelPart {
 /// embedding's if first, each block's, the final norm's if last, then the
 /// head's weight unless it is the embedding held here (a copy of wte if tied,
 /// lm_head if not). Every backend builds its parts from these.
-pub fn part_params(cfg: &GptConfig, spec: &PartSpec, seed: u64) -> Vec<Param> {
+pub fn part_params(cfg: &Arch, spec: &PartSpec, seed: u64) -> Vec<Param> {
     let mut params = Vec::new();
     let mut add = |list: Vec<(String, Vec<usize>)>| {
         for (name, shape) in list {
@@ -210,20 +210,14 @@ pub(super) fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Par
 }
 
 impl ModelPart {
-    pub fn new(cfg: GptConfig, spec: PartSpec, b: usize, seed: u64, recompute: bool) -> Self {
+    pub fn new(cfg: Arch, spec: PartSpec, b: usize, seed: u64, recompute: bool) -> Self {
         let params = part_params(&cfg, &spec, seed);
         ModelPart::from_params(cfg, spec, b, recompute, params)
     }
 
     /// The part holding `params` (`part_params`' tensors, in its order, with
     /// any values: initial, loaded or resumed).
-    pub fn from_params(
-        cfg: GptConfig,
-        spec: PartSpec,
-        b: usize,
-        recompute: bool,
-        params: Vec<Param>,
-    ) -> Self {
+    pub fn from_params(cfg: Arch, spec: PartSpec, b: usize, recompute: bool, params: Vec<Param>) -> Self {
         let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         let head = spec.head;

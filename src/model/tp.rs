@@ -20,7 +20,7 @@ use super::block::{
     block_backward_input, block_backward_weight, block_forward, cut_of, shard, shard_into, unshard_into,
     BlockActs, BlockGrads, BlockScratch, Exchange, TensorGroup, ThreadGroup, TpRank,
 };
-use super::params::{GptConfig, Param};
+use super::params::{Arch, Param};
 // PIPEWRIGHT_NONDET's random bias-gradient order is a per-thread switch: the
 // ranks' threads take the stage thread's, so the replay demo works at any tp.
 use super::part::PartSpec;
@@ -124,14 +124,14 @@ struct Rank {
 }
 
 /// Where local block `l`'s shards lie in a rank's parameters.
-fn block_range(cfg: &GptConfig, l: usize) -> std::ops::Range<usize> {
+fn block_range(cfg: &Arch, l: usize) -> std::ops::Range<usize> {
     let bl = cfg.block_len();
     bl * l..bl * (l + 1)
 }
 
 /// The ranks of a split part held in this process.
 pub struct TpRanks {
-    cfg: GptConfig,
+    cfg: Arch,
     shape: TpShape,
     /// The ranks held here.
     local: std::ops::Range<usize>,
@@ -154,7 +154,7 @@ impl TpRanks {
     /// stage's `threads` are shared out among the ranks held here.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        cfg: &GptConfig,
+        cfg: &Arch,
         spec: &PartSpec,
         b: usize,
         recompute: bool,
@@ -360,7 +360,7 @@ impl TpRanks {
         x: &[f32],
         out: &mut [f32],
         b: usize,
-        cfg: &GptConfig,
+        cfg: &Arch,
     ) {
         let cmd = TpCmd::Forward { key, l: l as u32, keep: blocks.is_some(), recompute };
         let given: &[&[f32]] = if l == 0 && !recompute { &[x] } else { &[] };
@@ -412,7 +412,7 @@ impl TpRanks {
         x: &[f32],
         dres: &mut [f32],
         b: usize,
-        cfg: &GptConfig,
+        cfg: &Arch,
         full: bool,
     ) {
         let nondet = random_order();
@@ -468,7 +468,7 @@ impl TpRanks {
         grads: &[BlockGrads],
         x: &[f32],
         b: usize,
-        cfg: &GptConfig,
+        cfg: &Arch,
     ) {
         let nondet = random_order();
         self.tell_all(TpCmd::BackwardWeight { key, l: l as u32, nondet }, &[], true);
@@ -545,7 +545,7 @@ struct Kept {
 /// Ranks of a part held in a process other than the part's: it runs what the
 /// owner's [`TpCmd`]s say, in their order, and joins the owner's group.
 pub struct TpFollower {
-    cfg: GptConfig,
+    cfg: Arch,
     spec: PartSpec,
     b: usize,
     ranks: TpRanks,
@@ -559,7 +559,7 @@ impl TpFollower {
     /// Ranks `local` of `shape` for the part of `spec`; shards arrive with the first Refresh.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        cfg: GptConfig,
+        cfg: Arch,
         spec: PartSpec,
         b: usize,
         recompute: bool,

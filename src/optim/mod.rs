@@ -12,7 +12,7 @@ pub mod zero;
 use crate::kernels::cpu::adamw::{adamw_update, AdamW};
 use crate::kernels::profile::{timed, Kernel};
 use crate::model::params::all_tensors;
-use crate::model::{GptConfig, ModelPart};
+use crate::model::{Arch, ModelPart};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ScheduleKind {
@@ -199,7 +199,7 @@ impl AdamState {
 }
 
 /// Total parameters that get weight decay, for reports.
-pub fn decayed_params(cfg: &GptConfig) -> usize {
+pub fn decayed_params(cfg: &Arch) -> usize {
     all_tensors(cfg).iter().filter(|(_, s)| s.len() >= 2).map(|(_, s)| s.iter().product::<usize>()).sum()
 }
 
@@ -244,7 +244,7 @@ mod tests {
     #[test]
     fn adamw_decays_two_dimensional_tensors_only_as_pytorch_does() {
         use crate::model::PartSpec;
-        let gpt = GptConfig::gpt2(2, 2, 8, 11, 5);
+        let gpt = Arch::gpt2(2, 2, 8, 11, 5);
         let mut part = ModelPart::new(gpt, PartSpec::whole(&gpt), 1, 3, false);
         for (i, p) in part.params.iter_mut().enumerate() {
             // Biases and LayerNorm start at 0 and 1; give every tensor values

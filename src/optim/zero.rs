@@ -11,7 +11,7 @@
 //! no communication.
 
 use crate::model::params::all_tensors;
-use crate::model::GptConfig;
+use crate::model::Arch;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -59,7 +59,7 @@ impl Shard {
 }
 
 /// The first norm slot of each tensor, by canonical index: slot = first[c] + block.
-pub fn first_slots(cfg: &GptConfig) -> Vec<usize> {
+pub fn first_slots(cfg: &Arch) -> Vec<usize> {
     let mut next = 0;
     all_tensors(cfg)
         .iter()
@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn norm_slots_follow_canonical_order_then_blocks() {
-        let cfg = GptConfig::gpt2(1, 2, 32, 100, 16);
+        let cfg = Arch::gpt2(1, 2, 32, 100, 16);
         let first = first_slots(&cfg);
         let sizes: Vec<usize> = all_tensors(&cfg).iter().map(|(_, s)| s.iter().product()).collect();
         assert_eq!(first[0], 0);

@@ -13,7 +13,7 @@ use super::flops::ModelShape;
 use crate::actors::Layout;
 use crate::config::{BackendKind, Config};
 use crate::model::tp::TpShape;
-use crate::model::GptConfig;
+use crate::model::Arch;
 use crate::schedule::{ActionKind, Costs, Schedule};
 use anyhow::Result;
 use serde::Serialize;
@@ -149,7 +149,7 @@ fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usiz
 /// of the `tp` ranks, microbatches of `b` sequences.
 #[derive(Clone, Copy)]
 struct TpSite<'a> {
-    gpt: &'a GptConfig,
+    gpt: &'a Arch,
     shape: &'a ModelShape,
     b: usize,
     tp: TpShape,
@@ -205,7 +205,7 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
 /// owner's and `follower_bytes` each other process's.
 pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     let layout = Layout::from_config(cfg)?;
-    let gpt = GptConfig::from_config(cfg);
+    let gpt = Arch::from_config(cfg);
     let shape = ModelShape::of(&gpt);
     let (c, t, v) = (gpt.n_embd as f64, gpt.block_size as f64, gpt.vocab_size as f64);
     let b = cfg.train.micro_batch_size;
@@ -386,7 +386,7 @@ fn stage_costs(layout: &Layout, shape: &ModelShape, vocab: usize, n: usize) -> (
 /// runs alone there gets no more than its threads.
 pub fn step_ms(cfg: &Config, gflops: f64, cores: usize) -> Result<f64> {
     let layout = Layout::from_config(cfg)?;
-    let gpt = GptConfig::from_config(cfg);
+    let gpt = Arch::from_config(cfg);
     let shape = ModelShape::of(&gpt);
     let n = cfg.train.micro_batch_size * gpt.block_size;
     let cores = cores.max(1) as f64;
@@ -554,7 +554,7 @@ mod tests {
     fn states_are_sixteen_bytes_per_parameter_and_every_parameter_is_counted_once() {
         let cfg = bench_config(2, 4);
         let p = plan(&cfg).unwrap();
-        let gpt = GptConfig::from_config(&cfg);
+        let gpt = Arch::from_config(&cfg);
         let counted: f64 = p.ranks.iter().map(|r| r.params).sum();
         // The last rank also holds the tied head's copy of wte.
         let wte = (gpt.vocab_size * gpt.n_embd) as f64;

@@ -56,7 +56,7 @@ impl ModelShape {
     }
 
     /// The shape of a model config, whichever its family.
-    pub fn of(cfg: &crate::model::GptConfig) -> Self {
+    pub fn of(cfg: &crate::model::Arch) -> Self {
         let mut s = ModelShape::gpt2(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size);
         if cfg.family == crate::config::Family::Llama {
             s.llama = Some(LlamaShape { kv_heads: cfg.kv_heads(), ffn: cfg.ffn(), tied: cfg.tied() });

@@ -795,7 +795,7 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
         });
         return Ok(format!("{v}\n"));
     }
-    let gpt = crate::model::GptConfig::from_config(&cfg);
+    let gpt = crate::model::Arch::from_config(&cfg);
     let m = &cfg.model;
     let mut t = format!(
         "model: {} {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}\n",

@@ -100,7 +100,7 @@ impl Divergence {
     /// Names the parameter a `grad_sumsq` difference is of, from the model the
     /// log was recorded with (a stage reports its Σg² by norm slot: one per
     /// block of each tensor, tensors in canonical order).
-    pub fn name_params(mut self, cfg: &crate::model::GptConfig) -> Divergence {
+    pub fn name_params(mut self, cfg: &crate::model::Arch) -> Divergence {
         if let Some(NumDiff { param: Some((slot, name)), .. }) = &mut self.diff {
             *name = slot_name(cfg, *slot);
         }
@@ -110,7 +110,7 @@ impl Divergence {
 
 /// `h.0.mlp.c_fc.weight` for a one-block tensor's slot, else
 /// `h.0.mlp.c_fc.weight, block 7 (elements 7168..8192)`.
-fn slot_name(cfg: &crate::model::GptConfig, slot: usize) -> Option<String> {
+fn slot_name(cfg: &crate::model::Arch, slot: usize) -> Option<String> {
     use crate::optim::zero;
     let first = zero::first_slots(cfg);
     let c = first.partition_point(|&f| f <= slot).checked_sub(1)?;
@@ -700,16 +700,16 @@ mod tests {
         let d =
             compare("stage-0", &entry(vec![], sums(2.0)), &entry(vec![], sums(2.5))).expect("a divergence");
         assert!(d.to_string().contains("grad_sumsq[1] (the Σg² of norm slot 3)"), "{d}");
-        let cfg = crate::model::GptConfig::gpt2(2, 2, 8, 10, 4);
+        let cfg = crate::model::Arch::gpt2(2, 2, 8, 10, 4);
         let named = d.name_params(&cfg).to_string();
         assert!(named.contains("(at grad_sumsq[1] (the Σg² of h.0.ln_1.bias);"), "{named}");
         // A wider model: wte (64·64 = 4 blocks) takes slots 0..4, wpe (4·64) slot 4.
-        let wide = crate::model::GptConfig::gpt2(1, 2, 64, 64, 4);
+        let wide = crate::model::Arch::gpt2(1, 2, 64, 64, 4);
         assert_eq!(slot_name(&wide, 2).as_deref(), Some("wte.weight, block 2 (elements 2048..3072)"));
         assert_eq!(slot_name(&wide, 4).as_deref(), Some("wpe.weight"));
         // A Llama's slots name its own tensors: embed_tokens (one block),
         // then block 0's input norm and q_proj, …, the untied head last.
-        let llama = crate::model::GptConfig::llama(1, 2, 1, 8, 12, 10, 4, 1e4);
+        let llama = crate::model::Arch::llama(1, 2, 1, 8, 12, 10, 4, 1e4);
         assert_eq!(slot_name(&llama, 0).as_deref(), Some("embed_tokens.weight"));
         assert_eq!(slot_name(&llama, 2).as_deref(), Some("layers.0.self_attn.q_proj.weight"));
         let last = crate::optim::zero::first_slots(&llama).last().copied().unwrap();

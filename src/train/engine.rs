@@ -6,7 +6,7 @@
 use crate::metrics::StepStats;
 use crate::model::part::{Mode, PartInput};
 use crate::model::tp::TpShape;
-use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::model::{Arch, ModelPart, PartSpec};
 use crate::optim::grad_tree::{Leaf, PartTree};
 use crate::optim::{self, AdamState, Hyper};
 
@@ -30,7 +30,7 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(cfg: &crate::config::Config) -> Self {
-        let gpt = GptConfig::from_config(cfg);
+        let gpt = Arch::from_config(cfg);
         let b = cfg.train.micro_batch_size;
         let threads = crate::host::thread_count(cfg.backend.threads);
         let tp = TpShape::from_config(cfg);
@@ -57,7 +57,7 @@ impl Engine {
             targets: vec![0; n],
             argmax: vec![0; n],
             norms: Vec::new(),
-            first_slots: optim::zero::first_slots(&GptConfig::from_config(cfg)),
+            first_slots: optim::zero::first_slots(&Arch::from_config(cfg)),
         }
     }
 
@@ -217,7 +217,7 @@ mod tests {
 
     fn pipeline_parts_allocate_nothing(llama: bool) {
         let cfg = small(false, llama);
-        let gpt = GptConfig::from_config(&cfg);
+        let gpt = Arch::from_config(&cfg);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         pool.install(|| {
             let first = PartSpec { layers: 0..1, embedding: true, head: false };

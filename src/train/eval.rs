@@ -9,7 +9,7 @@ use super::engine::Engine;
 use crate::config::{Config, DEFAULT_TOML};
 use crate::data::{Sampler, TokenFile, TokenSource};
 use crate::model::io::CONFIG_METADATA_KEY;
-use crate::model::{hf, io, GptConfig};
+use crate::model::{hf, io, Arch};
 use anyhow::{anyhow, bail, Result};
 use std::path::Path;
 
@@ -42,7 +42,7 @@ pub fn load_model(
     cfg.validate_for_eval()?;
     // Before fit: it enumerates every tensor the shape has, a loop over n_layer.
     crate::limits::check_inference(&cfg)?;
-    w.fit(&GptConfig::from_config(&cfg))?;
+    w.fit(&Arch::from_config(&cfg))?;
     Ok((cfg, w))
 }
 
@@ -102,7 +102,7 @@ pub fn eval_file(
     // One window per microbatch: batches of equal size have the windows' mean.
     cfg.train.micro_batch_size = 1;
     cfg.parallel.microbatches = 1;
-    let gpt = GptConfig::from_config(&cfg);
+    let gpt = Arch::from_config(&cfg);
     super::finite::check_finite(&w, "--weights")?;
     let file = TokenFile::open_as(data, gpt.vocab_size, cfg.data.format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;

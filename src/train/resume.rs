@@ -9,7 +9,7 @@
 
 use crate::checkpoint::{self, Loaded};
 use crate::config::Config;
-use crate::model::GptConfig;
+use crate::model::Arch;
 use crate::optim::LrSchedule;
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
@@ -45,7 +45,7 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
             changed_keys(&theirs, cfg, |k| k.starts_with("model.")).join("\n")
         );
     }
-    loaded.weights.check(&GptConfig::from_config(cfg))?;
+    loaded.weights.check(&Arch::from_config(cfg))?;
     if (step as usize) > cfg.train.steps {
         bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
     }

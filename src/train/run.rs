@@ -16,7 +16,7 @@ use crate::data::{
 use crate::host::signals::{self, StoppedBeforeStart};
 use crate::metrics::{gemm_peak, StepMetrics};
 use crate::model::io::{self, CONFIG_METADATA_KEY};
-use crate::model::GptConfig;
+use crate::model::Arch;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -333,7 +333,7 @@ pub fn train_on(
     cfg.validate()?;
     crate::limits::check(cfg)?;
     let gpus = crate::model::gpu::check_backend(cfg.backend.kind, &cfg.backend.devices)?;
-    let gpt = GptConfig::from_config(cfg);
+    let gpt = Arch::from_config(cfg);
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
     // Values the run decides are written back into the config, so config.toml

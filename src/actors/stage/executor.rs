@@ -11,7 +11,7 @@ use super::comm::{At, Comm, Group, Key, Stopped};
 use super::faults::{Faulty, InjectedError};
 use super::panic_text;
 use crate::model::part::Mode;
-use crate::model::GptConfig;
+use crate::model::Arch;
 use crate::optim::grad_tree::Span;
 use crate::optim::Hyper;
 use crate::replay::Blob;
@@ -24,7 +24,7 @@ pub struct Executor {
     pub rank: usize,
     pub replica: usize,
     pub layout: Layout,
-    pub gpt: GptConfig,
+    pub gpt: Arch,
     /// Global stage ids held here, ascending; chunk i of `compute` is stages[i].
     pub stages: Vec<usize>,
     pub compute: Faulty<dyn StageCompute>,

@@ -6,7 +6,7 @@
 use super::model::{is_out_of_memory, GpuModel};
 use crate::kernels::cuda::matmul::{gemm, GemmShape};
 use crate::kernels::cuda::{Bf16, CudaError, Gpu, Result};
-use crate::model::params::{all_tensors, init_tensor, GptConfig};
+use crate::model::params::{all_tensors, init_tensor, Arch};
 use crate::optim::Hyper;
 use crate::rng::{Purpose, Rng};
 use serde::Serialize;
@@ -22,7 +22,7 @@ const SEED: u64 = 1337;
 
 #[derive(Clone, Debug)]
 pub struct BenchArgs {
-    pub cfg: GptConfig,
+    pub cfg: Arch,
     /// Sequences per microbatch; None: the largest of MICRO_BATCHES that fits.
     pub micro_batch: Option<usize>,
     pub steps: usize,
@@ -106,7 +106,7 @@ pub fn matmul_rate(gpu: &Gpu, s: usize) -> Result<f64> {
 /// A model of microbatch `b` that has run one step, or the error (out of memory included).
 fn try_model<'g>(
     gpu: &'g Gpu,
-    cfg: GptConfig,
+    cfg: Arch,
     b: usize,
     weights: &[&[f32]],
     batches: &[(Vec<u32>, Vec<u32>)],
@@ -116,7 +116,7 @@ fn try_model<'g>(
     Ok((model, loss))
 }
 
-fn batches_for(cfg: &GptConfig, b: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
+fn batches_for(cfg: &Arch, b: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
     let n = b * cfg.block_size;
     (0..BATCHES)
         .map(|k| {

@@ -15,7 +15,7 @@ pub use crate::kernels::cuda::check::{line, run_all, table, Check, Group, Progre
 use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
 use crate::metrics::StepStats;
 use crate::model::part::{Mode, PartInput};
-use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::model::{Arch, ModelPart, PartSpec};
 use crate::optim::{self, AdamState, Hyper};
 use crate::rng::{Purpose, Rng};
 
@@ -29,11 +29,11 @@ pub fn run(gpu: &Gpu, only: Option<Group>, report: &mut dyn FnMut(Progress)) -> 
 // The whole-model step check: a model small enough for the CPU to step in a
 // moment, with every part of GPT-2 (two blocks, a padded vocabulary, two
 // microbatches of gradient accumulation, clipping on).
-const STEP_CFG: GptConfig = GptConfig::gpt2(2, 2, 128, 1000, 64);
+const STEP_CFG: Arch = Arch::gpt2(2, 2, 128, 1000, 64);
 // The same for a Llama: grouped-query attention (two query heads sharing one
 // key/value head, of size 64 as the f32 kernels take), a SwiGLU MLP of
 // width 192, RoPE, RMSNorms and an untied head.
-const LLAMA_STEP_CFG: GptConfig = GptConfig::llama(2, 2, 1, 128, 192, 1000, 64, 10_000.0);
+const LLAMA_STEP_CFG: Arch = Arch::llama(2, 2, 1, 128, 192, 1000, 64, 10_000.0);
 const STEP_B: usize = 2;
 const STEP_MICROBATCHES: usize = 2;
 const STEP_SEED: u64 = 7;
@@ -88,7 +88,7 @@ fn gpu_model<'g, X: Elem>(gpu: &'g Gpu, part: &ModelPart) -> Result<GpuModel<'g,
 /// Two steps of the GPU model in storage type X from the CPU model's initial
 /// weights: the losses against the CPU's (absolute difference < 1e-2), and in
 /// f32 the gradient norm and every gradient of the first step (relative < 1e-3).
-fn step_vs_cpu<X: Elem>(gpu: &Gpu, cfg: GptConfig, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+fn step_vs_cpu<X: Elem>(gpu: &Gpu, cfg: Arch, tag: &str, out: &mut Vec<Check>) -> Result<()> {
     let mut part = ModelPart::new(cfg, PartSpec::whole(&cfg), STEP_B, STEP_SEED, false);
     let mut adam = AdamState::new(&part);
     let mut model = gpu_model::<X>(gpu, &part)?;
@@ -127,7 +127,7 @@ fn step_vs_cpu<X: Elem>(gpu: &Gpu, cfg: GptConfig, tag: &str, out: &mut Vec<Chec
 
 /// The same two GPU steps twice from the same weights: losses, norms and
 /// master weights must repeat bit for bit.
-fn step_repeats<X: Elem>(gpu: &Gpu, cfg: GptConfig, tag: &str, out: &mut Vec<Check>) -> Result<()> {
+fn step_repeats<X: Elem>(gpu: &Gpu, cfg: Arch, tag: &str, out: &mut Vec<Check>) -> Result<()> {
     let part = ModelPart::new(cfg, PartSpec::whole(&cfg), STEP_B, STEP_SEED, false);
     let mut runs = vec![];
     for _ in 0..2 {
@@ -209,7 +209,7 @@ fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f
 /// the cut exactly (X → f32 → X), and each part accumulates in microbatch order.
 fn pipeline_parts_match_one_part<X: Elem>(
     gpu: &Gpu,
-    cfg: GptConfig,
+    cfg: Arch,
     tag: &str,
     out: &mut Vec<Check>,
 ) -> Result<()> {
@@ -257,7 +257,7 @@ fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     step_vs_cpu::<Bf16>(gpu, llama, "llama bf16", out)?;
     step_repeats::<Bf16>(gpu, llama, "llama bf16", out)?;
     pipeline_parts_match_one_part::<f32>(gpu, llama, "llama f32", out)?;
-    let tied = GptConfig { tie_word_embeddings: true, ..llama };
+    let tied = Arch { tie_word_embeddings: true, ..llama };
     step_vs_cpu::<f32>(gpu, tied, "llama tied f32", out)?;
     pipeline_parts_match_one_part::<f32>(gpu, tied, "llama tied f32", out)?;
     pipeline_parts_match_one_part::<Bf16>(gpu, tied, "llama tied bf16", out)?;

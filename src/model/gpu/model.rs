@@ -8,7 +8,7 @@
 use super::part::{GpuGrad, GpuInput, GpuPart};
 use crate::kernels::cuda::{ensure, CudaError, Elem, Gpu, Result};
 use crate::metrics::StepStats;
-use crate::model::params::{all_tensors, GptConfig, Param};
+use crate::model::params::{all_tensors, Arch, Param};
 use crate::model::part::{Mode, PartSpec};
 use crate::optim::{self, Hyper};
 
@@ -17,7 +17,7 @@ pub use super::part::{padded_vocab, TensorSlot};
 pub struct GpuModel<'g, X: Elem> {
     gpu: &'g Gpu,
     part: GpuPart<X>,
-    pub cfg: GptConfig,
+    pub cfg: Arch,
     /// Sequences per microbatch.
     pub b: usize,
     host_inputs: Vec<u32>,
@@ -29,7 +29,7 @@ impl<'g, X: Elem> GpuModel<'g, X> {
     /// order of a whole-model `ModelPart`'s params), for microbatches of `b`
     /// sequences of `cfg.block_size` tokens. Out of device memory is an error
     /// (`is_out_of_memory`), with everything allocated so far freed.
-    pub fn new(gpu: &'g Gpu, cfg: GptConfig, b: usize, weights: &[&[f32]]) -> Result<Self> {
+    pub fn new(gpu: &'g Gpu, cfg: Arch, b: usize, weights: &[&[f32]]) -> Result<Self> {
         let shapes = all_tensors(&cfg);
         ensure(weights.len() == shapes.len(), || {
             format!("{} weight tensors given, the model has {}", weights.len(), shapes.len())

@@ -37,7 +37,7 @@ use crate::model::llama::LlamaBlockShape;
 use crate::model::params::block::*;
 use crate::model::params::Family;
 use crate::model::part::{Mode, PartSpec};
-use crate::model::{GptConfig, Param};
+use crate::model::{Arch, Param};
 use crate::optim::Hyper;
 use std::collections::BTreeMap;
 
@@ -51,8 +51,8 @@ pub const ALIGN: usize = 128;
 
 /// Where each tensor of a part starts in the flat parameter buffer, and the
 /// buffer's length: offsets in `params` order, each a multiple of `ALIGN`;
-/// the tensors with a row per token (`GptConfig::vocab_rows`) take `vp` rows.
-pub fn tensor_layout(cfg: &GptConfig, params: &[Param], vp: usize) -> (Vec<TensorSlot>, usize) {
+/// the tensors with a row per token (`Arch::vocab_rows`) take `vp` rows.
+pub fn tensor_layout(cfg: &Arch, params: &[Param], vp: usize) -> (Vec<TensorSlot>, usize) {
     let mut tensors = Vec::with_capacity(params.len());
     let mut offset = 0;
     for p in params {
@@ -80,7 +80,7 @@ pub fn padded_vocab(v: usize) -> usize {
 /// (offset, length) run: the final norm's tensors and, untied, the head's
 /// own weight after them, with only alignment padding between them; None
 /// without the head.
-pub fn head_norm_run(tensors: &[TensorSlot], spec: &PartSpec, cfg: &GptConfig) -> Option<(usize, usize)> {
+pub fn head_norm_run(tensors: &[TensorSlot], spec: &PartSpec, cfg: &Arch) -> Option<(usize, usize)> {
     let run = spec.head_leaf(cfg);
     let (first, last) = (tensors.get(run.start)?, tensors.get(run.end.checked_sub(1)?)?);
     Some((first.offset, last.offset + last.stored - first.offset))
@@ -164,7 +164,7 @@ pub(super) enum Acts<X: Elem> {
 
 impl<X: Elem> Acts<X> {
     /// For a rank holding `size`'s share of the block.
-    fn new(gpu: &Gpu, cfg: &GptConfig, b: usize, size: usize) -> Result<Self> {
+    fn new(gpu: &Gpu, cfg: &Arch, b: usize, size: usize) -> Result<Self> {
         let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
         Ok(match cfg.family {
             Family::Gpt2 => Acts::Gpt2(BlockActs::new(gpu, b, t, c, nh, size)?),
@@ -269,7 +269,7 @@ impl<X: Elem> Scratch<X> {
 }
 
 pub struct GpuPart<X: Elem> {
-    pub cfg: GptConfig,
+    pub cfg: Arch,
     pub spec: PartSpec,
     /// Sequences per microbatch.
     pub b: usize,
@@ -343,7 +343,7 @@ impl<X: Elem> GpuPart<X> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: &Gpu,
-        cfg: GptConfig,
+        cfg: Arch,
         spec: PartSpec,
         b: usize,
         recompute: bool,
@@ -360,7 +360,7 @@ impl<X: Elem> GpuPart<X> {
     #[allow(clippy::too_many_arguments)]
     pub fn new_rank(
         gpu: &Gpu,
-        cfg: GptConfig,
+        cfg: Arch,
         spec: PartSpec,
         b: usize,
         recompute: bool,
@@ -666,7 +666,7 @@ impl<X: Elem> GpuPart<X> {
         if self.cfg.family == Family::Llama {
             return self.llama_block_forward(gpu, k, l, recomputing);
         }
-        let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
+        let Arch { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
         let base = self.spec.block_base(&self.cfg, l);
         let w = |i: usize| self.w(base + i);
@@ -871,7 +871,7 @@ impl<X: Elem> GpuPart<X> {
         if self.cfg.family == Family::Llama {
             return self.llama_block_backward(gpu, k, l);
         }
-        let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
+        let Arch { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (b, n) = (self.b, self.n());
         let base = self.spec.block_base(&self.cfg, l);
         let (w, g) = (|i: usize| self.w(base + i), |i: usize| self.g(base + i));
@@ -1263,7 +1263,7 @@ mod tests {
     use super::*;
     use crate::model::params::all_tensors;
 
-    fn params(cfg: &GptConfig) -> Vec<Param> {
+    fn params(cfg: &Arch) -> Vec<Param> {
         all_tensors(cfg)
             .into_iter()
             .enumerate()
@@ -1276,7 +1276,7 @@ mod tests {
 
     #[test]
     fn the_head_leaf_run_is_exactly_ln_f_weight_and_bias_and_absent_without_the_head() {
-        let cfg = GptConfig::gpt2(3, 3, 192, 1000, 64);
+        let cfg = Arch::gpt2(3, 3, 192, 1000, 64);
         let spec = PartSpec { layers: 2..3, embedding: false, head: true };
         let all = params(&cfg);
         // A head-only part: block 2, ln_f, then the tied copy of wte.
@@ -1300,8 +1300,7 @@ mod tests {
     #[test]
     fn a_llama_head_run_is_the_norm_then_its_own_lm_head_untied_and_the_norm_alone_tied() {
         for tied in [false, true] {
-            let cfg =
-                GptConfig { tie_word_embeddings: tied, ..GptConfig::llama(3, 2, 1, 128, 192, 1000, 64, 1e4) };
+            let cfg = Arch { tie_word_embeddings: tied, ..Arch::llama(3, 2, 1, 128, 192, 1000, 64, 1e4) };
             let spec = PartSpec { layers: 2..3, embedding: false, head: true };
             let all = params(&cfg);
             let mut ps: Vec<Param> = all
@@ -1331,7 +1330,7 @@ mod tests {
         // n_embd = 192: biases of 192 and 576 elements are 64 × odd, the sizes
         // that left the next tensor 128 bytes off a 256-byte boundary.
         for c in [192, 320, 768] {
-            let cfg = GptConfig::gpt2(2, c / 64, c, 1000, 64);
+            let cfg = Arch::gpt2(2, c / 64, c, 1000, 64);
             let ps = params(&cfg);
             let (tensors, total) = tensor_layout(&cfg, &ps, padded_vocab(cfg.vocab_size));
             let mut end = 0;

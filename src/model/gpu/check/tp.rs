@@ -10,15 +10,15 @@ use crate::kernels::cuda::nccl::NcclType;
 use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
 use crate::model::gpu::part::{GpuGrad, GpuInput, TpDevices, TpPart};
 use crate::model::part::Mode;
-use crate::model::{GptConfig, ModelPart, PartSpec};
+use crate::model::{Arch, ModelPart, PartSpec};
 use crate::optim::{self, AdamState};
 
 /// Four heads of 64, so 1, 2 and 4 ranks each take whole slices of 4.
-const TP_CFG: GptConfig = GptConfig::gpt2(2, 4, 256, 1000, 64);
+const TP_CFG: Arch = Arch::gpt2(2, 4, 256, 1000, 64);
 const SLICES: usize = 4;
 /// A Llama of four query heads of 64 over two key/value heads, split into
 /// two slices (a slice is whole groups): 1 and 2 ranks.
-const LLAMA_TP_CFG: GptConfig = GptConfig::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0);
+const LLAMA_TP_CFG: Arch = Arch::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0);
 const LLAMA_SLICES: usize = 2;
 
 /// What two steps leave: each step's loss and gradient norm, then the master
@@ -40,7 +40,7 @@ enum Ranks {
 #[allow(clippy::too_many_arguments)]
 fn tp_run<X: Elem + NcclType>(
     gpu: &Gpu,
-    cfg: GptConfig,
+    cfg: Arch,
     slices: usize,
     params: &[crate::model::Param],
     size: usize,
@@ -84,7 +84,7 @@ fn tp_run<X: Elem + NcclType>(
 /// rank's bits; in f32 the sliced step's gradients match the CPU model's.
 fn tp_checks_in<X: Elem + NcclType>(
     gpu: &Gpu,
-    (cfg, slices): (GptConfig, usize),
+    (cfg, slices): (Arch, usize),
     gpus: usize,
     tag: &str,
     out: &mut Vec<Check>,

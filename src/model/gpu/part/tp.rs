@@ -36,7 +36,7 @@ use crate::kernels::cuda::{ensure, CudaError, Elem, Gpu, Result};
 use crate::model::params::block::*;
 use crate::model::params::Family;
 use crate::model::part::{Mode, PartSpec};
-use crate::model::{GptConfig, Param};
+use crate::model::{Arch, Param};
 use std::cell::Cell;
 
 /// Which tensor-parallel rank a part computes, of how many, over how many slices.
@@ -61,7 +61,7 @@ impl GpuTp {
         self.slices / self.size
     }
 
-    pub(super) fn check(&self, cfg: &GptConfig) -> Result<()> {
+    pub(super) fn check(&self, cfg: &Arch) -> Result<()> {
         let GpuTp { rank, size, slices } = *self;
         // A Llama slice is whole key/value groups and a block of MLP rows (as llama.rs cuts it).
         ensure(
@@ -216,7 +216,7 @@ impl<X: Elem> GpuPart<X> {
         if self.cfg.family == Family::Llama {
             return self.llama_tp_attention(gpu, k, l, recomputing);
         }
-        let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
+        let Arch { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (n, base, size) = (self.n(), self.spec.block_base(&self.cfg, l), self.tp.size);
         let w = |i: usize| self.w(base + i);
         let x = &self.slots[k].stream[l];
@@ -358,7 +358,7 @@ impl<X: Elem> GpuPart<X> {
         if self.cfg.family == Family::Llama {
             return self.llama_tp_back_attention(gpu, k, l);
         }
-        let GptConfig { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
+        let Arch { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
         let (base, s, size) = (self.spec.block_base(&self.cfg, l), &self.s, self.tp.size);
         let a = self.backward_acts(k, l).gpt2()?;
         self.join(gpu, &s.dln, None)?;
@@ -607,7 +607,7 @@ impl<X: Elem + NcclType> TpPart<X> {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &TpDevices,
-        cfg: GptConfig,
+        cfg: Arch,
         spec: PartSpec,
         b: usize,
         recompute: bool,
@@ -837,7 +837,7 @@ mod tests {
     fn a_gpu_rank_holds_the_cpu_rank_s_shard_of_every_split_weight() {
         use crate::model::block::{cut_of, shard};
         let c = 16;
-        let gpt2 = crate::model::GptConfig::gpt2(1, 4, c, 10, 4);
+        let gpt2 = crate::model::Arch::gpt2(1, 4, c, 10, 4);
         for (i, width, parts, rows_cut) in [
             (QKVW, 3 * c, 3, false),
             (QKVB, 3 * c, 3, false),
@@ -884,7 +884,7 @@ mod tests {
 
     #[test]
     fn ranks_and_slices_that_do_not_divide_the_heads_or_each_other_are_refused() {
-        let cfg = GptConfig::gpt2(2, 4, 256, 100, 8);
+        let cfg = Arch::gpt2(2, 4, 256, 100, 8);
         let ok = |rank, size, slices| GpuTp { rank, size, slices }.check(&cfg).is_ok();
         assert!(ok(0, 1, 1) && ok(1, 2, 4) && ok(3, 4, 4));
         assert!(!ok(0, 4, 2), "fewer slices than ranks");
