@@ -33,7 +33,7 @@ pub struct BenchReport {
 }
 
 pub fn run(cfg: &Config, steps: usize, warmup: usize, mut progress: impl FnMut(usize, f64)) -> BenchReport {
-    let gpt = Arch::from_config(cfg);
+    let gpt = cfg.arch();
     let mut engine = Engine::new(cfg);
     let n = engine.tokens_per_step() / engine.microbatches;
     let vocab = gpt.vocab_size as u64;
@@ -130,7 +130,7 @@ pub fn pipeline_rows(
     pps: &[usize],
     microbatches: usize,
 ) -> anyhow::Result<Vec<PipelineRow>> {
-    let gpt = Arch::from_config(cfg);
+    let gpt = cfg.arch();
     let mut rows = Vec::new();
     for &pp in pps {
         if pp > gpt.n_layer {

@@ -4,10 +4,14 @@
 //! Never touches files other than the config being read: whether data files
 //! exist, or a backend can start, is for the layers that use them to say.
 
-use std::fmt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+pub use crate::check::Problem;
+use crate::check::{quoted, Checks};
+use crate::choice;
+pub use crate::model::section::{ModelSection, RopeScalingSection};
 
 pub use crate::data::sampler::SamplerKind;
 pub use crate::data::token_file::FileFormat;
@@ -22,29 +26,6 @@ pub const MAX_SIM_MS: f64 = 60_000.0;
 pub const MAX_STAGE_FACTOR: f64 = 100.0;
 /// The longest `recovery.shutdown_timeout_s`: an hour to finish a checkpoint.
 pub const MAX_SHUTDOWN_TIMEOUT_S: f64 = 3600.0;
-
-/// A closed set of choices a config names in TOML by a fixed lower-case name.
-/// serde reads and writes the names (an unknown one is refused with the field
-/// and the names accepted); `name()` is the same text for messages.
-macro_rules! choice {
-    ($(#[$m:meta])* pub enum $t:ident { $($(#[$vm:meta])* $v:ident = $n:literal),+ $(,)? }) => {
-        $(#[$m])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-        pub enum $t { $($(#[$vm])* #[serde(rename = $n)] $v),+ }
-
-        impl $t {
-            pub fn name(self) -> &'static str {
-                match self { $($t::$v => $n),+ }
-            }
-        }
-
-        impl fmt::Display for $t {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.name())
-            }
-        }
-    };
-}
 
 choice! {
     /// What the stages compute with (`backend.kind`).
@@ -81,17 +62,6 @@ choice! {
         /// Warmup-stable-decay.
         Wsd = "wsd",
         Constant = "constant",
-    }
-}
-
-choice! {
-    /// The architecture (`model.family`).
-    pub enum Family {
-        /// GPT-2: LayerNorm, learned positions, GELU MLP, biases, tied head.
-        Gpt2 = "gpt2",
-        /// Llama: RMSNorm, rotary positions, SwiGLU MLP, grouped-query
-        /// attention, no biases, untied head unless tied.
-        Llama = "llama",
     }
 }
 
@@ -196,35 +166,6 @@ impl Default for CheckpointSection {
 pub struct TraceSection {
     /// Write trace.json (Chrome Trace Event format) into the run directory.
     pub enabled: bool,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelSection {
-    /// "gpt2" or "llama".
-    pub family: Family,
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub n_embd: usize,
-    /// Key/value heads (Llama's `num_key_value_heads`), dividing `n_head`;
-    /// 0 means one per query head. GPT-2 has one per query head.
-    pub n_kv_head: usize,
-    /// Width of the MLP's hidden layer (`intermediate_size`); 0 means
-    /// GPT-2's 4·n_embd, which is the only width GPT-2 takes.
-    pub intermediate_size: usize,
-    /// Llama: the rotary embedding's base.
-    pub rope_theta: f64,
-    /// Llama: RMSNorm's epsilon.
-    pub rms_norm_eps: f64,
-    /// Llama: whether the LM head reads the token embedding (Hugging
-    /// Face's name; untied unless set). GPT-2's head always does, whatever
-    /// this says, as it ignores the other Llama fields.
-    pub tie_word_embeddings: bool,
-    /// Tokens the model can predict; the embedding is padded internally to a
-    /// multiple of 64 but padded rows are never predicted nor exported.
-    pub vocab_size: usize,
-    /// Sequence length T (and rows of the position embedding).
-    pub block_size: usize,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -394,24 +335,6 @@ impl Default for SimSection {
     }
 }
 
-impl Default for ModelSection {
-    fn default() -> Self {
-        ModelSection {
-            family: Family::Gpt2,
-            n_layer: 12,
-            n_head: 12,
-            n_embd: 768,
-            n_kv_head: 0,
-            intermediate_size: 0,
-            rope_theta: 10_000.0,
-            rms_norm_eps: 1e-5,
-            tie_word_embeddings: false,
-            vocab_size: 50257,
-            block_size: 1024,
-        }
-    }
-}
-
 impl Default for DataSection {
     fn default() -> Self {
         DataSection {
@@ -487,57 +410,8 @@ impl Default for BackendSection {
     }
 }
 
-impl ModelSection {
-    /// Width of one attention head. Only meaningful on a validated config,
-    /// where `n_embd % n_head == 0` has been checked.
-    pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head
-    }
-
-    /// Key/value heads: `n_kv_head`, or one per query head.
-    pub fn kv_heads(&self) -> usize {
-        match (self.family, self.n_kv_head) {
-            (Family::Llama, k) if k > 0 => k,
-            _ => self.n_head,
-        }
-    }
-
-    /// The MLP's hidden width.
-    pub fn ffn_width(&self) -> usize {
-        match (self.family, self.intermediate_size) {
-            (Family::Llama, f) if f > 0 => f,
-            _ => 4 * self.n_embd,
-        }
-    }
-
-    /// Whether the head reads the token embedding.
-    pub fn tied(&self) -> bool {
-        match self.family {
-            Family::Gpt2 => true,
-            Family::Llama => self.tie_word_embeddings,
-        }
-    }
-}
-
 /// Where a config came from, as error messages should name it.
 const DEFAULT_ORIGIN: &str = "<embedded default config>";
-
-/// One broken rule found by [`Config::validate`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct Problem {
-    /// The field's path, e.g. `model.n_head`.
-    pub path: String,
-    /// The value given, as written in TOML.
-    pub value: String,
-    /// What was expected instead.
-    pub expected: String,
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}: {}", self.path, self.value, self.expected)
-    }
-}
 
 /// Everything that can be wrong with a config, each naming where.
 #[derive(Debug, thiserror::Error)]
@@ -635,12 +509,35 @@ impl Config {
         })
     }
 
+    /// The model of a validated config.
+    pub fn arch(&self) -> crate::model::Arch {
+        self.model.arch().unwrap_or_else(|p| panic!("the model of a validated config: {p:?}"))
+    }
+
     /// Checks every rule a run depends on and reports all broken ones, each as
-    /// `field path: value given: what was expected`.
+    /// `field path: value given: what was expected`: each section's own
+    /// rules (the model's live with the model, `model::section`), then the
+    /// rules that tie sections together.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let mut v = Validator::default();
-        self.check_model(&mut v);
-        let m = &self.model;
+        let mut v = Checks::default();
+        self.model.check(&mut v);
+        self.check_train(&mut v);
+        self.check_data(&mut v);
+        self.check_optim(&mut v);
+        self.check_loss_scale(&mut v);
+        self.check_parallel(&mut v);
+        self.check_zero(&mut v);
+        self.check_tp(&mut v);
+        self.check_backend(&mut v);
+        self.check_sim(&mut v);
+        self.check_recovery(&mut v);
+        self.check_checkpoint(&mut v);
+        self.check_replay(&mut v);
+        finish(v)
+    }
+
+    /// `[train]`: counts that must be positive.
+    fn check_train(&self, v: &mut Checks) {
         for (path, value) in [
             ("train.steps", self.train.steps),
             ("train.micro_batch_size", self.train.micro_batch_size),
@@ -648,7 +545,10 @@ impl Config {
         ] {
             v.check(value > 0, path, value, "must be > 0");
         }
+    }
 
+    /// `[data]`: a built-in corpus or token files, never both.
+    fn check_data(&self, v: &mut Checks) {
         let d = &self.data;
         if d.builtin == Builtin::Files {
             v.check(
@@ -673,7 +573,10 @@ impl Config {
                 );
             }
         }
+    }
 
+    /// `[optim]`: the learning rates, decay, betas, eps and clipping.
+    fn check_optim(&self, v: &mut Checks) {
         let o = &self.optim;
         let lr_ok = o.lr > 0.0 && o.lr.is_finite();
         v.check(lr_ok, "optim.lr", o.lr, "must be finite and > 0");
@@ -713,7 +616,47 @@ impl Config {
             o.grad_clip,
             "must be finite and >= 0 (0 disables clipping)",
         );
+    }
 
+    /// `[optim]`'s loss scaler: powers of two that grow and back off.
+    fn check_loss_scale(&self, v: &mut Checks) {
+        let o = &self.optim;
+        let pow2 = |x: f64| x > 0.0 && x.is_finite() && x.log2().fract() == 0.0;
+        v.check(
+            pow2(o.loss_scale_init),
+            "optim.loss_scale_init",
+            o.loss_scale_init,
+            "must be a power of two",
+        );
+        v.check(pow2(o.loss_scale_min), "optim.loss_scale_min", o.loss_scale_min, "must be a power of two");
+        v.check(
+            o.loss_scale_growth_interval >= 1,
+            "optim.loss_scale_growth_interval",
+            o.loss_scale_growth_interval,
+            "must be >= 1",
+        );
+        v.check(
+            o.loss_scale_hysteresis >= 1,
+            "optim.loss_scale_hysteresis",
+            o.loss_scale_hysteresis,
+            "must be >= 1",
+        );
+        v.check(
+            pow2(o.loss_scale_growth_factor) && o.loss_scale_growth_factor > 1.0,
+            "optim.loss_scale_growth_factor",
+            o.loss_scale_growth_factor,
+            "must be a power of two > 1 (2, 4, …)",
+        );
+        v.check(
+            pow2(o.loss_scale_backoff_factor) && o.loss_scale_backoff_factor < 1.0,
+            "optim.loss_scale_backoff_factor",
+            o.loss_scale_backoff_factor,
+            "must be a power of two < 1 (0.5, 0.25, …)",
+        );
+    }
+
+    /// `[parallel]`: the pipeline's shape against the model and the schedule.
+    fn check_parallel(&self, v: &mut Checks) {
         let p = &self.parallel;
         for (path, value) in
             [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.microbatches", p.microbatches)]
@@ -721,10 +664,13 @@ impl Config {
             v.check(value >= 1, path, value, "must be >= 1");
         }
         v.check(
-            p.pp <= m.n_layer,
+            p.pp <= self.model.n_layer,
             "parallel.pp",
             p.pp,
-            format!("must be <= model.n_layer ({}): every stage needs at least one block", m.n_layer),
+            format!(
+                "must be <= model.n_layer ({}): every stage needs at least one block",
+                self.model.n_layer
+            ),
         );
         v.check(
             p.chunks >= 1 && p.schedule.chunks_for(p.chunks).is_some(),
@@ -739,10 +685,11 @@ impl Config {
             "the split backward of the zero-bubble schedules (zb-h1, zb-v) keeps activations until W; \
              recompute is not supported with them",
         );
+    }
 
-        self.check_zero(&mut v);
-        self.check_tp(&mut v);
-        let devices = &self.backend.devices;
+    /// `[backend]`: GPU ordinals per rank, and what the GPU backend runs.
+    fn check_backend(&self, v: &mut Checks) {
+        let (p, devices) = (&self.parallel, &self.backend.devices);
         let per_rank = p.pp * p.tp;
         v.check(
             devices.is_empty()
@@ -780,6 +727,10 @@ impl Config {
             "the split backward (I and W) of zero-bubble schedules is built for the CPU backend only; \
              with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
         );
+    }
+
+    /// `[sim]`: the simulated costs, and a factor per stage.
+    fn check_sim(&self, v: &mut Checks) {
         let sim = &self.sim;
         // The sim backend sleeps each action's time (times its stage factor
         // and jitter) as a Duration, which panics past 2^64 s; far below
@@ -797,38 +748,23 @@ impl Config {
             format!("must be in [sim.weight_ms ({}), {MAX_SIM_MS}] ms, sim.weight_ms >= 0", sim.weight_ms),
         );
         v.check((0.0..1.0).contains(&sim.jitter), "sim.jitter", sim.jitter, "must be in [0, 1)");
-        let pow2 = |x: f64| x > 0.0 && x.is_finite() && x.log2().fract() == 0.0;
         v.check(
-            pow2(o.loss_scale_init),
-            "optim.loss_scale_init",
-            o.loss_scale_init,
-            "must be a power of two",
+            sim.stage_factors.iter().all(|f| *f > 0.0 && *f <= MAX_STAGE_FACTOR),
+            "sim.stage_factors",
+            format!("{:?}", sim.stage_factors),
+            format!("every factor must be in (0, {MAX_STAGE_FACTOR}]"),
         );
-        v.check(pow2(o.loss_scale_min), "optim.loss_scale_min", o.loss_scale_min, "must be a power of two");
+        let stages = self.parallel.pp * self.parallel.chunks;
         v.check(
-            o.loss_scale_growth_interval >= 1,
-            "optim.loss_scale_growth_interval",
-            o.loss_scale_growth_interval,
-            "must be >= 1",
+            sim.stage_factors.is_empty() || sim.stage_factors.len() == stages,
+            "sim.stage_factors",
+            format!("{:?}", sim.stage_factors),
+            format!("one factor per stage: parallel.pp × parallel.chunks = {stages} (or none)"),
         );
-        v.check(
-            o.loss_scale_hysteresis >= 1,
-            "optim.loss_scale_hysteresis",
-            o.loss_scale_hysteresis,
-            "must be >= 1",
-        );
-        v.check(
-            pow2(o.loss_scale_growth_factor) && o.loss_scale_growth_factor > 1.0,
-            "optim.loss_scale_growth_factor",
-            o.loss_scale_growth_factor,
-            "must be a power of two > 1 (2, 4, …)",
-        );
-        v.check(
-            pow2(o.loss_scale_backoff_factor) && o.loss_scale_backoff_factor < 1.0,
-            "optim.loss_scale_backoff_factor",
-            o.loss_scale_backoff_factor,
-            "must be a power of two < 1 (0.5, 0.25, …)",
-        );
+    }
+
+    /// `[recovery]`: the shutdown wait and the spike detector.
+    fn check_recovery(&self, v: &mut Checks) {
         let r = &self.recovery;
         v.check(
             r.shutdown_timeout_s > 0.0 && r.shutdown_timeout_s <= MAX_SHUTDOWN_TIMEOUT_S,
@@ -845,12 +781,20 @@ impl Config {
         v.check(r.spike_window >= 2, "recovery.spike_window", r.spike_window, "must be >= 2");
         v.check(r.spike_factor >= 0.0, "recovery.spike_factor", r.spike_factor, "must be >= 0 (0: off)");
         v.check(r.spike_zscore >= 0.0, "recovery.spike_zscore", r.spike_zscore, "must be >= 0 (0: off)");
+    }
+
+    /// `[checkpoint]`: a fallback behind the newest.
+    fn check_checkpoint(&self, v: &mut Checks) {
         v.check(
             self.checkpoint.keep >= 2,
             "checkpoint.keep",
             self.checkpoint.keep,
             "must be >= 2, so a damaged newest checkpoint has a fallback",
         );
+    }
+
+    /// `[replay]`: the actors whose payloads are kept exist.
+    fn check_replay(&self, v: &mut Checks) {
         for a in &self.replay.payloads {
             v.check(
                 self.actor_exists(a),
@@ -859,21 +803,6 @@ impl Config {
                 "an actor of this run (\"all\", \"coordinator\", \"reducer\", \"monitor\", \"checkpointer\", \"loader-R\", \"stage-S\" or \"stage-S.R\")",
             );
         }
-        v.check(
-            sim.stage_factors.iter().all(|f| *f > 0.0 && *f <= MAX_STAGE_FACTOR),
-            "sim.stage_factors",
-            format!("{:?}", sim.stage_factors),
-            format!("every factor must be in (0, {MAX_STAGE_FACTOR}]"),
-        );
-        let stages = p.pp * p.chunks;
-        v.check(
-            sim.stage_factors.is_empty() || sim.stage_factors.len() == stages,
-            "sim.stage_factors",
-            format!("{:?}", sim.stage_factors),
-            format!("one factor per stage: parallel.pp × parallel.chunks = {stages} (or none)"),
-        );
-
-        v.finish()
     }
 
     /// Checks only what evaluating saved weights on a token file uses: the
@@ -881,7 +810,7 @@ impl Config {
     /// training settings are left alone: `eval` never reads them.
     /// ZeRO-1 shares optimizer state out between replicas, so it needs more
     /// than one, and only the CPU backend implements it.
-    fn check_zero(&self, v: &mut Validator) {
+    fn check_zero(&self, v: &mut Checks) {
         let p = &self.parallel;
         v.check(p.zero <= 1, "parallel.zero", p.zero, "must be 0 or 1");
         if p.zero == 1 {
@@ -899,7 +828,7 @@ impl Config {
 
     /// Tensor parallelism cuts heads into whole slices and each rank takes
     /// whole slices; a GPU joins at most 64 subtree sums in one kernel.
-    fn check_tp(&self, v: &mut Validator) {
+    fn check_tp(&self, v: &mut Checks) {
         let p = &self.parallel;
         v.check(p.tp >= 1 && p.tp.is_power_of_two(), "parallel.tp", p.tp, "must be a power of two >= 1");
         v.check(
@@ -925,33 +854,32 @@ impl Config {
                 p.tp_slices,
                 format!("must divide model.n_head = {} (a slice is whole heads)", self.model.n_head),
             );
-            let llama = self.model.family == Family::Llama;
+            // Every family's heads split the same way: a rank holds whole key/value groups.
+            // (With a key/value head per query head the heads' rule above says it all.)
+            let kv = self.model.kv_heads();
+            let grouped = kv != self.model.n_head;
             v.check(
-                !llama || self.model.kv_heads().is_multiple_of(p.tp),
+                !grouped || kv.is_multiple_of(p.tp),
                 "parallel.tp",
                 p.tp,
                 format!(
-                    "must divide the key/value heads = {} (model.n_kv_head: each rank holds whole groups)",
-                    self.model.kv_heads()
+                    "must divide the key/value heads = {kv} (model.n_kv_head: each rank holds whole groups)"
                 ),
             );
             v.check(
-                !llama
-                    || !self.model.kv_heads().is_multiple_of(p.tp)
-                    || self.model.kv_heads().is_multiple_of(p.tp_slices),
+                !grouped || !kv.is_multiple_of(p.tp) || kv.is_multiple_of(p.tp_slices),
                 "parallel.tp_slices",
                 p.tp_slices,
-                format!(
-                    "must divide the key/value heads = {} (model.n_kv_head: a slice is whole groups)",
-                    self.model.kv_heads()
-                ),
+                format!("must divide the key/value heads = {kv} (model.n_kv_head: a slice is whole groups)"),
             );
-            v.check(
-                self.model.ffn_width().is_multiple_of(p.tp_slices),
-                "parallel.tp_slices",
-                p.tp_slices,
-                format!("must divide model.intermediate_size = {}", self.model.ffn_width()),
-            );
+            if let Ok(arch) = self.model.arch() {
+                v.check(
+                    arch.ffn.is_multiple_of(p.tp_slices),
+                    "parallel.tp_slices",
+                    p.tp_slices,
+                    format!("must divide the MLP's width = {} (model.intermediate_size)", arch.ffn),
+                );
+            }
         }
         let kind = self.backend.kind;
         v.check(
@@ -976,97 +904,9 @@ impl Config {
     }
 
     pub fn validate_for_eval(&self) -> Result<(), ConfigError> {
-        let mut v = Validator::default();
-        self.check_model(&mut v);
-        v.finish()
-    }
-
-    fn check_model(&self, v: &mut Validator) {
-        let m = &self.model;
-        for (path, value) in [
-            ("model.n_layer", m.n_layer),
-            ("model.n_head", m.n_head),
-            ("model.n_embd", m.n_embd),
-            ("model.vocab_size", m.vocab_size),
-        ] {
-            v.check(value > 0, path, value, "must be > 0");
-        }
-        if m.n_head > 0 {
-            v.check(
-                m.n_embd.is_multiple_of(m.n_head),
-                "model.n_embd",
-                m.n_embd,
-                format!("must be divisible by model.n_head ({})", m.n_head),
-            );
-        }
-        self.check_family(v);
-        // Token ids travel as i32 (llm.c's format, the kernels' indices).
-        v.check(m.vocab_size <= 1 << 31, "model.vocab_size", m.vocab_size, "must be <= 2^31 (2147483648)");
-        // One position predicts the next: a window of one token has no target.
-        v.check(m.block_size >= 2, "model.block_size", m.block_size, "must be >= 2");
-    }
-
-    /// The fields one family reads and the other refuses.
-    fn check_family(&self, v: &mut Validator) {
-        let m = &self.model;
-        match m.family {
-            Family::Gpt2 => {
-                v.check(
-                    m.n_kv_head == 0 || m.n_kv_head == m.n_head,
-                    "model.n_kv_head",
-                    m.n_kv_head,
-                    "must be 0 or model.n_head with model.family = \"gpt2\" (GPT-2 has a key/value head per \
-                     query head; grouped-query attention is model.family = \"llama\")",
-                );
-                v.check(
-                    m.intermediate_size == 0 || m.intermediate_size == 4 * m.n_embd,
-                    "model.intermediate_size",
-                    m.intermediate_size,
-                    format!("must be 0 or 4·model.n_embd = {} with model.family = \"gpt2\"", 4 * m.n_embd),
-                );
-            }
-            Family::Llama => {
-                let kv = m.kv_heads();
-                if m.n_head > 0 {
-                    v.check(
-                        kv > 0 && m.n_head.is_multiple_of(kv),
-                        "model.n_kv_head",
-                        m.n_kv_head,
-                        format!(
-                            "must divide model.n_head = {} (each key/value head serves a group)",
-                            m.n_head
-                        ),
-                    );
-                    v.check(
-                        m.head_dim().is_multiple_of(2) && m.n_embd.is_multiple_of(m.n_head),
-                        "model.n_embd",
-                        m.n_embd,
-                        format!(
-                            "must be model.n_head ({}) times an even head width (rotary embeddings turn pairs)",
-                            m.n_head
-                        ),
-                    );
-                }
-                v.check(
-                    m.intermediate_size > 0,
-                    "model.intermediate_size",
-                    m.intermediate_size,
-                    "must be > 0 with model.family = \"llama\" (the SwiGLU MLP's width)",
-                );
-                v.check(
-                    m.rope_theta.is_finite() && m.rope_theta > 1.0 && m.rope_theta <= 1e12,
-                    "model.rope_theta",
-                    m.rope_theta,
-                    "must be a finite base in (1, 1e12]",
-                );
-                v.check(
-                    m.rms_norm_eps.is_finite() && m.rms_norm_eps > 0.0 && m.rms_norm_eps < 1.0,
-                    "model.rms_norm_eps",
-                    m.rms_norm_eps,
-                    "must be a finite epsilon in (0, 1)",
-                );
-            }
-        }
+        let mut v = Checks::default();
+        self.model.check(&mut v);
+        finish(v)
     }
 
     /// Whether `name` is an actor of a run with this config (or "all").
@@ -1109,18 +949,31 @@ fn apply_override(tree: &mut toml::Table, arg: &str) -> Result<String, ConfigErr
     let key = key.trim();
     let (section, field) =
         key.split_once('.').ok_or_else(|| fail(format!("`{key}` is not of the form section.key")))?;
-    // The schema, read off the defaults: every field is always serialized.
-    let schema = toml::Table::try_from(Config::default()).expect("defaults serialize");
+    let schema = schema();
     let Some(toml::Value::Table(fields)) = schema.get(section) else {
         let known: Vec<&str> = schema.keys().map(String::as_str).collect();
         return Err(fail(format!("unknown section `{section}`, expected one of {}", known.join(", "))));
     };
-    let Some(default) = fields.get(field) else {
+    // A nested table's key (`model.rope_scaling.factor`): walk the schema and the tree together.
+    let mut path: Vec<&str> = field.split('.').collect();
+    let last = path.pop().expect("split gives at least one piece");
+    let (mut fields, mut at) = (fields, format!("[{section}]"));
+    for p in &path {
+        match fields.get(*p) {
+            Some(toml::Value::Table(t)) => fields = t,
+            _ => {
+                let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+                return Err(fail(format!(
+                    "unknown table `{p}` in {at}, expected one of {}",
+                    known.join(", ")
+                )));
+            }
+        }
+        at = format!("{}.{p}]", at.trim_end_matches(']'));
+    }
+    let Some(default) = fields.get(last) else {
         let known: Vec<&str> = fields.keys().map(String::as_str).collect();
-        return Err(fail(format!(
-            "unknown key `{field}` in [{section}], expected one of {}",
-            known.join(", ")
-        )));
+        return Err(fail(format!("unknown key `{last}` in {at}, expected one of {}", known.join(", "))));
     };
     // A string field takes the text as given, so `data.train=2024` stays a
     // file name instead of becoming an integer.
@@ -1129,12 +982,31 @@ fn apply_override(tree: &mut toml::Table, arg: &str) -> Result<String, ConfigErr
         (Ok(parsed), _) => parsed,
         (Err(_), _) => toml::Value::String(raw.to_string()),
     };
-    let table = tree.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let mut table = tree.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    for p in &path {
+        let toml::Value::Table(t) = table else {
+            return Err(fail(format!("`{section}` in the config is not a table")));
+        };
+        table = t.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    }
     let toml::Value::Table(table) = table else {
-        return Err(fail(format!("`{section}` in the config is not a table")));
+        return Err(fail(format!("`{key}`'s table in the config is not a table")));
     };
-    table.insert(field.to_string(), value);
+    table.insert(last.to_string(), value);
     Ok(key.to_string())
+}
+
+/// The schema `--set` checks keys against, read off the defaults (which
+/// serialize every field), with the model's optional keys that the defaults
+/// leave unset given a value of their type.
+fn schema() -> toml::Table {
+    let mut schema = toml::Table::try_from(Config::default()).expect("defaults serialize");
+    if let Some(toml::Value::Table(model)) = schema.get_mut("model") {
+        for (k, v) in crate::model::section::OPTIONAL_KEYS {
+            model.insert(k.to_string(), toml::Value::Boolean(v));
+        }
+    }
+    schema
 }
 
 /// A user who names a training file (`--set data.train=tok.bin`) on the
@@ -1189,33 +1061,12 @@ fn floor_follows_peak(tree: &mut toml::Table, given: &[&str], before: Option<(f6
         optim.insert("min_lr".into(), toml::Value::Float(floor));
     }
 }
-
-fn quoted(s: &str) -> String {
-    format!("{s:?}")
-}
-
-#[derive(Default)]
-struct Validator {
-    problems: Vec<Problem>,
-}
-
-impl Validator {
-    fn check(&mut self, ok: bool, path: &str, value: impl fmt::Display, expected: impl Into<String>) {
-        if !ok {
-            self.problems.push(Problem {
-                path: path.to_string(),
-                value: value.to_string(),
-                expected: expected.into(),
-            });
-        }
-    }
-
-    fn finish(self) -> Result<(), ConfigError> {
-        if self.problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError::Invalid(self.problems))
-        }
+/// The config's verdict: fine, or every problem at once.
+fn finish(v: Checks) -> Result<(), ConfigError> {
+    if v.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(v.problems))
     }
 }
 
@@ -1259,7 +1110,7 @@ impl Config {
     pub fn check_processes(&self, nodes: usize) -> Result<(), ConfigError> {
         let (pp, dp, tp) = (self.parallel.pp, self.parallel.dp, self.parallel.tp);
         let slots = pp * dp * tp;
-        let mut v = Validator::default();
+        let mut v = Checks::default();
         let even = nodes >= 1 && slots.is_multiple_of(nodes.max(1));
         v.check(
             even,
@@ -1333,7 +1184,7 @@ impl Config {
                 }
             }
         }
-        v.finish()
+        finish(v)
     }
 }
 
@@ -1383,7 +1234,7 @@ mod tests {
 
     /// Asserts that exactly the rule at `path` is broken.
     fn refused(config: &Config, path: &str) -> String {
-        let err = config.validate().expect_err("config should be refused");
+        let err = config.validate().expect_err(&format!("config should be refused at {path}"));
         let paths: Vec<&str> = err.problems().iter().map(|p| p.path.as_str()).collect();
         assert_eq!(paths, [path], "{err}");
         err.to_string()
@@ -1580,7 +1431,7 @@ mod tests {
         let mut c = valid();
         c.model.n_head = 3;
         let err = refused(&c, "model.n_embd");
-        assert_eq!(err, "model.n_embd: 128: must be divisible by model.n_head (3)");
+        assert_eq!(err, "model.n_embd: 128: must be divisible by model.n_head (3) when model.head_dim is 0");
     }
 
     #[test]
@@ -1856,7 +1707,7 @@ mod tests {
     }
 
     fn llama(c: &mut Config) {
-        c.model.family = Family::Llama;
+        c.model.family = "llama".into();
         c.model.n_kv_head = 2;
         c.model.intermediate_size = 48;
     }
@@ -1869,7 +1720,7 @@ mod tests {
         let mut bad = c.clone();
         bad.model.n_kv_head = 3;
         let err = refused(&bad, "model.n_kv_head");
-        assert!(err.contains("must divide model.n_head"), "{err}");
+        assert!(err.contains("divide model.n_head = 4"), "{err}");
         let mut bad = c.clone();
         bad.model.intermediate_size = 0;
         refused(&bad, "model.intermediate_size");
@@ -1895,13 +1746,15 @@ mod tests {
         gpu.parallel.tp_slices = 2;
         gpu.backend.devices = vec![0; gpu.parallel.pp * 2];
         gpu.validate().unwrap();
-        // GPT-2 takes no grouped-query attention and no other MLP width.
+        // GPT-2 takes no grouped-query attention; another MLP width is
+        // GPT2Config's `n_inner`.
         let mut gpt2 = valid();
         gpt2.model.n_kv_head = 2;
         refused(&gpt2, "model.n_kv_head");
         let mut gpt2 = valid();
         gpt2.model.intermediate_size = 100;
-        refused(&gpt2, "model.intermediate_size");
+        gpt2.validate().unwrap();
+        assert_eq!(gpt2.arch().ffn, 100);
     }
 
     #[test]

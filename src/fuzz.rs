@@ -42,7 +42,7 @@ pub fn config(data: &[u8]) -> bool {
     let valid = cfg.validate().is_ok();
     if valid && small_model(&cfg) {
         // Every run derives the parameter count from a validated config first.
-        let _ = Arch::from_config(&cfg).num_params();
+        let _ = cfg.arch().num_params();
     }
     let resolved = cfg.to_toml_string();
     let again = Config::parse(&resolved, "resolved", &[])
@@ -143,7 +143,7 @@ fn load_pieces(names: &[&str], pieces: &[&[u8]]) -> bool {
     // What a resume does next with the checkpoint's own config.
     if let Ok(cfg) = Config::parse(&loaded.state.config, "state.json", &[]) {
         if cfg.validate().is_ok() && small_model(&cfg) {
-            let _ = loaded.weights.check(&Arch::from_config(&cfg));
+            let _ = loaded.weights.check(&cfg.arch());
         }
     }
     true

@@ -233,7 +233,7 @@ pub struct GenerateRequest<'a> {
 pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Result<Vec<u32>> {
     req.sampling.check()?;
     let (cfg, weights) = crate::train::eval::load_model(req.config, req.overrides, req.weights)?;
-    let gpt = Arch::from_config(&cfg);
+    let gpt = cfg.arch();
     let tok = match req.tokenizer {
         Some(t) => t,
         None => tokenizer_for(gpt.vocab_size)?,

@@ -47,35 +47,14 @@ pub fn inspect(path: &Path) -> Result<String, InspectError> {
     Ok(out)
 }
 
-/// The shape a Hugging Face `config.json` beside the file gives (what `eval`
-/// and `train --init` would take from it), or why it cannot be used.
+/// The model a `config.json` beside the file gives (what `eval` and
+/// `train --init` would take from it, by `hf::weights_model`'s rule), or why
+/// it cannot be used.
 fn hf_config_lines(file: &Path) -> String {
     let folder = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    match crate::model::hf::read_shape(folder) {
+    match crate::model::hf::read_config(folder) {
         Ok(None) => String::new(),
-        Ok(Some(s)) => {
-            let llama = match s.llama {
-                Some(l) => format!(
-                    ", num_key_value_heads = {}, intermediate_size = {}, rope_theta = {}, rms_norm_eps = {}, \
-                     tie_word_embeddings = {}",
-                    l.n_kv_head, l.intermediate_size, l.rope_theta, l.rms_norm_eps, l.tie_word_embeddings
-                ),
-                None => String::new(),
-            };
-            format!(
-                "{}: {}, n_layer = {}, n_head = {}, n_embd = {}, vocab_size = {}, n_positions = {}{llama}\n",
-                folder.join(crate::model::hf::HF_CONFIG_FILE).display(),
-                match s.family {
-                    crate::config::Family::Gpt2 => "GPT-2",
-                    crate::config::Family::Llama => "Llama",
-                },
-                s.n_layer,
-                s.n_head,
-                s.n_embd,
-                s.vocab_size,
-                s.n_positions
-            )
-        }
+        Ok(Some(c)) => format!("{}\n", c.summary()),
         Err(e) => format!("{e} (eval and train --init cannot use it)\n"),
     }
 }
@@ -300,7 +279,7 @@ mod tests {
         std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
         let out = inspect(dir.path()).unwrap();
         assert!(
-            out.ends_with("GPT-2, n_layer = 2, n_head = 1, n_embd = 4, vocab_size = 10, n_positions = 8\n"),
+            out.ends_with("GPT-2, n_layer = 2, n_head = 1, n_embd = 4, vocab_size = 10, block_size = 8\n"),
             "{out}"
         );
     }

@@ -6,6 +6,7 @@
 
 pub mod actors;
 pub mod bench;
+pub mod check;
 pub mod checkpoint;
 pub mod cluster;
 pub mod config;

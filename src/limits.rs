@@ -31,7 +31,7 @@ impl MemoryNeed {
 /// The parameter count of the config's model, in f64: the planner's count
 /// for the family, from the fields alone, so no shape is too large to count.
 pub fn param_count(cfg: &Config) -> f64 {
-    crate::plan::flops::ModelShape::of(&crate::model::Arch::from_config(cfg)).params()
+    crate::plan::flops::ModelShape::of(&cfg.model).params()
 }
 
 /// The least memory a run of `cfg` holds in this process.

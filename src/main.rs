@@ -480,46 +480,10 @@ fn gpu_check(_device: usize, _only: Option<String>) -> anyhow::Result<()> {
 fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
     use pipewright::kernels::cuda::Gpu;
     use pipewright::model::gpu::bench;
-    use pipewright::model::params::Family;
-    use pipewright::model::Arch;
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     anyhow::ensure!(args.micro_batch != Some(0), "--micro-batch must be at least 1");
     anyhow::ensure!(args.matmul_size > 0, "--matmul-size must be at least 1");
-    let cfg = match args.family {
-        Family::Gpt2 => {
-            anyhow::ensure!(
-                args.kv_heads.is_none() && args.ffn.is_none() && !args.tied,
-                "--kv-heads, --ffn and --tied are Llama's (--family llama); GPT-2 has one key/value head per \
-                 query head, an MLP of 4·embd and a tied head"
-            );
-            Arch::gpt2(args.layers, args.heads, args.embd, args.vocab, args.seq)
-        }
-        Family::Llama => {
-            let ffn =
-                args.ffn.ok_or_else(|| anyhow::anyhow!("--family llama needs --ffn (intermediate_size)"))?;
-            let kv = args.kv_heads.unwrap_or(args.heads);
-            anyhow::ensure!(
-                kv > 0 && args.heads.is_multiple_of(kv),
-                "--kv-heads {kv} must divide --heads {}",
-                args.heads
-            );
-            anyhow::ensure!(
-                args.rope_theta.is_finite() && args.rope_theta > 0.0,
-                "--rope-theta must be a positive number"
-            );
-            let llama = Arch::llama(
-                args.layers,
-                args.heads,
-                kv,
-                args.embd,
-                ffn,
-                args.vocab,
-                args.seq,
-                args.rope_theta as f32,
-            );
-            Arch { tie_word_embeddings: args.tied, ..llama }
-        }
-    };
+    let cfg = bench_arch(&args)?;
     // The flags are checked before the GPU opens, so a mistake is named on any machine.
     let gpu = Gpu::new(args.device)?;
     eprintln!("pipewright gpu-bench: GPU {}, {} (sm_{})", args.device, gpu.name, gpu.arch);
@@ -547,19 +511,19 @@ fn gpu_bench(_args: GpuBenchArgs) -> anyhow::Result<()> {
 #[derive(clap::Args)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct GpuBenchArgs {
-    /// The architecture: "gpt2" or "llama" (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+    /// The family (model.family): "gpt2", "llama", …
     #[arg(long, default_value = "gpt2", value_parser = parse_family)]
-    family: pipewright::model::params::Family,
-    /// Llama: key/value heads, dividing --heads [default: --heads].
+    family: String,
+    /// Key/value heads, dividing --heads [default: --heads] (model.n_kv_head).
     #[arg(long)]
     kv_heads: Option<usize>,
-    /// Llama: the SwiGLU MLP's width (intermediate_size).
+    /// The MLP's width (model.intermediate_size) [default: the family's, where it has one].
     #[arg(long)]
     ffn: Option<usize>,
-    /// Llama: the rotary embedding's base.
+    /// The rotary embedding's base, for rotary families (model.rope_theta).
     #[arg(long, default_value_t = 10_000.0)]
     rope_theta: f64,
-    /// Llama: the head reads the token embedding (tie_word_embeddings).
+    /// The head reads the token embedding (model.tie_word_embeddings).
     #[arg(long)]
     tied: bool,
     /// Transformer blocks (n_layer).
@@ -597,13 +561,59 @@ struct GpuBenchArgs {
     json: bool,
 }
 
-fn parse_family(s: &str) -> Result<pipewright::model::params::Family, String> {
-    use pipewright::model::params::Family;
-    match s {
-        "gpt2" => Ok(Family::Gpt2),
-        "llama" => Ok(Family::Llama),
-        _ => Err(format!("\"{s}\": expected \"gpt2\" or \"llama\"")),
+fn parse_family(s: &str) -> Result<String, String> {
+    use pipewright::model::Family;
+    match Family::named(s) {
+        Some(_) => Ok(s.to_string()),
+        None => Err(format!("\"{s}\": expected one of {}", Family::names())),
     }
+}
+
+/// gpu-bench's model: its flags as a `[model]` section, under the rules
+/// `train` applies, each problem named by its flag.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn bench_arch(args: &GpuBenchArgs) -> anyhow::Result<pipewright::model::Arch> {
+    let m = pipewright::model::ModelSection {
+        family: args.family.clone(),
+        n_layer: args.layers,
+        n_head: args.heads,
+        n_embd: args.embd,
+        vocab_size: args.vocab,
+        block_size: args.seq,
+        n_kv_head: args.kv_heads.unwrap_or(0),
+        intermediate_size: args.ffn.unwrap_or(0),
+        rope_theta: args.rope_theta,
+        tie_word_embeddings: args.tied.then_some(true),
+        ..Default::default()
+    };
+    m.arch().map_err(|problems| {
+        let flag = |path: &str| match path {
+            "model.n_layer" => "--layers",
+            "model.n_head" => "--heads",
+            "model.n_embd" => "--embd",
+            "model.vocab_size" => "--vocab",
+            "model.block_size" => "--seq",
+            "model.n_kv_head" => "--kv-heads",
+            "model.intermediate_size" => "--ffn",
+            "model.rope_theta" => "--rope-theta",
+            "model.tie_word_embeddings" => "--tied",
+            _ => "--family",
+        };
+        let lines: Vec<String> = problems
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} {} (--family {}: {}): {}",
+                    flag(&p.path),
+                    p.value,
+                    args.family,
+                    p.path,
+                    p.expected
+                )
+            })
+            .collect();
+        anyhow::anyhow!("{}", lines.join("\n"))
+    })
 }
 
 fn default_run_dir() -> PathBuf {
@@ -657,23 +667,25 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             }
         }
         signals::install(&out_dir)?;
-        // An --init folder's config.json gives the model's shape (under --set).
-        let shape = match &init {
-            Some(dir) => pipewright::model::hf::read_shape(dir)?,
+        // An --init's model (its config.json, or the config stored in its
+        // weights; both, they must agree) gives the model (under --set).
+        let model = match &init {
+            Some(path) => {
+                let file = pipewright::model::io::weights_file(path);
+                let meta = pipewright::model::io::read_metadata(path)?;
+                let stored = meta.get(pipewright::model::io::CONFIG_METADATA_KEY).map(String::as_str);
+                pipewright::model::hf::weights_model(&file, stored)?
+            }
             None => None,
         };
-        if let (Some(s), Some(dir)) = (&shape, &init) {
+        if let Some(m) = &model {
+            let s = &m.section;
             eprintln!(
-                "model shape from {}: {} layers, {} heads, {} wide, vocab {}, {} positions",
-                dir.join(pipewright::model::hf::HF_CONFIG_FILE).display(),
-                s.n_layer,
-                s.n_head,
-                s.n_embd,
-                s.vocab_size,
-                s.n_positions
+                "model from {}: {} layers, {} heads, {} wide, vocab {}, {} positions",
+                m.origin, s.n_layer, s.n_head, s.n_embd, s.vocab_size, s.block_size
             );
         }
-        let mut cfg = config.load_under(shape.map(|s| s.overrides()).unwrap_or_default(), steps)?;
+        let mut cfg = config.load_under(model.map(|m| m.section.overrides()).unwrap_or_default(), steps)?;
         let split_given = config.set.iter().any(|s| s.trim_start().starts_with("parallel.layers_per_stage"));
         if own_config && !split_given {
             if let Some(note) = pipewright::train::resume::refit_stored_split(&mut cfg) {

@@ -111,13 +111,13 @@ fn without_a_gpu_a_cuda_run_is_refused_with_the_reason() {
 #[test]
 fn gpu_bench_names_a_bad_model_flag_before_opening_a_gpu() {
     let cases: [(&[&str], &str); 4] = [
-        (&["--family", "llama"], "--family llama needs --ffn"),
+        (&["--family", "llama"], "--ffn 0 (--family llama: model.intermediate_size): must be > 0"),
         (
             &["--family", "llama", "--ffn", "64", "--heads", "12", "--kv-heads", "5"],
-            "--kv-heads 5 must divide --heads 12",
+            "--kv-heads 5 (--family llama: model.n_kv_head): must be 0 or divide model.n_head = 12",
         ),
-        (&["--ffn", "64"], "are Llama's (--family llama)"),
-        (&["--family", "mamba"], "expected \"gpt2\" or \"llama\""),
+        (&["--kv-heads", "4"], "--kv-heads 4 (--family gpt2: model.n_kv_head)"),
+        (&["--family", "mamba"], "expected one of \"gpt2\", \"llama\""),
     ];
     for (args, want) in cases {
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_pipewright"))

@@ -39,7 +39,7 @@ fn a_7b_model_with_adamw_in_mixed_precision_is_16_to_18_bytes_per_param() {
     // LLaMA-7B's shape; the planner scales every count to the 7e9 given.
     let seven_b = ModelShape::gpt2(32, 4096, 32, 4096, 32000);
     let n = 7e9;
-    let tied = (seven_b.vocab * seven_b.hidden) as f64 * n / seven_b.params();
+    let tied = (seven_b.vocab() * seven_b.hidden()) as f64 * n / seven_b.params();
     for (pp, tied_copy) in [(1, 0.0), (4, tied)] {
         let layout = MemLayout {
             tp: 1,
@@ -136,8 +136,8 @@ fn inputs() -> Vec<SearchInput> {
     let seventy_b = ModelShape::gpt2(80, 8192, 64, 4096, 32000);
     let gpt3 = ModelShape::gpt2(96, 12288, 96, 2048, 50257);
     let case = |shape: ModelShape, gpus, gpu, global_batch| SearchInput {
-        shape,
         params: shape.params(),
+        shape,
         tokens: 1e12,
         gpus,
         gpu,
@@ -148,10 +148,10 @@ fn inputs() -> Vec<SearchInput> {
         dp_overlap: 0.0,
     };
     vec![
-        case(seven_b, 512, H100, 1024),
-        case(seventy_b, 256, H100, 1024),
-        case(gpt3, 1024, A100, 1536),
-        case(gpt3, 64, A100, 512),
+        case(seven_b.clone(), 512, H100, 1024),
+        case(seventy_b.clone(), 256, H100, 1024),
+        case(gpt3.clone(), 1024, A100, 1536),
+        case(gpt3.clone(), 64, A100, 512),
     ]
 }
 
@@ -223,7 +223,7 @@ fn resolve_reads_a_config() {
     let cfg = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/gpt2-124m.toml");
     let args = PlanArgs { config: Some(cfg.into()), gpu: "a100".into(), mfu: 0.4, ..PlanArgs::default() };
     let i = resolve(&args).unwrap();
-    assert_eq!((i.shape.layers, i.shape.hidden, i.shape.heads), (12, 768, 12));
+    assert_eq!((i.shape.layers(), i.shape.hidden(), i.shape.heads()), (12, 768, 12));
     assert_eq!(i.params, i.shape.params());
     assert!(i.tokens > 0.0 && i.gpus >= 1);
 }
@@ -333,7 +333,7 @@ fn layouts_the_trainer_cannot_run_are_marked_and_ranked_below_those_it_can() {
     let seven_b = search(&inputs()[0]);
     assert!(seven_b.candidates[0].lacks.is_none(), "a 7B on 512 H100s has a layout that runs today");
     // Every row that runs passes `train`'s own validation of its config.
-    let shape = inputs()[0].shape;
+    let shape = inputs()[0].shape.clone();
     let layout = |tp, zero| MemLayout {
         tp,
         pp: 2,

@@ -33,7 +33,7 @@ pub fn check_schedule(schedule: &Schedule, field: &str) -> Result<()> {
 
 impl Layout {
     pub fn from_config(cfg: &Config) -> Result<Layout> {
-        let gpt = Arch::from_config(cfg);
+        let gpt = cfg.arch();
         let p = &cfg.parallel;
         let kind = p.schedule;
         let Some(chunks) = kind.chunks_for(p.chunks) else {

@@ -340,7 +340,7 @@ pub fn spawn_followers(
 ) -> Result<Vec<std::thread::JoinHandle<()>>, String> {
     let Some(p) = fabric.placement.get() else { return Ok(vec![]) };
     let Some((replica, rank, local)) = p.follows(fabric.me) else { return Ok(vec![]) };
-    let gpt = crate::model::Arch::from_config(cfg);
+    let gpt = cfg.arch();
     let shape = TpShape::from_config(cfg);
     tracing::info!(
         "rank {}: holds tensor-parallel ranks {}..{} of stage {rank}.{replica} (its actor runs on rank {})",

@@ -16,10 +16,11 @@
 //! every product, which no API lets us hand it; glibc serves those from its
 //! heap without system calls (docs/benchmarks.md measures the cost).
 
+use super::arch::{Norm, Positions};
 use super::block::{
     block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch,
 };
-use super::params::{self, Arch, Family, Param};
+use super::params::{self, Arch, Param};
 use super::tp::{Members, Remote, TpRanks, TpShape};
 use crate::kernels::cpu::{crossentropy, embedding, layernorm, matmul, rmsnorm};
 use crate::kernels::profile::{timed, Kernel};
@@ -354,11 +355,11 @@ impl ModelPart {
                 acts.tokens.copy_from_slice(tokens);
                 let mut x = self.take_nc();
                 let wte = &self.params[0].data;
-                timed(Kernel::Embedding, || match self.cfg.family {
-                    Family::Gpt2 => {
+                timed(Kernel::Embedding, || match self.cfg.positions {
+                    Positions::Learned => {
                         embedding::embedding_forward(&mut x, tokens, wte, &self.params[1].data, t, c)
                     }
-                    Family::Llama => embedding::token_embedding_forward(&mut x, tokens, wte, c),
+                    Positions::Rotary => embedding::token_embedding_forward(&mut x, tokens, wte, c),
                 });
                 x
             }
@@ -435,7 +436,7 @@ impl ModelPart {
         self.acts_pool.push(acts);
     }
 
-    /// Final LayerNorm, tied LM head and loss; in training also their backward.
+    /// Final norm, LM head and loss; in training also their backward.
     /// Returns (Σ loss, gradient of the head's input).
     fn head(
         &mut self,
@@ -448,16 +449,16 @@ impl ModelPart {
         let n = self.n();
         let hb = self.spec.head_base(&self.cfg);
         let wte_i = self.spec.head_wte(&self.cfg);
-        let (family, eps) = (self.cfg.family, self.cfg.norm_eps);
+        let (norm, eps) = (self.cfg.norm, self.cfg.norm_eps);
         let s = &mut self.scratch;
-        match family {
-            Family::Gpt2 => {
+        match norm {
+            Norm::LayerNorm => {
                 let (w, b) = (&self.params[hb].data, &self.params[hb + 1].data);
                 timed(Kernel::LayerNorm, || {
                     layernorm::layernorm_forward(&mut s.lnf, &mut s.lnf_mean, &mut s.lnf_rstd, x, w, b, n, c)
                 });
             }
-            Family::Llama => {
+            Norm::RmsNorm => {
                 let w = &self.params[hb].data;
                 timed(Kernel::RmsNorm, || {
                     rmsnorm::rmsnorm_forward(&mut s.lnf, &mut s.lnf_rstd, x, w, n, c, eps)
@@ -532,7 +533,7 @@ impl ModelPart {
         });
         let mut dx = self.nc_pool.pop().filter(|b| b.len() == n * c).unwrap_or_else(|| vec![0.0; n * c]);
         dx.fill(0.0);
-        if family == Family::Llama {
+        if norm == Norm::RmsNorm {
             let Param { data, grad, .. } = &mut self.params[hb];
             timed(Kernel::RmsNorm, || {
                 rmsnorm::rmsnorm_backward(&mut dx, grad, &s.dln, x, data, &s.lnf_rstd, n, c)
@@ -726,7 +727,7 @@ impl ModelPart {
     fn finish_input(&mut self, acts: &MicroActs, dres: Vec<f32>, _weights: bool) -> Option<Vec<f32>> {
         if self.spec.embedding {
             let (t, c) = (self.cfg.block_size, self.cfg.n_embd);
-            if self.cfg.family == Family::Llama {
+            if self.cfg.positions == Positions::Rotary {
                 let wte = &mut self.params[0].grad;
                 timed(Kernel::Embedding, || embedding::token_embedding_backward(wte, &dres, &acts.tokens, c));
                 self.give_nc(dres);

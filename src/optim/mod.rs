@@ -261,11 +261,18 @@ mod tests {
         adam.step(&mut part, hp, lr, 1.0);
 
         let two_d = |n: &str| {
-            n == "wte.weight"
-                || n == "wpe.weight"
-                || ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"]
-                    .iter()
-                    .any(|s| n.ends_with(s))
+            n == "embed_tokens.weight"
+                || n == "embed_positions.weight"
+                || [
+                    "q_proj.weight",
+                    "k_proj.weight",
+                    "v_proj.weight",
+                    "o_proj.weight",
+                    "up_proj.weight",
+                    "down_proj.weight",
+                ]
+                .iter()
+                .any(|s| n.ends_with(s))
         };
         let mut decayed = 0;
         for ((name, p0, g), p) in before.iter().zip(&part.params) {
@@ -279,8 +286,8 @@ mod tests {
                 assert!((got as f64 - want).abs() < 1e-5 * want.abs().max(1.0), "{name}: {got} vs {want}");
             }
         }
-        // wte, wpe and four matrices per block.
-        assert_eq!(decayed, 2 + 4 * gpt.n_layer);
+        // The two embeddings and six matrices per block (q, k, v, o, up, down).
+        assert_eq!(decayed, 2 + 6 * gpt.n_layer);
     }
 
     #[test]

@@ -84,7 +84,7 @@ fn tp_link_bytes(
     held: usize,
     recompute: bool,
 ) -> TpLinkBytes {
-    let (nc4, l, h, t) = (4.0 * (n * shape.hidden) as f64, layers as f64, held as f64, tp.size as f64);
+    let (nc4, l, h, t) = (4.0 * (n * shape.hidden()) as f64, layers as f64, held as f64, tp.size as f64);
     let followers = (tp.size / held - 1) as f64;
     // Two all-reduces in a block's forward, two in its backward, and the
     // forward's two again when the block is recomputed.
@@ -127,21 +127,15 @@ pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp:
 /// [`block_activation_bytes`] in a process holding `held` of the `tp` ranks
 /// (a follower keeps its own copy of the block's input, as the owner does).
 fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usize, held: usize) -> f64 {
-    let (n, c, a, t, h) = (n as f64, shape.hidden as f64, shape.heads as f64, tp as f64, held as f64);
+    let input = 4.0 * (n * shape.hidden()) as f64;
     if recompute {
-        4.0 * n * c
+        input
     } else {
-        // The block's input; each rank's share of the sharded qkv, attention
-        // output, MLP products and softmax statistics (GPT-2: (12 C + heads)
-        // / tp; Llama: q, k, v, the attention output, gate, up and their
-        // product, (2 C + 2 C·KV/H + 3 F + heads) / tp); and what every rank
-        // holds whole: both norms' outputs, the residual after attention and
-        // the norms' statistics (GPT-2 a mean and a 1/σ each, RMSNorm a 1/rms).
-        let (sharded, whole) = match shape.llama {
-            None => (12.0 * c + a, 3.0 * c + 4.0),
-            Some(l) => (2.0 * c + 2.0 * c * l.kv_heads as f64 / a + 3.0 * l.ffn as f64 + a, 3.0 * c + 2.0),
-        };
-        4.0 * n * (c + h * (sharded / t + whole))
+        // The block's input, and each held rank's intermediates as the block
+        // allocates them (its share of q, k, v, attention, the MLP; the norms'
+        // outputs and statistics and the residual whole).
+        let t = shape.seq();
+        input + held as f64 * crate::model::block::BlockActs::bytes_for(n / t, &shape.arch, tp) as f64
     }
 }
 
@@ -205,8 +199,8 @@ pub fn plan(cfg: &Config) -> Result<CpuPlan> {
 /// owner's and `follower_bytes` each other process's.
 pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     let layout = Layout::from_config(cfg)?;
-    let gpt = Arch::from_config(cfg);
-    let shape = ModelShape::of(&gpt);
+    let shape = ModelShape::of(&cfg.model);
+    let gpt = shape.arch;
     let (c, t, v) = (gpt.n_embd as f64, gpt.block_size as f64, gpt.vocab_size as f64);
     let b = cfg.train.micro_batch_size;
     let n = b * gpt.block_size;
@@ -328,7 +322,7 @@ fn stage_forward_flops(
     vocab: usize,
     n: usize,
 ) -> f64 {
-    let (c, t) = (shape.hidden as f64, shape.seq as f64);
+    let (c, t) = (shape.hidden() as f64, shape.seq() as f64);
     let mut per_token = layers as f64 * (2.0 * shape.layer_params() + 2.0 * c * t);
     if first {
         per_token += 2.0 * t * c; // position embedding parameters, as 6·N counts them
@@ -386,8 +380,8 @@ fn stage_costs(layout: &Layout, shape: &ModelShape, vocab: usize, n: usize) -> (
 /// runs alone there gets no more than its threads.
 pub fn step_ms(cfg: &Config, gflops: f64, cores: usize) -> Result<f64> {
     let layout = Layout::from_config(cfg)?;
-    let gpt = Arch::from_config(cfg);
-    let shape = ModelShape::of(&gpt);
+    let shape = ModelShape::of(&cfg.model);
+    let gpt = shape.arch;
     let n = cfg.train.micro_batch_size * gpt.block_size;
     let cores = cores.max(1) as f64;
     let per_core = gflops * 1e9 / cores;
@@ -554,7 +548,7 @@ mod tests {
     fn states_are_sixteen_bytes_per_parameter_and_every_parameter_is_counted_once() {
         let cfg = bench_config(2, 4);
         let p = plan(&cfg).unwrap();
-        let gpt = Arch::from_config(&cfg);
+        let gpt = cfg.arch();
         let counted: f64 = p.ranks.iter().map(|r| r.params).sum();
         // The last rank also holds the tied head's copy of wte.
         let wte = (gpt.vocab_size * gpt.n_embd) as f64;

@@ -7,30 +7,37 @@
 //! causal mask, times 3 for forward + backward). nanoGPT and PaLM count 12·L·C·T
 //! (no causal halving).
 
+use crate::model::Arch;
 use serde::Serialize;
 
-/// Shape of a model: GPT-2's, or Llama's when `llama` says how it differs.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+/// A model as the planner counts it: the model description every command
+/// reads ([`Arch`]), its counts taken from the tensor list the settings give
+/// (so a family's biases, norms, MLP and head count as they are built).
+#[derive(Clone, Debug, PartialEq)]
 pub struct ModelShape {
-    pub layers: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    /// Sequence length T.
-    pub seq: usize,
-    pub vocab: usize,
-    /// A Llama block (RMSNorm, grouped-query attention, SwiGLU, no biases,
-    /// no position table) instead of GPT-2's.
-    pub llama: Option<LlamaShape>,
+    /// The `[model]` section `train` would be given.
+    pub section: crate::model::ModelSection,
+    pub arch: Arch,
 }
 
-/// What a Llama adds to the shape.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct LlamaShape {
-    pub kv_heads: usize,
-    /// The SwiGLU MLP's width F.
-    pub ffn: usize,
-    /// Whether the head reads the token embedding.
-    pub tied: bool,
+/// What a plan's JSON says of the model.
+impl Serialize for ModelShape {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let a = &self.arch;
+        serde_json::json!({
+            "family": a.family.name(),
+            "layers": a.n_layer,
+            "hidden": a.n_embd,
+            "heads": a.n_head,
+            "kv_heads": a.kv_heads(),
+            "head_dim": a.head_dim,
+            "ffn": a.ffn,
+            "seq": a.block_size,
+            "vocab": a.vocab_size,
+            "tied": a.tied,
+        })
+        .serialize(s)
+    }
 }
 
 /// Shapes from the GPT-3 paper's table 2.1 (and LLaMA for the larger sizes), used to
@@ -51,88 +58,110 @@ pub const KNOWN_SHAPES: [(usize, usize, usize); 12] = [
 ];
 
 impl ModelShape {
-    pub const fn gpt2(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Self {
-        ModelShape { layers, hidden, heads, seq, vocab, llama: None }
+    /// A GPT-2 of this shape (a valid one: tests and the size table).
+    pub fn gpt2(layers: usize, hidden: usize, heads: usize, seq: usize, vocab: usize) -> Self {
+        let section = crate::model::ModelSection {
+            n_layer: layers,
+            n_embd: hidden,
+            n_head: heads,
+            block_size: seq,
+            vocab_size: vocab,
+            ..Default::default()
+        };
+        let arch = section.arch().unwrap_or_else(|p| panic!("not a GPT-2 shape: {p:?}"));
+        ModelShape { section, arch }
     }
 
-    /// The shape of a model config, whichever its family.
-    pub fn of(cfg: &crate::model::Arch) -> Self {
-        let mut s = ModelShape::gpt2(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size);
-        if cfg.family == crate::config::Family::Llama {
-            s.llama = Some(LlamaShape { kv_heads: cfg.kv_heads(), ffn: cfg.ffn(), tied: cfg.tied() });
-        }
-        s
+    /// The shape of a validated config's model, whichever its family.
+    pub fn of(section: &crate::model::ModelSection) -> Self {
+        let arch = section.arch().unwrap_or_else(|p| panic!("the model of a validated config: {p:?}"));
+        ModelShape { section: section.clone(), arch }
     }
 
-    /// Parameters of one transformer block. GPT-2: attention 4C² + 4C, MLP
-    /// 8C² + 5C, two layernorms 4C. Llama: q and o 2C², k and v 2·C·(C·KV/H),
-    /// the SwiGLU MLP 3·C·F, two RMSNorms 2C.
+    pub fn layers(&self) -> usize {
+        self.arch.n_layer
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.arch.n_embd
+    }
+
+    pub fn heads(&self) -> usize {
+        self.arch.n_head
+    }
+
+    /// Sequence length T.
+    pub fn seq(&self) -> usize {
+        self.arch.block_size
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.arch.vocab_size
+    }
+
+    /// Parameters of one transformer block (GPT-2: 12C² + 13C; Llama: q
+    /// and o 2·C·NH·HS, k and v 2·C·NKV·HS, the SwiGLU MLP 3·C·F, two
+    /// RMSNorms 2C).
     pub fn layer_params(&self) -> f64 {
-        let c = self.hidden as f64;
-        match self.llama {
-            None => 12.0 * c * c + 13.0 * c,
-            Some(l) => {
-                let kv = c * l.kv_heads as f64 / self.heads as f64;
-                2.0 * c * c + 2.0 * c * kv + 3.0 * c * l.ffn as f64 + 2.0 * c
-            }
-        }
+        let a = &self.arch;
+        a.block_roles().iter().map(|r| r.shape(a).iter().product::<usize>() as f64).sum()
     }
 
-    /// A block's parameters every tensor-parallel rank holds whole: GPT-2's
-    /// LayerNorms and row-parallel biases (6C), Llama's RMSNorms (2C).
+    /// A block's parameters every tensor-parallel rank holds whole: the
+    /// norms and the row-parallel products' biases (GPT-2: 6C; Llama: 2C).
     pub fn layer_whole_params(&self) -> f64 {
-        let c = self.hidden as f64;
-        if self.llama.is_some() {
-            2.0 * c
-        } else {
-            6.0 * c
-        }
+        let a = &self.arch;
+        let whole = a.block_roles().into_iter().filter(|r| r.cut() == crate::model::arch::Cut::Whole);
+        whole.map(|r| r.shape(a).iter().product::<usize>() as f64).sum()
     }
 
-    /// The embedding: GPT-2's token and position tables (its head is tied to
-    /// the first), Llama's token table.
+    /// The embedding: the token table and, learned, the position table.
     pub fn embedding_params(&self) -> f64 {
-        match self.llama {
-            None => ((self.vocab + self.seq) * self.hidden) as f64,
-            Some(_) => (self.vocab * self.hidden) as f64,
-        }
+        let e = crate::model::params::embedding_tensors(&self.arch);
+        e.iter().map(|(_, s)| s.iter().product::<usize>() as f64).sum()
     }
 
-    /// The final norm (GPT-2's LayerNorm has a bias, RMSNorm none) and an
-    /// untied head.
+    /// The final norm and an untied head.
     pub fn head_params(&self) -> f64 {
-        let c = self.hidden as f64;
-        match self.llama {
-            None => 2.0 * c,
-            Some(l) => c + if l.tied { 0.0 } else { (self.vocab * self.hidden) as f64 },
-        }
+        let a = &self.arch;
+        let t = crate::model::params::final_norm_tensors(a)
+            .into_iter()
+            .chain(crate::model::params::head_tensors(a));
+        t.map(|(_, s)| s.iter().product::<usize>() as f64).sum()
     }
 
     /// All parameters. GPT-2: 12·L·C² + 13·L·C + (V + T)·C + 2C, its count
     /// with tied embeddings, as llm.c has it. Llama-3 8B: 8,030,261,248.
     pub fn params(&self) -> f64 {
-        self.layers as f64 * self.layer_params() + self.embedding_params() + self.head_params()
+        self.layers() as f64 * self.layer_params() + self.embedding_params() + self.head_params()
     }
 
-    /// The table shape whose parameter count is nearest `params` (in log space),
-    /// with sequence length `seq` and vocabulary `vocab`.
-    pub fn guess(params: f64, seq: usize, vocab: usize) -> ModelShape {
-        let shape = |&(layers, hidden, heads): &(usize, usize, usize)| {
-            ModelShape::gpt2(layers, hidden, heads, seq, vocab)
+    /// Whether the head reads the token embedding.
+    pub fn tied(&self) -> bool {
+        self.arch.tied
+    }
+
+    /// The table's (layers, hidden, heads) whose GPT-2 parameter count is
+    /// nearest `params` (in log space), with sequence length `seq` and
+    /// vocabulary `vocab`, counted as 12·L·C² + 13·L·C + (V + T)·C + 2C.
+    pub fn guess(params: f64, seq: usize, vocab: usize) -> (usize, usize, usize) {
+        let count = |&(l, c, _): &(usize, usize, usize)| {
+            let (l, c) = (l as f64, c as f64);
+            12.0 * l * c * c + 13.0 * l * c + (vocab + seq) as f64 * c + 2.0 * c
         };
-        KNOWN_SHAPES
+        *KNOWN_SHAPES
             .iter()
-            .map(shape)
             .min_by(|a, b| {
-                let d = |s: &ModelShape| (s.params().ln() - params.ln()).abs();
+                let d = |s| (count(s).ln() - params.ln()).abs();
                 d(a).total_cmp(&d(b))
             })
             .expect("table is not empty")
     }
 
-    /// Attention FLOPs per token of training (llm.c): 6·L·C·T.
+    /// Attention FLOPs per token of training (llm.c): 6·L·(NH·HS)·T.
     pub fn attention_flops_per_token(&self) -> f64 {
-        6.0 * (self.layers * self.hidden * self.seq) as f64
+        let a = &self.arch;
+        6.0 * (a.n_layer * a.n_head * a.head_dim * a.block_size) as f64
     }
 }
 

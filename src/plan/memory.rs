@@ -7,12 +7,15 @@
 //! (4 B), which makes 18. ZeRO-1 shards master weights and moments over the dp
 //! replicas, ZeRO-2 also the gradients, ZeRO-3 also the bf16 weights.
 //!
-//! Activations per layer per microbatch (Korthikanti et al. 2022, "Reducing
-//! activation recomputation in large transformer models", eq. 1), mixed precision,
-//! no flash attention: s·b·h·(34 + 5·a·s/h) bytes. The 5·a·s/h term is the attention
-//! scores, softmax and its dropout mask; flash attention (or Megatron's selective
-//! recompute) never stores them, leaving 34·s·b·h. With full recompute only the layer
-//! input stays, 2·s·b·h, plus one layer's full set while it is being recomputed.
+//! Activations per layer per microbatch, counted as Korthikanti et al. 2022
+//! ("Reducing activation recomputation in large transformer models", eq. 1)
+//! count them, mixed precision, no flash attention, without the dropout masks
+//! (pipewright trains without dropout), from the block's settings: GPT-3's
+//! block gives s·b·h·(32 + 4·a·s/h) bytes where the paper's, with its masks,
+//! gives 34 + 5·a·s/h. The a·s/h term is the attention scores and softmax;
+//! flash attention (or Megatron's selective recompute) never stores them.
+//! With full recompute only the layer input stays, 2·s·b·h, plus one layer's
+//! full set while it is being recomputed.
 //! Tensor parallelism is assumed to come with sequence parallelism (Megatron
 //! practice), so everything above divides by t.
 
@@ -31,10 +34,10 @@ pub const ADAM_V_BYTES: f64 = 4.0;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Recompute {
-    /// Store everything: 34 + 5·a·s/h per s·b·h.
+    /// Store everything: 32 + 4·a·s/h per s·b·h for GPT-3's block.
     None,
-    /// Recompute the attention core (scores, softmax): 34 per s·b·h. Flash attention
-    /// stores the same.
+    /// Recompute the attention core (scores, softmax): 32 per s·b·h for GPT-3's
+    /// block. Flash attention stores the same.
     Selective,
     /// Store only each layer's input: 2 per s·b·h.
     Full,
@@ -66,20 +69,17 @@ pub fn activation_bytes_per_layer(
     recompute: Recompute,
     tp: usize,
 ) -> f64 {
-    let (s, b, h, a) = (shape.seq as f64, micro_batch as f64, shape.hidden as f64, shape.heads as f64);
-    // Korthikanti et al.'s count in bytes per s·b·h (16-bit activations):
-    // GPT-2's 34 = attention 11 + MLP 19 + LayerNorms 4, with dropout masks,
-    // plus 5·a·s/h for the scores, softmax and its mask. Llama's block, by
-    // the same count without dropout: the norms' inputs 4; attention 2 (input)
-    // + 2 (q) + 4·KV/H (k, v) + 2 (context); the SwiGLU MLP 2 (input) + 4·F/h
-    // (gate and up) + 2·F/h (their product); scores and softmax 4·a·s/h.
-    let (body, scores) = match shape.llama {
-        None => (34.0, 5.0),
-        Some(l) => {
-            let (kv, f) = (l.kv_heads as f64 / a, l.ffn as f64 / h);
-            (4.0 + 6.0 + 4.0 * kv + 2.0 + 6.0 * f, 4.0)
-        }
-    };
+    let (s, b, h, a) = (shape.seq() as f64, micro_batch as f64, shape.hidden() as f64, shape.heads() as f64);
+    let m = &shape.arch;
+    let (q, kv, f) =
+        ((m.n_head * m.head_dim) as f64 / h, (m.kv_heads() * m.head_dim) as f64 / h, m.ffn as f64 / h);
+    // 16-bit tensors per s·b·h: the two norms' inputs (4); attention's input,
+    // q, k and v, and its output before o (2 + 2q + 4kv + 2q); the MLP's
+    // input, its first products (gate and up, or up) and the activation
+    // (2 + 2f·(2 or 1) + 2f); scores and softmax per head, 4·a·s/h.
+    let first = if m.mlp == crate::model::arch::Mlp::SwiGlu { 4.0 * f } else { 2.0 * f };
+    let body = 4.0 + (2.0 + 4.0 * q + 4.0 * kv) + (2.0 + first + 2.0 * f);
+    let scores = 4.0;
     let per = match recompute {
         Recompute::None => body + scores * a * s / h,
         Recompute::Selective => body,
@@ -160,11 +160,11 @@ pub fn rank_memory(shape: &ModelShape, params: f64, l: &MemLayout, peak_live: &[
     let stages = l.pp * l.chunks;
     assert_eq!(peak_live.len(), stages, "one peak per stage");
     let scale = params / shape.params();
-    let layers_per_stage = shape.layers as f64 / stages as f64;
+    let layers_per_stage = shape.layers() as f64 / stages as f64;
     let tp = l.tp as f64;
     let act = activation_bytes_per_layer(shape, l.micro_batch, l.recompute, l.tp);
     let full_layer = activation_bytes_per_layer(shape, l.micro_batch, Recompute::Selective, l.tp);
-    let logits = 6.0 * (shape.seq * l.micro_batch * shape.vocab) as f64 / tp;
+    let logits = 6.0 * (shape.seq() * l.micro_batch * shape.vocab()) as f64 / tp;
     (0..l.pp)
         .map(|rank| {
             let mine: Vec<usize> = (0..stages).filter(|st| st % l.pp == rank).collect();
@@ -174,9 +174,9 @@ pub fn rank_memory(shape: &ModelShape, params: f64, l: &MemLayout, peak_live: &[
             }
             if rank == l.pp - 1 {
                 p += shape.head_params();
-                let tied = shape.llama.is_none_or(|m| m.tied);
+                let tied = shape.tied();
                 if l.pp > 1 && tied {
-                    p += (shape.vocab * shape.hidden) as f64; // the tied LM head's copy
+                    p += (shape.vocab() * shape.hidden()) as f64; // the tied LM head's copy
                 }
             }
             let p = p * scale / tp;
@@ -209,10 +209,13 @@ mod tests {
 
     #[test]
     fn activation_formula() {
-        // GPT-3 175B figures from Korthikanti et al.: s=2048, h=12288, a=96, b=1.
+        // GPT-3 175B at Korthikanti et al.'s shape, s=2048, h=12288, a=96, b=1:
+        // their 34 + 5·a·s/h less the dropout masks (s·b·h twice, a·s² once).
         let s = ModelShape::gpt2(96, 12288, 96, 2048, 51200);
         let none = activation_bytes_per_layer(&s, 1, Recompute::None, 1);
-        assert_eq!(none, 2048.0 * 12288.0 * (34.0 + 5.0 * 96.0 * 2048.0 / 12288.0));
+        assert_eq!(none, 2048.0 * 12288.0 * (32.0 + 4.0 * 96.0 * 2048.0 / 12288.0));
+        let selective = activation_bytes_per_layer(&s, 1, Recompute::Selective, 1);
+        assert_eq!(selective, 2048.0 * 12288.0 * 32.0);
         assert_eq!(activation_bytes_per_layer(&s, 1, Recompute::Full, 8), 2.0 * 2048.0 * 12288.0 / 8.0);
     }
 }

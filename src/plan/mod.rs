@@ -22,7 +22,8 @@ pub mod memory;
 pub mod search;
 
 use crate::config::Config;
-use flops::{Chinchilla, LlamaShape, ModelShape, TrainFlops};
+use crate::model::ModelSection;
+use flops::{Chinchilla, ModelShape, TrainFlops};
 use hardware::Gpu;
 use memory::{Recompute, StateBytes};
 use search::{SearchInput, SearchResult};
@@ -123,17 +124,7 @@ pub fn trainer_config(
     let mut c = Config::default();
     // The data are no layout question: a built-in corpus stands for them.
     c.data.builtin = crate::config::Builtin::Random;
-    c.model.n_layer = shape.layers;
-    c.model.n_head = shape.heads;
-    c.model.n_embd = shape.hidden;
-    c.model.vocab_size = shape.vocab;
-    c.model.block_size = shape.seq;
-    if let Some(l) = shape.llama {
-        c.model.family = crate::config::Family::Llama;
-        c.model.n_kv_head = l.kv_heads;
-        c.model.intermediate_size = l.ffn;
-        c.model.tie_word_embeddings = l.tied;
-    }
+    c.model = shape.section.clone();
     c.train.micro_batch_size = layout.micro_batch;
     c.train.recompute = layout.recompute == Recompute::Full;
     let p = &mut c.parallel;
@@ -267,8 +258,27 @@ pub fn resolve(a: &PlanArgs) -> Result<PlanInput, PlanError> {
     let vocab = vocab.or(cfg.as_ref().map(|c| c.model.vocab_size)).unwrap_or(50257);
     let from_cfg = cfg.as_ref().map(|c| (c.model.n_layer, c.model.n_embd, c.model.n_head));
     let any_shape = layers.is_some() || hidden.is_some() || heads.is_some();
+    // Every shape goes through the model section's rules, as `train` would check it.
+    let section_of = |m: crate::model::ModelSection, flag: &str| -> Result<ModelShape, PlanError> {
+        let arch = m.arch().map_err(|p| {
+            let p: Vec<String> = p.iter().map(ToString::to_string).collect();
+            err(flag, p.join("; "))
+        })?;
+        Ok(ModelShape { section: m, arch })
+    };
     let (shape, guessed) = match (from_cfg, any_shape, a.params) {
-        (None, false, Some(n)) => (ModelShape::guess(n, seq, vocab), true),
+        (None, false, Some(n)) => {
+            let (layers, hidden, heads) = ModelShape::guess(n, seq, vocab);
+            let m = ModelSection {
+                n_layer: layers,
+                n_embd: hidden,
+                n_head: heads,
+                block_size: seq,
+                vocab_size: vocab,
+                ..Default::default()
+            };
+            (section_of(m, "--params")?, true)
+        }
         (None, false, None) => {
             return Err(err("--params", "give --params, or --layers/--hidden/--heads, or --config"))
         }
@@ -276,25 +286,16 @@ pub fn resolve(a: &PlanArgs) -> Result<PlanInput, PlanError> {
             let pick = |flag: &str, x: Option<usize>, c: Option<usize>| {
                 x.or(c).ok_or_else(|| err(flag, "required with the other shape flags (or use --config)"))
             };
-            let mut shape = ModelShape::gpt2(
-                pick("--layers", layers, from_cfg.map(|c| c.0))?,
-                pick("--hidden", hidden, from_cfg.map(|c| c.1))?,
-                pick("--heads", heads, from_cfg.map(|c| c.2))?,
-                seq,
-                vocab,
-            );
-            // A Llama config's block, with its own key/value heads and MLP width.
-            if let Some(c) = cfg.as_ref().filter(|c| c.model.family == crate::config::Family::Llama) {
-                let m = &c.model;
-                shape.llama = Some(LlamaShape { kv_heads: m.kv_heads(), ffn: m.ffn_width(), tied: m.tied() });
+            // A config's model (its family and settings), the flags' shape over it.
+            let mut m = cfg.as_ref().map(|c| c.model.clone()).unwrap_or_default();
+            m.n_layer = pick("--layers", layers, from_cfg.map(|c| c.0))?;
+            m.n_embd = pick("--hidden", hidden, from_cfg.map(|c| c.1))?;
+            m.n_head = pick("--heads", heads, from_cfg.map(|c| c.2))?;
+            (m.block_size, m.vocab_size) = (seq, vocab);
+            if m.head_dim == 0 && !m.n_embd.is_multiple_of(m.n_head) {
+                return Err(err("--heads", format!("{} heads do not divide hidden {}", m.n_head, m.n_embd)));
             }
-            if !shape.hidden.is_multiple_of(shape.heads) {
-                return Err(err(
-                    "--heads",
-                    format!("{} heads do not divide hidden {}", shape.heads, shape.hidden),
-                ));
-            }
-            (shape, false)
+            (section_of(m, if cfg.is_some() { "--config" } else { "--layers" })?, false)
         }
     };
     let params = a.params.unwrap_or_else(|| shape.params());
@@ -359,9 +360,9 @@ pub struct MemorySummary {
     pub zero_per_gpu: [f64; 4],
     /// The microbatch size the activation figures are for.
     pub micro_batch: usize,
-    /// Per layer per microbatch, tp = 1: s·b·h·(34 + 5as/h).
+    /// Per layer per microbatch, tp = 1: s·b·h·(32 + 4as/h) for GPT-3's block.
     pub activation_per_layer_none: f64,
-    /// 34·s·b·h: selective recompute, or flash attention.
+    /// 32·s·b·h for GPT-3's block: selective recompute, or flash attention.
     pub activation_per_layer_selective: f64,
     /// 2·s·b·h: full recompute.
     pub activation_per_layer_full: f64,
@@ -395,7 +396,7 @@ pub fn plan(inp: &PlanInput) -> Plan {
         cost_usd: inp.price.map(|p| p * gpu_s / 3600.0),
     };
     let SearchResult { candidates, layouts_tried, rejected_for_memory, .. } = search::search(&SearchInput {
-        shape: *s,
+        shape: s.clone(),
         params: inp.params,
         tokens: inp.tokens,
         gpus: inp.gpus,
@@ -455,21 +456,26 @@ impl Plan {
         let s = &i.shape;
         let _ = writeln!(
             o,
-            "model: {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}{}{}",
+            "model: {} params; {} {} layers, hidden {}, {} heads, seq {}, vocab {}{}{}",
             si(i.params),
-            s.layers,
-            s.hidden,
-            s.heads,
-            s.seq,
-            s.vocab,
-            match s.llama {
-                Some(l) => format!(
-                    "; Llama: {} key/value heads, SwiGLU width {}, head {}",
-                    l.kv_heads,
-                    l.ffn,
-                    if l.tied { "tied" } else { "untied" }
-                ),
-                None => String::new(),
+            s.arch.family.title(),
+            s.layers(),
+            s.hidden(),
+            s.heads(),
+            s.seq(),
+            s.vocab(),
+            {
+                let a = &s.arch;
+                match (a.kv_heads() != a.n_head, a.ffn != 4 * a.n_embd, !a.tied) {
+                    (false, false, false) => String::new(),
+                    _ => format!(
+                        "; {} key/value heads, head size {}, MLP width {}, head {}",
+                        a.kv_heads(),
+                        a.head_dim,
+                        a.ffn,
+                        if a.tied { "tied" } else { "untied" }
+                    ),
+                }
             },
             if i.shape_guessed { " (shape guessed from --params: nearest GPT-3/LLaMA size)" } else { "" }
         );
@@ -483,7 +489,7 @@ impl Plan {
             i.gpu.memory_bytes / 1e9,
             i.mfu,
             i.global_batch,
-            s.seq,
+            s.seq(),
             100.0 * i.dp_overlap
         );
         let f = &self.train_flops;
@@ -795,7 +801,7 @@ fn cpu_cli(args: &PlanArgs) -> Result<String, PlanError> {
         });
         return Ok(format!("{v}\n"));
     }
-    let gpt = crate::model::Arch::from_config(&cfg);
+    let gpt = cfg.arch();
     let m = &cfg.model;
     let mut t = format!(
         "model: {} {} params; {} layers, hidden {}, {} heads, seq {}, vocab {}\n",

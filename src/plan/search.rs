@@ -148,17 +148,17 @@ pub fn search(inp: &SearchInput) -> SearchResult {
     let g = inp.gpus;
     let usable = inp.gpu.usable_bytes();
     let flops_per_token = 6.0 * inp.params + shape.attention_flops_per_token();
-    let tokens_step = (inp.global_batch * shape.seq) as f64;
+    let tokens_step = (inp.global_batch * shape.seq()) as f64;
     let compute_s = flops_per_token * tokens_step / g as f64 / (inp.gpu.peak_flops * inp.mfu);
     // Forward share of the attention core, recomputed by selective recompute.
     let attn_fwd_share = shape.attention_flops_per_token() / flops_per_token;
     let mut best: BTreeMap<(usize, usize, String), Candidate> = BTreeMap::new();
     let (mut tried, mut rejected, mut smallest) = (0, 0, None::<f64>);
 
-    let tps =
-        divisors(shape.heads).filter(|&t| t <= 8 && shape.hidden.is_multiple_of(t) && g.is_multiple_of(t));
+    let tps = divisors(shape.heads())
+        .filter(|&t| t <= 8 && shape.hidden().is_multiple_of(t) && g.is_multiple_of(t));
     for tp in tps.collect::<Vec<_>>() {
-        for pp in divisors(shape.layers).filter(|&p| g.is_multiple_of(tp * p)) {
+        for pp in divisors(shape.layers()).filter(|&p| g.is_multiple_of(tp * p)) {
             let dp = g / (tp * pp);
             if !inp.global_batch.is_multiple_of(dp) {
                 continue;
@@ -174,7 +174,7 @@ pub fn search(inp: &SearchInput) -> SearchResult {
                 }
                 let mut kinds = vec![(ScheduleKind::OneFOneB, 1)];
                 if pp > 1 {
-                    if shape.layers.is_multiple_of(2 * pp) {
+                    if shape.layers().is_multiple_of(2 * pp) {
                         kinds.push((ScheduleKind::Interleaved1F1B, 2));
                     }
                     kinds.push((ScheduleKind::ZbH1, 1));
@@ -239,8 +239,8 @@ fn evaluate(
         Recompute::Selective => f * attn_fwd_share,
         Recompute::Full => f,
     };
-    let layers_per_chunk = shape.layers as f64 / (pp * v) as f64;
-    let act_bytes = (shape.seq * b * shape.hidden) as f64 * 2.0;
+    let layers_per_chunk = shape.layers() as f64 / (pp * v) as f64;
+    let act_bytes = (shape.seq() * b * shape.hidden()) as f64 * 2.0;
     let one_ar = allreduce_s(act_bytes, tp, gpu.nvlink_bytes_per_s);
     let tp_f = layers_per_chunk * 2.0 * one_ar;
     let tp_b = layers_per_chunk * if l.recompute == Recompute::Full { 4.0 } else { 2.0 } * one_ar;
@@ -265,7 +265,7 @@ fn evaluate(
     let dp_allreduce_s = zero_factor * allreduce_s(grad_bytes, dp, gpu.link(tp * dp));
     let dp_exposed_s = dp_allreduce_s * (1.0 - inp.dp_overlap);
     let step_s = rep.makespan + dp_exposed_s;
-    let tokens_step = (inp.global_batch * shape.seq) as f64;
+    let tokens_step = (inp.global_batch * shape.seq()) as f64;
     let flops_step = (6.0 * inp.params + shape.attention_flops_per_token()) * tokens_step;
     let mfu = flops_step / (step_s * inp.gpus as f64 * gpu.peak_flops);
     let train_s = inp.tokens / tokens_step * step_s;

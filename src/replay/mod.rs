@@ -689,7 +689,7 @@ mod tests {
             "{d}"
         );
 
-        // A stage's Σg² list: element 1 is the Σg² of norm slot 3 (h.0.ln_1.bias:
+        // A stage's Σg² list: element 1 is the Σg² of norm slot 3 (layers.0.input_layernorm.bias:
         // every tensor of this model is one block).
         let sums = |x: f64| {
             vec![
@@ -702,11 +702,14 @@ mod tests {
         assert!(d.to_string().contains("grad_sumsq[1] (the Σg² of norm slot 3)"), "{d}");
         let cfg = crate::model::Arch::gpt2(2, 2, 8, 10, 4);
         let named = d.name_params(&cfg).to_string();
-        assert!(named.contains("(at grad_sumsq[1] (the Σg² of h.0.ln_1.bias);"), "{named}");
-        // A wider model: wte (64·64 = 4 blocks) takes slots 0..4, wpe (4·64) slot 4.
+        assert!(named.contains("(at grad_sumsq[1] (the Σg² of layers.0.input_layernorm.bias);"), "{named}");
+        // A wider model: the token table (64·64 = 4 blocks) takes slots 0..4, the positions (4·64) slot 4.
         let wide = crate::model::Arch::gpt2(1, 2, 64, 64, 4);
-        assert_eq!(slot_name(&wide, 2).as_deref(), Some("wte.weight, block 2 (elements 2048..3072)"));
-        assert_eq!(slot_name(&wide, 4).as_deref(), Some("wpe.weight"));
+        assert_eq!(
+            slot_name(&wide, 2).as_deref(),
+            Some("embed_tokens.weight, block 2 (elements 2048..3072)")
+        );
+        assert_eq!(slot_name(&wide, 4).as_deref(), Some("embed_positions.weight"));
         // A Llama's slots name its own tensors: embed_tokens (one block),
         // then block 0's input norm and q_proj, …, the untied head last.
         let llama = crate::model::Arch::llama(1, 2, 1, 8, 12, 10, 4, 1e4);

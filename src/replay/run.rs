@@ -300,7 +300,7 @@ pub fn replay_actor(run_dir: &Path, actor: &str, opts: &ReplayOptions) -> Result
         bail!("{}: `{actor}` is not an actor pipewright can replay", path.display());
     };
     if let Some(d) = slot.lock().expect("divergence slot").take() {
-        return Ok(Verdict::Diverged(d.name_params(&Arch::from_config(&cfg))));
+        return Ok(Verdict::Diverged(d.name_params(&cfg.arch())));
     }
     if done < entries.len() {
         let e = &entries[done];
@@ -661,7 +661,7 @@ pub fn scratch_dir(what: &str) -> Result<PathBuf> {
 pub fn compare_logs(actor: &str, a: &Path, b: &Path) -> Result<Option<Divergence>> {
     let (header, ea) = LogReader::read_all(a)?;
     let (_, eb) = LogReader::read_all(b)?;
-    let gpt = Arch::from_config(&config_of(&header, a)?);
+    let gpt = config_of(&header, a)?.arch();
     Ok(first_difference(actor, &ea, &eb, false).map(|d| d.name_params(&gpt)))
 }
 
@@ -820,7 +820,7 @@ impl WholeRun {
             let (_, rerun) = LogReader::read_all(&super::log_path(out, a))?;
             let es = &recorded.entries;
             let v = match first_difference(a, es, &rerun, prefix) {
-                Some(d) => Verdict::Diverged(d.name_params(&Arch::from_config(&self.cfg))),
+                Some(d) => Verdict::Diverged(d.name_params(&self.cfg.arch())),
                 None => {
                     let note = match &recorded.cut {
                         Some(c) => Some(format!("{}; the re-run handled {}", cut_note(c, &mine), rerun.len())),

@@ -30,7 +30,7 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(cfg: &crate::config::Config) -> Self {
-        let gpt = Arch::from_config(cfg);
+        let gpt = cfg.arch();
         let b = cfg.train.micro_batch_size;
         let threads = crate::host::thread_count(cfg.backend.threads);
         let tp = TpShape::from_config(cfg);
@@ -57,7 +57,7 @@ impl Engine {
             targets: vec![0; n],
             argmax: vec![0; n],
             norms: Vec::new(),
-            first_slots: optim::zero::first_slots(&Arch::from_config(cfg)),
+            first_slots: optim::zero::first_slots(&cfg.arch()),
         }
     }
 
@@ -151,7 +151,7 @@ mod tests {
     fn small(recompute: bool, llama: bool) -> Config {
         let mut cfg = Config::default();
         if llama {
-            cfg.model.family = crate::config::Family::Llama;
+            cfg.model.family = "llama".into();
             cfg.model.n_kv_head = 1;
             cfg.model.intermediate_size = 48;
         }
@@ -217,7 +217,7 @@ mod tests {
 
     fn pipeline_parts_allocate_nothing(llama: bool) {
         let cfg = small(false, llama);
-        let gpt = Arch::from_config(&cfg);
+        let gpt = cfg.arch();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         pool.install(|| {
             let first = PartSpec { layers: 0..1, embedding: true, head: false };

@@ -25,24 +25,25 @@ pub fn load_model(
 ) -> Result<(Config, io::LoadedWeights)> {
     let file = io::weights_file(weights);
     let mut w = io::load(&file)?;
-    let folder = file.parent().unwrap_or(Path::new("."));
-    let cfg = match (config, w.metadata.get(CONFIG_METADATA_KEY), hf::read_shape(folder)?) {
+    let stored = w.metadata.get(CONFIG_METADATA_KEY);
+    // The one rule (hf::weights_model): config.json and a stored config must agree when both are there.
+    let model = hf::weights_model(&file, stored.map(String::as_str))?;
+    let cfg = match (config, stored, model) {
         (Some(path), _, _) => Config::load(Some(path), overrides)?,
         (None, Some(stored), _) => {
             Config::parse(stored, &format!("{} (its stored config)", file.display()), overrides)?
         }
-        (None, None, Some(shape)) => {
-            let mut all = shape.overrides();
+        (None, None, Some(m)) => {
+            let mut all = m.section.overrides();
             all.extend_from_slice(overrides);
-            let origin = format!("{} on the embedded default", folder.join(hf::HF_CONFIG_FILE).display());
-            Config::parse(DEFAULT_TOML, &origin, &all)?
+            Config::parse(DEFAULT_TOML, &format!("{} on the embedded default", m.origin), &all)?
         }
         (None, None, None) => Config::load(None, overrides)?,
     };
     cfg.validate_for_eval()?;
     // Before fit: it enumerates every tensor the shape has, a loop over n_layer.
     crate::limits::check_inference(&cfg)?;
-    w.fit(&Arch::from_config(&cfg))?;
+    w.fit(&cfg.arch())?;
     Ok((cfg, w))
 }
 
@@ -102,7 +103,7 @@ pub fn eval_file(
     // One window per microbatch: batches of equal size have the windows' mean.
     cfg.train.micro_batch_size = 1;
     cfg.parallel.microbatches = 1;
-    let gpt = Arch::from_config(&cfg);
+    let gpt = cfg.arch();
     super::finite::check_finite(&w, "--weights")?;
     let file = TokenFile::open_as(data, gpt.vocab_size, cfg.data.format)?;
     let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;

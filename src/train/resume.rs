@@ -45,7 +45,7 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
             changed_keys(&theirs, cfg, |k| k.starts_with("model.")).join("\n")
         );
     }
-    loaded.weights.check(&Arch::from_config(cfg))?;
+    loaded.weights.check(&cfg.arch())?;
     if (step as usize) > cfg.train.steps {
         bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
     }

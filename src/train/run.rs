@@ -333,7 +333,7 @@ pub fn train_on(
     cfg.validate()?;
     crate::limits::check(cfg)?;
     let gpus = crate::model::gpu::check_backend(cfg.backend.kind, &cfg.backend.devices)?;
-    let gpt = Arch::from_config(cfg);
+    let gpt = cfg.arch();
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
     // Values the run decides are written back into the config, so config.toml
@@ -577,7 +577,8 @@ pub fn train_on(
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());
     meta.insert("format".to_string(), "pt".to_string());
     if !simulated {
-        io::save(&opts.out_dir.join("model.safetensors"), &tensors, meta)?;
+        // The family's own files, so its transformers class opens the run as it is.
+        io::export_hf(&opts.out_dir, &gpt, &tensors, meta, io::StoreAs::F32, io::DEFAULT_MAX_SHARD_BYTES)?;
     }
     let write = |name: &str, text: &str| -> Result<()> {
         let p = opts.out_dir.join(name);

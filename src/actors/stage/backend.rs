@@ -24,7 +24,7 @@ pub fn build(args: &StageArgs, faults: &Faults) -> Result<Box<dyn StageCompute>,
         let last = args.layout.last_stage();
         return Ok(Box::new(SimCompute::new(cfg, stages, last, args.rank, args.replica)));
     }
-    let gpt = Arch::from_config(cfg);
+    let gpt = cfg.arch();
     let mut chunks = Vec::new();
     for s in args.layout.stages_of(args.rank) {
         let spec = args.layout.stages[s].clone();
@@ -65,7 +65,7 @@ fn build_cpu(
     nondet: bool,
 ) -> Result<Box<dyn StageCompute>, String> {
     let cfg = &args.cfg;
-    let gpt = Arch::from_config(cfg);
+    let gpt = cfg.arch();
     let b = cfg.train.micro_batch_size;
     let mut parts = Vec::new();
     let mut adam = Vec::new();
@@ -126,7 +126,7 @@ fn build_gpu(
     let peak =
         args.layout.schedule.simulate(&crate::schedule::Costs::unit()).map_err(|e| e.to_string())?.peak_live;
     let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
-    let (gpt, b, rc) = (Arch::from_config(cfg), cfg.train.micro_batch_size, cfg.train.recompute);
+    let (gpt, b, rc) = (cfg.arch(), cfg.train.micro_batch_size, cfg.train.recompute);
     let resume = args.resume.as_deref();
     let place = || GpuPlace {
         layout: &args.layout,

@@ -227,7 +227,7 @@ fn build(mut args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Ex
         None => Box::new(actor),
     };
     let cfg = &args.cfg;
-    let gpt = crate::model::Arch::from_config(cfg);
+    let gpt = cfg.arch();
     let l = &args.layout;
     let dloss = 1.0 / (l.dp * l.microbatches * cfg.train.micro_batch_size * gpt.block_size) as f32;
     let last = l.last_stage();

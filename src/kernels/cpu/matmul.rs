@@ -219,13 +219,22 @@ pub fn matmul_backward_weight(
 
 /// acc (OC) += Σ over the N rows of x (N, OC), each column summed in row order.
 pub fn column_sum_accumulate(acc: &mut [f32], x: &[f32], n: usize, oc: usize) {
+    column_sum_accumulate_at(acc, x, n, oc, 0);
+}
+
+/// acc (OC) += Σ over the N rows of columns [col0, col0 + OC) of x (N, W),
+/// each column summed in row order: the bias gradient of a product whose
+/// output is a column block of a wider buffer (q, k, v in one row).
+pub fn column_sum_accumulate_at(acc: &mut [f32], x: &[f32], n: usize, w: usize, col0: usize) {
+    let oc = acc.len();
+    assert!(col0 + oc <= w && x.len() >= n * w, "columns {col0}..{} past rows of {w}", col0 + oc);
     if RANDOM_ORDER.with(|r| r.get()) {
-        return column_sum_random_order(acc, x, n, oc);
+        return column_sum_random_order(acc, x, n, w, col0);
     }
     acc.par_chunks_mut(COLS_PER_TASK).enumerate().for_each(|(task, cols)| {
-        let c0 = task * COLS_PER_TASK;
+        let c0 = col0 + task * COLS_PER_TASK;
         for r in 0..n {
-            let row = &x[r * oc + c0..r * oc + c0 + cols.len()];
+            let row = &x[r * w + c0..r * w + c0 + cols.len()];
             for (a, &v) in cols.iter_mut().zip(row) {
                 *a += v;
             }
@@ -254,7 +263,7 @@ pub fn random_order() -> bool {
     RANDOM_ORDER.with(|r| r.get())
 }
 
-fn column_sum_random_order(acc: &mut [f32], x: &[f32], n: usize, oc: usize) {
+fn column_sum_random_order(acc: &mut [f32], x: &[f32], n: usize, w: usize, col0: usize) {
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let mut rng = crate::rng::Rng::new(seed as u64, crate::rng::Purpose::Test, &[0x4e0d]);
     let mut rows: Vec<usize> = (0..n).collect();
@@ -265,7 +274,7 @@ fn column_sum_random_order(acc: &mut [f32], x: &[f32], n: usize, oc: usize) {
         // Sum the column on its own, then add: the order of the rows is what varies.
         let mut s = 0.0f32;
         for &r in &rows {
-            s += x[r * oc + o];
+            s += x[r * w + col0 + o];
         }
         *a += s;
     }

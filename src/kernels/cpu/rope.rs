@@ -42,6 +42,15 @@ impl RopeTable {
         }
         RopeTable { t, half, cos, sin }
     }
+
+    /// cos and sin times `s` (YaRN's attention factor, which transformers
+    /// applies to the table rather than to the scores), each rounded once.
+    pub fn scaled(mut self, s: f32) -> RopeTable {
+        if s != 1.0 {
+            self.cos.iter_mut().chain(self.sin.iter_mut()).for_each(|x| *x *= s);
+        }
+        self
+    }
 }
 
 /// x (N, W) ← rotated by +p·f (forward) or −p·f (`inverse`, the backward of

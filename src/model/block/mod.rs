@@ -1,0 +1,608 @@
+//! The one transformer block every family runs, as Hugging Face's decoder
+//! layers compute it, its kinds chosen by the model's settings ([`Arch`]):
+//!
+//!   h   = x + o(attention(rope(qk_norm(q(n1))), rope(qk_norm(k(n1))), v(n1))),  n1 = norm1(x)
+//!   out = h + down(mlp(n2)),                                                       n2 = norm2(h)
+//!
+//! norm: LayerNorm (with a bias) or RMSNorm; q, k, v, o, and the MLP's
+//! products with biases or not; the per-head q/k norm (Qwen3) or none; RoPE
+//! on rotary models (a learned position table is added before the first
+//! block instead); grouped-query attention, full or in a sliding window;
+//! mlp(n2) = gelu(up(n2)) or silu(gate(n2)) · up(n2). Weights keep
+//! `nn.Linear`'s (out, in) layout (see `linear.rs`); q, k and v are written
+//! into one (N, (NH + 2·NKV)·HS) buffer, the layout the attention kernels read.
+//!
+//! The block runs on rank `rank` of `size` tensor-parallel ranks (Megatron's
+//! column/row split; `split.rs` has the sums' rule): a rank holds the q rows
+//! of its query heads, the k and v rows of their key/value heads (`size`
+//! divides NKV, so a group never straddles ranks), a row block of gate and up
+//! with their biases, and the matching input columns of o and down; the
+//! norms and o's and down's biases are whole. Attention, RoPE, the q/k norm
+//! and the activation are per head or per element and need no
+//! communication. The sums over ranks — forward's o and down products,
+//! backward's input gradients of q/k/v and of gate/up — are each the pairwise
+//! tree over `slices` K-slices, slice j reading query heads [j·NH/S, …),
+//! key/value heads [j·NKV/S, …) and MLP rows [j·F/S, …). With one slice every
+//! product is the plain one. A part that is not split is rank 0 of 1.
+//!
+//! Shapes: B sequences of T tokens, N = B·T rows, C = n_embd, NH, NKV, HS
+//! as in `arch.rs`, F = the MLP's width; per rank the heads and F are the
+//! rank's share, W = (NH + 2·NKV)·HS.
+
+pub mod linear;
+pub mod split;
+#[cfg(test)]
+mod tests;
+
+pub use split::{
+    cut_of, shard, shard_into, sum_slices, unshard, unshard_into, Cut, Exchange, TensorGroup, ThreadGroup,
+    TpRank,
+};
+
+use super::arch::{Arch, BlockIndex, Mlp, Norm, Positions, Role};
+use super::params::Param;
+use crate::kernels::cpu::attention::{gqa_backward, gqa_forward, scratch_len, Heads};
+use crate::kernels::cpu::rope::{rope_backward, rope_forward, RopeTable};
+use crate::kernels::cpu::{gelu, layernorm, residual, rmsnorm, swiglu};
+use crate::kernels::profile::{timed, Kernel};
+use linear::{
+    column_parallel_dx, column_product, column_weight_grad, row_parallel, row_parallel_dx, row_weight_grad,
+    ColumnPart,
+};
+
+/// One rank's share of a block's widths: the hidden size stays whole, the
+/// heads and the MLP's rows are cut.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Share {
+    pub c: usize,
+    pub heads: Heads,
+    pub f: usize,
+}
+
+impl Share {
+    pub fn of(a: &Arch, size: usize) -> Share {
+        let Heads { nh, nkv, hs } = a.heads();
+        Share { c: a.n_embd, heads: Heads { nh: nh / size, nkv: nkv / size, hs }, f: a.ffn / size }
+    }
+
+    /// Columns of the MLP's first product: gate and up (SwiGLU) or up alone.
+    fn hidden(&self, a: &Arch) -> usize {
+        match a.mlp {
+            Mlp::SwiGlu => 2 * self.f,
+            Mlp::Gelu => self.f,
+        }
+    }
+}
+
+/// Rows of mean/variance a norm keeps: a LayerNorm's mean, none for RMSNorm.
+fn mean_len(a: &Arch, n: usize) -> usize {
+    if a.norm == Norm::LayerNorm {
+        n
+    } else {
+        0
+    }
+}
+
+/// One block's intermediate values for one microbatch on one rank.
+#[derive(Default)]
+pub struct BlockActs {
+    n1: Vec<f32>,     // (N, C) the attention norm's output
+    mean1: Vec<f32>,  // (N) LayerNorm only
+    rstd1: Vec<f32>,  // (N)
+    qkv: Vec<f32>,    // (N, W): q and k after their norms and RoPE, then v
+    atty: Vec<f32>,   // (N, NH·HS) attention's output before o
+    lse: Vec<f32>,    // (B, NH, T)
+    h: Vec<f32>,      // (N, C) the residual after attention
+    n2: Vec<f32>,     // (N, C)
+    mean2: Vec<f32>,  // (N) LayerNorm only
+    rstd2: Vec<f32>,  // (N)
+    hidden: Vec<f32>, // (N, 2F) gate's then up's outputs (SwiGLU) or (N, F) up's (GELU)
+    act: Vec<f32>,    // (N, F) the activation, down's input
+}
+
+impl BlockActs {
+    /// For a rank of `size` in a model of `cfg`'s settings.
+    pub fn new(b: usize, cfg: &Arch, size: usize) -> Self {
+        let [n1, mean1, rstd1, qkv, atty, lse, h, n2, mean2, rstd2, hidden, act] =
+            Self::lens(b, cfg, size).map(|len| vec![0.0; len]);
+        BlockActs { n1, mean1, rstd1, qkv, atty, lse, h, n2, mean2, rstd2, hidden, act }
+    }
+
+    /// The elements of each buffer, in field order: the one count the
+    /// planner's memory model and the allocation share.
+    fn lens(b: usize, cfg: &Arch, size: usize) -> [usize; 12] {
+        let (t, s) = (cfg.block_size, Share::of(cfg, size));
+        let n = b * t;
+        let (c, heads) = (s.c, s.heads);
+        [
+            n * c,
+            mean_len(cfg, n),
+            n,
+            n * heads.qkv_width(),
+            n * heads.out_width(),
+            b * heads.nh * t,
+            n * c,
+            n * c,
+            mean_len(cfg, n),
+            n,
+            n * s.hidden(cfg),
+            n * s.f,
+        ]
+    }
+
+    /// Bytes a rank of `size` keeps for one microbatch of `b` sequences,
+    /// computed without allocating.
+    pub fn bytes_for(b: usize, cfg: &Arch, size: usize) -> usize {
+        4 * Self::lens(b, cfg, size).iter().sum::<usize>()
+    }
+
+    pub fn bytes(&self) -> usize {
+        let all = [
+            &self.n1,
+            &self.mean1,
+            &self.rstd1,
+            &self.qkv,
+            &self.atty,
+            &self.lse,
+            &self.h,
+            &self.n2,
+            &self.mean2,
+            &self.rstd2,
+            &self.hidden,
+            &self.act,
+        ];
+        4 * all.iter().map(|v| v.len()).sum::<usize>()
+    }
+}
+
+/// The gradients of a block's intermediate outputs on one rank, written by
+/// the input half of its backward (I) and read by the weight half (W). A
+/// full backward (B) works in the four it computes anyway and leaves `dout`
+/// and `dh`, which it reads from the caller's buffer, untouched.
+pub struct BlockGrads {
+    dout: Vec<f32>,    // (N, C) the block's output: down's output gradient
+    dhidden: Vec<f32>, // (N, 2F or F) the MLP's first products' outputs
+    dn2: Vec<f32>,     // (N, C) the MLP norm's output
+    dh: Vec<f32>,      // (N, C) the residual after attention: o's output gradient
+    dqkv: Vec<f32>,    // (N, W) q, k, v's outputs (before RoPE for q and k)
+    dn1: Vec<f32>,     // (N, C) the attention norm's output
+}
+
+impl BlockGrads {
+    /// For `n` rows (B·T) on a rank of `size`.
+    pub fn new(n: usize, cfg: &Arch, size: usize) -> Self {
+        let s = Share::of(cfg, size);
+        BlockGrads {
+            dout: vec![0.0; n * s.c],
+            dhidden: vec![0.0; n * s.hidden(cfg)],
+            dn2: vec![0.0; n * s.c],
+            dh: vec![0.0; n * s.c],
+            dqkv: vec![0.0; n * s.heads.qkv_width()],
+            dn1: vec![0.0; n * s.c],
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        let all = [&self.dout, &self.dhidden, &self.dn2, &self.dh, &self.dqkv, &self.dn1];
+        4 * all.iter().map(|v| v.len()).sum::<usize>()
+    }
+}
+
+/// One rank's workspace (one microbatch runs at a time): the rotary table
+/// and backward's intermediate gradients, kept so a step allocates nothing.
+pub struct BlockScratch {
+    rope: Option<RopeTable>,
+    attn: Vec<f32>,
+    dact: Vec<f32>,  // (N, F)
+    datty: Vec<f32>, // (N, NH·HS)
+    /// Slices 1.. of this rank's run of a split sum, (N, C) each (slice 0
+    /// is summed in the output itself).
+    leaves: Vec<Vec<f32>>,
+}
+
+impl BlockScratch {
+    pub fn new(b: usize, cfg: &Arch, tp: &TpRank) -> Self {
+        let Heads { nh, nkv, .. } = cfg.heads();
+        // The config refuses other splits (config.rs, check_tp); a slice must be whole heads and groups.
+        assert!(
+            tp.slices.is_multiple_of(tp.size)
+                && nkv.is_multiple_of(tp.slices)
+                && nh.is_multiple_of(tp.slices)
+                && cfg.ffn.is_multiple_of(tp.slices),
+            "a block of {nh} query heads, {nkv} key/value heads and MLP width {} over {} slices on {} ranks: \
+             the slices must divide all three and be a multiple of the ranks",
+            cfg.ffn,
+            tp.slices,
+            tp.size
+        );
+        let (s, t, n) = (Share::of(cfg, tp.size), cfg.block_size, b * cfg.block_size);
+        BlockScratch {
+            rope: (cfg.positions == Positions::Rotary).then(|| super::rope::rope_table(cfg)),
+            attn: vec![0.0; scratch_len(b, s.heads.nh, t)],
+            dact: vec![0.0; n * s.f],
+            datty: vec![0.0; n * s.heads.out_width()],
+            leaves: (1..tp.leaves()).map(|_| vec![0.0; n * s.c]).collect(),
+        }
+    }
+}
+
+/// The block's tensors by role, on one rank.
+struct Weights<'a> {
+    p: &'a [Param],
+    ix: BlockIndex,
+}
+
+impl<'a> Weights<'a> {
+    fn w(&self, r: Role) -> &'a [f32] {
+        &self.p[self.ix.at(r)].data
+    }
+
+    fn opt(&self, r: Role) -> Option<&'a [f32]> {
+        self.ix.get(r).map(|i| self.p[i].data.as_slice())
+    }
+}
+
+/// A norm's forward: out = norm(x), keeping mean (LayerNorm) and rstd.
+#[allow(clippy::too_many_arguments)]
+fn norm_forward(
+    a: &Arch,
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+) {
+    match a.norm {
+        Norm::LayerNorm => timed(Kernel::LayerNorm, || {
+            layernorm::layernorm_forward(out, mean, rstd, x, w, bias.expect("a LayerNorm's bias"), n, c)
+        }),
+        Norm::RmsNorm => {
+            timed(Kernel::RmsNorm, || rmsnorm::rmsnorm_forward(out, rstd, x, w, n, c, a.norm_eps))
+        }
+    }
+}
+
+/// dx += the norm's input gradient from its output gradient `dout`.
+#[allow(clippy::too_many_arguments)]
+fn norm_backward_input(
+    a: &Arch,
+    dx: &mut [f32],
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    match a.norm {
+        Norm::LayerNorm => {
+            timed(Kernel::LayerNorm, || layernorm::layernorm_backward_input(dx, dout, x, w, mean, rstd, n, c))
+        }
+        Norm::RmsNorm => {
+            timed(Kernel::RmsNorm, || rmsnorm::rmsnorm_backward_input(dx, dout, x, w, rstd, n, c))
+        }
+    }
+}
+
+/// The norm's weight (and bias) gradients, p[w] and p[w + 1] for a LayerNorm.
+#[allow(clippy::too_many_arguments)]
+fn norm_grad(
+    a: &Arch,
+    p: &mut [Param],
+    w: usize,
+    dout: &[f32],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    match a.norm {
+        Norm::LayerNorm => {
+            let (gw, gb) = super::part::pair(p, w, w + 1);
+            timed(Kernel::LayerNorm, || {
+                layernorm::layernorm_backward_weight(&mut gw.grad, &mut gb.grad, dout, x, mean, rstd, n, c)
+            })
+        }
+        Norm::RmsNorm => {
+            timed(Kernel::RmsNorm, || rmsnorm::rmsnorm_backward_weight(&mut p[w].grad, dout, x, rstd, n, c))
+        }
+    }
+}
+
+/// The gradient of a tensor and, if the model has one, of its bias.
+fn grad_and_bias<'p>(
+    p: &'p mut [Param],
+    ix: &BlockIndex,
+    w: Role,
+    b: Role,
+) -> (&'p mut [f32], Option<&'p mut [f32]>) {
+    match ix.get(b) {
+        None => (&mut p[ix.at(w)].grad, None),
+        Some(bi) => {
+            let (gw, gb) = super::part::pair(p, ix.at(w), bi);
+            (&mut gw.grad, Some(&mut gb.grad))
+        }
+    }
+}
+
+/// One block's forward on one rank: `p` holds the rank's shards of the
+/// block's tensors (`cfg.block_len()` of them); out (N, C) = the block of x.
+#[allow(clippy::too_many_arguments)]
+pub fn block_forward(
+    p: &[Param],
+    a: &mut BlockActs,
+    x: &[f32],
+    out: &mut [f32],
+    sc: &mut BlockScratch,
+    b: usize,
+    cfg: &Arch,
+    tp: &TpRank,
+) {
+    assert!(
+        !cfg.qk_norm && cfg.window.is_none(),
+        "the per-head q/k norm and a sliding window come with their kernels"
+    );
+    let t = cfg.block_size;
+    let s = Share::of(cfg, tp.size);
+    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, tp.leaves());
+    let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
+    let wt = Weights { p, ix: cfg.block_index() };
+    norm_forward(
+        cfg,
+        &mut a.n1,
+        &mut a.mean1,
+        &mut a.rstd1,
+        x,
+        wt.w(Role::AttnNorm),
+        wt.opt(Role::AttnNormBias),
+        n,
+        c,
+    );
+    timed(Kernel::Matmul, || {
+        for (r, rb, col0, o) in
+            [(Role::Q, Role::QBias, 0, q), (Role::K, Role::KBias, q, kv), (Role::V, Role::VBias, q + kv, kv)]
+        {
+            column_product(&mut a.qkv, w, col0, &a.n1, wt.w(r), wt.opt(rb), (n, c, o), l);
+        }
+    });
+    if let Some(rope) = &sc.rope {
+        // q's and k's heads are the first NH + NKV head-wide column blocks.
+        timed(Kernel::Rope, || rope_forward(&mut a.qkv, rope, n, w, 0, heads.nh + heads.nkv));
+    }
+    timed(Kernel::Attention, || gqa_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads));
+    row_parallel(&mut a.h, &mut sc.leaves, &a.atty, wt.w(Role::O), wt.opt(Role::OBias), (n, q, c), tp);
+    timed(Kernel::Residual, || residual::accumulate(&mut a.h, x));
+    norm_forward(
+        cfg,
+        &mut a.n2,
+        &mut a.mean2,
+        &mut a.rstd2,
+        &a.h,
+        wt.w(Role::MlpNorm),
+        wt.opt(Role::MlpNormBias),
+        n,
+        c,
+    );
+    let hidden = s.hidden(cfg);
+    timed(Kernel::Matmul, || {
+        if cfg.mlp == Mlp::SwiGlu {
+            column_product(
+                &mut a.hidden,
+                hidden,
+                0,
+                &a.n2,
+                wt.w(Role::Gate),
+                wt.opt(Role::GateBias),
+                (n, c, f),
+                l,
+            );
+        }
+        column_product(
+            &mut a.hidden,
+            hidden,
+            hidden - f,
+            &a.n2,
+            wt.w(Role::Up),
+            wt.opt(Role::UpBias),
+            (n, c, f),
+            l,
+        );
+    });
+    match cfg.mlp {
+        Mlp::SwiGlu => timed(Kernel::Swiglu, || swiglu::swiglu_forward(&mut a.act, &a.hidden, n, f)),
+        Mlp::Gelu => timed(Kernel::Gelu, || gelu::gelu_forward(&mut a.act, &a.hidden)),
+    }
+    row_parallel(out, &mut sc.leaves, &a.act, wt.w(Role::Down), wt.opt(Role::DownBias), (n, f, c), tp);
+    timed(Kernel::Residual, || residual::accumulate(out, &a.h));
+}
+
+/// The input half of one block's backward on one rank: `dres` holds ∂L/∂out
+/// on entry and ∂L/∂x on return; `g` receives the intermediate output
+/// gradients. With `full` (a B) every weight gradient accumulates as soon as
+/// its output gradient exists, by the same kernel calls on the same inputs
+/// as [`block_backward_weight`] makes, so I then W gives B's bits, and the
+/// gradients that `dres` carries need no copies.
+#[allow(clippy::too_many_arguments)]
+pub fn block_backward_input(
+    p: &mut [Param],
+    a: &BlockActs,
+    x: &[f32],
+    dres: &mut [f32],
+    g: &mut BlockGrads,
+    sc: &mut BlockScratch,
+    b: usize,
+    cfg: &Arch,
+    tp: &TpRank,
+    full: bool,
+) {
+    let t = cfg.block_size;
+    let s = Share::of(cfg, tp.size);
+    let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, tp.leaves());
+    let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
+    let ix = cfg.block_index();
+    let hidden = s.hidden(cfg);
+    // MLP: dres is ∂L/∂out, which is also the residual's share of ∂L/∂h.
+    if full {
+        down_grads(p, &ix, dres, a, (n, f, c), l);
+    } else {
+        g.dout.copy_from_slice(dres);
+    }
+    timed(Kernel::Matmul, || row_parallel_dx(&mut sc.dact, dres, &p[ix.at(Role::Down)].data, (n, f, c), l));
+    match cfg.mlp {
+        Mlp::SwiGlu => {
+            // swiglu_backward accumulates: its gradient starts from zero.
+            g.dhidden.fill(0.0);
+            timed(Kernel::Swiglu, || swiglu::swiglu_backward(&mut g.dhidden, &sc.dact, &a.hidden, n, f));
+        }
+        Mlp::Gelu => {
+            timed(Kernel::Gelu, || gelu::gelu_backward_into(&mut g.dhidden, &a.hidden, &sc.dact, false))
+        }
+    }
+    {
+        let wt = Weights { p, ix };
+        let up = ColumnPart { dy: &g.dhidden, dy_cols: hidden, col0: hidden - f, w: wt.w(Role::Up), o: f };
+        // Arrays, not a Vec: a step allocates nothing (train::engine's tests count).
+        match cfg.mlp {
+            Mlp::SwiGlu => {
+                let gate = ColumnPart { dy: &g.dhidden, dy_cols: hidden, col0: 0, w: wt.w(Role::Gate), o: f };
+                column_parallel_dx(&mut g.dn2, &mut sc.leaves, &[gate, up], (n, c), tp)
+            }
+            Mlp::Gelu => column_parallel_dx(&mut g.dn2, &mut sc.leaves, &[up], (n, c), tp),
+        }
+    }
+    if full {
+        mlp_in_grads(cfg, p, &ix, &g.dhidden, a, (n, c, f), l);
+    }
+    let (mlp_norm, attn_norm) = (ix.at(Role::MlpNorm), ix.at(Role::AttnNorm));
+    norm_backward_input(cfg, dres, &g.dn2, &a.h, &p[mlp_norm].data, &a.mean2, &a.rstd2, n, c);
+    if full {
+        norm_grad(cfg, p, mlp_norm, &g.dn2, &a.h, &a.mean2, &a.rstd2, n, c);
+    }
+    // Attention: dres is now ∂L/∂h, the residual's share of ∂L/∂x.
+    if full {
+        o_grads(p, &ix, dres, a, (n, q, c), l);
+    } else {
+        g.dh.copy_from_slice(dres);
+    }
+    timed(Kernel::Matmul, || row_parallel_dx(&mut sc.datty, dres, &p[ix.at(Role::O)].data, (n, q, c), l));
+    // dK and dV accumulate over query tiles, so this one starts from zero.
+    g.dqkv.fill(0.0);
+    timed(Kernel::Attention, || {
+        gqa_backward(&mut g.dqkv, &mut sc.attn, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads)
+    });
+    if let Some(rope) = &sc.rope {
+        timed(Kernel::Rope, || rope_backward(&mut g.dqkv, rope, n, w, 0, heads.nh + heads.nkv));
+    }
+    {
+        let wt = Weights { p, ix };
+        let parts = [
+            ColumnPart { dy: &g.dqkv, dy_cols: w, col0: 0, w: wt.w(Role::Q), o: q },
+            ColumnPart { dy: &g.dqkv, dy_cols: w, col0: q, w: wt.w(Role::K), o: kv },
+            ColumnPart { dy: &g.dqkv, dy_cols: w, col0: q + kv, w: wt.w(Role::V), o: kv },
+        ];
+        column_parallel_dx(&mut g.dn1, &mut sc.leaves, &parts, (n, c), tp);
+    }
+    if full {
+        qkv_grads(p, &ix, &g.dqkv, a, (n, c, q, kv), l);
+    }
+    norm_backward_input(cfg, dres, &g.dn1, x, &p[attn_norm].data, &a.mean1, &a.rstd1, n, c);
+    if full {
+        norm_grad(cfg, p, attn_norm, &g.dn1, x, &a.mean1, &a.rstd1, n, c);
+    }
+}
+
+/// The weight half of one block's backward (a W) on one rank: accumulates
+/// every weight gradient from the activations and the output gradients its I kept.
+pub fn block_backward_weight(
+    p: &mut [Param],
+    a: &BlockActs,
+    x: &[f32],
+    g: &BlockGrads,
+    b: usize,
+    cfg: &Arch,
+    tp: &TpRank,
+) {
+    let s = Share::of(cfg, tp.size);
+    let (n, c, f, heads, l) = (b * cfg.block_size, s.c, s.f, s.heads, tp.leaves());
+    let (q, kv) = (heads.out_width(), heads.nkv * heads.hs);
+    let ix = cfg.block_index();
+    down_grads(p, &ix, &g.dout, a, (n, f, c), l);
+    mlp_in_grads(cfg, p, &ix, &g.dhidden, a, (n, c, f), l);
+    norm_grad(cfg, p, ix.at(Role::MlpNorm), &g.dn2, &a.h, &a.mean2, &a.rstd2, n, c);
+    o_grads(p, &ix, &g.dh, a, (n, q, c), l);
+    qkv_grads(p, &ix, &g.dqkv, a, (n, c, q, kv), l);
+    norm_grad(cfg, p, ix.at(Role::AttnNorm), &g.dn1, x, &a.mean1, &a.rstd1, n, c);
+}
+
+/// down's weight (and bias) gradient from its output gradient.
+fn down_grads(
+    p: &mut [Param],
+    ix: &BlockIndex,
+    dout: &[f32],
+    a: &BlockActs,
+    nfc: (usize, usize, usize),
+    l: usize,
+) {
+    let (dw, db) = grad_and_bias(p, ix, Role::Down, Role::DownBias);
+    timed(Kernel::Matmul, || row_weight_grad(dw, db, dout, &a.act, nfc, l));
+}
+
+/// o's weight (and bias) gradient from its output gradient (∂L/∂h).
+fn o_grads(
+    p: &mut [Param],
+    ix: &BlockIndex,
+    dh: &[f32],
+    a: &BlockActs,
+    nqc: (usize, usize, usize),
+    l: usize,
+) {
+    let (dw, db) = grad_and_bias(p, ix, Role::O, Role::OBias);
+    timed(Kernel::Matmul, || row_weight_grad(dw, db, dh, &a.atty, nqc, l));
+}
+
+/// The MLP's first products' weight (and bias) gradients from their output
+/// gradients `dhidden` (gate's then up's, or up's).
+fn mlp_in_grads(
+    cfg: &Arch,
+    p: &mut [Param],
+    ix: &BlockIndex,
+    dhidden: &[f32],
+    a: &BlockActs,
+    (n, c, f): (usize, usize, usize),
+    l: usize,
+) {
+    let cols = dhidden.len() / n;
+    timed(Kernel::Matmul, || {
+        if cfg.mlp == Mlp::SwiGlu {
+            let (dw, db) = grad_and_bias(p, ix, Role::Gate, Role::GateBias);
+            column_weight_grad(dw, db, dhidden, cols, 0, &a.n2, (n, c, f), l);
+        }
+        let (dw, db) = grad_and_bias(p, ix, Role::Up, Role::UpBias);
+        column_weight_grad(dw, db, dhidden, cols, cols - f, &a.n2, (n, c, f), l);
+    });
+}
+
+/// q's, k's and v's weight (and bias) gradients from theirs, `dqkv` (N, Q + 2·KV).
+fn qkv_grads(
+    p: &mut [Param],
+    ix: &BlockIndex,
+    dqkv: &[f32],
+    a: &BlockActs,
+    (n, c, q, kv): (usize, usize, usize, usize),
+    l: usize,
+) {
+    let w = q + 2 * kv;
+    timed(Kernel::Matmul, || {
+        for (r, rb, col0, o) in
+            [(Role::Q, Role::QBias, 0, q), (Role::K, Role::KBias, q, kv), (Role::V, Role::VBias, q + kv, kv)]
+        {
+            let (dw, db) = grad_and_bias(p, ix, r, rb);
+            column_weight_grad(dw, db, dqkv, w, col0, &a.n1, (n, c, o), l);
+        }
+    });
+}
