@@ -1,4 +1,5 @@
-//! pipewright: a GPT-2 trainer whose pipeline stages are actors.
+//! pipewright: a trainer for GPT-style transformers (every family a preset
+//! of one block, `model`) whose pipeline stages are actors.
 //!
 //! The layout follows one optimizer step: `config` → `schedule` → `actors` →
 //! `model` (built from `kernels`) → `optim`; `data` feeds it, `train` runs it

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 #[command(
     name = "pipewright",
     version,
-    about = "Train GPT-2 style transformers, bit-exact and easy to see into"
+    about = "Train GPT-style transformers (GPT-2, Llama, Qwen2, …), bit-exact and easy to see into"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -81,8 +81,8 @@ enum Command {
     /// learning multi-digit addition from a generated corpus, in a few minutes.
     ///
     /// Writes into --out: metrics.jsonl (one JSON object per step), summary.json,
-    /// model.safetensors (Hugging Face GPT-2 names), config.toml (the resolved
-    /// config) and loss.svg (train and validation loss).
+    /// model.safetensors and config.json (the family's Hugging Face files, which its
+    /// transformers class opens), config.toml (the resolved config) and loss.svg.
     Train(TrainArgs),
     /// Train across N processes on this machine (one rank each; see `worker`),
     /// with train's options. Outputs land in one run directory, as with `train`.
@@ -230,10 +230,31 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Write saved weights (a run, a checkpoint, a Hugging Face folder) as the
+    /// family's Hugging Face folder: config.json and model.safetensors, or
+    /// shards with their index above --max-shard-size, values stored as
+    /// --dtype (bf16 and f16 round to nearest even, once). The model comes
+    /// from the weights as eval takes it. --out must be new or empty (or --force).
+    Export {
+        /// The weights: a run or checkpoint directory, a safetensors file, a (sharded) Hugging Face folder.
+        weights: PathBuf,
+        /// The folder to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// f32, bf16 or f16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// The largest shard: bytes, or with a unit as transformers writes it (5GB, 500MB, 2GiB).
+        #[arg(long, default_value = "5GB")]
+        max_shard_size: String,
+        /// Write into --out even if it holds files (the model's files are replaced).
+        #[arg(long)]
+        force: bool,
+    },
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
     ///
     /// Reads only the file's header, so it is instant on large files. Works on
-    /// our weights, a checkpoint's and Hugging Face GPT-2 files alike.
+    /// our weights, a checkpoint's and any family's Hugging Face files alike.
     Inspect {
         /// A .safetensors file, or a run or checkpoint directory (its model.safetensors).
         path: PathBuf,
@@ -251,7 +272,7 @@ enum Command {
         #[arg(long)]
         only: Option<String>,
     },
-    /// GPT-2 training throughput on one GPU (bf16, random tokens): tokens/s, ms/step and
+    /// Training throughput of a model (--family, GPT-2 124M by default) on one GPU (bf16, random tokens): tokens/s, ms/step and
     /// MFU against 989 TFLOP/s (H100 SXM bf16) and against cuBLASLt's rate measured here.
     GpuBench(GpuBenchArgs),
     /// Training throughput on random tokens: tokens/s, ms/step, GFLOP/s and time per kernel.
@@ -337,9 +358,10 @@ struct TrainArgs {
     /// Run directory [default: runs/<date>-<time>].
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Start from these weights instead of a fresh init: safetensors with GPT-2
-    /// names, or a folder holding model.safetensors (a run, or a Hugging Face
-    /// save_pretrained folder, whose config.json then gives the model's shape).
+    /// Start from these weights instead of a fresh init: a safetensors file, or a
+    /// folder holding model.safetensors or shards with their index (a run, or a
+    /// Hugging Face save_pretrained folder of any family, f32, bf16 or f16; its
+    /// config.json, or the config a run stored in the weights, gives the model).
     #[arg(long, value_name = "W.safetensors|DIR")]
     init: Option<PathBuf>,
     /// Replace the outputs of an earlier run in --out.
@@ -970,6 +992,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect { path } => {
             print!("{}", pipewright::inspect::inspect(&path)?);
+            Ok(())
+        }
+        Command::Export { weights, out, dtype, max_shard_size, force } => {
+            let files = pipewright::train::export::export(&weights, &out, &dtype, &max_shard_size, force)?;
+            for f in files {
+                println!("{}", f.display());
+            }
             Ok(())
         }
         Command::GpuCheck { device, only } => gpu_check(device, only),

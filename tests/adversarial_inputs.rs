@@ -134,7 +134,7 @@ fn resaved(run: &Path, to: &Path, metadata: HashMap<String, String>, extra: &[(&
     for (n, sh, d) in extra {
         map.insert(n.to_string(), (sh.as_slice(), d.as_slice()));
     }
-    pipewright::model::io::save(to, &map, metadata).unwrap();
+    pipewright::model::io::save_named(to, &map, metadata).unwrap();
 }
 
 // ---- reads that skipped the regular-file check ----

@@ -333,7 +333,7 @@ fn poisoned(run: &Path, tensor: &str, to: &Path) {
     let mut tensors = w.tensors.clone();
     tensors.get_mut(tensor).unwrap().1[3] = f32::NAN;
     let map = tensors.iter().map(|(n, (s, d))| (n.clone(), (s.as_slice(), d.as_slice()))).collect();
-    pipewright::model::io::save(to, &map, w.metadata.clone()).unwrap();
+    pipewright::model::io::save_named(to, &map, w.metadata.clone()).unwrap();
 }
 
 #[test]

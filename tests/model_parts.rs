@@ -50,10 +50,14 @@ fn whole_model_gradient_matches_directional_finite_differences() {
     let (tok, tgt) = batch(&cfg, b, 1);
     loss_and_grads(&mut part, &tok, &tgt);
     let grads: Vec<Vec<f32>> = part.params.iter().map(|p| p.grad.clone()).collect();
+    let norm2 = |g: &[f32]| g.iter().map(|&x| x as f64 * x as f64).sum::<f64>();
+    let largest = grads.iter().map(|g| norm2(g)).fold(0.0, f64::max);
     for (i, g) in grads.iter().enumerate() {
         // Direction = the gradient itself: the derivative along it is |g|².
-        let analytic: f64 = g.iter().map(|&x| x as f64 * x as f64).sum();
-        if analytic == 0.0 {
+        let analytic = norm2(g);
+        // A gradient that is rounding alone: k's bias, since softmax ignores
+        // a shift of every score of a row alike (GPT-2 has no RoPE to undo that).
+        if analytic <= 1e-12 * largest {
             continue;
         }
         let gnorm = analytic.sqrt();
@@ -422,7 +426,7 @@ fn a_follower_refuses_commands_that_do_not_fit_its_part_with_a_reason() {
     let mut f = TpFollower::new(cfg, spec, 2, false, tp, 1..2, 1, Box::new(Unreached));
     let n = 2 * 8 * 32;
     let cases: Vec<(TpCmd, Arrays, &str)> = vec![
-        (TpCmd::Refresh, vec![vec![0.0; 3]], "shards, not 24"),
+        (TpCmd::Refresh, vec![vec![0.0; 3]], "shards, not 32"),
         (
             TpCmd::Forward { key: 0, l: 5, keep: true, recompute: false },
             vec![vec![0.0; n]],

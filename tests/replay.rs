@@ -290,10 +290,13 @@ fn a_nondeterministic_kernel_is_caught_and_pinned_to_its_stage_and_message() {
     assert!(out.starts_with("stage-1 diverges at seq"), "{out}");
     assert!(out.contains("step 0,") && out.contains("output of StageDone to coordinator"), "{out}");
     assert!(out.contains("`grad_sumsq` differs") && out.contains("max abs diff"), "{out}");
-    // The report names the parameter: one of stage 1's biases (layer 1 or the final norm).
+    // The report names the parameter: one of stage 1's biases (layer 1's or the final norm's).
     let at = out.split("(at grad_sumsq[").nth(1).expect("the element, named").split(';').next().unwrap();
     let named = at.split("the Σg² of ").nth(1).expect("the parameter's name");
-    assert!((named.starts_with("h.1.") || named.starts_with("ln_f.")) && named.contains(".bias"), "{out}");
+    assert!(
+        (named.starts_with("layers.1.") || named.starts_with("norm.")) && named.contains(".bias"),
+        "{out}"
+    );
     // The whole-run replay shows the same first divergence on stage 1.
     let (code, out, _) = pipewright(&["replay", run.to_str().unwrap(), "--all"], &[]);
     assert_eq!(code, 1, "{out}");

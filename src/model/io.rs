@@ -142,10 +142,29 @@ pub fn to_safetensors(
     tensors: &BTreeMap<String, (&[usize], &[f32])>,
     metadata: HashMap<String, String>,
 ) -> Result<Vec<u8>, WeightsError> {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(n, (s, d))| (file_name_of(n).into_owned(), s.to_vec(), to_le_bytes(d)))
-        .collect();
+    let named: BTreeMap<String, (&[usize], &[f32])> =
+        tensors.iter().map(|(n, t)| (file_name_of(n).into_owned(), *t)).collect();
+    named_safetensors(path, &named, metadata)
+}
+
+/// Writes `tensors` (F32) under exactly the names given, atomically: a file
+/// another tool would write (tests craft Hugging Face files with it).
+pub fn save_named(
+    path: &Path,
+    tensors: &BTreeMap<String, (&[usize], &[f32])>,
+    metadata: HashMap<String, String>,
+) -> Result<(), WeightsError> {
+    let buf = named_safetensors(path, tensors, metadata)?;
+    write_atomic(path, &buf).map_err(|error| WeightsError::Io { path: path.to_path_buf(), error })
+}
+
+fn named_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, (&[usize], &[f32])>,
+    metadata: HashMap<String, String>,
+) -> Result<Vec<u8>, WeightsError> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
+        tensors.iter().map(|(n, (s, d))| (n.clone(), s.to_vec(), to_le_bytes(d))).collect();
     let views = bytes.iter().map(|(n, s, b)| {
         (
             n.clone(),

@@ -13,7 +13,6 @@ use crate::actors::stage::replay_stage;
 use crate::actors::topology::Topology;
 use crate::actors::Layout;
 use crate::config::Config;
-use crate::model::Arch;
 use crate::optim::grad_tree::Span;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -236,7 +235,10 @@ fn init_weights(header: &Header, path: &Path) -> Result<Option<Arc<crate::model:
             init.blake3
         );
     }
-    Ok(Some(Arc::new(crate::model::io::parse(p, &bytes)?)))
+    // Under our names, as the run had them after its own `fit`.
+    let mut w = crate::model::io::parse(p, &bytes)?;
+    w.fit(&config_of(header, path)?.arch())?;
+    Ok(Some(Arc::new(w)))
 }
 
 /// Replays `actor` of the run in `run_dir` alone: from where its log starts

@@ -17,8 +17,14 @@ pub fn check_finite(w: &LoadedWeights, what: &str) -> Result<()> {
         // A scan that allocates nothing for the (usual) clean tensor.
         if let Some(first) = data.iter().position(|x| !x.is_finite()) {
             let bad = data[first..].iter().filter(|x| !x.is_finite()).count();
+            // The file's name first; ours (whose shape and elements are given) when it differs.
+            let spelled = w.file_name(name);
+            let tensor = match spelled == *name {
+                true => format!("`{name}`"),
+                false => format!("`{spelled}` (as pipewright's `{name}`)"),
+            };
             bail!(
-                "{what} {}: tensor `{name}` (shape {shape:?}) holds {} non-finite value{} (the first, element \
+                "{what} {}: tensor {tensor} (shape {shape:?}) holds {} non-finite value{} (the first, element \
                  {first}, is {}): training or evaluating from it gives only NaN",
                 w.path.display(),
                 bad,

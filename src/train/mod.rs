@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod eval;
+pub mod export;
 pub mod finite;
 pub mod lock;
 pub mod plot;

@@ -120,9 +120,12 @@ pub fn read_common(f: &Fields, family: &str) -> Result<Vec<String>, HfError> {
     if let Some(t) = theta {
         o.push(format!("model.rope_theta={t:?}"));
     }
-    if let Some(e) = f.v.get("rms_norm_eps").filter(|e| !e.is_null()) {
-        o.push(format!("model.rms_norm_eps={:?}", f.positive("rms_norm_eps", e)?));
-    }
+    // Absent, transformers' default for every Llama-style config (1e-6), not pipewright's.
+    let eps = match f.v.get("rms_norm_eps").filter(|e| !e.is_null()) {
+        Some(e) => f.positive("rms_norm_eps", e)?,
+        None => 1e-6,
+    };
+    o.push(format!("model.rms_norm_eps={eps:?}"));
     if let Some(b) = f.bool("tie_word_embeddings")? {
         o.push(format!("model.tie_word_embeddings={b}"));
     }
