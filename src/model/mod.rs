@@ -21,6 +21,7 @@ pub mod io;
 pub mod llama;
 pub mod params;
 pub mod part;
+pub mod qwen2;
 pub mod rope;
 pub mod section;
 pub mod tp;
