@@ -227,6 +227,7 @@ fn push_qkv_parts<X: Elem>(cx: &mut Ctx<X>, prefix: &str, heads: Heads, got: &[f
 /// dS to bf16 where the kernels do: what is left is bf16 storage of the
 /// outputs and the order of f32 sums (< 1e-2 relative, as every bf16 check).
 fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, heads: Heads) -> Result<()> {
+    use cpu::attention::Window;
     use cpu::flash_attention::{flash_attention_backward, flash_attention_forward, Rounding};
     let gpu = cx.gpu;
     let (nh, hs, w, c) = (heads.nh, heads.hs, heads.qkv_width(), heads.out_width());
@@ -234,7 +235,7 @@ fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, heads: Heads) -> Result<()> {
     let seed = 90 + hs as u64 + 7 * heads.nkv as u64;
     let qkv = rounded::<X>(&randn(N * w, seed, 1.0));
     let (mut out, mut lse) = (vec![0.0; N * c], vec![0.0; B * nh * T]);
-    flash_attention_forward(&mut out, &mut lse, &qkv, B, T, heads, Rounding::Bf16);
+    flash_attention_forward(&mut out, &mut lse, &qkv, B, T, heads, Window::Causal, Rounding::Bf16);
     let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(N * c)?, gpu.alloc::<f32>(B * nh * T)?);
     attention::gqa_forward(gpu, &gout, &glse, &gqkv, B, T, heads)?;
     cx.push(&format!("flash forward {label} out vs twin"), &cx.down(&gout)?, &out);
@@ -242,7 +243,18 @@ fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, heads: Heads) -> Result<()> {
     let dout = rounded::<X>(&randn(N * c, seed + 1, 1.0));
     let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
     let mut dqkv = vec![0.0; N * w];
-    flash_attention_backward(&mut dqkv, &dout, &qkv, &gpu_out, &gpu_lse, B, T, heads, Rounding::Bf16);
+    flash_attention_backward(
+        &mut dqkv,
+        &dout,
+        &qkv,
+        &gpu_out,
+        &gpu_lse,
+        B,
+        T,
+        heads,
+        Window::Causal,
+        Rounding::Bf16,
+    );
     let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(N * w)?, gpu.alloc::<f32>(B * nh * T)?);
     attention::gqa_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, heads)?;
     push_qkv_parts(cx, &format!("flash backward {label} "), heads, &cx.down(&gdqkv)?, &dqkv);
