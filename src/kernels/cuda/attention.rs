@@ -7,10 +7,14 @@
 //! one checked against the CPU to 1e-5, keeps the CUDA-core kernels of
 //! kernels/attention.cu (twin kernels/cpu/attention.rs), head size 64 only:
 //! tensor cores would round its operands to bf16. Other shapes are refused.
+//!
+//! The `gqa_window_` launchers take a [`Window`]: a sliding window keeps query
+//! i to keys (i − W, i] (Hugging Face's rule; kernels/cpu/attention.rs). The
+//! kernels get the window as an int, T for plain causal attention.
 
 use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, Elem, Result};
-pub use crate::kernels::cpu::attention::Heads;
+pub use crate::kernels::cpu::attention::{Heads, Window};
 
 /// The head size the CUDA-core kernels take (every GPT-2 size).
 pub const HEAD_SIZE: usize = 64;
@@ -64,6 +68,19 @@ pub fn kernels_for_heads<X: Elem>(heads: Heads) -> Result<Kernels> {
     kernels_for::<X>(heads.out_width(), heads.nh)
 }
 
+/// The window as the kernels take it: its width, T for plain causal attention.
+fn window_arg(window: Window, t: usize) -> Result<i32> {
+    if window == Window::Sliding(0) {
+        return Err(super::CudaError::Shape(
+            "attention: a sliding window must hold at least one key (the query's own)".into(),
+        ));
+    }
+    Ok(match window.over(t) {
+        Window::Sliding(w) => w,
+        Window::Causal => t,
+    } as i32)
+}
+
 /// out and lse from qkv (head sizes as `kernels_for` says), multi-head.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_forward<X: Elem>(
@@ -81,7 +98,7 @@ pub fn attention_forward<X: Elem>(
 }
 
 /// out (B, T, NH·HS) and lse (B, NH, T) from qkv (B, T, (NH + 2·NKV)·HS),
-/// grouped-query heads laid out as kernels/cpu/attention.rs has them.
+/// grouped-query heads laid out as kernels/cpu/attention.rs has them; plain causal.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_forward<X: Elem>(
     gpu: &Gpu,
@@ -92,7 +109,23 @@ pub fn gqa_forward<X: Elem>(
     t: usize,
     heads: Heads,
 ) -> Result<()> {
+    gqa_window_forward(gpu, out, lse, qkv, b, t, heads, Window::Causal)
+}
+
+/// [`gqa_forward`] over `window`.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_window_forward<X: Elem>(
+    gpu: &Gpu,
+    out: &DeviceBuffer<X>,
+    lse: &DeviceBuffer<f32>,
+    qkv: &DeviceBuffer<X>,
+    b: usize,
+    t: usize,
+    heads: Heads,
+    window: Window,
+) -> Result<()> {
     let kernels = kernels_for_heads::<X>(heads)?;
+    let win = window_arg(window, t)?;
     let (nh, w, c) = (heads.nh, heads.qkv_width(), heads.out_width());
     ensure(out.len() >= b * t * c && qkv.len() >= b * t * w && lse.len() >= b * nh * t, || {
         format!("attention_forward: buffers for B={b} T={t} {heads:?}")
@@ -102,14 +135,14 @@ pub fn gqa_forward<X: Elem>(
     if let Kernels::TensorCore { head_size } = kernels {
         let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size))?;
         let grid = (blocks(t, FLASH_ROWS), nh as u32, b as u32);
-        return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi]);
+        return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi, win]);
     }
     let f = gpu.function::<X>("attention", "attention_forward")?;
     gpu.launch(
         f,
         (blocks(t, ROWS), nh as u32, b as u32),
         (2 * ROWS as u32, 1, 1),
-        &mut args![o, l, q, bi, ti, nhi, nkvi],
+        &mut args![o, l, q, bi, ti, nhi, nkvi, win],
     )
 }
 
@@ -135,6 +168,7 @@ pub fn attention_backward<X: Elem>(
 
 /// Writes dqkv (B, T, (NH + 2·NKV)·HS) whole; a key/value head's gradient is
 /// summed over its query group in head order by one block (no atomics).
+/// Plain causal.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_backward<X: Elem>(
     gpu: &Gpu,
@@ -148,7 +182,26 @@ pub fn gqa_backward<X: Elem>(
     t: usize,
     heads: Heads,
 ) -> Result<()> {
+    gqa_window_backward(gpu, dqkv, delta, dout, qkv, out, lse, b, t, heads, Window::Causal)
+}
+
+/// [`gqa_backward`] over `window` (the forward's).
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_window_backward<X: Elem>(
+    gpu: &Gpu,
+    dqkv: &DeviceBuffer<X>,
+    delta: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<X>,
+    qkv: &DeviceBuffer<X>,
+    out: &DeviceBuffer<X>,
+    lse: &DeviceBuffer<f32>,
+    b: usize,
+    t: usize,
+    heads: Heads,
+    window: Window,
+) -> Result<()> {
     let kernels = kernels_for_heads::<X>(heads)?;
+    let win = window_arg(window, t)?;
     let (nh, nkv, w, c) = (heads.nh, heads.nkv, heads.qkv_width(), heads.out_width());
     ensure(
         dqkv.len() >= b * t * w
@@ -169,17 +222,17 @@ pub fn gqa_backward<X: Elem>(
         let (queries, keys) =
             ((blocks(t, FLASH_ROWS), nh as u32, b as u32), (blocks(t, FLASH_ROWS), nkv as u32, b as u32));
         let f = gpu.function::<X>("flash_attention", flash_name("dq", head_size))?;
-        gpu.launch(f, queries, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
+        gpu.launch(f, queries, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])?;
         let f = gpu.function::<X>("flash_attention", flash_name("dkdv", head_size))?;
-        return gpu.launch(f, keys, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi]);
+        return gpu.launch(f, keys, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win]);
     }
     let f = gpu.function::<X>("attention", "attention_backward_delta")?;
     gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi])?;
     let block = (2 * ROWS as u32, 1, 1);
     let f = gpu.function::<X>("attention", "attention_backward_dq")?;
-    gpu.launch(f, queries, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
+    gpu.launch(f, queries, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])?;
     let f = gpu.function::<X>("attention", "attention_backward_dkdv")?;
-    gpu.launch(f, keys, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])
+    gpu.launch(f, keys, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])
 }
 
 #[cfg(test)]
@@ -196,6 +249,15 @@ mod tests {
         assert!(err.contains("n_embd 1024 / n_head 8 in f32"), "{err}");
         assert!(kernels_for::<Bf16>(96 * 4, 4).is_err());
         assert!(kernels_for::<Bf16>(100, 0).is_err());
+    }
+
+    #[test]
+    fn the_kernels_get_the_window_width_and_t_for_plain_causal_attention() {
+        assert_eq!(window_arg(Window::Causal, 100).unwrap(), 100);
+        assert_eq!(window_arg(Window::Sliding(37), 100).unwrap(), 37);
+        assert_eq!(window_arg(Window::Sliding(4096), 100).unwrap(), 100);
+        let err = window_arg(Window::Sliding(0), 100).unwrap_err().to_string();
+        assert!(err.contains("at least one key"), "{err}");
     }
 
     #[test]
