@@ -1,5 +1,6 @@
-// Causal attention on tensor cores, FlashAttention-2 style; twin of
-// src/kernels/cpu/flash_attention.rs. Head sizes 64 and 128 (one kernel each).
+// Causal attention on tensor cores, FlashAttention-2 style, optionally over a
+// sliding window; twin of src/kernels/cpu/flash_attention.rs. Head sizes 64
+// and 128 (one kernel each, and one each with a window).
 //
 // Grouped-query heads as kernels/attention.cu lays them out: qkv is (B, T, W)
 // floatX, W = (NH + 2·NKV)·D, query head h at column h·D, key head g at
@@ -25,14 +26,15 @@
 // key/value head walks the queries of each head of its group in turn, 16 at
 // a time, for dk and dv. Every sum runs in a fixed order.
 //
-// WIN is the attention window: query i sees key j when i − WIN < j ≤ i
-// (Hugging Face's sliding window; src/kernels/cpu/attention.rs says where the
-// rule comes from); the launcher passes WIN = T for plain causal attention,
-// where every window test holds and the tiles walked are the causal ones. A
-// block starts at the (aligned) tile holding its first row's first key and a
-// warp skips tiles that none of its 16 rows sees. A row can still meet a tile
-// whose keys all lie before its window (another row of its warp sees some):
-// its scores there are all −inf, and forward keeps it from exp(−inf − (−inf)).
+// Sliding windows (the `_window_` kernels, SLIDING = true): query i sees key
+// j when i − WIN < j ≤ i (Hugging Face's rule; src/kernels/cpu/attention.rs
+// says where it comes from). A block starts at the (aligned) tile holding its
+// first row's first key and a warp skips tiles that none of its 16 rows sees.
+// A row can still meet a tile whose keys all lie before its window (another
+// row of its warp sees some): its scores there are all −inf, and forward
+// keeps it from exp(−inf − (−inf)). The causal kernels (SLIDING = false)
+// compile without any of it: the arithmetic (and so the bits) of causal
+// attention before windows existed, and no register spent on a window.
 #include "common.cuh"
 
 #define FA_WARPS 4
@@ -115,12 +117,44 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Grid (ceil(T / 64), NH, B), block 128.
+// Each kernel's static shared memory, one instance per head size: a causal
+// kernel and its window twin use the same arrays. (On hardware every kernel
+// has its own; the emulated GPU counts a module's static shared memory
+// together, and two copies of every kernel's would pass the 227 KiB a block
+// may have.)
 template <int D>
+struct ForwardShared {
+    bf16_t ks[FA_KT * (D + FA_PAD)];
+    bf16_t vts[D * (FA_KT + FA_PAD)];  // V transposed: [d][key]
+};
+
+template <int D>
+struct DqShared {
+    bf16_t ks[FA_BT * (D + FA_PAD)];
+    bf16_t vs[FA_BT * (D + FA_PAD)];
+};
+
+template <int D>
+struct DkdvShared {
+    bf16_t ks[FA_ROWS * (D + FA_PAD)];
+    bf16_t vs[FA_ROWS * (D + FA_PAD)];
+    bf16_t qs[FA_BT * (D + FA_PAD)];
+    bf16_t dos[FA_BT * (D + FA_PAD)];
+    float ls[FA_BT], dls[FA_BT];
+};
+
+template <typename S>
+__device__ __forceinline__ S& block_shared() {
+    __shared__ __align__(16) S shared;
+    return shared;
+}
+
+// Grid (ceil(T / 64), NH, B), block 128.
+template <int D, bool SLIDING>
 __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH, int NKV,
                                               int WIN) {
-    __shared__ __align__(16) bf16_t ks[FA_KT * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t vts[D * (FA_KT + FA_PAD)];  // V transposed: [d][key]
+    bf16_t* ks = block_shared<ForwardShared<D>>().ks;
+    bf16_t* vts = block_shared<ForwardShared<D>>().vts;  // V transposed: [d][key]
     const int C = NH * D, C3 = (NH + 2 * NKV) * D;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -140,12 +174,12 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
     // first tile. A window can give a row tiles wholly before its first key.
     const int kend = min(T, q0 + FA_ROWS);
     const int wfirst = q0 + warp * 16 - WIN + 1;  // the first key of this warp's first row
-    for (int k0 = max(0, q0 - WIN + 1) / FA_KT * FA_KT; k0 < kend; k0 += FA_KT) {
+    for (int k0 = SLIDING ? max(0, q0 - WIN + 1) / FA_KT * FA_KT : 0; k0 < kend; k0 += FA_KT) {
         __syncthreads();
         stage<D>(ks, kbase, k0, FA_KT, T, C3, false);
         stage<D>(vts, vbase, k0, FA_KT, T, C3, true);
         __syncthreads();
-        if (k0 + FA_KT <= wfirst) continue;  // before every window of this warp's rows
+        if (SLIDING && k0 + FA_KT <= wfirst) continue;  // before every window of this warp's rows
         float s[FA_KT / 8][4];
 #pragma unroll
         for (int nt = 0; nt < FA_KT / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -163,7 +197,7 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int j = k0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? r0 : r1;
-                float v = (j <= row && j < T && row - j < WIN) ? s[nt][e] * scale : NEG_INF;
+                float v = (j <= row && j < T && (!SLIDING || row - j < WIN)) ? s[nt][e] * scale : NEG_INF;
                 s[nt][e] = v;
                 if (e < 2) {
                     mx0 = fmaxf(mx0, v);
@@ -177,7 +211,7 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
         // A row that has seen no key yet (max −inf) subtracts 0: its p are
         // exp(−inf) = 0 and its (zero) sums scale by 0, never by NaN. A row
         // with a finite max subtracts it, as causal attention always does.
-        const float u0 = mx0 == NEG_INF ? 0.0f : mx0, u1 = mx1 == NEG_INF ? 0.0f : mx1;
+        const float u0 = SLIDING && mx0 == NEG_INF ? 0.0f : mx0, u1 = SLIDING && mx1 == NEG_INF ? 0.0f : mx1;
         float c0 = expf(m0 - u0), c1 = expf(m1 - u1);
         m0 = mx0;
         m1 = mx1;
@@ -231,13 +265,23 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
-    flash_forward<64>(out, lse, qkv, T, NH, NKV, WIN);
+    flash_forward_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
+    flash_forward<64, false>(out, lse, qkv, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
-    flash_forward<128>(out, lse, qkv, T, NH, NKV, WIN);
+    flash_forward_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
+    flash_forward<128, false>(out, lse, qkv, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<64, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<128, true>(out, lse, qkv, T, NH, NKV, WIN);
 }
 
 // delta[b, h, i] = Σ_d dout·out over head h's D dims, in d order. Grid
@@ -254,12 +298,12 @@ extern "C" __global__ void flash_backward_delta(float* delta, const floatX* dout
 }
 
 // dq for 64 queries; writes the q columns of dqkv. Grid (ceil(T / 64), NH, B), block 128.
-template <int D>
+template <int D, bool SLIDING>
 __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* dout, const floatX* qkv,
                                                   const float* lse, const float* delta, int T, int NH, int NKV,
                                                   int WIN) {
-    __shared__ __align__(16) bf16_t ks[FA_BT * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t vs[FA_BT * (D + FA_PAD)];
+    bf16_t* ks = block_shared<DqShared<D>>().ks;
+    bf16_t* vs = block_shared<DqShared<D>>().vs;
     const int C = NH * D, C3 = (NH + 2 * NKV) * D;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -280,14 +324,14 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
     for (int dt = 0; dt < D / 8; dt++) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
     const int kend = min(T, q0 + FA_ROWS);
     const int wfirst = q0 + warp * 16 - WIN + 1;  // the first key of this warp's first row
-    for (int k0 = max(0, q0 - WIN + 1) / FA_BT * FA_BT; k0 < kend; k0 += FA_BT) {
+    for (int k0 = SLIDING ? max(0, q0 - WIN + 1) / FA_BT * FA_BT : 0; k0 < kend; k0 += FA_BT) {
         __syncthreads();
         stage<D>(ks, kbase, k0, FA_BT, T, C3, false);
         stage<D>(vs, vbase, k0, FA_BT, T, C3, false);
         __syncthreads();
         // This warp's queries see none of these keys: all after them, or all
         // before their windows.
-        if (q0 + warp * 16 + 15 < k0 || k0 + FA_BT <= wfirst) continue;
+        if (q0 + warp * 16 + 15 < k0 || (SLIDING && k0 + FA_BT <= wfirst)) continue;
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         float dp[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
@@ -305,7 +349,8 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int j = k0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? r0 : r1;
-                float p = (j <= row && j < T && row - j < WIN) ? expf(s[nt][e] * scale - (e < 2 ? L0 : L1)) : 0.0f;
+                bool seen = j <= row && j < T && (!SLIDING || row - j < WIN);
+                float p = seen ? expf(s[nt][e] * scale - (e < 2 ? L0 : L1)) : 0.0f;
                 ds[nt][e] = p * (dp[nt][e] - (e < 2 ? D0 : D1));
             }
         }
@@ -338,14 +383,26 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                           const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dq<64>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+                           const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dq<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                            const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dq<128>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+                            const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dq<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                   const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 // dk and dv for 64 keys; writes the k and v columns of dqkv. The products run
@@ -353,15 +410,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 // K and V stay in shared memory (in registers they would not fit at D = 128).
 // Grid (ceil(T / 64), NKV, B), block 128: the block sums over key/value head
 // blockIdx.y's query heads in head order.
-template <int D>
+template <int D, bool SLIDING>
 __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* dout, const floatX* qkv,
                                                     const float* lse, const float* delta, int T, int NH, int NKV,
                                                     int WIN) {
-    __shared__ __align__(16) bf16_t ks[FA_ROWS * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t vs[FA_ROWS * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t qs[FA_BT * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t dos[FA_BT * (D + FA_PAD)];
-    __shared__ float ls[FA_BT], dls[FA_BT];
+    DkdvShared<D>& sh = block_shared<DkdvShared<D>>();
+    bf16_t *ks = sh.ks, *vs = sh.vs, *qs = sh.qs, *dos = sh.dos;
+    float *ls = sh.ls, *dls = sh.dls;
     const int C = NH * D, C3 = (NH + 2 * NKV) * D, group = NH / NKV;
     const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -385,7 +440,7 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
         const size_t lrow = (size_t)(b * NH + h) * T;
         // Only queries from the block's first key to its last key's last
         // query see any of its keys.
-        const int iend = min(T, j0 + FA_ROWS - 1 + WIN);
+        const int iend = SLIDING ? min(T, j0 + FA_ROWS - 1 + WIN) : T;
         for (int i0 = j0; i0 < iend; i0 += FA_BT) {
             __syncthreads();
             stage<D>(qs, base, i0, FA_BT, T, C3, false);
@@ -397,7 +452,7 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
             }
             __syncthreads();
             // Every query here precedes this warp's keys, or comes after their windows.
-            if (i0 + FA_BT - 1 < j0 + warp * 16 || i0 >= j0 + warp * 16 + 15 + WIN) continue;
+            if (i0 + FA_BT - 1 < j0 + warp * 16 || (SLIDING && i0 >= j0 + warp * 16 + 15 + WIN)) continue;
             float st[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             float dpt[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     #pragma unroll
@@ -418,7 +473,8 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
     #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int qi = nt * 8 + 2 * t + (e & 1), i = i0 + qi, key = e < 2 ? c0 : c1;
-                    float p = (key <= i && i < T && i - key < WIN) ? expf(st[nt][e] * scale - ls[qi]) : 0.0f;
+                    bool seen = key <= i && i < T && (!SLIDING || i - key < WIN);
+                    float p = seen ? expf(st[nt][e] * scale - ls[qi]) : 0.0f;
                     pt[nt][e] = p;
                     dst[nt][e] = p * (dpt[nt][e] - dls[qi]);
                 }
@@ -461,12 +517,24 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                             const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dkdv<64>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+                             const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dkdv<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                    const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                              const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dkdv<128>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+                              const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dkdv<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                     const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }

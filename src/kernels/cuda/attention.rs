@@ -10,7 +10,9 @@
 //!
 //! The `gqa_window_` launchers take a [`Window`]: a sliding window keeps query
 //! i to keys (i − W, i] (Hugging Face's rule; kernels/cpu/attention.rs). The
-//! kernels get the window as an int, T for plain causal attention.
+//! CUDA-core kernels get the window as an int, T for plain causal attention;
+//! the tensor-core ones have causal kernels (as before windows) and `_window_`
+//! twins that take it.
 
 use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, Elem, Result};
@@ -45,15 +47,23 @@ pub fn kernels_for<X: Elem>(c: usize, nh: usize) -> Result<Kernels> {
     }
 }
 
-/// The tensor-core kernel names for a head size.
-fn flash_name(kernel: &str, head_size: usize) -> &'static str {
-    match (kernel, head_size) {
-        ("forward", 64) => "flash_forward_hs64",
-        ("forward", _) => "flash_forward_hs128",
-        ("dq", 64) => "flash_backward_dq_hs64",
-        ("dq", _) => "flash_backward_dq_hs128",
-        (_, 64) => "flash_backward_dkdv_hs64",
-        _ => "flash_backward_dkdv_hs128",
+/// The tensor-core kernel names for a head size, causal or over a sliding
+/// window (the `_window_` kernels: the causal ones compile without the
+/// window's tests, so they keep their registers and bits).
+fn flash_name(kernel: &str, head_size: usize, sliding: bool) -> &'static str {
+    match (kernel, head_size, sliding) {
+        ("forward", 64, false) => "flash_forward_hs64",
+        ("forward", _, false) => "flash_forward_hs128",
+        ("forward", 64, true) => "flash_forward_window_hs64",
+        ("forward", _, true) => "flash_forward_window_hs128",
+        ("dq", 64, false) => "flash_backward_dq_hs64",
+        ("dq", _, false) => "flash_backward_dq_hs128",
+        ("dq", 64, true) => "flash_backward_dq_window_hs64",
+        ("dq", _, true) => "flash_backward_dq_window_hs128",
+        (_, 64, false) => "flash_backward_dkdv_hs64",
+        (_, _, false) => "flash_backward_dkdv_hs128",
+        (_, 64, true) => "flash_backward_dkdv_window_hs64",
+        _ => "flash_backward_dkdv_window_hs128",
     }
 }
 
@@ -133,9 +143,13 @@ pub fn gqa_window_forward<X: Elem>(
     let (o, l, q, bi, ti, nhi, nkvi) =
         (out.ptr(), lse.ptr(), qkv.ptr(), b as i32, t as i32, nh as i32, heads.nkv as i32);
     if let Kernels::TensorCore { head_size } = kernels {
-        let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size))?;
+        let sliding = win < ti;
+        let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size, sliding))?;
         let grid = (blocks(t, FLASH_ROWS), nh as u32, b as u32);
-        return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi, win]);
+        if sliding {
+            return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi, win]);
+        }
+        return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi]);
     }
     let f = gpu.function::<X>("attention", "attention_forward")?;
     gpu.launch(
@@ -221,10 +235,16 @@ pub fn gqa_window_backward<X: Elem>(
         gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi, hsi])?;
         let (queries, keys) =
             ((blocks(t, FLASH_ROWS), nh as u32, b as u32), (blocks(t, FLASH_ROWS), nkv as u32, b as u32));
-        let f = gpu.function::<X>("flash_attention", flash_name("dq", head_size))?;
-        gpu.launch(f, queries, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])?;
-        let f = gpu.function::<X>("flash_attention", flash_name("dkdv", head_size))?;
-        return gpu.launch(f, keys, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win]);
+        let sliding = win < ti;
+        for (kernel, grid) in [("dq", queries), ("dkdv", keys)] {
+            let f = gpu.function::<X>("flash_attention", flash_name(kernel, head_size, sliding))?;
+            if sliding {
+                gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])?;
+            } else {
+                gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
+            }
+        }
+        return Ok(());
     }
     let f = gpu.function::<X>("attention", "attention_backward_delta")?;
     gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi])?;
