@@ -680,7 +680,7 @@ mod tests {
                     .sum()
             };
             let (_, _, dqkv) = with_threads(2, || window_run(&qkv, &g, b, t, heads, Window::Sliding(w)));
-            check_grads(&[qkv.clone()], &[dqkv], loss, 1e-4);
+            check_grads(std::slice::from_ref(&qkv), &[dqkv], loss, 1e-4);
         }
     }
 
