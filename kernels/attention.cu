@@ -9,6 +9,13 @@
 // each query's scaled scores, saved so backward recomputes probabilities.
 // HS = 64 (every GPT-2 size): the launcher refuses other head sizes.
 //
+// WIN is the attention window: query i sees key j when i − WIN < j ≤ i
+// (Hugging Face's sliding window; src/kernels/cpu/attention.rs says where
+// the rule comes from). The launcher passes WIN = T for plain causal
+// attention, where the window test always holds and the tiles walked are
+// those of causal attention. A block starts at the key tile holding its first
+// query's first key; a row skips the tiles wholly before its own window.
+//
 // Each row (a query, or a key in backward) is held by a pair of adjacent
 // threads, each owning the 32 interleaved dims 2k + half, so the two threads
 // of a pair read neighbouring shared-memory banks. Backward runs without
@@ -32,7 +39,7 @@ __device__ __forceinline__ float pair_sum(float v) {
 
 // Grid (ceil(T / ROWS), NH, B), block 2·ROWS.
 extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_forward(floatX* out, float* lse, const floatX* qkv,
-                                                                        int B, int T, int NH, int NKV) {
+                                                                        int B, int T, int NH, int NKV, int WIN) {
     __shared__ float ks[TILE][HS];
     __shared__ float vs[TILE][HS];
     int C = NH * HS, C3 = (NH + 2 * NKV) * HS;
@@ -49,8 +56,9 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_forward(floatX*
         acc[k] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
+    int lo = max(0, i - WIN + 1);  // this row's first key
     int kend = min(T, q0 + ROWS);
-    for (int k0 = 0; k0 < kend; k0 += TILE) {
+    for (int k0 = max(0, q0 - WIN + 1) / TILE * TILE; k0 < kend; k0 += TILE) {
         __syncthreads();
         for (int e = threadIdx.x; e < TILE * HS; e += blockDim.x) {
             int jr = e / HS, d = e % HS, j = k0 + jr;
@@ -64,7 +72,9 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_forward(floatX*
             vs[jr][d] = vv;
         }
         __syncthreads();
-        if (!valid || k0 > i) continue;
+        // Every tile a row visits holds at least one of its keys, so its
+        // running max is finite after its first tile.
+        if (!valid || k0 > i || k0 + TILE <= lo) continue;
         float s[TILE];
         float tmax = NEG_INF;
 #pragma unroll
@@ -73,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_forward(floatX*
 #pragma unroll
             for (int k = 0; k < HALF; k++) d += q[k] * ks[jr][2 * k + half];
             d = pair_sum(d);
-            s[jr] = (k0 + jr <= i) ? d : NEG_INF;
+            s[jr] = (k0 + jr <= i && k0 + jr >= lo) ? d : NEG_INF;
             tmax = fmaxf(tmax, s[jr]);
         }
         float mnew = fmaxf(m, tmax);
@@ -118,7 +128,7 @@ extern "C" __global__ void attention_backward_delta(float* delta, const floatX* 
 extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(floatX* dqkv, const floatX* dout,
                                                                             const floatX* qkv, const float* lse,
                                                                             const float* delta, int B, int T, int NH,
-                                                                            int NKV) {
+                                                                            int NKV, int WIN) {
     __shared__ float ks[TILE][HS];
     __shared__ float vs[TILE][HS];
     int C = NH * HS, C3 = (NH + 2 * NKV) * HS;
@@ -139,8 +149,9 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(flo
     }
     size_t row = (size_t)(b * NH + h) * T + ic;
     float L = lse[row], D = delta[row];
+    int lo = max(0, i - WIN + 1);
     int kend = min(T, q0 + ROWS);
-    for (int k0 = 0; k0 < kend; k0 += TILE) {
+    for (int k0 = max(0, q0 - WIN + 1) / TILE * TILE; k0 < kend; k0 += TILE) {
         __syncthreads();
         for (int e = threadIdx.x; e < TILE * HS; e += blockDim.x) {
             int jr = e / HS, d = e % HS, j = k0 + jr;
@@ -154,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(flo
             vs[jr][d] = vv;
         }
         __syncthreads();
-        if (!valid || k0 > i) continue;
+        if (!valid || k0 > i || k0 + TILE <= lo) continue;
 #pragma unroll 4
         for (int jr = 0; jr < TILE; jr++) {
             float s = 0.0f, dp = 0.0f;
@@ -165,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(flo
             }
             s = pair_sum(s);
             dp = pair_sum(dp);
-            float p = (k0 + jr <= i) ? expf(s - L) : 0.0f;
+            float p = (k0 + jr <= i && k0 + jr >= lo) ? expf(s - L) : 0.0f;
             float ds = p * (dp - D);
 #pragma unroll
             for (int k = 0; k < HALF; k++) dq[k] += ds * ks[jr][2 * k + half];
@@ -183,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dq(flo
 extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dkdv(floatX* dqkv, const floatX* dout,
                                                                               const floatX* qkv, const float* lse,
                                                                               const float* delta, int B, int T,
-                                                                              int NH, int NKV) {
+                                                                              int NH, int NKV, int WIN) {
     __shared__ float qs[TILE][HS];
     __shared__ float dos[TILE][HS];
     __shared__ float ls[TILE], ds_[TILE];
@@ -203,9 +214,11 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dkdv(f
         dk[k] = 0.0f;
         dv[k] = 0.0f;
     }
+    // Queries before the block's first key, or past its last key's window,
+    // see none of its keys.
+    int iend = min(T, j0 + ROWS - 1 + WIN);
     for (int h = g * group; h < (g + 1) * group; h++) {
-        // Queries before the block's first key see none of its keys.
-        for (int i0 = (j0 / TILE) * TILE; i0 < T; i0 += TILE) {
+        for (int i0 = (j0 / TILE) * TILE; i0 < iend; i0 += TILE) {
             __syncthreads();
             for (int e = threadIdx.x; e < TILE * HS; e += blockDim.x) {
                 int ir = e / HS, d = e % HS, i = i0 + ir;
@@ -224,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dkdv(f
                 ds_[ir] = delta[row];
             }
             __syncthreads();
-            if (!valid || i0 + TILE - 1 < j) continue;
+            if (!valid || i0 + TILE - 1 < j || i0 >= j + WIN) continue;
 #pragma unroll 4
             for (int ir = 0; ir < TILE; ir++) {
                 int i = i0 + ir;
@@ -236,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(2 * ROWS) attention_backward_dkdv(f
                 }
                 s = pair_sum(s);
                 dp = pair_sum(dp);
-                float p = (j <= i && i < T) ? expf(s - ls[ir]) : 0.0f;
+                float p = (j <= i && i < T && i - j < WIN) ? expf(s - ls[ir]) : 0.0f;
                 float dsc = p * (dp - ds_[ir]);
 #pragma unroll
                 for (int k = 0; k < HALF; k++) {

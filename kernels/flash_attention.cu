@@ -1,5 +1,6 @@
-// Causal attention on tensor cores, FlashAttention-2 style; twin of
-// src/kernels/cpu/flash_attention.rs. Head sizes 64 and 128 (one kernel each).
+// Causal attention on tensor cores, FlashAttention-2 style, optionally over a
+// sliding window; twin of src/kernels/cpu/flash_attention.rs. Head sizes 64
+// and 128 (one kernel each, and one each with a window).
 //
 // Grouped-query heads as kernels/attention.cu lays them out: qkv is (B, T, W)
 // floatX, W = (NH + 2·NKV)·D, query head h at column h·D, key head g at
@@ -24,6 +25,16 @@
 // 64 queries walks their keys 16 at a time for dq; another per 64 keys of a
 // key/value head walks the queries of each head of its group in turn, 16 at
 // a time, for dk and dv. Every sum runs in a fixed order.
+//
+// Sliding windows (the `_window_` kernels, SLIDING = true): query i sees key
+// j when i − WIN < j ≤ i (Hugging Face's rule; src/kernels/cpu/attention.rs
+// says where it comes from). A block starts at the (aligned) tile holding its
+// first row's first key and a warp skips tiles that none of its 16 rows sees.
+// A row can still meet a tile whose keys all lie before its window (another
+// row of its warp sees some): its scores there are all −inf, and forward
+// keeps it from exp(−inf − (−inf)). The causal kernels (SLIDING = false)
+// compile without any of it: the arithmetic (and so the bits) of causal
+// attention before windows existed, and no register spent on a window.
 #include "common.cuh"
 
 #define FA_WARPS 4
@@ -106,11 +117,44 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Grid (ceil(T / 64), NH, B), block 128.
+// Each kernel's static shared memory, one instance per head size: a causal
+// kernel and its window twin use the same arrays. (On hardware every kernel
+// has its own; the emulated GPU counts a module's static shared memory
+// together, and two copies of every kernel's would pass the 227 KiB a block
+// may have.)
 template <int D>
-__device__ __forceinline__ void flash_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH, int NKV) {
-    __shared__ __align__(16) bf16_t ks[FA_KT * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t vts[D * (FA_KT + FA_PAD)];  // V transposed: [d][key]
+struct ForwardShared {
+    bf16_t ks[FA_KT * (D + FA_PAD)];
+    bf16_t vts[D * (FA_KT + FA_PAD)];  // V transposed: [d][key]
+};
+
+template <int D>
+struct DqShared {
+    bf16_t ks[FA_BT * (D + FA_PAD)];
+    bf16_t vs[FA_BT * (D + FA_PAD)];
+};
+
+template <int D>
+struct DkdvShared {
+    bf16_t ks[FA_ROWS * (D + FA_PAD)];
+    bf16_t vs[FA_ROWS * (D + FA_PAD)];
+    bf16_t qs[FA_BT * (D + FA_PAD)];
+    bf16_t dos[FA_BT * (D + FA_PAD)];
+    float ls[FA_BT], dls[FA_BT];
+};
+
+template <typename S>
+__device__ __forceinline__ S& block_shared() {
+    __shared__ __align__(16) S shared;
+    return shared;
+}
+
+// Grid (ceil(T / 64), NH, B), block 128.
+template <int D, bool SLIDING>
+__device__ __forceinline__ void flash_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH, int NKV,
+                                              int WIN) {
+    bf16_t* ks = block_shared<ForwardShared<D>>().ks;
+    bf16_t* vts = block_shared<ForwardShared<D>>().vts;  // V transposed: [d][key]
     const int C = NH * D, C3 = (NH + 2 * NKV) * D;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -125,14 +169,17 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
 #pragma unroll
     for (int dt = 0; dt < D / 8; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
-    // Every key tile starts at or before q0 <= r0, so each row sees key k0 of
-    // every tile it visits: the running max is finite after the first tile.
+    // Causal: every key tile starts at or before q0 <= r0, so each row sees
+    // key k0 of every tile it visits and its running max is finite after the
+    // first tile. A window can give a row tiles wholly before its first key.
     const int kend = min(T, q0 + FA_ROWS);
-    for (int k0 = 0; k0 < kend; k0 += FA_KT) {
+    const int wfirst = q0 + warp * 16 - WIN + 1;  // the first key of this warp's first row
+    for (int k0 = SLIDING ? max(0, q0 - WIN + 1) / FA_KT * FA_KT : 0; k0 < kend; k0 += FA_KT) {
         __syncthreads();
         stage<D>(ks, kbase, k0, FA_KT, T, C3, false);
         stage<D>(vts, vbase, k0, FA_KT, T, C3, true);
         __syncthreads();
+        if (SLIDING && k0 + FA_KT <= wfirst) continue;  // before every window of this warp's rows
         float s[FA_KT / 8][4];
 #pragma unroll
         for (int nt = 0; nt < FA_KT / 8; nt++) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
@@ -150,7 +197,7 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int j = k0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? r0 : r1;
-                float v = (j <= row && j < T) ? s[nt][e] * scale : NEG_INF;
+                float v = (j <= row && j < T && (!SLIDING || row - j < WIN)) ? s[nt][e] * scale : NEG_INF;
                 s[nt][e] = v;
                 if (e < 2) {
                     mx0 = fmaxf(mx0, v);
@@ -161,7 +208,11 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
         }
         mx0 = quad_max(mx0);
         mx1 = quad_max(mx1);
-        float c0 = expf(m0 - mx0), c1 = expf(m1 - mx1);
+        // A row that has seen no key yet (max −inf) subtracts 0: its p are
+        // exp(−inf) = 0 and its (zero) sums scale by 0, never by NaN. A row
+        // with a finite max subtracts it, as causal attention always does.
+        const float u0 = SLIDING && mx0 == NEG_INF ? 0.0f : mx0, u1 = SLIDING && mx1 == NEG_INF ? 0.0f : mx1;
+        float c0 = expf(m0 - u0), c1 = expf(m1 - u1);
         m0 = mx0;
         m1 = mx1;
         l0 *= c0;
@@ -179,7 +230,7 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) p[hf][e] = expf(s[2 * kk + hf][e] - (e < 2 ? m0 : m1));
+                for (int e = 0; e < 4; e++) p[hf][e] = expf(s[2 * kk + hf][e] - (e < 2 ? u0 : u1));
                 l0 += p[hf][0] + p[hf][1];
                 l1 += p[hf][2] + p[hf][3];
             }
@@ -215,12 +266,22 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_forward_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<64>(out, lse, qkv, T, NH, NKV);
+    flash_forward<64, false>(out, lse, qkv, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_forward_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<128>(out, lse, qkv, T, NH, NKV);
+    flash_forward<128, false>(out, lse, qkv, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<64, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<128, true>(out, lse, qkv, T, NH, NKV, WIN);
 }
 
 // delta[b, h, i] = Σ_d dout·out over head h's D dims, in d order. Grid
@@ -237,11 +298,12 @@ extern "C" __global__ void flash_backward_delta(float* delta, const floatX* dout
 }
 
 // dq for 64 queries; writes the q columns of dqkv. Grid (ceil(T / 64), NH, B), block 128.
-template <int D>
+template <int D, bool SLIDING>
 __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* dout, const floatX* qkv,
-                                                  const float* lse, const float* delta, int T, int NH, int NKV) {
-    __shared__ __align__(16) bf16_t ks[FA_BT * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t vs[FA_BT * (D + FA_PAD)];
+                                                  const float* lse, const float* delta, int T, int NH, int NKV,
+                                                  int WIN) {
+    bf16_t* ks = block_shared<DqShared<D>>().ks;
+    bf16_t* vs = block_shared<DqShared<D>>().vs;
     const int C = NH * D, C3 = (NH + 2 * NKV) * D;
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -261,12 +323,15 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
 #pragma unroll
     for (int dt = 0; dt < D / 8; dt++) dq[dt][0] = dq[dt][1] = dq[dt][2] = dq[dt][3] = 0.0f;
     const int kend = min(T, q0 + FA_ROWS);
-    for (int k0 = 0; k0 < kend; k0 += FA_BT) {
+    const int wfirst = q0 + warp * 16 - WIN + 1;  // the first key of this warp's first row
+    for (int k0 = SLIDING ? max(0, q0 - WIN + 1) / FA_BT * FA_BT : 0; k0 < kend; k0 += FA_BT) {
         __syncthreads();
         stage<D>(ks, kbase, k0, FA_BT, T, C3, false);
         stage<D>(vs, vbase, k0, FA_BT, T, C3, false);
         __syncthreads();
-        if (q0 + warp * 16 + 15 < k0) continue;  // this warp's queries see none of these keys
+        // This warp's queries see none of these keys: all after them, or all
+        // before their windows.
+        if (q0 + warp * 16 + 15 < k0 || (SLIDING && k0 + FA_BT <= wfirst)) continue;
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
         float dp[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
@@ -284,7 +349,8 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int j = k0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? r0 : r1;
-                float p = (j <= row && j < T) ? expf(s[nt][e] * scale - (e < 2 ? L0 : L1)) : 0.0f;
+                bool seen = j <= row && j < T && (!SLIDING || row - j < WIN);
+                float p = seen ? expf(s[nt][e] * scale - (e < 2 ? L0 : L1)) : 0.0f;
                 ds[nt][e] = p * (dp[nt][e] - (e < 2 ? D0 : D1));
             }
         }
@@ -318,13 +384,25 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                            const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<64>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
+    flash_backward_dq<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                             const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<128>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
+    flash_backward_dq<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                   const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 // dk and dv for 64 keys; writes the k and v columns of dqkv. The products run
@@ -332,14 +410,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 // K and V stay in shared memory (in registers they would not fit at D = 128).
 // Grid (ceil(T / 64), NKV, B), block 128: the block sums over key/value head
 // blockIdx.y's query heads in head order.
-template <int D>
+template <int D, bool SLIDING>
 __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* dout, const floatX* qkv,
-                                                    const float* lse, const float* delta, int T, int NH, int NKV) {
-    __shared__ __align__(16) bf16_t ks[FA_ROWS * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t vs[FA_ROWS * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t qs[FA_BT * (D + FA_PAD)];
-    __shared__ __align__(16) bf16_t dos[FA_BT * (D + FA_PAD)];
-    __shared__ float ls[FA_BT], dls[FA_BT];
+                                                    const float* lse, const float* delta, int T, int NH, int NKV,
+                                                    int WIN) {
+    DkdvShared<D>& sh = block_shared<DkdvShared<D>>();
+    bf16_t *ks = sh.ks, *vs = sh.vs, *qs = sh.qs, *dos = sh.dos;
+    float *ls = sh.ls, *dls = sh.dls;
     const int C = NH * D, C3 = (NH + 2 * NKV) * D, group = NH / NKV;
     const int b = blockIdx.z, kvh = blockIdx.y, j0 = blockIdx.x * FA_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -361,8 +438,10 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
         const floatX* base = qkv + (size_t)b * T * C3 + h * D;
         const floatX* dbase = dout + (size_t)b * T * C + h * D;
         const size_t lrow = (size_t)(b * NH + h) * T;
-        // Only queries at or after the block's first key see any of its keys.
-        for (int i0 = j0; i0 < T; i0 += FA_BT) {
+        // Only queries from the block's first key to its last key's last
+        // query see any of its keys.
+        const int iend = SLIDING ? min(T, j0 + FA_ROWS - 1 + WIN) : T;
+        for (int i0 = j0; i0 < iend; i0 += FA_BT) {
             __syncthreads();
             stage<D>(qs, base, i0, FA_BT, T, C3, false);
             stage<D>(dos, dbase, i0, FA_BT, T, C, false);
@@ -372,7 +451,8 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
                 dls[threadIdx.x] = i < T ? delta[lrow + i] : 0.0f;
             }
             __syncthreads();
-            if (i0 + FA_BT - 1 < j0 + warp * 16) continue;  // every query here precedes this warp's keys
+            // Every query here precedes this warp's keys, or comes after their windows.
+            if (i0 + FA_BT - 1 < j0 + warp * 16 || (SLIDING && i0 >= j0 + warp * 16 + 15 + WIN)) continue;
             float st[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
             float dpt[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     #pragma unroll
@@ -393,7 +473,8 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
     #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int qi = nt * 8 + 2 * t + (e & 1), i = i0 + qi, key = e < 2 ? c0 : c1;
-                    float p = (key <= i && i < T) ? expf(st[nt][e] * scale - ls[qi]) : 0.0f;
+                    bool seen = key <= i && i < T && (!SLIDING || i - key < WIN);
+                    float p = seen ? expf(st[nt][e] * scale - ls[qi]) : 0.0f;
                     pt[nt][e] = p;
                     dst[nt][e] = p * (dpt[nt][e] - dls[qi]);
                 }
@@ -437,11 +518,23 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                              const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dkdv<64>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
+    flash_backward_dkdv<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                    const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                               const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dkdv<128>(dqkv, dout, qkv, lse, delta, T, NH, NKV);
+    flash_backward_dkdv<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                     const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }

@@ -92,10 +92,16 @@ fn tensor_core_attention_fits_registers_and_static_shared_memory_without_spills(
                 "flash_backward_delta",
                 "flash_backward_dkdv_hs128",
                 "flash_backward_dkdv_hs64",
+                "flash_backward_dkdv_window_hs128",
+                "flash_backward_dkdv_window_hs64",
                 "flash_backward_dq_hs128",
                 "flash_backward_dq_hs64",
+                "flash_backward_dq_window_hs128",
+                "flash_backward_dq_window_hs64",
                 "flash_forward_hs128",
-                "flash_forward_hs64"
+                "flash_forward_hs64",
+                "flash_forward_window_hs128",
+                "flash_forward_window_hs64"
             ]
         );
         for u in &usage {

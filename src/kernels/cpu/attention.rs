@@ -18,6 +18,18 @@
 //! Backward: each (b, key/value head) is one task, walking its group's query
 //! heads in order, so the group's key and value gradients are summed in one
 //! fixed order by one task.
+//!
+//! Sliding-window attention (Mistral): with `Window::Sliding(W)` query i sees
+//! key j if and only if i − W < j ≤ i, the last W positions counting itself.
+//! That is Hugging Face's rule: transformers' `masking_utils.py` builds the
+//! mask as `and_masks(sliding_window_overlay(W), causal_mask_function)`, with
+//! the overlay `kv_idx > q_idx - sliding_window` and the causal part
+//! `kv_idx <= q_idx` (huggingface/transformers@00c4411c; its flash-attention
+//! path passes `window_size = (W - 1, W - 1)` with `causal=True`: the same keys).
+//! A query tile then reads only keys from its first query's window on, so
+//! keys that no query of the tile sees cost nothing. `Window::Causal` (and any
+//! W ≥ T) is plain causal attention, computed by the very same operations as
+//! before windows existed: its bits do not change.
 
 use super::math::{exp, simd_fn};
 use super::matmul::{gemm_raw, Mat};
@@ -72,20 +84,74 @@ impl Heads {
     }
 }
 
+/// Which earlier keys a query attends to (see the module's header for the rule).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Window {
+    /// Every key up to and including the query's own position.
+    #[default]
+    Causal,
+    /// Only the last W positions: key j for query i when i − W < j ≤ i (W ≥ 1).
+    Sliding(usize),
+}
+
+impl Window {
+    /// A model's setting (`sliding_window` in a Hugging Face config; None: plain causal).
+    pub fn new(sliding_window: Option<usize>) -> Window {
+        sliding_window.map_or(Window::Causal, Window::Sliding)
+    }
+
+    /// The window over a sequence of `t` positions: a sliding window of at
+    /// least T is plain causal attention, and is computed as such.
+    pub fn over(self, t: usize) -> Window {
+        self.check();
+        match self {
+            Window::Sliding(w) if w < t => self,
+            _ => Window::Causal,
+        }
+    }
+
+    /// The first key query i sees.
+    pub fn first_key(self, i: usize) -> usize {
+        match self {
+            Window::Causal => 0,
+            Window::Sliding(w) => (i + 1).saturating_sub(w),
+        }
+    }
+
+    /// One past the last of `t` queries that see key j.
+    pub fn query_end(self, j: usize, t: usize) -> usize {
+        match self {
+            Window::Causal => t,
+            Window::Sliding(w) => (j + w).min(t),
+        }
+    }
+
+    /// Whether query i sees key j.
+    pub fn sees(self, i: usize, j: usize) -> bool {
+        j <= i && j >= self.first_key(i)
+    }
+
+    fn check(self) {
+        assert!(self != Window::Sliding(0), "a sliding window must hold at least one key (the query's own)");
+    }
+}
+
 /// Workspace floats that forward and backward need.
 pub fn scratch_len(b: usize, nh: usize, t: usize) -> usize {
     b * nh * (2 * TQ * t + t)
 }
 
-/// Softmax over row[..valid] in place (scores already scaled), zeroing row[valid..];
-/// returns the row's log-sum-exp.
+/// Softmax over row[lo..hi] in place (scores already scaled), zeroing the
+/// rest of the row; returns the row's log-sum-exp.
 #[inline]
-fn causal_softmax_row(row: &mut [f32], valid: usize) -> f32 {
-    let max = row[..valid].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    exp_shifted(&mut row[..valid], max);
-    let sum: f32 = row[..valid].iter().sum();
-    scale(&mut row[..valid], 1.0 / sum);
-    row[valid..].fill(0.0);
+fn window_softmax_row(row: &mut [f32], lo: usize, hi: usize) -> f32 {
+    let seen = &mut row[lo..hi];
+    let max = seen.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    exp_shifted(seen, max);
+    let sum: f32 = seen.iter().sum();
+    scale(seen, 1.0 / sum);
+    row[..lo].fill(0.0);
+    row[hi..].fill(0.0);
     max + sum.ln()
 }
 
@@ -131,7 +197,7 @@ pub fn attention_forward(
     gqa_forward(out, lse, scratch, qkv, b, t, Heads::mha(c, nh));
 }
 
-/// Grouped-query attention forward (see the module's layout).
+/// Grouped-query attention forward (see the module's layout), plain causal.
 pub fn gqa_forward(
     out: &mut [f32],
     lse: &mut [f32],
@@ -141,7 +207,24 @@ pub fn gqa_forward(
     t: usize,
     heads: Heads,
 ) {
+    gqa_window_forward(out, lse, scratch, qkv, b, t, heads, Window::Causal);
+}
+
+/// Grouped-query attention forward over `window` (see the module's header):
+/// out (B, T, NH·HS) and lse (B, NH, T) from qkv (B, T, (NH + 2·NKV)·HS).
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_window_forward(
+    out: &mut [f32],
+    lse: &mut [f32],
+    scratch: &mut [f32],
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    heads: Heads,
+    window: Window,
+) {
     heads.check();
+    let window = window.over(t);
     let Heads { nh, hs, .. } = heads;
     let (w, c) = (heads.qkv_width(), heads.out_width());
     assert!(out.len() == b * t * c && qkv.len() == b * t * w && lse.len() == b * nh * t);
@@ -160,37 +243,42 @@ pub fn gqa_forward(
             let row3 = w as isize;
             for q0 in (0..t).step_by(TQ) {
                 let tq = TQ.min(t - q0);
-                let kend = q0 + tq;
-                let s = &mut scratch[..tq * kend];
+                // The tile's keys: from its first query's first key (0 when
+                // causal) to its last query; nk of them.
+                let (k0, kend) = (window.first_key(q0), q0 + tq);
+                let nk = kend - k0;
+                let s = &mut scratch[..tq * nk];
                 // SAFETY: views stay inside qkv (rows < T of batch bi, columns < W),
                 // and inside this task's scratch and head columns of out.
                 unsafe {
                     gemm_raw(
                         tq,
-                        kend,
+                        nk,
                         hs,
                         s.as_mut_ptr(),
-                        kend as isize,
+                        nk as isize,
                         false,
                         Mat { ptr: q.offset(q0 as isize * row3), rs: row3, cs: 1 },
-                        Mat { ptr: k, rs: 1, cs: row3 },
+                        Mat { ptr: k.offset(k0 as isize * row3), rs: 1, cs: row3 },
                         scale,
                         Parallelism::None,
                     );
                 }
                 for i in 0..tq {
-                    lse[q0 + i] = causal_softmax_row(&mut s[i * kend..(i + 1) * kend], q0 + i + 1);
+                    let qi = q0 + i;
+                    let row = &mut s[i * nk..(i + 1) * nk];
+                    lse[qi] = window_softmax_row(row, window.first_key(qi) - k0, qi + 1 - k0);
                 }
                 unsafe {
                     gemm_raw(
                         tq,
                         hs,
-                        kend,
+                        nk,
                         out_ptr.get().add((bi * t + q0) * c + h * hs),
                         c as isize,
                         false,
-                        Mat { ptr: s.as_ptr(), rs: kend as isize, cs: 1 },
-                        Mat { ptr: v, rs: row3, cs: 1 },
+                        Mat { ptr: s.as_ptr(), rs: nk as isize, cs: 1 },
+                        Mat { ptr: v.offset(k0 as isize * row3), rs: row3, cs: 1 },
                         1.0,
                         Parallelism::None,
                     );
@@ -217,7 +305,8 @@ pub fn attention_backward(
     gqa_backward(dqkv, scratch, dout, qkv, out, lse, b, t, Heads::mha(c, nh));
 }
 
-/// dqkv (B, T, W) += ∂L/∂qkv given dout (B, T, NH·HS), and forward's out and lse.
+/// dqkv (B, T, W) += ∂L/∂qkv given dout (B, T, NH·HS), and forward's out and
+/// lse; plain causal.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_backward(
     dqkv: &mut [f32],
@@ -230,7 +319,26 @@ pub fn gqa_backward(
     t: usize,
     heads: Heads,
 ) {
+    gqa_window_backward(dqkv, scratch, dout, qkv, out, lse, b, t, heads, Window::Causal);
+}
+
+/// dqkv (B, T, W) += ∂L/∂qkv over `window`, given dout (B, T, NH·HS) and the
+/// forward's out and lse (computed over the same window).
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_window_backward(
+    dqkv: &mut [f32],
+    scratch: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    b: usize,
+    t: usize,
+    heads: Heads,
+    window: Window,
+) {
     heads.check();
+    let window = window.over(t);
     let Heads { nh, nkv, hs } = heads;
     let (w, c) = (heads.qkv_width(), heads.out_width());
     assert!(dqkv.len() == b * t * w && qkv.len() == b * t * w);
@@ -262,21 +370,25 @@ pub fn gqa_backward(
             let dv = unsafe { dqkv_ptr.get().add(row + vc) };
             for q0 in (0..t).step_by(TQ) {
                 let tq = TQ.min(t - q0);
-                let kend = q0 + tq;
-                let p = &mut p_buf[..tq * kend];
-                let dp = &mut dp_buf[..tq * kend];
+                // The tile's keys, as in forward: [k0, kend), nk of them.
+                let (k0, kend) = (window.first_key(q0), q0 + tq);
+                let nk = kend - k0;
+                let p = &mut p_buf[..tq * nk];
+                let dp = &mut dp_buf[..tq * nk];
                 let dout_tile =
                     Mat { ptr: dout[(bi * t + q0) * c + h * hs..].as_ptr(), rs: c as isize, cs: 1 };
                 let q_tile = Mat { ptr: unsafe { q.offset(q0 as isize * row3) }, rs: row3, cs: 1 };
+                let (k, v) = unsafe { (k.offset(k0 as isize * row3), v.offset(k0 as isize * row3)) };
+                let (dk, dv) = unsafe { (dk.offset(k0 as isize * row3), dv.offset(k0 as isize * row3)) };
                 // SAFETY (all products below): views stay inside qkv, dout, this task's
                 // scratch, and this key/value group's columns of dqkv for batch bi.
                 unsafe {
                     gemm_raw(
                         tq,
-                        kend,
+                        nk,
                         hs,
                         p.as_mut_ptr(),
-                        kend as isize,
+                        nk as isize,
                         false,
                         q_tile,
                         Mat { ptr: k, rs: 1, cs: row3 },
@@ -285,10 +397,10 @@ pub fn gqa_backward(
                     );
                     gemm_raw(
                         tq,
-                        kend,
+                        nk,
                         hs,
                         dp.as_mut_ptr(),
-                        kend as isize,
+                        nk as isize,
                         false,
                         dout_tile,
                         Mat { ptr: v, rs: 1, cs: row3 },
@@ -297,50 +409,53 @@ pub fn gqa_backward(
                     );
                 }
                 for i in 0..tq {
-                    let valid = q0 + i + 1;
-                    let (l, di) = (lse[q0 + i], d[q0 + i]);
-                    let pr = &mut p[i * kend..(i + 1) * kend];
-                    let dpr = &mut dp[i * kend..(i + 1) * kend];
-                    softmax_row_backward(&mut pr[..valid], &mut dpr[..valid], l, di);
-                    pr[valid..].fill(0.0);
-                    dpr[valid..].fill(0.0);
+                    let qi = q0 + i;
+                    let (lo, hi) = (window.first_key(qi) - k0, qi + 1 - k0);
+                    let (l, di) = (lse[qi], d[qi]);
+                    let pr = &mut p[i * nk..(i + 1) * nk];
+                    let dpr = &mut dp[i * nk..(i + 1) * nk];
+                    softmax_row_backward(&mut pr[lo..hi], &mut dpr[lo..hi], l, di);
+                    for row in [pr, dpr] {
+                        row[..lo].fill(0.0);
+                        row[hi..].fill(0.0);
+                    }
                 }
                 unsafe {
-                    // dQ_tile += scale · dS · K
+                    // dQ_tile += scale · dS · K[k0..kend]
                     gemm_raw(
                         tq,
                         hs,
-                        kend,
+                        nk,
                         dq.offset(q0 as isize * row3),
                         row3,
                         true,
-                        Mat { ptr: dp.as_ptr(), rs: kend as isize, cs: 1 },
+                        Mat { ptr: dp.as_ptr(), rs: nk as isize, cs: 1 },
                         Mat { ptr: k, rs: row3, cs: 1 },
                         scale,
                         Parallelism::None,
                     );
-                    // dK[..kend] += scale · dSᵀ · Q_tile
+                    // dK[k0..kend] += scale · dSᵀ · Q_tile
                     gemm_raw(
-                        kend,
+                        nk,
                         hs,
                         tq,
                         dk,
                         row3,
                         true,
-                        Mat { ptr: dp.as_ptr(), rs: 1, cs: kend as isize },
+                        Mat { ptr: dp.as_ptr(), rs: 1, cs: nk as isize },
                         q_tile,
                         scale,
                         Parallelism::None,
                     );
-                    // dV[..kend] += Pᵀ · dO_tile
+                    // dV[k0..kend] += Pᵀ · dO_tile
                     gemm_raw(
-                        kend,
+                        nk,
                         hs,
                         tq,
                         dv,
                         row3,
                         true,
-                        Mat { ptr: p.as_ptr(), rs: 1, cs: kend as isize },
+                        Mat { ptr: p.as_ptr(), rs: 1, cs: nk as isize },
                         dout_tile,
                         1.0,
                         Parallelism::None,
@@ -438,6 +553,19 @@ mod tests {
     /// Plain causal grouped-query attention in f64: query head h attends with
     /// key/value head h / (NH / NKV), the whole score matrix held.
     fn gqa_reference(qkv: &[f64], b: usize, t: usize, heads: Heads) -> Vec<f64> {
+        sliding_reference(qkv, b, t, heads, None)
+    }
+
+    /// Hugging Face's mask, written as transformers writes it: the causal
+    /// `kv_idx <= q_idx` and, with a sliding window, `kv_idx > q_idx - W`.
+    fn hf_keeps(q_idx: usize, kv_idx: usize, sliding_window: Option<usize>) -> bool {
+        let (q, kv) = (q_idx as i64, kv_idx as i64);
+        kv <= q && sliding_window.is_none_or(|w| kv > q - w as i64)
+    }
+
+    /// Grouped-query attention in f64 under Hugging Face's mask, the whole
+    /// score matrix held.
+    fn sliding_reference(qkv: &[f64], b: usize, t: usize, heads: Heads, window: Option<usize>) -> Vec<f64> {
         let Heads { nh, nkv, hs } = heads;
         let (w, c) = ((nh + 2 * nkv) * hs, nh * hs);
         let scale = 1.0 / (hs as f64).sqrt();
@@ -448,15 +576,17 @@ mod tests {
                 let (kc, vc) = ((nh + g) * hs, (nh + nkv + g) * hs);
                 for i in 0..t {
                     let q = &qkv[(bi * t + i) * w + h * hs..][..hs];
-                    let scores: Vec<f64> = (0..=i)
-                        .map(|j| {
+                    let keys: Vec<usize> = (0..t).filter(|&j| hf_keeps(i, j, window)).collect();
+                    let scores: Vec<f64> = keys
+                        .iter()
+                        .map(|&j| {
                             let k = &qkv[(bi * t + j) * w + kc..][..hs];
                             q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() * scale
                         })
                         .collect();
                     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
-                    for (j, s) in scores.iter().enumerate() {
+                    for (&j, s) in keys.iter().zip(&scores) {
                         let p = (s - m).exp() / z;
                         let v = &qkv[(bi * t + j) * w + vc..][..hs];
                         for d in 0..hs {
@@ -477,6 +607,134 @@ mod tests {
         gqa_forward(&mut out, &mut lse, &mut scratch, qkv, b, t, heads);
         gqa_backward(&mut dqkv, &mut scratch, g, qkv, &out, &lse, b, t, heads);
         (out, lse, dqkv)
+    }
+
+    type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+    fn window_run(qkv: &[f32], g: &[f32], b: usize, t: usize, heads: Heads, window: Window) -> Run {
+        let mut out = vec![0.0; b * t * heads.out_width()];
+        let mut lse = vec![0.0; b * heads.nh * t];
+        let mut scratch = vec![0.0; scratch_len(b, heads.nh, t)];
+        let mut dqkv = vec![0.0; qkv.len()];
+        gqa_window_forward(&mut out, &mut lse, &mut scratch, qkv, b, t, heads, window);
+        gqa_window_backward(&mut dqkv, &mut scratch, g, qkv, &out, &lse, b, t, heads, window);
+        (out, lse, dqkv)
+    }
+
+    #[test]
+    fn the_window_keeps_the_keys_hugging_faces_mask_keeps() {
+        for w in [1, 2, 3, 7, 64] {
+            for i in 0..80 {
+                for j in 0..80 {
+                    let window = Window::Sliding(w);
+                    assert_eq!(window.sees(i, j), hf_keeps(i, j, Some(w)), "W={w} query {i} key {j}");
+                    let in_range = window.first_key(i) <= j && j <= i;
+                    assert_eq!(window.sees(i, j), in_range);
+                    assert_eq!(window.sees(i, j), i >= j && i < window.query_end(j, 80));
+                }
+            }
+        }
+        // Query 5 under a window of 3 sees keys 3, 4 and 5: W keys, its own included.
+        let seen: Vec<usize> = (0..8).filter(|&j| Window::Sliding(3).sees(5, j)).collect();
+        assert_eq!(seen, [3, 4, 5]);
+        assert_eq!(Window::new(None), Window::Causal);
+        assert_eq!(Window::new(Some(4096)), Window::Sliding(4096));
+        assert_eq!(Window::Sliding(50).over(50), Window::Causal);
+        assert_eq!(Window::Sliding(49).over(50), Window::Sliding(49));
+    }
+
+    #[test]
+    fn sliding_window_forward_matches_reference_across_tiles() {
+        // T spans three query tiles, the last one partial; windows inside one
+        // tile, of exactly one tile, across tiles, and one short of T.
+        let (b, t) = (2, 2 * TQ + 13);
+        for (heads, seed) in [(Heads { nh: 4, nkv: 2, hs: 8 }, 3), (Heads { nh: 3, nkv: 3, hs: 16 }, 4)] {
+            let qkv = randn(b * t * heads.qkv_width(), seed);
+            for w in [1, 7, TQ, TQ + 9, t - 1] {
+                let mut out = vec![0.0; b * t * heads.out_width()];
+                let mut lse = vec![0.0; b * heads.nh * t];
+                let mut scratch = vec![0.0; scratch_len(b, heads.nh, t)];
+                let window = Window::Sliding(w);
+                with_threads(2, || {
+                    gqa_window_forward(&mut out, &mut lse, &mut scratch, &qkv, b, t, heads, window)
+                });
+                let want = sliding_reference(&to64(&qkv), b, t, heads, Some(w));
+                assert_close(&out, &want, 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn sliding_window_backward_matches_finite_differences() {
+        let (b, t) = (1, TQ + 21);
+        let heads = Heads { nh: 4, nkv: 2, hs: 4 };
+        let g = randn(b * t * heads.out_width(), 17);
+        let qkv = randn(b * t * heads.qkv_width(), 18);
+        // A window inside the first query tile, and one reaching across it.
+        for w in [19, TQ + 5] {
+            let loss = |p: &[Vec<f64>]| {
+                sliding_reference(&p[0], b, t, heads, Some(w))
+                    .iter()
+                    .zip(&g)
+                    .map(|(o, &g)| o * g as f64)
+                    .sum()
+            };
+            let (_, _, dqkv) = with_threads(2, || window_run(&qkv, &g, b, t, heads, Window::Sliding(w)));
+            check_grads(std::slice::from_ref(&qkv), &[dqkv], loss, 1e-4);
+        }
+    }
+
+    #[test]
+    fn a_window_of_one_attends_to_its_own_position_alone() {
+        let (b, t) = (1, TQ + 9);
+        let heads = Heads { nh: 2, nkv: 1, hs: 8 };
+        let qkv = randn(b * t * heads.qkv_width(), 21);
+        let g = randn(b * t * heads.out_width(), 22);
+        let (out, _, dqkv) = window_run(&qkv, &g, b, t, heads, Window::Sliding(1));
+        let (w, hs) = (heads.qkv_width(), heads.hs);
+        for i in 0..t {
+            let v = &qkv[i * w + (heads.nh + heads.nkv) * hs..][..hs];
+            for h in 0..heads.nh {
+                assert_eq!(&out[(i * heads.nh + h) * hs..][..hs], v, "position {i} head {h}");
+            }
+        }
+        // One key, probability 1: no gradient reaches q or k (up to the
+        // rounding of dP − D, two sums of the same products in two orders).
+        let part = |cols: std::ops::Range<usize>| -> f32 {
+            dqkv.chunks(w).flat_map(|r| r[cols.clone()].to_vec()).fold(0.0, |m, x| m.max(x.abs()))
+        };
+        let qk = (heads.nh + heads.nkv) * hs;
+        assert!(part(0..qk) < 1e-5 * part(qk..w), "{} vs {}", part(0..qk), part(qk..w));
+    }
+
+    #[test]
+    fn a_window_of_at_least_t_is_plain_causal_attention_bit_for_bit() {
+        let (b, t) = (2, TQ + 30);
+        let heads = Heads { nh: 4, nkv: 2, hs: 8 };
+        let qkv = randn(b * t * heads.qkv_width(), 23);
+        let g = randn(b * t * heads.out_width(), 24);
+        let causal = with_threads(2, || gqa_run(&qkv, &g, b, t, heads));
+        for w in [t, t + 1, 10 * t] {
+            assert_eq!(causal, with_threads(2, || window_run(&qkv, &g, b, t, heads, Window::Sliding(w))));
+        }
+        assert_ne!(causal, window_run(&qkv, &g, b, t, heads, Window::Sliding(t - 1)));
+    }
+
+    #[test]
+    fn sliding_window_results_do_not_depend_on_thread_count() {
+        let (b, t) = (2, 150);
+        let heads = Heads { nh: 8, nkv: 2, hs: 16 };
+        let qkv = randn(b * t * heads.qkv_width(), 1);
+        let g = randn(b * t * heads.out_width(), 2);
+        let window = Window::Sliding(40);
+        assert_thread_count_independent(|| window_run(&qkv, &g, b, t, heads, window));
+    }
+
+    #[test]
+    #[should_panic(expected = "a sliding window must hold at least one key")]
+    fn a_window_of_no_keys_is_refused() {
+        let heads = Heads { nh: 1, nkv: 1, hs: 2 };
+        let _ = window_run(&[0.0; 6], &[0.0; 2], 1, 1, heads, Window::Sliding(0));
     }
 
     #[test]

@@ -15,8 +15,14 @@
 //! GPU, so no gradient is summed by atomics). With `Rounding::Bf16`, P and dS
 //! are rounded to bf16 before they multiply V, dO, K or Q, as the kernels feed
 //! them to `mma.sync`; sums and the softmax stay in high precision.
+//!
+//! A sliding window (`Window`, the rule in kernels/cpu/attention.rs) keeps
+//! query i to keys (i − W, i]. Forward walks a query's key tiles from the
+//! tile holding its first key (tiles stay aligned to `KEY_TILE` multiples, as
+//! the kernel's are); backward sums dq over the query's keys and dk, dv over
+//! the queries that see the key.
 
-use super::attention::Heads;
+use super::attention::{Heads, Window};
 
 /// Keys per tile in forward (the kernel's key tile).
 pub const KEY_TILE: usize = 64;
@@ -99,6 +105,7 @@ fn check(heads: Heads, qkv: usize, out: usize, lse: usize, b: usize, t: usize) {
 }
 
 /// out (B, T, NH·HS) and lse (B, NH, T) from qkv (B, T, W), overwritten.
+#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_forward(
     out: &mut [f32],
     lse: &mut [f32],
@@ -106,17 +113,19 @@ pub fn flash_attention_forward(
     b: usize,
     t: usize,
     heads: Heads,
+    window: Window,
     rounding: Rounding,
 ) {
     check(heads, qkv.len(), out.len(), lse.len(), b, t);
-    let hs = heads.hs;
+    let (hs, window) = (heads.hs, window.over(t));
     for (bi, h) in (0..b).flat_map(|bi| (0..heads.nh).map(move |h| (bi, h))) {
         let hd = Head { qkv, b: bi, h, t, heads };
         for i in 0..t {
             let (mut m, mut l) = (f64::NEG_INFINITY, 0.0f64);
             let mut acc = vec![0.0f64; hs];
-            for k0 in (0..=i).step_by(KEY_TILE) {
-                let keys = k0..(k0 + KEY_TILE).min(i + 1);
+            let lo = window.first_key(i);
+            for k0 in (lo / KEY_TILE * KEY_TILE..=i).step_by(KEY_TILE) {
+                let keys = k0.max(lo)..(k0 + KEY_TILE).min(i + 1);
                 let s: Vec<f64> = keys.clone().map(|j| hd.score(i, j)).collect();
                 let m_new = s.iter().fold(m, |a, &x| a.max(x));
                 let corr = (m - m_new).exp();
@@ -153,11 +162,12 @@ pub fn flash_attention_backward(
     b: usize,
     t: usize,
     heads: Heads,
+    window: Window,
     rounding: Rounding,
 ) {
     check(heads, qkv.len(), out.len(), lse.len(), b, t);
     assert!(dqkv.len() == qkv.len() && dout.len() == out.len());
-    let hs = heads.hs;
+    let (hs, window) = (heads.hs, window.over(t));
     let scale = 1.0 / (hs as f64).sqrt();
     let dot = |x: &[f32], y: &[f32]| -> f64 { x.iter().zip(y).map(|(&a, &b)| a as f64 * b as f64).sum() };
     for bi in 0..b {
@@ -174,7 +184,7 @@ pub fn flash_attention_backward(
         for h in 0..heads.nh {
             for i in 0..t {
                 let mut dq = vec![0.0f64; hs];
-                for j in 0..=i {
+                for j in window.first_key(i)..=i {
                     let d = rounding.apply(ds(h, i, j));
                     for (a, &k) in dq.iter_mut().zip(hd(h).k(j)) {
                         *a += d * k as f64;
@@ -193,7 +203,7 @@ pub fn flash_attention_backward(
             for j in 0..t {
                 let (mut dk, mut dv) = (vec![0.0f64; hs], vec![0.0f64; hs]);
                 for h in group.clone() {
-                    for i in j..t {
+                    for i in j..window.query_end(j, t) {
                         let (pij, dij) = (rounding.apply(p(h, i, j)), rounding.apply(ds(h, i, j)));
                         let dy = &dout[hd(h).row(i)..][..hs];
                         for ((dk, dv), (&q, &gy)) in
@@ -238,7 +248,16 @@ mod tests {
             let qkv = randn(b * t * 3 * c, 1);
             let (want_out, want_lse) = cpu_attention(&qkv, b, t, c, nh);
             let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-            flash_attention_forward(&mut out, &mut lse, &qkv, b, t, Heads::mha(c, nh), Rounding::None);
+            flash_attention_forward(
+                &mut out,
+                &mut lse,
+                &qkv,
+                b,
+                t,
+                Heads::mha(c, nh),
+                Window::Causal,
+                Rounding::None,
+            );
             assert_close(&out, &to64(&want_out), 1e-5);
             assert_close(&lse, &to64(&want_lse), 1e-6);
         }
@@ -249,9 +268,27 @@ mod tests {
         let (b, t, c, nh) = (1, KEY_TILE + 20, 128, 2);
         let qkv = randn(b * t * 3 * c, 2);
         let (mut exact, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-        flash_attention_forward(&mut exact, &mut lse, &qkv, b, t, Heads::mha(c, nh), Rounding::None);
+        flash_attention_forward(
+            &mut exact,
+            &mut lse,
+            &qkv,
+            b,
+            t,
+            Heads::mha(c, nh),
+            Window::Causal,
+            Rounding::None,
+        );
         let (mut rounded, mut lse_r) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-        flash_attention_forward(&mut rounded, &mut lse_r, &qkv, b, t, Heads::mha(c, nh), Rounding::Bf16);
+        flash_attention_forward(
+            &mut rounded,
+            &mut lse_r,
+            &qkv,
+            b,
+            t,
+            Heads::mha(c, nh),
+            Window::Causal,
+            Rounding::Bf16,
+        );
         let e = rel_err(&rounded, &to64(&exact));
         assert!(e > 0.0 && e < 1e-2, "rounding P moved the output by {e:e}");
         // lse is formed before any rounding.
@@ -270,7 +307,18 @@ mod tests {
             attention::attention_backward(&mut want, &mut scratch, &dout, &qkv, &out, &lse, b, t, c, nh)
         });
         let mut got = vec![1e9; qkv.len()]; // overwritten whole
-        flash_attention_backward(&mut got, &dout, &qkv, &out, &lse, b, t, Heads::mha(c, nh), Rounding::None);
+        flash_attention_backward(
+            &mut got,
+            &dout,
+            &qkv,
+            &out,
+            &lse,
+            b,
+            t,
+            Heads::mha(c, nh),
+            Window::Causal,
+            Rounding::None,
+        );
         assert_close(&got, &to64(&want), 1e-5);
     }
 
@@ -283,9 +331,29 @@ mod tests {
         let loss =
             |p: &[Vec<f64>]| reference(&p[0], b, t, c, nh).iter().zip(&g).map(|(o, &g)| o * g as f64).sum();
         let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-        flash_attention_forward(&mut out, &mut lse, &qkv, b, t, Heads::mha(c, nh), Rounding::None);
+        flash_attention_forward(
+            &mut out,
+            &mut lse,
+            &qkv,
+            b,
+            t,
+            Heads::mha(c, nh),
+            Window::Causal,
+            Rounding::None,
+        );
         let mut dqkv = vec![0.0; qkv.len()];
-        flash_attention_backward(&mut dqkv, &g, &qkv, &out, &lse, b, t, Heads::mha(c, nh), Rounding::None);
+        flash_attention_backward(
+            &mut dqkv,
+            &g,
+            &qkv,
+            &out,
+            &lse,
+            b,
+            t,
+            Heads::mha(c, nh),
+            Window::Causal,
+            Rounding::None,
+        );
         check_grads(&[qkv], &[dqkv], loss, 1e-4);
     }
 
@@ -323,6 +391,45 @@ mod tests {
     }
 
     #[test]
+    fn sliding_window_twin_matches_the_cpu_attention_forward_and_backward() {
+        // T spans three key tiles; windows inside one tile, of one tile, across tiles.
+        let (b, t) = (1, 2 * KEY_TILE + 7);
+        let heads = Heads { nh: 4, nkv: 2, hs: 16 };
+        let qkv = randn(b * t * heads.qkv_width(), 15);
+        let dout = randn(b * t * heads.out_width(), 16);
+        for w in [5, KEY_TILE, KEY_TILE + 17] {
+            let window = Window::Sliding(w);
+            let (mut want_out, mut want_lse) = (vec![0.0; dout.len()], vec![0.0; b * heads.nh * t]);
+            let mut scratch = vec![0.0; attention::scratch_len(b, heads.nh, t)];
+            let mut want = vec![0.0; qkv.len()];
+            with_threads(1, || {
+                let (o, l) = (&mut want_out, &mut want_lse);
+                attention::gqa_window_forward(o, l, &mut scratch, &qkv, b, t, heads, window);
+                let (o, l) = (&want_out, &want_lse);
+                attention::gqa_window_backward(
+                    &mut want,
+                    &mut scratch,
+                    &dout,
+                    &qkv,
+                    o,
+                    l,
+                    b,
+                    t,
+                    heads,
+                    window,
+                );
+            });
+            let (mut out, mut lse) = (vec![0.0; dout.len()], vec![0.0; b * heads.nh * t]);
+            flash_attention_forward(&mut out, &mut lse, &qkv, b, t, heads, window, Rounding::None);
+            assert_close(&out, &to64(&want_out), 1e-5);
+            assert_close(&lse, &to64(&want_lse), 1e-6);
+            let mut got = vec![1e9; qkv.len()]; // overwritten whole
+            flash_attention_backward(&mut got, &dout, &qkv, &out, &lse, b, t, heads, window, Rounding::None);
+            assert_close(&got, &to64(&want), 1e-5);
+        }
+    }
+
+    #[test]
     fn grouped_query_twin_matches_the_cpu_attention_forward_and_backward() {
         let (b, t) = (2, KEY_TILE + 7);
         let heads = Heads { nh: 4, nkv: 2, hs: 16 };
@@ -336,11 +443,22 @@ mod tests {
             attention::gqa_backward(&mut want, &mut scratch, &dout, &qkv, &want_out, &want_lse, b, t, heads);
         });
         let (mut out, mut lse) = (vec![0.0; dout.len()], vec![0.0; b * heads.nh * t]);
-        flash_attention_forward(&mut out, &mut lse, &qkv, b, t, heads, Rounding::None);
+        flash_attention_forward(&mut out, &mut lse, &qkv, b, t, heads, Window::Causal, Rounding::None);
         assert_close(&out, &to64(&want_out), 1e-5);
         assert_close(&lse, &to64(&want_lse), 1e-6);
         let mut got = vec![1e9; qkv.len()]; // overwritten whole
-        flash_attention_backward(&mut got, &dout, &qkv, &out, &lse, b, t, heads, Rounding::None);
+        flash_attention_backward(
+            &mut got,
+            &dout,
+            &qkv,
+            &out,
+            &lse,
+            b,
+            t,
+            heads,
+            Window::Causal,
+            Rounding::None,
+        );
         assert_close(&got, &to64(&want), 1e-5);
     }
 }

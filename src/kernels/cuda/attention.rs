@@ -7,10 +7,16 @@
 //! one checked against the CPU to 1e-5, keeps the CUDA-core kernels of
 //! kernels/attention.cu (twin kernels/cpu/attention.rs), head size 64 only:
 //! tensor cores would round its operands to bf16. Other shapes are refused.
+//!
+//! The `gqa_window_` launchers take a [`Window`]: a sliding window keeps query
+//! i to keys (i − W, i] (Hugging Face's rule; kernels/cpu/attention.rs). The
+//! CUDA-core kernels get the window as an int, T for plain causal attention;
+//! the tensor-core ones have causal kernels (as before windows) and `_window_`
+//! twins that take it.
 
 use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, Elem, Result};
-pub use crate::kernels::cpu::attention::Heads;
+pub use crate::kernels::cpu::attention::{Heads, Window};
 
 /// The head size the CUDA-core kernels take (every GPT-2 size).
 pub const HEAD_SIZE: usize = 64;
@@ -41,15 +47,23 @@ pub fn kernels_for<X: Elem>(c: usize, nh: usize) -> Result<Kernels> {
     }
 }
 
-/// The tensor-core kernel names for a head size.
-fn flash_name(kernel: &str, head_size: usize) -> &'static str {
-    match (kernel, head_size) {
-        ("forward", 64) => "flash_forward_hs64",
-        ("forward", _) => "flash_forward_hs128",
-        ("dq", 64) => "flash_backward_dq_hs64",
-        ("dq", _) => "flash_backward_dq_hs128",
-        (_, 64) => "flash_backward_dkdv_hs64",
-        _ => "flash_backward_dkdv_hs128",
+/// The tensor-core kernel names for a head size, causal or over a sliding
+/// window (the `_window_` kernels: the causal ones compile without the
+/// window's tests, so they keep their registers and bits).
+fn flash_name(kernel: &str, head_size: usize, sliding: bool) -> &'static str {
+    match (kernel, head_size, sliding) {
+        ("forward", 64, false) => "flash_forward_hs64",
+        ("forward", _, false) => "flash_forward_hs128",
+        ("forward", 64, true) => "flash_forward_window_hs64",
+        ("forward", _, true) => "flash_forward_window_hs128",
+        ("dq", 64, false) => "flash_backward_dq_hs64",
+        ("dq", _, false) => "flash_backward_dq_hs128",
+        ("dq", 64, true) => "flash_backward_dq_window_hs64",
+        ("dq", _, true) => "flash_backward_dq_window_hs128",
+        (_, 64, false) => "flash_backward_dkdv_hs64",
+        (_, _, false) => "flash_backward_dkdv_hs128",
+        (_, 64, true) => "flash_backward_dkdv_window_hs64",
+        _ => "flash_backward_dkdv_window_hs128",
     }
 }
 
@@ -62,6 +76,19 @@ pub fn kernels_for_heads<X: Elem>(heads: Heads) -> Result<Kernels> {
         )));
     }
     kernels_for::<X>(heads.out_width(), heads.nh)
+}
+
+/// The window as the kernels take it: its width, T for plain causal attention.
+fn window_arg(window: Window, t: usize) -> Result<i32> {
+    if window == Window::Sliding(0) {
+        return Err(super::CudaError::Shape(
+            "attention: a sliding window must hold at least one key (the query's own)".into(),
+        ));
+    }
+    Ok(match window.over(t) {
+        Window::Sliding(w) => w,
+        Window::Causal => t,
+    } as i32)
 }
 
 /// out and lse from qkv (head sizes as `kernels_for` says), multi-head.
@@ -81,7 +108,7 @@ pub fn attention_forward<X: Elem>(
 }
 
 /// out (B, T, NH·HS) and lse (B, NH, T) from qkv (B, T, (NH + 2·NKV)·HS),
-/// grouped-query heads laid out as kernels/cpu/attention.rs has them.
+/// grouped-query heads laid out as kernels/cpu/attention.rs has them; plain causal.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_forward<X: Elem>(
     gpu: &Gpu,
@@ -92,7 +119,23 @@ pub fn gqa_forward<X: Elem>(
     t: usize,
     heads: Heads,
 ) -> Result<()> {
+    gqa_window_forward(gpu, out, lse, qkv, b, t, heads, Window::Causal)
+}
+
+/// [`gqa_forward`] over `window`.
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_window_forward<X: Elem>(
+    gpu: &Gpu,
+    out: &DeviceBuffer<X>,
+    lse: &DeviceBuffer<f32>,
+    qkv: &DeviceBuffer<X>,
+    b: usize,
+    t: usize,
+    heads: Heads,
+    window: Window,
+) -> Result<()> {
     let kernels = kernels_for_heads::<X>(heads)?;
+    let win = window_arg(window, t)?;
     let (nh, w, c) = (heads.nh, heads.qkv_width(), heads.out_width());
     ensure(out.len() >= b * t * c && qkv.len() >= b * t * w && lse.len() >= b * nh * t, || {
         format!("attention_forward: buffers for B={b} T={t} {heads:?}")
@@ -100,8 +143,12 @@ pub fn gqa_forward<X: Elem>(
     let (o, l, q, bi, ti, nhi, nkvi) =
         (out.ptr(), lse.ptr(), qkv.ptr(), b as i32, t as i32, nh as i32, heads.nkv as i32);
     if let Kernels::TensorCore { head_size } = kernels {
-        let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size))?;
+        let sliding = win < ti;
+        let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size, sliding))?;
         let grid = (blocks(t, FLASH_ROWS), nh as u32, b as u32);
+        if sliding {
+            return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi, win]);
+        }
         return gpu.launch(f, grid, (128, 1, 1), &mut args![o, l, q, bi, ti, nhi, nkvi]);
     }
     let f = gpu.function::<X>("attention", "attention_forward")?;
@@ -109,7 +156,7 @@ pub fn gqa_forward<X: Elem>(
         f,
         (blocks(t, ROWS), nh as u32, b as u32),
         (2 * ROWS as u32, 1, 1),
-        &mut args![o, l, q, bi, ti, nhi, nkvi],
+        &mut args![o, l, q, bi, ti, nhi, nkvi, win],
     )
 }
 
@@ -135,6 +182,7 @@ pub fn attention_backward<X: Elem>(
 
 /// Writes dqkv (B, T, (NH + 2·NKV)·HS) whole; a key/value head's gradient is
 /// summed over its query group in head order by one block (no atomics).
+/// Plain causal.
 #[allow(clippy::too_many_arguments)]
 pub fn gqa_backward<X: Elem>(
     gpu: &Gpu,
@@ -148,7 +196,26 @@ pub fn gqa_backward<X: Elem>(
     t: usize,
     heads: Heads,
 ) -> Result<()> {
+    gqa_window_backward(gpu, dqkv, delta, dout, qkv, out, lse, b, t, heads, Window::Causal)
+}
+
+/// [`gqa_backward`] over `window` (the forward's).
+#[allow(clippy::too_many_arguments)]
+pub fn gqa_window_backward<X: Elem>(
+    gpu: &Gpu,
+    dqkv: &DeviceBuffer<X>,
+    delta: &DeviceBuffer<f32>,
+    dout: &DeviceBuffer<X>,
+    qkv: &DeviceBuffer<X>,
+    out: &DeviceBuffer<X>,
+    lse: &DeviceBuffer<f32>,
+    b: usize,
+    t: usize,
+    heads: Heads,
+    window: Window,
+) -> Result<()> {
     let kernels = kernels_for_heads::<X>(heads)?;
+    let win = window_arg(window, t)?;
     let (nh, nkv, w, c) = (heads.nh, heads.nkv, heads.qkv_width(), heads.out_width());
     ensure(
         dqkv.len() >= b * t * w
@@ -168,18 +235,24 @@ pub fn gqa_backward<X: Elem>(
         gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi, hsi])?;
         let (queries, keys) =
             ((blocks(t, FLASH_ROWS), nh as u32, b as u32), (blocks(t, FLASH_ROWS), nkv as u32, b as u32));
-        let f = gpu.function::<X>("flash_attention", flash_name("dq", head_size))?;
-        gpu.launch(f, queries, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
-        let f = gpu.function::<X>("flash_attention", flash_name("dkdv", head_size))?;
-        return gpu.launch(f, keys, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi]);
+        let sliding = win < ti;
+        for (kernel, grid) in [("dq", queries), ("dkdv", keys)] {
+            let f = gpu.function::<X>("flash_attention", flash_name(kernel, head_size, sliding))?;
+            if sliding {
+                gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])?;
+            } else {
+                gpu.launch(f, grid, (128, 1, 1), &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
+            }
+        }
+        return Ok(());
     }
     let f = gpu.function::<X>("attention", "attention_backward_delta")?;
     gpu.launch(f, (blocks(b * nh * t, 256), 1, 1), (256, 1, 1), &mut args![de, dy, o, bi, ti, nhi])?;
     let block = (2 * ROWS as u32, 1, 1);
     let f = gpu.function::<X>("attention", "attention_backward_dq")?;
-    gpu.launch(f, queries, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])?;
+    gpu.launch(f, queries, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])?;
     let f = gpu.function::<X>("attention", "attention_backward_dkdv")?;
-    gpu.launch(f, keys, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi])
+    gpu.launch(f, keys, block, &mut args![dq, dy, q, l, de, bi, ti, nhi, nkvi, win])
 }
 
 #[cfg(test)]
@@ -196,6 +269,15 @@ mod tests {
         assert!(err.contains("n_embd 1024 / n_head 8 in f32"), "{err}");
         assert!(kernels_for::<Bf16>(96 * 4, 4).is_err());
         assert!(kernels_for::<Bf16>(100, 0).is_err());
+    }
+
+    #[test]
+    fn the_kernels_get_the_window_width_and_t_for_plain_causal_attention() {
+        assert_eq!(window_arg(Window::Causal, 100).unwrap(), 100);
+        assert_eq!(window_arg(Window::Sliding(37), 100).unwrap(), 37);
+        assert_eq!(window_arg(Window::Sliding(4096), 100).unwrap(), 100);
+        let err = window_arg(Window::Sliding(0), 100).unwrap_err().to_string();
+        assert!(err.contains("at least one key"), "{err}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, 
 use super::{Bf16, DeviceBuffer, Elem, Gpu, Result};
 use crate::kernels::cpu;
 use crate::rng::{Purpose, Rng};
-use attention::Heads;
+use attention::{Heads, Window};
 
 /// One comparison's outcome.
 #[derive(Clone, Debug)]
@@ -170,45 +170,72 @@ fn matmul_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
 }
 
 fn attention_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let causal = |heads| Case { heads, t: T, window: Window::Causal };
+    // Sliding windows (Mistral) over a ragged T that is a multiple of no
+    // tile (16, 32, 64): two keys (a row's window straddles tile edges, and
+    // rows of one warp see none of a tile another row needs), a window inside
+    // a 64-row block and one reaching past it. (One key would leave q and k
+    // no gradient but rounding noise, which compares as noise.)
+    let sliding = |heads, w| Case { heads, t: T_RAGGED, window: Window::Sliding(w) };
+    let gqa64 = Heads { nh: 4, nkv: 2, hs: 64 };
     if X::IS_F32 {
         // The CUDA-core kernels (f32 storage) against the CPU backend's attention:
         // GPT-2's multi-head layout, then grouped-query heads (Llama's).
-        attention_vs_cpu(cx, "", Heads::mha(C, NH), 20)?;
-        attention_vs_cpu(cx, "gqa 4q/2kv ", Heads { nh: 4, nkv: 2, hs: attention::HEAD_SIZE }, 22)?;
+        attention_vs_cpu(cx, "", causal(Heads::mha(C, NH)), 20)?;
+        attention_vs_cpu(cx, "gqa 4q/2kv ", causal(gqa64), 22)?;
+        for w in [2, 37, 100] {
+            attention_vs_cpu(cx, &format!("gqa 4q/2kv T={T_RAGGED} window {w} "), sliding(gqa64, w), 24)?;
+        }
     } else {
-        attention_vs_cpu(cx, "", Heads::mha(C, NH), 20)?;
+        attention_vs_cpu(cx, "", causal(Heads::mha(C, NH)), 20)?;
         for heads in [
             Heads::mha(NH * 64, NH),
             Heads::mha(NH * 128, NH),
             Heads { nh: 4, nkv: 2, hs: 64 },
             Heads { nh: 4, nkv: 1, hs: 128 },
         ] {
-            flash_against_twin(cx, heads)?;
+            flash_against_twin(cx, causal(heads))?;
+        }
+        for (heads, w) in [(gqa64, 2), (gqa64, 37), (Heads { nh: 4, nkv: 1, hs: 128 }, 100)] {
+            flash_against_twin(cx, sliding(heads, w))?;
         }
     }
     Ok(())
 }
 
-/// Forward and backward of `heads` against kernels/cpu/attention.rs.
-fn attention_vs_cpu<X: Elem>(cx: &mut Ctx<X>, label: &str, heads: Heads, seed: u64) -> Result<()> {
+/// The ragged sequence length of the sliding-window checks.
+const T_RAGGED: usize = 147;
+
+/// One attention problem: heads, sequence length and window (batch B).
+#[derive(Clone, Copy)]
+struct Case {
+    heads: Heads,
+    t: usize,
+    window: Window,
+}
+
+/// Forward and backward of `case` against kernels/cpu/attention.rs.
+fn attention_vs_cpu<X: Elem>(cx: &mut Ctx<X>, label: &str, case: Case, seed: u64) -> Result<()> {
     let gpu = cx.gpu;
-    let (nh, w, c) = (heads.nh, heads.qkv_width(), heads.out_width());
-    let qkv = rounded::<X>(&randn(N * w, seed, 1.0));
-    let (mut out, mut lse) = (vec![0.0; N * c], vec![0.0; B * nh * T]);
-    let mut scratch = vec![0.0; cpu::attention::scratch_len(B, nh, T)];
-    cpu::attention::gqa_forward(&mut out, &mut lse, &mut scratch, &qkv, B, T, heads);
-    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(N * c)?, gpu.alloc::<f32>(B * nh * T)?);
-    attention::gqa_forward(gpu, &gout, &glse, &gqkv, B, T, heads)?;
+    let Case { heads, t, window } = case;
+    let (nh, w, c, n) = (heads.nh, heads.qkv_width(), heads.out_width(), B * t);
+    let qkv = rounded::<X>(&randn(n * w, seed, 1.0));
+    let (mut out, mut lse) = (vec![0.0; n * c], vec![0.0; B * nh * t]);
+    let mut scratch = vec![0.0; cpu::attention::scratch_len(B, nh, t)];
+    cpu::attention::gqa_window_forward(&mut out, &mut lse, &mut scratch, &qkv, B, t, heads, window);
+    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(n * c)?, gpu.alloc::<f32>(B * nh * t)?);
+    attention::gqa_window_forward(gpu, &gout, &glse, &gqkv, B, t, heads, window)?;
     cx.push(&format!("attention_forward {label}out"), &cx.down(&gout)?, &out);
     cx.push(&format!("attention_forward {label}lse"), &gpu.download(&glse)?, &lse);
 
-    let dout = rounded::<X>(&randn(N * c, seed + 1, 1.0));
+    let dout = rounded::<X>(&randn(n * c, seed + 1, 1.0));
     // The CPU backward gets the GPU's forward results, as the model would hand them over.
     let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
-    let mut dqkv = vec![0.0; N * w];
-    cpu::attention::gqa_backward(&mut dqkv, &mut scratch, &dout, &qkv, &gpu_out, &gpu_lse, B, T, heads);
-    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(N * w)?, gpu.alloc::<f32>(B * nh * T)?);
-    attention::gqa_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, heads)?;
+    let mut dqkv = vec![0.0; n * w];
+    let (o, l) = (&gpu_out, &gpu_lse);
+    cpu::attention::gqa_window_backward(&mut dqkv, &mut scratch, &dout, &qkv, o, l, B, t, heads, window);
+    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(n * w)?, gpu.alloc::<f32>(B * nh * t)?);
+    attention::gqa_window_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, t, heads, window)?;
     push_qkv_parts(cx, &format!("attention_backward {label}"), heads, &cx.down(&gdqkv)?, &dqkv);
     Ok(())
 }
@@ -226,25 +253,32 @@ fn push_qkv_parts<X: Elem>(cx: &mut Ctx<X>, prefix: &str, heads: Heads, got: &[f
 /// The tensor-core kernels (bf16) against their CPU twin, which rounds P and
 /// dS to bf16 where the kernels do: what is left is bf16 storage of the
 /// outputs and the order of f32 sums (< 1e-2 relative, as every bf16 check).
-fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, heads: Heads) -> Result<()> {
+fn flash_against_twin<X: Elem>(cx: &mut Ctx<X>, case: Case) -> Result<()> {
     use cpu::flash_attention::{flash_attention_backward, flash_attention_forward, Rounding};
     let gpu = cx.gpu;
-    let (nh, hs, w, c) = (heads.nh, heads.hs, heads.qkv_width(), heads.out_width());
-    let label = if heads.nkv == nh { format!("hs{hs}") } else { format!("hs{hs} gqa {nh}q/{}kv", heads.nkv) };
-    let seed = 90 + hs as u64 + 7 * heads.nkv as u64;
-    let qkv = rounded::<X>(&randn(N * w, seed, 1.0));
-    let (mut out, mut lse) = (vec![0.0; N * c], vec![0.0; B * nh * T]);
-    flash_attention_forward(&mut out, &mut lse, &qkv, B, T, heads, Rounding::Bf16);
-    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(N * c)?, gpu.alloc::<f32>(B * nh * T)?);
-    attention::gqa_forward(gpu, &gout, &glse, &gqkv, B, T, heads)?;
+    let Case { heads, t, window } = case;
+    let (nh, hs, w, c, n) = (heads.nh, heads.hs, heads.qkv_width(), heads.out_width(), B * t);
+    let mut label =
+        if heads.nkv == nh { format!("hs{hs}") } else { format!("hs{hs} gqa {nh}q/{}kv", heads.nkv) };
+    let mut seed = 90 + hs as u64 + 7 * heads.nkv as u64;
+    if let Window::Sliding(width) = window {
+        label = format!("{label} T={t} window {width}");
+        seed += 1000 + width as u64;
+    }
+    let qkv = rounded::<X>(&randn(n * w, seed, 1.0));
+    let (mut out, mut lse) = (vec![0.0; n * c], vec![0.0; B * nh * t]);
+    flash_attention_forward(&mut out, &mut lse, &qkv, B, t, heads, window, Rounding::Bf16);
+    let (gqkv, gout, glse) = (cx.up(&qkv)?, gpu.alloc::<X>(n * c)?, gpu.alloc::<f32>(B * nh * t)?);
+    attention::gqa_window_forward(gpu, &gout, &glse, &gqkv, B, t, heads, window)?;
     cx.push(&format!("flash forward {label} out vs twin"), &cx.down(&gout)?, &out);
     cx.push(&format!("flash forward {label} lse vs twin"), &gpu.download(&glse)?, &lse);
-    let dout = rounded::<X>(&randn(N * c, seed + 1, 1.0));
+    let dout = rounded::<X>(&randn(n * c, seed + 1, 1.0));
     let (gpu_out, gpu_lse) = (cx.down(&gout)?, gpu.download(&glse)?);
-    let mut dqkv = vec![0.0; N * w];
-    flash_attention_backward(&mut dqkv, &dout, &qkv, &gpu_out, &gpu_lse, B, T, heads, Rounding::Bf16);
-    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(N * w)?, gpu.alloc::<f32>(B * nh * T)?);
-    attention::gqa_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, T, heads)?;
+    let mut dqkv = vec![0.0; n * w];
+    let (o, l) = (&gpu_out, &gpu_lse);
+    flash_attention_backward(&mut dqkv, &dout, &qkv, o, l, B, t, heads, window, Rounding::Bf16);
+    let (gdout, gdqkv, delta) = (cx.up(&dout)?, gpu.alloc::<X>(n * w)?, gpu.alloc::<f32>(B * nh * t)?);
+    attention::gqa_window_backward(gpu, &gdqkv, &delta, &gdout, &gqkv, &gout, &glse, B, t, heads, window)?;
     push_qkv_parts(cx, &format!("flash backward {label} "), heads, &cx.down(&gdqkv)?, &dqkv);
     Ok(())
 }

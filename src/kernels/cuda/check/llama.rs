@@ -1,4 +1,5 @@
-//! The Llama family's kernels (RMSNorm, RoPE, SwiGLU) against their CPU twins.
+//! The Llama family's kernels (RMSNorm, RoPE, SwiGLU), and Qwen3's per-head
+//! RMSNorm, against their CPU twins.
 
 use super::{randn, rounded, Ctx, C, N, T};
 use crate::kernels::cpu;
@@ -29,6 +30,61 @@ pub(super) fn rmsnorm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     rmsnorm::rmsnorm_backward_weight(gpu, gdw.ptr(), &partial, &gdout, &gx, &grstd, N, C)?;
     cx.push("rmsnorm_backward dinp", &cx.down(&gdinp)?, &dinp);
     cx.push("rmsnorm_backward dweight", &gpu.download(&gdw)?, &dweight);
+    head_rmsnorm_checks(cx)
+}
+
+/// Per-head RMSNorm (Qwen3's q_norm and k_norm) over grouped-query qkv rows
+/// of 4 query and 2 key/value heads, head sizes 64 and 128: q's run (the
+/// weight's gradient whole) and k's run (in 2 group partials), each with its
+/// own weight. N − 7 rows, so the weight gradient's last 64-row chunk is
+/// partial; the buffers start full of other values, so a write outside the
+/// run, or a missed accumulation, shows.
+fn head_rmsnorm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    use cpu::rmsnorm::HeadRun;
+    let gpu = cx.gpu;
+    let (nh, nkv, n) = (4, 2, N - 7);
+    for hs in [64, 128] {
+        let w = (nh + 2 * nkv) * hs;
+        let seed = 200 + hs as u64;
+        let x = rounded::<X>(&randn(n * w, seed, 1.0));
+        let out0 = rounded::<X>(&randn(n * w, seed + 1, 1.0));
+        let dout = rounded::<X>(&randn(n * w, seed + 2, 1.0));
+        let dinp0 = rounded::<X>(&randn(n * w, seed + 3, 1.0));
+        let gx = cx.up(&x)?;
+        for (name, first, heads, groups) in [("q", 0, nh, 1), ("k", nh, nkv, 2)] {
+            let run = HeadRun { n, w, first, heads, hs };
+            let label = |what: &str| format!("head_rmsnorm {what} {name} hs{hs}");
+            let wt = rounded::<X>(&randn(hs, seed + 4 + first as u64, 1.0));
+            let (mut out, mut rstd) = (out0.clone(), vec![0.0; n * heads]);
+            cpu::rmsnorm::head_rmsnorm_forward(&mut out, &mut rstd, &x, &wt, run, EPS);
+            let (gw, gout, grstd) = (cx.up(&wt)?, cx.up(&out0)?, gpu.alloc::<f32>(n * heads)?);
+            rmsnorm::head_rmsnorm_forward(gpu, &gout, &grstd, &gx, gw.ptr(), run, EPS)?;
+            cx.push(&label("forward out"), &cx.down(&gout)?, &out);
+            cx.push(&label("forward rstd"), &gpu.download(&grstd)?, &rstd);
+
+            let dw0 = randn(groups * hs, seed + 5, 1.0);
+            let (mut dinp, mut dw) = (dinp0.clone(), dw0.clone());
+            cpu::rmsnorm::head_rmsnorm_backward_input(&mut dinp, &dout, &x, &wt, &rstd, run);
+            cpu::rmsnorm::head_rmsnorm_backward_weight(&mut dw, &dout, &x, &rstd, run);
+            let (gdout, gdinp, gdw) = (cx.up(&dout)?, cx.up(&dinp0)?, gpu.upload(&dw0)?);
+            let partial = gpu.alloc::<f32>(rmsnorm::head_partial_len(run, groups))?;
+            rmsnorm::head_rmsnorm_backward_input(gpu, &gdinp, &gdout, &gx, gw.ptr(), &grstd, run)?;
+            rmsnorm::head_rmsnorm_backward_weight(
+                gpu,
+                gdw.ptr(),
+                groups,
+                &partial,
+                &gdout,
+                &gx,
+                &grstd,
+                run,
+            )?;
+            cx.push(&label("backward dinp"), &cx.down(&gdinp)?, &dinp);
+            let dweight =
+                if groups == 1 { "backward dweight".into() } else { format!("backward dweight/{groups}") };
+            cx.push(&label(&dweight), &gpu.download(&gdw)?, &dw);
+        }
+    }
     Ok(())
 }
 
