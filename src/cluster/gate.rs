@@ -53,12 +53,16 @@ impl Gate {
         Arc::new(Gate { per_address, total, state: Mutex::new(State::default()) })
     }
 
-    /// The gate for one of this process's ports: the caps above, and never
-    /// more than a quarter of the descriptors the process may open, so two
-    /// ports full of strangers leave half for the run (checkpoints, data).
-    pub fn for_this_process() -> Arc<Gate> {
-        let quarter = descriptor_limit().map_or(TOTAL, |n| (n / 4).max(8));
-        let total = TOTAL.min(quarter);
+    /// The gate for one of this process's ports whose unauthenticated
+    /// connections hold `descriptors_each` descriptors apiece (a data link's
+    /// handshake holds its socket, the deadline's watcher and the reader's
+    /// and writer's handles): the caps above, and never more than a quarter
+    /// of the descriptors the process may open, so two ports full of
+    /// strangers leave half for the run (checkpoints, data). Counting
+    /// connections instead let a data port's strangers hold every descriptor.
+    pub fn for_this_process(descriptors_each: usize) -> Arc<Gate> {
+        let quarter = descriptor_limit().map_or(TOTAL, |n| n / 4);
+        let total = TOTAL.min((quarter / descriptors_each.max(1)).max(2));
         Gate::new(PER_ADDRESS.min(total), total)
     }
 
@@ -245,9 +249,15 @@ mod tests {
 
     #[test]
     fn a_process_gate_leaves_most_descriptors_to_the_run() {
-        let g = Gate::for_this_process();
         let limit = descriptor_limit().unwrap();
-        assert!(g.total <= TOTAL && g.total <= (limit / 4).max(8), "{} of {limit}", g.total);
-        assert!(g.per_address <= g.total);
+        for each in [1, 4] {
+            let g = Gate::for_this_process(each);
+            assert!(
+                g.total <= TOTAL && g.total * each <= (limit / 4).max(2 * each),
+                "{} of {limit}",
+                g.total
+            );
+            assert!(g.per_address <= g.total);
+        }
     }
 }

@@ -18,6 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Descriptors one accepted connection holds during its handshake: the
+/// socket, the deadline's watcher, and the reader's and writer's handles
+/// ([`LinkStream::plain`]; under TLS, `tls::split` takes as many).
+pub const HANDSHAKE_DESCRIPTORS: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {

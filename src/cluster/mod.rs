@@ -186,7 +186,7 @@ fn accept_links(
     std::thread::Builder::new()
         .name("link-accept".into())
         .spawn(move || {
-            let gate = gate::Gate::for_this_process();
+            let gate = gate::Gate::for_this_process(link::HANDSHAKE_DESCRIPTORS);
             for s in listener.incoming() {
                 let Ok(s) = s else {
                     // Out of descriptors, say: let some close before trying again.

@@ -264,7 +264,8 @@ impl Node {
         }
         if port != 0 {
             let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| start(e.to_string()))?;
-            let gate = Gate::for_this_process();
+            // ractor_cluster splits the session's one socket without duplicating it.
+            let gate = Gate::for_this_process(1);
             tokio::spawn(accept_nodes(listener, server.clone(), tls.cloned(), tx, gate, pending));
         }
         Ok(Node { server, events, tls: tls.cloned() })
