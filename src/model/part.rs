@@ -677,6 +677,7 @@ impl ModelPart {
                 &acts.blocks[l],
                 &acts.inputs[l],
                 &grads[l],
+                &mut self.scratch.block,
                 self.b,
                 &self.cfg,
                 &self.tp.single(),

@@ -457,8 +457,9 @@ impl TpRanks {
         self.settle();
     }
 
-    /// The weight half of block `l`'s backward on every rank (no sums over
-    /// ranks: each rank's weight gradients are its own).
+    /// The weight half of block `l`'s backward on every rank: each rank's
+    /// weight gradients are its own but for a whole weight whose gradient
+    /// sums over the ranks' heads (the per-head q/k norms).
     #[allow(clippy::too_many_arguments)]
     pub fn backward_weight(
         &mut self,
@@ -472,19 +473,28 @@ impl TpRanks {
     ) {
         let nondet = random_order();
         self.tell_all(TpCmd::BackwardWeight { key, l: l as u32, nondet }, &[], true);
-        let shape = self.shape;
+        // The group joins the one split sum a W holds, the per-head q/k norms' weight gradients.
+        let (shape, group) = (self.shape, &self.group as &dyn TensorGroup);
         std::thread::scope(|sc| {
             for (i, rank) in self.ranks.iter_mut().enumerate() {
-                let tp = shape.rank(self.local.start + i, None);
-                let (params, pool, ba, g) =
-                    (&mut rank.params[block_range(cfg, l)], &rank.pool, &blocks[i], &grads[i]);
+                let tp = shape.rank(self.local.start + i, Some(group));
+                let (params, scratch, pool, ba, g) = (
+                    &mut rank.params[block_range(cfg, l)],
+                    &mut rank.scratch,
+                    &rank.pool,
+                    &blocks[i],
+                    &grads[i],
+                );
                 sc.spawn(move || {
                     pool.install(|| {
-                        with_random_order(nondet, || block_backward_weight(params, ba, x, g, b, cfg, &tp))
+                        with_random_order(nondet, || {
+                            block_backward_weight(params, ba, x, g, scratch, b, cfg, &tp)
+                        })
                     })
                 });
             }
         });
+        self.settle();
     }
 
     /// Local block `l`'s gradient shards of every held rank, a block's tensors per rank.

@@ -41,7 +41,8 @@ pub use split::{
 
 use super::arch::{Arch, BlockIndex, Mlp, Norm, Positions, Role};
 use super::params::Param;
-use crate::kernels::cpu::attention::{gqa_backward, gqa_forward, scratch_len, Heads};
+use crate::kernels::cpu::attention::{gqa_window_backward, gqa_window_forward, scratch_len, Heads, Window};
+use crate::kernels::cpu::rmsnorm::HeadRun;
 use crate::kernels::cpu::rope::{rope_backward, rope_forward, RopeTable};
 use crate::kernels::cpu::{gelu, layernorm, residual, rmsnorm, swiglu};
 use crate::kernels::profile::{timed, Kernel};
@@ -65,6 +66,17 @@ impl Share {
         Share { c: a.n_embd, heads: Heads { nh: nh / size, nkv: nkv / size, hs }, f: a.ffn / size }
     }
 
+    /// Query heads (`k` false) or key/value heads (`k` true) of the (N, W)
+    /// q/k/v rows, as a run for the per-head norm.
+    fn run(&self, n: usize, k: bool) -> HeadRun {
+        let Heads { nh, nkv, hs } = self.heads;
+        let w = self.heads.qkv_width();
+        match k {
+            false => HeadRun { n, w, first: 0, heads: nh, hs },
+            true => HeadRun { n, w, first: nh, heads: nkv, hs },
+        }
+    }
+
     /// Columns of the MLP's first product: gate and up (SwiGLU) or up alone.
     fn hidden(&self, a: &Arch) -> usize {
         match a.mlp {
@@ -86,39 +98,62 @@ fn mean_len(a: &Arch, n: usize) -> usize {
 /// One block's intermediate values for one microbatch on one rank.
 #[derive(Default)]
 pub struct BlockActs {
-    n1: Vec<f32>,     // (N, C) the attention norm's output
-    mean1: Vec<f32>,  // (N) LayerNorm only
-    rstd1: Vec<f32>,  // (N)
-    qkv: Vec<f32>,    // (N, W): q and k after their norms and RoPE, then v
-    atty: Vec<f32>,   // (N, NH·HS) attention's output before o
-    lse: Vec<f32>,    // (B, NH, T)
-    h: Vec<f32>,      // (N, C) the residual after attention
-    n2: Vec<f32>,     // (N, C)
-    mean2: Vec<f32>,  // (N) LayerNorm only
-    rstd2: Vec<f32>,  // (N)
-    hidden: Vec<f32>, // (N, 2F) gate's then up's outputs (SwiGLU) or (N, F) up's (GELU)
-    act: Vec<f32>,    // (N, F) the activation, down's input
+    n1: Vec<f32>,      // (N, C) the attention norm's output
+    mean1: Vec<f32>,   // (N) LayerNorm only
+    rstd1: Vec<f32>,   // (N)
+    qkv: Vec<f32>,     // (N, W): q and k after their norms and RoPE, then v
+    qkv_raw: Vec<f32>, // (N, W) q's and k's products before their norms (q/k norm only)
+    rstd_q: Vec<f32>,  // (N, NH) q/k norm only
+    rstd_k: Vec<f32>,  // (N, NKV) q/k norm only
+    atty: Vec<f32>,    // (N, NH·HS) attention's output before o
+    lse: Vec<f32>,     // (B, NH, T)
+    h: Vec<f32>,       // (N, C) the residual after attention
+    n2: Vec<f32>,      // (N, C)
+    mean2: Vec<f32>,   // (N) LayerNorm only
+    rstd2: Vec<f32>,   // (N)
+    hidden: Vec<f32>,  // (N, 2F) gate's then up's outputs (SwiGLU) or (N, F) up's (GELU)
+    act: Vec<f32>,     // (N, F) the activation, down's input
 }
 
 impl BlockActs {
     /// For a rank of `size` in a model of `cfg`'s settings.
     pub fn new(b: usize, cfg: &Arch, size: usize) -> Self {
-        let [n1, mean1, rstd1, qkv, atty, lse, h, n2, mean2, rstd2, hidden, act] =
+        let [n1, mean1, rstd1, qkv, qkv_raw, rstd_q, rstd_k, atty, lse, h, n2, mean2, rstd2, hidden, act] =
             Self::lens(b, cfg, size).map(|len| vec![0.0; len]);
-        BlockActs { n1, mean1, rstd1, qkv, atty, lse, h, n2, mean2, rstd2, hidden, act }
+        BlockActs {
+            n1,
+            mean1,
+            rstd1,
+            qkv,
+            qkv_raw,
+            rstd_q,
+            rstd_k,
+            atty,
+            lse,
+            h,
+            n2,
+            mean2,
+            rstd2,
+            hidden,
+            act,
+        }
     }
 
     /// The elements of each buffer, in field order: the one count the
     /// planner's memory model and the allocation share.
-    fn lens(b: usize, cfg: &Arch, size: usize) -> [usize; 12] {
+    fn lens(b: usize, cfg: &Arch, size: usize) -> [usize; 15] {
         let (t, s) = (cfg.block_size, Share::of(cfg, size));
         let n = b * t;
         let (c, heads) = (s.c, s.heads);
+        let qk = usize::from(cfg.qk_norm);
         [
             n * c,
             mean_len(cfg, n),
             n,
             n * heads.qkv_width(),
+            qk * n * heads.qkv_width(),
+            qk * n * heads.nh,
+            qk * n * heads.nkv,
             n * heads.out_width(),
             b * heads.nh * t,
             n * c,
@@ -142,6 +177,9 @@ impl BlockActs {
             &self.mean1,
             &self.rstd1,
             &self.qkv,
+            &self.qkv_raw,
+            &self.rstd_q,
+            &self.rstd_k,
             &self.atty,
             &self.lse,
             &self.h,
@@ -160,12 +198,13 @@ impl BlockActs {
 /// full backward (B) works in the four it computes anyway and leaves `dout`
 /// and `dh`, which it reads from the caller's buffer, untouched.
 pub struct BlockGrads {
-    dout: Vec<f32>,    // (N, C) the block's output: down's output gradient
-    dhidden: Vec<f32>, // (N, 2F or F) the MLP's first products' outputs
-    dn2: Vec<f32>,     // (N, C) the MLP norm's output
-    dh: Vec<f32>,      // (N, C) the residual after attention: o's output gradient
-    dqkv: Vec<f32>,    // (N, W) q, k, v's outputs (before RoPE for q and k)
-    dn1: Vec<f32>,     // (N, C) the attention norm's output
+    dout: Vec<f32>,     // (N, C) the block's output: down's output gradient
+    dhidden: Vec<f32>,  // (N, 2F or F) the MLP's first products' outputs
+    dn2: Vec<f32>,      // (N, C) the MLP norm's output
+    dh: Vec<f32>,       // (N, C) the residual after attention: o's output gradient
+    dqkv: Vec<f32>,     // (N, W) q, k, v's outputs (before RoPE for q and k; after their norms)
+    dqkv_raw: Vec<f32>, // (N, W) q/k norm only: q's and k's products' outputs, before their norms
+    dn1: Vec<f32>,      // (N, C) the attention norm's output
 }
 
 impl BlockGrads {
@@ -178,12 +217,13 @@ impl BlockGrads {
             dn2: vec![0.0; n * s.c],
             dh: vec![0.0; n * s.c],
             dqkv: vec![0.0; n * s.heads.qkv_width()],
+            dqkv_raw: vec![0.0; usize::from(cfg.qk_norm) * n * s.heads.qkv_width()],
             dn1: vec![0.0; n * s.c],
         }
     }
 
     pub fn bytes(&self) -> usize {
-        let all = [&self.dout, &self.dhidden, &self.dn2, &self.dh, &self.dqkv, &self.dn1];
+        let all = [&self.dout, &self.dhidden, &self.dn2, &self.dh, &self.dqkv, &self.dqkv_raw, &self.dn1];
         4 * all.iter().map(|v| v.len()).sum::<usize>()
     }
 }
@@ -198,6 +238,10 @@ pub struct BlockScratch {
     /// Slices 1.. of this rank's run of a split sum, (N, C) each (slice 0
     /// is summed in the output itself).
     leaves: Vec<Vec<f32>>,
+    /// q/k norm only: a norm weight's gradient as a partial per slice of
+    /// this rank's heads, (L, HS), the first slice's joined with the others'.
+    head_partials: Vec<f32>,
+    head_leaves: Vec<Vec<f32>>,
 }
 
 impl BlockScratch {
@@ -222,6 +266,8 @@ impl BlockScratch {
             dact: vec![0.0; n * s.f],
             datty: vec![0.0; n * s.heads.out_width()],
             leaves: (1..tp.leaves()).map(|_| vec![0.0; n * s.c]).collect(),
+            head_partials: vec![0.0; usize::from(cfg.qk_norm) * tp.leaves() * s.heads.hs],
+            head_leaves: (1..tp.leaves()).filter(|_| cfg.qk_norm).map(|_| vec![0.0; s.heads.hs]).collect(),
         }
     }
 }
@@ -343,10 +389,6 @@ pub fn block_forward(
     cfg: &Arch,
     tp: &TpRank,
 ) {
-    assert!(
-        !cfg.qk_norm && cfg.window.is_none(),
-        "the per-head q/k norm and a sliding window come with their kernels"
-    );
     let t = cfg.block_size;
     let s = Share::of(cfg, tp.size);
     let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, tp.leaves());
@@ -364,17 +406,28 @@ pub fn block_forward(
         c,
     );
     timed(Kernel::Matmul, || {
-        for (r, rb, col0, o) in
-            [(Role::Q, Role::QBias, 0, q), (Role::K, Role::KBias, q, kv), (Role::V, Role::VBias, q + kv, kv)]
-        {
-            column_product(&mut a.qkv, w, col0, &a.n1, wt.w(r), wt.opt(rb), (n, c, o), l);
+        // With the q/k norm, q's and k's products go where their norms read them.
+        for (r, rb, col0, o) in [(Role::Q, Role::QBias, 0, q), (Role::K, Role::KBias, q, kv)] {
+            let dst = if cfg.qk_norm { &mut a.qkv_raw } else { &mut a.qkv };
+            column_product(dst, w, col0, &a.n1, wt.w(r), wt.opt(rb), (n, c, o), l);
         }
+        column_product(&mut a.qkv, w, q + kv, &a.n1, wt.w(Role::V), wt.opt(Role::VBias), (n, c, kv), l);
     });
+    if cfg.qk_norm {
+        let (wq, wk, eps) = (wt.w(Role::QNorm), wt.w(Role::KNorm), cfg.norm_eps);
+        timed(Kernel::RmsNorm, || {
+            rmsnorm::head_rmsnorm_forward(&mut a.qkv, &mut a.rstd_q, &a.qkv_raw, wq, s.run(n, false), eps);
+            rmsnorm::head_rmsnorm_forward(&mut a.qkv, &mut a.rstd_k, &a.qkv_raw, wk, s.run(n, true), eps);
+        });
+    }
     if let Some(rope) = &sc.rope {
         // q's and k's heads are the first NH + NKV head-wide column blocks.
         timed(Kernel::Rope, || rope_forward(&mut a.qkv, rope, n, w, 0, heads.nh + heads.nkv));
     }
-    timed(Kernel::Attention, || gqa_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads));
+    let window = Window::new(cfg.window);
+    timed(Kernel::Attention, || {
+        gqa_window_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads, window)
+    });
     row_parallel(&mut a.h, &mut sc.leaves, &a.atty, wt.w(Role::O), wt.opt(Role::OBias), (n, q, c), tp);
     timed(Kernel::Residual, || residual::accumulate(&mut a.h, x));
     norm_forward(
@@ -493,22 +546,51 @@ pub fn block_backward_input(
     // dK and dV accumulate over query tiles, so this one starts from zero.
     g.dqkv.fill(0.0);
     timed(Kernel::Attention, || {
-        gqa_backward(&mut g.dqkv, &mut sc.attn, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads)
+        let window = Window::new(cfg.window);
+        gqa_window_backward(
+            &mut g.dqkv,
+            &mut sc.attn,
+            &sc.datty,
+            &a.qkv,
+            &a.atty,
+            &a.lse,
+            b,
+            t,
+            heads,
+            window,
+        )
     });
     if let Some(rope) = &sc.rope {
         timed(Kernel::Rope, || rope_backward(&mut g.dqkv, rope, n, w, 0, heads.nh + heads.nkv));
     }
+    if cfg.qk_norm {
+        // The products' gradients: v's as they are, q's and k's through their norms.
+        g.dqkv_raw.fill(0.0);
+        for (raw, post) in g.dqkv_raw.chunks_mut(w).zip(g.dqkv.chunks(w)) {
+            raw[q + kv..].copy_from_slice(&post[q + kv..]);
+        }
+        let (wq, wk) = (&p[ix.at(Role::QNorm)].data, &p[ix.at(Role::KNorm)].data);
+        timed(Kernel::RmsNorm, || {
+            let (rq, rk) = (s.run(n, false), s.run(n, true));
+            rmsnorm::head_rmsnorm_backward_input(&mut g.dqkv_raw, &g.dqkv, &a.qkv_raw, wq, &a.rstd_q, rq);
+            rmsnorm::head_rmsnorm_backward_input(&mut g.dqkv_raw, &g.dqkv, &a.qkv_raw, wk, &a.rstd_k, rk);
+        });
+        if full {
+            qk_norm_grads(p, &ix, &g.dqkv, a, sc, &s, n, tp);
+        }
+    }
+    let dqkv = if cfg.qk_norm { &g.dqkv_raw } else { &g.dqkv };
     {
         let wt = Weights { p, ix };
         let parts = [
-            ColumnPart { dy: &g.dqkv, dy_cols: w, col0: 0, w: wt.w(Role::Q), o: q },
-            ColumnPart { dy: &g.dqkv, dy_cols: w, col0: q, w: wt.w(Role::K), o: kv },
-            ColumnPart { dy: &g.dqkv, dy_cols: w, col0: q + kv, w: wt.w(Role::V), o: kv },
+            ColumnPart { dy: dqkv, dy_cols: w, col0: 0, w: wt.w(Role::Q), o: q },
+            ColumnPart { dy: dqkv, dy_cols: w, col0: q, w: wt.w(Role::K), o: kv },
+            ColumnPart { dy: dqkv, dy_cols: w, col0: q + kv, w: wt.w(Role::V), o: kv },
         ];
         column_parallel_dx(&mut g.dn1, &mut sc.leaves, &parts, (n, c), tp);
     }
     if full {
-        qkv_grads(p, &ix, &g.dqkv, a, (n, c, q, kv), l);
+        qkv_grads(p, &ix, dqkv, a, (n, c, q, kv), l);
     }
     norm_backward_input(cfg, dres, &g.dn1, x, &p[attn_norm].data, &a.mean1, &a.rstd1, n, c);
     if full {
@@ -518,11 +600,13 @@ pub fn block_backward_input(
 
 /// The weight half of one block's backward (a W) on one rank: accumulates
 /// every weight gradient from the activations and the output gradients its I kept.
+#[allow(clippy::too_many_arguments)]
 pub fn block_backward_weight(
     p: &mut [Param],
     a: &BlockActs,
     x: &[f32],
     g: &BlockGrads,
+    sc: &mut BlockScratch,
     b: usize,
     cfg: &Arch,
     tp: &TpRank,
@@ -535,8 +619,45 @@ pub fn block_backward_weight(
     mlp_in_grads(cfg, p, &ix, &g.dhidden, a, (n, c, f), l);
     norm_grad(cfg, p, ix.at(Role::MlpNorm), &g.dn2, &a.h, &a.mean2, &a.rstd2, n, c);
     o_grads(p, &ix, &g.dh, a, (n, q, c), l);
-    qkv_grads(p, &ix, &g.dqkv, a, (n, c, q, kv), l);
+    if cfg.qk_norm {
+        qk_norm_grads(p, &ix, &g.dqkv, a, sc, &s, n, tp);
+    }
+    let dqkv = if cfg.qk_norm { &g.dqkv_raw } else { &g.dqkv };
+    qkv_grads(p, &ix, dqkv, a, (n, c, q, kv), l);
     norm_grad(cfg, p, ix.at(Role::AttnNorm), &g.dn1, x, &a.mean1, &a.rstd1, n, c);
+}
+
+/// The q and k norms' weight gradients from their outputs' gradients
+/// `dqkv`. A norm's weight is whole on every rank while its heads are cut,
+/// so each gradient is a split sum like the row-parallel products': a
+/// partial per slice of heads (rows, then the slice's heads, in order),
+/// joined by the slice tree and the group, then added to the gradient.
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_grads(
+    p: &mut [Param],
+    ix: &BlockIndex,
+    dqkv: &[f32],
+    a: &BlockActs,
+    sc: &mut BlockScratch,
+    s: &Share,
+    n: usize,
+    tp: &TpRank,
+) {
+    let hs = s.heads.hs;
+    for (role, rstd, k) in [(Role::QNorm, &a.rstd_q, false), (Role::KNorm, &a.rstd_k, true)] {
+        sc.head_partials.fill(0.0);
+        timed(Kernel::RmsNorm, || {
+            rmsnorm::head_rmsnorm_backward_weight(&mut sc.head_partials, dqkv, &a.qkv_raw, rstd, s.run(n, k))
+        });
+        let (first, rest) = sc.head_partials.split_at_mut(hs);
+        for (leaf, part) in sc.head_leaves.iter_mut().zip(rest.chunks(hs)) {
+            leaf.copy_from_slice(part);
+        }
+        sum_slices(first, &mut sc.head_leaves, tp);
+        for (g, d) in p[ix.at(role)].grad.iter_mut().zip(first.iter()) {
+            *g += d;
+        }
+    }
 }
 
 /// down's weight (and bias) gradient from its output gradient.

@@ -28,12 +28,19 @@ fn archs() -> Vec<(&'static str, Arch)> {
         },
         ..llama
     };
+    // Qwen3's: per-head RMSNorm on q and k before RoPE, a head size not C/NH.
+    let qk_normed = Arch { qk_norm: true, head_dim: 6, ..llama };
+    // Mistral's: each query sees the last `window` positions, itself included.
+    let windowed = Arch { window: Some(3), ..llama };
     vec![
         ("gpt2", gpt2),
         ("llama", llama),
         ("llama with biases", biased),
         ("qwen2-like", wide_heads),
         ("llama3 rope", scaled),
+        ("qwen3-like", qk_normed),
+        ("mistral-like", windowed),
+        ("qk norm and window, biased", Arch { qk_norm: true, window: Some(2), ..biased }),
     ]
 }
 
@@ -119,6 +126,16 @@ fn reference(a: &Arch, p: &[Vec<f64>], x: &[f64], b: usize) -> Vec<f64> {
     let mut q = lin(&n1, w(Role::Q), o(Role::QBias), n, c, nh * hs);
     let mut k = lin(&n1, w(Role::K), o(Role::KBias), n, c, nkv * hs);
     let v = lin(&n1, w(Role::V), o(Role::VBias), n, c, nkv * hs);
+    if a.qk_norm {
+        // Qwen3RMSNorm over each head's vector, with the model's eps.
+        let rms = |x: &mut [f64], g: &[f64]| {
+            let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+            let s = 1.0 / (ms + a.norm_eps as f64).sqrt();
+            x.iter_mut().zip(g).for_each(|(v, g)| *v = *v * s * g);
+        };
+        q.chunks_mut(hs).for_each(|h| rms(h, w(Role::QNorm)));
+        k.chunks_mut(hs).for_each(|h| rms(h, w(Role::KNorm)));
+    }
     if a.positions == Positions::Rotary {
         let (freqs, scale) = crate::model::rope::scaled_inv_freq(a);
         for r in 0..n {
@@ -136,7 +153,9 @@ fn reference(a: &Arch, p: &[Vec<f64>], x: &[f64], b: usize) -> Vec<f64> {
             let g = h / (nh / nkv);
             for i in 0..t {
                 let qi = &q[((bi * t + i) * nh + h) * hs..][..hs];
-                let sc: Vec<f64> = (0..=i)
+                // Keys i − W < j ≤ i, as transformers' sliding-window mask.
+                let first = a.window.map_or(0, |w| (i + 1).saturating_sub(w));
+                let sc: Vec<f64> = (first..=i)
                     .map(|j| {
                         let kj = &k[((bi * t + j) * nkv + g) * hs..][..hs];
                         qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (hs as f64).sqrt()
@@ -144,7 +163,7 @@ fn reference(a: &Arch, p: &[Vec<f64>], x: &[f64], b: usize) -> Vec<f64> {
                     .collect();
                 let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = sc.iter().map(|v| (v - m).exp()).sum();
-                for (j, sj) in sc.iter().enumerate() {
+                for (j, sj) in (first..).zip(&sc) {
                     for d in 0..hs {
                         atty[((bi * t + i) * nh + h) * hs + d] +=
                             (sj - m).exp() / z * v[((bi * t + j) * nkv + g) * hs + d];
@@ -326,7 +345,7 @@ fn run_rank(whole: &[Param], a: &Arch, tp: &TpRank, how: Backward) -> Ranked {
     let mut g = BlockGrads::new(n, a, tp.size);
     block_backward_input(&mut p, &acts, &x, &mut dx, &mut g, &mut s, B, a, tp, how == Backward::Full);
     if how == Backward::Split {
-        block_backward_weight(&mut p, &acts, &x, &g, B, a, tp);
+        block_backward_weight(&mut p, &acts, &x, &g, &mut s, B, a, tp);
     }
     Ranked { out, dx, grads: p.into_iter().map(|q| q.grad).collect() }
 }
