@@ -22,6 +22,7 @@ pub mod llama;
 pub mod params;
 pub mod part;
 pub mod qwen2;
+pub mod qwen3;
 pub mod rope;
 pub mod section;
 pub mod tp;
