@@ -19,6 +19,7 @@ pub mod gpu;
 pub mod hf;
 pub mod io;
 pub mod llama;
+pub mod mistral;
 pub mod params;
 pub mod part;
 pub mod qwen2;
