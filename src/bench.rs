@@ -6,7 +6,6 @@ use crate::config::Config;
 use crate::host::thread_count;
 use crate::kernels::profile;
 use crate::metrics::gemm_peak;
-use crate::model::Arch;
 use crate::rng::{Purpose, Rng};
 use crate::train::engine::Engine;
 use serde::Serialize;

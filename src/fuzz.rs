@@ -16,7 +16,6 @@ use std::path::Path;
 use crate::checkpoint::{self, CheckpointError};
 use crate::config::Config;
 use crate::data::token_file::{self, TokenFormat, LLMC_HEADER_BYTES};
-use crate::model::params::Arch;
 
 /// Names the fuzzed config in errors.
 pub const CONFIG_ORIGIN: &str = "fuzz.toml";

@@ -3,7 +3,7 @@
 //! Refuses layouts that cannot work before anything starts, naming the field.
 
 use crate::config::Config;
-use crate::model::{Arch, PartSpec};
+use crate::model::PartSpec;
 use crate::schedule::{self, Schedule};
 use anyhow::{bail, Result};
 

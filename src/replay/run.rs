@@ -13,7 +13,6 @@ use crate::actors::stage::replay_stage;
 use crate::actors::topology::Topology;
 use crate::actors::Layout;
 use crate::config::Config;
-use crate::model::Arch;
 use crate::optim::grad_tree::Span;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};

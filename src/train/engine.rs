@@ -6,7 +6,7 @@
 use crate::metrics::StepStats;
 use crate::model::part::{Mode, PartInput};
 use crate::model::tp::TpShape;
-use crate::model::{Arch, ModelPart, PartSpec};
+use crate::model::{ModelPart, PartSpec};
 use crate::optim::grad_tree::{Leaf, PartTree};
 use crate::optim::{self, AdamState, Hyper};
 

@@ -9,7 +9,7 @@ use super::engine::Engine;
 use crate::config::{Config, DEFAULT_TOML};
 use crate::data::{Sampler, TokenFile, TokenSource};
 use crate::model::io::CONFIG_METADATA_KEY;
-use crate::model::{hf, io, Arch};
+use crate::model::{hf, io};
 use anyhow::{anyhow, bail, Result};
 use std::path::Path;
 

@@ -9,7 +9,6 @@
 
 use crate::checkpoint::{self, Loaded};
 use crate::config::Config;
-use crate::model::Arch;
 use crate::optim::LrSchedule;
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;

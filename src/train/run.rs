@@ -16,7 +16,6 @@ use crate::data::{
 use crate::host::signals::{self, StoppedBeforeStart};
 use crate::metrics::{gemm_peak, StepMetrics};
 use crate::model::io::{self, CONFIG_METADATA_KEY};
-use crate::model::Arch;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::collections::HashMap;

@@ -8,7 +8,7 @@ use super::sim::SimCompute;
 use super::StageArgs;
 use crate::config::BackendKind;
 use crate::model::tp::TpShape;
-use crate::model::{Arch, ModelPart};
+use crate::model::ModelPart;
 use crate::optim::AdamState;
 
 /// The rank's compute, or why it could not start.
