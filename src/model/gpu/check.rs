@@ -26,14 +26,19 @@ pub fn run(gpu: &Gpu, only: Option<Group>, report: &mut dyn FnMut(Progress)) -> 
     kernel_checks::run(gpu, only, report, Some(&mut |out: &mut Vec<Check>| step_checks_into(gpu, out)))
 }
 
-// The whole-model step check: a model small enough for the CPU to step in a
-// moment, with every part of GPT-2 (two blocks, a padded vocabulary, two
-// microbatches of gradient accumulation, clipping on).
-const STEP_CFG: Arch = Arch::gpt2(2, 2, 128, 1000, 64);
-// The same for a Llama: grouped-query attention (two query heads sharing one
-// key/value head, of size 64 as the f32 kernels take), a SwiGLU MLP of
-// width 192, RoPE, RMSNorms and an untied head.
-const LLAMA_STEP_CFG: Arch = Arch::llama(2, 2, 1, 128, 192, 1000, 64, 10_000.0);
+/// The whole-model step check: a model small enough for the CPU to step in a
+/// moment, with every part of GPT-2 (two blocks, a padded vocabulary, two
+/// microbatches of gradient accumulation, clipping on).
+fn step_cfg() -> Arch {
+    Arch::gpt2(2, 2, 128, 1000, 64)
+}
+
+/// The same for a Llama: grouped-query attention (two query heads sharing one
+/// key/value head, of size 64 as the f32 kernels take), a SwiGLU MLP of
+/// width 192, RoPE, RMSNorms and an untied head.
+fn llama_step_cfg() -> Arch {
+    Arch::llama(2, 2, 1, 128, 192, 1000, 64, 10_000.0)
+}
 const STEP_B: usize = 2;
 const STEP_MICROBATCHES: usize = 2;
 const STEP_SEED: u64 = 7;
@@ -246,18 +251,19 @@ pub fn step_checks(gpu: &Gpu) -> Result<Vec<Check>> {
 }
 
 fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
-    step_vs_cpu::<f32>(gpu, STEP_CFG, "f32", out)?;
-    step_vs_cpu::<Bf16>(gpu, STEP_CFG, "bf16", out)?;
-    step_repeats::<f32>(gpu, STEP_CFG, "f32", out)?;
-    step_repeats::<Bf16>(gpu, STEP_CFG, "bf16", out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, STEP_CFG, "f32", out)?;
-    pipeline_parts_match_one_part::<Bf16>(gpu, STEP_CFG, "bf16", out)?;
-    let llama = LLAMA_STEP_CFG;
+    let gpt2 = step_cfg();
+    step_vs_cpu::<f32>(gpu, gpt2, "f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, gpt2, "bf16", out)?;
+    step_repeats::<f32>(gpu, gpt2, "f32", out)?;
+    step_repeats::<Bf16>(gpu, gpt2, "bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, gpt2, "f32", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, gpt2, "bf16", out)?;
+    let llama = llama_step_cfg();
     step_vs_cpu::<f32>(gpu, llama, "llama f32", out)?;
     step_vs_cpu::<Bf16>(gpu, llama, "llama bf16", out)?;
     step_repeats::<Bf16>(gpu, llama, "llama bf16", out)?;
     pipeline_parts_match_one_part::<f32>(gpu, llama, "llama f32", out)?;
-    let tied = Arch { tie_word_embeddings: true, ..llama };
+    let tied = Arch { tied: true, ..llama };
     step_vs_cpu::<f32>(gpu, tied, "llama tied f32", out)?;
     pipeline_parts_match_one_part::<f32>(gpu, tied, "llama tied f32", out)?;
     pipeline_parts_match_one_part::<Bf16>(gpu, tied, "llama tied bf16", out)?;

@@ -14,11 +14,15 @@ use crate::model::{Arch, ModelPart, PartSpec};
 use crate::optim::{self, AdamState};
 
 /// Four heads of 64, so 1, 2 and 4 ranks each take whole slices of 4.
-const TP_CFG: Arch = Arch::gpt2(2, 4, 256, 1000, 64);
+fn tp_cfg() -> Arch {
+    Arch::gpt2(2, 4, 256, 1000, 64)
+}
 const SLICES: usize = 4;
 /// A Llama of four query heads of 64 over two key/value heads, split into
 /// two slices (a slice is whole groups): 1 and 2 ranks.
-const LLAMA_TP_CFG: Arch = Arch::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0);
+fn llama_tp_cfg() -> Arch {
+    Arch::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0)
+}
 const LLAMA_SLICES: usize = 2;
 
 /// What two steps leave: each step's loss and gradient norm, then the master
@@ -130,8 +134,8 @@ fn tp_checks_in<X: Elem + NcclType>(
 /// The split's checks in f32 and bf16.
 pub(super) fn tp_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     let gpus = cudarc::driver::result::device::get_count()? as usize;
-    tp_checks_in::<f32>(gpu, (TP_CFG, SLICES), gpus, "f32", out)?;
-    tp_checks_in::<Bf16>(gpu, (TP_CFG, SLICES), gpus, "bf16", out)?;
-    tp_checks_in::<f32>(gpu, (LLAMA_TP_CFG, LLAMA_SLICES), gpus, "llama f32", out)?;
-    tp_checks_in::<Bf16>(gpu, (LLAMA_TP_CFG, LLAMA_SLICES), gpus, "llama bf16", out)
+    tp_checks_in::<f32>(gpu, (tp_cfg(), SLICES), gpus, "f32", out)?;
+    tp_checks_in::<Bf16>(gpu, (tp_cfg(), SLICES), gpus, "bf16", out)?;
+    tp_checks_in::<f32>(gpu, (llama_tp_cfg(), LLAMA_SLICES), gpus, "llama f32", out)?;
+    tp_checks_in::<Bf16>(gpu, (llama_tp_cfg(), LLAMA_SLICES), gpus, "llama bf16", out)
 }
