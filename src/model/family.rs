@@ -21,6 +21,12 @@ pub type HfTensor<'a> = (String, Vec<usize>, Cow<'a, [f32]>);
 /// A tensor of ours: name, shape, values.
 pub type Tensor = (String, Vec<usize>, Vec<f32>);
 
+/// Our tensors (a whole model's, by our names) as a family's files hold them.
+pub type ToHf = for<'a> fn(&Arch, Vec<(&'a str, &'a [usize], &'a [f32])>) -> Vec<HfTensor<'a>>;
+
+/// One tensor of a family's file (name, shape, values) as ours.
+pub type FromHf = fn(&Arch, &str, Vec<usize>, Vec<f32>) -> Result<Vec<Tensor>, FromHfError>;
+
 /// What a family is.
 pub struct Spec {
     /// The name `model.family` takes.
@@ -40,11 +46,11 @@ pub struct Spec {
     pub write_config: fn(&Arch) -> serde_json::Value,
     /// Our tensors (a whole model's, by our names) as the family's files
     /// hold them.
-    pub to_hf: for<'a> fn(&Arch, Vec<(&'a str, &'a [usize], &'a [f32])>) -> Vec<HfTensor<'a>>,
+    pub to_hf: ToHf,
     /// One tensor of a family's file as ours (none for buffers the file
     /// carries beside the weights); `Err` names what was expected when the
     /// tensor is not one of the family's, or has another shape.
-    pub from_hf: fn(&Arch, &str, Vec<usize>, Vec<f32>) -> Result<Vec<Tensor>, FromHfError>,
+    pub from_hf: FromHf,
     /// The name in the family's files of our tensor `name` (for messages).
     pub hf_name: fn(&Arch, &str) -> String,
 }

@@ -627,7 +627,7 @@ impl LoadedWeights {
     /// embedding: that head is not the one trained), then checks every
     /// tensor against `cfg`.
     pub fn fit(&mut self, cfg: &Arch) -> Result<(), WeightsError> {
-        self.to_ours(cfg)?;
+        self.rename_to_ours(cfg)?;
         if cfg.tied() {
             if let Some(head) = self.tensors.remove("lm_head.weight") {
                 let embed = "embed_tokens.weight";
@@ -656,7 +656,7 @@ impl LoadedWeights {
 
     /// The tensors under our names: a name of ours stays, any other goes
     /// through the family's adapter (GPT-2's `c_attn` becomes q, k and v).
-    fn to_ours(&mut self, cfg: &Arch) -> Result<(), WeightsError> {
+    fn rename_to_ours(&mut self, cfg: &Arch) -> Result<(), WeightsError> {
         let spec = cfg.family.spec();
         let mut names: Vec<String> = self.tensors.keys().cloned().collect();
         names.sort();

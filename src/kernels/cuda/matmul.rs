@@ -1,6 +1,8 @@
 //! Matrix products through cuBLASLt, row-major like the CPU twin
-//! (kernels/cpu/matmul.rs): inp (N, IC), weight (IC, OC) in Hugging Face's
-//! Conv1D layout, out (N, OC). Weight gradients are f32, accumulated (beta 1).
+//! (kernels/cpu/matmul.rs): inp (N, IC), weight (IC, OC), out (N, OC); a
+//! model's weights are `nn.Linear`'s (out, in), which `product_linear` reads
+//! transposed (with a bias) and `product_backward_weight` writes as they are.
+//! Weight gradients are f32, accumulated (beta 1).
 //!
 //! cuBLASLt is column-major, so a row-major X is its transpose there. Each
 //! distinct (shape, transposes, types, bias) gets its descriptors and the
@@ -466,20 +468,38 @@ pub fn product_backward_input<X: Elem>(
     (n, ic, oc): (usize, usize, usize),
     accumulate: bool,
 ) -> Result<()> {
+    product_linear::<X>(gpu, dinp, kind, dout, w, None, (n, oc, ic), accumulate)
+}
+
+/// out (N, O) [+]= inp (N, I) · wᵀ [+ bias (O)], w (O, I) as `nn.Linear`
+/// keeps it, over views: a linear layer's forward (the same product as the
+/// input gradient of a weight seen as (I, O)). The bias, of the output's
+/// type, joins in cuBLASLt's epilogue.
+#[allow(clippy::too_many_arguments)]
+pub fn product_linear<X: Elem>(
+    gpu: &Gpu,
+    out: View,
+    kind: Out,
+    inp: View,
+    w: View,
+    bias: Option<u64>,
+    (n, i, o): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<()> {
     let s = GemmShape {
-        m: ic,
+        m: o,
         n,
-        k: oc,
+        k: i,
         trans_a: true,
         trans_b: false,
         lda: w.ld,
-        ldb: dout.ld,
-        ldc: dinp.ld,
+        ldb: inp.ld,
+        ldc: out.ld,
         ab_f32: X::IS_F32,
         c_f32: X::IS_F32 || kind == Out::F32,
-        bias: false,
+        bias: bias.is_some(),
     };
-    gemm(gpu, &s, w.ptr, dout.ptr, dinp.ptr, None, if accumulate { 1.0 } else { 0.0 })
+    gemm(gpu, &s, w.ptr, inp.ptr, out.ptr, bias, if accumulate { 1.0 } else { 0.0 })
 }
 
 /// dw (IC, OC) f32 += inpᵀ · dout, over views.

@@ -78,7 +78,7 @@ impl Share {
     }
 
     /// Columns of the MLP's first product: gate and up (SwiGLU) or up alone.
-    fn hidden(&self, a: &Arch) -> usize {
+    pub fn hidden(&self, a: &Arch) -> usize {
         match a.mlp {
             Mlp::SwiGlu => 2 * self.f,
             Mlp::Gelu => self.f,

@@ -1,6 +1,6 @@
 //! `pipewright gpu-bench`: training throughput of the whole GPU model (bf16)
-//! on random tokens, with MFU by llm.c's count — (6·N + 6·L·C·T) FLOPs per
-//! token — against an H100 SXM's 989 TFLOP/s bf16 dense peak and against the
+//! on random tokens, with MFU by llm.c's count — (6·N + 6·L·(NH·HS)·T) FLOPs
+//! per token — against an H100 SXM's 989 TFLOP/s bf16 dense peak and against the
 //! cuBLASLt bf16 rate measured in the same call.
 
 use super::model::{is_out_of_memory, GpuModel};
@@ -35,7 +35,7 @@ pub struct BenchArgs {
 pub struct BenchReport {
     pub device: String,
     pub arch: u32,
-    /// "gpt2" or "llama".
+    /// The family's name, as `model.family` gives it ("gpt2", "llama", …).
     pub family: String,
     pub n_layer: usize,
     pub n_embd: usize,
@@ -226,7 +226,7 @@ pub fn table(r: &BenchReport) -> String {
          {:.1} ms/step   {:.0} tokens/s\n\
          MFU {:.1}% of 989 TFLOP/s bf16 (H100 SXM)   {:.1}% of the measured cuBLASLt {:.1} TFLOP/s\n\
          loss {:.4} → {:.4}\n",
-        if r.family == "llama" { "Llama" } else { "GPT-2" },
+        crate::model::Family::named(&r.family).map_or(r.family.as_str(), |f| f.title()),
         r.n_layer,
         r.n_embd,
         r.n_head,

@@ -1,4 +1,4 @@
-//! The whole GPT-2 model on one GPU: one optimizer step (microbatches forward
+//! The whole model (any family) on one GPU: one optimizer step (microbatches forward
 //! and backward with gradient accumulation, global norm, clipping, AdamW) in
 //! the order of the CPU engine (train/engine.rs), so the two can be compared
 //! step for step. It is one `GpuPart` holding every tensor — the same code a

@@ -3,10 +3,11 @@
 //! same forward and backward in the same kernel order, and the same rules —
 //! backward accumulates weight gradients, the head runs its backward inside
 //! forward (llm.c's fused classifier), the head's share of a tied embedding's
-//! gradient is kept apart until the step ends. GPT-2's block is here, a
-//! Llama's in llama.rs; the embedding and head follow the family (a Llama
-//! has no position table, an RMSNorm before the head and, untied, its own
-//! `lm_head` whose gradient is an ordinary tensor's).
+//! gradient is kept apart until the step ends. The one block is in
+//! block.rs (its tensor-parallel split in tp/block.rs); the embedding and
+//! head follow the settings (a position table when positions are learned,
+//! the model's norm before the head and, untied, its own `lm_head` whose
+//! gradient is an ordinary tensor's). Nothing here asks for a family.
 //!
 //! Shapes: B = micro_batch_size, T = block_size, C = n_embd, N = B·T,
 //! V = vocab_size, Vp = V rounded up to 128 (the token embedding and an
@@ -23,19 +24,17 @@
 //! to every call, so one GPU serves several parts (interleaved chunks, or
 //! several stages on one device) and no part outlives its context.
 
-mod llama;
+mod block;
 mod tp;
-use llama::LlamaActs;
+use block::BlockActs;
 pub use tp::{GpuTp, TpDevices, TpPart};
 
-use crate::kernels::cuda::attention::Heads;
 use crate::kernels::cuda::embedding::{DeviceOwners, TokenOwners};
 use crate::kernels::cuda::rope::DeviceRope;
-use crate::kernels::cuda::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual};
-use crate::kernels::cuda::{ensure, rmsnorm, CudaError, DeviceBuffer, Elem, Gpu, Result};
-use crate::model::llama::LlamaBlockShape;
-use crate::model::params::block::*;
-use crate::model::params::Family;
+use crate::kernels::cuda::{adamw, attention, crossentropy, embedding, matmul};
+use crate::kernels::cuda::{ensure, CudaError, DeviceBuffer, Elem, Gpu, Result};
+use crate::model::arch::Positions;
+use crate::model::block::Share;
 use crate::model::part::{Mode, PartSpec};
 use crate::model::{Arch, Param};
 use crate::optim::Hyper;
@@ -104,103 +103,13 @@ pub struct TensorSlot {
     pub decay: bool,
 }
 
-/// One block's intermediates for one microbatch, kept from forward for backward.
-pub(super) struct BlockActs<X: Elem> {
-    ln1: DeviceBuffer<X>,
-    ln1_mean: DeviceBuffer<f32>,
-    ln1_rstd: DeviceBuffer<f32>,
-    qkv: DeviceBuffer<X>,
-    atty: DeviceBuffer<X>,
-    lse: DeviceBuffer<f32>,
-    res2: DeviceBuffer<X>,
-    ln2: DeviceBuffer<X>,
-    ln2_mean: DeviceBuffer<f32>,
-    ln2_rstd: DeviceBuffer<f32>,
-    fch: DeviceBuffer<X>,
-    fch_gelu: DeviceBuffer<X>,
-}
-
-impl<X: Elem> BlockActs<X> {
-    /// For a rank holding `size`'s share of the heads and MLP columns.
-    fn new(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize, size: usize) -> Result<Self> {
-        let (n, cl) = (b * t, c / size);
-        Ok(BlockActs {
-            ln1: gpu.alloc(n * c)?,
-            ln1_mean: gpu.alloc(n)?,
-            ln1_rstd: gpu.alloc(n)?,
-            qkv: gpu.alloc(n * 3 * cl)?,
-            atty: gpu.alloc(n * cl)?,
-            lse: gpu.alloc(b * (nh / size) * t)?,
-            res2: gpu.alloc(n * c)?,
-            ln2: gpu.alloc(n * c)?,
-            ln2_mean: gpu.alloc(n)?,
-            ln2_rstd: gpu.alloc(n)?,
-            fch: gpu.alloc(n * 4 * cl)?,
-            fch_gelu: gpu.alloc(n * 4 * cl)?,
-        })
-    }
-
-    fn bytes(&self) -> usize {
-        self.ln1.bytes()
-            + self.qkv.bytes()
-            + self.atty.bytes()
-            + self.res2.bytes()
-            + self.ln2.bytes()
-            + self.fch.bytes()
-            + self.fch_gelu.bytes()
-            + self.ln1_mean.bytes()
-            + self.ln1_rstd.bytes()
-            + self.ln2_mean.bytes()
-            + self.ln2_rstd.bytes()
-            + self.lse.bytes()
-    }
-}
-
-/// One block's intermediates, by family.
-pub(super) enum Acts<X: Elem> {
-    Gpt2(BlockActs<X>),
-    Llama(LlamaActs<X>),
-}
-
-impl<X: Elem> Acts<X> {
-    /// For a rank holding `size`'s share of the block.
-    fn new(gpu: &Gpu, cfg: &Arch, b: usize, size: usize) -> Result<Self> {
-        let (t, c, nh) = (cfg.block_size, cfg.n_embd, cfg.n_head);
-        Ok(match cfg.family {
-            Family::Gpt2 => Acts::Gpt2(BlockActs::new(gpu, b, t, c, nh, size)?),
-            Family::Llama => Acts::Llama(LlamaActs::new(gpu, b, t, &LlamaBlockShape::of(cfg).share(size))?),
-        })
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            Acts::Gpt2(a) => a.bytes(),
-            Acts::Llama(a) => a.bytes(),
-        }
-    }
-
-    pub(super) fn gpt2(&self) -> Result<&BlockActs<X>> {
-        match self {
-            Acts::Gpt2(a) => Ok(a),
-            Acts::Llama(_) => Err(CudaError::Shape("GPT-2's block given a Llama block's buffers".into())),
-        }
-    }
-
-    pub(super) fn llama(&self) -> Result<&LlamaActs<X>> {
-        match self {
-            Acts::Llama(a) => Ok(a),
-            Acts::Gpt2(_) => Err(CudaError::Shape("a Llama block given GPT-2's block buffers".into())),
-        }
-    }
-}
-
 /// Everything one microbatch keeps on this part between its forward and its backward.
 struct Slot<X: Elem> {
     /// stream[l]: the residual stream entering local block l; stream[nb]: the
     /// part's output (the head's input on the last part).
     stream: Vec<DeviceBuffer<X>>,
     /// Per-block intermediates; empty when recomputing.
-    blocks: Vec<Acts<X>>,
+    blocks: Vec<BlockActs<X>>,
     /// First part: the token ids and who owns each id's wte gradient row.
     tokens: Option<(DeviceBuffer<u32>, DeviceOwners)>,
     /// Last part: the gradient of the head's input, formed in forward.
@@ -210,7 +119,7 @@ struct Slot<X: Elem> {
 impl<X: Elem> Slot<X> {
     fn bytes(&self) -> usize {
         self.stream.iter().map(DeviceBuffer::bytes).sum::<usize>()
-            + self.blocks.iter().map(Acts::bytes).sum::<usize>()
+            + self.blocks.iter().map(BlockActs::bytes).sum::<usize>()
             + self
                 .tokens
                 .as_ref()
@@ -225,9 +134,9 @@ struct Scratch<X: Elem> {
     dln: DeviceBuffer<X>,
     datty: DeviceBuffer<X>,
     dqkv: DeviceBuffer<X>,
-    /// The MLP's hidden gradient: GPT-2's (N, 4C), a Llama's gate and up (N, 2F).
-    dfch: DeviceBuffer<X>,
-    /// A Llama's SwiGLU output gradient (N, F); empty for GPT-2.
+    /// The gradient of the MLP's first products: gate's and up's (N, 2F), or up's (N, F).
+    dhidden: DeviceBuffer<X>,
+    /// The gradient of the activation, down's input (N, F).
     dact: DeviceBuffer<X>,
     delta: DeviceBuffer<f32>,
     ln_partial: DeviceBuffer<f32>,
@@ -236,8 +145,8 @@ struct Scratch<X: Elem> {
     /// One f32 per tensor: the per-tensor sums of squares.
     norm_out: DeviceBuffer<f32>,
     /// Recompute: one block's intermediates and its (discarded) output.
-    recompute: Option<(Acts<X>, DeviceBuffer<X>)>,
-    /// A Llama's rotary table (T, HS/2).
+    recompute: Option<(BlockActs<X>, DeviceBuffer<X>)>,
+    /// The rotary table (T, HS/2) of a model with rotary positions.
     rope: Option<DeviceRope>,
     /// Sliced products (tp.rs): this rank's slices of one split sum, (L, N, C) f32.
     leaves: DeviceBuffer<f32>,
@@ -368,21 +277,22 @@ impl<X: Elem> GpuPart<X> {
         params: &[Param],
         tp: GpuTp,
     ) -> Result<Self> {
-        let (t, c, nh, v) = (cfg.block_size, cfg.n_embd, cfg.n_head, cfg.vocab_size);
+        let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
+        block::check_settings(&cfg)?;
         tp.check(&cfg)?;
         let (size, owner) = (tp.size, tp.rank == 0);
         let heads = cfg.heads();
-        // The rank's share of the heads, as its attention calls see them.
-        let local = Heads { nh: nh / size, nkv: heads.nkv / size, hs: heads.hs };
-        attention::kernels_for_heads::<X>(local)?;
+        // The rank's share of the block, as its kernel calls see it.
+        let share = Share::of(&cfg, size);
+        attention::kernels_for_heads::<X>(share.heads)?;
         ensure(b > 0 && t > 0 && v > 0 && live > 0, || {
             format!("a GPU part needs B, T, V and live slots > 0 (B={b}, T={t}, V={v}, live={live})")
         })?;
         let n = b * t;
         let vp = padded_vocab(v);
-        // The widest row any block buffer has: GPT-2's MLP (4C), a Llama's gate and up (2F), q/k/v.
-        let (ffn, llama) = (cfg.ffn(), cfg.family == Family::Llama);
-        let widest = [4 * c, 2 * ffn, heads.qkv_width()].into_iter().max().unwrap_or(c).max(1);
+        // The widest row any block buffer has: the MLP's first products, q/k/v, the stream.
+        let hidden = Share::of(&cfg, 1).hidden(&cfg);
+        let widest = [hidden, heads.qkv_width(), c].into_iter().max().unwrap_or(c).max(1);
         ensure(n <= i32::MAX as usize / widest && n.saturating_mul(vp) < (1 << 40), || {
             format!("the CUDA kernels index with 32-bit rows: B·T = {n} is too many")
         })?;
@@ -395,7 +305,7 @@ impl<X: Elem> GpuPart<X> {
                 blocks: if recompute {
                     vec![]
                 } else {
-                    (0..nb).map(|_| Acts::new(gpu, &cfg, b, size)).collect::<Result<_>>()?
+                    (0..nb).map(|_| BlockActs::new(gpu, &cfg, b, size)).collect::<Result<_>>()?
                 },
                 tokens: if spec.embedding && owner {
                     let owners = DeviceOwners {
@@ -415,30 +325,28 @@ impl<X: Elem> GpuPart<X> {
         let slot_bytes = slots[0].bytes();
         let hn = if head && owner { n } else { 0 };
         let split = tp.is_split();
-        // The MLP's hidden width per rank: GPT-2's 4C columns, a Llama's gate and up rows.
-        let hidden = if llama { 2 * ffn } else { ffn } / size;
-        let norm_partial = if llama { rmsnorm::partial_len(n, c) } else { layernorm::partial_len(n, c) };
+        // A bias gradient's column sums: the widest biased product's output (whole, not the rank's share).
+        let bias_cols = [c, heads.out_width(), cfg.ffn].into_iter().max().unwrap_or(c);
         let s = Scratch {
             dres: gpu.alloc(n * c)?,
             dln: gpu.alloc(n * c)?,
-            datty: gpu.alloc(n * heads.out_width() / size)?,
-            dqkv: gpu.alloc(n * heads.qkv_width() / size)?,
-            dfch: gpu.alloc(n * hidden)?,
-            dact: gpu.alloc(if llama { n * ffn / size } else { 0 })?,
-            delta: gpu.alloc(b * (nh / size) * t)?,
-            ln_partial: gpu.alloc(norm_partial)?,
-            bias_partial: gpu.alloc(matmul::bias_partial_len(n, (4 * c).max(c)))?,
+            datty: gpu.alloc(n * share.heads.out_width())?,
+            dqkv: gpu.alloc(n * share.heads.qkv_width())?,
+            dhidden: gpu.alloc(n * share.hidden(&cfg))?,
+            dact: gpu.alloc(n * share.f)?,
+            delta: gpu.alloc(b * share.heads.nh * t)?,
+            ln_partial: gpu.alloc(block::norm_partial_len(&cfg, n, c))?,
+            bias_partial: gpu.alloc(matmul::bias_partial_len(n, bias_cols))?,
             norm_partial: gpu.alloc(adamw::NORM_BLOCKS)?,
             norm_out: gpu.alloc(tensors.len().max(1))?,
             recompute: if recompute {
-                Some((Acts::new(gpu, &cfg, b, size)?, gpu.alloc(n * c)?))
+                Some((BlockActs::new(gpu, &cfg, b, size)?, gpu.alloc(n * c)?))
             } else {
                 None
             },
-            rope: if llama {
-                Some(DeviceRope::upload(gpu, &crate::model::llama::rope_table(&cfg))?)
-            } else {
-                None
+            rope: match cfg.positions {
+                Positions::Rotary => Some(DeviceRope::upload(gpu, &crate::model::rope::rope_table(&cfg))?),
+                Positions::Learned => None,
             },
             leaves: gpu.alloc(if split { tp.leaves() * n * c } else { 0 })?,
             gathered: gpu.alloc(if split { size * n * c } else { 0 })?,
@@ -520,7 +428,7 @@ impl<X: Elem> GpuPart<X> {
             + s.dln.bytes()
             + s.datty.bytes()
             + s.dqkv.bytes()
-            + s.dfch.bytes()
+            + s.dhidden.bytes()
             + s.dact.bytes()
             + s.logits.bytes()
             + s.lnf.bytes()
@@ -619,8 +527,9 @@ impl<X: Elem> GpuPart<X> {
                     )
                 })?;
                 check_ids(tokens, v, "token")?;
-                let (family, w0) = (self.cfg.family, self.w(0));
-                let w1 = (family == Family::Gpt2).then(|| self.w(1));
+                // A learned position table is tensor 1, after the token embedding.
+                let w0 = self.w(0);
+                let w1 = (self.cfg.positions == Positions::Learned).then(|| self.w(1));
                 let slot = &mut self.slots[k];
                 let (dev, owners) = slot.tokens.as_mut().expect("first part keeps tokens");
                 gpu.copy_to(dev, 0, tokens)?;
@@ -658,35 +567,8 @@ impl<X: Elem> GpuPart<X> {
         Ok(GpuForward { output: None, loss_sum: Some(loss_sum) })
     }
 
-    /// One block's forward for the microbatch in slot `k`; with `recomputing`,
-    /// into the shared recompute buffers (the output is discarded: the slot
-    /// already holds it).
-    fn block_forward(&self, gpu: &Gpu, k: usize, l: usize, recomputing: bool) -> Result<()> {
-        ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
-        if self.cfg.family == Family::Llama {
-            return self.llama_block_forward(gpu, k, l, recomputing);
-        }
-        let Arch { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
-        let (b, n) = (self.b, self.n());
-        let base = self.spec.block_base(&self.cfg, l);
-        let w = |i: usize| self.w(base + i);
-        let x = &self.slots[k].stream[l];
-        let (a, out) = self.forward_acts(k, l, recomputing);
-        let a = a.gpt2()?;
-        layernorm::layernorm_forward(gpu, &a.ln1, &a.ln1_mean, &a.ln1_rstd, x, w(LN1W), w(LN1B), n, c)?;
-        matmul::matmul_forward(gpu, &a.qkv, &a.ln1, w(QKVW), Some(w(QKVB)), n, c, 3 * c)?;
-        attention::attention_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, c, nh)?;
-        matmul::matmul_forward(gpu, &a.res2, &a.atty, w(PROJW), Some(w(PROJB)), n, c, c)?;
-        residual::residual_forward(gpu, a.res2.ptr(), a.res2.ptr(), x, n * c)?;
-        layernorm::layernorm_forward(gpu, &a.ln2, &a.ln2_mean, &a.ln2_rstd, &a.res2, w(LN2W), w(LN2B), n, c)?;
-        matmul::matmul_forward(gpu, &a.fch, &a.ln2, w(FCW), Some(w(FCB)), n, c, 4 * c)?;
-        gelu::gelu_forward(gpu, &a.fch_gelu, &a.fch, n * 4 * c)?;
-        matmul::matmul_forward(gpu, out, &a.fch_gelu, w(FCPW), Some(w(FCPB)), n, 4 * c, c)?;
-        residual::residual_forward(gpu, out.ptr(), out.ptr(), &a.res2, n * c)
-    }
-
     /// Where block l's forward for slot k writes: its intermediates and its output.
-    fn forward_acts(&self, k: usize, l: usize, recomputing: bool) -> (&Acts<X>, &DeviceBuffer<X>) {
+    fn forward_acts(&self, k: usize, l: usize, recomputing: bool) -> (&BlockActs<X>, &DeviceBuffer<X>) {
         let slot = &self.slots[k];
         match (&self.s.recompute, recomputing) {
             (Some((acts, scratch_out)), true) => (acts, scratch_out),
@@ -696,7 +578,7 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// Block l's intermediates for backward of slot k (recomputed or kept).
-    fn backward_acts(&self, k: usize, l: usize) -> &Acts<X> {
+    fn backward_acts(&self, k: usize, l: usize) -> &BlockActs<X> {
         match &self.s.recompute {
             Some((acts, _)) => acts,
             None => &self.slots[k].blocks[l],
@@ -716,22 +598,17 @@ impl<X: Elem> GpuPart<X> {
     ) -> Result<f64> {
         let (c, v, vp, n) = (self.cfg.n_embd, self.cfg.vocab_size, self.vp, self.n());
         let (hb, wte) = (self.spec.head_base(&self.cfg), self.spec.head_wte(&self.cfg));
-        // GPT-2's LayerNorm has a bias, a Llama's RMSNorm none.
-        let gpt2 = self.cfg.family == Family::Gpt2;
-        let (lnw, lnb, wte_w) = (self.w(hb), gpt2.then(|| self.w(hb + 1)), self.w(wte));
-        let (glnw, glnb) = (self.g(hb), gpt2.then(|| self.g(hb + 1)));
+        // The final norm's gain, then its bias (a LayerNorm's).
+        let bias = (self.cfg.final_norm_len() == 2).then_some(hb + 1);
+        let (lnw, lnb, wte_w) = (self.w(hb), self.w_opt(bias), self.w(wte));
+        let (glnw, glnb) = (self.g(hb), self.g_opt(bias));
         // Tied, the head's share of the embedding's gradient waits apart; untied it is lm_head's own.
         let head_grad = if self.cfg.tied() { self.head_grad.ptr() } else { self.g(wte) };
-        let eps = self.cfg.norm_eps;
+        let cfg = self.cfg;
         let s = &mut self.s;
         let x = &self.slots[k].stream[self.spec.layers.len()];
         gpu.copy_to(&s.targets, 0, targets)?;
-        match lnb {
-            Some(lnb) => {
-                layernorm::layernorm_forward(gpu, &s.lnf, &s.lnf_mean, &s.lnf_rstd, x, lnw, lnb, n, c)?
-            }
-            None => rmsnorm::rmsnorm_forward(gpu, &s.lnf, &s.lnf_rstd, x, lnw, n, c, eps)?,
-        }
+        block::norm_forward(gpu, &cfg, (&s.lnf, &s.lnf_mean, &s.lnf_rstd), x, lnw, lnb, n, c)?;
         // logits (N, Vp) = lnf (N, C) · Wᵀ: the input-gradient product with W (the
         // token embedding or lm_head, both (Vp, C)) as the weight.
         matmul::matmul_backward_input(gpu, &s.logits, &s.lnf, wte_w, n, vp, c)?;
@@ -762,24 +639,9 @@ impl<X: Elem> GpuPart<X> {
         matmul::matmul_backward_weight(gpu, head_grad, None, &s.bias_partial, &s.lnf, &s.logits, n, vp, c)?;
         let dhead = self.slots[k].dhead.as_ref().expect("last part keeps dhead");
         gpu.zero(dhead)?;
-        let Some(glnb) = glnb else {
-            rmsnorm::rmsnorm_backward_input(gpu, dhead, &s.dln, x, lnw, &s.lnf_rstd, n, c)?;
-            rmsnorm::rmsnorm_backward_weight(gpu, glnw, &s.ln_partial, &s.dln, x, &s.lnf_rstd, n, c)?;
-            return s.loss_sum(gpu);
-        };
-        layernorm::layernorm_backward_input(gpu, dhead, &s.dln, x, lnw, &s.lnf_mean, &s.lnf_rstd, n, c)?;
-        layernorm::layernorm_backward_weight(
-            gpu,
-            glnw,
-            glnb,
-            &s.ln_partial,
-            &s.dln,
-            x,
-            &s.lnf_mean,
-            &s.lnf_rstd,
-            n,
-            c,
-        )?;
+        let stats = (&s.lnf_mean, &s.lnf_rstd);
+        block::norm_backward_input(gpu, &cfg, dhead, &s.dln, x, lnw, stats, n, c)?;
+        block::norm_backward_weight(gpu, &cfg, (glnw, glnb), &s.ln_partial, &s.dln, x, stats, n, c)?;
         s.loss_sum(gpu)
     }
 
@@ -855,90 +717,12 @@ impl<X: Elem> GpuPart<X> {
         blocks(self, gpu, k)?;
         if self.spec.embedding {
             let dwte = self.g(0);
-            let dwpe = (self.cfg.family == Family::Gpt2).then(|| self.g(1));
+            let dwpe = (self.cfg.positions == Positions::Learned).then(|| self.g(1));
             let (_, owners) = self.slots[k].tokens.as_ref().expect("first part keeps tokens");
             embedding::embedding_backward(gpu, dwte, dwpe, &self.s.dres, owners, self.b, t, c)?;
             return Ok(None);
         }
         Ok(Some(hand_over(gpu, &self.s.dres, &mut self.s.host_x, sink)?))
-    }
-
-    /// One block's backward: `dres` holds ∂L/∂(block output) on entry and
-    /// ∂L/∂(block input) on return; weight gradients accumulate in the CPU
-    /// model's order (part.rs, a full B).
-    fn block_backward(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
-        ensure(!self.tp.is_split(), || "a split part's blocks run through its TpPart".into())?;
-        if self.cfg.family == Family::Llama {
-            return self.llama_block_backward(gpu, k, l);
-        }
-        let Arch { block_size: t, n_embd: c, n_head: nh, .. } = self.cfg;
-        let (b, n) = (self.b, self.n());
-        let base = self.spec.block_base(&self.cfg, l);
-        let (w, g) = (|i: usize| self.w(base + i), |i: usize| self.g(base + i));
-        let x = &self.slots[k].stream[l];
-        let a = self.backward_acts(k, l).gpt2()?;
-        let s = &self.s;
-        let bp = &s.bias_partial;
-        // MLP first.
-        matmul::matmul_backward_weight(gpu, g(FCPW), Some(g(FCPB)), bp, &s.dres, &a.fch_gelu, n, 4 * c, c)?;
-        matmul::matmul_backward_input(gpu, &s.dfch, &s.dres, w(FCPW), n, 4 * c, c)?;
-        gelu::gelu_backward(gpu, &s.dfch, &a.fch, &s.dfch, n * 4 * c)?;
-        matmul::matmul_backward_input(gpu, &s.dln, &s.dfch, w(FCW), n, c, 4 * c)?;
-        matmul::matmul_backward_weight(gpu, g(FCW), Some(g(FCB)), bp, &s.dfch, &a.ln2, n, c, 4 * c)?;
-        layernorm::layernorm_backward_input(
-            gpu,
-            &s.dres,
-            &s.dln,
-            &a.res2,
-            w(LN2W),
-            &a.ln2_mean,
-            &a.ln2_rstd,
-            n,
-            c,
-        )?;
-        layernorm::layernorm_backward_weight(
-            gpu,
-            g(LN2W),
-            g(LN2B),
-            &s.ln_partial,
-            &s.dln,
-            &a.res2,
-            &a.ln2_mean,
-            &a.ln2_rstd,
-            n,
-            c,
-        )?;
-        // dres is now ∂L/∂res2. Attention.
-        matmul::matmul_backward_weight(gpu, g(PROJW), Some(g(PROJB)), bp, &s.dres, &a.atty, n, c, c)?;
-        matmul::matmul_backward_input(gpu, &s.datty, &s.dres, w(PROJW), n, c, c)?;
-        attention::attention_backward(
-            gpu, &s.dqkv, &s.delta, &s.datty, &a.qkv, &a.atty, &a.lse, b, t, c, nh,
-        )?;
-        matmul::matmul_backward_input(gpu, &s.dln, &s.dqkv, w(QKVW), n, c, 3 * c)?;
-        matmul::matmul_backward_weight(gpu, g(QKVW), Some(g(QKVB)), bp, &s.dqkv, &a.ln1, n, c, 3 * c)?;
-        layernorm::layernorm_backward_input(
-            gpu,
-            &s.dres,
-            &s.dln,
-            x,
-            w(LN1W),
-            &a.ln1_mean,
-            &a.ln1_rstd,
-            n,
-            c,
-        )?;
-        layernorm::layernorm_backward_weight(
-            gpu,
-            g(LN1W),
-            g(LN1B),
-            &s.ln_partial,
-            &s.dln,
-            x,
-            &a.ln1_mean,
-            &a.ln1_rstd,
-            n,
-            c,
-        )
     }
 
     /// This part's share of the tied embedding's gradient, (V, C) without
@@ -1098,7 +882,7 @@ impl<X: Elem> GpuPart<X> {
         Ok(())
     }
 
-    /// The final LayerNorm's gradients in `grads` as one (offset, length)
+    /// The final norm's gradients (and an untied head's) in `grads` as one (offset, length)
     /// run (the head's forward writes them; nothing lies between its weight
     /// and bias but zero padding). None without the head.
     fn head_norm_run(&self) -> Option<(usize, usize)> {
@@ -1113,7 +897,7 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// f32 elements of one microbatch's body leaf: the whole gradient buffer
-    /// (the final LayerNorm's run in it is zero, its values go in the head leaf).
+    /// (the head's run in it is zero, its values go in the head leaf).
     pub fn body_leaf_len(&self) -> usize {
         self.grads.len()
     }
@@ -1275,14 +1059,14 @@ mod tests {
     }
 
     #[test]
-    fn the_head_leaf_run_is_exactly_ln_f_weight_and_bias_and_absent_without_the_head() {
+    fn the_head_leaf_run_is_exactly_a_layernorm_s_weight_and_bias_and_absent_without_the_head() {
         let cfg = Arch::gpt2(3, 3, 192, 1000, 64);
         let spec = PartSpec { layers: 2..3, embedding: false, head: true };
         let all = params(&cfg);
-        // A head-only part: block 2, ln_f, then the tied copy of wte.
+        // A head-only part: block 2, the final norm, then the tied copy of the token embedding.
         let mut ps: Vec<Param> = all
             .iter()
-            .filter(|p| p.name.starts_with("h.2.") || p.name.starts_with("ln_f."))
+            .filter(|p| p.name.starts_with("layers.2.") || p.name.starts_with("norm."))
             .cloned()
             .collect();
         ps.push(all[0].clone());
@@ -1290,8 +1074,8 @@ mod tests {
         let (offset, n) = head_norm_run(&tensors, &spec, &cfg).expect("a head part has the run");
         let inside = |t: &TensorSlot| t.offset >= offset && t.offset + t.stored <= offset + n;
         let covered: Vec<&str> = tensors.iter().filter(|t| inside(t)).map(|t| t.name.as_str()).collect();
-        assert_eq!(covered, ["ln_f.weight", "ln_f.bias"]);
-        let ln_b = tensors.iter().find(|t| t.name == "ln_f.bias").expect("ln_f.bias");
+        assert_eq!(covered, ["norm.weight", "norm.bias"]);
+        let ln_b = tensors.iter().find(|t| t.name == "norm.bias").expect("norm.bias");
         assert_eq!(offset + n, ln_b.offset + ln_b.stored, "the run ends with the bias");
         let body = PartSpec { layers: 0..2, embedding: true, head: false };
         assert_eq!(head_norm_run(&tensors, &body, &cfg), None);
@@ -1300,7 +1084,7 @@ mod tests {
     #[test]
     fn a_llama_head_run_is_the_norm_then_its_own_lm_head_untied_and_the_norm_alone_tied() {
         for tied in [false, true] {
-            let cfg = Arch { tie_word_embeddings: tied, ..Arch::llama(3, 2, 1, 128, 192, 1000, 64, 1e4) };
+            let cfg = Arch { tied, ..Arch::llama(3, 2, 1, 128, 192, 1000, 64, 1e4) };
             let spec = PartSpec { layers: 2..3, embedding: false, head: true };
             let all = params(&cfg);
             let mut ps: Vec<Param> = all

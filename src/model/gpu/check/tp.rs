@@ -4,7 +4,7 @@
 //! slices — two training steps, bit for bit — and the sliced step against the
 //! CPU model.
 
-use super::{bits_differ, cpu_step, rel_err, step_batch, Check};
+use super::{bits_differ, cpu_step, gradients_vs_cpu, step_batch, Check};
 use super::{STEP_B, STEP_CLIP, STEP_HYPER, STEP_LR, STEP_MICROBATCHES, STEP_SEED};
 use crate::kernels::cuda::nccl::NcclType;
 use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
@@ -14,11 +14,15 @@ use crate::model::{Arch, ModelPart, PartSpec};
 use crate::optim::{self, AdamState};
 
 /// Four heads of 64, so 1, 2 and 4 ranks each take whole slices of 4.
-const TP_CFG: Arch = Arch::gpt2(2, 4, 256, 1000, 64);
+fn tp_cfg() -> Arch {
+    Arch::gpt2(2, 4, 256, 1000, 64)
+}
 const SLICES: usize = 4;
 /// A Llama of four query heads of 64 over two key/value heads, split into
 /// two slices (a slice is whole groups): 1 and 2 ranks.
-const LLAMA_TP_CFG: Arch = Arch::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0);
+fn llama_tp_cfg() -> Arch {
+    Arch::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0)
+}
 const LLAMA_SLICES: usize = 2;
 
 /// What two steps leave: each step's loss and gradient norm, then the master
@@ -116,13 +120,8 @@ fn tp_checks_in<X: Elem + NcclType>(
     if X::IS_F32 {
         let mut adam = AdamState::new(&cpu);
         cpu_step(&mut cpu, &mut adam, 1);
-        let worst =
-            cpu.params.iter().zip(&one.first_grads).map(|(p, g)| rel_err(g, &p.grad)).fold(0.0, f64::max);
-        out.push(Check {
-            name: format!("tp over {slices} slices, step 1 gradients vs cpu ({tag})"),
-            rel_err: worst,
-            tol: 1e-3,
-        });
+        let label = format!("tp over {slices} slices, step 1 gradients vs cpu ({tag})");
+        gradients_vs_cpu(&cfg, &cpu.params, &one.first_grads, &label, out);
     }
     Ok(())
 }
@@ -130,8 +129,10 @@ fn tp_checks_in<X: Elem + NcclType>(
 /// The split's checks in f32 and bf16.
 pub(super) fn tp_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     let gpus = cudarc::driver::result::device::get_count()? as usize;
-    tp_checks_in::<f32>(gpu, (TP_CFG, SLICES), gpus, "f32", out)?;
-    tp_checks_in::<Bf16>(gpu, (TP_CFG, SLICES), gpus, "bf16", out)?;
-    tp_checks_in::<f32>(gpu, (LLAMA_TP_CFG, LLAMA_SLICES), gpus, "llama f32", out)?;
-    tp_checks_in::<Bf16>(gpu, (LLAMA_TP_CFG, LLAMA_SLICES), gpus, "llama bf16", out)
+    tp_checks_in::<f32>(gpu, (tp_cfg(), SLICES), gpus, "f32", out)?;
+    tp_checks_in::<Bf16>(gpu, (tp_cfg(), SLICES), gpus, "bf16", out)?;
+    tp_checks_in::<f32>(gpu, (llama_tp_cfg(), LLAMA_SLICES), gpus, "llama f32", out)?;
+    tp_checks_in::<Bf16>(gpu, (llama_tp_cfg(), LLAMA_SLICES), gpus, "llama bf16", out)?;
+    // Biases on every projection, split with their rows (o's and down's whole, on rank 0).
+    tp_checks_in::<f32>(gpu, (super::mixed_step_cfg(), 2), gpus, "mixed f32", out)
 }
