@@ -5,19 +5,11 @@
 //! dp = 1 with 2m. For evaluations it sends validation windows or the held-out
 //! problems.
 
-use super::coordinator::EvalKind;
-use super::stage::{Phase, StageMsg};
+use super::protocol::{EvalKind, LoaderMsg, Phase, StageMsg};
 use crate::data::{EvalSet, Sampler};
 use crate::replay::{self, ActorLog, Blob};
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::sync::{Arc, OnceLock};
-
-pub enum LoaderMsg {
-    Train { step: u64 },
-    Eval { step: u64, kind: EvalKind, batches: usize },
-}
-
-impl Message for LoaderMsg {}
 
 pub struct LoaderArgs {
     pub replica: usize,

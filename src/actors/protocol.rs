@@ -1,5 +1,6 @@
-//! The runtime's messages, declared once: what stages, loaders and the
-//! coordinator say to each other, and the two ways a message leaves an actor.
+//! The runtime's messages, declared once: what the stages, the coordinator,
+//! the data loaders, the reducer, the checkpointer and the monitor say to
+//! each other, and the two ways a message leaves an actor.
 //!
 //! - As a frame (`cluster::wire`): the message itself as a serde header (its
 //!   tensor fields skipped) carrying every scalar, plus the tensors as raw arrays, bit for bit.
@@ -12,8 +13,10 @@
 //! kind it claims is a `ProtocolError`, never a panic. This module does no I/O
 //! except `Restore`'s checkpoint read.
 
-use crate::checkpoint::TensorState;
+use crate::checkpoint::{StateFile, TensorState};
+use crate::metrics::StepMetrics;
 use crate::model::Param;
+use crate::optim::grad_tree::Span;
 use crate::replay::{key, Blob, Entry};
 use ractor::Message;
 use serde::{Deserialize, Serialize};
@@ -292,6 +295,50 @@ pub enum CoordinatorMsg {
 }
 
 impl Message for CoordinatorMsg {}
+
+/// Messages to a data loader, from the coordinator: feed a training step,
+/// or an evaluation. They never leave the process (each process's loaders
+/// hear from its own coordinator) and carry no tensors.
+pub enum LoaderMsg {
+    Train { step: u64 },
+    Eval { step: u64, kind: EvalKind, batches: usize },
+}
+
+impl Message for LoaderMsg {}
+
+/// Messages to the gradient reducer, from the stages of every replica. They
+/// cross processes as their own frame kinds (`cluster::wire`'s `Reduce` and
+/// `Gather`: the scalars in the header, each tensor an f32 array).
+pub enum ReducerMsg {
+    /// A replica's gradients of one stage as nodes of the step's microbatch
+    /// tree: `grads` holds `spans.len()` sets of the stage's tensors, one
+    /// after the other.
+    Reduce { step: u64, stage: usize, replica: usize, spans: Vec<Span>, grads: Vec<Vec<f32>> },
+    /// ZeRO-1: a replica's shard of each of `stage`'s tensors (updated
+    /// parameters, or AdamW moments for a checkpoint), to be sent whole to
+    /// every replica.
+    Gather { step: u64, stage: usize, replica: usize, shards: Vec<Vec<f32>> },
+}
+
+impl Message for ReducerMsg {}
+
+/// Messages to the checkpointer, from the coordinator: one checkpoint's
+/// tensors (parameters and moments, gathered from every stage) and state
+/// file. Local to rank 0's process.
+pub enum CheckpointerMsg {
+    Write { tensors: Vec<TensorState>, state: StateFile },
+}
+
+impl Message for CheckpointerMsg {}
+
+/// Messages to the monitor, from the coordinator: a step's metrics, and the
+/// end of the run. Local to rank 0's process.
+pub enum MonitorMsg {
+    Step(StepMetrics),
+    Finish,
+}
+
+impl Message for MonitorMsg {}
 
 /// One tensor of a message's payload.
 #[derive(Clone, Debug, PartialEq)]

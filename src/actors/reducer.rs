@@ -12,29 +12,16 @@
 //! error or panic there stops the actor with the reason, which the coordinator
 //! reports as it does any actor that stops during a run.
 
-use super::stage::StageMsg;
+use super::protocol::{ReducerMsg, StageMsg};
 use crate::optim::grad_tree::{self, Span};
 use crate::optim::zero::Shard;
 use crate::replay::{self, ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
 use crossbeam_channel::Sender;
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-
-pub enum ReducerMsg {
-    /// A replica's gradients of one stage as nodes of the step's microbatch
-    /// tree: `grads` holds `spans.len()` sets of the stage's tensors, one
-    /// after the other.
-    Reduce { step: u64, stage: usize, replica: usize, spans: Vec<Span>, grads: Vec<Vec<f32>> },
-    /// ZeRO-1: a replica's shard of each of `stage`'s tensors (updated
-    /// parameters, or AdamW moments for a checkpoint), to be sent whole to
-    /// every replica.
-    Gather { step: u64, stage: usize, replica: usize, shards: Vec<Vec<f32>> },
-}
-
-impl Message for ReducerMsg {}
 
 pub struct ReducerArgs {
     pub dp: usize,

@@ -6,9 +6,8 @@ use super::{
     compare, ActorLog, Anchor, Checker, Divergence, Entry, FileRef, Header, LogError, LogReader, ReadLog,
 };
 use crate::actors::coordinator::{CoordinatorState, Links};
-use crate::actors::data_loader::LoaderMsg;
-use crate::actors::protocol::{CoordinatorMsg, EvalKind, StageMsg};
-use crate::actors::reducer::{ReducerMsg, ReducerState};
+use crate::actors::protocol::{CoordinatorMsg, EvalKind, LoaderMsg, ReducerMsg, StageMsg};
+use crate::actors::reducer::ReducerState;
 use crate::actors::stage::replay_stage;
 use crate::actors::topology::Topology;
 use crate::actors::Layout;

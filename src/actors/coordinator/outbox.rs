@@ -2,11 +2,7 @@
 //! sends or handles as its replay log records it.
 
 use super::{stage_name, CoordinatorMsg, CoordinatorState, StageMsg};
-use crate::actors::checkpointer::CheckpointerMsg;
-use crate::actors::data_loader::LoaderMsg;
-use crate::actors::monitor::MonitorMsg;
-use crate::actors::protocol;
-use crate::actors::reducer::ReducerMsg;
+use crate::actors::protocol::{self, CheckpointerMsg, LoaderMsg, MonitorMsg, ReducerMsg};
 use crate::metrics::StepMetrics;
 use crate::replay::{self, Blob};
 use ractor::{ActorProcessingErr, ActorRef};

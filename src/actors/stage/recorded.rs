@@ -5,8 +5,7 @@
 //! this file's.
 
 use super::super::layout::Layout;
-use super::super::protocol::{no_grad_names, stage_name, CoordinatorMsg, Failure, StageMsg};
-use super::super::reducer::ReducerMsg;
+use super::super::protocol::{no_grad_names, stage_name, CoordinatorMsg, Failure, ReducerMsg, StageMsg};
 use super::comm::{At, Comm, Key, Stopped};
 use crate::replay::{ActorLog, Blob, Entry};
 
