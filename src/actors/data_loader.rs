@@ -7,7 +7,7 @@
 
 use super::protocol::{EvalKind, LoaderMsg, Phase, StageMsg};
 use crate::data::{EvalSet, Sampler};
-use crate::replay::{self, ActorLog, Blob};
+use crate::replay::{self, ActorLog};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::sync::{Arc, OnceLock};
 
@@ -69,18 +69,14 @@ impl LoaderArgs {
     pub fn on_message(&mut self, msg: LoaderMsg) -> Result<(), String> {
         let n = self.micro_batch_size * self.block_size;
         if let Some(log) = &mut self.log {
-            let e = match &msg {
-                LoaderMsg::Train { step } => replay::entry("coordinator", "Train", *step, self.replica),
-                LoaderMsg::Eval { step, kind, batches } => {
-                    replay::entry("coordinator", "Eval", *step, self.replica).with_eval(true).with_inputs(
-                        vec![
-                            Blob::str(replay::key::EVAL_KIND, kind.name()),
-                            Blob::f64(replay::key::BATCHES, *batches as f64),
-                        ],
-                    )
-                }
+            let (kind, blobs) = msg.logged();
+            let step = match msg {
+                LoaderMsg::Train { step } | LoaderMsg::Eval { step, .. } => step,
             };
-            log.begin(e);
+            let eval = matches!(msg, LoaderMsg::Eval { .. });
+            log.begin(
+                replay::entry("coordinator", kind, step, self.replica).with_eval(eval).with_inputs(blobs),
+            );
         }
         match msg {
             LoaderMsg::Train { step } => {

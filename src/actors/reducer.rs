@@ -12,7 +12,7 @@
 //! error or panic there stops the actor with the reason, which the coordinator
 //! reports as it does any actor that stops during a run.
 
-use super::protocol::{ReducerMsg, StageMsg};
+use super::protocol::{span_blob, ReducerMsg, StageMsg};
 use crate::optim::grad_tree::{self, Span};
 use crate::optim::zero::Shard;
 use crate::replay::{self, ActorLog, Blob, Entry};
@@ -136,12 +136,6 @@ impl Actor for Reducer {
 /// Tensors as log blobs, `tensor.k`.
 fn tensor_blobs(tensors: &Grads, keep: bool) -> Vec<Blob> {
     tensors.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)).collect()
-}
-
-/// The spans of a Reduce as a log blob: (lo, hi) pairs.
-pub fn span_blob(spans: &[Span]) -> Blob {
-    let flat: Vec<u32> = spans.iter().flat_map(|s| [s.lo as u32, s.hi as u32]).collect();
-    Blob::u32s("spans", &flat, true)
 }
 
 /// A Reduce's flat list of tensors cut into one set per span.

@@ -6,14 +6,13 @@ use super::{
     compare, ActorLog, Anchor, Checker, Divergence, Entry, FileRef, Header, LogError, LogReader, ReadLog,
 };
 use crate::actors::coordinator::{CoordinatorState, Links};
-use crate::actors::protocol::{CoordinatorMsg, EvalKind, LoaderMsg, ReducerMsg, StageMsg};
+use crate::actors::protocol::{CoordinatorMsg, LoaderMsg, ReducerMsg, StageMsg};
 use crate::actors::reducer::ReducerState;
 use crate::actors::stage::replay_stage;
 use crate::actors::topology::Topology;
 use crate::actors::Layout;
 use crate::config::Config;
 use crate::model::Arch;
-use crate::optim::grad_tree::Span;
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -530,19 +529,7 @@ fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) ->
     let mut st = alone(cfg, layout, None, None).loader_args(replica, d, Arc::new(OnceLock::new()))?;
     st.log = Some(log);
     for e in entries {
-        let msg = match e.kind.as_str() {
-            "Train" => LoaderMsg::Train { step: e.step },
-            "Eval" => {
-                let err = |why: String| anyhow!("{actor}: {}: {why}", e.describe());
-                let kind = EvalKind::from_name(
-                    &e.input(crate::replay::key::EVAL_KIND).and_then(|b| b.to_str()).map_err(err)?,
-                )
-                .map_err(err)?;
-                let batches = e.input("batches").and_then(|b| b.to_f64()).map_err(err)? as usize;
-                LoaderMsg::Eval { step: e.step, kind, batches }
-            }
-            other => bail!("{actor}: {}: a loader does not handle `{other}`", e.describe()),
-        };
+        let msg = LoaderMsg::from_entry(e).map_err(|why| anyhow!("{actor}: {}: {why}", e.describe()))?;
         st.on_message(msg).map_err(|e| anyhow!(e))?;
     }
     let mut log = st.log.take().expect("log");
@@ -556,20 +543,7 @@ fn replay_reducer(cfg: &Config, entries: &[Entry], log: ActorLog) -> Result<usiz
     args.log = Some(log);
     let mut st = ReducerState::new(args);
     for e in entries {
-        let err = |why: String| anyhow!("reducer: {}: {why}", e.describe());
-        if e.kind == "Gather" {
-            let shards = e.inputs.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(err)?;
-            let stage = e.stage.ok_or_else(|| err("names no stage".into()))? as usize;
-            let msg = ReducerMsg::Gather { step: e.step, stage, replica: e.replica as usize, shards };
-            st.on_message(msg).map_err(|e| anyhow!(e))?;
-            continue;
-        }
-        let (spans, tensors) = e.inputs.split_first().ok_or_else(|| err("holds no tree spans".into()))?;
-        let spans = spans.to_u32s().map_err(err)?;
-        let spans = spans.chunks(2).map(|p| Span { lo: p[0] as usize, hi: p[1] as usize }).collect();
-        let grads = tensors.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(err)?;
-        let stage = e.stage.ok_or_else(|| err("names no stage".into()))? as usize;
-        let msg = ReducerMsg::Reduce { step: e.step, stage, replica: e.replica as usize, spans, grads };
+        let msg = ReducerMsg::from_entry(e).map_err(|why| anyhow!("reducer: {}: {why}", e.describe()))?;
         st.on_message(msg).map_err(|e| anyhow!(e))?;
     }
     st.close_log().map_err(|e| anyhow!(e))
