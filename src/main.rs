@@ -782,13 +782,13 @@ fn launch_args() -> Vec<std::ffi::OsString> {
 fn replay_command(
     dir: &std::path::Path,
     actor: Option<String>,
-    opts: pipewright::replay::run::ReplayOptions,
+    opts: pipewright::train::replay::ReplayOptions,
     all: bool,
     chaos_seed: Option<u64>,
     out: Option<PathBuf>,
     list: bool,
 ) -> Result<bool> {
-    use pipewright::replay::run::{actors_in, prepare_all, replay_actor, Verdict};
+    use pipewright::train::replay::{actors_in, prepare_all, replay_actor, Verdict};
     if list {
         let logs = opts.logs_dir(dir);
         for a in actors_in(dir, &logs)? {
@@ -808,7 +808,7 @@ fn replay_command(
         let out = match out {
             Some(o) => o,
             None => {
-                tmp = pipewright::replay::run::scratch_dir("all")?;
+                tmp = pipewright::train::replay::scratch_dir("all")?;
                 tmp.clone()
             }
         };
@@ -886,7 +886,7 @@ fn run(cli: Cli) -> Result<()> {
             result
         }
         Command::Replay { dir, actor, from_step, log_dir, allow_truncated, all, chaos_seed, out, list } => {
-            let opts = pipewright::replay::run::ReplayOptions { from_step, log_dir, allow_truncated };
+            let opts = pipewright::train::replay::ReplayOptions { from_step, log_dir, allow_truncated };
             match replay_command(&dir, actor, opts, all, chaos_seed, out, list) {
                 Ok(true) => Ok(()),
                 Ok(false) => std::process::exit(1),

@@ -1,10 +1,13 @@
 //! `pipewright replay`: rebuild one actor alone from a recorded run and feed it
 //! its recorded inputs in recorded order (`--actor`), or re-run the whole
 //! system and compare every actor's log (`--all`).
+//!
+//! A command over a whole run, so it lives beside the run loop: `--all` trains
+//! again, and an actor replayed alone reads the run's data as training does.
+//! The recorder the actors write and check through stays below them, in
+//! `crate::replay`.
 
-use super::{
-    compare, ActorLog, Anchor, Checker, Divergence, Entry, FileRef, Header, LogError, LogReader, ReadLog,
-};
+use super::run::{load_sources, train_with, TrainOptions};
 use crate::actors::coordinator::{CoordinatorState, Links};
 use crate::actors::protocol::{CoordinatorMsg, LoaderMsg, ReducerMsg, StageMsg};
 use crate::actors::reducer::ReducerState;
@@ -13,6 +16,10 @@ use crate::actors::topology::Topology;
 use crate::actors::Layout;
 use crate::config::Config;
 use crate::model::Arch;
+use crate::replay::{
+    compare, log_path, replay_dir, ActorLog, Anchor, Checker, Divergence, Entry, FileRef, Header, LogError,
+    LogReader, ReadLog,
+};
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -35,7 +42,7 @@ impl ReplayOptions {
     pub fn logs_dir(&self, run_dir: &Path) -> PathBuf {
         match &self.log_dir {
             Some(d) => run_dir.join(d),
-            None => super::replay_dir(run_dir),
+            None => replay_dir(run_dir),
         }
     }
 }
@@ -74,7 +81,7 @@ impl std::fmt::Display for Verdict {
 
 /// Which actors a run recorded: the `*.log` names under `RUN/replay/`.
 pub fn recorded_actors(run_dir: &Path) -> Result<Vec<String>> {
-    actors_in(run_dir, &super::replay_dir(run_dir))
+    actors_in(run_dir, &replay_dir(run_dir))
 }
 
 /// The `*.log` names under `logs`, a log directory of the run in `run_dir`.
@@ -157,7 +164,7 @@ fn config_of(h: &Header, path: &Path) -> Result<Config> {
     let cfg = Config::parse(&h.config, &origin, &[])?;
     // The recorded text itself, too: a log from a build with fewer config
     // fields re-serializes with this build's defaults added, and another hash.
-    if cfg.hash() != h.config_hash && super::blake3_hex(h.config.as_bytes()) != h.config_hash {
+    if cfg.hash() != h.config_hash && crate::replay::blake3_hex(h.config.as_bytes()) != h.config_hash {
         bail!("{origin}: the config's hash does not match the one recorded beside it");
     }
     Ok(cfg)
@@ -225,7 +232,7 @@ fn init_weights(header: &Header, path: &Path) -> Result<Option<Arc<crate::model:
                 path.display()
             )
         })?;
-    let now = super::blake3_hex(&bytes);
+    let now = crate::replay::blake3_hex(&bytes);
     if now != init.blake3 {
         bail!(
             "{}: the --init weights changed since the run: blake3 {now} now, {} recorded {}",
@@ -356,12 +363,12 @@ fn belongs_to_run(
             );
         }
     }
-    if logs != super::replay_dir(run_dir) {
+    if logs != replay_dir(run_dir) {
         return Ok(());
     }
     let own = run_dir.join("config.toml");
     let Ok(text) = std::fs::read_to_string(&own) else { return Ok(()) };
-    if super::blake3_hex(text.as_bytes()) == header.config_hash {
+    if crate::replay::blake3_hex(text.as_bytes()) == header.config_hash {
         return Ok(());
     }
     let run_cfg = Config::parse(&text, &own.display().to_string(), &[]).with_context(|| {
@@ -524,7 +531,7 @@ fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) ->
         .filter(|_| cfg.actor_exists(actor))
         .ok_or_else(|| anyhow!("--actor {actor}: not a loader of this run (dp = {})", cfg.parallel.dp))?;
     let layout = Layout::from_config(cfg)?;
-    let sources = crate::train::run::load_sources(cfg)?;
+    let sources = load_sources(cfg)?;
     let d = sources.replica_data(cfg)?;
     let mut st = alone(cfg, layout, None, None).loader_args(replica, d, Arc::new(OnceLock::new()))?;
     st.log = Some(log);
@@ -561,7 +568,7 @@ fn replay_coordinator(
     let layout = Layout::from_config(cfg)?;
     let saved = resume.as_ref().and_then(|r| r.state.loss_scaler.clone());
     let scaler = crate::optim::scaler::LossScaler::for_run(&cfg.optim, saved);
-    let sources = crate::train::run::load_sources(cfg)?;
+    let sources = load_sources(cfg)?;
     let links = Links { stages: vec![], loaders: vec![], reducer: None, monitor: None, checkpointer: None };
     let mut st = CoordinatorState::new(
         run_dir.to_path_buf(),
@@ -731,7 +738,7 @@ pub fn prepare_all(run_dir: &Path, opts: &ReplayOptions) -> Result<WholeRun> {
     let cfg = config_of(&header, &path)?;
     cfg.validate()?;
     missing_logs(&logs, &actors, &cfg)?;
-    crate::train::run::load_sources(&cfg)?;
+    load_sources(&cfg)?;
     let start = if header.start_step > 0 {
         let c = start_checkpoint(run_dir, &header, &path, header.start_step)?.expect("step > 0");
         Start::Checkpoint(c.dir.clone())
@@ -757,7 +764,7 @@ impl WholeRun {
     /// Runs the recorded config again (recording, into `out`) and compares
     /// every actor's log with the recording. One verdict per actor.
     pub fn run(&self, out: &Path, chaos_seed: Option<u64>) -> Result<Vec<Verdict>> {
-        let mut opts = crate::train::run::TrainOptions {
+        let mut opts = TrainOptions {
             out_dir: out.to_path_buf(),
             init: None,
             force: true,
@@ -772,12 +779,12 @@ impl WholeRun {
                 opts.resume = true;
             }
         }
-        crate::train::run::train_with(&self.cfg, &opts, chaos_seed)?;
+        train_with(&self.cfg, &opts, chaos_seed)?;
         // A run that was cut off: every actor stopped early, so each log only
         // has to match the re-run as far as it goes.
         let prefix = !self.cut.is_empty();
         // An actor the re-run logged and the recording lacks was never compared.
-        let rerun_actors = actors_in(out, &super::replay_dir(out))?;
+        let rerun_actors = actors_in(out, &replay_dir(out))?;
         let unrecorded: Vec<String> = rerun_actors
             .iter()
             .filter(|a| !self.actors.contains(a))
@@ -790,7 +797,7 @@ impl WholeRun {
         for a in &self.actors {
             let mine = self.logs.join(format!("{a}.log"));
             let recorded = LogReader::read(&mine, prefix)?;
-            let (_, rerun) = LogReader::read_all(&super::log_path(out, a))?;
+            let (_, rerun) = LogReader::read_all(&log_path(out, a))?;
             let es = &recorded.entries;
             let v = match first_difference(a, es, &rerun, prefix) {
                 Some(d) => Verdict::Diverged(d.name_params(&Arch::from_config(&self.cfg))),
