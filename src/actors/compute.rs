@@ -345,7 +345,7 @@ impl StageCompute for CpuCompute {
 
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
         let (part, shard, first) = (&self.parts[i], self.shard, &self.first_slots);
-        self.pool.install(|| optim::grad_sum_squares(part, shard, first, out));
+        self.pool.install(|| optim::grad_sum_squares(&part.params, part.spec.embedding, shard, first, out));
     }
 
     fn param_shards(&self, i: usize) -> Vec<Vec<f32>> {
@@ -367,7 +367,7 @@ impl StageCompute for CpuCompute {
         let (parts, adam) = (&mut self.parts, &mut self.adam);
         self.pool.install(|| {
             for (part, st) in parts.iter_mut().zip(adam.iter_mut()) {
-                st.step(part, hyper, lr, clip);
+                st.step(&mut part.params, hyper, lr, clip);
             }
         });
     }

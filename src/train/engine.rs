@@ -36,7 +36,7 @@ impl Engine {
         let tp = TpShape::from_config(cfg);
         let part = ModelPart::new(gpt, PartSpec::whole(&gpt), b, cfg.train.seed, cfg.train.recompute)
             .with_tp(tp, threads);
-        let adam = AdamState::new(&part);
+        let adam = AdamState::new(&part.params);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("compute-{i}"))
@@ -97,12 +97,13 @@ impl Engine {
             tree.finish_local(part);
             part.combine_tied_grads(None);
             let loss = loss_sum * dloss as f64;
-            optim::grad_sum_squares(part, optim::zero::Shard::WHOLE, first_slots, norms);
+            let whole = optim::zero::Shard::WHOLE;
+            optim::grad_sum_squares(&part.params, part.spec.embedding, whole, first_slots, norms);
             let grad_norm = optim::global_norm(norms);
             let skipped = !loss.is_finite() || !grad_norm.is_finite();
             if !skipped {
                 let clip = optim::clip_coefficient(grad_norm, *grad_clip);
-                adam.step(part, *hyper, lr, clip);
+                adam.step(&mut part.params, *hyper, lr, clip);
             }
             StepStats { loss, grad_norm, lr, skipped }
         })

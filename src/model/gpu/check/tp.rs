@@ -114,7 +114,7 @@ fn tp_checks_in<X: Elem + NcclType>(
         });
     }
     if X::IS_F32 {
-        let mut adam = AdamState::new(&cpu);
+        let mut adam = AdamState::new(&cpu.params);
         cpu_step(&mut cpu, &mut adam, 1);
         let worst =
             cpu.params.iter().zip(&one.first_grads).map(|(p, g)| rel_err(g, &p.grad)).fold(0.0, f64::max);
