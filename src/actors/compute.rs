@@ -173,7 +173,8 @@ impl CpuCompute {
         block: std::ops::Range<usize>,
         total: usize,
     ) -> Self {
-        let trees = parts.iter().map(|p| PartTree::new(p, block.clone(), total)).collect();
+        let tree = |p: &ModelPart| PartTree::new(&p.spec, &p.cfg, p.params.len(), block.clone(), total);
+        let trees = parts.iter().map(tree).collect();
         let shard = adam.first().map_or(Shard::WHOLE, |a| a.shard);
         let first_slots = parts.first().map_or(Vec::new(), |p| optim::zero::first_slots(&p.cfg));
         CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard, first_slots }
@@ -263,7 +264,8 @@ impl StageCompute for CpuCompute {
         if let Some(acts) = out.acts {
             self.saved.insert((i, mb), acts);
             let g = self.global(i, mb);
-            self.trees[i].push(&mut self.parts[i], Leaf::Head, g);
+            let part = &mut self.parts[i];
+            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Head, g);
         }
         ChunkOutput { output: out.output, loss_sum: out.loss_sum }
     }
@@ -280,7 +282,7 @@ impl StageCompute for CpuCompute {
         let part = &mut self.parts[i];
         if which == BackwardPart::Weight {
             self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
-            self.trees[i].push(part, Leaf::Body, g);
+            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
             return None;
         }
         let acts = self.saved.remove(&(i, mb)).expect("F ran before B");
@@ -292,7 +294,7 @@ impl StageCompute for CpuCompute {
             })
         });
         if which == BackwardPart::Full {
-            self.trees[i].push(part, Leaf::Body, g);
+            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
         }
         dx
     }
@@ -324,7 +326,7 @@ impl StageCompute for CpuCompute {
     }
 
     fn take_grad_nodes(&mut self, i: usize, _block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
-        self.trees[i].take_nodes(&self.parts[i])
+        self.trees[i].take_nodes()
     }
 
     fn sums_by_tree(&self) -> bool {
@@ -333,12 +335,15 @@ impl StageCompute for CpuCompute {
 
     fn finish_grad_tree(&mut self, i: usize) {
         let (tree, part) = (&mut self.trees[i], &mut self.parts[i]);
-        self.pool.install(|| tree.finish_local(part));
+        self.pool.install(|| tree.finish_local(&mut part.params, &mut part.wte_head_grad));
     }
 
     fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
         match self.shard == Shard::WHOLE {
-            true => PartTree::set(&mut self.parts[i], grads),
+            true => {
+                let part = &mut self.parts[i];
+                PartTree::set(&mut part.params, &mut part.wte_head_grad, grads)
+            }
             false => set_grad_shards(&mut self.parts[i], self.shard, grads),
         }
     }

@@ -44,7 +44,7 @@ impl Engine {
             .expect("thread pool");
         let n = b * gpt.block_size;
         let microbatches = cfg.parallel.dp * cfg.parallel.microbatches;
-        let tree = PartTree::new(&part, 0..microbatches, microbatches);
+        let tree = PartTree::new(&part.spec, &part.cfg, part.params.len(), 0..microbatches, microbatches);
         Engine {
             part,
             adam,
@@ -90,11 +90,11 @@ impl Engine {
                 fill(mb, inputs, targets);
                 let out = part.forward(PartInput::Tokens(inputs), Some(targets), Mode::Train { dloss });
                 loss_sum += out.loss_sum.expect("whole model computes the loss");
-                tree.push(part, Leaf::Head, mb);
+                tree.push(&mut part.params, &mut part.wte_head_grad, Leaf::Head, mb);
                 part.backward(out.acts.expect("training keeps activations"), None);
-                tree.push(part, Leaf::Body, mb);
+                tree.push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, mb);
             }
-            tree.finish_local(part);
+            tree.finish_local(&mut part.params, &mut part.wte_head_grad);
             part.combine_tied_grads(None);
             let loss = loss_sum * dloss as f64;
             let whole = optim::zero::Shard::WHOLE;
