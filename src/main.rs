@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
 use pipewright::host::signals::{self, StoppedBeforeStart};
-use pipewright::train::run::{train_on, AlreadyFinished, RunFailed, TrainOptions};
+use pipewright::train::run::{train_restarting, AlreadyFinished, TrainOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -623,7 +623,7 @@ fn default_run_dir() -> PathBuf {
     PathBuf::from(format!("runs/{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60))
 }
 
-fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::Driver>) -> Result<()> {
+fn train_command(args: TrainArgs, cluster: Option<&mut pipewright::cluster::Driver>) -> Result<()> {
     let TrainArgs {
         mut config,
         steps,
@@ -640,21 +640,13 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
     {
         let resuming = resume.is_some();
         let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
-        // Anything at config.toml counts as the run's own (a FIFO or a symlink
-        // loop is then refused by the config reader, naming it): skipped as
-        // absent, the resume would run on the embedded default.
-        let own_path = out_dir.join("config.toml");
-        let own_config = resuming
-            && config.config.is_none()
-            && pipewright::fsutil::is_present(&own_path)
-                .with_context(|| format!("{}: cannot look at the run's own config", own_path.display()))?;
-        if resuming && config.config.is_none() {
-            // The run's own config, so a resume needs no flags it already had.
-            let own = own_path;
-            if own_config {
-                eprintln!("config: {} (the run's own; --config to use another)", own.display());
-                config.config = Some(own);
-            }
+        let own = match (resuming, &config.config) {
+            (true, None) => pipewright::train::resume::own_config(&out_dir)?,
+            _ => None,
+        };
+        let own_config = own.is_some();
+        if own_config {
+            config.config = own;
         }
         signals::install(&out_dir)?;
         // An --init folder's config.json gives the model's shape (under --set).
@@ -705,28 +697,17 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
             }
         }
         eprintln!("pipewright train → {}", out_dir.display());
-        let mut opts =
-            TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
-        let mut restarts = 0;
-        let (s, _) = loop {
-            match train_on(&cfg, &opts, chaos_seed, cluster.as_deref_mut()) {
-                Ok(r) => break r,
-                Err(e) if restarts < max_restarts && e.downcast_ref::<RunFailed>().is_some() => {
-                    restarts += 1;
-                    eprintln!("error: {e:#}");
-                    eprintln!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
-                    opts.resume = true;
-                    opts.init = None;
-                }
-                Err(e)
-                    if e.downcast_ref::<StoppedBeforeStart>().is_some()
-                        || e.downcast_ref::<AlreadyFinished>().is_some() =>
-                {
-                    eprintln!("{e}");
-                    return Ok(());
-                }
-                Err(e) => return Err(e),
+        let opts = TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
+        let (s, _) = match train_restarting(&cfg, opts, chaos_seed, cluster, max_restarts) {
+            Ok(r) => r,
+            Err(e)
+                if e.downcast_ref::<StoppedBeforeStart>().is_some()
+                    || e.downcast_ref::<AlreadyFinished>().is_some() =>
+            {
+                eprintln!("{e}");
+                return Ok(());
             }
+            Err(e) => return Err(e),
         };
         if cfg.backend.kind == pipewright::config::BackendKind::Sim {
             // Nothing is computed: what the sim measures is the runtime against the schedule.

@@ -599,6 +599,33 @@ pub fn train_on(
     Ok((summary, out))
 }
 
+/// [`train_on`], resumed from the run's latest checkpoint each time it fails
+/// after starting ([`RunFailed`]), up to `max_restarts` times
+/// (`--max-restarts`); a restart never starts from `--init` weights again.
+/// Any other error (refused input, [`StoppedBeforeStart`],
+/// [`AlreadyFinished`]) ends it at once.
+pub fn train_restarting(
+    cfg: &Config,
+    mut opts: TrainOptions,
+    chaos_seed: Option<u64>,
+    mut cluster: Option<&mut crate::cluster::Driver>,
+    max_restarts: usize,
+) -> Result<(Summary, RunOutcome)> {
+    let mut restarts = 0;
+    loop {
+        match train_on(cfg, &opts, chaos_seed, cluster.as_deref_mut()) {
+            Err(e) if restarts < max_restarts && e.downcast_ref::<RunFailed>().is_some() => {
+                restarts += 1;
+                tracing::warn!("error: {e:#}");
+                tracing::warn!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
+                opts.resume = true;
+                opts.init = None;
+            }
+            result => return result,
+        }
+    }
+}
+
 /// The async runtime the actors live on. Actors only route messages; the
 /// heavy work runs on each stage's own threads, so two workers are plenty.
 pub fn runtime() -> Result<tokio::runtime::Runtime> {
