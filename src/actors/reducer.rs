@@ -12,7 +12,7 @@
 //! error or panic there stops the actor with the reason, which the coordinator
 //! reports as it does any actor that stops during a run.
 
-use super::protocol::{span_blob, ReducerMsg, StageMsg};
+use super::protocol::{span_blob, stage_name, ReducerMsg, StageMsg};
 use crate::optim::grad_tree::{self, Span};
 use crate::optim::zero::Shard;
 use crate::replay::{self, ActorLog, Blob, Entry};
@@ -187,7 +187,7 @@ impl ReducerState {
             let keep = log.payloads();
             let mut inputs = vec![span_blob(&spans)];
             inputs.extend(grads.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)));
-            let e = replay::entry(&super::coordinator::stage_name(rank, replica), "Reduce", step, replica)
+            let e = replay::entry(&stage_name(rank, replica), "Reduce", step, replica)
                 .with_stage(stage)
                 .with_inputs(inputs);
             self.held.insert((step, stage, replica), e);
@@ -214,7 +214,7 @@ impl ReducerState {
             let keep = self.args.log.as_ref().is_some_and(|l| l.payloads());
             for r in 0..dp {
                 let blobs = tensor_blobs(&part_of(r), keep);
-                let to = super::protocol::stage_name(rank, r);
+                let to = stage_name(rank, r);
                 e.sent.push(replay::Sent { to, kind: "Reduced".into(), mb: None, blobs });
             }
             let n = self.done.entry(step).or_insert(0);
@@ -240,7 +240,7 @@ impl ReducerState {
     fn on_gather(&mut self, step: u64, stage: usize, replica: usize, shards: Grads) -> Result<(), String> {
         let (dp, rank) = (self.args.dp, self.rank_of(stage, replica)?);
         if let Some(log) = &self.args.log {
-            let e = replay::entry(&super::coordinator::stage_name(rank, replica), "Gather", step, replica)
+            let e = replay::entry(&stage_name(rank, replica), "Gather", step, replica)
                 .with_stage(stage)
                 .with_inputs(tensor_blobs(&shards, log.payloads()));
             self.shards_held.insert((step, stage, replica), e);
@@ -275,7 +275,7 @@ impl ReducerState {
         if let Some(e) = self.shards_held.get_mut(&(step, stage, dp - 1)) {
             let blobs = tensor_blobs(whole, log.payloads());
             for r in 0..dp {
-                let to = super::protocol::stage_name(rank, r);
+                let to = stage_name(rank, r);
                 e.sent.push(replay::Sent { to, kind: "Gathered".into(), mb: None, blobs: blobs.clone() });
             }
         }
