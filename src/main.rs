@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use pipewright::config::Config;
 use pipewright::data::{self, Tokenizer};
 use pipewright::host::signals::{self, StoppedBeforeStart};
-use pipewright::train::run::{train_on, AlreadyFinished, RunFailed, TrainOptions};
+use pipewright::train::run::{train_restarting, AlreadyFinished, Summary, TrainOptions};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 
@@ -655,7 +655,7 @@ fn default_run_dir() -> PathBuf {
     PathBuf::from(format!("runs/{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60))
 }
 
-fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::Driver>) -> Result<()> {
+fn train_command(args: TrainArgs, cluster: Option<&mut pipewright::cluster::Driver>) -> Result<()> {
     let TrainArgs {
         mut config,
         steps,
@@ -669,132 +669,137 @@ fn train_command(args: TrainArgs, mut cluster: Option<&mut pipewright::cluster::
         record,
         record_payloads,
     } = args;
-    {
-        let resuming = resume.is_some();
-        let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
-        // Anything at config.toml counts as the run's own (a FIFO or a symlink
-        // loop is then refused by the config reader, naming it): skipped as
-        // absent, the resume would run on the embedded default.
-        let own_path = out_dir.join("config.toml");
-        let own_config = resuming
-            && config.config.is_none()
-            && pipewright::fsutil::is_present(&own_path)
-                .with_context(|| format!("{}: cannot look at the run's own config", own_path.display()))?;
-        if resuming && config.config.is_none() {
-            // The run's own config, so a resume needs no flags it already had.
-            let own = own_path;
-            if own_config {
-                eprintln!("config: {} (the run's own; --config to use another)", own.display());
-                config.config = Some(own);
-            }
-        }
-        signals::install(&out_dir)?;
-        // An --init's model (its config.json, or the config stored in its
-        // weights; both, they must agree) gives the model (under --set).
-        let model = match &init {
-            Some(path) => {
-                let file = pipewright::model::io::weights_file(path);
-                let meta = pipewright::model::io::read_metadata(path)?;
-                let stored = meta.get(pipewright::model::io::CONFIG_METADATA_KEY).map(String::as_str);
-                pipewright::model::hf::weights_model(&file, stored)?
-            }
-            None => None,
-        };
-        if let Some(m) = &model {
-            let s = &m.section;
-            eprintln!(
-                "model from {}: {} layers, {} heads, {} wide, vocab {}, {} positions",
-                m.origin, s.n_layer, s.n_head, s.n_embd, s.vocab_size, s.block_size
-            );
-        }
-        let mut cfg = config.load_under(model.map(|m| m.section.overrides()).unwrap_or_default(), steps)?;
-        let split_given = config.set.iter().any(|s| s.trim_start().starts_with("parallel.layers_per_stage"));
-        if own_config && !split_given {
-            if let Some(note) = pipewright::train::resume::refit_stored_split(&mut cfg) {
-                eprintln!("{note}");
-            }
-        }
-        cfg.trace.enabled |= trace;
-        cfg.replay.record |= record || !record_payloads.is_empty();
-        for a in record_payloads {
-            if !cfg.replay.payloads.contains(&a) {
-                cfg.replay.payloads.push(a);
-            }
-        }
-        cfg.validate()?;
-        for w in cfg.warnings() {
-            eprintln!("warning: {w}");
-        }
-        if cfg.parallel.layers_per_stage.is_empty() {
-            // An uneven split is a choice the user did not make: say which.
-            let layout = pipewright::actors::Layout::from_config(&cfg)?;
-            let split: Vec<usize> = layout.stages.iter().map(|s| s.layers.len()).collect();
-            if split.iter().any(|&n| n != split[0]) {
-                eprintln!(
-                    "model.n_layer = {} over {} stages splits as parallel.layers_per_stage = {split:?} \
-                     (earlier stages take the extra layers; set parallel.layers_per_stage to choose)",
-                    cfg.model.n_layer,
-                    split.len()
-                );
-            }
-        }
-        eprintln!("pipewright train → {}", out_dir.display());
-        let mut opts =
-            TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
-        let mut restarts = 0;
-        let (s, _) = loop {
-            match train_on(&cfg, &opts, chaos_seed, cluster.as_deref_mut()) {
-                Ok(r) => break r,
-                Err(e) if restarts < max_restarts && e.downcast_ref::<RunFailed>().is_some() => {
-                    restarts += 1;
-                    eprintln!("error: {e:#}");
-                    eprintln!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
-                    opts.resume = true;
-                    opts.init = None;
-                }
-                Err(e)
-                    if e.downcast_ref::<StoppedBeforeStart>().is_some()
-                        || e.downcast_ref::<AlreadyFinished>().is_some() =>
-                {
-                    eprintln!("{e}");
-                    return Ok(());
-                }
-                Err(e) => return Err(e),
-            }
-        };
-        if cfg.backend.kind == pipewright::config::BackendKind::Sim {
-            // Nothing is computed: what the sim measures is the runtime against the schedule.
-            let ideal = pipewright::plan::cpu::sim_step_ms(&cfg)?;
-            let step_ms = s.train_seconds * 1e3 / s.steps.max(1) as f64;
-            eprintln!(
-                "done: {} steps of the simulated backend (no compute, no loss): {step_ms:.1} ms per step \
-                 (coordinator round trip), the schedule's makespan at the [sim] costs is {ideal:.1} ms \
-                 ({:+.1}%); per-action bubbles and overhead: pipewright trace summary on a --trace run",
-                s.steps,
-                100.0 * (step_ms / ideal - 1.0)
-            );
-        } else {
-            eprintln!(
-                "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s{}",
-                s.steps,
-                s.final_loss,
-                s.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
-                s.exact_match
-                    .map(|e| format!(", held-out exact match {:.1}%", 100.0 * e))
-                    .unwrap_or_default(),
-                s.tokens_per_s,
-                s.model_gflops,
-                match (s.gemm_util, s.mfu) {
-                    (Some(u), _) => format!(" (gemm_util {:.0}%: of the gemm rate measured here)", 100.0 * u),
-                    (_, Some(m)) => format!(" (MFU {:.1}% of the datasheet peak)", 100.0 * m),
-                    _ => String::new(),
-                }
-            );
-            eprintln!("weights digest {}", s.weights_digest);
-        }
-        eprintln!("outputs in {}", out_dir.display());
-        Ok(())
+    let resuming = resume.is_some();
+    let out_dir = resume.or(out).unwrap_or_else(default_run_dir);
+    let own_config = match (resuming, &config.config) {
+        (true, None) => pipewright::train::resume::own_config(&out_dir)?,
+        _ => None,
+    };
+    let is_own = own_config.is_some();
+    if is_own {
+        config.config = own_config;
     }
+    signals::install(&out_dir)?;
+    let mut cfg = load_train_config(&config, init.as_deref(), steps, is_own)?;
+    cfg.trace.enabled |= trace;
+    cfg.replay.record |= record || !record_payloads.is_empty();
+    for a in record_payloads {
+        if !cfg.replay.payloads.contains(&a) {
+            cfg.replay.payloads.push(a);
+        }
+    }
+    check_train_config(&cfg)?;
+    eprintln!("pipewright train → {}", out_dir.display());
+    let opts = TrainOptions { out_dir: out_dir.clone(), init, force, progress: true, resume: resuming };
+    let (s, _) = match train_restarting(&cfg, opts, chaos_seed, cluster, max_restarts) {
+        Ok(r) => r,
+        Err(e)
+            if e.downcast_ref::<StoppedBeforeStart>().is_some()
+                || e.downcast_ref::<AlreadyFinished>().is_some() =>
+        {
+            eprintln!("{e}");
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    print_done(&cfg, &s)?;
+    eprintln!("outputs in {}", out_dir.display());
+    Ok(())
+}
+
+/// The run's config from `config` (the run's own when `own_config`), with
+/// the model's shape from an --init folder's config.json under --set, and
+/// the layer split a resume's own config recorded dropped when it no longer
+/// fits.
+fn load_train_config(
+    config: &ConfigArgs,
+    init: Option<&std::path::Path>,
+    steps: Option<usize>,
+    own_config: bool,
+) -> Result<Config> {
+    // An --init's model (its config.json, or the config stored in its
+    // weights; both, they must agree) gives the model (under --set).
+    let model = match init {
+        Some(path) => {
+            let file = pipewright::model::io::weights_file(path);
+            let meta = pipewright::model::io::read_metadata(path)?;
+            let stored = meta.get(pipewright::model::io::CONFIG_METADATA_KEY).map(String::as_str);
+            pipewright::model::hf::weights_model(&file, stored)?
+        }
+        None => None,
+    };
+    if let Some(m) = &model {
+        let s = &m.section;
+        eprintln!(
+            "model from {}: {} layers, {} heads, {} wide, vocab {}, {} positions",
+            m.origin, s.n_layer, s.n_head, s.n_embd, s.vocab_size, s.block_size
+        );
+    }
+    let mut cfg = config.load_under(model.map(|m| m.section.overrides()).unwrap_or_default(), steps)?;
+    let split_given = config.set.iter().any(|s| s.trim_start().starts_with("parallel.layers_per_stage"));
+    if own_config && !split_given {
+        if let Some(note) = pipewright::train::resume::refit_stored_split(&mut cfg) {
+            eprintln!("{note}");
+        }
+    }
+    Ok(cfg)
+}
+
+/// Validates the run's config, printing its warnings, and says how an
+/// uneven default layer split falls.
+fn check_train_config(cfg: &Config) -> Result<()> {
+    cfg.validate()?;
+    for w in cfg.warnings() {
+        eprintln!("warning: {w}");
+    }
+    if cfg.parallel.layers_per_stage.is_empty() {
+        // An uneven split is a choice the user did not make: say which.
+        let layout = pipewright::actors::Layout::from_config(cfg)?;
+        let split: Vec<usize> = layout.stages.iter().map(|s| s.layers.len()).collect();
+        if split.iter().any(|&n| n != split[0]) {
+            eprintln!(
+                "model.n_layer = {} over {} stages splits as parallel.layers_per_stage = {split:?} \
+                 (earlier stages take the extra layers; set parallel.layers_per_stage to choose)",
+                cfg.model.n_layer,
+                split.len()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The line that ends a run: its loss and speed, or for the simulated
+/// backend its step time against the schedule's makespan.
+fn print_done(cfg: &Config, s: &Summary) -> Result<()> {
+    if cfg.backend.kind == pipewright::config::BackendKind::Sim {
+        // Nothing is computed: what the sim measures is the runtime against the schedule.
+        let ideal = pipewright::plan::cpu::sim_step_ms(cfg)?;
+        let step_ms = s.train_seconds * 1e3 / s.steps.max(1) as f64;
+        eprintln!(
+            "done: {} steps of the simulated backend (no compute, no loss): {step_ms:.1} ms per step \
+             (coordinator round trip), the schedule's makespan at the [sim] costs is {ideal:.1} ms \
+             ({:+.1}%); per-action bubbles and overhead: pipewright trace summary on a --trace run",
+            s.steps,
+            100.0 * (step_ms / ideal - 1.0)
+        );
+    } else {
+        eprintln!(
+            "done: {} steps, loss {:.4}{}{}, {:.0} tokens/s, {:.1} GFLOP/s{}",
+            s.steps,
+            s.final_loss,
+            s.val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default(),
+            s.exact_match.map(|e| format!(", held-out exact match {:.1}%", 100.0 * e)).unwrap_or_default(),
+            s.tokens_per_s,
+            s.model_gflops,
+            match (s.gemm_util, s.mfu) {
+                (Some(u), _) => format!(" (gemm_util {:.0}%: of the gemm rate measured here)", 100.0 * u),
+                (_, Some(m)) => format!(" (MFU {:.1}% of the datasheet peak)", 100.0 * m),
+                _ => String::new(),
+            }
+        );
+        eprintln!("weights digest {}", s.weights_digest);
+    }
+    Ok(())
 }
 
 /// `launch`'s own arguments left out: what each `worker` gets.
@@ -816,13 +821,13 @@ fn launch_args() -> Vec<std::ffi::OsString> {
 fn replay_command(
     dir: &std::path::Path,
     actor: Option<String>,
-    opts: pipewright::replay::run::ReplayOptions,
+    opts: pipewright::train::replay::ReplayOptions,
     all: bool,
     chaos_seed: Option<u64>,
     out: Option<PathBuf>,
     list: bool,
 ) -> Result<bool> {
-    use pipewright::replay::run::{actors_in, prepare_all, replay_actor, Verdict};
+    use pipewright::train::replay::{actors_in, prepare_all, replay_actor, Verdict};
     if list {
         let logs = opts.logs_dir(dir);
         for a in actors_in(dir, &logs)? {
@@ -842,7 +847,7 @@ fn replay_command(
         let out = match out {
             Some(o) => o,
             None => {
-                tmp = pipewright::replay::run::scratch_dir("all")?;
+                tmp = pipewright::train::replay::scratch_dir("all")?;
                 tmp.clone()
             }
         };
@@ -876,51 +881,12 @@ fn replay_command(
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train_command(args, None),
-        Command::Launch { nodes, port, tls, train } => {
-            // Checked here so a bad file is one error, not one per process;
-            // the workers get the same flags (or inherit the variables).
-            tls.load()?;
-            // A layout the processes cannot hold is refused before any starts.
-            train.config.load(train.steps)?.check_processes(nodes)?;
-            let args = launch_args();
-            pipewright::cluster::launch(nodes, port, &args, std::time::Duration::from_secs(30))?;
-            Ok(())
-        }
+        Command::Launch { nodes, port, tls, train } => launch_command(nodes, port, tls, train),
         Command::Worker { join, rank, world, join_timeout, tls, train } => {
-            let spec = pipewright::cluster::JoinSpec::resolve(
-                join.as_deref(),
-                rank,
-                world,
-                std::time::Duration::from_secs(join_timeout),
-            )?
-            .with_tls(tls.load()?);
-            if spec.rank > 0 {
-                pipewright::cluster::run_worker(&spec)?;
-                match pipewright::train::run::peak_rss_bytes() {
-                    Some(b) => eprintln!(
-                        "rank {}: done (peak RSS {:.1} MiB)",
-                        spec.rank,
-                        b as f64 / (1 << 20) as f64
-                    ),
-                    None => eprintln!("rank {}: done", spec.rank),
-                }
-                return Ok(());
-            }
-            if train.max_restarts > 0 {
-                anyhow::bail!("--max-restarts: not supported for runs that span processes");
-            }
-            let cfg = train.config.load(train.steps)?;
-            pipewright::limits::check(&cfg)?;
-            let layout = pipewright::actors::Layout::from_config(&cfg)?;
-            let placement =
-                pipewright::cluster::Placement::new(layout.pp, layout.dp, cfg.parallel.tp, spec.world)?;
-            let mut driver = pipewright::cluster::Driver::rendezvous(&spec, placement)?;
-            let result = train_command(train, Some(&mut driver));
-            driver.finish(result.as_ref().err().map(|e| format!("{e:#}")));
-            result
+            worker_command(join, rank, world, join_timeout, tls, train)
         }
         Command::Replay { dir, actor, from_step, log_dir, allow_truncated, all, chaos_seed, out, list } => {
-            let opts = pipewright::replay::run::ReplayOptions { from_step, log_dir, allow_truncated };
+            let opts = pipewright::train::replay::ReplayOptions { from_step, log_dir, allow_truncated };
             match replay_command(&dir, actor, opts, all, chaos_seed, out, list) {
                 Ok(true) => Ok(()),
                 Ok(false) => std::process::exit(1),
@@ -931,25 +897,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Eval { config, weights, data, batches, windows, json } => {
-            use pipewright::train::eval::Amount;
-            let amount = match (batches, windows) {
-                (_, Some(w)) => Amount::Windows(w),
-                (Some(b), None) => Amount::Batches(b),
-                (None, None) => Amount::ConfigBatches,
-            };
-            let (loss, read) = pipewright::train::eval::eval_file(
-                config.config.as_deref(),
-                &config.set,
-                &weights,
-                &data,
-                amount,
-            )?;
-            if json {
-                println!("{}", serde_json::json!({ "loss": loss, "windows": read }));
-            } else {
-                println!("mean loss over the first {read} windows of {}: {loss:.6}", data.display());
-            }
-            Ok(())
+            eval_command(config, weights, data, batches, windows, json)
         }
         Command::Generate {
             config,
@@ -961,34 +909,11 @@ fn run(cli: Cli) -> Result<()> {
             seed,
             tokenizer,
         } => {
-            let tokenizer = match tokenizer {
-                Some(t) => Some(t.parse::<Tokenizer>().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
-                None => None,
-            };
-            let req = pipewright::generate::GenerateRequest {
-                config: config.config.as_deref(),
-                overrides: &config.set,
-                weights: &weights,
-                tokenizer,
-                prompt: &prompt,
-                max_new_tokens,
-                sampling: pipewright::generate::Sampling { temperature, top_k, seed },
-            };
-            pipewright::generate::run(&req, &mut std::io::stdout().lock())?;
-            Ok(())
+            let sampling = pipewright::generate::Sampling { temperature, top_k, seed };
+            generate_command(config, weights, prompt, max_new_tokens, sampling, tokenizer)
         }
         Command::Prepare { input, tokenizer, out, val_fraction, force } => {
-            let tok: Tokenizer = tokenizer.parse().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
-            let r = data::prepare_all(&input, tok, &out, val_fraction, force)?;
-            if r.documents > 1 {
-                println!("{} documents", r.documents);
-            }
-            println!("train: {} tokens → {}", r.train_tokens, r.train_path.display());
-            if let Some(v) = &r.val_path {
-                println!("val:   {} tokens → {}", r.val_tokens, v.display());
-            }
-            println!("set model.vocab_size = {} in your config", r.vocab_size);
-            Ok(())
+            prepare_command(input, tokenizer, out, val_fraction, force)
         }
         Command::Inspect { path } => {
             print!("{}", pipewright::inspect::inspect(&path)?);
@@ -1003,161 +928,17 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GpuCheck { device, only } => gpu_check(device, only),
         Command::GpuBench(args) => gpu_bench(args),
-        Command::Bench { transport: true, tls, json, .. } => {
-            let tls = tls.load()?;
-            let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0], tls.as_ref())?;
-            println!(
-                "frame round trip ({} floats, {} trips{}): median {:.1} µs, p99 {:.1} µs",
-                b.small_floats,
-                b.round_trips,
-                if b.tls { ", TLS" } else { "" },
-                b.rtt_median_us,
-                b.rtt_p99_us
-            );
-            for (mib, mbs) in &b.bandwidth {
-                println!("{mib:>5.0} MiB frames: {mbs:.0} MB/s (one way, decoded)");
-            }
-            if json {
-                println!("{}", serde_json::to_string(&b)?);
-            }
-            Ok(())
-        }
+        Command::Bench { transport: true, tls, json, .. } => bench_transport(tls, json),
         Command::Bench { sim: true, schedule, plot, json, cells, .. } => {
-            let mut cells = cells;
-            if cells.is_empty() {
-                for p in [2, 4, 8, 16, 32] {
-                    for k in [1, 2, 4, 8] {
-                        cells.push((p, p * k));
-                    }
-                }
-            }
-            eprintln!(
-                "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 6 steps per cell, \
-                 the median of the last 5"
-            );
-            // Bar length in expected milliseconds (steps × (m + p − 1) × (F + B)),
-            // so the ETA weighs pp = 32, m = 256 as the long cell it is.
-            let steps = 6;
-            let expected = |&(p, m): &(usize, usize)| (steps * (m + p - 1)) as u64 * 6;
-            let bar = if std::io::stderr().is_terminal() {
-                indicatif::ProgressBar::new(cells.iter().map(expected).sum())
-            } else {
-                indicatif::ProgressBar::hidden()
-            };
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{bar:30.cyan/blue} {msg} [{elapsed_precise} < {eta_precise}]",
-                )
-                .expect("valid template"),
-            );
-            let mut rows = Vec::new();
-            for (i, cell) in cells.iter().enumerate() {
-                bar.set_message(format!("cell {}/{}: pp {} m {}", i + 1, cells.len(), cell.0, cell.1));
-                rows.extend(pipewright::bench::sim_rows(&schedule, &[*cell], 2.0, 4.0, steps)?);
-                bar.inc(expected(cell));
-            }
-            bar.finish_and_clear();
-            print!("{}", pipewright::bench::sim_table(&rows));
-            std::fs::write(&plot, pipewright::bench::sim_plot(&rows))
-                .with_context(|| format!("{}: cannot write", plot.display()))?;
-            println!("plot: {}", plot.display());
-            if json {
-                println!("{}", serde_json::to_string(&rows)?);
-            }
-            Ok(())
+            bench_sim(schedule, plot, json, cells)
         }
         Command::Bench { config, steps, warmup, pp, microbatches, json, .. } => {
-            let path = config.config.clone();
-            let cfg = config.load(None)?;
-            cfg.validate()?;
-            // train's own check, so bench refuses what train refuses.
-            pipewright::limits::check(&cfg)?;
-            let steps = steps.unwrap_or(cfg.train.steps);
-            let name = path.map(|p| p.display().to_string()).unwrap_or_else(|| "embedded default".into());
-            eprintln!(
-                "pipewright bench: {name}: {} layers, {} wide, {} heads, vocab {}, T {}, {} × {} sequences per step",
-                cfg.model.n_layer,
-                cfg.model.n_embd,
-                cfg.model.n_head,
-                cfg.model.vocab_size,
-                cfg.model.block_size,
-                cfg.parallel.microbatches,
-                cfg.train.micro_batch_size
-            );
-            let report = pipewright::bench::run(&cfg, steps, warmup, |s, loss| {
-                eprint!("\r  step {s}/{steps} loss {loss:.4}   ");
-            });
-            eprintln!();
-            print!("{}", report.table());
-            let rows = if pp.is_empty() {
-                vec![]
-            } else {
-                eprintln!(
-                    "pipeline comparison: pp = {pp:?}, {microbatches} microbatches of {} sequences per step",
-                    cfg.train.micro_batch_size
-                );
-                let rows = pipewright::bench::pipeline_rows(&cfg, steps, &pp, microbatches)?;
-                print!("{}", pipewright::bench::pipeline_table(&rows));
-                rows
-            };
-            let (lat_median, lat_p99) = pipewright::bench::message_latency(20_000)?;
-            println!(
-                "\nper-message overhead of the runtime itself (an idle actor, send → start of its handler, \
-                 20 000 messages; target ≤ 20 µs median): median {lat_median:.1} µs, p99 {lat_p99:.1} µs"
-            );
-            if let Some(r) = rows
-                .iter()
-                .filter(|r| r.messages > 0)
-                .max_by(|a, b| a.msg_median_us.total_cmp(&b.msg_median_us))
-            {
-                println!(
-                    "send → handle inside a busy run (compute threads on every core; worst layout above, pp = {}): \
-                     median {:.1} µs, p99 {:.1} µs",
-                    r.pp, r.msg_median_us, r.msg_p99_us
-                );
-            }
-            if json {
-                let mut v = serde_json::to_value(&report).context("report")?;
-                v["pipeline"] = serde_json::to_value(&rows)?;
-                v["message_latency_median_us"] = lat_median.into();
-                v["message_latency_p99_us"] = lat_p99.into();
-                println!("{v}");
-            }
-            Ok(())
+            bench_command(config, steps, warmup, pp, microbatches, json)
         }
         Command::Schedule { kind, stages, microbatches, chunks, json, trace, costs } => {
-            // cli_text first: its errors name the flags. --costs draws the grid at those costs.
-            let text = pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?;
-            if costs.is_empty() || json {
-                print!("{text}");
-            } else {
-                print!(
-                    "{}",
-                    pipewright::trace::simulated::cli_grid(&kind, stages, microbatches, chunks, &costs)?
-                );
-            }
-            if let Some(path) = trace {
-                let v = pipewright::trace::simulated::cli_trace(&kind, stages, microbatches, chunks, &costs)?;
-                // A text file ends with a newline (tools that append or diff expect one).
-                std::fs::write(&path, format!("{v}\n"))
-                    .with_context(|| format!("{}: cannot write", path.display()))?;
-                eprintln!("trace: {}", path.display());
-            }
-            Ok(())
+            schedule_command(kind, stages, microbatches, chunks, json, trace, costs)
         }
-        Command::Trace(TraceCommand::Summary { file, json, replica }) => {
-            let mut trace = pipewright::trace::summary::load(&file)?;
-            if let Some(r) = replica {
-                trace = trace.replica(r)?;
-            }
-            let s = pipewright::trace::summary::summarize(&trace)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&s.to_json())?);
-            } else {
-                print!("{}", s.text());
-            }
-            Ok(())
-        }
+        Command::Trace(TraceCommand::Summary { file, json, replica }) => trace_summary(file, json, replica),
         Command::Trace(TraceCommand::Render { file, out, step }) => {
             let step = pipewright::trace::render::write(&file, &out, step)?;
             eprintln!("step {step} → {}", out.display());
@@ -1168,6 +949,303 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// `launch`: starts `nodes` worker processes on this machine, with train's flags.
+fn launch_command(nodes: usize, port: Option<u16>, tls: TlsArgs, train: TrainArgs) -> Result<()> {
+    // Checked here so a bad file is one error, not one per process;
+    // the workers get the same flags (or inherit the variables).
+    tls.load()?;
+    // A layout the processes cannot hold is refused before any starts.
+    train.config.load(train.steps)?.check_processes(nodes)?;
+    let args = launch_args();
+    pipewright::cluster::launch(nodes, port, &args, std::time::Duration::from_secs(30))?;
+    Ok(())
+}
+
+/// `worker`: joins a run as one rank; rank 0 trains and writes the outputs.
+fn worker_command(
+    join: Option<String>,
+    rank: Option<usize>,
+    world: Option<usize>,
+    join_timeout: u64,
+    tls: TlsArgs,
+    train: TrainArgs,
+) -> Result<()> {
+    let spec = pipewright::cluster::JoinSpec::resolve(
+        join.as_deref(),
+        rank,
+        world,
+        std::time::Duration::from_secs(join_timeout),
+    )?
+    .with_tls(tls.load()?);
+    if spec.rank > 0 {
+        pipewright::cluster::run_worker(&spec)?;
+        match pipewright::train::run::peak_rss_bytes() {
+            Some(b) => {
+                eprintln!("rank {}: done (peak RSS {:.1} MiB)", spec.rank, b as f64 / (1 << 20) as f64)
+            }
+            None => eprintln!("rank {}: done", spec.rank),
+        }
+        return Ok(());
+    }
+    if train.max_restarts > 0 {
+        anyhow::bail!("--max-restarts: not supported for runs that span processes");
+    }
+    let cfg = train.config.load(train.steps)?;
+    pipewright::limits::check(&cfg)?;
+    let layout = pipewright::actors::Layout::from_config(&cfg)?;
+    let placement = pipewright::cluster::Placement::new(layout.pp, layout.dp, cfg.parallel.tp, spec.world)?;
+    let mut driver = pipewright::cluster::Driver::rendezvous(&spec, placement)?;
+    let result = train_command(train, Some(&mut driver));
+    driver.finish(result.as_ref().err().map(|e| format!("{e:#}")));
+    result
+}
+
+/// `eval`: the mean loss of saved weights over a token file's first windows.
+fn eval_command(
+    config: ConfigArgs,
+    weights: PathBuf,
+    data: PathBuf,
+    batches: Option<usize>,
+    windows: Option<usize>,
+    json: bool,
+) -> Result<()> {
+    use pipewright::train::eval::Amount;
+    let amount = match (batches, windows) {
+        (_, Some(w)) => Amount::Windows(w),
+        (Some(b), None) => Amount::Batches(b),
+        (None, None) => Amount::ConfigBatches,
+    };
+    let (loss, read) =
+        pipewright::train::eval::eval_file(config.config.as_deref(), &config.set, &weights, &data, amount)?;
+    if json {
+        println!("{}", serde_json::json!({ "loss": loss, "windows": read }));
+    } else {
+        println!("mean loss over the first {read} windows of {}: {loss:.6}", data.display());
+    }
+    Ok(())
+}
+
+/// `generate`: continues a prompt with saved weights, printing tokens as they come.
+fn generate_command(
+    config: ConfigArgs,
+    weights: PathBuf,
+    prompt: String,
+    max_new_tokens: usize,
+    sampling: pipewright::generate::Sampling,
+    tokenizer: Option<String>,
+) -> Result<()> {
+    let tokenizer = match tokenizer {
+        Some(t) => Some(t.parse::<Tokenizer>().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
+        None => None,
+    };
+    let req = pipewright::generate::GenerateRequest {
+        config: config.config.as_deref(),
+        overrides: &config.set,
+        weights: &weights,
+        tokenizer,
+        prompt: &prompt,
+        max_new_tokens,
+        sampling,
+    };
+    pipewright::generate::run(&req, &mut std::io::stdout().lock())?;
+    Ok(())
+}
+
+/// `prepare`: tokenizes text files into train.bin and val.bin.
+fn prepare_command(
+    input: Vec<PathBuf>,
+    tokenizer: String,
+    out: PathBuf,
+    val_fraction: f64,
+    force: bool,
+) -> Result<()> {
+    let tok: Tokenizer = tokenizer.parse().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
+    let r = data::prepare_all(&input, tok, &out, val_fraction, force)?;
+    if r.documents > 1 {
+        println!("{} documents", r.documents);
+    }
+    println!("train: {} tokens → {}", r.train_tokens, r.train_path.display());
+    if let Some(v) = &r.val_path {
+        println!("val:   {} tokens → {}", r.val_tokens, v.display());
+    }
+    println!("set model.vocab_size = {} in your config", r.vocab_size);
+    Ok(())
+}
+
+/// `bench --transport`: the CPU data plane on loopback.
+fn bench_transport(tls: TlsArgs, json: bool) -> Result<()> {
+    let tls = tls.load()?;
+    let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0], tls.as_ref())?;
+    println!(
+        "frame round trip ({} floats, {} trips{}): median {:.1} µs, p99 {:.1} µs",
+        b.small_floats,
+        b.round_trips,
+        if b.tls { ", TLS" } else { "" },
+        b.rtt_median_us,
+        b.rtt_p99_us
+    );
+    for (mib, mbs) in &b.bandwidth {
+        println!("{mib:>5.0} MiB frames: {mbs:.0} MB/s (one way, decoded)");
+    }
+    if json {
+        println!("{}", serde_json::to_string(&b)?);
+    }
+    Ok(())
+}
+
+/// `bench --sim`: the simulated backend's measured against theoretical bubble, cell by cell.
+fn bench_sim(schedule: String, plot: PathBuf, json: bool, mut cells: Vec<(usize, usize)>) -> Result<()> {
+    if cells.is_empty() {
+        for p in [2, 4, 8, 16, 32] {
+            for k in [1, 2, 4, 8] {
+                cells.push((p, p * k));
+            }
+        }
+    }
+    eprintln!(
+        "pipewright bench --sim: {schedule}, F = 2 ms, B = 4 ms (I = W = 2 ms), 6 steps per cell, \
+         the median of the last 5"
+    );
+    // Bar length in expected milliseconds (steps × (m + p − 1) × (F + B)),
+    // so the ETA weighs pp = 32, m = 256 as the long cell it is.
+    let steps = 6;
+    let expected = |&(p, m): &(usize, usize)| (steps * (m + p - 1)) as u64 * 6;
+    let bar = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(cells.iter().map(expected).sum())
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30.cyan/blue} {msg} [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    let mut rows = Vec::new();
+    for (i, cell) in cells.iter().enumerate() {
+        bar.set_message(format!("cell {}/{}: pp {} m {}", i + 1, cells.len(), cell.0, cell.1));
+        rows.extend(pipewright::bench::sim_rows(&schedule, &[*cell], 2.0, 4.0, steps)?);
+        bar.inc(expected(cell));
+    }
+    bar.finish_and_clear();
+    print!("{}", pipewright::bench::sim_table(&rows));
+    std::fs::write(&plot, pipewright::bench::sim_plot(&rows))
+        .with_context(|| format!("{}: cannot write", plot.display()))?;
+    println!("plot: {}", plot.display());
+    if json {
+        println!("{}", serde_json::to_string(&rows)?);
+    }
+    Ok(())
+}
+
+/// `bench`: training throughput, the pipeline comparison and the runtime's per-message overhead.
+fn bench_command(
+    config: ConfigArgs,
+    steps: Option<usize>,
+    warmup: usize,
+    pp: Vec<usize>,
+    microbatches: usize,
+    json: bool,
+) -> Result<()> {
+    let path = config.config.clone();
+    let cfg = config.load(None)?;
+    cfg.validate()?;
+    // train's own check, so bench refuses what train refuses.
+    pipewright::limits::check(&cfg)?;
+    let steps = steps.unwrap_or(cfg.train.steps);
+    let name = path.map(|p| p.display().to_string()).unwrap_or_else(|| "embedded default".into());
+    eprintln!(
+        "pipewright bench: {name}: {} layers, {} wide, {} heads, vocab {}, T {}, {} × {} sequences per step",
+        cfg.model.n_layer,
+        cfg.model.n_embd,
+        cfg.model.n_head,
+        cfg.model.vocab_size,
+        cfg.model.block_size,
+        cfg.parallel.microbatches,
+        cfg.train.micro_batch_size
+    );
+    let report = pipewright::bench::run(&cfg, steps, warmup, |s, loss| {
+        eprint!("\r  step {s}/{steps} loss {loss:.4}   ");
+    });
+    eprintln!();
+    print!("{}", report.table());
+    let rows = if pp.is_empty() {
+        vec![]
+    } else {
+        eprintln!(
+            "pipeline comparison: pp = {pp:?}, {microbatches} microbatches of {} sequences per step",
+            cfg.train.micro_batch_size
+        );
+        let rows = pipewright::bench::pipeline_rows(&cfg, steps, &pp, microbatches)?;
+        print!("{}", pipewright::bench::pipeline_table(&rows));
+        rows
+    };
+    let (lat_median, lat_p99) = pipewright::bench::message_latency(20_000)?;
+    println!(
+        "\nper-message overhead of the runtime itself (an idle actor, send → start of its handler, \
+         20 000 messages; target ≤ 20 µs median): median {lat_median:.1} µs, p99 {lat_p99:.1} µs"
+    );
+    if let Some(r) =
+        rows.iter().filter(|r| r.messages > 0).max_by(|a, b| a.msg_median_us.total_cmp(&b.msg_median_us))
+    {
+        println!(
+            "send → handle inside a busy run (compute threads on every core; worst layout above, pp = {}): \
+             median {:.1} µs, p99 {:.1} µs",
+            r.pp, r.msg_median_us, r.msg_p99_us
+        );
+    }
+    if json {
+        let mut v = serde_json::to_value(&report).context("report")?;
+        v["pipeline"] = serde_json::to_value(&rows)?;
+        v["message_latency_median_us"] = lat_median.into();
+        v["message_latency_p99_us"] = lat_p99.into();
+        println!("{v}");
+    }
+    Ok(())
+}
+
+/// `schedule`: builds, checks and draws a schedule.
+fn schedule_command(
+    kind: String,
+    stages: usize,
+    microbatches: usize,
+    chunks: Option<usize>,
+    json: bool,
+    trace: Option<PathBuf>,
+    costs: Vec<f64>,
+) -> Result<()> {
+    // cli_text first: its errors name the flags. --costs draws the grid at those costs.
+    let text = pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?;
+    if costs.is_empty() || json {
+        print!("{text}");
+    } else {
+        print!("{}", pipewright::trace::simulated::cli_grid(&kind, stages, microbatches, chunks, &costs)?);
+    }
+    if let Some(path) = trace {
+        let v = pipewright::trace::simulated::cli_trace(&kind, stages, microbatches, chunks, &costs)?;
+        // A text file ends with a newline (tools that append or diff expect one).
+        std::fs::write(&path, format!("{v}\n"))
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        eprintln!("trace: {}", path.display());
+    }
+    Ok(())
+}
+
+/// `trace summary`: where a trace's time went.
+fn trace_summary(file: PathBuf, json: bool, replica: Option<usize>) -> Result<()> {
+    let mut trace = pipewright::trace::summary::load(&file)?;
+    if let Some(r) = replica {
+        trace = trace.replica(r)?;
+    }
+    let s = pipewright::trace::summary::summarize(&trace)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s.to_json())?);
+    } else {
+        print!("{}", s.text());
+    }
+    Ok(())
 }
 
 /// One `--cells` entry of `bench --sim`: `PPxM`, both at least 1.

@@ -2,10 +2,10 @@
 //! system under scrambled delivery, and catch (and pin down) what differs.
 
 use pipewright::config::Config;
-use pipewright::replay::run::{
+use pipewright::replay::{log_path, LogReader};
+use pipewright::train::replay::{
     compare_logs, recorded_actors, replay_actor, replay_all, ReplayOptions, Verdict,
 };
-use pipewright::replay::{log_path, LogReader};
 use pipewright::train::run::{train_with, TrainOptions};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -462,7 +462,7 @@ fn a_resumed_run_replays_from_its_pinned_checkpoint_and_its_first_part_too() {
     let (code, _, err) = pipewright(&args, &env);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("restarting from the latest checkpoint"), "{err}");
-    let dirs = pipewright::replay::run::log_dirs(&run);
+    let dirs = pipewright::train::replay::log_dirs(&run);
     assert_eq!(dirs, ["replay", "replay.before-step-3"]);
     // Retention kept the two newest and the one the logs start from.
     let (done, _) = pipewright::checkpoint::list(&run.join("checkpoints")).unwrap();

@@ -7,18 +7,12 @@
 //! wrote; `replay --actor checkpointer` writes the snapshots again into a
 //! scratch directory and compares the files.
 
-use super::coordinator::CoordinatorMsg;
+use super::protocol::{CheckpointerMsg, CoordinatorMsg};
 use crate::checkpoint::{self, CheckpointError, StateFile, TensorState};
 use crate::replay::{self, ActorLog, Blob, Entry};
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-
-pub enum CheckpointerMsg {
-    Write { tensors: Vec<TensorState>, state: StateFile },
-}
-
-impl Message for CheckpointerMsg {}
 
 pub struct CheckpointerArgs {
     pub run_dir: PathBuf,

@@ -5,19 +5,11 @@
 //! dp = 1 with 2m. For evaluations it sends validation windows or the held-out
 //! problems.
 
-use super::coordinator::EvalKind;
-use super::stage::{Phase, StageMsg};
+use super::protocol::{EvalKind, LoaderMsg, Phase, StageMsg};
 use crate::data::{EvalSet, Sampler};
-use crate::replay::{self, ActorLog, Blob};
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use crate::replay::{self, ActorLog};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::sync::{Arc, OnceLock};
-
-pub enum LoaderMsg {
-    Train { step: u64 },
-    Eval { step: u64, kind: EvalKind, batches: usize },
-}
-
-impl Message for LoaderMsg {}
 
 pub struct LoaderArgs {
     pub replica: usize,
@@ -77,18 +69,14 @@ impl LoaderArgs {
     pub fn on_message(&mut self, msg: LoaderMsg) -> Result<(), String> {
         let n = self.micro_batch_size * self.block_size;
         if let Some(log) = &mut self.log {
-            let e = match &msg {
-                LoaderMsg::Train { step } => replay::entry("coordinator", "Train", *step, self.replica),
-                LoaderMsg::Eval { step, kind, batches } => {
-                    replay::entry("coordinator", "Eval", *step, self.replica).with_eval(true).with_inputs(
-                        vec![
-                            Blob::str(replay::key::EVAL_KIND, kind.name()),
-                            Blob::f64(replay::key::BATCHES, *batches as f64),
-                        ],
-                    )
-                }
+            let (kind, blobs) = msg.logged();
+            let step = match msg {
+                LoaderMsg::Train { step } | LoaderMsg::Eval { step, .. } => step,
             };
-            log.begin(e);
+            let eval = matches!(msg, LoaderMsg::Eval { .. });
+            log.begin(
+                replay::entry("coordinator", kind, step, self.replica).with_eval(eval).with_inputs(blobs),
+            );
         }
         match msg {
             LoaderMsg::Train { step } => {

@@ -2,16 +2,10 @@
 //! progress display. Slow consumers never hold up a stage: it only hears from
 //! the coordinator, once per step.
 
+use super::protocol::MonitorMsg;
 use crate::metrics::{Progress, StepMetrics};
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::io::Write;
-
-pub enum MonitorMsg {
-    Step(StepMetrics),
-    Finish,
-}
-
-impl Message for MonitorMsg {}
 
 pub struct MonitorArgs {
     pub metrics: Option<std::io::BufWriter<std::fs::File>>,

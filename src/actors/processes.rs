@@ -7,8 +7,7 @@
 //! So a run in one process never touches the network code, and the actors
 //! never import it.
 
-use super::protocol::{CoordinatorMsg, StageMsg};
-use super::reducer::ReducerMsg;
+use super::protocol::{CoordinatorMsg, ReducerMsg, StageMsg};
 use super::stage::nccl::GpuPlan;
 use crate::model::tp::Remote;
 use ractor::{Actor, ActorProcessingErr, ActorRef};

@@ -1,5 +1,6 @@
-//! The runtime's messages, declared once: what stages, loaders and the
-//! coordinator say to each other, and the two ways a message leaves an actor.
+//! The runtime's messages, declared once: what the stages, the coordinator,
+//! the data loaders, the reducer, the checkpointer and the monitor say to
+//! each other, and the two ways a message leaves an actor.
 //!
 //! - As a frame (`cluster::wire`): the message itself as a serde header (its
 //!   tensor fields skipped) carrying every scalar, plus the tensors as raw arrays, bit for bit.
@@ -12,8 +13,10 @@
 //! kind it claims is a `ProtocolError`, never a panic. This module does no I/O
 //! except `Restore`'s checkpoint read.
 
-use crate::checkpoint::TensorState;
+use crate::checkpoint::{StateFile, TensorState};
+use crate::metrics::StepMetrics;
 use crate::model::Param;
+use crate::optim::grad_tree::Span;
 use crate::replay::{key, Blob, Entry};
 use ractor::Message;
 use serde::{Deserialize, Serialize};
@@ -292,6 +295,52 @@ pub enum CoordinatorMsg {
 }
 
 impl Message for CoordinatorMsg {}
+
+/// Messages to a data loader, from the coordinator: feed a training step,
+/// or an evaluation. They never leave the process (each process's loaders
+/// hear from its own coordinator) and carry no tensors.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LoaderMsg {
+    Train { step: u64 },
+    Eval { step: u64, kind: EvalKind, batches: usize },
+}
+
+impl Message for LoaderMsg {}
+
+/// Messages to the gradient reducer, from the stages of every replica. They
+/// cross processes as their own frame kinds (`cluster::wire`'s `Reduce` and
+/// `Gather`: the scalars in the header, each tensor an f32 array).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ReducerMsg {
+    /// A replica's gradients of one stage as nodes of the step's microbatch
+    /// tree: `grads` holds `spans.len()` sets of the stage's tensors, one
+    /// after the other.
+    Reduce { step: u64, stage: usize, replica: usize, spans: Vec<Span>, grads: Vec<Vec<f32>> },
+    /// ZeRO-1: a replica's shard of each of `stage`'s tensors (updated
+    /// parameters, or AdamW moments for a checkpoint), to be sent whole to
+    /// every replica.
+    Gather { step: u64, stage: usize, replica: usize, shards: Vec<Vec<f32>> },
+}
+
+impl Message for ReducerMsg {}
+
+/// Messages to the checkpointer, from the coordinator: one checkpoint's
+/// tensors (parameters and moments, gathered from every stage) and state
+/// file. Local to rank 0's process.
+pub enum CheckpointerMsg {
+    Write { tensors: Vec<TensorState>, state: StateFile },
+}
+
+impl Message for CheckpointerMsg {}
+
+/// Messages to the monitor, from the coordinator: a step's metrics, and the
+/// end of the run. Local to rank 0's process.
+pub enum MonitorMsg {
+    Step(StepMetrics),
+    Finish,
+}
+
+impl Message for MonitorMsg {}
 
 /// One tensor of a message's payload.
 #[derive(Clone, Debug, PartialEq)]
@@ -810,6 +859,84 @@ impl CoordinatorMsg {
     }
 }
 
+impl LoaderMsg {
+    /// The message's kind and blobs as a log records them (the sender's and
+    /// the loader's alike).
+    pub fn logged(&self) -> (&'static str, Vec<Blob>) {
+        match self {
+            LoaderMsg::Train { .. } => ("Train", vec![]),
+            LoaderMsg::Eval { kind, batches, .. } => (
+                "Eval",
+                vec![Blob::str(key::EVAL_KIND, kind.name()), Blob::f64(key::BATCHES, *batches as f64)],
+            ),
+        }
+    }
+
+    /// The message a loader's log entry recorded.
+    pub fn from_entry(e: &Entry) -> Result<LoaderMsg, String> {
+        Ok(match e.kind.as_str() {
+            "Train" => LoaderMsg::Train { step: e.step },
+            "Eval" => LoaderMsg::Eval {
+                step: e.step,
+                kind: EvalKind::from_name(&e.input(key::EVAL_KIND)?.to_str()?)?,
+                batches: e.input(key::BATCHES)?.to_f64()? as usize,
+            },
+            other => return Err(format!("a loader does not handle `{other}`")),
+        })
+    }
+}
+
+/// The spans of a Reduce as a log blob: (lo, hi) pairs.
+pub fn span_blob(spans: &[Span]) -> Blob {
+    let flat: Vec<u32> = spans.iter().flat_map(|s| [s.lo as u32, s.hi as u32]).collect();
+    Blob::u32s(key::SPANS, &flat, true)
+}
+
+impl ReducerMsg {
+    /// The message's kind and blobs as its sender's log records them: a
+    /// Reduce's spans, then its gradients named by `grad_name(stage, k)`
+    /// (the parameter's name); a Gather's shards numbered, as for `Gathered`.
+    pub fn logged(
+        &self,
+        keep: bool,
+        grad_name: &dyn Fn(usize, usize) -> String,
+    ) -> (&'static str, Vec<Blob>) {
+        match self {
+            ReducerMsg::Reduce { stage, spans, grads, .. } => {
+                let mut blobs = vec![span_blob(spans)];
+                let named = |(k, g): (usize, &Vec<f32>)| Blob::f32s(&grad_name(*stage, k), g, keep);
+                blobs.extend(grads.iter().enumerate().map(named));
+                ("Reduce", blobs)
+            }
+            ReducerMsg::Gather { shards, .. } => {
+                let named = |(k, s): (usize, &Vec<f32>)| Blob::f32s(&format!("tensor.{k}"), s, keep);
+                ("Gather", shards.iter().enumerate().map(named).collect())
+            }
+        }
+    }
+
+    /// The message a reducer's log entry recorded (its tensors must have
+    /// been kept): the spans blob first, then the tensors in order.
+    pub fn from_entry(e: &Entry) -> Result<ReducerMsg, String> {
+        let stage = e.stage.ok_or("names no stage")? as usize;
+        let (step, replica) = (e.step, e.replica as usize);
+        let f32s = |blobs: &[Blob]| blobs.iter().map(|b| b.to_f32s()).collect::<Result<Vec<_>, _>>();
+        match e.kind.as_str() {
+            "Gather" => Ok(ReducerMsg::Gather { step, stage, replica, shards: f32s(&e.inputs)? }),
+            "Reduce" => {
+                let (spans, tensors) = e.inputs.split_first().ok_or("holds no tree spans")?;
+                let spans = spans.to_u32s()?;
+                if spans.len() % 2 != 0 {
+                    return Err(format!("{}: {} values, not (lo, hi) pairs", key::SPANS, spans.len()));
+                }
+                let spans = spans.chunks(2).map(|p| Span { lo: p[0] as usize, hi: p[1] as usize }).collect();
+                Ok(ReducerMsg::Reduce { step, stage, replica, spans, grads: f32s(tensors)? })
+            }
+            other => Err(format!("the reducer does not handle `{other}`")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -899,6 +1026,48 @@ mod tests {
             assert_eq!(CoordinatorMsg::from_parts(head, arrays).expect("decodes"), m);
         }
         assert!(CoordinatorMsg::StopRequested.into_parts().is_none(), "rank 0's own");
+    }
+
+    #[test]
+    fn loader_and_reducer_messages_survive_a_log_entry() {
+        let loader =
+            [LoaderMsg::Train { step: 3 }, LoaderMsg::Eval { step: 4, kind: EvalKind::Val, batches: 2 }];
+        for (step, m) in [3, 4].into_iter().zip(loader) {
+            let (kind, blobs) = m.logged();
+            let e = crate::replay::entry("coordinator", kind, step, 0).with_inputs(blobs);
+            assert_eq!(LoaderMsg::from_entry(&e).expect("entry decodes"), m);
+        }
+        let spans = vec![Span { lo: 0, hi: 2 }, Span { lo: 2, hi: 3 }];
+        let reducer = [
+            ReducerMsg::Reduce {
+                step: 5,
+                stage: 1,
+                replica: 1,
+                spans,
+                grads: vec![vec![1.0], vec![2.0, 3.0]],
+            },
+            ReducerMsg::Gather { step: 6, stage: 2, replica: 0, shards: vec![vec![], vec![4.0]] },
+        ];
+        for m in reducer {
+            let (step, stage, replica) = match &m {
+                ReducerMsg::Reduce { step, stage, replica, .. }
+                | ReducerMsg::Gather { step, stage, replica, .. } => (*step, *stage, *replica),
+            };
+            let (kind, blobs) = m.logged(true, &|s, k| format!("s{s}.{k}"));
+            let e = crate::replay::entry("stage-0", kind, step, replica).with_stage(stage).with_inputs(blobs);
+            assert_eq!(ReducerMsg::from_entry(&e).expect("entry decodes"), m);
+        }
+    }
+
+    #[test]
+    fn a_reduce_entry_with_half_a_span_is_an_error_not_a_panic() {
+        let e = crate::replay::entry("stage-0", "Reduce", 0, 0).with_stage(0).with_inputs(vec![Blob::u32s(
+            key::SPANS,
+            &[0, 1, 2],
+            true,
+        )]);
+        let why = ReducerMsg::from_entry(&e).expect_err("refused");
+        assert!(why.contains("pairs"), "{why}");
     }
 
     #[test]

@@ -12,29 +12,16 @@
 //! error or panic there stops the actor with the reason, which the coordinator
 //! reports as it does any actor that stops during a run.
 
-use super::stage::StageMsg;
+use super::protocol::{span_blob, stage_name, ReducerMsg, StageMsg};
 use crate::optim::grad_tree::{self, Span};
 use crate::optim::zero::Shard;
 use crate::replay::{self, ActorLog, Blob, Entry};
 use crate::rng::{Purpose, Rng};
 use crossbeam_channel::Sender;
-use ractor::{Actor, ActorProcessingErr, ActorRef, Message};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-
-pub enum ReducerMsg {
-    /// A replica's gradients of one stage as nodes of the step's microbatch
-    /// tree: `grads` holds `spans.len()` sets of the stage's tensors, one
-    /// after the other.
-    Reduce { step: u64, stage: usize, replica: usize, spans: Vec<Span>, grads: Vec<Vec<f32>> },
-    /// ZeRO-1: a replica's shard of each of `stage`'s tensors (updated
-    /// parameters, or AdamW moments for a checkpoint), to be sent whole to
-    /// every replica.
-    Gather { step: u64, stage: usize, replica: usize, shards: Vec<Vec<f32>> },
-}
-
-impl Message for ReducerMsg {}
 
 pub struct ReducerArgs {
     pub dp: usize,
@@ -151,12 +138,6 @@ fn tensor_blobs(tensors: &Grads, keep: bool) -> Vec<Blob> {
     tensors.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)).collect()
 }
 
-/// The spans of a Reduce as a log blob: (lo, hi) pairs.
-pub fn span_blob(spans: &[Span]) -> Blob {
-    let flat: Vec<u32> = spans.iter().flat_map(|s| [s.lo as u32, s.hi as u32]).collect();
-    Blob::u32s("spans", &flat, true)
-}
-
 /// A Reduce's flat list of tensors cut into one set per span.
 pub fn split_nodes(spans: Vec<Span>, grads: Grads) -> Result<Nodes, String> {
     if spans.is_empty() || !grads.len().is_multiple_of(spans.len()) {
@@ -206,7 +187,7 @@ impl ReducerState {
             let keep = log.payloads();
             let mut inputs = vec![span_blob(&spans)];
             inputs.extend(grads.iter().enumerate().map(|(k, g)| Blob::f32s(&format!("tensor.{k}"), g, keep)));
-            let e = replay::entry(&super::coordinator::stage_name(rank, replica), "Reduce", step, replica)
+            let e = replay::entry(&stage_name(rank, replica), "Reduce", step, replica)
                 .with_stage(stage)
                 .with_inputs(inputs);
             self.held.insert((step, stage, replica), e);
@@ -233,7 +214,7 @@ impl ReducerState {
             let keep = self.args.log.as_ref().is_some_and(|l| l.payloads());
             for r in 0..dp {
                 let blobs = tensor_blobs(&part_of(r), keep);
-                let to = super::protocol::stage_name(rank, r);
+                let to = stage_name(rank, r);
                 e.sent.push(replay::Sent { to, kind: "Reduced".into(), mb: None, blobs });
             }
             let n = self.done.entry(step).or_insert(0);
@@ -259,7 +240,7 @@ impl ReducerState {
     fn on_gather(&mut self, step: u64, stage: usize, replica: usize, shards: Grads) -> Result<(), String> {
         let (dp, rank) = (self.args.dp, self.rank_of(stage, replica)?);
         if let Some(log) = &self.args.log {
-            let e = replay::entry(&super::coordinator::stage_name(rank, replica), "Gather", step, replica)
+            let e = replay::entry(&stage_name(rank, replica), "Gather", step, replica)
                 .with_stage(stage)
                 .with_inputs(tensor_blobs(&shards, log.payloads()));
             self.shards_held.insert((step, stage, replica), e);
@@ -294,7 +275,7 @@ impl ReducerState {
         if let Some(e) = self.shards_held.get_mut(&(step, stage, dp - 1)) {
             let blobs = tensor_blobs(whole, log.payloads());
             for r in 0..dp {
-                let to = super::protocol::stage_name(rank, r);
+                let to = stage_name(rank, r);
                 e.sent.push(replay::Sent { to, kind: "Gathered".into(), mb: None, blobs: blobs.clone() });
             }
         }

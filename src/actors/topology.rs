@@ -8,14 +8,16 @@
 //!
 //! Nothing here decides an order of work or touches a tensor.
 
-use super::checkpointer::{Checkpointer, CheckpointerArgs, CheckpointerMsg};
+use super::checkpointer::{Checkpointer, CheckpointerArgs};
 use super::coordinator::RunData;
-use super::data_loader::{DataLoader, LoaderArgs, LoaderMsg};
+use super::data_loader::{DataLoader, LoaderArgs};
 use super::layout::Layout;
-use super::monitor::{Monitor, MonitorArgs, MonitorMsg};
+use super::monitor::{Monitor, MonitorArgs};
 use super::processes::{Processes, RemoteStage, RemoteStageArgs};
-use super::protocol::{stage_name, CoordinatorMsg, StageMsg};
-use super::reducer::{Reducer, ReducerArgs, ReducerMsg};
+use super::protocol::{
+    stage_name, CheckpointerMsg, CoordinatorMsg, LoaderMsg, MonitorMsg, ReducerMsg, StageMsg,
+};
+use super::reducer::{Reducer, ReducerArgs};
 use super::stage::{nccl::GpuPlan, Links, StageActor, StageArgs};
 use crate::config::Config;
 use crate::replay::{self, ActorLog, LogError};

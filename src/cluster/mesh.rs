@@ -16,7 +16,7 @@ use super::link::{Link, Sink};
 use super::wire::{self, Kind};
 use crate::actors::coordinator::{CoordinatorMsg, Failure};
 use crate::actors::processes::{Processes, Routes};
-use crate::actors::reducer::ReducerMsg;
+use crate::actors::protocol::ReducerMsg;
 use crate::actors::stage::StageMsg;
 use crossbeam_channel::{Receiver, Sender};
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};

@@ -5,8 +5,7 @@
 //! be (wrong array count or type) is an error, never a panic.
 
 use super::frame::{Array, Frame};
-use crate::actors::protocol::{self, CoordinatorMsg, StageMsg};
-use crate::actors::reducer::ReducerMsg;
+use crate::actors::protocol::{self, CoordinatorMsg, ReducerMsg, StageMsg};
 use crate::optim::grad_tree::Span;
 use serde::{Deserialize, Serialize};
 

@@ -15,7 +15,7 @@
 //! This module never decides *which* microbatches a replica owns: the data
 //! loader does (replica r of dp holds r·m … (r+1)·m − 1).
 
-use crate::model::ModelPart;
+use crate::model::{Arch, Param, PartSpec};
 use std::collections::BTreeMap;
 use std::ops::Range;
 
@@ -248,39 +248,44 @@ pub enum Leaf {
 /// A model part's gradients summed by the tree: the head's tensors and the
 /// rest each in their own [`TreeSum`], since F writes the one and B/W the other.
 ///
-/// The exchanged form ("part order") is one vector per parameter, then the
-/// head's share of the tied wte when the part has the head; the head-only
-/// part's copy of wte, whose gradient only the tied combination writes,
-/// travels as an empty vector.
+/// The tree reads and writes a part's gradient buffers: each parameter's
+/// (`params`), and the head's share of the tied wte (`wte_head_grad`, empty
+/// on a part without the head). The exchanged form ("part order") is one
+/// vector per parameter, then the head's share of the tied wte when the
+/// part has the head; the head-only part's copy of wte, whose gradient only
+/// the tied combination writes, travels as an empty vector.
 pub struct PartTree {
     head: TreeSum,
     body: TreeSum,
     head_idx: Vec<usize>,
     body_idx: Vec<usize>,
     has_head: bool,
+    /// The part's parameter count.
+    params: usize,
 }
 
 impl PartTree {
-    /// The tree of `part` for microbatches `block` of `total`.
-    pub fn new(part: &ModelPart, block: Range<usize>, total: usize) -> PartTree {
-        let (spec, cfg) = (&part.spec, &part.cfg);
+    /// The tree of the part `spec` of model `cfg`, whose `params` tensors are
+    /// in the order `spec` lists them, for microbatches `block` of `total`.
+    pub fn new(spec: &PartSpec, cfg: &Arch, params: usize, block: Range<usize>, total: usize) -> PartTree {
         // F writes the final norm's gradients and, untied, the lm_head's.
         let head_norm: Vec<usize> = spec.head_leaf(cfg).collect();
         let wte_copy = (spec.head && !spec.embedding && cfg.tied()).then(|| spec.head_wte(cfg));
-        let body_idx =
-            (0..part.params.len()).filter(|i| !head_norm.contains(i) && Some(*i) != wte_copy).collect();
+        let body_idx = (0..params).filter(|i| !head_norm.contains(i) && Some(*i) != wte_copy).collect();
         PartTree {
             head: TreeSum::new(block.clone(), total),
             body: TreeSum::new(block, total),
             head_idx: head_norm,
             body_idx,
             has_head: spec.head,
+            params,
         }
     }
 
     /// Moves microbatch `g`'s finished gradients of kind `which` out of the
-    /// part into the tree, leaving zeroed buffers for the next microbatch.
-    pub fn push(&mut self, part: &mut ModelPart, which: Leaf, g: usize) {
+    /// part's buffers into the tree, leaving zeroed buffers for the next
+    /// microbatch.
+    pub fn push(&mut self, params: &mut [Param], wte_head_grad: &mut Vec<f32>, which: Leaf, g: usize) {
         if which == Leaf::Head && !self.has_head {
             return;
         }
@@ -294,19 +299,19 @@ impl PartTree {
                 g
             }
             None => {
-                let mut v: Grads = idx.iter().map(|&i| vec![0.0; part.params[i].grad.len()]).collect();
+                let mut v: Grads = idx.iter().map(|&i| vec![0.0; params[i].grad.len()]).collect();
                 if which == Leaf::Head {
-                    v.push(vec![0.0; part.wte_head_grad.len()]);
+                    v.push(vec![0.0; wte_head_grad.len()]);
                 }
                 v
             }
         };
         // The zeroed set goes into the part and the part's set becomes the leaf.
         for (k, &i) in idx.iter().enumerate() {
-            std::mem::swap(&mut part.params[i].grad, &mut fresh[k]);
+            std::mem::swap(&mut params[i].grad, &mut fresh[k]);
         }
         if which == Leaf::Head {
-            std::mem::swap(&mut part.wte_head_grad, &mut fresh[idx.len()]);
+            std::mem::swap(wte_head_grad, &mut fresh[idx.len()]);
         }
         tree.push(g, fresh);
     }
@@ -328,10 +333,10 @@ impl PartTree {
     }
 
     /// The block's nodes in part order (see the type's comment).
-    pub fn take_nodes(&mut self, part: &ModelPart) -> Vec<(Span, Grads)> {
+    pub fn take_nodes(&mut self) -> Vec<(Span, Grads)> {
         let body = self.body.take_nodes();
         let head = if self.has_head { self.head.take_nodes() } else { Vec::new() };
-        let n = part.params.len();
+        let n = self.params;
         let mut out = Vec::with_capacity(body.len());
         let mut head = head.into_iter();
         for (span, b) in body {
@@ -353,18 +358,18 @@ impl PartTree {
         out
     }
 
-    /// Puts a part-order gradient set (a reduction's result) into the part;
-    /// empty vectors leave the tensor alone.
-    pub fn set(part: &mut ModelPart, grads: Grads) {
-        let n = part.params.len();
+    /// Puts a part-order gradient set (a reduction's result) into the part's
+    /// buffers; empty vectors leave the tensor alone.
+    pub fn set(params: &mut [Param], wte_head_grad: &mut Vec<f32>, grads: Grads) {
+        let n = params.len();
         for (k, g) in grads.into_iter().enumerate() {
             if g.is_empty() {
                 continue;
             }
             if k < n {
-                part.params[k].grad = g;
+                params[k].grad = g;
             } else {
-                part.wte_head_grad = g;
+                *wte_head_grad = g;
             }
         }
     }
@@ -372,18 +377,18 @@ impl PartTree {
     /// Sums the block's nodes into the part itself: the whole reduction when
     /// one replica holds every microbatch. The part's spent buffers join the
     /// pool, so a steady-state step allocates nothing here.
-    pub fn finish_local(&mut self, part: &mut ModelPart) {
+    pub fn finish_local(&mut self, params: &mut [Param], wte_head_grad: &mut Vec<f32>) {
         let mut root = self.body.take_root();
         for (k, &i) in self.body_idx.iter().enumerate() {
-            std::mem::swap(&mut part.params[i].grad, &mut root[k]);
+            std::mem::swap(&mut params[i].grad, &mut root[k]);
         }
         self.body.recycle(root);
         if self.has_head {
             let mut root = self.head.take_root();
             for (k, &i) in self.head_idx.iter().enumerate() {
-                std::mem::swap(&mut part.params[i].grad, &mut root[k]);
+                std::mem::swap(&mut params[i].grad, &mut root[k]);
             }
-            std::mem::swap(&mut part.wte_head_grad, &mut root[self.head_idx.len()]);
+            std::mem::swap(wte_head_grad, &mut root[self.head_idx.len()]);
             self.head.recycle(root);
         }
     }

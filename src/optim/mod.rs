@@ -1,5 +1,6 @@
 //! The optimizer step: learning-rate schedules, global-norm clipping and AdamW
-//! state for the parameters of one model part.
+//! state for the parameters of one model part. It steps a slice of
+//! parameters ([`Param`]s) and never sees the part that holds them.
 //!
 //! Global norms are summed per block of each tensor, in the model's canonical
 //! tensor order and block order within a tensor (see `zero`), so the result is
@@ -12,7 +13,7 @@ pub mod zero;
 use crate::kernels::cpu::adamw::{adamw_update, AdamW};
 use crate::kernels::profile::{timed, Kernel};
 use crate::model::params::all_tensors;
-use crate::model::{Arch, ModelPart};
+use crate::model::{Arch, Param};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ScheduleKind {
@@ -96,14 +97,21 @@ impl LrSchedule {
 }
 
 /// Σg² of each block of a part's tensors that `shard` owns, as (norm slot,
-/// value). The head's copy of the tied wte is left out when another part owns
-/// the embedding: the embedding's part reports the combined gradient once.
-/// `first` is `zero::first_slots` of the model, made once by the caller: a
-/// steady-state step allocates nothing.
-pub fn grad_sum_squares(part: &ModelPart, shard: zero::Shard, first: &[usize], out: &mut Vec<(usize, f64)>) {
+/// value). `holds_embedding`: whether the part holds the embedding; when it
+/// does not, the head's copy of the tied wte is left out, since the
+/// embedding's part reports the combined gradient once. `first` is
+/// `zero::first_slots` of the model, made once by the caller: a steady-state
+/// step allocates nothing.
+pub fn grad_sum_squares(
+    params: &[Param],
+    holds_embedding: bool,
+    shard: zero::Shard,
+    first: &[usize],
+    out: &mut Vec<(usize, f64)>,
+) {
     out.clear();
-    for p in &part.params {
-        if p.canonical == 0 && !part.spec.embedding {
+    for p in params {
+        if p.canonical == 0 && !holds_embedding {
             continue;
         }
         timed(Kernel::GradNorm, || zero::block_sum_squares(&p.grad, first[p.canonical], shard, out));
@@ -172,22 +180,25 @@ impl Hyper {
 }
 
 impl AdamState {
-    pub fn new(part: &ModelPart) -> Self {
-        Self::sharded(part, zero::Shard::WHOLE)
+    /// Zero moments for every element of `params`.
+    pub fn new(params: &[Param]) -> Self {
+        Self::sharded(params, zero::Shard::WHOLE)
     }
 
-    /// Moments for the elements `shard` owns of each of the part's tensors.
-    pub fn sharded(part: &ModelPart, shard: zero::Shard) -> Self {
-        let zeros = || part.params.iter().map(|p| vec![0.0; shard.range(p.numel()).len()]).collect();
+    /// Moments for the elements `shard` owns of each of `params`.
+    pub fn sharded(params: &[Param], shard: zero::Shard) -> Self {
+        let zeros = || params.iter().map(|p| vec![0.0; shard.range(p.numel()).len()]).collect();
         AdamState { m: zeros(), v: zeros(), t: 0, shard }
     }
 
-    /// One AdamW step over the owned elements of the part's parameters with
-    /// their (combined) gradients; the rest of each tensor is left as it is.
-    pub fn step(&mut self, part: &mut ModelPart, hp: Hyper, lr: f64, clip: f32) {
+    /// One AdamW step over the owned elements of `params` (the ones the
+    /// state was made for, in the same order) with their (combined)
+    /// gradients; the rest of each tensor is left as it is.
+    pub fn step(&mut self, params: &mut [Param], hp: Hyper, lr: f64, clip: f32) {
+        assert_eq!(params.len(), self.m.len(), "AdamW state for {} tensors", self.m.len());
         self.t += 1;
         let h = hp.adamw(lr, self.t);
-        for (i, p) in part.params.iter_mut().enumerate() {
+        for (i, p) in params.iter_mut().enumerate() {
             let decay = p.decays();
             let r = self.shard.range(p.numel());
             timed(Kernel::AdamW, || {
@@ -243,22 +254,26 @@ mod tests {
     /// biases or LayerNorm parameters; then `p ← p − lr/bc1 · m/(√v/√bc2 + eps)`.
     #[test]
     fn adamw_decays_two_dimensional_tensors_only_as_pytorch_does() {
-        use crate::model::PartSpec;
         let gpt = Arch::gpt2(2, 2, 8, 11, 5);
-        let mut part = ModelPart::new(gpt, PartSpec::whole(&gpt), 1, 3, false);
-        for (i, p) in part.params.iter_mut().enumerate() {
-            // Biases and LayerNorm start at 0 and 1; give every tensor values
-            // where decay shows, and a gradient.
-            let mut r = crate::rng::Rng::new(5, crate::rng::Purpose::Test, &[i as u64]);
-            p.data.iter_mut().for_each(|x| *x = r.normal() as f32);
-            p.grad.iter_mut().for_each(|g| *g = r.normal() as f32);
-        }
+        // Every tensor of the model, with values where decay shows (biases
+        // and LayerNorm would start at 0 and 1) and a gradient.
+        let mut params: Vec<Param> = all_tensors(&gpt)
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, shape))| {
+                let mut r = crate::rng::Rng::new(5, crate::rng::Purpose::Test, &[i as u64]);
+                let n: usize = shape.iter().product();
+                let data = (0..n).map(|_| r.normal() as f32).collect();
+                let grad = (0..n).map(|_| r.normal() as f32).collect();
+                Param { name, shape, data, grad, canonical: i }
+            })
+            .collect();
         let before: Vec<(String, Vec<f32>, Vec<f32>)> =
-            part.params.iter().map(|p| (p.name.clone(), p.data.clone(), p.grad.clone())).collect();
+            params.iter().map(|p| (p.name.clone(), p.data.clone(), p.grad.clone())).collect();
         let hp = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.5 };
         let lr = 0.1;
-        let mut adam = AdamState::new(&part);
-        adam.step(&mut part, hp, lr, 1.0);
+        let mut adam = AdamState::new(&params);
+        adam.step(&mut params, hp, lr, 1.0);
 
         let two_d = |n: &str| {
             n == "embed_tokens.weight"
@@ -275,7 +290,7 @@ mod tests {
                 .any(|s| n.ends_with(s))
         };
         let mut decayed = 0;
-        for ((name, p0, g), p) in before.iter().zip(&part.params) {
+        for ((name, p0, g), p) in before.iter().zip(&params) {
             let wd = if two_d(name) { hp.weight_decay } else { 0.0 };
             decayed += usize::from(wd > 0.0);
             let (bc1, bc2) = (1.0 - hp.beta1, 1.0 - hp.beta2);

@@ -18,3 +18,4 @@ pub const LOSS_SUM: &str = "loss_sum";
 pub const TOKEN_COUNT: &str = "tokens";
 pub const PREDICTIONS: &str = "predictions";
 pub const ADAM_STEP: &str = "adam_step";
+pub const SPANS: &str = "spans";

@@ -17,8 +17,8 @@
 //!
 //! [`ActorLog`] writes a log, or — during a replay — checks what the actor
 //! does now against the recorded log, entry by entry, and keeps the first
-//! divergence. The drivers in [`run`] rebuild one actor alone and feed it its
-//! recorded inputs.
+//! divergence. The replay command (`crate::train::replay`) rebuilds one actor
+//! alone and feeds it its recorded inputs.
 //!
 //! A log ends with a trailer only when its actor closed it; the coordinator
 //! closes its own only when the run completed, so a run that failed or was
@@ -28,7 +28,6 @@
 
 pub mod key;
 pub mod log;
-pub mod run;
 
 pub use log::{
     Anchor, Blob, DType, Digest, Entry, FileRef, Header, LogError, LogReader, LogWriter, ReadLog, Sent,

@@ -36,7 +36,7 @@ impl Engine {
         let tp = TpShape::from_config(cfg);
         let part = ModelPart::new(gpt, PartSpec::whole(&gpt), b, cfg.train.seed, cfg.train.recompute)
             .with_tp(tp, threads);
-        let adam = AdamState::new(&part);
+        let adam = AdamState::new(&part.params);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("compute-{i}"))
@@ -44,7 +44,7 @@ impl Engine {
             .expect("thread pool");
         let n = b * gpt.block_size;
         let microbatches = cfg.parallel.dp * cfg.parallel.microbatches;
-        let tree = PartTree::new(&part, 0..microbatches, microbatches);
+        let tree = PartTree::new(&part.spec, &part.cfg, part.params.len(), 0..microbatches, microbatches);
         Engine {
             part,
             adam,
@@ -90,19 +90,20 @@ impl Engine {
                 fill(mb, inputs, targets);
                 let out = part.forward(PartInput::Tokens(inputs), Some(targets), Mode::Train { dloss });
                 loss_sum += out.loss_sum.expect("whole model computes the loss");
-                tree.push(part, Leaf::Head, mb);
+                tree.push(&mut part.params, &mut part.wte_head_grad, Leaf::Head, mb);
                 part.backward(out.acts.expect("training keeps activations"), None);
-                tree.push(part, Leaf::Body, mb);
+                tree.push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, mb);
             }
-            tree.finish_local(part);
+            tree.finish_local(&mut part.params, &mut part.wte_head_grad);
             part.combine_tied_grads(None);
             let loss = loss_sum * dloss as f64;
-            optim::grad_sum_squares(part, optim::zero::Shard::WHOLE, first_slots, norms);
+            let whole = optim::zero::Shard::WHOLE;
+            optim::grad_sum_squares(&part.params, part.spec.embedding, whole, first_slots, norms);
             let grad_norm = optim::global_norm(norms);
             let skipped = !loss.is_finite() || !grad_norm.is_finite();
             if !skipped {
                 let clip = optim::clip_coefficient(grad_norm, *grad_clip);
-                adam.step(part, *hyper, lr, clip);
+                adam.step(&mut part.params, *hyper, lr, clip);
             }
             StepStats { loss, grad_norm, lr, skipped }
         })

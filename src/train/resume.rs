@@ -1,6 +1,7 @@
-//! Where a resumed run starts: the newest complete checkpoint that verifies
-//! (a damaged newer one is named, set aside and never deleted), and what the
-//! resumed settings change compared with the checkpoint's.
+//! Where a resumed run starts: the config it takes when none is named (the
+//! run's own), the newest complete checkpoint that verifies (a damaged newer
+//! one is named, set aside and never deleted), and what the resumed settings
+//! change compared with the checkpoint's.
 //!
 //! Settings that only decide how the work is laid out (pipeline split,
 //! backend threads, tracing, checkpoint policy, …) keep the bits of an
@@ -10,9 +11,26 @@
 use crate::checkpoint::{self, Loaded};
 use crate::config::Config;
 use crate::optim::LrSchedule;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The config a resume of the run in `dir` takes when no `--config` names
+/// one: the run's own config.toml, so a resume needs no flags it already
+/// had. Anything at that path counts as the run's own (a FIFO or a symlink
+/// loop is then refused by the config reader, naming it): skipped as
+/// absent, the resume would run on the embedded default. None: the run left
+/// no config.toml.
+pub fn own_config(dir: &Path) -> Result<Option<PathBuf>> {
+    let own = dir.join("config.toml");
+    let present = crate::fsutil::is_present(&own)
+        .with_context(|| format!("{}: cannot look at the run's own config", own.display()))?;
+    if !present {
+        return Ok(None);
+    }
+    tracing::info!("config: {} (the run's own; --config to use another)", own.display());
+    Ok(Some(own))
+}
 
 /// The checkpoint a resume of the run in `dir` starts from; None (said aloud)
 /// when there is none.

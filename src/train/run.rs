@@ -18,7 +18,7 @@ use crate::metrics::{gemm_peak, StepMetrics};
 use crate::model::io::{self, CONFIG_METADATA_KEY};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -335,40 +335,9 @@ pub fn train_on(
     let gpt = cfg.arch();
     let layout = Layout::from_config(cfg)?;
     let sources = load_sources(cfg)?;
-    // Values the run decides are written back into the config, so config.toml
-    // (and the copies in checkpoints, replay logs and the weights) is the
-    // config that ran: reloaded, it gives the same layout and the same run.
-    let mut cfg = cfg.clone();
-    let why = if cfg.parallel.schedule == ScheduleKind::ZbV {
-        "ZB-V runs each rank's two model chunks as a V"
-    } else {
-        "interleaved 1F1B needs at least 2 chunks per rank"
-    };
-    resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
-    // The split that ran, even when it was the default: a reload of
-    // config.toml then builds the same stages whatever the default becomes.
-    cfg.parallel.layers_per_stage = layout.stages.iter().map(|s| s.layers.len()).collect();
-    if cfg.backend.kind == BackendKind::Cpu {
-        // The CPU backend computes in f32 whatever backend.dtype (a CUDA
-        // setting) says: config.toml records what ran.
-        cfg.backend.dtype = Dtype::F32;
-    }
-    if let Some(v) = &sources.val {
-        let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
-        let held = cfg.train.eval_batches.min(windows.max(1));
-        let why = format!("all that {} holds", v.name());
-        resolve(&mut cfg.train.eval_batches, "train.eval_batches", held, &why);
-    }
-    let cfg = &cfg;
+    let cfg = &resolved_config(cfg, &layout, &sources);
     let data = (0..layout.dp).map(|_| sources.replica_data(cfg)).collect::<Result<Vec<_>>>()?;
-    let init = match &opts.init {
-        Some(p) => {
-            let w = io::load_for(p, &gpt)?;
-            super::finite::check_finite(&w, "--init")?;
-            Some(Arc::new(w))
-        }
-        None => None,
-    };
+    let init = load_init(opts.init.as_deref(), &gpt)?;
     // A resume sets damaged checkpoints aside: the directory is this process's from here on.
     // Before the lock, which rewrites its file: a finished run is left byte for
     // byte as it was. Only reads; a live run continuing to more steps has
@@ -381,7 +350,6 @@ pub fn train_on(
     let threads = layout.threads_per_rank * layout.pp * layout.dp;
     // The machine's f32 matrix-product rate, the yardstick for gemm_util; measured
     // before and after training and the better figure kept.
-    let simulated = cfg.backend.kind == BackendKind::Sim;
     let on_cpu = cfg.backend.kind == BackendKind::Cpu;
     let peak_before = if on_cpu { gemm_peak(threads) } else { 0.0 };
     // Start-up ends here: a signal until now leaves nothing to save or undo.
@@ -395,54 +363,9 @@ pub fn train_on(
         Some(l) => l,
         None => super::lock::lock(&opts.out_dir)?,
     };
-    if !opts.force && !opts.resume {
-        for f in OUTPUTS {
-            let p = opts.out_dir.join(f);
-            if p.exists() {
-                bail!(
-                    "{}: an earlier run's output is there; choose another --out or pass --force to replace it",
-                    p.display()
-                );
-            }
-        }
-    }
-    if opts.force && !opts.resume {
-        remove_earlier_outputs(&opts.out_dir)?;
-    }
-    std::fs::create_dir_all(&opts.out_dir)
-        .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
-    let replay_dir = crate::replay::replay_dir(&opts.out_dir);
-    // Also when this part does not record: `replay/` must hold only logs of
-    // the config that config.toml (rewritten below) names.
-    if replay_dir.exists() {
-        if let Some(r) = &resume {
-            // The logs of the run before this resume stay, under their own name.
-            let mut kept = opts.out_dir.join(format!("replay.before-step-{}", r.state.step));
-            let mut n = 1;
-            while kept.exists() {
-                n += 1;
-                kept = opts.out_dir.join(format!("replay.before-step-{}.{n}", r.state.step));
-            }
-            std::fs::rename(&replay_dir, &kept).with_context(|| {
-                format!("{}: cannot move aside to {}", replay_dir.display(), kept.display())
-            })?;
-        } else {
-            std::fs::remove_dir_all(&replay_dir)
-                .with_context(|| format!("{}: cannot replace (--force)", replay_dir.display()))?;
-        }
-    }
+    prepare_run_dir(opts, resume.as_ref())?;
     let metrics_path = opts.out_dir.join("metrics.jsonl");
-    // On resume, the metrics of steps up to the checkpoint stay and later ones
-    // (from the interrupted run, past its last checkpoint) are dropped.
-    let start = resume.as_ref().map_or(0, |r| r.state.step as usize);
-    let prior = if resume.is_some() { prior_metrics(&metrics_path, start)? } else { Vec::new() };
-    let mut kept = String::new();
-    for m in &prior {
-        kept += &serde_json::to_string(m)?;
-        kept.push('\n');
-    }
-    io::write_atomic(&metrics_path, kept.as_bytes())
-        .with_context(|| format!("{}: cannot write", metrics_path.display()))?;
+    let prior = Prior::keep(&metrics_path, resume.as_ref())?;
     // At the start, not the end: a run that dies before it finishes still
     // leaves the config it ran with, so `--resume DIR` needs none of its flags.
     // Every refusal is behind us, so an earlier run's copy is replaced only
@@ -456,23 +379,7 @@ pub fn train_on(
             .open(&metrics_path)
             .with_context(|| format!("{}: cannot open", metrics_path.display()))?,
     );
-    let mut trace_meta = serde_json::json!({
-        "schedule": cfg.parallel.schedule,
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "chunks": layout.chunks,
-        "microbatches": layout.microbatches,
-        "steps": cfg.train.steps,
-        "stages": layout.n_stages(),
-        "backend": cfg.backend.kind,
-        // Ranks outnumbering cores make every measured cost a time-shared one.
-        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "compute_threads": threads,
-    });
-    let resumed_from = resume.as_ref().map(|r| r.state.step);
-    let prior_skipped = resume.as_ref().map_or(0, |r| r.state.skipped_steps);
-    // A resume at the last step runs no step and counts no token of its own.
-    let prior_tokens = resume.as_ref().map_or(0, |r| r.state.tokens);
+    let trace_meta = trace_metadata(cfg, &layout, threads);
     let fabric = match cluster {
         Some(d) => Some(d.start(
             cfg,
@@ -517,36 +424,246 @@ pub fn train_on(
             opts.out_dir.display()
         );
     }
-    // Curves and counts over the whole run, resumed or not.
-    let mut train_curve: Vec<(usize, f64)> = prior.iter().map(|m| (m.step, m.loss)).collect();
-    train_curve.extend(out.train_curve.iter().copied());
-    let mut val_curve: Vec<(usize, f64)> =
-        prior.iter().filter_map(|m| m.val_loss.map(|v| (m.step, v))).collect();
-    val_curve.extend(out.val_curve.iter().copied());
-    out.last_val = out.last_val.or(val_curve.last().map(|v| v.1));
-    out.skipped += prior_skipped;
-    let steps = out.steps_done as usize;
-    let tokens_per_s = out.tokens_this_run as f64 / out.train_seconds.max(1e-9);
-    let (peak, peak_source) = match cfg.backend.kind {
+    let curves = prior.curves_with(&mut out);
+    let peak = flops_peak(cfg, threads, peak_before, &gpus);
+    let tensors = io::gather_params(&out.params);
+    let tp_traffic = cluster_fabric.as_ref().and_then(|f| f.tp_inboxes.traffic());
+    let summary = summarize(cfg, &out, &curves, &prior, peak, &tensors, tp_traffic);
+    write_outputs(&opts.out_dir, cfg, &tensors, &summary, &curves)?;
+    if cfg.trace.enabled {
+        let mut meta = trace_meta;
+        if let Some(f) = &cluster_fabric {
+            meta["clock_alignment"] = serde_json::to_value(f.clock_estimates())?;
+        }
+        let json = crate::trace::chrome_json(&out.trace, meta);
+        write_text(&opts.out_dir, "trace.json", &serde_json::to_string(&json)?)?;
+    }
+    Ok((summary, out))
+}
+
+/// [`train_on`], resumed from the run's latest checkpoint each time it fails
+/// after starting ([`RunFailed`]), up to `max_restarts` times
+/// (`--max-restarts`); a restart never starts from `--init` weights again.
+/// Any other error (refused input, [`StoppedBeforeStart`],
+/// [`AlreadyFinished`]) ends it at once.
+pub fn train_restarting(
+    cfg: &Config,
+    mut opts: TrainOptions,
+    chaos_seed: Option<u64>,
+    mut cluster: Option<&mut crate::cluster::Driver>,
+    max_restarts: usize,
+) -> Result<(Summary, RunOutcome)> {
+    let mut restarts = 0;
+    loop {
+        match train_on(cfg, &opts, chaos_seed, cluster.as_deref_mut()) {
+            Err(e) if restarts < max_restarts && e.downcast_ref::<RunFailed>().is_some() => {
+                restarts += 1;
+                tracing::warn!("error: {e:#}");
+                tracing::warn!("restarting from the latest checkpoint ({restarts} of {max_restarts})");
+                opts.resume = true;
+                opts.init = None;
+            }
+            result => return result,
+        }
+    }
+}
+
+/// The config as the run will use it. Values the run decides are written
+/// back into it, so config.toml (and the copies in checkpoints, replay logs
+/// and the weights) is the config that ran: reloaded, it gives the same
+/// layout and the same run.
+fn resolved_config(cfg: &Config, layout: &Layout, sources: &Sources) -> Config {
+    let mut cfg = cfg.clone();
+    let why = if cfg.parallel.schedule == ScheduleKind::ZbV {
+        "ZB-V runs each rank's two model chunks as a V"
+    } else {
+        "interleaved 1F1B needs at least 2 chunks per rank"
+    };
+    resolve(&mut cfg.parallel.chunks, "parallel.chunks", layout.chunks, why);
+    // The split that ran, even when it was the default: a reload of
+    // config.toml then builds the same stages whatever the default becomes.
+    cfg.parallel.layers_per_stage = layout.stages.iter().map(|s| s.layers.len()).collect();
+    if cfg.backend.kind == BackendKind::Cpu {
+        // The CPU backend computes in f32 whatever backend.dtype (a CUDA
+        // setting) says: config.toml records what ran.
+        cfg.backend.dtype = Dtype::F32;
+    }
+    if let Some(v) = &sources.val {
+        let windows = (v.len().saturating_sub(1) / cfg.model.block_size) / cfg.train.micro_batch_size;
+        let held = cfg.train.eval_batches.min(windows.max(1));
+        let why = format!("all that {} holds", v.name());
+        resolve(&mut cfg.train.eval_batches, "train.eval_batches", held, &why);
+    }
+    cfg
+}
+
+/// The `--init` weights, checked to fit the model and to be finite.
+fn load_init(path: Option<&Path>, gpt: &crate::model::Arch) -> Result<Option<Arc<io::LoadedWeights>>> {
+    let Some(p) = path else { return Ok(None) };
+    let w = io::load_for(p, gpt)?;
+    super::finite::check_finite(&w, "--init")?;
+    Ok(Some(Arc::new(w)))
+}
+
+/// Makes the run directory ready for this run's outputs: an earlier run's
+/// outputs refused (or, with `--force`, removed), the directory created, and
+/// replay logs that are not this config's moved aside (a resume keeps the
+/// logs of the run before it, under their own name) or removed.
+fn prepare_run_dir(opts: &TrainOptions, resume: Option<&crate::checkpoint::Loaded>) -> Result<()> {
+    if !opts.force && !opts.resume {
+        for f in OUTPUTS {
+            let p = opts.out_dir.join(f);
+            if p.exists() {
+                bail!(
+                    "{}: an earlier run's output is there; choose another --out or pass --force to replace it",
+                    p.display()
+                );
+            }
+        }
+    }
+    if opts.force && !opts.resume {
+        remove_earlier_outputs(&opts.out_dir)?;
+    }
+    std::fs::create_dir_all(&opts.out_dir)
+        .with_context(|| format!("{}: cannot create", opts.out_dir.display()))?;
+    let replay_dir = crate::replay::replay_dir(&opts.out_dir);
+    // Also when this part does not record: `replay/` must hold only logs of
+    // the config that config.toml (rewritten below) names.
+    if replay_dir.exists() {
+        if let Some(r) = resume {
+            // The logs of the run before this resume stay, under their own name.
+            let mut kept = opts.out_dir.join(format!("replay.before-step-{}", r.state.step));
+            let mut n = 1;
+            while kept.exists() {
+                n += 1;
+                kept = opts.out_dir.join(format!("replay.before-step-{}.{n}", r.state.step));
+            }
+            std::fs::rename(&replay_dir, &kept).with_context(|| {
+                format!("{}: cannot move aside to {}", replay_dir.display(), kept.display())
+            })?;
+        } else {
+            std::fs::remove_dir_all(&replay_dir)
+                .with_context(|| format!("{}: cannot replace (--force)", replay_dir.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The run's weights by name, as they are saved and digested.
+type Tensors<'a> = BTreeMap<String, (&'a [usize], &'a [f32])>;
+
+/// What a resumed run continues: the metrics of the steps up to its
+/// checkpoint, the steps it skipped and the tokens it saw (none for a run
+/// from step 0).
+struct Prior {
+    metrics: Vec<StepMetrics>,
+    resumed_from: Option<u64>,
+    skipped: usize,
+    tokens: u64,
+}
+
+/// A run's loss curves as (step, loss), resumed or not.
+struct Curves {
+    train: Vec<(usize, f64)>,
+    val: Vec<(usize, f64)>,
+}
+
+impl Prior {
+    /// What the run resumed from `resume` continues, and metrics.jsonl
+    /// at `metrics_path` rewritten to hold only that: on resume, the metrics
+    /// of steps up to the checkpoint stay and later ones (from the
+    /// interrupted run, past its last checkpoint) are dropped.
+    fn keep(metrics_path: &Path, resume: Option<&crate::checkpoint::Loaded>) -> Result<Prior> {
+        let start = resume.map_or(0, |r| r.state.step as usize);
+        let metrics = if resume.is_some() { prior_metrics(metrics_path, start)? } else { Vec::new() };
+        let mut kept = String::new();
+        for m in &metrics {
+            kept += &serde_json::to_string(m)?;
+            kept.push('\n');
+        }
+        io::write_atomic(metrics_path, kept.as_bytes())
+            .with_context(|| format!("{}: cannot write", metrics_path.display()))?;
+        Ok(Prior {
+            metrics,
+            resumed_from: resume.map(|r| r.state.step),
+            skipped: resume.map_or(0, |r| r.state.skipped_steps),
+            // A resume at the last step runs no step and counts no token of its own.
+            tokens: resume.map_or(0, |r| r.state.tokens),
+        })
+    }
+
+    /// Curves and counts over the whole run, resumed or not: this run's
+    /// outcome `out` takes the earlier run's last validation loss (when it
+    /// measured none of its own) and skipped steps too.
+    fn curves_with(&self, out: &mut RunOutcome) -> Curves {
+        let mut train: Vec<(usize, f64)> = self.metrics.iter().map(|m| (m.step, m.loss)).collect();
+        train.extend(out.train_curve.iter().copied());
+        let mut val: Vec<(usize, f64)> =
+            self.metrics.iter().filter_map(|m| m.val_loss.map(|v| (m.step, v))).collect();
+        val.extend(out.val_curve.iter().copied());
+        out.last_val = out.last_val.or(val.last().map(|v| v.1));
+        out.skipped += self.skipped;
+        Curves { train, val }
+    }
+}
+
+/// What trace.json's metadata says of the run's layout and machine.
+fn trace_metadata(cfg: &Config, layout: &Layout, threads: usize) -> serde_json::Value {
+    serde_json::json!({
+        "schedule": cfg.parallel.schedule,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "chunks": layout.chunks,
+        "microbatches": layout.microbatches,
+        "steps": cfg.train.steps,
+        "stages": layout.n_stages(),
+        "backend": cfg.backend.kind,
+        // Ranks outnumbering cores make every measured cost a time-shared one.
+        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "compute_threads": threads,
+    })
+}
+
+/// The rate the model's FLOP/s are measured against, GFLOP/s, and where it
+/// comes from: on the CPU the better of the gemm rates measured before
+/// (`before`) and after training on the run's threads; on GPUs their
+/// datasheet peak.
+fn flops_peak(cfg: &Config, threads: usize, before: f64, gpus: &[String]) -> (f64, String) {
+    match cfg.backend.kind {
         BackendKind::Cpu => (
-            gemm_peak(threads).max(peak_before),
+            gemm_peak(threads).max(before),
             format!("measured: best 1024x1024x1024 f32 gemm on the run's {threads} threads"),
         ),
         BackendKind::Cuda => {
-            let (flops, source) = crate::plan::hardware::gpu_peak_flops(&gpus);
+            let (flops, source) = crate::plan::hardware::gpu_peak_flops(gpus);
             (flops / 1e9, source)
         }
         _ => (f64::NAN, "sim backend: nothing is computed".to_string()),
-    };
+    }
+}
+
+/// summary.json's figures for the run that gave `out`.
+fn summarize(
+    cfg: &Config,
+    out: &RunOutcome,
+    curves: &Curves,
+    prior: &Prior,
+    (peak, peak_source): (f64, String),
+    tensors: &Tensors<'_>,
+    tp_traffic: Option<crate::cluster::tp::TpTraffic>,
+) -> Summary {
+    let gpt = cfg.arch();
+    let on_cpu = cfg.backend.kind == BackendKind::Cpu;
+    let simulated = cfg.backend.kind == BackendKind::Sim;
+    let tokens_per_s = out.tokens_this_run as f64 / out.train_seconds.max(1e-9);
     let model_gflops = tokens_per_s * gpt.flops_per_token() / 1e9;
-    let tensors = io::gather_params(&out.params);
-    let summary = Summary {
-        steps,
-        final_loss: train_curve.last().map_or(f64::NAN, |l| l.1),
+    Summary {
+        steps: out.steps_done as usize,
+        final_loss: curves.train.last().map_or(f64::NAN, |l| l.1),
         val_loss: out.last_val,
-        val_loss_step: val_curve.last().map(|v| v.0),
+        val_loss_step: curves.val.last().map(|v| v.0),
         exact_match: out.last_exact_match,
-        tokens: out.tokens.max(prior_tokens),
+        tokens: out.tokens.max(prior.tokens),
         tokens_per_s,
         train_seconds: out.train_seconds,
         gemm_util: on_cpu.then_some(model_gflops / peak),
@@ -558,9 +675,9 @@ pub fn train_on(
         peak_source,
         skipped_steps: out.skipped,
         params: gpt.num_params(),
-        weights_digest: io::digest_of(&tensors),
+        weights_digest: io::digest_of(tensors),
         config_hash: cfg.hash(),
-        resumed_from,
+        resumed_from: prior.resumed_from,
         stopped_early: out.stopped_early,
         checkpoint_pause_ms: mean(&out.checkpoint_pause_ms),
         checkpoint_write_ms: mean(&out.checkpoint_write_ms),
@@ -570,33 +687,39 @@ pub fn train_on(
         rollbacks: out.rollbacks,
         peak_activation_bytes: out.peak_live_bytes.clone(),
         peak_rss_bytes: peak_rss_bytes(),
-        tp_traffic: cluster_fabric.as_ref().and_then(|f| f.tp_inboxes.traffic()),
-    };
+        tp_traffic,
+    }
+}
+
+/// Writes `text` to `name` in `dir`, atomically.
+fn write_text(dir: &Path, name: &str, text: &str) -> Result<()> {
+    let p = dir.join(name);
+    io::write_atomic(&p, text.as_bytes()).with_context(|| format!("{}: cannot write", p.display()))
+}
+
+/// The run's outputs in `dir` but its trace: the weights and their
+/// config.json (not for the simulated backend, which computes none),
+/// summary.json and loss.svg.
+fn write_outputs(
+    dir: &Path,
+    cfg: &Config,
+    tensors: &Tensors<'_>,
+    summary: &Summary,
+    curves: &Curves,
+) -> Result<()> {
+    let simulated = cfg.backend.kind == BackendKind::Sim;
     let mut meta = HashMap::new();
     meta.insert(CONFIG_METADATA_KEY.to_string(), cfg.to_toml_string());
     meta.insert("format".to_string(), "pt".to_string());
     if !simulated {
         // The family's own files, so its transformers class opens the run as it is.
-        io::export_hf(&opts.out_dir, &gpt, &tensors, meta, io::StoreAs::F32, io::DEFAULT_MAX_SHARD_BYTES)?;
-    }
-    let write = |name: &str, text: &str| -> Result<()> {
-        let p = opts.out_dir.join(name);
-        io::write_atomic(&p, text.as_bytes()).with_context(|| format!("{}: cannot write", p.display()))
-    };
-    if !simulated {
+        let gpt = cfg.arch();
+        io::export_hf(dir, &gpt, tensors, meta, io::StoreAs::F32, io::DEFAULT_MAX_SHARD_BYTES)?;
         // Beside model.safetensors, so transformers' from_pretrained(run_dir) opens the run.
-        write(crate::model::hf::HF_CONFIG_FILE, &crate::model::hf::config_json(&gpt))?;
+        write_text(dir, crate::model::hf::HF_CONFIG_FILE, &crate::model::hf::config_json(&gpt))?;
     }
-    write("summary.json", &serde_json::to_string_pretty(&summary)?)?;
-    write("loss.svg", &loss_svg(&train_curve, &val_curve, "pipewright: loss"))?;
-    if cfg.trace.enabled {
-        if let Some(f) = &cluster_fabric {
-            trace_meta["clock_alignment"] = serde_json::to_value(f.clock_estimates())?;
-        }
-        let json = crate::trace::chrome_json(&out.trace, trace_meta);
-        write("trace.json", &serde_json::to_string(&json)?)?;
-    }
-    Ok((summary, out))
+    write_text(dir, "summary.json", &serde_json::to_string_pretty(summary)?)?;
+    write_text(dir, "loss.svg", &loss_svg(&curves.train, &curves.val, "pipewright: loss"))
 }
 
 /// The async runtime the actors live on. Actors only route messages; the

@@ -25,11 +25,8 @@ pub use actor::Coordinator;
 pub use outbox::Links;
 pub use run::{run, RunData, RunInputs, RunOutcome};
 
-use super::data_loader::LoaderMsg;
 use super::layout::Layout;
-use super::monitor::MonitorMsg;
-use super::protocol::Checkpoint;
-use super::reducer::ReducerMsg;
+use super::protocol::{Checkpoint, CheckpointerMsg, LoaderMsg, MonitorMsg, ReducerMsg};
 use crate::config::{BackendKind, Config};
 use crate::data::EvalSet;
 use crate::metrics::StepMetrics;
@@ -87,7 +84,7 @@ pub struct CoordinatorState {
     tokens_base: (u64, u64),
     norms: Vec<(usize, f64)>,
     out: RunOutcome,
-    checkpointer: Option<ActorRef<super::checkpointer::CheckpointerMsg>>,
+    checkpointer: Option<ActorRef<CheckpointerMsg>>,
     log: Option<ActorLog>,
     /// Set when the run is over (the actor stops; a replay ends).
     stopped: bool,
@@ -344,7 +341,7 @@ impl CoordinatorState {
             self.log_sent("checkpointer", "Write", || blobs);
         }
         match &self.checkpointer {
-            Some(c) => c.send_message(super::checkpointer::CheckpointerMsg::Write { tensors, state })?,
+            Some(c) => c.send_message(CheckpointerMsg::Write { tensors, state })?,
             // Replaying alone: nothing is written, and the write counts as done.
             None => self.writes_pending -= 1,
         }

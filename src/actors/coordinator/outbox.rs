@@ -2,11 +2,7 @@
 //! sends or handles as its replay log records it.
 
 use super::{stage_name, CoordinatorMsg, CoordinatorState, StageMsg};
-use crate::actors::checkpointer::CheckpointerMsg;
-use crate::actors::data_loader::LoaderMsg;
-use crate::actors::monitor::MonitorMsg;
-use crate::actors::protocol;
-use crate::actors::reducer::ReducerMsg;
+use crate::actors::protocol::{self, CheckpointerMsg, LoaderMsg, MonitorMsg, ReducerMsg};
 use crate::metrics::StepMetrics;
 use crate::replay::{self, Blob};
 use ractor::{ActorProcessingErr, ActorRef};
@@ -98,16 +94,7 @@ impl CoordinatorState {
     }
 
     pub(super) fn send_loader(&mut self, replica: usize, msg: LoaderMsg) -> Result<(), ActorProcessingErr> {
-        let (kind, blobs) = match &msg {
-            LoaderMsg::Train { .. } => ("Train", vec![]),
-            LoaderMsg::Eval { kind, batches, .. } => (
-                "Eval",
-                vec![
-                    Blob::str(replay::key::EVAL_KIND, kind.name()),
-                    Blob::f64(replay::key::BATCHES, *batches as f64),
-                ],
-            ),
-        };
+        let (kind, blobs) = msg.logged();
         self.log_sent(&format!("loader-{replica}"), kind, || blobs);
         if let Some(l) = self.loaders.get(replica) {
             l.send_message(msg)?;

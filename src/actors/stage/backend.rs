@@ -82,7 +82,7 @@ fn build_cpu(
             args.layout.threads_per_rank,
             remote,
         );
-        let mut st = AdamState::sharded(&part, zero_shard(args));
+        let mut st = AdamState::sharded(&part.params, zero_shard(args));
         if let Some(c) = &args.resume {
             super::super::compute::load_moments(&part.params, &mut st, c)?;
         }

@@ -13,8 +13,7 @@
 //! waits, sends, and records the trace's send, receive and wait marks.
 
 use super::super::layout::Layout;
-use super::super::protocol::{CoordinatorMsg, Failure, Phase, StageMsg};
-use super::super::reducer::ReducerMsg;
+use super::super::protocol::{CoordinatorMsg, Failure, Phase, ReducerMsg, StageMsg};
 use super::Links;
 use crate::optim::grad_tree::Span;
 use crate::replay::ActorLog;

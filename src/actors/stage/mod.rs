@@ -27,8 +27,7 @@ mod recorded;
 mod sim;
 
 use super::layout::Layout;
-use super::protocol::{CoordinatorMsg, Failure, Sent};
-use super::reducer::ReducerMsg;
+use super::protocol::{CoordinatorMsg, Failure, ReducerMsg, Sent};
 use crate::replay::ActorLog;
 use crate::rng::{Purpose, Rng};
 use crate::trace::Recorder;

@@ -5,10 +5,9 @@
 //! this file's.
 
 use super::super::layout::Layout;
-use super::super::protocol::{no_grad_names, stage_name, CoordinatorMsg, Failure, StageMsg};
-use super::super::reducer::ReducerMsg;
+use super::super::protocol::{no_grad_names, stage_name, CoordinatorMsg, Failure, ReducerMsg, StageMsg};
 use super::comm::{At, Comm, Key, Stopped};
-use crate::replay::{ActorLog, Blob, Entry};
+use crate::replay::{ActorLog, Entry};
 
 pub struct Recorded<C: Comm + ?Sized> {
     inner: Box<C>,
@@ -98,19 +97,7 @@ impl<C: Comm + ?Sized> Comm for Recorded<C> {
     }
 
     fn to_reducer(&mut self, msg: ReducerMsg) -> Result<(), Stopped> {
-        let keep = self.keep();
-        let (kind, blobs) = match &msg {
-            ReducerMsg::Reduce { stage, spans, grads, .. } => {
-                let mut blobs = vec![super::super::reducer::span_blob(spans)];
-                let named = |(k, g): (usize, &Vec<f32>)| Blob::f32s(&self.grad_name(*stage, k), g, keep);
-                blobs.extend(grads.iter().enumerate().map(named));
-                ("Reduce", blobs)
-            }
-            ReducerMsg::Gather { shards, .. } => {
-                let named = |(k, s): (usize, &Vec<f32>)| Blob::f32s(&format!("tensor.{k}"), s, keep);
-                ("Gather", shards.iter().enumerate().map(named).collect())
-            }
-        };
+        let (kind, blobs) = msg.logged(self.keep(), &|stage, k| self.grad_name(stage, k));
         if let Some(log) = &mut self.log {
             log.sent("reducer", kind, None, blobs);
         }

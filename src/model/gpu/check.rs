@@ -85,9 +85,9 @@ fn cpu_step(part: &mut ModelPart, adam: &mut AdamState, step: u64) -> StepStats 
     part.combine_tied_grads(None);
     let mut norms = vec![];
     let first = optim::zero::first_slots(&part.cfg);
-    optim::grad_sum_squares(part, optim::zero::Shard::WHOLE, &first, &mut norms);
+    optim::grad_sum_squares(&part.params, part.spec.embedding, optim::zero::Shard::WHOLE, &first, &mut norms);
     let grad_norm = optim::global_norm(&mut norms);
-    adam.step(part, STEP_HYPER, STEP_LR, optim::clip_coefficient(grad_norm, STEP_CLIP));
+    adam.step(&mut part.params, STEP_HYPER, STEP_LR, optim::clip_coefficient(grad_norm, STEP_CLIP));
     StepStats { loss: loss_sum * dloss as f64, grad_norm, lr: STEP_LR, skipped: false }
 }
 
@@ -106,7 +106,7 @@ fn gpu_model<'g, X: Elem>(gpu: &'g Gpu, part: &ModelPart) -> Result<GpuModel<'g,
 /// f32 the gradient norm and every gradient of the first step (relative < 1e-3).
 fn step_vs_cpu<X: Elem>(gpu: &Gpu, cfg: Arch, tag: &str, out: &mut Vec<Check>) -> Result<()> {
     let mut part = ModelPart::new(cfg, PartSpec::whole(&cfg), STEP_B, STEP_SEED, false);
-    let mut adam = AdamState::new(&part);
+    let mut adam = AdamState::new(&part.params);
     let mut model = gpu_model::<X>(gpu, &part)?;
     let abs = |a: f64, b: f64| if (a - b).is_nan() { f64::INFINITY } else { (a - b).abs() };
     for step in 1..=2u64 {

@@ -118,7 +118,7 @@ fn tp_checks_in<X: Elem + NcclType>(
         });
     }
     if X::IS_F32 {
-        let mut adam = AdamState::new(&cpu);
+        let mut adam = AdamState::new(&cpu.params);
         cpu_step(&mut cpu, &mut adam, 1);
         let label = format!("tp over {slices} slices, step 1 gradients vs cpu ({tag})");
         gradients_vs_cpu(&cfg, &cpu.params, &one.first_grads, &label, out);

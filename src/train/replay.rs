@@ -1,19 +1,24 @@
 //! `pipewright replay`: rebuild one actor alone from a recorded run and feed it
 //! its recorded inputs in recorded order (`--actor`), or re-run the whole
 //! system and compare every actor's log (`--all`).
+//!
+//! A command over a whole run, so it lives beside the run loop: `--all` trains
+//! again, and an actor replayed alone reads the run's data as training does.
+//! The recorder the actors write and check through stays below them, in
+//! `crate::replay`.
 
-use super::{
-    compare, ActorLog, Anchor, Checker, Divergence, Entry, FileRef, Header, LogError, LogReader, ReadLog,
-};
+use super::run::{load_sources, train_with, TrainOptions};
 use crate::actors::coordinator::{CoordinatorState, Links};
-use crate::actors::data_loader::LoaderMsg;
-use crate::actors::protocol::{CoordinatorMsg, EvalKind, StageMsg};
-use crate::actors::reducer::{ReducerMsg, ReducerState};
+use crate::actors::protocol::{CoordinatorMsg, LoaderMsg, ReducerMsg, StageMsg};
+use crate::actors::reducer::ReducerState;
 use crate::actors::stage::replay_stage;
 use crate::actors::topology::Topology;
 use crate::actors::Layout;
 use crate::config::Config;
-use crate::optim::grad_tree::Span;
+use crate::replay::{
+    compare, log_path, replay_dir, ActorLog, Anchor, Checker, Divergence, Entry, FileRef, Header, LogError,
+    LogReader, ReadLog,
+};
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -36,7 +41,7 @@ impl ReplayOptions {
     pub fn logs_dir(&self, run_dir: &Path) -> PathBuf {
         match &self.log_dir {
             Some(d) => run_dir.join(d),
-            None => super::replay_dir(run_dir),
+            None => replay_dir(run_dir),
         }
     }
 }
@@ -75,7 +80,7 @@ impl std::fmt::Display for Verdict {
 
 /// Which actors a run recorded: the `*.log` names under `RUN/replay/`.
 pub fn recorded_actors(run_dir: &Path) -> Result<Vec<String>> {
-    actors_in(run_dir, &super::replay_dir(run_dir))
+    actors_in(run_dir, &replay_dir(run_dir))
 }
 
 /// The `*.log` names under `logs`, a log directory of the run in `run_dir`.
@@ -158,7 +163,7 @@ fn config_of(h: &Header, path: &Path) -> Result<Config> {
     let cfg = Config::parse(&h.config, &origin, &[])?;
     // The recorded text itself, too: a log from a build with fewer config
     // fields re-serializes with this build's defaults added, and another hash.
-    if cfg.hash() != h.config_hash && super::blake3_hex(h.config.as_bytes()) != h.config_hash {
+    if cfg.hash() != h.config_hash && crate::replay::blake3_hex(h.config.as_bytes()) != h.config_hash {
         bail!("{origin}: the config's hash does not match the one recorded beside it");
     }
     Ok(cfg)
@@ -226,7 +231,7 @@ fn init_weights(header: &Header, path: &Path) -> Result<Option<Arc<crate::model:
                 path.display()
             )
         })?;
-    let now = super::blake3_hex(&bytes);
+    let now = crate::replay::blake3_hex(&bytes);
     if now != init.blake3 {
         bail!(
             "{}: the --init weights changed since the run: blake3 {now} now, {} recorded {}",
@@ -360,12 +365,12 @@ fn belongs_to_run(
             );
         }
     }
-    if logs != super::replay_dir(run_dir) {
+    if logs != replay_dir(run_dir) {
         return Ok(());
     }
     let own = run_dir.join("config.toml");
     let Ok(text) = std::fs::read_to_string(&own) else { return Ok(()) };
-    if super::blake3_hex(text.as_bytes()) == header.config_hash {
+    if crate::replay::blake3_hex(text.as_bytes()) == header.config_hash {
         return Ok(());
     }
     let run_cfg = Config::parse(&text, &own.display().to_string(), &[]).with_context(|| {
@@ -528,24 +533,12 @@ fn replay_loader(cfg: &Config, actor: &str, entries: &[Entry], log: ActorLog) ->
         .filter(|_| cfg.actor_exists(actor))
         .ok_or_else(|| anyhow!("--actor {actor}: not a loader of this run (dp = {})", cfg.parallel.dp))?;
     let layout = Layout::from_config(cfg)?;
-    let sources = crate::train::run::load_sources(cfg)?;
+    let sources = load_sources(cfg)?;
     let d = sources.replica_data(cfg)?;
     let mut st = alone(cfg, layout, None, None).loader_args(replica, d, Arc::new(OnceLock::new()))?;
     st.log = Some(log);
     for e in entries {
-        let msg = match e.kind.as_str() {
-            "Train" => LoaderMsg::Train { step: e.step },
-            "Eval" => {
-                let err = |why: String| anyhow!("{actor}: {}: {why}", e.describe());
-                let kind = EvalKind::from_name(
-                    &e.input(crate::replay::key::EVAL_KIND).and_then(|b| b.to_str()).map_err(err)?,
-                )
-                .map_err(err)?;
-                let batches = e.input("batches").and_then(|b| b.to_f64()).map_err(err)? as usize;
-                LoaderMsg::Eval { step: e.step, kind, batches }
-            }
-            other => bail!("{actor}: {}: a loader does not handle `{other}`", e.describe()),
-        };
+        let msg = LoaderMsg::from_entry(e).map_err(|why| anyhow!("{actor}: {}: {why}", e.describe()))?;
         st.on_message(msg).map_err(|e| anyhow!(e))?;
     }
     let mut log = st.log.take().expect("log");
@@ -559,20 +552,7 @@ fn replay_reducer(cfg: &Config, entries: &[Entry], log: ActorLog) -> Result<usiz
     args.log = Some(log);
     let mut st = ReducerState::new(args);
     for e in entries {
-        let err = |why: String| anyhow!("reducer: {}: {why}", e.describe());
-        if e.kind == "Gather" {
-            let shards = e.inputs.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(err)?;
-            let stage = e.stage.ok_or_else(|| err("names no stage".into()))? as usize;
-            let msg = ReducerMsg::Gather { step: e.step, stage, replica: e.replica as usize, shards };
-            st.on_message(msg).map_err(|e| anyhow!(e))?;
-            continue;
-        }
-        let (spans, tensors) = e.inputs.split_first().ok_or_else(|| err("holds no tree spans".into()))?;
-        let spans = spans.to_u32s().map_err(err)?;
-        let spans = spans.chunks(2).map(|p| Span { lo: p[0] as usize, hi: p[1] as usize }).collect();
-        let grads = tensors.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>().map_err(err)?;
-        let stage = e.stage.ok_or_else(|| err("names no stage".into()))? as usize;
-        let msg = ReducerMsg::Reduce { step: e.step, stage, replica: e.replica as usize, spans, grads };
+        let msg = ReducerMsg::from_entry(e).map_err(|why| anyhow!("reducer: {}: {why}", e.describe()))?;
         st.on_message(msg).map_err(|e| anyhow!(e))?;
     }
     st.close_log().map_err(|e| anyhow!(e))
@@ -590,7 +570,7 @@ fn replay_coordinator(
     let layout = Layout::from_config(cfg)?;
     let saved = resume.as_ref().and_then(|r| r.state.loss_scaler.clone());
     let scaler = crate::optim::scaler::LossScaler::for_run(&cfg.optim, saved);
-    let sources = crate::train::run::load_sources(cfg)?;
+    let sources = load_sources(cfg)?;
     let links = Links { stages: vec![], loaders: vec![], reducer: None, monitor: None, checkpointer: None };
     let mut st = CoordinatorState::new(
         run_dir.to_path_buf(),
@@ -760,7 +740,7 @@ pub fn prepare_all(run_dir: &Path, opts: &ReplayOptions) -> Result<WholeRun> {
     let cfg = config_of(&header, &path)?;
     cfg.validate()?;
     missing_logs(&logs, &actors, &cfg)?;
-    crate::train::run::load_sources(&cfg)?;
+    load_sources(&cfg)?;
     let start = if header.start_step > 0 {
         let c = start_checkpoint(run_dir, &header, &path, header.start_step)?.expect("step > 0");
         Start::Checkpoint(c.dir.clone())
@@ -786,7 +766,7 @@ impl WholeRun {
     /// Runs the recorded config again (recording, into `out`) and compares
     /// every actor's log with the recording. One verdict per actor.
     pub fn run(&self, out: &Path, chaos_seed: Option<u64>) -> Result<Vec<Verdict>> {
-        let mut opts = crate::train::run::TrainOptions {
+        let mut opts = TrainOptions {
             out_dir: out.to_path_buf(),
             init: None,
             force: true,
@@ -801,12 +781,12 @@ impl WholeRun {
                 opts.resume = true;
             }
         }
-        crate::train::run::train_with(&self.cfg, &opts, chaos_seed)?;
+        train_with(&self.cfg, &opts, chaos_seed)?;
         // A run that was cut off: every actor stopped early, so each log only
         // has to match the re-run as far as it goes.
         let prefix = !self.cut.is_empty();
         // An actor the re-run logged and the recording lacks was never compared.
-        let rerun_actors = actors_in(out, &super::replay_dir(out))?;
+        let rerun_actors = actors_in(out, &replay_dir(out))?;
         let unrecorded: Vec<String> = rerun_actors
             .iter()
             .filter(|a| !self.actors.contains(a))
@@ -819,7 +799,7 @@ impl WholeRun {
         for a in &self.actors {
             let mine = self.logs.join(format!("{a}.log"));
             let recorded = LogReader::read(&mine, prefix)?;
-            let (_, rerun) = LogReader::read_all(&super::log_path(out, a))?;
+            let (_, rerun) = LogReader::read_all(&log_path(out, a))?;
             let es = &recorded.entries;
             let v = match first_difference(a, es, &rerun, prefix) {
                 Some(d) => Verdict::Diverged(d.name_params(&self.cfg.arch())),

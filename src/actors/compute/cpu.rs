@@ -1,0 +1,284 @@
+//! Chunks on the CPU: `ModelPart`s computing on a rayon pool pinned to the
+//! rank's cores, each microbatch's gradients folded into `optim::grad_tree`'s
+//! `PartTree`, and AdamW state in host memory (under ZeRO-1, this replica's
+//! shard of it).
+
+use super::{moments_of, BackwardPart, ChunkInput, ChunkOutput, StageCompute};
+use crate::checkpoint::{Loaded, TensorState};
+use crate::kernels::cpu::matmul::with_random_order;
+use crate::model::part::{MicroActs, Mode, PartInput};
+use crate::model::{ModelPart, Param};
+use crate::optim::grad_tree::{Leaf, PartTree, Span};
+use crate::optim::zero::Shard;
+use crate::optim::{self, AdamState, Hyper};
+use std::collections::BTreeMap;
+
+/// Chunks on the CPU: model parts computing on the rank's thread pool.
+pub struct CpuCompute {
+    parts: Vec<ModelPart>,
+    adam: Vec<AdamState>,
+    /// Activations between F and B, by (chunk, microbatch).
+    saved: BTreeMap<(usize, usize), MicroActs>,
+    pool: rayon::ThreadPool,
+    /// `PIPEWRIGHT_NONDET` names this stage: bias gradients summed in random order.
+    nondet: bool,
+    b: usize,
+    /// Each chunk's microbatch gradients, summed by the fixed tree.
+    trees: Vec<PartTree>,
+    /// The elements whose optimizer state this replica keeps (ZeRO-1).
+    shard: Shard,
+    /// Each tensor's first norm slot (`optim::zero::first_slots`).
+    first_slots: Vec<usize>,
+}
+
+impl CpuCompute {
+    /// `block` is the replica's microbatches as global indices within the
+    /// step, of `total` (dp · microbatches).
+    pub fn new(
+        parts: Vec<ModelPart>,
+        adam: Vec<AdamState>,
+        pool: rayon::ThreadPool,
+        nondet: bool,
+        b: usize,
+        block: std::ops::Range<usize>,
+        total: usize,
+    ) -> Self {
+        let tree = |p: &ModelPart| PartTree::new(&p.spec, &p.cfg, p.params.len(), block.clone(), total);
+        let trees = parts.iter().map(tree).collect();
+        let shard = adam.first().map_or(Shard::WHOLE, |a| a.shard);
+        let first_slots = parts.first().map_or(Vec::new(), |p| optim::zero::first_slots(&p.cfg));
+        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard, first_slots }
+    }
+
+    /// Most gradient sets any chunk's tree held at once (memory reports).
+    pub fn peak_tree_sets(&self) -> usize {
+        self.trees.iter().map(PartTree::peak_held).max().unwrap_or(0)
+    }
+
+    /// Global microbatch index of the replica's microbatch `mb`.
+    fn global(&self, i: usize, mb: usize) -> usize {
+        self.trees[i].block().start + mb
+    }
+}
+
+/// Loads a checkpoint's moments for `params` into `st`: the elements its
+/// shard owns of the whole tensors on disk.
+pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<(), String> {
+    st.t = c.state.adam_step;
+    for (i, p) in params.iter().enumerate() {
+        let (m, v) = moments_of(c, &p.name)?;
+        let r = st.shard.range(p.numel());
+        st.m[i].copy_from_slice(&m[r.clone()]);
+        st.v[i].copy_from_slice(&v[r]);
+    }
+    Ok(())
+}
+
+/// Puts a replica's shard of each reduced gradient (part order, the head's
+/// wte share last) into the part's whole-length gradients; the elements it
+/// does not own are zero and never read.
+fn set_grad_shards(part: &mut ModelPart, shard: Shard, grads: Vec<Vec<f32>>) {
+    let n = part.params.len();
+    // An untied head has no share apart: its gradient is its own tensor's.
+    let wte = if part.cfg.tied() { part.cfg.vocab_size * part.cfg.n_embd } else { 0 };
+    for (k, g) in grads.into_iter().enumerate() {
+        let (numel, target) = match k < n {
+            true => (part.params[k].numel(), &mut part.params[k].grad),
+            false => (wte, &mut part.wte_head_grad),
+        };
+        target.resize(numel, 0.0);
+        let r = shard.range(numel);
+        if g.is_empty() && !r.is_empty() {
+            // A tensor the reduction does not carry (the head's copy of wte).
+            continue;
+        }
+        assert_eq!(g.len(), r.len(), "tensor {k}'s shard of {numel} elements");
+        target[r].copy_from_slice(&g);
+    }
+}
+
+impl StageCompute for CpuCompute {
+    fn micro_batch(&self) -> usize {
+        self.b
+    }
+
+    fn zero_grads(&mut self) {
+        for (p, t) in self.parts.iter_mut().zip(&mut self.trees) {
+            p.zero_grads();
+            t.reset();
+        }
+    }
+
+    fn forward(
+        &mut self,
+        i: usize,
+        mb: usize,
+        input: ChunkInput,
+        targets: Option<&[u32]>,
+        mode: Mode,
+        argmax: Option<&mut [u32]>,
+    ) -> ChunkOutput {
+        let part = &mut self.parts[i];
+        let out = self.pool.install(|| {
+            let input = match input {
+                ChunkInput::Tokens(t) => PartInput::Tokens(t),
+                ChunkInput::Activation(a) => PartInput::Activation(a),
+            };
+            part.forward_with(input, targets, mode, argmax)
+        });
+        if let Some(acts) = out.acts {
+            self.saved.insert((i, mb), acts);
+            let g = self.global(i, mb);
+            let part = &mut self.parts[i];
+            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Head, g);
+        }
+        ChunkOutput { output: out.output, loss_sum: out.loss_sum }
+    }
+
+    fn backward(
+        &mut self,
+        i: usize,
+        mb: usize,
+        which: BackwardPart,
+        dout: Option<Vec<f32>>,
+    ) -> Option<Vec<f32>> {
+        let nondet = self.nondet;
+        let g = self.global(i, mb);
+        let part = &mut self.parts[i];
+        if which == BackwardPart::Weight {
+            self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
+            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
+            return None;
+        }
+        let acts = self.saved.remove(&(i, mb)).expect("F ran before B");
+        let dx = self.pool.install(|| {
+            with_random_order(nondet, || match which {
+                BackwardPart::Full => part.backward(acts, dout),
+                BackwardPart::Input => part.backward_input(acts, dout, mb),
+                BackwardPart::Weight => unreachable!(),
+            })
+        });
+        if which == BackwardPart::Full {
+            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
+        }
+        dx
+    }
+
+    fn live(&self, i: usize) -> (usize, usize) {
+        let held = self.saved.range((i, 0)..(i + 1, 0)).count() + self.parts[i].pending_weight_count();
+        (held, self.parts[i].live_bytes)
+    }
+
+    fn peak_live_bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.peak_live_bytes).sum()
+    }
+
+    fn tied_share(&self, i: usize) -> Vec<f32> {
+        let p = &self.parts[i];
+        if p.spec.embedding {
+            p.params[0].grad.clone()
+        } else {
+            p.wte_head_grad.clone()
+        }
+    }
+
+    fn combine_tied(&mut self, i: usize, other: Option<&[f32]>) {
+        self.parts[i].combine_tied_grads(other);
+    }
+
+    fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>> {
+        self.parts[i].params.iter_mut().map(|p| std::mem::take(&mut p.grad)).collect()
+    }
+
+    fn take_grad_nodes(&mut self, i: usize, _block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
+        self.trees[i].take_nodes()
+    }
+
+    fn sums_by_tree(&self) -> bool {
+        true
+    }
+
+    fn finish_grad_tree(&mut self, i: usize) {
+        let (tree, part) = (&mut self.trees[i], &mut self.parts[i]);
+        self.pool.install(|| tree.finish_local(&mut part.params, &mut part.wte_head_grad));
+    }
+
+    fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>) {
+        match self.shard == Shard::WHOLE {
+            true => {
+                let part = &mut self.parts[i];
+                PartTree::set(&mut part.params, &mut part.wte_head_grad, grads)
+            }
+            false => set_grad_shards(&mut self.parts[i], self.shard, grads),
+        }
+    }
+
+    fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
+        let (part, shard, first) = (&self.parts[i], self.shard, &self.first_slots);
+        self.pool.install(|| optim::grad_sum_squares(&part.params, part.spec.embedding, shard, first, out));
+    }
+
+    fn param_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        self.parts[i].params.iter().map(|p| p.data[self.shard.range(p.numel())].to_vec()).collect()
+    }
+
+    fn set_params(&mut self, i: usize, params: &[Vec<f32>]) {
+        for (p, data) in self.parts[i].params.iter_mut().zip(params) {
+            assert_eq!(data.len(), p.numel(), "{}: a gathered tensor is whole", p.name);
+            p.data.copy_from_slice(data);
+        }
+    }
+
+    fn poison_grad(&mut self, i: usize, value: f32) {
+        self.parts[i].params[0].grad[0] = value;
+    }
+
+    fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32) {
+        let (parts, adam) = (&mut self.parts, &mut self.adam);
+        self.pool.install(|| {
+            for (part, st) in parts.iter_mut().zip(adam.iter_mut()) {
+                st.step(&mut part.params, hyper, lr, clip);
+            }
+        });
+    }
+
+    fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
+        for (i, part) in self.parts.iter().enumerate() {
+            for p in &part.params {
+                f(i, &p.name, &p.data);
+            }
+        }
+    }
+
+    fn param_name(&self, i: usize, k: usize) -> Option<String> {
+        self.parts.get(i).and_then(|p| p.params.get(k)).map(|p| p.name.clone())
+    }
+
+    fn params(&self) -> Vec<Param> {
+        self.parts.iter().flat_map(|p| p.params.iter().cloned()).collect()
+    }
+
+    fn snapshot(&self) -> (Vec<TensorState>, u64) {
+        let mut tensors = Vec::new();
+        for (part, st) in self.parts.iter().zip(&self.adam) {
+            for (i, p) in part.params.iter().enumerate() {
+                tensors.push(TensorState {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    data: p.data.clone(),
+                    exp_avg: st.m[i].clone(),
+                    exp_avg_sq: st.v[i].clone(),
+                });
+            }
+        }
+        (tensors, self.adam.first().map_or(0, |a| a.t))
+    }
+
+    fn restore(&mut self, c: &Loaded) -> Result<(), String> {
+        for (part, st) in self.parts.iter_mut().zip(self.adam.iter_mut()) {
+            c.weights.assign(part).map_err(|e| format!("rollback to {}: {e}", c.dir.display()))?;
+            load_moments(&part.params, st, c)?;
+        }
+        Ok(())
+    }
+}
