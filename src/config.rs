@@ -10,6 +10,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 pub use crate::data::sampler::SamplerKind;
+pub use crate::data::mixture::SourceSpec;
 pub use crate::data::token_file::FileFormat;
 pub use crate::schedule::ScheduleKind;
 
@@ -243,6 +244,9 @@ pub struct DataSection {
     /// Token file layout: "auto" (llm.c by its magic, else raw uint16; a
     /// header with another magic is refused), "llmc" (llm.c only) or "raw".
     pub format: FileFormat,
+    /// A weighted mixture of prepared datasets (`[[data.sources]]`, each
+    /// `path`, `weight` and optional `name`), read instead of `data.train`.
+    pub sources: Vec<SourceSpec>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -420,6 +424,7 @@ impl Default for DataSection {
             val: String::new(),
             sampler: SamplerKind::Shuffled,
             format: FileFormat::Auto,
+            sources: Vec::new(),
         }
     }
 }
@@ -650,9 +655,10 @@ impl Config {
         }
 
         let d = &self.data;
+        self.check_data_sources(&mut v);
         if d.builtin == Builtin::Files {
             v.check(
-                !d.train.is_empty(),
+                !d.train.is_empty() || !d.sources.is_empty(),
                 "data.train",
                 quoted(&d.train),
                 "a token file is required when data.builtin is \"\" \
@@ -972,6 +978,30 @@ impl Config {
             "parallel.tp_timeout_s",
             p.tp_timeout_s,
             format!("must be a number of seconds in (0, {TP_TIMEOUT_MAX_S}]"),
+        );
+    }
+
+    /// `[[data.sources]]`: each entry's own rules, and no `data.train` or
+    /// built-in corpus beside them (which one would be read is a guess).
+    fn check_data_sources(&self, v: &mut Validator) {
+        let d = &self.data;
+        if d.sources.is_empty() {
+            return;
+        }
+        for (path, value, expected) in crate::data::mixture::problems(&d.sources) {
+            v.check(false, &path, value, expected);
+        }
+        v.check(
+            d.train.is_empty(),
+            "data.train",
+            quoted(&d.train),
+            "must be empty when [[data.sources]] is given (the sources are the training data)",
+        );
+        v.check(
+            d.builtin == Builtin::Files,
+            "data.builtin",
+            quoted(d.builtin.name()),
+            "must be \"\" when [[data.sources]] is given (a built-in corpus reads no files)",
         );
     }
 

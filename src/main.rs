@@ -207,29 +207,23 @@ enum Command {
         /// Seed of the sampling stream (the same seed gives the same text).
         #[arg(long, default_value_t = 1337)]
         seed: u64,
-        /// "bytes" or "gpt2" [default: from model.vocab_size].
+        /// "bytes", "gpt2", or a tokenizer.json or a folder holding one [default:
+        /// the weights folder's tokenizer.json, else from model.vocab_size].
         #[arg(long)]
         tokenizer: Option<String>,
     },
-    /// Tokenize text files into train.bin and val.bin (llm.c format). Each file
-    /// is a document; GPT-2's end-of-text token (50256) separates documents.
-    Prepare {
-        /// Text files, or folders whose files are read in name order (UTF-8 for gpt2).
-        #[arg(required = true, num_args = 1..)]
-        input: Vec<PathBuf>,
-        /// "bytes" (vocab 256) or "gpt2" (GPT-2's BPE, vocab 50257; no download).
-        #[arg(long, default_value = "bytes")]
-        tokenizer: String,
-        /// Output directory.
-        #[arg(long)]
-        out: PathBuf,
-        /// Fraction of tokens, from the end, kept for validation.
-        #[arg(long, default_value_t = data::DEFAULT_VAL_FRACTION)]
-        val_fraction: f64,
-        /// Replace existing train.bin/val.bin.
-        #[arg(long)]
-        force: bool,
-    },
+    /// Corpus files into a prepared dataset: llm.c token shards (train.bin and
+    /// val.bin, or train_NNNNNN.bin … with --shard-tokens), manifest.json and
+    /// the tokenizer's tokenizer.json. Reads text (a file is a document),
+    /// JSON lines (.jsonl, .json, .ndjson: a line is a document), parquet (a
+    /// row is a document), each of the first two also .gz or .zst; cleans
+    /// (--clean), deduplicates (--dedup) and tokenizes on every core, with
+    /// the same bytes on any number of threads. Documents are separated by
+    /// the tokenizer's end-of-text token (bytes have none). See docs/data.md.
+    Prepare(PrepareArgs),
+    /// Train or check tokenizers.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
     /// List the tensors (names, dtypes, shapes) and stored config of a weights file or run directory.
     ///
     /// Reads only the file's header, so it is instant on large files. Works on
@@ -324,6 +318,91 @@ enum Command {
     /// Plan a run: FLOPs, Chinchilla sizing, time and cost, memory per GPU, and the
     /// fastest parallel layouts that fit (tp, pp, dp, microbatches, schedule).
     Plan(pipewright::plan::PlanArgs),
+}
+
+#[derive(clap::Args)]
+struct PrepareArgs {
+    /// Files, or folders whose files are read in name order (subfolders too).
+    #[arg(required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// "bytes" (vocab 256), "gpt2" (GPT-2's BPE, vocab 50257; no download), or a
+    /// Hugging Face tokenizer.json or a folder holding one (a model's own).
+    #[arg(long, default_value = "bytes")]
+    tokenizer: String,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// A prepare config (TOML): text_field, skip_bad_lines, val_fraction,
+    /// shard_tokens, and [clean] / [dedup] tables (see docs/data.md). Flags win.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Apply the quality filters (Gopher quality and repetition, C4 lines).
+    #[arg(long)]
+    clean: bool,
+    /// Remove exact and near-duplicate documents (MinHash LSH).
+    #[arg(long)]
+    dedup: bool,
+    /// The JSON field or parquet column holding the text [default: text].
+    #[arg(long)]
+    text_field: Option<String>,
+    /// Skip and count JSON lines that do not parse or lack the field, instead of stopping.
+    #[arg(long)]
+    skip_bad_lines: bool,
+    /// Tokens per shard [default: one train.bin and one val.bin].
+    #[arg(long)]
+    shard_tokens: Option<u64>,
+    /// Fraction of tokens, from the end, kept for validation [default: 0.1].
+    #[arg(long)]
+    val_fraction: Option<f64>,
+    /// Worker threads [default: one per core]; the output is the same for any number.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Also draw the report (removals per filter, document lengths before and after) as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    report: Option<PathBuf>,
+    /// Replace an earlier dataset in --out.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer on corpus files (the readers of
+    /// prepare) and save it as a Hugging Face tokenizer.json, which
+    /// transformers loads as it is. The same corpus and settings give the
+    /// same file, byte for byte.
+    Train {
+        /// Files or folders, as prepare reads them.
+        #[arg(required = true, num_args = 1..)]
+        input: Vec<PathBuf>,
+        /// Tokens in the vocabulary, the 256 bytes and special tokens included.
+        #[arg(long)]
+        vocab_size: usize,
+        /// Where to write tokenizer.json (a folder: DIR/tokenizer.json).
+        #[arg(long)]
+        out: PathBuf,
+        /// Pre-tokenizer regex: "gpt2" or "llama3".
+        #[arg(long, default_value = "gpt2")]
+        pattern: String,
+        /// Special tokens, ids 0, 1, … in order (repeatable).
+        #[arg(long = "special", default_value = "<|endoftext|>")]
+        special: Vec<String>,
+        /// Merge only pairs seen at least this often.
+        #[arg(long, default_value_t = 2)]
+        min_frequency: u64,
+        /// The JSON field or parquet column holding the text.
+        #[arg(long, default_value = "text")]
+        text_field: String,
+        /// Skip JSON lines that do not parse or lack the field.
+        #[arg(long)]
+        skip_bad_lines: bool,
+        /// Worker threads [default: one per core]; the file is the same for any number.
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Replace an existing --out.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 /// Train's options (also taken by `launch` and `worker`).
@@ -450,6 +529,42 @@ where
         ctx.field_format().format_fields(w.by_ref(), event)?;
         writeln!(w)
     }
+}
+
+/// `prepare`: the options from the config file and flags (flags win), the
+/// pipeline, then its report as a table (and an SVG when asked).
+fn prepare_command(a: PrepareArgs) -> Result<()> {
+    let tok = Tokenizer::from_arg(&a.tokenizer).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
+    let mut o = data::PrepareOptions::default();
+    if let Some(c) = &a.config {
+        o = data::PrepareConfig::load(c)?.apply(o);
+    }
+    if a.clean && o.clean.is_none() {
+        o.clean = Some(Default::default());
+    }
+    if a.dedup && o.dedup.is_none() {
+        o.dedup = Some(Default::default());
+    }
+    if let Some(f) = a.text_field {
+        o.read.text_field = f;
+    }
+    o.read.skip_bad_lines |= a.skip_bad_lines;
+    if let Some(n) = a.shard_tokens {
+        o.shard_tokens = n;
+    }
+    if let Some(v) = a.val_fraction {
+        o.val_fraction = v;
+    }
+    o.threads = a.threads;
+    o.force = a.force;
+    o.progress = std::io::stderr().is_terminal();
+    let r = data::prepare::run(&a.input, &tok, &a.out, &o)?;
+    print!("{}", data::report::table(&r));
+    if let Some(svg) = &a.report {
+        data::report::write_svg(&r.manifest, svg)?;
+        println!("report: {}", svg.display());
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]
@@ -928,7 +1043,7 @@ fn run(cli: Cli) -> Result<()> {
             tokenizer,
         } => {
             let tokenizer = match tokenizer {
-                Some(t) => Some(t.parse::<Tokenizer>().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
+                Some(t) => Some(Tokenizer::from_arg(&t).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
                 None => None,
             };
             let req = pipewright::generate::GenerateRequest {
@@ -943,17 +1058,35 @@ fn run(cli: Cli) -> Result<()> {
             pipewright::generate::run(&req, &mut std::io::stdout().lock())?;
             Ok(())
         }
-        Command::Prepare { input, tokenizer, out, val_fraction, force } => {
-            let tok: Tokenizer = tokenizer.parse().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
-            let r = data::prepare_all(&input, tok, &out, val_fraction, force)?;
-            if r.documents > 1 {
-                println!("{} documents", r.documents);
-            }
-            println!("train: {} tokens → {}", r.train_tokens, r.train_path.display());
-            if let Some(v) = &r.val_path {
-                println!("val:   {} tokens → {}", r.val_tokens, v.display());
-            }
-            println!("set model.vocab_size = {} in your config", r.vocab_size);
+        Command::Prepare(args) => prepare_command(args),
+        Command::Tokenizer(TokenizerCommand::Train {
+            input,
+            vocab_size,
+            out,
+            pattern,
+            special,
+            min_frequency,
+            text_field,
+            skip_bad_lines,
+            threads,
+            force,
+        }) => {
+            let settings = data::tokenizer::TrainSettings {
+                vocab_size,
+                special_tokens: special,
+                pattern: pattern.parse().map_err(|e| anyhow::anyhow!("--pattern: {e}"))?,
+                min_frequency,
+                show_progress: std::io::stderr().is_terminal(),
+            };
+            let read = data::read::ReadSettings { text_field, skip_bad_lines };
+            let r = data::prepare::train_tokenizer(&input, &read, &settings, &out, threads, force)?;
+            println!(
+                "{} documents → {} ({} tokens, blake3 {})",
+                r.documents,
+                r.path.display(),
+                r.vocab_size,
+                &r.hash[..16]
+            );
             Ok(())
         }
         Command::Inspect { path } => {
