@@ -162,8 +162,16 @@ enum Command {
         #[arg(long)]
         weights: PathBuf,
         /// Token file (llm.c .bin or raw uint16).
+        #[arg(long, required_unless_present = "text", conflicts_with = "text")]
+        data: Option<PathBuf>,
+        /// Instead of --data: a text file (any format prepare reads), tokenized
+        /// with --tokenizer, else the weights folder's tokenizer.json, else the
+        /// built-in tokenizer of model.vocab_size.
         #[arg(long)]
-        data: PathBuf,
+        text: Option<PathBuf>,
+        /// With --text: "bytes", "gpt2", or a tokenizer.json or a folder holding one.
+        #[arg(long, requires = "text")]
+        tokenizer: Option<String>,
         /// Batches of train.micro_batch_size windows (of block_size + 1 tokens,
         /// read sequentially from the start), as train.eval_batches counts
         /// them: a run's own config and val file give its val loss [default:
@@ -275,6 +283,25 @@ enum Command {
         transport: bool,
         #[command(flatten)]
         tls: TlsArgs,
+        /// Instead: the data pipeline on a corpus it generates (--data-mb of
+        /// jsonl.zst and parquet with planted duplicates and junk): MB/s of
+        /// read+clean, dedup, tokenize and the whole prepare, peak memory,
+        /// near-duplicate recall and unique documents removed.
+        #[arg(long, conflicts_with_all = ["sim", "transport"])]
+        data: bool,
+        /// With --data: megabytes of text to generate.
+        #[arg(long, default_value_t = 1024)]
+        data_mb: u64,
+        /// With --data: where the corpus and outputs go.
+        #[arg(long, default_value = "target/data-bench")]
+        data_dir: PathBuf,
+        /// With --data: worker threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// With --data: also time Python's `tokenizers` on the same file and
+        /// tokenizer, with this interpreter (scripts/bench_tokenizers.py).
+        #[arg(long, value_name = "PYTHON")]
+        python: Option<PathBuf>,
         /// With --sim: the schedule to measure.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
@@ -1011,20 +1038,30 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Command::Eval { config, weights, data, batches, windows, json } => {
+        Command::Eval { config, weights, data, text, tokenizer, batches, windows, json } => {
             use pipewright::train::eval::Amount;
             let amount = match (batches, windows) {
                 (_, Some(w)) => Amount::Windows(w),
                 (Some(b), None) => Amount::Batches(b),
                 (None, None) => Amount::ConfigBatches,
             };
-            let (loss, read) = pipewright::train::eval::eval_file(
-                config.config.as_deref(),
-                &config.set,
-                &weights,
-                &data,
-                amount,
-            )?;
+            let (loss, read, data) = match (data, text) {
+                (Some(data), _) => {
+                    let (c, s) = (config.config.as_deref(), &config.set);
+                    let (loss, read) = pipewright::train::eval::eval_file(c, s, &weights, &data, amount)?;
+                    (loss, read, data)
+                }
+                (None, text) => {
+                    let text = text.expect("clap requires --data or --text");
+                    let tok = match tokenizer {
+                        Some(t) => Some(Tokenizer::from_arg(&t).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
+                        None => None,
+                    };
+                    let (c, s) = (config.config.as_deref(), &config.set);
+                    let (loss, read) = pipewright::train::eval::eval_text(c, s, &weights, &text, tok, amount)?;
+                    (loss, read, text)
+                }
+            };
             if json {
                 println!("{}", serde_json::json!({ "loss": loss, "windows": read }));
             } else {
@@ -1095,6 +1132,26 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GpuCheck { device, only } => gpu_check(device, only),
         Command::GpuBench(args) => gpu_bench(args),
+        Command::Bench { data: true, data_mb, data_dir, threads, python, json, .. } => {
+            let exe = std::env::current_exe()?;
+            let b = data::bench::run(&data_dir, data_mb * 1_000_000, threads, 32_000, &exe)?;
+            print!("{}", data::bench::table(&b));
+            if let Some(py) = python {
+                let out = std::process::Command::new(py)
+                    .arg("scripts/bench_tokenizers.py")
+                    .arg(data_dir.join("tokenizer.json"))
+                    .arg(&b.tokenize_file)
+                    .env("RAYON_NUM_THREADS", threads.to_string())
+                    .env("RAYON_RS_NUM_CPUS", threads.to_string())
+                    .output()?;
+                anyhow::ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+                print!("{}", String::from_utf8_lossy(&out.stdout));
+            }
+            if json {
+                println!("{}", serde_json::to_string(&b)?);
+            }
+            Ok(())
+        }
         Command::Bench { transport: true, tls, json, .. } => {
             let tls = tls.load()?;
             let b = pipewright::cluster::bench::transport(20_000, &[1.0, 16.0, 64.0], tls.as_ref())?;

@@ -8,6 +8,7 @@
 //! sequence sees.
 
 pub mod arithmetic;
+pub mod bench;
 pub mod clean;
 pub mod dedup;
 pub mod hash;
