@@ -9,8 +9,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-pub use crate::data::sampler::SamplerKind;
 pub use crate::data::mixture::SourceSpec;
+pub use crate::data::sampler::SamplerKind;
 pub use crate::data::token_file::FileFormat;
 pub use crate::schedule::ScheduleKind;
 

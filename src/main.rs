@@ -1054,11 +1054,14 @@ fn run(cli: Cli) -> Result<()> {
                 (None, text) => {
                     let text = text.expect("clap requires --data or --text");
                     let tok = match tokenizer {
-                        Some(t) => Some(Tokenizer::from_arg(&t).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
+                        Some(t) => {
+                            Some(Tokenizer::from_arg(&t).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?)
+                        }
                         None => None,
                     };
                     let (c, s) = (config.config.as_deref(), &config.set);
-                    let (loss, read) = pipewright::train::eval::eval_text(c, s, &weights, &text, tok, amount)?;
+                    let (loss, read) =
+                        pipewright::train::eval::eval_text(c, s, &weights, &text, tok, amount)?;
                     (loss, read, text)
                 }
             };

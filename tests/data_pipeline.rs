@@ -30,9 +30,9 @@ fn s(p: &Path) -> &str {
 }
 
 const WORDS: [&str; 32] = [
-    "river", "stone", "market", "winter", "garden", "letter", "window", "harbor", "silver", "forest", "engine",
-    "candle", "meadow", "castle", "pepper", "lantern", "the", "of", "and", "to", "with", "that", "have", "be",
-    "a", "in", "is", "was", "for", "on", "north", "quiet",
+    "river", "stone", "market", "winter", "garden", "letter", "window", "harbor", "silver", "forest",
+    "engine", "candle", "meadow", "castle", "pepper", "lantern", "the", "of", "and", "to", "with", "that",
+    "have", "be", "a", "in", "is", "was", "for", "on", "north", "quiet",
 ];
 
 /// A document of `n` words from a seeded stream, in sentences of twelve.
@@ -126,7 +126,10 @@ fn mixed_txt_jsonl_zst_and_parquet_prepare_to_the_same_bytes_on_one_thread_and_e
     assert_eq!(c["removed_by_filter"]["top_2_gram"], 1, "the junk document: {c}");
     assert_eq!(c["documents_kept"], 60);
     assert_eq!(m["inputs"].as_array().unwrap().len(), 12);
-    assert_eq!(m["tokenizer_hash"], format!("blake3:{}", blake3::hash(&std::fs::read(&tok).unwrap()).to_hex()));
+    assert_eq!(
+        m["tokenizer_hash"],
+        format!("blake3:{}", blake3::hash(&std::fs::read(&tok).unwrap()).to_hex())
+    );
     let shards = m["train"].as_array().unwrap();
     assert!(shards.len() > 2, "{m}");
     assert!(shards.iter().all(|s| s["tokens"].as_u64().unwrap() <= 3000));
@@ -231,7 +234,19 @@ fn llama3_style(dir: &Path) -> PathBuf {
     let text = dir.join("train.txt");
     std::fs::write(&text, (0..30).map(|i| doc(i, 100)).collect::<Vec<_>>().join("\n")).unwrap();
     let tok = dir.join("llama3.json");
-    ok(&["tokenizer", "train", s(&text), "--vocab-size", "500", "--pattern", "llama3", "--special", "<|x|>", "--out", s(&tok)]);
+    ok(&[
+        "tokenizer",
+        "train",
+        s(&text),
+        "--vocab-size",
+        "500",
+        "--pattern",
+        "llama3",
+        "--special",
+        "<|x|>",
+        "--out",
+        s(&tok),
+    ]);
     let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
     let vocab = j["model"]["vocab"].as_object_mut().unwrap();
     for id in vocab.len()..128_000 {
@@ -241,11 +256,11 @@ fn llama3_style(dir: &Path) -> PathBuf {
         serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
                            "rstrip": false, "normalized": false, "special": true})
     };
-    let mut added = vec![
-        special(128_000, "<|begin_of_text|>".into()),
-        special(128_001, "<|end_of_text|>".into()),
-    ];
-    added.extend((128_002..128_256).map(|id| special(id, format!("<|reserved_special_token_{}|>", id - 128_002))));
+    let mut added =
+        vec![special(128_000, "<|begin_of_text|>".into()), special(128_001, "<|end_of_text|>".into())];
+    added.extend(
+        (128_002..128_256).map(|id| special(id, format!("<|reserved_special_token_{}|>", id - 128_002))),
+    );
     j["added_tokens"] = serde_json::Value::Array(added);
     std::fs::write(&tok, serde_json::to_string(&j).unwrap()).unwrap();
     tok
@@ -280,23 +295,41 @@ fn a_llama3_style_tokenizer_round_trips_text_through_prepare_and_generate() {
     ok(&["prepare", s(&two_docs), "--tokenizer", s(&tok), "--out", s(&data), "--val-fraction", "0"]);
     let train = data.join("train.bin");
     let sets = [
-        "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16",
-        "model.vocab_size=128256", "train.micro_batch_size=1", "parallel.pp=1", "parallel.microbatches=1",
+        "model.n_layer=1",
+        "model.n_embd=16",
+        "model.n_head=2",
+        "model.block_size=16",
+        "model.vocab_size=128256",
+        "train.micro_batch_size=1",
+        "parallel.pp=1",
+        "parallel.microbatches=1",
         "train.eval_every=0",
     ];
-    let mut args = vec!["train".to_string(), "--steps".into(), "1".into(), "--out".into(), s(&run_dir).into()];
+    let mut args =
+        vec!["train".to_string(), "--steps".into(), "1".into(), "--out".into(), s(&run_dir).into()];
     args.extend(["--set".into(), format!("data.train={}", s(&train))]);
     for kv in sets {
         args.extend(["--set".into(), kv.into()]);
     }
     ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(run_dir.join("tokenizer.json").exists(), "the run carries the data's tokenizer");
-    let out = ok(&["generate", "--weights", s(&run_dir), "--prompt", "Hello Fault", "--max-new-tokens", "3", "--temperature", "0"]);
+    let out = ok(&[
+        "generate",
+        "--weights",
+        s(&run_dir),
+        "--prompt",
+        "Hello Fault",
+        "--max-new-tokens",
+        "3",
+        "--temperature",
+        "0",
+    ]);
     assert!(out.starts_with("Hello Fault"), "{out}");
     // Without its tokenizer, the model is refused rather than decoded through GPT-2's.
     std::fs::remove_file(run_dir.join("tokenizer.json")).unwrap();
     let (ok_, _, err) = run(&["generate", "--weights", s(&run_dir), "--max-new-tokens", "1"]);
     assert!(!ok_ && err.contains("128256") && err.contains("tokenizer.json"), "{err}");
-    let (ok_, _, err) = run(&["generate", "--weights", s(&run_dir), "--tokenizer", "gpt2", "--max-new-tokens", "1"]);
+    let (ok_, _, err) =
+        run(&["generate", "--weights", s(&run_dir), "--tokenizer", "gpt2", "--max-new-tokens", "1"]);
     assert!(ok_, "GPT-2's 50257 ids fit in 128256: {err}");
 }

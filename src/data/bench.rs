@@ -34,7 +34,8 @@ pub enum Planted {
 /// language to the filters and the tokenizer (stop words included).
 fn lexicon() -> Vec<String> {
     let stop = ["the", "of", "and", "to", "a", "in", "that", "is", "was", "with", "for", "be", "have", "on"];
-    let syll = ["ka", "lo", "mi", "ren", "sa", "tu", "ve", "dor", "an", "el", "is", "om", "pra", "quin", "ta", "ul"];
+    let syll =
+        ["ka", "lo", "mi", "ren", "sa", "tu", "ve", "dor", "an", "el", "is", "om", "pra", "quin", "ta", "ul"];
     let mut words: Vec<String> = stop.iter().map(|s| s.to_string()).collect();
     let mut i = 0u64;
     while words.len() < 6000 {
@@ -114,8 +115,16 @@ impl Gen {
 /// Writes about `bytes` of documents as `files` jsonl.zst files in `dir`
 /// (the last one parquet), with 4% exact and 4% near duplicates of earlier
 /// documents and 4% junk; returns the files and each document's truth.
-pub fn generate_corpus(dir: &Path, bytes: u64, files: usize) -> Result<(Vec<PathBuf>, Vec<Planted>), DataError> {
-    std::fs::create_dir_all(dir).map_err(|error| DataError::Io { path: dir.into(), action: "create", error })?;
+pub fn generate_corpus(
+    dir: &Path,
+    bytes: u64,
+    files: usize,
+) -> Result<(Vec<PathBuf>, Vec<Planted>), DataError> {
+    std::fs::create_dir_all(dir).map_err(|error| DataError::Io {
+        path: dir.into(),
+        action: "create",
+        error,
+    })?;
     let g = Gen { words: lexicon() };
     let per_file = bytes / files as u64;
     let mut truth: Vec<Planted> = Vec::new();
@@ -124,7 +133,8 @@ pub fn generate_corpus(dir: &Path, bytes: u64, files: usize) -> Result<(Vec<Path
     let mut id = 0u64;
     for f in 0..files {
         let parquet = f + 1 == files;
-        let path = dir.join(if parquet { format!("part-{f:03}.parquet") } else { format!("part-{f:03}.jsonl.zst") });
+        let path =
+            dir.join(if parquet { format!("part-{f:03}.parquet") } else { format!("part-{f:03}.jsonl.zst") });
         let mut docs: Vec<String> = Vec::new();
         let mut written = 0u64;
         while written < per_file {
@@ -159,8 +169,11 @@ pub fn generate_corpus(dir: &Path, bytes: u64, files: usize) -> Result<(Vec<Path
         if parquet {
             super::read::write_parquet(&path, "text", &docs, 10_000)?;
         } else {
-            let file = std::fs::File::create(&path)
-                .map_err(|error| DataError::Io { path: path.clone(), action: "create", error })?;
+            let file = std::fs::File::create(&path).map_err(|error| DataError::Io {
+                path: path.clone(),
+                action: "create",
+                error,
+            })?;
             let mut z = zstd::stream::write::Encoder::new(file, 1)
                 .map_err(|error| DataError::Io { path: path.clone(), action: "zstd", error })?
                 .auto_finish();
@@ -227,7 +240,14 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
         min_frequency: 2,
         show_progress: false,
     };
-    super::prepare::train_tokenizer(&files[..1], &ReadSettings::default(), &settings, &tok_path, threads, true)?;
+    super::prepare::train_tokenizer(
+        &files[..1],
+        &ReadSettings::default(),
+        &settings,
+        &tok_path,
+        threads,
+        true,
+    )?;
     let tokenizer = Tokenizer::from_arg(tok_path.to_str().unwrap_or_default())?;
     let corpus_bytes: u64 = all_texts(&files)?.iter().map(|t| t.len() as u64).sum();
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a pool");
@@ -248,7 +268,8 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
         return Err(DataError::Invalid { what: format!("bench: prepare failed ({status})") });
     }
     let peak_rss = children_peak_rss_bytes();
-    let documents = super::shards::Manifest::read(&out.join("prepared"))?.counts["records"].as_u64().unwrap_or(0);
+    let documents =
+        super::shards::Manifest::read(&out.join("prepared"))?.counts["records"].as_u64().unwrap_or(0);
 
     eprintln!("read + clean");
     // Read + clean: the readers, then the filters over each batch in parallel.
@@ -262,7 +283,11 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
             let n: u64 = pool.install(|| {
                 std::mem::take(batch)
                     .into_par_iter()
-                    .map(|d| d.text("text").map(|t| !matches!(cleaner.check(&t), Verdict::Drop(_)) as u64).unwrap_or(0))
+                    .map(|d| {
+                        d.text("text")
+                            .map(|t| !matches!(cleaner.check(&t), Verdict::Drop(_)) as u64)
+                            .unwrap_or(0)
+                    })
                     .sum()
             });
             kept += n;
@@ -293,7 +318,8 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
     }
     let removed = spill.resolve(&pool)?.removed;
     let dedup_mb_s = mb_s(corpus_bytes, t);
-    let (mut near, mut near_found, mut exact, mut exact_found, mut unique, mut unique_lost) = (0, 0, 0, 0, 0, 0);
+    let (mut near, mut near_found, mut exact, mut exact_found, mut unique, mut unique_lost) =
+        (0, 0, 0, 0, 0, 0);
     for (i, p) in truth.iter().enumerate() {
         match p {
             Planted::Near(j) => {
@@ -313,12 +339,19 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
         }
     }
     // Originals that had copies planted: their removal is right (one of the pair goes).
-    let copied: std::collections::BTreeSet<u32> =
-        truth.iter().filter_map(|p| match p { Planted::Near(j) | Planted::Exact(j) => Some(*j), _ => None }).collect();
+    let copied: std::collections::BTreeSet<u32> = truth
+        .iter()
+        .filter_map(|p| match p {
+            Planted::Near(j) | Planted::Exact(j) => Some(*j),
+            _ => None,
+        })
+        .collect();
     let wrongly = truth
         .iter()
         .enumerate()
-        .filter(|(i, p)| **p == Planted::Unique && !copied.contains(&(*i as u32)) && removed[*i] != Removal::Kept)
+        .filter(|(i, p)| {
+            **p == Planted::Unique && !copied.contains(&(*i as u32)) && removed[*i] != Removal::Kept
+        })
         .count() as u64;
     let _ = unique_lost;
     let unique_uncopied = truth
@@ -334,18 +367,24 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
     let tokenize_file = out.join("tokenize-bench.txt");
     {
         let mut f = std::io::BufWriter::new(
-            std::fs::File::create(&tokenize_file)
-                .map_err(|error| DataError::Io { path: tokenize_file.clone(), action: "create", error })?,
+            std::fs::File::create(&tokenize_file).map_err(|error| DataError::Io {
+                path: tokenize_file.clone(),
+                action: "create",
+                error,
+            })?,
         );
         for t in &lines {
-            f.write_all(t.as_bytes())
-                .and_then(|_| f.write_all(b"\n"))
-                .map_err(|error| DataError::Io { path: tokenize_file.clone(), action: "write", error })?;
+            f.write_all(t.as_bytes()).and_then(|_| f.write_all(b"\n")).map_err(|error| DataError::Io {
+                path: tokenize_file.clone(),
+                action: "write",
+                error,
+            })?;
         }
     }
     eprintln!("tokenize");
     let t = Instant::now();
-    let n: usize = pool.install(|| lines.par_iter().map(|t| tokenizer.encode(t).map(|v| v.len()).unwrap_or(0)).sum());
+    let n: usize =
+        pool.install(|| lines.par_iter().map(|t| tokenizer.encode(t).map(|v| v.len()).unwrap_or(0)).sum());
     let tokenize_mb_s = mb_s(corpus_bytes, t);
     let _ = (n, kept, unique);
 

@@ -220,7 +220,9 @@ impl Cleaner {
         let (dup, dup_chars) = duplicates(&paragraphs);
         let n = paragraphs.len().max(1) as f64;
         self.over("dup_para_frac", dup as f64 / n, self.s.max_dup_para_frac)
-            .or_else(|| self.over("dup_para_char_frac", dup_chars as f64 / chars, self.s.max_dup_para_char_frac))
+            .or_else(|| {
+                self.over("dup_para_char_frac", dup_chars as f64 / chars, self.s.max_dup_para_char_frac)
+            })
             .or_else(|| {
                 let lines = split_runs(text, '\n', 1);
                 let (dup, dup_chars) = duplicates(&lines);
@@ -238,8 +240,14 @@ impl Cleaner {
                         return Some(f);
                     }
                 }
-                const DUP: [&str; 6] =
-                    ["dup_5_grams", "dup_6_grams", "dup_7_grams", "dup_8_grams", "dup_9_grams", "dup_10_grams"];
+                const DUP: [&str; 6] = [
+                    "dup_5_grams",
+                    "dup_6_grams",
+                    "dup_7_grams",
+                    "dup_8_grams",
+                    "dup_9_grams",
+                    "dup_10_grams",
+                ];
                 for (i, name) in DUP.into_iter().enumerate() {
                     if !self.s.on(name) {
                         continue;
@@ -316,7 +324,8 @@ impl Cleaner {
     /// curly bracket drops the document, and so do too few sentences left.
     fn c4(&self, text: &str) -> Verdict {
         let s = &self.s;
-        if !self.c4_lines && !s.on("c4_lorem_ipsum") && !s.on("c4_curly_bracket") && !s.on("c4_min_sentences") {
+        if !self.c4_lines && !s.on("c4_lorem_ipsum") && !s.on("c4_curly_bracket") && !s.on("c4_min_sentences")
+        {
             return Verdict::Keep;
         }
         let mut kept: Vec<String> = Vec::new();
@@ -373,8 +382,29 @@ fn is_punct(c: char) -> bool {
     c.is_ascii_punctuation()
         || matches!(
             c,
-            '…' | '—' | '–' | '‘' | '’' | '“' | '”' | '«' | '»' | '¿' | '¡' | '·' | '•' | '。' | '、' | '，'
-                | '！' | '？' | '：' | '；' | '（' | '）' | '「' | '」'
+            '…' | '—'
+                | '–'
+                | '‘'
+                | '’'
+                | '“'
+                | '”'
+                | '«'
+                | '»'
+                | '¿'
+                | '¡'
+                | '·'
+                | '•'
+                | '。'
+                | '、'
+                | '，'
+                | '！'
+                | '？'
+                | '：'
+                | '；'
+                | '（'
+                | '）'
+                | '「'
+                | '」'
         )
 }
 
@@ -388,7 +418,9 @@ pub fn words(text: &str) -> Vec<&str> {
             out.push(piece);
             continue;
         }
-        let end = piece.rfind(|c: char| !is_punct(c)).map(|i| i + piece[i..].chars().next().map_or(1, char::len_utf8));
+        let end = piece
+            .rfind(|c: char| !is_punct(c))
+            .map(|i| i + piece[i..].chars().next().map_or(1, char::len_utf8));
         let end = end.unwrap_or(piece.len());
         if start > 0 {
             out.push(&piece[..start]);
@@ -444,7 +476,10 @@ fn duplicates(items: &[&str]) -> (usize, usize) {
 
 /// Each word's hash and length in characters.
 fn word_keys(words: &[&str]) -> (Vec<u64>, Vec<usize>) {
-    (words.iter().map(|w| hash_bytes(w.as_bytes())).collect(), words.iter().map(|w| w.chars().count()).collect())
+    (
+        words.iter().map(|w| hash_bytes(w.as_bytes())).collect(),
+        words.iter().map(|w| w.chars().count()).collect(),
+    )
 }
 
 /// Characters of the most frequent n-gram (joined by spaces) times its count.
@@ -489,7 +524,8 @@ fn strip_citations(line: &str) -> String {
         let tail = &rest[open..];
         let close = tail.find(']');
         let inner = close.map(|c| &tail[1..c]);
-        let cite = inner.is_some_and(|s| s.chars().all(|c| c.is_ascii_digit()) || s == "edit" || s == "citation needed");
+        let cite = inner
+            .is_some_and(|s| s.chars().all(|c| c.is_ascii_digit()) || s == "edit" || s == "citation needed");
         match (cite, close) {
             (true, Some(c)) => rest = &tail[c + 1..],
             _ => {
@@ -542,7 +578,12 @@ mod tests {
 
     fn only(off_all_but: &[&str]) -> Cleaner {
         let mut s = CleanSettings::default();
-        s.off = FILTERS.iter().chain(&C4_LINE_RULES).filter(|f| !off_all_but.contains(f)).map(|f| f.to_string()).collect();
+        s.off = FILTERS
+            .iter()
+            .chain(&C4_LINE_RULES)
+            .filter(|f| !off_all_but.contains(f))
+            .map(|f| f.to_string())
+            .collect();
         Cleaner::new(s)
     }
 
@@ -554,7 +595,10 @@ mod tests {
 
     #[test]
     fn words_split_off_leading_and_trailing_punctuation() {
-        assert_eq!(words("(Hello), world... it's 3.5!"), ["(", "Hello", "),", "world", "...", "it's", "3.5", "!"]);
+        assert_eq!(
+            words("(Hello), world... it's 3.5!"),
+            ["(", "Hello", "),", "world", "...", "it's", "3.5", "!"]
+        );
         assert_eq!(words("— ..."), ["—", "..."]);
     }
 
@@ -586,7 +630,8 @@ mod tests {
 
     #[test]
     fn bullet_and_ellipsis_lines_over_their_share_remove_the_document() {
-        let bullets = "- one item\n- two items\n• three\n- four\n- five\n- six\n- seven\n- eight\n- nine\n- ten";
+        let bullets =
+            "- one item\n- two items\n• three\n- four\n- five\n- six\n- seven\n- eight\n- nine\n- ten";
         assert_eq!(only(&["bullet_lines"]).check(bullets), Verdict::Drop("bullet_lines"));
         // 9 of 10 lines: 0.9 is not over 0.9.
         let nine = format!("{}\nplain line", &bullets[..bullets.rfind('\n').unwrap()]);
@@ -623,14 +668,23 @@ mod tests {
 
     #[test]
     fn c4_drops_lines_without_end_punctuation_and_documents_with_code_or_lorem_ipsum() {
-        let c = only(&C4_LINE_RULES.iter().chain(&["c4_lorem_ipsum", "c4_curly_bracket", "c4_min_sentences"]).copied().collect::<Vec<_>>());
+        let c = only(
+            &C4_LINE_RULES
+                .iter()
+                .chain(&["c4_lorem_ipsum", "c4_curly_bracket", "c4_min_sentences"])
+                .copied()
+                .collect::<Vec<_>>(),
+        );
         let text = "Home | About | Contact\nThe first sentence is here. The second one too.\n\
                     Please enable JavaScript to view the page.\nA third sentence ends well. Fourth one! Fifth?\n\
                     Read our privacy policy.\nSee the note[1] and more[citation needed].";
         let want = "The first sentence is here. The second one too.\nA third sentence ends well. Fourth one! Fifth?\n\
                     See the note and more.";
         assert_eq!(c.check(text), Verdict::Trimmed(want.into()));
-        assert_eq!(c.check(&format!("{text}\nfunction f() {{ return 1; }}")), Verdict::Drop("c4_curly_bracket"));
+        assert_eq!(
+            c.check(&format!("{text}\nfunction f() {{ return 1; }}")),
+            Verdict::Drop("c4_curly_bracket")
+        );
         assert_eq!(c.check(&format!("Lorem ipsum dolor sit amet.\n{text}")), Verdict::Drop("c4_lorem_ipsum"));
         assert_eq!(c.check("One sentence only. Two."), Verdict::Drop("c4_min_sentences"));
     }

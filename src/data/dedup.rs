@@ -140,7 +140,8 @@ impl MinHasher {
         if !self.s.near {
             return Signature { content, exact, bands: Vec::new() };
         }
-        let words: Vec<u64> = norm.split(' ').filter(|w| !w.is_empty()).map(|w| hash_bytes(w.as_bytes())).collect();
+        let words: Vec<u64> =
+            norm.split(' ').filter(|w| !w.is_empty()).map(|w| hash_bytes(w.as_bytes())).collect();
         if words.is_empty() {
             return Signature { content, exact, bands: Vec::new() };
         }
@@ -188,8 +189,11 @@ fn file_name(kind: &str, p: usize) -> String {
 
 impl Spill {
     pub fn new(dir: &Path, s: &DedupSettings) -> Result<Spill, DataError> {
-        std::fs::create_dir_all(dir)
-            .map_err(|error| DataError::Io { path: dir.to_path_buf(), action: "create directory", error })?;
+        std::fs::create_dir_all(dir).map_err(|error| DataError::Io {
+            path: dir.to_path_buf(),
+            action: "create directory",
+            error,
+        })?;
         let open = |kind: &str| -> Result<Vec<BufWriter<File>>, DataError> {
             (0..s.partitions)
                 .map(|p| {
@@ -223,7 +227,11 @@ impl Spill {
             let mut e = [0u8; 16];
             e[..8].copy_from_slice(&key.to_le_bytes());
             e[8..].copy_from_slice(&doc.to_le_bytes());
-            w.write_all(&e).map_err(|error| DataError::Io { path: dir.clone(), action: "write signatures", error })
+            w.write_all(&e).map_err(|error| DataError::Io {
+                path: dir.clone(),
+                action: "write signatures",
+                error,
+            })
         };
         if !self.exact.is_empty() {
             let p = part_of(sig.exact, self.partitions);
@@ -241,7 +249,11 @@ impl Spill {
     /// Every cluster resolved: which documents go, and why.
     pub fn resolve(mut self, pool: &rayon::ThreadPool) -> Result<Outcome, DataError> {
         let flush = |w: &mut BufWriter<File>, dir: &Path| {
-            w.flush().map_err(|error| DataError::Io { path: dir.to_path_buf(), action: "write signatures", error })
+            w.flush().map_err(|error| DataError::Io {
+                path: dir.to_path_buf(),
+                action: "write signatures",
+                error,
+            })
         };
         for w in self.exact.iter_mut().chain(self.near.iter_mut()) {
             flush(w, &self.dir)?;
@@ -423,7 +435,11 @@ mod tests {
         let mut at = 0;
         for k in 0..40u64 {
             if k % 2 == 0 {
-                assert_eq!([got[at], got[at + 1]].iter().filter(|&&r| r == Removal::Kept).count(), 1, "pair {k}");
+                assert_eq!(
+                    [got[at], got[at + 1]].iter().filter(|&&r| r == Removal::Kept).count(),
+                    1,
+                    "pair {k}"
+                );
                 at += 2;
             } else {
                 assert_eq!(got[at], Removal::Kept, "unique {k}");

@@ -49,10 +49,18 @@ pub fn problems(sources: &[SourceSpec]) -> Vec<(String, String, String)> {
     let mut out = Vec::new();
     for (i, s) in sources.iter().enumerate() {
         if s.path.is_empty() {
-            out.push((format!("data.sources[{i}].path"), "\"\"".into(), "a prepared dataset or token file".into()));
+            out.push((
+                format!("data.sources[{i}].path"),
+                "\"\"".into(),
+                "a prepared dataset or token file".into(),
+            ));
         }
         if !(s.weight.is_finite() && s.weight > 0.0) {
-            out.push((format!("data.sources[{i}].weight"), s.weight.to_string(), "must be finite and > 0".into()));
+            out.push((
+                format!("data.sources[{i}].weight"),
+                s.weight.to_string(),
+                "must be finite and > 0".into(),
+            ));
         }
         if let Some(j) = sources[..i].iter().position(|o| o.label() == s.label()) {
             out.push((
@@ -72,7 +80,9 @@ pub fn block_counts(weights: &[f64]) -> Vec<usize> {
     let exact: Vec<f64> = weights.iter().map(|w| w / total * BLOCK as f64).collect();
     let mut counts: Vec<usize> = exact.iter().map(|e| (e.floor() as usize).max(1)).collect();
     let mut order: Vec<usize> = (0..weights.len()).collect();
-    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b)));
+    order.sort_by(|&a, &b| {
+        (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b))
+    });
     let mut given: usize = counts.iter().sum();
     for &k in order.iter().cycle().take(weights.len() * 2) {
         if given >= BLOCK {
@@ -152,7 +162,12 @@ impl Schedule {
 
 /// A source's tokens: a prepared dataset's `split` ("train" or "val")
 /// shards, back to back, or one token file.
-pub fn open_source(path: &str, split: &str, vocab_size: usize, format: FileFormat) -> Result<TokenSource, DataError> {
+pub fn open_source(
+    path: &str,
+    split: &str,
+    vocab_size: usize,
+    format: FileFormat,
+) -> Result<TokenSource, DataError> {
     let p = std::path::Path::new(path);
     if !p.is_dir() {
         return TokenFile::open_as(p, vocab_size, format).map(TokenSource::from);
@@ -205,8 +220,12 @@ impl Mixture {
 
 /// The tokenizer.json of the data a config trains on: the one beside its
 /// prepared datasets (all the same file), if they have one.
-pub fn tokenizer_of_data(train: &str, sources: &[SourceSpec]) -> Result<Option<std::path::PathBuf>, DataError> {
-    let dirs: Vec<&str> = if sources.is_empty() { vec![train] } else { sources.iter().map(|s| s.path.as_str()).collect() };
+pub fn tokenizer_of_data(
+    train: &str,
+    sources: &[SourceSpec],
+) -> Result<Option<std::path::PathBuf>, DataError> {
+    let dirs: Vec<&str> =
+        if sources.is_empty() { vec![train] } else { sources.iter().map(|s| s.path.as_str()).collect() };
     let mut found: Option<(std::path::PathBuf, Vec<u8>)> = None;
     for d in dirs.into_iter().filter(|d| !d.is_empty()) {
         let p = std::path::Path::new(d);
@@ -232,7 +251,11 @@ pub fn tokenizer_of_data(train: &str, sources: &[SourceSpec]) -> Result<Option<s
 
 /// Copies the data's tokenizer (see [`tokenizer_of_data`]) into a run
 /// folder, with a tokenizer_config.json for AutoTokenizer.
-pub fn save_run_tokenizer(train: &str, sources: &[SourceSpec], run_dir: &std::path::Path) -> Result<(), DataError> {
+pub fn save_run_tokenizer(
+    train: &str,
+    sources: &[SourceSpec],
+    run_dir: &std::path::Path,
+) -> Result<(), DataError> {
     let Some(file) = tokenizer_of_data(train, sources)? else { return Ok(()) };
     let tok = super::tokenizer::Tokenizer::HuggingFace(Arc::new(super::tokenizer::HfTokenizer::open(&file)?));
     super::tokenizer::save_beside(&tok, run_dir)
@@ -273,7 +296,8 @@ mod tests {
         let mut b = Schedule::new(3, &[2.0, 1.0, 1.0]);
         // Asked in another order (another replica, a resume): the same answers.
         let fwd: Vec<_> = (0..3000).map(|g| a.route(g)).collect();
-        let back: Vec<_> = (0..3000).rev().map(|g| b.route(g)).collect::<Vec<_>>().into_iter().rev().collect();
+        let back: Vec<_> =
+            (0..3000).rev().map(|g| b.route(g)).collect::<Vec<_>>().into_iter().rev().collect();
         assert_eq!(fwd, back);
         let mut c = Schedule::new(4, &[2.0, 1.0, 1.0]);
         assert_ne!(fwd, (0..3000).map(|g| c.route(g)).collect::<Vec<_>>());
@@ -284,6 +308,14 @@ mod tests {
         let s = |p: &str, w: f64, n: &str| SourceSpec { path: p.into(), weight: w, name: n.into() };
         let p = problems(&[s("a", 1.0, ""), s("", 0.0, "x"), s("b", f64::NAN, "a")]);
         let keys: Vec<&str> = p.iter().map(|(k, _, _)| k.as_str()).collect();
-        assert_eq!(keys, ["data.sources[1].path", "data.sources[1].weight", "data.sources[2].weight", "data.sources[2].name"]);
+        assert_eq!(
+            keys,
+            [
+                "data.sources[1].path",
+                "data.sources[1].weight",
+                "data.sources[2].weight",
+                "data.sources[2].name"
+            ]
+        );
     }
 }

@@ -23,8 +23,8 @@ pub mod tokenizer;
 
 pub use arithmetic::{AnswerSpan, ArithmeticCorpus, EvalSet, Problem, TrainText};
 pub use prepare::{prepare, prepare_all, PrepareConfig, PrepareOptions, PrepareReport, DEFAULT_VAL_FRACTION};
-pub use tokenizer::Tokenizer;
 pub use sampler::{Sampler, SamplerKind};
 pub use token_file::{
     write_llmc, DataError, FileFormat, RandomText, TokenFile, TokenFormat, TokenSource, RANDOM_TOKENS,
 };
+pub use tokenizer::Tokenizer;

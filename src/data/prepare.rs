@@ -87,8 +87,12 @@ pub struct PrepareConfig {
 
 impl PrepareConfig {
     pub fn load(path: &Path) -> Result<PrepareConfig, DataError> {
-        let text = crate::fsutil::read_regular_to_string(path, crate::fsutil::MAX_CONFIG_BYTES, "a config file may hold")
-            .map_err(|error| DataError::Io { path: path.to_path_buf(), action: "read", error })?;
+        let text = crate::fsutil::read_regular_to_string(
+            path,
+            crate::fsutil::MAX_CONFIG_BYTES,
+            "a config file may hold",
+        )
+        .map_err(|error| DataError::Io { path: path.to_path_buf(), action: "read", error })?;
         let de = toml::Deserializer::parse(&text).map_err(|e| DataError::Invalid {
             what: format!("{}: {}", path.display(), e.to_string().trim_end()),
         })?;
@@ -277,8 +281,17 @@ enum Processed {
     /// A record that holds no document (a bad JSON line, say): skipped and
     /// counted under `--skip-bad-lines`, else an error naming it.
     Bad(super::read::BadRecord),
-    Dropped { filter: &'static str, chars: u64 },
-    Kept { tokens: Vec<u32>, sig: Option<Signature>, chars_before: u64, chars: u64, trimmed: bool },
+    Dropped {
+        filter: &'static str,
+        chars: u64,
+    },
+    Kept {
+        tokens: Vec<u32>,
+        sig: Option<Signature>,
+        chars_before: u64,
+        chars: u64,
+        trimmed: bool,
+    },
 }
 
 /// What every worker applies to a record.
@@ -580,7 +593,8 @@ fn run_in(
     let vocab = tok.vocab_size();
     let mut train = ShardWriter::new(partial, out_dir, "train", o.shard_tokens, vocab);
     let mut val = ShardWriter::new(partial, out_dir, "val", o.shard_tokens, vocab);
-    let mut r = BufReader::with_capacity(1 << 20, fs::File::open(&spool_path).map_err(io(&spool_path, "open"))?);
+    let mut r =
+        BufReader::with_capacity(1 << 20, fs::File::open(&spool_path).map_err(io(&spool_path, "open"))?);
     let (mut emitted, mut first) = (0u64, true);
     let mut buf: Vec<u8> = Vec::new();
     let mut doc: Vec<u32> = Vec::new();
@@ -717,7 +731,8 @@ fn read_all(
             batch.push(d);
             if batch.len() >= BATCH_DOCS || bytes >= BATCH_BYTES {
                 bytes = 0;
-                send.send(std::mem::replace(&mut batch, Vec::with_capacity(BATCH_DOCS))).map_err(|_| gone())?;
+                send.send(std::mem::replace(&mut batch, Vec::with_capacity(BATCH_DOCS)))
+                    .map_err(|_| gone())?;
             }
             Ok(())
         })?;
@@ -772,10 +787,9 @@ pub fn train_tokenizer(
     }
     let (files, _) = documents(inputs)?;
     let threads = if threads == 0 { crate::host::thread_count(0) } else { threads };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .map_err(|e| DataError::Invalid { what: format!("tokenizer train: cannot start {threads} threads: {e}") })?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| {
+        DataError::Invalid { what: format!("tokenizer train: cannot start {threads} threads: {e}") }
+    })?;
     let (send, recv) = crossbeam_channel::bounded::<Vec<RawDoc>>(2);
     let bad: std::sync::Mutex<Option<DataError>> = std::sync::Mutex::new(None);
     let docs = std::sync::atomic::AtomicU64::new(0);

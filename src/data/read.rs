@@ -123,7 +123,8 @@ impl RawDoc {
     /// The document's text: the body, or the JSON line's `field`.
     pub fn text(self, field: &str) -> Result<String, BadRecord> {
         if !self.json {
-            return String::from_utf8(self.body).map_err(|e| BadRecord::NotUtf8(e.utf8_error().valid_up_to()));
+            return String::from_utf8(self.body)
+                .map_err(|e| BadRecord::NotUtf8(e.utf8_error().valid_up_to()));
         }
         let value: serde_json::Value =
             serde_json::from_slice(&self.body).map_err(|e| BadRecord::NotJson(e.to_string()))?;
@@ -164,11 +165,12 @@ fn open_stream(path: &Path, compression: Compression) -> Result<Box<dyn Read + S
     Ok(match compression {
         Compression::None => Box::new(file),
         // Multi-member: `cat a.gz b.gz` and pigz output are one stream.
-        Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(BufReader::with_capacity(1 << 20, file))),
-        Compression::Zstd => Box::new(
-            zstd::stream::read::Decoder::new(file)
-                .map_err(|error| DataError::Io { path: path.to_path_buf(), action: "open zstd stream", error })?,
-        ),
+        Compression::Gzip => {
+            Box::new(flate2::read::MultiGzDecoder::new(BufReader::with_capacity(1 << 20, file)))
+        }
+        Compression::Zstd => Box::new(zstd::stream::read::Decoder::new(file).map_err(|error| {
+            DataError::Io { path: path.to_path_buf(), action: "open zstd stream", error }
+        })?),
     })
 }
 
@@ -185,9 +187,11 @@ pub fn read_file(
     match format {
         Format::Text => {
             let mut body = Vec::new();
-            open_stream(path, compression)?
-                .read_to_end(&mut body)
-                .map_err(|error| DataError::Io { path: path.clone(), action: "read", error })?;
+            open_stream(path, compression)?.read_to_end(&mut body).map_err(|error| DataError::Io {
+                path: path.clone(),
+                action: "read",
+                error,
+            })?;
             sink(RawDoc { file, line: 0, body, json: false })
         }
         Format::Jsonl => {
@@ -196,9 +200,11 @@ pub fn read_file(
             let mut line = 0u64;
             loop {
                 buf.clear();
-                let n = r
-                    .read_until(b'\n', &mut buf)
-                    .map_err(|error| DataError::Io { path: path.clone(), action: "read", error })?;
+                let n = r.read_until(b'\n', &mut buf).map_err(|error| DataError::Io {
+                    path: path.clone(),
+                    action: "read",
+                    error,
+                })?;
                 if n == 0 {
                     return Ok(());
                 }
@@ -315,7 +321,12 @@ fn read_parquet(
 
 /// Writes `texts` as a parquet file with one string column (zstd-compressed,
 /// row groups of `rows_per_group`): what tests and the benchmark read.
-pub fn write_parquet(path: &Path, column: &str, texts: &[String], rows_per_group: usize) -> Result<(), DataError> {
+pub fn write_parquet(
+    path: &Path,
+    column: &str,
+    texts: &[String],
+    rows_per_group: usize,
+) -> Result<(), DataError> {
     use parquet::basic::{Compression as Pc, ZstdLevel};
     use parquet::data_type::{ByteArray, ByteArrayType};
     use parquet::file::properties::WriterProperties;
@@ -328,7 +339,8 @@ pub fn write_parquet(path: &Path, column: &str, texts: &[String], rows_per_group
     ))
     .map_err(bad)?;
     let props = WriterProperties::builder().set_compression(Pc::ZSTD(ZstdLevel::default())).build();
-    let file = File::create(path).map_err(|error| DataError::Io { path: path.into(), action: "create", error })?;
+    let file =
+        File::create(path).map_err(|error| DataError::Io { path: path.into(), action: "create", error })?;
     let mut w = SerializedFileWriter::new(file, std::sync::Arc::new(schema), std::sync::Arc::new(props))
         .map_err(bad)?;
     for (g, chunk) in texts.chunks(rows_per_group.max(1)).enumerate() {
@@ -353,7 +365,10 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn read(files: &[PathBuf], settings: &ReadSettings) -> Result<Vec<(u64, Result<String, BadRecord>)>, DataError> {
+    fn read(
+        files: &[PathBuf],
+        settings: &ReadSettings,
+    ) -> Result<Vec<(u64, Result<String, BadRecord>)>, DataError> {
         let mut out = Vec::new();
         for i in 0..files.len() {
             read_file(files, i, settings, &mut |d| {
@@ -400,7 +415,8 @@ mod tests {
         let f = dir.path().join("b.jsonl");
         std::fs::write(&f, "{\"text\": \"ok\"}\nnot json\n{\"body\": \"x\"}\n{\"text\": 5}\n[1]\n").unwrap();
         let got = read(&[f], &ReadSettings::default()).unwrap();
-        let kinds: Vec<_> = got.iter().map(|(l, r)| (*l, r.as_ref().map_err(|e| e.counter()).cloned())).collect();
+        let kinds: Vec<_> =
+            got.iter().map(|(l, r)| (*l, r.as_ref().map_err(|e| e.counter()).cloned())).collect();
         assert_eq!(
             kinds,
             vec![

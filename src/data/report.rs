@@ -28,7 +28,8 @@ pub fn table(r: &PrepareReport) -> String {
     let mut t = String::new();
     let records = count(m, "records");
     let line = |t: &mut String, what: &str, n: u64| {
-        let share = if records > 0 { format!("{:6.2}%", 100.0 * n as f64 / records as f64) } else { String::new() };
+        let share =
+            if records > 0 { format!("{:6.2}%", 100.0 * n as f64 / records as f64) } else { String::new() };
         let _ = writeln!(t, "  {what:<28}{n:>12} {share}");
     };
     let _ = writeln!(t, "{} documents", records);
@@ -51,7 +52,8 @@ pub fn table(r: &PrepareReport) -> String {
         }
     }
     let shards = |n: usize| if n > 1 { format!(" ({n} shards)") } else { String::new() };
-    let _ = writeln!(t, "train: {} tokens → {}{}", r.train_tokens, r.train_path.display(), shards(m.train.len()));
+    let _ =
+        writeln!(t, "train: {} tokens → {}{}", r.train_tokens, r.train_path.display(), shards(m.train.len()));
     if let Some(v) = &r.val_path {
         let _ = writeln!(t, "val:   {} tokens → {}{}", r.val_tokens, v.display(), shards(m.val.len()));
     }
@@ -97,7 +99,11 @@ pub fn svg(m: &Manifest) -> String {
         let y = 32.0 + row * i as f64;
         let bw = 480.0 * *n as f64 / max;
         let _ = writeln!(s, r#"<text x="190" y="{:.1}" text-anchor="end">{}</text>"#, y + 12.0, esc(name));
-        let _ = writeln!(s, r##"<rect x="200" y="{y:.1}" width="{bw:.1}" height="{:.1}" fill="#c0504d"/>"##, row - 4.0);
+        let _ = writeln!(
+            s,
+            r##"<rect x="200" y="{y:.1}" width="{bw:.1}" height="{:.1}" fill="#c0504d"/>"##,
+            row - 4.0
+        );
         let _ = writeln!(s, r#"<text x="{:.1}" y="{:.1}">{n}</text>"#, 205.0 + bw, y + 12.0);
     }
     let y0 = top_h + 20.0;
@@ -130,12 +136,22 @@ pub fn svg(m: &Manifest) -> String {
             );
         }
     }
-    let _ = writeln!(s, r#"<line x1="{x0}" y1="{base:.1}" x2="{:.1}" y2="{base:.1}" stroke="black"/>"#, w - 20.0);
-    let _ = writeln!(s, r#"<text x="{x0}" y="{:.1}" font-size="10">{hmax} documents</text>"#, base - plot_h - 4.0);
+    let _ =
+        writeln!(s, r#"<line x1="{x0}" y1="{base:.1}" x2="{:.1}" y2="{base:.1}" stroke="black"/>"#, w - 20.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{x0}" y="{:.1}" font-size="10">{hmax} documents</text>"#,
+        base - plot_h - 4.0
+    );
     let ly = base + 34.0;
     let _ = writeln!(s, r##"<rect x="{x0}" y="{:.1}" width="10" height="10" fill="#7f7f7f"/>"##, ly - 9.0);
     let _ = writeln!(s, r#"<text x="{:.1}" y="{ly:.1}">read</text>"#, x0 + 14.0);
-    let _ = writeln!(s, r##"<rect x="{:.1}" y="{:.1}" width="10" height="10" fill="#4f81bd"/>"##, x0 + 60.0, ly - 9.0);
+    let _ = writeln!(
+        s,
+        r##"<rect x="{:.1}" y="{:.1}" width="10" height="10" fill="#4f81bd"/>"##,
+        x0 + 60.0,
+        ly - 9.0
+    );
     let _ = writeln!(s, r#"<text x="{:.1}" y="{ly:.1}">written (after filters and dedup)</text>"#, x0 + 74.0);
     s.push_str("</svg>\n");
     s

@@ -70,7 +70,13 @@ struct OpenShard {
 
 impl ShardWriter {
     /// Shards are written in `work_dir` and named for `final_dir`.
-    pub fn new(work_dir: &Path, final_dir: &Path, split: &'static str, shard_tokens: u64, vocab_size: usize) -> Self {
+    pub fn new(
+        work_dir: &Path,
+        final_dir: &Path,
+        split: &'static str,
+        shard_tokens: u64,
+        vocab_size: usize,
+    ) -> Self {
         let version = if vocab_size <= 1 << 16 { LLMC_VERSION_U16 } else { LLMC_VERSION_U32 };
         ShardWriter {
             dir: work_dir.to_path_buf(),
@@ -113,7 +119,8 @@ impl ShardWriter {
                 .write(true)
                 .create(true)
                 .truncate(true)
-                .open(&path).map_err(Self::io(&path, "create"))?;
+                .open(&path)
+                .map_err(Self::io(&path, "create"))?;
             let mut w = BufWriter::with_capacity(1 << 20, f);
             // The header's count is filled in when the shard closes.
             w.write_all(&[0u8; super::token_file::LLMC_HEADER_BYTES]).map_err(Self::io(&path, "write"))?;
@@ -218,19 +225,21 @@ impl Manifest {
     /// Reads `dir/manifest.json`.
     pub fn read(dir: &Path) -> Result<Manifest, DataError> {
         let path = dir.join(MANIFEST_FILE);
-        let text = crate::fsutil::read_regular_to_string(&path, 1 << 30, "a manifest may hold").map_err(|error| {
-            if error.kind() == std::io::ErrorKind::NotFound {
-                DataError::Invalid {
-                    what: format!(
-                        "{}: no such file (expected a folder written by `pipewright prepare`; a folder \
+        let text = crate::fsutil::read_regular_to_string(&path, 1 << 30, "a manifest may hold").map_err(
+            |error| {
+                if error.kind() == std::io::ErrorKind::NotFound {
+                    DataError::Invalid {
+                        what: format!(
+                            "{}: no such file (expected a folder written by `pipewright prepare`; a folder \
                          without one is an unfinished prepare)",
-                        path.display()
-                    ),
+                            path.display()
+                        ),
+                    }
+                } else {
+                    DataError::Io { path: path.clone(), action: "read", error }
                 }
-            } else {
-                DataError::Io { path: path.clone(), action: "read", error }
-            }
-        })?;
+            },
+        )?;
         let m: Manifest = serde_json::from_str(&text).map_err(|e| DataError::Invalid {
             what: format!("{}: not a prepare manifest: {e}", path.display()),
         })?;

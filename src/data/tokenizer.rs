@@ -79,23 +79,27 @@ impl HfTokenizer {
     /// Reads `path`: a `tokenizer.json`, or a folder holding one.
     pub fn open(path: &Path) -> Result<HfTokenizer, DataError> {
         let file = if path.is_dir() { path.join(TOKENIZER_FILE) } else { path.to_path_buf() };
-        let json = crate::fsutil::read_regular(&file, crate::fsutil::memory_cap(), "this machine's memory holds")
-            .map_err(|error| match error.kind() {
-                std::io::ErrorKind::NotFound if path.is_dir() => DataError::Invalid {
-                    what: format!(
-                        "tokenizer folder {}: holds no {TOKENIZER_FILE} (expected a Hugging Face tokenizer file)",
-                        path.display()
-                    ),
-                },
-                std::io::ErrorKind::NotFound => DataError::Invalid {
-                    what: format!(
-                        "tokenizer {}: no such file (expected \"bytes\", \"gpt2\", a {TOKENIZER_FILE} or a \
+        let json = crate::fsutil::read_regular(
+            &file,
+            crate::fsutil::memory_cap(),
+            "this machine's memory holds",
+        )
+        .map_err(|error| match error.kind() {
+            std::io::ErrorKind::NotFound if path.is_dir() => DataError::Invalid {
+                what: format!(
+                    "tokenizer folder {}: holds no {TOKENIZER_FILE} (expected a Hugging Face tokenizer file)",
+                    path.display()
+                ),
+            },
+            std::io::ErrorKind::NotFound => DataError::Invalid {
+                what: format!(
+                    "tokenizer {}: no such file (expected \"bytes\", \"gpt2\", a {TOKENIZER_FILE} or a \
                          folder holding one)",
-                        file.display()
-                    ),
-                },
-                _ => DataError::Io { path: file.clone(), action: "read", error },
-            })?;
+                    file.display()
+                ),
+            },
+            _ => DataError::Io { path: file.clone(), action: "read", error },
+        })?;
         HfTokenizer::from_bytes(&file, json)
     }
 
@@ -397,12 +401,14 @@ where
     let pre: PreTokenizerWrapper = match s.pattern {
         SplitPattern::Gpt2 => ByteLevel::new(false, true, true).into(),
         SplitPattern::Llama3 => {
-            let split = Split::new(HfPattern::Regex(LLAMA3_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
-                .map_err(failed)?;
+            let split =
+                Split::new(HfPattern::Regex(LLAMA3_PATTERN.into()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(failed)?;
             Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
         }
     };
-    let specials: Vec<AddedToken> = s.special_tokens.iter().map(|t| AddedToken::from(t.clone(), true)).collect();
+    let specials: Vec<AddedToken> =
+        s.special_tokens.iter().map(|t| AddedToken::from(t.clone(), true)).collect();
     let mut trainer: tokenizers::models::TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(s.vocab_size)
         .min_frequency(s.min_frequency)

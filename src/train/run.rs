@@ -10,9 +10,7 @@ use super::plot::loss_svg;
 use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
 use crate::config::{BackendKind, Builtin, Config, Dtype, ScheduleKind};
-use crate::data::{
-    ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenSource, TrainText, RANDOM_TOKENS,
-};
+use crate::data::{ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenSource, TrainText, RANDOM_TOKENS};
 use crate::host::signals::{self, StoppedBeforeStart};
 use crate::metrics::{gemm_peak, StepMetrics};
 use crate::model::io::{self, CONFIG_METADATA_KEY};
@@ -230,15 +228,26 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
         Builtin::Random => {
             // A fixed length, never train.steps: see the arithmetic text.
             let text = RandomText { seed, vocab_size: vocab, len: RANDOM_TOKENS };
-            Ok(Sources { train: Arc::new(TokenSource::Random(text)), val: None, eval_set: None, mixture: None })
+            Ok(Sources {
+                train: Arc::new(TokenSource::Random(text)),
+                val: None,
+                eval_set: None,
+                mixture: None,
+            })
         }
         Builtin::Files => {
             // A token file, or a prepared dataset's folder (its train or val shards).
             let open = |p: &str, split| crate::data::mixture::open_source(p, split, vocab, cfg.data.format);
-            let val = if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val, "val")?)) };
+            let val =
+                if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val, "val")?)) };
             if !cfg.data.sources.is_empty() {
                 let m = crate::data::mixture::Mixture::open(&cfg.data.sources, vocab, cfg.data.format)?;
-                return Ok(Sources { train: m.sources[0].clone(), val, eval_set: None, mixture: Some(Arc::new(m)) });
+                return Ok(Sources {
+                    train: m.sources[0].clone(),
+                    val,
+                    eval_set: None,
+                    mixture: Some(Arc::new(m)),
+                });
             }
             let train = open(&cfg.data.train, "train")?;
             Ok(Sources { train: Arc::new(train), val, eval_set: None, mixture: None })
@@ -265,11 +274,7 @@ impl Sources {
             Some(m) => Sampler::mixture(kind, m, t, b, seed)?,
             None => Sampler::new(kind, self.train.clone(), t, b, seed)?,
         };
-        Ok(RunData {
-            train,
-            val,
-            eval_set: self.eval_set.clone(),
-        })
+        Ok(RunData { train, val, eval_set: self.eval_set.clone() })
     }
 }
 
