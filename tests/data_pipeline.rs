@@ -214,6 +214,16 @@ fn a_weighted_mixture_of_prepared_datasets_trains_resumes_exactly_and_carries_it
     assert!(!out.status.success());
     ok(&["train", "--steps", "4", "--resume", s(&crashed), "--set", "parallel.pp=2"]);
     assert_eq!(digest(&crashed), digest(&full), "resumed mid-epoch at another pp");
+    // Metrics count each source's tokens: 3 to 1, adding up to all tokens.
+    let last = |run: &Path| -> serde_json::Value {
+        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        serde_json::from_str(text.lines().last().unwrap()).unwrap()
+    };
+    let m = last(&full);
+    let (web, books) = (m["source_tokens"]["web"].as_u64().unwrap(), m["source_tokens"]["books"].as_u64().unwrap());
+    assert_eq!(web + books, m["tokens"].as_u64().unwrap(), "{m}");
+    assert!(web > 2 * books, "{m}");
+    assert_eq!(last(&crashed)["source_tokens"], m["source_tokens"]);
     // The run folder holds the data's tokenizer: generate needs no flag.
     assert_eq!(std::fs::read(full.join("tokenizer.json")).unwrap(), std::fs::read(&tok).unwrap());
     let text = ok(&["generate", "--weights", s(&full), "--prompt", "The river", "--max-new-tokens", "5"]);

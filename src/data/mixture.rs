@@ -249,6 +249,24 @@ pub fn tokenizer_of_data(
     Ok(found.map(|(f, _)| f))
 }
 
+/// Tokens each source of `cfg`'s mixture has given by the time `tokens`
+/// tokens were trained on (None without a mixture): the schedule's count of
+/// sequences routed to it, times block_size. A pure function of the
+/// config, so a resumed run's metrics continue the uninterrupted run's.
+pub fn source_tokens(
+    cfg: &crate::config::Config,
+    tokens: u64,
+) -> Option<std::collections::BTreeMap<String, u64>> {
+    let sources = &cfg.data.sources;
+    if sources.is_empty() || cfg.data.builtin != crate::config::Builtin::Files {
+        return None;
+    }
+    let t = cfg.model.block_size.max(1) as u64;
+    let weights: Vec<f64> = sources.iter().map(|s| s.weight).collect();
+    let counts = Schedule::new(cfg.train.seed, &weights).sequences_before(tokens / t);
+    Some(sources.iter().zip(counts).map(|(s, n)| (s.label().to_string(), n * t)).collect())
+}
+
 /// Copies the data's tokenizer (see [`tokenizer_of_data`]) into a run
 /// folder, with a tokenizer_config.json for AutoTokenizer.
 pub fn save_run_tokenizer(
