@@ -85,11 +85,11 @@ impl Gen {
                         s.push(' ');
                         s.push_str(w);
                     }
-                    if i + 1 < n && mix(r) % 11 == 0 {
+                    if i + 1 < n && mix(r).is_multiple_of(11) {
                         s.push(',');
                     }
                 }
-                s.push(if mix(r) % 9 == 0 { '?' } else { '.' });
+                s.push(if mix(r).is_multiple_of(9) { '?' } else { '.' });
             }
         }
         s
@@ -98,7 +98,7 @@ impl Gen {
     fn near(&self, base: &str, seed: u64) -> String {
         base.split(' ')
             .enumerate()
-            .map(|(i, w)| if mix(seed ^ i as u64) % 50 == 0 { "altered" } else { w })
+            .map(|(i, w)| if mix(seed ^ i as u64).is_multiple_of(50) { "altered" } else { w })
             .collect::<Vec<_>>()
             .join(" ")
     }
@@ -154,7 +154,7 @@ pub fn generate_corpus(
                     // A bounded pool of originals to copy from (bounded memory).
                     if texts_for_dups.len() < 2000 {
                         texts_for_dups.push((id as u32, t.clone()));
-                    } else if r % 50 == 0 {
+                    } else if r.is_multiple_of(50) {
                         let k = (mix(r ^ 1) % 2000) as usize;
                         texts_for_dups[k] = (id as u32, t.clone());
                     }

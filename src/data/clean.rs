@@ -154,13 +154,16 @@ impl CleanSettings {
                 self.min_words, self.max_words
             ));
         }
-        if !(self.min_mean_word_length <= self.max_mean_word_length) {
+        if self.min_mean_word_length.is_nan()
+            || self.max_mean_word_length.is_nan()
+            || self.min_mean_word_length > self.max_mean_word_length
+        {
             out.push(format!(
                 "clean.min_mean_word_length: {}: expected at most clean.max_mean_word_length ({})",
                 self.min_mean_word_length, self.max_mean_word_length
             ));
         }
-        if !(self.max_symbol_word_ratio >= 0.0) {
+        if self.max_symbol_word_ratio.is_nan() || self.max_symbol_word_ratio < 0.0 {
             out.push(format!("clean.max_symbol_word_ratio: {}: expected >= 0", self.max_symbol_word_ratio));
         }
         out
@@ -577,14 +580,13 @@ mod tests {
         a quiet place.";
 
     fn only(off_all_but: &[&str]) -> Cleaner {
-        let mut s = CleanSettings::default();
-        s.off = FILTERS
+        let off = FILTERS
             .iter()
             .chain(&C4_LINE_RULES)
             .filter(|f| !off_all_but.contains(f))
             .map(|f| f.to_string())
             .collect();
-        Cleaner::new(s)
+        Cleaner::new(CleanSettings { off, ..Default::default() })
     }
 
     #[test]
@@ -702,10 +704,12 @@ mod tests {
 
     #[test]
     fn unknown_filter_names_and_bad_thresholds_are_named() {
-        let mut s = CleanSettings::default();
-        s.off = vec!["gopher".into()];
-        s.max_dup_line_frac = 1.5;
-        s.min_words = 200_000;
+        let s = CleanSettings {
+            off: vec!["gopher".into()],
+            max_dup_line_frac: 1.5,
+            min_words: 200_000,
+            ..Default::default()
+        };
         let p = s.problems().join("\n");
         assert!(p.contains("clean.off: \"gopher\": no such filter"), "{p}");
         assert!(p.contains("clean.max_dup_line_frac: 1.5"), "{p}");

@@ -295,10 +295,16 @@ fn read_parquet(
             if records == 0 {
                 break;
             }
+            // A REQUIRED column has no definition levels: every record is set.
+            let set: Vec<bool> = if max_def > 0 {
+                defs.iter().take(records).map(|&d| d >= max_def).collect()
+            } else {
+                vec![true; records]
+            };
             let mut next = values.drain(..);
-            for r in 0..records {
+            for is_set in set {
                 row += 1;
-                if max_def > 0 && defs[r] < max_def {
+                if !is_set {
                     continue;
                 }
                 let v = next.next().expect("a value for each defined record");
@@ -365,10 +371,10 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn read(
-        files: &[PathBuf],
-        settings: &ReadSettings,
-    ) -> Result<Vec<(u64, Result<String, BadRecord>)>, DataError> {
+    /// (line, the record's text or why it has none), in order.
+    type Records = Vec<(u64, Result<String, BadRecord>)>;
+
+    fn read(files: &[PathBuf], settings: &ReadSettings) -> Result<Records, DataError> {
         let mut out = Vec::new();
         for i in 0..files.len() {
             read_file(files, i, settings, &mut |d| {
@@ -405,7 +411,7 @@ mod tests {
         let s = ReadSettings::default();
         let want = vec![(1, Ok("first doc".to_string())), (3, Ok("second\ndoc".to_string()))];
         for f in [plain, gz, zst] {
-            assert_eq!(read(&[f.clone()], &s).unwrap(), want, "{}", f.display());
+            assert_eq!(read(std::slice::from_ref(&f), &s).unwrap(), want, "{}", f.display());
         }
     }
 
