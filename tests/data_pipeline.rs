@@ -146,7 +146,7 @@ fn a_second_prepare_is_refused_and_an_interrupted_one_is_cleared_saying_so() {
     ok(&["prepare", s(&input), "--out", s(&out)]);
     let before = files(&out);
     let (ok_, _, err) = run(&["prepare", s(&input), "--out", s(&out)]);
-    assert!(!ok_ && err.contains("manifest.json") && err.contains("--force"), "{err}");
+    assert!(!ok_ && err.contains("train.bin") && err.contains("--force"), "{err}");
     assert_eq!(files(&out), before, "a refusal changes nothing");
     // The remains of a prepare that was killed: its work folder, half a shard.
     std::fs::create_dir(out.join(".prepare-partial")).unwrap();
@@ -220,7 +220,8 @@ fn a_weighted_mixture_of_prepared_datasets_trains_resumes_exactly_and_carries_it
         serde_json::from_str(text.lines().last().unwrap()).unwrap()
     };
     let m = last(&full);
-    let (web, books) = (m["source_tokens"]["web"].as_u64().unwrap(), m["source_tokens"]["books"].as_u64().unwrap());
+    let (web, books) =
+        (m["source_tokens"]["web"].as_u64().unwrap(), m["source_tokens"]["books"].as_u64().unwrap());
     assert_eq!(web + books, m["tokens"].as_u64().unwrap(), "{m}");
     assert!(web > 2 * books, "{m}");
     assert_eq!(last(&crashed)["source_tokens"], m["source_tokens"]);

@@ -199,6 +199,16 @@ pub struct DataBench {
     pub dedup_mb_s: f64,
     pub tokenize_mb_s: f64,
     pub prepare_mb_s: f64,
+    /// The same steps in MB per CPU-second (user + system, all threads):
+    /// what the step costs, whatever else the machine was running.
+    pub read_clean_mb_cpu_s: f64,
+    pub dedup_mb_cpu_s: f64,
+    pub tokenize_mb_cpu_s: f64,
+    pub prepare_mb_cpu_s: f64,
+    /// Tokens the tokenize step produced (Python's count on the same file must match).
+    pub tokens: u64,
+    /// /proc/loadavg's 1-minute figure at the start and the end.
+    pub load: (f64, f64),
     pub peak_rss_mb: f64,
     pub near_recall: f64,
     pub exact_recall: f64,
@@ -208,6 +218,25 @@ pub struct DataBench {
 
 fn mb_s(bytes: u64, t: Instant) -> f64 {
     bytes as f64 / 1e6 / t.elapsed().as_secs_f64()
+}
+
+/// CPU seconds (user + system) of this process, or of its waited-for children.
+fn cpu_seconds(children: bool) -> f64 {
+    let who = if children { libc::RUSAGE_CHILDREN } else { libc::RUSAGE_SELF };
+    // SAFETY: getrusage only writes the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(who, &mut u) } != 0 {
+        return f64::NAN;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|x| x.parse().ok()))
+        .unwrap_or(f64::NAN)
 }
 
 fn all_texts(files: &[PathBuf]) -> Result<Vec<String>, DataError> {
@@ -254,6 +283,9 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
 
     // The whole pipeline, as a user runs it.
     eprintln!("prepare --clean --dedup on {threads} threads");
+    let load_start = load_average();
+    let mb = corpus_bytes as f64 / 1e6;
+    let c = cpu_seconds(true);
     let t = Instant::now();
     let status = std::process::Command::new(exe)
         .arg("prepare")
@@ -264,6 +296,7 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
         .status()
         .map_err(|error| DataError::Io { path: exe.into(), action: "run prepare", error })?;
     let prepare_mb_s = mb_s(corpus_bytes, t);
+    let prepare_mb_cpu_s = mb / (cpu_seconds(true) - c);
     if !status.success() {
         return Err(DataError::Invalid { what: format!("bench: prepare failed ({status})") });
     }
@@ -273,6 +306,7 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
 
     eprintln!("read + clean");
     // Read + clean: the readers, then the filters over each batch in parallel.
+    let c = cpu_seconds(false);
     let t = Instant::now();
     let cleaner = Cleaner::new(CleanSettings::default());
     let mut kept = 0u64;
@@ -302,11 +336,13 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
         flush(&mut batch);
     }
     let read_clean_mb_s = mb_s(corpus_bytes, t);
+    let read_clean_mb_cpu_s = mb / (cpu_seconds(false) - c);
 
     eprintln!("dedup");
     // Dedup alone, over the texts in memory: signatures in parallel, then clusters.
     let texts = all_texts(&files)?;
     let s = DedupSettings::default();
+    let c = cpu_seconds(false);
     let t = Instant::now();
     let h = MinHasher::new(&s);
     let mut spill = Spill::new(&out.join("bench-dedup"), &s)?;
@@ -318,6 +354,7 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
     }
     let removed = spill.resolve(&pool)?.removed;
     let dedup_mb_s = mb_s(corpus_bytes, t);
+    let dedup_mb_cpu_s = mb / (cpu_seconds(false) - c);
     let (mut near, mut near_found, mut exact, mut exact_found, mut unique, mut unique_lost) =
         (0, 0, 0, 0, 0, 0);
     for (i, p) in truth.iter().enumerate() {
@@ -382,11 +419,13 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
         }
     }
     eprintln!("tokenize");
+    let c = cpu_seconds(false);
     let t = Instant::now();
     let n: usize =
         pool.install(|| lines.par_iter().map(|t| tokenizer.encode(t).map(|v| v.len()).unwrap_or(0)).sum());
     let tokenize_mb_s = mb_s(corpus_bytes, t);
-    let _ = (n, kept, unique);
+    let tokenize_mb_cpu_s = mb / (cpu_seconds(false) - c);
+    let _ = (kept, unique);
 
     Ok(DataBench {
         corpus_bytes,
@@ -396,6 +435,12 @@ pub fn run(dir: &Path, bytes: u64, threads: usize, vocab: usize, exe: &Path) -> 
         dedup_mb_s,
         tokenize_mb_s,
         prepare_mb_s,
+        read_clean_mb_cpu_s,
+        dedup_mb_cpu_s,
+        tokenize_mb_cpu_s,
+        prepare_mb_cpu_s,
+        load: (load_start, load_average()),
+        tokens: n as u64,
         peak_rss_mb: peak_rss as f64 / 1e6,
         near_recall: near_found as f64 / near.max(1) as f64,
         exact_recall: exact_found as f64 / exact.max(1) as f64,
@@ -417,21 +462,28 @@ fn children_peak_rss_bytes() -> u64 {
 
 /// The figures as the table `bench --data` prints.
 pub fn table(b: &DataBench) -> String {
-    format!(
-        "corpus: {:.0} MB of text, {} documents (4% exact, 4% near duplicates, 4% junk planted), {} threads\n\
-         {:<34}{:>10.1} MB/s\n{:<34}{:>10.1} MB/s\n{:<34}{:>10.1} MB/s\n{:<34}{:>10.1} MB/s\n\
-         {:<34}{:>10.0} MB\n{:<34}{:>10.4}\n{:<34}{:>10.4}\n{:<34}{:>10.5}\n",
+    let mut t = format!(
+        "corpus: {:.0} MB of text, {} documents (4% exact, 4% near duplicates, 4% junk planted), {} threads, \
+         load average {:.1} → {:.1}\n{:<34}{:>12}{:>16}\n",
         b.corpus_bytes as f64 / 1e6,
         b.documents,
         b.threads,
-        "read + clean",
-        b.read_clean_mb_s,
-        "dedup (exact + MinHash LSH)",
-        b.dedup_mb_s,
-        "tokenize",
-        b.tokenize_mb_s,
-        "prepare --clean --dedup (whole)",
-        b.prepare_mb_s,
+        b.load.0,
+        b.load.1,
+        "",
+        "MB/s (wall)",
+        "MB per CPU-s"
+    );
+    for (name, wall, cpu) in [
+        ("read + clean", b.read_clean_mb_s, b.read_clean_mb_cpu_s),
+        ("dedup (exact + MinHash LSH)", b.dedup_mb_s, b.dedup_mb_cpu_s),
+        ("tokenize", b.tokenize_mb_s, b.tokenize_mb_cpu_s),
+        ("prepare --clean --dedup (whole)", b.prepare_mb_s, b.prepare_mb_cpu_s),
+    ] {
+        t += &format!("{name:<34}{wall:>12.1}{cpu:>16.1}\n");
+    }
+    t += &format!(
+        "{:<34}{:>12.0} MB\n{:<34}{:>12.4}\n{:<34}{:>12.4}\n{:<34}{:>12.5}\n",
         "peak RSS of prepare",
         b.peak_rss_mb,
         "near-duplicate recall",
@@ -440,5 +492,7 @@ pub fn table(b: &DataBench) -> String {
         b.exact_recall,
         "unique documents removed (share)",
         b.unique_removed,
-    )
+    );
+    t += &format!("tokens from the tokenize step: {}\n", b.tokens);
+    t
 }

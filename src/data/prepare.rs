@@ -388,7 +388,9 @@ fn earlier_outputs(out_dir: &Path) -> Result<Vec<PathBuf>, DataError> {
             found.push(e.path());
         }
     }
-    found.sort();
+    // A shard named first (then the manifest): "train.bin already exists"
+    // is what a user of the single-file layout looks for.
+    found.sort_by_key(|p| (p.file_name().is_some_and(|n| n == MANIFEST_FILE), p.clone()));
     Ok(found)
 }
 

@@ -79,27 +79,24 @@ impl HfTokenizer {
     /// Reads `path`: a `tokenizer.json`, or a folder holding one.
     pub fn open(path: &Path) -> Result<HfTokenizer, DataError> {
         let file = if path.is_dir() { path.join(TOKENIZER_FILE) } else { path.to_path_buf() };
-        let json = crate::fsutil::read_regular(
-            &file,
-            crate::fsutil::memory_cap(),
-            "this machine's memory holds",
-        )
-        .map_err(|error| match error.kind() {
-            std::io::ErrorKind::NotFound if path.is_dir() => DataError::Invalid {
-                what: format!(
+        let json =
+            crate::fsutil::read_regular(&file, crate::fsutil::memory_cap(), "this machine's memory holds")
+                .map_err(|error| match error.kind() {
+                    std::io::ErrorKind::NotFound if path.is_dir() => DataError::Invalid {
+                        what: format!(
                     "tokenizer folder {}: holds no {TOKENIZER_FILE} (expected a Hugging Face tokenizer file)",
                     path.display()
                 ),
-            },
-            std::io::ErrorKind::NotFound => DataError::Invalid {
-                what: format!(
+                    },
+                    std::io::ErrorKind::NotFound => DataError::Invalid {
+                        what: format!(
                     "tokenizer {}: no such file (expected \"bytes\", \"gpt2\", a {TOKENIZER_FILE} or a \
                          folder holding one)",
                     file.display()
                 ),
-            },
-            _ => DataError::Io { path: file.clone(), action: "read", error },
-        })?;
+                    },
+                    _ => DataError::Io { path: file.clone(), action: "read", error },
+                })?;
         HfTokenizer::from_bytes(&file, json)
     }
 
