@@ -169,7 +169,9 @@ pub fn open_source(
     format: FileFormat,
 ) -> Result<TokenSource, DataError> {
     let p = std::path::Path::new(path);
-    if !p.is_dir() {
+    // A folder without a manifest is no dataset: the token file's own
+    // refusal ("a directory, not a regular file") says what is wrong.
+    if !p.join(super::shards::MANIFEST_FILE).exists() {
         return TokenFile::open_as(p, vocab_size, format).map(TokenSource::from);
     }
     let m = Manifest::read(p)?;
