@@ -13,6 +13,7 @@ use crate::check::{quoted, Checks};
 use crate::choice;
 pub use crate::model::section::{ModelSection, RopeScalingSection};
 
+pub use crate::data::mixture::SourceSpec;
 pub use crate::data::sampler::SamplerKind;
 pub use crate::data::token_file::FileFormat;
 pub use crate::schedule::ScheduleKind;
@@ -184,6 +185,9 @@ pub struct DataSection {
     /// Token file layout: "auto" (llm.c by its magic, else raw uint16; a
     /// header with another magic is refused), "llmc" (llm.c only) or "raw".
     pub format: FileFormat,
+    /// A weighted mixture of prepared datasets (`[[data.sources]]`, each
+    /// `path`, `weight` and optional `name`), read instead of `data.train`.
+    pub sources: Vec<SourceSpec>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -343,6 +347,7 @@ impl Default for DataSection {
             val: String::new(),
             sampler: SamplerKind::Shuffled,
             format: FileFormat::Auto,
+            sources: Vec::new(),
         }
     }
 }
@@ -550,9 +555,10 @@ impl Config {
     /// `[data]`: a built-in corpus or token files, never both.
     fn check_data(&self, v: &mut Checks) {
         let d = &self.data;
+        self.check_data_sources(v);
         if d.builtin == Builtin::Files {
             v.check(
-                !d.train.is_empty(),
+                !d.train.is_empty() || !d.sources.is_empty(),
                 "data.train",
                 quoted(&d.train),
                 "a token file is required when data.builtin is \"\" \
@@ -900,6 +906,30 @@ impl Config {
             "parallel.tp_timeout_s",
             p.tp_timeout_s,
             format!("must be a number of seconds in (0, {TP_TIMEOUT_MAX_S}]"),
+        );
+    }
+
+    /// `[[data.sources]]`: each entry's own rules, and no `data.train` or
+    /// built-in corpus beside them (which one would be read is a guess).
+    fn check_data_sources(&self, v: &mut Checks) {
+        let d = &self.data;
+        if d.sources.is_empty() {
+            return;
+        }
+        for (path, value, expected) in crate::data::mixture::problems(&d.sources) {
+            v.check(false, &path, value, expected);
+        }
+        v.check(
+            d.train.is_empty(),
+            "data.train",
+            quoted(&d.train),
+            "must be empty when [[data.sources]] is given (the sources are the training data)",
+        );
+        v.check(
+            d.builtin == Builtin::Files,
+            "data.builtin",
+            quoted(d.builtin.name()),
+            "must be \"\" when [[data.sources]] is given (a built-in corpus reads no files)",
         );
     }
 

@@ -44,8 +44,9 @@ pub enum GenerateError {
     )]
     GpuSampling(f64),
     #[error(
-        "model.vocab_size = {0}: no tokenizer of that size is known (bytes: up to 256, gpt2: 50257 or \
-         more); pass --tokenizer"
+        "model.vocab_size = {0}: the weights' folder holds no tokenizer.json, and no built-in tokenizer \
+         has that size (bytes: up to 256, gpt2: 50257 to 50304); pass --tokenizer with the model's own \
+         tokenizer.json or its folder"
     )]
     NoTokenizer(usize),
     /// Whatever read the text stopped reading (`generate | head`): not a
@@ -128,13 +129,32 @@ fn top_k_indices(logits: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// The tokenizer a model of this vocabulary was trained with.
+/// The built-in tokenizer a model of this vocabulary was trained with
+/// (when its folder holds no tokenizer.json).
 pub fn tokenizer_for(vocab_size: usize) -> Result<Tokenizer, GenerateError> {
-    match vocab_size {
-        1..=256 => Ok(Tokenizer::Bytes),
-        v if v >= 50_257 => Ok(Tokenizer::Gpt2),
-        v => Err(GenerateError::NoTokenizer(v)),
-    }
+    Tokenizer::for_vocab(vocab_size).ok_or(GenerateError::NoTokenizer(vocab_size))
+}
+
+/// The tokenizer `generate` and `eval` use for the weights at `weights`:
+/// the one asked for, else the weights' folder's own tokenizer.json, else
+/// the built-in one of the model's vocabulary size. Refused, naming both
+/// sizes, when its ids reach past the model's vocabulary.
+pub fn tokenizer_of(
+    asked: Option<Tokenizer>,
+    weights: &std::path::Path,
+    vocab_size: usize,
+) -> anyhow::Result<Tokenizer> {
+    let file = crate::model::io::weights_file(weights);
+    let folder = file.parent().unwrap_or(std::path::Path::new("."));
+    let tok = match asked {
+        Some(t) => t,
+        None => match Tokenizer::beside_weights(folder)? {
+            Some(t) => t,
+            None => tokenizer_for(vocab_size)?,
+        },
+    };
+    tok.check_covers(vocab_size)?;
+    Ok(tok)
 }
 
 /// A whole model on the CPU, one sequence at a time.
@@ -201,17 +221,18 @@ impl Generator {
 
 /// The prompt's tokens, each checked against the vocabulary. An empty prompt
 /// starts from GPT-2's end-of-text token, or a newline for bytes.
-pub fn encode_prompt(tok: Tokenizer, prompt: &str, vocab: usize) -> Result<Vec<u32>, GenerateError> {
+pub fn encode_prompt(tok: &Tokenizer, prompt: &str, vocab: usize) -> anyhow::Result<Vec<u32>> {
     if prompt.is_empty() {
         return Ok(vec![tok.end_of_text().unwrap_or(b'\n' as u32)]);
     }
-    let tokens = tok.encode(prompt);
+    let tokens = tok.encode(prompt)?;
+    let mut stream = tok.stream();
     let mut offset = 0;
     for &t in &tokens {
         if t as usize >= vocab {
-            return Err(GenerateError::OutOfVocabulary { token: t, offset, vocab });
+            return Err(GenerateError::OutOfVocabulary { token: t, offset, vocab }.into());
         }
-        offset += tok.decode(t).len();
+        offset += stream.step(t).len();
     }
     Ok(tokens)
 }
@@ -221,7 +242,7 @@ pub struct GenerateRequest<'a> {
     pub config: Option<&'a std::path::Path>,
     pub overrides: &'a [String],
     pub weights: &'a std::path::Path,
-    /// None: chosen from model.vocab_size.
+    /// None: the weights folder's tokenizer.json, else chosen from model.vocab_size.
     pub tokenizer: Option<Tokenizer>,
     pub prompt: &'a str,
     pub max_new_tokens: usize,
@@ -234,11 +255,8 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     req.sampling.check()?;
     let (cfg, weights) = crate::train::eval::load_model(req.config, req.overrides, req.weights)?;
     let gpt = cfg.arch();
-    let tok = match req.tokenizer {
-        Some(t) => t,
-        None => tokenizer_for(gpt.vocab_size)?,
-    };
-    let prompt = encode_prompt(tok, req.prompt, gpt.vocab_size)?;
+    let tok = tokenizer_of(req.tokenizer.clone(), req.weights, gpt.vocab_size)?;
+    let prompt = encode_prompt(&tok, req.prompt, gpt.vocab_size)?;
     // The sums are taken over the slices the model was trained with (one
     // rank: generation gains nothing from splitting).
     let slices = crate::model::tp::TpShape { size: 1, slices: cfg.parallel.tp_slices };
@@ -255,9 +273,10 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     }
     out.write_all(req.prompt.as_bytes()).and_then(|_| out.flush()).map_err(output_error)?;
     let mut failed = None;
+    let mut text = tok.stream();
     let mut print = |t: u32| {
         if failed.is_none() {
-            failed = out.write_all(&tok.decode(t)).and_then(|_| out.flush()).err();
+            failed = out.write_all(&text.step(t)).and_then(|_| out.flush()).err();
         }
     };
     let new = if on_gpu {
@@ -269,6 +288,7 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     if let Some(e) = failed {
         return Err(output_error(e));
     }
+    out.write_all(&text.finish()).map_err(output_error)?;
     writeln!(out).map_err(output_error)?;
     Ok(new)
 }
@@ -462,8 +482,10 @@ mod tests {
         assert_eq!(tokenizer_for(256).unwrap(), Tokenizer::Bytes);
         assert_eq!(tokenizer_for(50_304).unwrap(), Tokenizer::Gpt2);
         assert!(tokenizer_for(1000).unwrap_err().to_string().contains("--tokenizer"));
-        let err = encode_prompt(Tokenizer::Bytes, "ab", 98).unwrap_err();
+        // Llama 3's vocabulary is not GPT-2's: never decoded through it.
+        assert!(tokenizer_for(128_256).unwrap_err().to_string().contains("tokenizer.json"));
+        let err = encode_prompt(&Tokenizer::Bytes, "ab", 98).unwrap_err();
         assert!(err.to_string().contains("token 98 (byte offset 1)"), "{err}");
-        assert_eq!(encode_prompt(Tokenizer::Gpt2, "", 50_257).unwrap(), [50_256]);
+        assert_eq!(encode_prompt(&Tokenizer::Gpt2, "", 50_257).unwrap(), [50_256]);
     }
 }

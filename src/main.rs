@@ -162,8 +162,16 @@ enum Command {
         #[arg(long)]
         weights: PathBuf,
         /// Token file (llm.c .bin or raw uint16).
+        #[arg(long, required_unless_present = "text", conflicts_with = "text")]
+        data: Option<PathBuf>,
+        /// Instead of --data: a text file (any format prepare reads), tokenized
+        /// with --tokenizer, else the weights folder's tokenizer.json, else the
+        /// built-in tokenizer of model.vocab_size.
         #[arg(long)]
-        data: PathBuf,
+        text: Option<PathBuf>,
+        /// With --text: "bytes", "gpt2", or a tokenizer.json or a folder holding one.
+        #[arg(long, requires = "text")]
+        tokenizer: Option<String>,
         /// Batches of train.micro_batch_size windows (of block_size + 1 tokens,
         /// read sequentially from the start), as train.eval_batches counts
         /// them: a run's own config and val file give its val loss [default:
@@ -207,29 +215,23 @@ enum Command {
         /// Seed of the sampling stream (the same seed gives the same text).
         #[arg(long, default_value_t = 1337)]
         seed: u64,
-        /// "bytes" or "gpt2" [default: from model.vocab_size].
+        /// "bytes", "gpt2", or a tokenizer.json or a folder holding one [default:
+        /// the weights folder's tokenizer.json, else from model.vocab_size].
         #[arg(long)]
         tokenizer: Option<String>,
     },
-    /// Tokenize text files into train.bin and val.bin (llm.c format). Each file
-    /// is a document; GPT-2's end-of-text token (50256) separates documents.
-    Prepare {
-        /// Text files, or folders whose files are read in name order (UTF-8 for gpt2).
-        #[arg(required = true, num_args = 1..)]
-        input: Vec<PathBuf>,
-        /// "bytes" (vocab 256) or "gpt2" (GPT-2's BPE, vocab 50257; no download).
-        #[arg(long, default_value = "bytes")]
-        tokenizer: String,
-        /// Output directory.
-        #[arg(long)]
-        out: PathBuf,
-        /// Fraction of tokens, from the end, kept for validation.
-        #[arg(long, default_value_t = data::DEFAULT_VAL_FRACTION)]
-        val_fraction: f64,
-        /// Replace existing train.bin/val.bin.
-        #[arg(long)]
-        force: bool,
-    },
+    /// Corpus files into a prepared dataset: llm.c token shards (train.bin and
+    /// val.bin, or train_NNNNNN.bin … with --shard-tokens), manifest.json and
+    /// the tokenizer's tokenizer.json. Reads text (a file is a document),
+    /// JSON lines (.jsonl, .json, .ndjson: a line is a document), parquet (a
+    /// row is a document), each of the first two also .gz or .zst; cleans
+    /// (--clean), deduplicates (--dedup) and tokenizes on every core, with
+    /// the same bytes on any number of threads. Documents are separated by
+    /// the tokenizer's end-of-text token (bytes have none). See docs/data.md.
+    Prepare(PrepareArgs),
+    /// Train or check tokenizers.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
     /// Write saved weights (a run, a checkpoint, a Hugging Face folder) as the
     /// family's Hugging Face folder: config.json and model.safetensors, or
     /// shards with their index above --max-shard-size, values stored as
@@ -302,6 +304,25 @@ enum Command {
         transport: bool,
         #[command(flatten)]
         tls: TlsArgs,
+        /// Instead: the data pipeline on a corpus it generates (--data-mb of
+        /// jsonl.zst and parquet with planted duplicates and junk): MB/s of
+        /// read+clean, dedup, tokenize and the whole prepare, peak memory,
+        /// near-duplicate recall and unique documents removed.
+        #[arg(long, conflicts_with_all = ["sim", "transport"])]
+        data: bool,
+        /// With --data: megabytes of text to generate.
+        #[arg(long, default_value_t = 1024)]
+        data_mb: u64,
+        /// With --data: where the corpus and outputs go.
+        #[arg(long, default_value = "target/data-bench")]
+        data_dir: PathBuf,
+        /// With --data: worker threads.
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// With --data: also time Python's `tokenizers` on the same file and
+        /// tokenizer, with this interpreter (scripts/bench_tokenizers.py).
+        #[arg(long, value_name = "PYTHON")]
+        python: Option<PathBuf>,
         /// With --sim: the schedule to measure.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
@@ -345,6 +366,95 @@ enum Command {
     /// Plan a run: FLOPs, Chinchilla sizing, time and cost, memory per GPU, and the
     /// fastest parallel layouts that fit (tp, pp, dp, microbatches, schedule).
     Plan(pipewright::plan::PlanArgs),
+}
+
+#[derive(clap::Args)]
+struct PrepareArgs {
+    /// Files, or folders whose files are read in name order (subfolders too).
+    #[arg(required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// "bytes" (vocab 256), "gpt2" (GPT-2's BPE, vocab 50257; no download), or a
+    /// Hugging Face tokenizer.json or a folder holding one (a model's own).
+    #[arg(long, default_value = "bytes")]
+    tokenizer: String,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// A prepare config (TOML): text_field, skip_bad_lines, val_fraction,
+    /// shard_tokens, and [clean] / [dedup] tables (see docs/data.md). Flags win.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Apply the quality filters (Gopher quality and repetition, C4 lines).
+    #[arg(long)]
+    clean: bool,
+    /// Remove exact and near-duplicate documents (MinHash LSH).
+    #[arg(long)]
+    dedup: bool,
+    /// The JSON field or parquet column holding the text [default: text].
+    #[arg(long)]
+    text_field: Option<String>,
+    /// Skip and count JSON lines that do not parse or lack the field, instead of stopping.
+    #[arg(long)]
+    skip_bad_lines: bool,
+    /// Tokens per shard [default: one train.bin and one val.bin].
+    #[arg(long)]
+    shard_tokens: Option<u64>,
+    /// Fraction of tokens, from the end, kept for validation [default: 0.1].
+    #[arg(long)]
+    val_fraction: Option<f64>,
+    /// Worker threads [default: one per core]; the output is the same for any number.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Also draw the report (removals per filter, document lengths before and after) as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    report: Option<PathBuf>,
+    /// Replace an earlier dataset in --out.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer on corpus files (the readers of
+    /// prepare) and save it as a Hugging Face tokenizer.json, which
+    /// transformers loads as it is. The same corpus and settings give the
+    /// same file, byte for byte.
+    Train(TokenizerTrainArgs),
+}
+
+/// `tokenizer train`'s options.
+#[derive(clap::Args)]
+struct TokenizerTrainArgs {
+    /// Files or folders, as prepare reads them.
+    #[arg(required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// Tokens in the vocabulary, the 256 bytes and special tokens included.
+    #[arg(long)]
+    vocab_size: usize,
+    /// Where to write tokenizer.json (a folder: DIR/tokenizer.json).
+    #[arg(long)]
+    out: PathBuf,
+    /// Pre-tokenizer regex: "gpt2" or "llama3".
+    #[arg(long, default_value = "gpt2")]
+    pattern: String,
+    /// Special tokens, ids 0, 1, … in order (repeatable).
+    #[arg(long = "special", default_value = "<|endoftext|>")]
+    special: Vec<String>,
+    /// Merge only pairs seen at least this often.
+    #[arg(long, default_value_t = 2)]
+    min_frequency: u64,
+    /// The JSON field or parquet column holding the text.
+    #[arg(long, default_value = "text")]
+    text_field: String,
+    /// Skip JSON lines that do not parse or lack the field.
+    #[arg(long)]
+    skip_bad_lines: bool,
+    /// Worker threads [default: one per core]; the file is the same for any number.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Replace an existing --out.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Train's options (also taken by `launch` and `worker`).
@@ -472,6 +582,42 @@ where
         ctx.field_format().format_fields(w.by_ref(), event)?;
         writeln!(w)
     }
+}
+
+/// `prepare`: the options from the config file and flags (flags win), the
+/// pipeline, then its report as a table (and an SVG when asked).
+fn prepare_command(a: PrepareArgs) -> Result<()> {
+    let tok = Tokenizer::from_arg(&a.tokenizer).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
+    let mut o = data::PrepareOptions::default();
+    if let Some(c) = &a.config {
+        o = data::PrepareConfig::load(c)?.apply(o);
+    }
+    if a.clean && o.clean.is_none() {
+        o.clean = Some(Default::default());
+    }
+    if a.dedup && o.dedup.is_none() {
+        o.dedup = Some(Default::default());
+    }
+    if let Some(f) = a.text_field {
+        o.read.text_field = f;
+    }
+    o.read.skip_bad_lines |= a.skip_bad_lines;
+    if let Some(n) = a.shard_tokens {
+        o.shard_tokens = n;
+    }
+    if let Some(v) = a.val_fraction {
+        o.val_fraction = v;
+    }
+    o.threads = a.threads;
+    o.force = a.force;
+    o.progress = std::io::stderr().is_terminal();
+    let r = data::prepare::run(&a.input, &tok, &a.out, &o)?;
+    print!("{}", data::report::table(&r));
+    if let Some(svg) = &a.report {
+        data::report::write_svg(&r.manifest, svg)?;
+        println!("report: {}", svg.display());
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]
@@ -896,8 +1042,14 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Command::Eval { config, weights, data, batches, windows, json } => {
-            eval_command(config, weights, data, batches, windows, json)
+        Command::Eval { config, weights, data, text, tokenizer, batches, windows, json } => {
+            use pipewright::train::eval::Amount;
+            let amount = match (batches, windows) {
+                (_, Some(w)) => Amount::Windows(w),
+                (Some(b), None) => Amount::Batches(b),
+                (None, None) => Amount::ConfigBatches,
+            };
+            eval_command(config, weights, EvalInput { data, text, tokenizer }, amount, json)
         }
         Command::Generate {
             config,
@@ -912,9 +1064,8 @@ fn run(cli: Cli) -> Result<()> {
             let sampling = pipewright::generate::Sampling { temperature, top_k, seed };
             generate_command(config, weights, prompt, max_new_tokens, sampling, tokenizer)
         }
-        Command::Prepare { input, tokenizer, out, val_fraction, force } => {
-            prepare_command(input, tokenizer, out, val_fraction, force)
-        }
+        Command::Prepare(args) => prepare_command(args),
+        Command::Tokenizer(TokenizerCommand::Train(args)) => tokenizer_train(args),
         Command::Inspect { path } => {
             print!("{}", pipewright::inspect::inspect(&path)?);
             Ok(())
@@ -928,6 +1079,9 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::GpuCheck { device, only } => gpu_check(device, only),
         Command::GpuBench(args) => gpu_bench(args),
+        Command::Bench { data: true, data_mb, data_dir, threads, python, json, .. } => {
+            bench_data(&data_dir, data_mb, threads, python, json)
+        }
         Command::Bench { transport: true, tls, json, .. } => bench_transport(tls, json),
         Command::Bench { sim: true, schedule, plot, json, cells, .. } => {
             bench_sim(schedule, plot, json, cells)
@@ -1003,22 +1157,37 @@ fn worker_command(
 }
 
 /// `eval`: the mean loss of saved weights over a token file's first windows.
+/// What `eval` reads: a token file, or a text file tokenized by the weights'
+/// tokenizer (or --tokenizer).
+struct EvalInput {
+    data: Option<PathBuf>,
+    text: Option<PathBuf>,
+    tokenizer: Option<String>,
+}
+
 fn eval_command(
     config: ConfigArgs,
     weights: PathBuf,
-    data: PathBuf,
-    batches: Option<usize>,
-    windows: Option<usize>,
+    input: EvalInput,
+    amount: pipewright::train::eval::Amount,
     json: bool,
 ) -> Result<()> {
-    use pipewright::train::eval::Amount;
-    let amount = match (batches, windows) {
-        (_, Some(w)) => Amount::Windows(w),
-        (Some(b), None) => Amount::Batches(b),
-        (None, None) => Amount::ConfigBatches,
+    let (c, s) = (config.config.as_deref(), &config.set);
+    let (loss, read, data) = match input {
+        EvalInput { data: Some(data), .. } => {
+            let (loss, read) = pipewright::train::eval::eval_file(c, s, &weights, &data, amount)?;
+            (loss, read, data)
+        }
+        EvalInput { data: None, text, tokenizer } => {
+            let text = text.expect("clap requires --data or --text");
+            let tok = match tokenizer {
+                Some(t) => Some(Tokenizer::from_arg(&t).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
+                None => None,
+            };
+            let (loss, read) = pipewright::train::eval::eval_text(c, s, &weights, &text, tok, amount)?;
+            (loss, read, text)
+        }
     };
-    let (loss, read) =
-        pipewright::train::eval::eval_file(config.config.as_deref(), &config.set, &weights, &data, amount)?;
     if json {
         println!("{}", serde_json::json!({ "loss": loss, "windows": read }));
     } else {
@@ -1037,7 +1206,7 @@ fn generate_command(
     tokenizer: Option<String>,
 ) -> Result<()> {
     let tokenizer = match tokenizer {
-        Some(t) => Some(t.parse::<Tokenizer>().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
+        Some(t) => Some(Tokenizer::from_arg(&t).map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?),
         None => None,
     };
     let req = pipewright::generate::GenerateRequest {
@@ -1050,27 +1219,6 @@ fn generate_command(
         sampling,
     };
     pipewright::generate::run(&req, &mut std::io::stdout().lock())?;
-    Ok(())
-}
-
-/// `prepare`: tokenizes text files into train.bin and val.bin.
-fn prepare_command(
-    input: Vec<PathBuf>,
-    tokenizer: String,
-    out: PathBuf,
-    val_fraction: f64,
-    force: bool,
-) -> Result<()> {
-    let tok: Tokenizer = tokenizer.parse().map_err(|e| anyhow::anyhow!("--tokenizer: {e}"))?;
-    let r = data::prepare_all(&input, tok, &out, val_fraction, force)?;
-    if r.documents > 1 {
-        println!("{} documents", r.documents);
-    }
-    println!("train: {} tokens → {}", r.train_tokens, r.train_path.display());
-    if let Some(v) = &r.val_path {
-        println!("val:   {} tokens → {}", r.val_tokens, v.display());
-    }
-    println!("set model.vocab_size = {} in your config", r.vocab_size);
     Ok(())
 }
 
@@ -1258,6 +1406,56 @@ fn parse_cell(s: &str) -> Result<(usize, usize), String> {
         return Err(bad());
     }
     Ok((p, m))
+}
+
+/// `tokenizer train`: a byte-level BPE tokenizer from corpus files.
+fn tokenizer_train(a: TokenizerTrainArgs) -> Result<()> {
+    let settings = data::tokenizer::TrainSettings {
+        vocab_size: a.vocab_size,
+        special_tokens: a.special,
+        pattern: a.pattern.parse().map_err(|e| anyhow::anyhow!("--pattern: {e}"))?,
+        min_frequency: a.min_frequency,
+        show_progress: std::io::stderr().is_terminal(),
+    };
+    let read = data::read::ReadSettings { text_field: a.text_field, skip_bad_lines: a.skip_bad_lines };
+    let r = data::prepare::train_tokenizer(&a.input, &read, &settings, &a.out, a.threads, a.force)?;
+    println!(
+        "{} documents → {} ({} tokens, blake3 {})",
+        r.documents,
+        r.path.display(),
+        r.vocab_size,
+        &r.hash[..16]
+    );
+    Ok(())
+}
+
+/// `bench --data`: the data pipeline's stages on a generated corpus, and
+/// Python's tokenizers on the same file when --python names an interpreter.
+fn bench_data(
+    data_dir: &std::path::Path,
+    data_mb: u64,
+    threads: usize,
+    python: Option<PathBuf>,
+    json: bool,
+) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let b = data::bench::run(data_dir, data_mb * 1_000_000, threads, 32_000, &exe)?;
+    print!("{}", data::bench::table(&b));
+    if let Some(py) = python {
+        let out = std::process::Command::new(py)
+            .arg("scripts/bench_tokenizers.py")
+            .arg(data_dir.join("tokenizer.json"))
+            .arg(&b.tokenize_file)
+            .env("RAYON_NUM_THREADS", threads.to_string())
+            .env("RAYON_RS_NUM_CPUS", threads.to_string())
+            .output()?;
+        anyhow::ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+    }
+    if json {
+        println!("{}", serde_json::to_string(&b)?);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -52,6 +52,9 @@ pub struct StepMetrics {
     /// of the same step above it is the one that was rolled back.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub repeated: bool,
+    /// Tokens read so far from each source of a `[[data.sources]]` mixture, by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_tokens: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 fn null_is_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
@@ -214,6 +217,7 @@ mod tests {
             alert: None,
             loss_scale: None,
             repeated: false,
+            source_tokens: None,
         }
     }
 

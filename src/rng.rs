@@ -17,6 +17,8 @@ pub enum Purpose {
     Test = 4,
     /// Sampling the next token in `generate`, keyed by the token's position.
     Sample = 5,
+    /// The order of a data mixture's sources within a block, keyed by block.
+    Mixture = 6,
 }
 
 /// splitmix64's finaliser: a bijective mix with good avalanche.

@@ -57,6 +57,9 @@ pub struct Sampler {
     /// (epoch, permutation of that epoch), for the shuffled kind.
     perm: Option<(u64, Vec<u32>)>,
     scratch: Vec<u32>,
+    /// For a mixture: the routing of sequences and a sampler per source
+    /// (then `source` is the first source's and `n_windows` their sum).
+    mixture: Option<Box<(super::mixture::Schedule, Vec<Sampler>)>>,
 }
 
 impl Sampler {
@@ -97,7 +100,29 @@ impl Sampler {
             n_windows,
             perm: None,
             scratch: vec![0; block_size + 1],
+            mixture: None,
         })
+    }
+
+    /// A sampler over a mixture: sequence g reads the source the mixture's
+    /// schedule routes it to, at that source's own next sequence, through
+    /// a sampler of `kind` per source (each seeded apart from the others).
+    pub fn mixture(
+        kind: SamplerKind,
+        m: &super::mixture::Mixture,
+        block_size: usize,
+        micro_batch_size: usize,
+        seed: u64,
+    ) -> Result<Sampler, DataError> {
+        let mut parts = Vec::with_capacity(m.sources.len());
+        for (k, src) in m.sources.iter().enumerate() {
+            let part_seed = crate::rng::mix64(seed ^ crate::rng::mix64(0x6d69_7800 + k as u64));
+            parts.push(Sampler::new(kind, src.clone(), block_size, micro_batch_size, part_seed)?);
+        }
+        let mut s = Sampler::new(kind, m.sources[0].clone(), block_size, micro_batch_size, seed)?;
+        s.n_windows = parts.iter().map(|p| p.n_windows).sum();
+        s.mixture = Some(Box::new((super::mixture::Schedule::new(seed, &m.weights), parts)));
+        Ok(s)
     }
 
     /// A sampler for validation: sequential windows from the start of the
@@ -159,8 +184,16 @@ impl Sampler {
         assert_eq!(inputs.len(), b * t, "inputs must be B*T = {b}*{t}");
         assert_eq!(targets.len(), b * t, "targets must be B*T = {b}*{t}");
         for row in 0..b {
-            let w = self.window_index(first_sequence + row as u64) as usize;
-            self.source.window(w * t, &mut self.scratch);
+            let g = first_sequence + row as u64;
+            if let Some(mix) = self.mixture.as_mut() {
+                let (k, j) = mix.0.route(g);
+                let part = &mut mix.1[k];
+                let w = part.window_index(j) as usize;
+                part.source.window(w * t, &mut self.scratch);
+            } else {
+                let w = self.window_index(g) as usize;
+                self.source.window(w * t, &mut self.scratch);
+            }
             inputs[row * t..(row + 1) * t].copy_from_slice(&self.scratch[..t]);
             targets[row * t..(row + 1) * t].copy_from_slice(&self.scratch[1..]);
         }

@@ -97,7 +97,60 @@ pub fn eval_file(
     data: &Path,
     amount: Amount,
 ) -> Result<(f64, usize)> {
-    let (mut cfg, w) = load_model(config, overrides, weights)?;
+    let (cfg, w) = load_model(config, overrides, weights)?;
+    let file = TokenFile::open_as(data, cfg.model.vocab_size, cfg.data.format)?;
+    eval_source(cfg, w, TokenSource::from(file), weights, data, amount)
+}
+
+/// [`eval_file`] over a text file (any format `prepare` reads; its
+/// documents joined by the tokenizer's end-of-text token), tokenized with
+/// `tokenizer`, else the weights folder's tokenizer.json, else the built-in
+/// tokenizer of the model's vocabulary size.
+pub fn eval_text(
+    config: Option<&Path>,
+    overrides: &[String],
+    weights: &Path,
+    text: &Path,
+    tokenizer: Option<crate::data::Tokenizer>,
+    amount: Amount,
+) -> Result<(f64, usize)> {
+    let (cfg, w) = load_model(config, overrides, weights)?;
+    let tok = crate::generate::tokenizer_of(tokenizer, weights, cfg.model.vocab_size)?;
+    let files = [text.to_path_buf()];
+    let read = crate::data::read::ReadSettings::default();
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut first_error = None;
+    crate::data::read::read_file(&files, 0, &read, &mut |d| {
+        let place = d.place(&files);
+        match d.text(&read.text_field) {
+            Ok(t) => {
+                if !tokens.is_empty() {
+                    tokens.extend(tok.end_of_text());
+                }
+                tokens.extend(tok.encode(&t)?);
+            }
+            Err(bad) => {
+                first_error.get_or_insert(anyhow!("{place}: {}", bad.describe(&read.text_field)));
+            }
+        }
+        Ok(())
+    })?;
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    let name = text.display().to_string();
+    let source = TokenSource::from_vec(name, tokens, cfg.model.vocab_size)?;
+    eval_source(cfg, w, source, weights, text, amount)
+}
+
+fn eval_source(
+    mut cfg: Config,
+    w: io::LoadedWeights,
+    source: TokenSource,
+    weights: &Path,
+    data: &Path,
+    amount: Amount,
+) -> Result<(f64, usize)> {
     let mut windows = amount.windows(&cfg)?;
     let batch = cfg.train.micro_batch_size;
     // One window per microbatch: batches of equal size have the windows' mean.
@@ -105,8 +158,7 @@ pub fn eval_file(
     cfg.parallel.microbatches = 1;
     let gpt = cfg.arch();
     super::finite::check_finite(&w, "--weights")?;
-    let file = TokenFile::open_as(data, gpt.vocab_size, cfg.data.format)?;
-    let mut sampler = Sampler::eval(TokenSource::from(file), gpt.block_size, 1)?;
+    let mut sampler = Sampler::eval(source, gpt.block_size, 1)?;
     let held = usize::try_from(sampler.n_windows()).unwrap_or(usize::MAX);
     if amount == Amount::ConfigBatches && windows > held && held >= batch {
         // As train resolves train.eval_batches: all the whole batches the file holds.

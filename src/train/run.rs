@@ -10,9 +10,7 @@ use super::plot::loss_svg;
 use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
 use crate::config::{BackendKind, Builtin, Config, Dtype, ScheduleKind};
-use crate::data::{
-    ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenFile, TokenSource, TrainText, RANDOM_TOKENS,
-};
+use crate::data::{ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenSource, TrainText, RANDOM_TOKENS};
 use crate::host::signals::{self, StoppedBeforeStart};
 use crate::metrics::{gemm_peak, StepMetrics};
 use crate::model::io::{self, CONFIG_METADATA_KEY};
@@ -189,6 +187,8 @@ pub struct Sources {
     pub train: Arc<TokenSource>,
     pub val: Option<Arc<TokenSource>>,
     pub eval_set: Option<Arc<EvalSet>>,
+    /// `[[data.sources]]`: the weighted sources `train` is the first of.
+    pub mixture: Option<Arc<crate::data::mixture::Mixture>>,
 }
 
 /// Held-out problems scored for exact match at each evaluation.
@@ -221,19 +221,35 @@ pub fn load_sources(cfg: &Config) -> Result<Sources> {
                 train: Arc::new(train),
                 val: Some(Arc::new(val)),
                 eval_set: Some(Arc::new(EvalSet::new(seed, t, windows)?)),
+                mixture: None,
             })
         }
         Builtin::Random => {
             // A fixed length, never train.steps: see the arithmetic text.
             let text = RandomText { seed, vocab_size: vocab, len: RANDOM_TOKENS };
-            Ok(Sources { train: Arc::new(TokenSource::Random(text)), val: None, eval_set: None })
+            Ok(Sources {
+                train: Arc::new(TokenSource::Random(text)),
+                val: None,
+                eval_set: None,
+                mixture: None,
+            })
         }
         Builtin::Files => {
-            let open =
-                |p: &str| TokenFile::open_as(Path::new(p), vocab, cfg.data.format).map(TokenSource::from);
-            let train = open(&cfg.data.train)?;
-            let val = if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val)?)) };
-            Ok(Sources { train: Arc::new(train), val, eval_set: None })
+            // A token file, or a prepared dataset's folder (its train or val shards).
+            let open = |p: &str, split| crate::data::mixture::open_source(p, split, vocab, cfg.data.format);
+            let val =
+                if cfg.data.val.is_empty() { None } else { Some(Arc::new(open(&cfg.data.val, "val")?)) };
+            if !cfg.data.sources.is_empty() {
+                let m = crate::data::mixture::Mixture::open(&cfg.data.sources, vocab, cfg.data.format)?;
+                return Ok(Sources {
+                    train: m.sources[0].clone(),
+                    val,
+                    eval_set: None,
+                    mixture: Some(Arc::new(m)),
+                });
+            }
+            let train = open(&cfg.data.train, "train")?;
+            Ok(Sources { train: Arc::new(train), val, eval_set: None, mixture: None })
         }
     }
 }
@@ -253,17 +269,19 @@ impl Sources {
             }
             None => None,
         };
-        Ok(RunData {
-            train: Sampler::new(kind, self.train.clone(), t, b, seed)?,
-            val,
-            eval_set: self.eval_set.clone(),
-        })
+        let train = match &self.mixture {
+            Some(m) => Sampler::mixture(kind, m, t, b, seed)?,
+            None => Sampler::new(kind, self.train.clone(), t, b, seed)?,
+        };
+        Ok(RunData { train, val, eval_set: self.eval_set.clone() })
     }
 }
 
 /// Outputs of a run; an out dir holding any of them belongs to an earlier run.
-const OUTPUTS: [&str; 8] = [
+const OUTPUTS: [&str; 10] = [
     "metrics.jsonl",
+    "tokenizer.json",
+    "tokenizer_config.json",
     "summary.json",
     "model.safetensors",
     "config.toml",
@@ -717,6 +735,8 @@ fn write_outputs(
         io::export_hf(dir, &gpt, tensors, meta, io::StoreAs::F32, io::DEFAULT_MAX_SHARD_BYTES)?;
         // Beside model.safetensors, so transformers' from_pretrained(run_dir) opens the run.
         write_text(dir, crate::model::hf::HF_CONFIG_FILE, &crate::model::hf::config_json(&gpt))?;
+        // The data's tokenizer, so `generate` on the run and AutoTokenizer need nothing else.
+        crate::data::mixture::save_run_tokenizer(&cfg.data.train, &cfg.data.sources, dir)?;
     }
     write_text(dir, "summary.json", &serde_json::to_string_pretty(summary)?)?;
     write_text(dir, "loss.svg", &loss_svg(&curves.train, &curves.val, "pipewright: loss"))

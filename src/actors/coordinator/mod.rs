@@ -434,6 +434,7 @@ impl CoordinatorState {
             alert,
             loss_scale: self.scaler.is_some().then_some(scale),
             repeated: false,
+            source_tokens: None,
         });
         Ok(())
     }
@@ -447,6 +448,7 @@ impl CoordinatorState {
         let m = self.pending.as_mut().expect("metrics of this step");
         m.ms = dt * 1e3;
         m.tokens = self.out.tokens;
+        m.source_tokens = crate::data::mixture::source_tokens(&self.cfg, self.out.tokens);
         m.tokens_per_s = self.out.tokens_this_run as f64 / self.out.train_seconds;
         self.out.skipped += m.skipped as usize;
         self.out.losses.push(m.loss);
