@@ -28,14 +28,14 @@ cat src/*.rs src/*/*.rs > "$WORK/text.txt"
 "$BIN" prepare "$WORK/text.txt" --tokenizer bytes --out "$WORK/data" > /dev/null
 
 ours=$("$BIN" eval --config "$WORK/run/config.toml" --weights "$WORK/run" \
-    --data "$WORK/data/val.bin" --batches "$N" --json | tail -n 1 \
+    --data "$WORK/data/val.bin" --windows "$N" --json | tail -n 1 \
     | "$PYTHON" -c 'import json, sys; print(json.load(sys.stdin)["loss"])')
 hf=$("$PYTHON" scripts/hf_check.py "$WORK/run/model.safetensors" "$WORK/data/val.bin" "$N")
 
 # Both ways through folders: from_pretrained(run dir) as it is, then
 # save_pretrained and pipewright eval on HF's own folder with no --set.
 rt=$("$PYTHON" scripts/hf_roundtrip.py "$WORK/run" "$WORK/hf" "$WORK/data/val.bin" "$N" | tail -n 1)
-back=$("$BIN" eval --weights "$WORK/hf" --data "$WORK/data/val.bin" --batches "$N" --json | tail -n 1 \
+back=$("$BIN" eval --weights "$WORK/hf" --data "$WORK/data/val.bin" --windows "$N" --json | tail -n 1 \
     | "$PYTHON" -c 'import json, sys; print(json.load(sys.stdin)["loss"])')
 
 "$PYTHON" - "$ours" "$hf" "$rt" "$back" <<'PY'

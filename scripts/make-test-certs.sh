@@ -1,7 +1,8 @@
 #!/bin/sh
 # Writes the TLS fixtures of tests/multiprocess.rs into tests/fixtures/tls/,
-# with the same openssl commands as the README's recipe, so the tests also
-# check that what the README makes is what rustls accepts.
+# with the same openssl commands as the recipe in docs/guide/clusters.md
+# ("TLS"), so the tests also check that what the recipe makes is what rustls
+# accepts.
 #
 #   ca.pem                 the run's CA
 #   node.pem, node.key     a process's certificate (signed by ca.pem) and key

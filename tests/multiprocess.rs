@@ -496,8 +496,8 @@ impl IntoAddr for (&str, u16) {
     }
 }
 
-/// Test certificates made by scripts/make-test-certs.sh (the README's
-/// openssl recipe): ca.pem signs node.pem; rogue.pem comes from another CA.
+/// Test certificates made by scripts/make-test-certs.sh (the openssl
+/// recipe of docs/guide/clusters.md): ca.pem signs node.pem; rogue.pem comes from another CA.
 fn fixture(name: &str) -> String {
     format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
 }
