@@ -12,8 +12,8 @@
         i = tokens[i*T : i*T+T+1], as `pipewright eval` reads them), the model
         opened with AutoModelForCausalLM.from_pretrained in float64.
 
-    python scripts/hf_families.py train DIR TOKENS.bin STEPS SEQS LR WD CLIP EPS OUT.safetensors
-        STEPS AdamW steps in float64 of SEQS sequences each read in order (the
+    python scripts/hf_families.py train DIR TOKENS.bin STEPS SEQS LR WD CLIP EPS OUT.safetensors [float32]
+        STEPS AdamW steps in float64 (or float32: the floor f32 itself reaches) of SEQS sequences each read in order (the
         g-th sequence is window g), the mean token loss, clip_grad_norm_(CLIP),
         weight decay WD on tensors of two or more dimensions (betas 0.9/0.95);
         writes the weights under Hugging Face's names in f64.
@@ -98,8 +98,8 @@ def positions(model):
     return getattr(c, "n_positions", None) or c.max_position_embeddings
 
 
-def opened(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+def opened(path, dtype=torch.float64):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
 
 
 def evaluate(path, data, n):
@@ -114,8 +114,8 @@ def evaluate(path, data, n):
     print(f"{total / n:.12f}")
 
 
-def train(path, data, steps, seqs, lr, wd, clip, eps, out):
-    model = opened(path).train()
+def train(path, data, steps, seqs, lr, wd, clip, eps, out, dtype=torch.float64):
+    model = opened(path, dtype).train()
     T = positions(model)
     tokens = tokens_of(data)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -177,8 +177,9 @@ def main():
         make(a[2], a[3], "--bf16" in a, shard)
     elif cmd == "eval" and len(a) == 5:
         evaluate(a[2], a[3], int(a[4]))
-    elif cmd == "train" and len(a) == 11:
-        train(a[2], a[3], int(a[4]), int(a[5]), float(a[6]), float(a[7]), float(a[8]), float(a[9]), a[10])
+    elif cmd == "train" and len(a) in (11, 12):
+        dtype = getattr(torch, a[11]) if len(a) == 12 else torch.float64
+        train(a[2], a[3], int(a[4]), int(a[5]), float(a[6]), float(a[7]), float(a[8]), float(a[9]), a[10], dtype)
     elif cmd == "opens" and len(a) == 3:
         print(type(AutoModelForCausalLM.from_pretrained(a[2])).__name__)
     elif cmd == "compare" and len(a) == 4:

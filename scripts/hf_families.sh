@@ -7,8 +7,11 @@
 #      in f64, weights compared;
 #   3. the run folder opens in transformers as the family's own class, and
 #      `pipewright export --dtype bf16 --max-shard-size` of it opens there too.
-# Prints a table; FAIL when a loss differs by more than 1e-5 relative or a
-# weight by more than 1e-4 (f32's floor over a few steps).
+# Prints a table; FAIL when a loss differs by more than 1e-5 relative, or a
+# weight by more than 1e-4 and more than twice what PyTorch's own f32 run of
+# the same steps differs from its f64 run (f32's floor: AdamW turns a
+# gradient that is only rounding into a whole step of either sign, so the
+# floor depends on the model, not on the trainer).
 #
 #   scripts/hf_families.sh [FAMILY...]   # PYTHON=/work/venv-torch/bin/python by default
 #
@@ -49,24 +52,27 @@ for fam in "${FAMILIES[@]}"; do
         --out "$w/run" > "$w/train.log" 2>&1
     "$PYTHON" scripts/hf_families.py train "$w/hf" "$WORK/data/train.bin" "$STEPS" 4 1e-3 0.1 1.0 "$EPS" \
         "$w/torch.safetensors" 2> "$w/torch.log"
+    "$PYTHON" scripts/hf_families.py train "$w/hf" "$WORK/data/train.bin" "$STEPS" 4 1e-3 0.1 1.0 "$EPS" \
+        "$w/torch32.safetensors" float32 2> "$w/torch32.log"
     read -r wdiff wname < <("$PYTHON" scripts/hf_families.py compare "$w/run/model.safetensors" "$w/torch.safetensors")
+    read -r floor fname < <("$PYTHON" scripts/hf_families.py compare "$w/torch32.safetensors" "$w/torch.safetensors")
     class=$("$PYTHON" scripts/hf_families.py opens "$w/run" 2>/dev/null | tail -n 1)
     "$BIN" export "$w/run" --out "$w/export" --dtype bf16 --max-shard-size 20000 > "$w/export.log" 2>&1
     exported=$("$PYTHON" scripts/hf_families.py opens "$w/export" 2>/dev/null | tail -n 1)
-    verdict=$("$PYTHON" - "$ours" "$theirs" "$wdiff" <<'PY'
+    verdict=$("$PYTHON" - "$ours" "$theirs" "$wdiff" "$floor" <<'PY'
 import sys
-ours, theirs, w = map(float, sys.argv[1:])
+ours, theirs, w, floor = map(float, sys.argv[1:])
 rel = abs(ours - theirs) / abs(theirs)
-print(f"{rel:.2e} {'PASS' if rel <= 1e-5 and w <= 1e-4 else 'FAIL'}")
+print(f"{rel:.2e} {'PASS' if rel <= 1e-5 and (w <= 1e-4 or w <= 2 * floor) else 'FAIL'}")
 PY
 )
     read -r rel ok <<< "$verdict"
     [ "$ok" = PASS ] || status=1
-    rows+=("$(printf '| %-8s | %2s | %.9f | %.9f | %s | %s (%s) | %s | %s | %s |' "$fam" "$shards" "$ours" "$theirs" \
-        "$rel" "$wdiff" "$wname" "$class" "$exported" "$ok")")
+    rows+=("$(printf '| %-8s | %2s | %.9f | %.9f | %s | %s (%s) | %s (%s) | %s | %s | %s |' "$fam" "$shards" "$ours" "$theirs" \
+        "$rel" "$wdiff" "$wname" "$floor" "$fname" "$class" "$exported" "$ok")")
 done
 echo
-echo "| family | shards (bf16) | pipewright eval | transformers f64 | rel. diff | weights after $STEPS AdamW steps: max rel. diff (tensor) | run opens as | bf16 export opens as | |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| family | shards (bf16) | pipewright eval | transformers f64 | rel. diff | weights after $STEPS AdamW steps: max rel. diff (tensor) | PyTorch f32 vs f64, the same steps | run opens as | bf16 export opens as | |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
 exit $status

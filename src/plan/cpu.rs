@@ -12,6 +12,7 @@
 use super::flops::ModelShape;
 use crate::actors::Layout;
 use crate::config::{BackendKind, Config};
+use crate::model::params;
 use crate::model::tp::TpShape;
 use crate::model::Arch;
 use crate::schedule::{ActionKind, Costs, Schedule};
@@ -201,7 +202,7 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     let layout = Layout::from_config(cfg)?;
     let shape = ModelShape::of(&cfg.model);
     let gpt = shape.arch;
-    let (c, t, v) = (gpt.n_embd as f64, gpt.block_size as f64, gpt.vocab_size as f64);
+    let (c, v) = (gpt.n_embd as f64, gpt.vocab_size as f64);
     let b = cfg.train.micro_batch_size;
     let n = b * gpt.block_size;
     let nf = n as f64;
@@ -256,13 +257,13 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                     n,
                 );
                 if spec.embedding {
-                    params += (v + t) * c;
+                    params += numel(&params::embedding_tensors(&gpt));
                     per_mb += 4.0 * nf; // the tokens, for the embedding's backward
                 }
                 if spec.head {
-                    params += 2.0 * c;
-                    if !spec.embedding {
-                        params += v * c; // the tied head's own copy of wte
+                    params += numel(&params::final_norm_tensors(&gpt)) + numel(&params::head_tensors(&gpt));
+                    if gpt.tied() && !spec.embedding {
+                        params += v * c; // the tied head's own copy of the token embedding
                     }
                     per_mb += 4.0 * nf * c; // the head's input gradient, made in forward
                                             // Final LayerNorm output, logits and the head's wte gradient share.
@@ -311,6 +312,11 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     })
 }
 
+/// Parameters in a list of tensors.
+fn numel(tensors: &[(String, Vec<usize>)]) -> f64 {
+    tensors.iter().map(|(_, shape)| shape.iter().product::<usize>() as f64).sum()
+}
+
 /// FLOPs of one microbatch's forward on a stage: 2 per parameter per token for its
 /// blocks (and the tied head's product on the last stage), plus the causal attention
 /// products, 2·C·T per token per layer — a third of llm.c's 6·L·C·T training count.
@@ -323,12 +329,13 @@ fn stage_forward_flops(
     n: usize,
 ) -> f64 {
     let (c, t) = (shape.hidden() as f64, shape.seq() as f64);
+    let a = &shape.arch;
     let mut per_token = layers as f64 * (2.0 * shape.layer_params() + 2.0 * c * t);
-    if first {
+    if first && a.positions == crate::model::arch::Positions::Learned {
         per_token += 2.0 * t * c; // position embedding parameters, as 6·N counts them
     }
     if head {
-        per_token += 2.0 * (vocab as f64 * c + 2.0 * c);
+        per_token += 2.0 * (vocab as f64 * c + numel(&params::final_norm_tensors(a)));
     }
     per_token * n as f64
 }
@@ -554,6 +561,32 @@ mod tests {
         let wte = (gpt.vocab_size * gpt.n_embd) as f64;
         assert_eq!(counted, gpt.num_params() as f64 + wte);
         assert!(p.ranks.iter().all(|r| r.state_bytes == 16.0 * r.params));
+    }
+
+    #[test]
+    fn an_untied_rotary_model_is_counted_without_a_position_table_or_a_second_head() {
+        // Llama 3 8B's shape, cut to two layers over two stages: its
+        // embedding, final RMSNorm and untied head, each once.
+        let mut cfg = bench_config(2, 4);
+        cfg.model = crate::model::ModelSection {
+            family: "llama".into(),
+            n_layer: 2,
+            n_head: 32,
+            n_kv_head: 8,
+            n_embd: 4096,
+            intermediate_size: 14336,
+            vocab_size: 128_256,
+            block_size: 64,
+            rope_theta: 500_000.0,
+            ..Default::default()
+        };
+        cfg.train.micro_batch_size = 1;
+        let p = plan(&cfg).unwrap();
+        let counted: f64 = p.ranks.iter().map(|r| r.params).sum();
+        assert_eq!(counted, cfg.arch().num_params() as f64);
+        // Llama 3 8B's 32 layers: 8,030,261,248, as transformers counts them.
+        let layer = (cfg.arch().num_params() - 2 * 128_256 * 4096 - 4096) as f64 / 2.0;
+        assert_eq!(32.0 * layer + 2.0 * 128_256.0 * 4096.0 + 4096.0, 8_030_261_248.0);
     }
 
     #[test]
