@@ -202,7 +202,7 @@ mod tests {
                 "recompute = {recompute}, llama = {llama}: our code allocated in the steady state"
             );
             // If gemm ever stops allocating, this says so and the claim can grow.
-            assert!(gemm1 > gemm0, "gemm allocated nothing: update the notes in model::part and README");
+            assert!(gemm1 > gemm0, "gemm allocated nothing: update the note in model::part");
         }
     }
 
