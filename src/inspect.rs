@@ -31,8 +31,16 @@ pub enum InspectError {
 /// parameter count and the `__metadata__` entries.
 pub fn inspect(path: &Path) -> Result<String, InspectError> {
     let file_path = crate::model::io::weights_file(path);
-    let (header, file_len) = read_header(&file_path)?;
-    let bad = |reason: String| InspectError::Format { path: file_path.clone(), reason };
+    let is_index = file_path.file_name().is_some_and(|n| n.to_string_lossy().ends_with(".index.json"));
+    let (mut out, stored) = if is_index { sharded(&file_path)? } else { one_file(&file_path)? };
+    out.push_str(&hf_config_lines(&file_path, stored.as_deref()));
+    Ok(out)
+}
+
+/// One safetensors file's listing, its parameter count and its stored config.
+fn listing(file_path: &Path) -> Result<(String, u128, Option<String>), InspectError> {
+    let (header, file_len) = read_header(file_path)?;
+    let bad = |reason: String| InspectError::Format { path: file_path.to_path_buf(), reason };
     // safetensors' Metadata checks that offsets tile the data without gaps and
     // agree with dtype and shape; what it cannot see is the file's length.
     let metadata: Metadata = serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
@@ -42,20 +50,59 @@ pub fn inspect(path: &Path) -> Result<String, InspectError> {
             "the header describes {expected_len} bytes but the file has {file_len} (truncated?)"
         )));
     }
-    let mut out = render(&file_path, &metadata, file_len);
-    out.push_str(&hf_config_lines(&file_path));
-    Ok(out)
+    let total = metadata.tensors().values().map(|i| i.shape.iter().product::<usize>() as u128).sum();
+    let stored = metadata.metadata().as_ref().and_then(|m| m.get(CONFIG_METADATA_KEY).cloned());
+    Ok((render(file_path, &metadata, file_len), total, stored))
 }
 
-/// The model a `config.json` beside the file gives (what `eval` and
-/// `train --init` would take from it, by `hf::weights_model`'s rule), or why
-/// it cannot be used.
-fn hf_config_lines(file: &Path) -> String {
-    let folder = file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    match crate::model::hf::read_config(folder) {
+fn one_file(file_path: &Path) -> Result<(String, Option<String>), InspectError> {
+    let (out, _, stored) = listing(file_path)?;
+    Ok((out, stored))
+}
+
+/// A sharded checkpoint: each shard the index names, listed in turn (headers
+/// only), and the parameters of all of them.
+fn sharded(index: &Path) -> Result<(String, Option<String>), InspectError> {
+    let io = |error| InspectError::Io { path: index.to_path_buf(), error };
+    let bad = |reason: String| InspectError::Format { path: index.to_path_buf(), reason };
+    let text =
+        crate::fsutil::read_regular_to_string(index, MAX_HEADER_BYTES, "an index may hold").map_err(io)?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+        bad("no \"weight_map\" object (expected a Hugging Face model.safetensors.index.json)".into())
+    })?;
+    let mut shards = Vec::new();
+    for (tensor, file) in map {
+        let Some(f) = file.as_str().filter(|f| !f.contains('/') && !f.contains('\\')) else {
+            return Err(bad(format!(
+                "weight_map[{tensor:?}] = {file}: expected a file name beside the index"
+            )));
+        };
+        shards.push(f.to_string());
+    }
+    shards.sort_by(|a, b| natural_cmp(a, b));
+    shards.dedup();
+    let folder = index.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let mut out = format!("{}: {} shards\n", index.display(), shards.len());
+    let (mut total, mut stored) = (0u128, None);
+    for shard in &shards {
+        let (text, n, s) = listing(&folder.join(shard))?;
+        out.push_str(&text);
+        total += n;
+        stored = stored.or(s);
+    }
+    let _ = writeln!(out, "all {} shards: {} parameters", shards.len(), grouped(total));
+    Ok((out, stored))
+}
+
+/// The model `eval` and `train --init` take from the weights by
+/// `hf::weights_model`'s rule (a `config.json` beside them, which must agree
+/// with the config a run stored in them), or why they refuse it.
+fn hf_config_lines(file: &Path, stored: Option<&str>) -> String {
+    match crate::model::hf::weights_model(file, stored) {
+        Ok(Some(m)) => m.hf.map(|c| format!("{}\n", c.summary())).unwrap_or_default(),
         Ok(None) => String::new(),
-        Ok(Some(c)) => format!("{}\n", c.summary()),
-        Err(e) => format!("{e} (eval and train --init cannot use it)\n"),
+        Err(e) => format!("{e} (eval, train --init, generate and export refuse these weights)\n"),
     }
 }
 
@@ -282,6 +329,41 @@ mod tests {
             out.ends_with("GPT-2, n_layer = 2, n_head = 1, n_embd = 4, vocab_size = 10, block_size = 8\n"),
             "{out}"
         );
+    }
+
+    #[test]
+    fn a_config_json_that_disagrees_with_the_stored_config_is_named_as_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        tiny_model(dir.path());
+        // The stored config says 2 layers; this config.json, 3.
+        let cfg = crate::model::Arch::gpt2(3, 1, 4, 10, 8);
+        std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
+        let out = inspect(dir.path()).unwrap();
+        let last = out.lines().last().unwrap();
+        assert!(last.contains("model.n_layer") && last.contains("refuse these weights"), "{out}");
+    }
+
+    #[test]
+    fn a_sharded_folder_lists_every_shard_its_index_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        write(&d.join("model-00001-of-00002.safetensors"), &[("a.weight", vec![3, 4])], None);
+        write(&d.join("model-00002-of-00002.safetensors"), &[("b.weight", vec![5])], None);
+        let index = r#"{"metadata": {"total_size": 68}, "weight_map": {
+            "b.weight": "model-00002-of-00002.safetensors", "a.weight": "model-00001-of-00002.safetensors"}}"#;
+        std::fs::write(d.join("model.safetensors.index.json"), index).unwrap();
+        let out = inspect(d).unwrap();
+        assert!(out.starts_with(&format!("{}: 2 shards\n", d.join("model.safetensors.index.json").display())));
+        let (a, b) = (out.find("a.weight").unwrap(), out.find("b.weight").unwrap());
+        assert!(a < b, "shards in order: {out}");
+        assert!(out.ends_with("all 2 shards: 17 parameters\n"), "{out}");
+        // A shard the index names but the folder lacks is named.
+        std::fs::remove_file(d.join("model-00002-of-00002.safetensors")).unwrap();
+        let err = inspect(d).unwrap_err().to_string();
+        assert!(err.contains("model-00002-of-00002.safetensors"), "{err}");
+        std::fs::write(d.join("model.safetensors.index.json"), r#"{"weight_map": {"a": "../x"}}"#).unwrap();
+        let err = inspect(d).unwrap_err().to_string();
+        assert!(err.contains("expected a file name beside the index"), "{err}");
     }
 
     #[test]
