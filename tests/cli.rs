@@ -746,6 +746,29 @@ fn generate_into_a_pipe_that_closes_ends_quietly() {
 }
 
 #[test]
+fn reports_into_a_pipe_that_closes_end_quietly() {
+    let w = earlier_run_fixture().to_str().unwrap().to_string();
+    let commands: [&[&str]; 2] = [
+        &["inspect", &w],
+        &["schedule", "--kind", "zb-v", "--stages", "8", "--microbatches", "64", "--json"],
+    ];
+    for args in commands {
+        let mut child = bin()
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // `… | head -c 0`: the reader is gone before the first byte.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: exit {:?}: {err}", out.status);
+        assert!(!err.contains("Broken pipe") && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
 fn schedule_trace_files_end_with_a_newline() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.json");
@@ -825,4 +848,23 @@ fn eval_with_no_count_gives_a_runs_own_val_loss_as_train_eval_batches_counts() {
     assert_eq!(v["loss"], summary["val_loss"], "eval of a run on its val file is its val loss");
     let (ok, batches, err) = run(&["eval", "--weights", w, "--data", d, "--batches", "5", "--json"]);
     assert!(ok && batches == stdout, "{err}");
+}
+
+#[test]
+fn an_earlier_sharded_run_is_seen_and_only_force_replaces_it() {
+    // Above 5 GB a run's weights are shards and an index: a folder holding
+    // only those is an earlier run's, as one holding model.safetensors is.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    std::fs::create_dir_all(&out).unwrap();
+    let shard = out.join("model-00001-of-00002.safetensors");
+    std::fs::write(&shard, b"an earlier run's shard").unwrap();
+    let mine = out.join("notes.txt");
+    std::fs::write(&mine, b"the user's own file").unwrap();
+    refused(tiny_train(&out, &[]), &["model-00001-of-00002.safetensors", "an earlier run's output is there"]);
+    assert_eq!(std::fs::read(&shard).unwrap(), b"an earlier run's shard");
+    let (ok, _, err) = tiny_train(&out, &["--force"]);
+    assert!(ok, "{err}");
+    assert!(!shard.exists(), "--force left the earlier run's shard beside the new weights");
+    assert_eq!(std::fs::read(&mine).unwrap(), b"the user's own file");
 }

@@ -910,14 +910,17 @@ pub fn export_hf(
     for e in stale.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
         let ours = written.iter().any(|w| w.file_name().is_some_and(|f| f.to_string_lossy() == name));
-        let model_file = name == MODEL_FILE
-            || name == INDEX_FILE
-            || (name.starts_with("model-") && name.ends_with(".safetensors"));
-        if model_file && !ours {
+        if is_model_file(&name) && !ours {
             std::fs::remove_file(e.path()).map_err(|error| WeightsError::Io { path: e.path(), error })?;
         }
     }
     Ok(written)
+}
+
+/// Whether a file name is one of a model's weight files as [`export_hf`]
+/// (and transformers) write them: the single file, the index, or a shard.
+pub fn is_model_file(name: &str) -> bool {
+    name == MODEL_FILE || name == INDEX_FILE || (name.starts_with("model-") && name.ends_with(".safetensors"))
 }
 
 /// Names in the order people read them: `layers.2` before `layers.10`.

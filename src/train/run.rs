@@ -1,6 +1,7 @@
 //! A training run from a validated config: data, model, the step loop, and what
-//! it leaves in the run directory (metrics.jsonl, summary.json,
-//! model.safetensors, config.toml, loss.svg).
+//! it leaves in the run directory (metrics.jsonl, summary.json, the family's
+//! Hugging Face files — model.safetensors, or shards and their index, and
+//! config.json —, the data's tokenizer.json, config.toml, loss.svg).
 //!
 //! Everything that can be refused (config, data files, `--init` weights, an
 //! output directory holding an earlier run) is checked before the first byte is
@@ -138,7 +139,7 @@ fn check_resumable(dir: &Path, cfg: &Config) -> Result<()> {
     if !checkpointed {
         bail!(
             "{}: holds the outputs of a run that ended at step {steps} and no checkpoint to continue \
-             from (checkpoint.every was 0); --resume would retrain from step 0 over them. Pass --force \
+             from (none was written, or they were removed); --resume would retrain from step 0 over them. Pass --force \
              without --resume to replace them, or choose another --out",
             dir.display()
         );
@@ -310,6 +311,7 @@ fn remove_earlier_outputs(dir: &Path) -> Result<()> {
         let name = entry.file_name().to_string_lossy().into_owned();
         let p = entry.path();
         let ours = OUTPUTS.contains(&name.as_str())
+            || io::is_model_file(&name)
             || p == crate::checkpoint::checkpoints_dir(dir)
             || name.starts_with("replay.before-step-");
         if !ours {
@@ -529,7 +531,11 @@ fn load_init(path: Option<&Path>, gpt: &crate::model::Arch) -> Result<Option<Arc
 /// logs of the run before it, under their own name) or removed.
 fn prepare_run_dir(opts: &TrainOptions, resume: Option<&crate::checkpoint::Loaded>) -> Result<()> {
     if !opts.force && !opts.resume {
-        for f in OUTPUTS {
+        // Above 5 GB a run's weights are shards and their index.
+        let shards = std::fs::read_dir(&opts.out_dir).into_iter().flatten().flatten().map(|e| e.file_name());
+        let shards = shards.filter(|n| io::is_model_file(&n.to_string_lossy()));
+        let earlier = OUTPUTS.iter().map(std::ffi::OsString::from).chain(shards);
+        for f in earlier {
             let p = opts.out_dir.join(f);
             if p.exists() {
                 bail!(
