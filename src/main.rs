@@ -152,9 +152,10 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
-    /// Mean loss of saved weights over the first windows of a token file. The
-    /// model's shape comes from --config if given, else from the config a run
-    /// stored in the weights, else from the embedded default; --set applies on top.
+    /// Mean loss of saved weights over the first windows of a token file (or of
+    /// a text file, --text). The model comes from --config if given, else from
+    /// the weights: the folder's config.json and the config a run stored in
+    /// them (both: they must agree), else the embedded default; --set on top.
     Eval {
         #[command(flatten)]
         config: ConfigArgs,
@@ -187,9 +188,9 @@ enum Command {
     },
     /// Continue a prompt with saved weights, printing tokens as they come (CPU).
     ///
-    /// The model's shape comes as in eval. The tokenizer follows the
-    /// vocabulary (256: bytes, 50257 or more: GPT-2's BPE) unless --tokenizer
-    /// says. Temperature 0 is greedy; the same --seed gives the same text.
+    /// The model comes as in eval. The tokenizer is --tokenizer's, else the
+    /// weights folder's tokenizer.json, else the vocabulary's (up to 256:
+    /// bytes; 50 257 to 50 304: GPT-2's BPE); any other vocabulary is refused. Temperature 0 is greedy; the same --seed gives the same text.
     ///
     /// A model trained on the built-in arithmetic corpus knows only its lines:
     /// operands zero-padded to three digits, the sum written least-significant
@@ -1066,10 +1067,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Prepare(args) => prepare_command(args),
         Command::Tokenizer(TokenizerCommand::Train(args)) => tokenizer_train(args),
-        Command::Inspect { path } => {
-            print!("{}", pipewright::inspect::inspect(&path)?);
-            Ok(())
-        }
+        Command::Inspect { path } => print_out(&pipewright::inspect::inspect(&path)?),
         Command::Export { weights, out, dtype, max_shard_size, force } => {
             let files = pipewright::train::export::export(&weights, &out, &dtype, &max_shard_size, force)?;
             for f in files {
@@ -1367,9 +1365,9 @@ fn schedule_command(
     // cli_text first: its errors name the flags. --costs draws the grid at those costs.
     let text = pipewright::schedule::cli_text(&kind, stages, microbatches, chunks, json)?;
     if costs.is_empty() || json {
-        print!("{text}");
+        print_out(&text)?;
     } else {
-        print!("{}", pipewright::trace::simulated::cli_grid(&kind, stages, microbatches, chunks, &costs)?);
+        print_out(&pipewright::trace::simulated::cli_grid(&kind, stages, microbatches, chunks, &costs)?)?;
     }
     if let Some(path) = trace {
         let v = pipewright::trace::simulated::cli_trace(&kind, stages, microbatches, chunks, &costs)?;
@@ -1389,11 +1387,22 @@ fn trace_summary(file: PathBuf, json: bool, replica: Option<usize>) -> Result<()
     }
     let s = pipewright::trace::summary::summarize(&trace)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&s.to_json())?);
+        print_out(&format!("{}\n", serde_json::to_string_pretty(&s.to_json())?))
     } else {
-        print!("{}", s.text());
+        print_out(&s.text())
     }
-    Ok(())
+}
+
+/// Writes a command's report on stdout. A reader that has what it wanted
+/// (`| head`) closes the pipe: that ends the command quietly, as for other
+/// tools, where `print!` would panic.
+fn print_out(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
 }
 
 /// One `--cells` entry of `bench --sim`: `PPxM`, both at least 1.

@@ -14,7 +14,7 @@
 //! W), the optimizer step and evaluation reuse their buffers (tested in
 //! `train::engine`). The `gemm` crate still allocates its packing buffers on
 //! every product, which no API lets us hand it; glibc serves those from its
-//! heap without system calls (docs/benchmarks.md measures the cost).
+//! heap without system calls.
 
 use super::arch::{Norm, Positions};
 use super::block::{

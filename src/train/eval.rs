@@ -1,9 +1,11 @@
 //! `pipewright eval`: the mean loss of saved weights over the first windows of
 //! a token file, read sequentially (window i = tokens[i·T .. i·T + T + 1]).
 //!
-//! The model's shape comes from `--config` when given, else from the config a
-//! run stored in the weights' metadata, else from the embedded default. Only
-//! what evaluation uses is validated: the model's shape and the token format.
+//! The model comes from `--config` when given, else from the weights by
+//! `hf::weights_model`'s rule (a `config.json` beside them and the config a
+//! run stored in their metadata; both, they must agree), else from the
+//! embedded default. Only what evaluation uses is validated: the model and
+//! the token format.
 
 use super::engine::Engine;
 use crate::config::{Config, DEFAULT_TOML};
