@@ -579,15 +579,16 @@ fn run_in(
     if n_train == 0 || (o.val_fraction > 0.0 && n_val == 0) {
         let input = match files {
             [one] => one.display().to_string(),
-            many => format!("{} files", many.len()),
+            many => format!("{} input files", many.len()),
         };
-        return Err(DataError::Invalid {
-            what: format!(
-                "text file {input}: {kept_tokens} tokens cannot be split into non-empty train and val \
-                 parts with val_fraction {}",
-                o.val_fraction
-            ),
-        });
+        let why = if kept_docs == 0 {
+            "no document was kept: every one was empty or removed by the filters (--clean) or \
+             deduplication (--dedup)"
+                .to_string()
+        } else {
+            format!("{kept_tokens} tokens cannot be split into non-empty train and val parts with val_fraction {}", o.val_fraction)
+        };
+        return Err(DataError::Invalid { what: format!("{input}: {why}") });
     }
     if let Some(b) = &bar {
         b.set_message("writing shards");
