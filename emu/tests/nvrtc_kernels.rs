@@ -101,6 +101,7 @@ fn attention_forward_records_its_launch_bounds_and_parameters_as_declared() {
             ("T", "int", 4, false, false),
             ("NH", "int", 4, false, false),
             ("NKV", "int", 4, false, false),
+            ("WIN", "int", 4, false, false),
         ]
     );
     assert_eq!(m.kernel("attention_backward_delta").launch_bounds, 0, "declared without bounds");
