@@ -321,7 +321,8 @@ mod tests {
     #[test]
     fn a_hugging_face_config_json_beside_the_weights_is_summarized() {
         let dir = tempfile::tempdir().unwrap();
-        tiny_model(dir.path());
+        // A Hugging Face folder's weights: no config stored in them.
+        write(&dir.path().join(MODEL_FILE), &[("transformer.wte.weight", vec![10, 4])], None);
         let cfg = crate::model::Arch::gpt2(2, 1, 4, 10, 8);
         std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
         let out = inspect(dir.path()).unwrap();
@@ -334,7 +335,12 @@ mod tests {
     #[test]
     fn a_config_json_that_disagrees_with_the_stored_config_is_named_as_refused() {
         let dir = tempfile::tempdir().unwrap();
-        tiny_model(dir.path());
+        let stored = "[model]\nn_layer = 2\nn_head = 1\nn_embd = 4\nvocab_size = 10\nblock_size = 8\n";
+        let tensors = [("transformer.wte.weight", vec![10, 4])];
+        write(&dir.path().join(MODEL_FILE), &tensors, Some(&[(CONFIG_METADATA_KEY, stored)]));
+        let cfg = crate::model::Arch::gpt2(2, 1, 4, 10, 8);
+        std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
+        assert!(inspect(dir.path()).unwrap().ends_with("block_size = 8\n"), "agreeing: summarized");
         // The stored config says 2 layers; this config.json, 3.
         let cfg = crate::model::Arch::gpt2(3, 1, 4, 10, 8);
         std::fs::write(dir.path().join("config.json"), crate::model::hf::config_json(&cfg)).unwrap();
