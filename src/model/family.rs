@@ -70,7 +70,13 @@ pub enum FromHfError {
 pub struct Family(&'static Spec);
 
 /// Every family, in the order messages list them.
-pub const ALL: &[&Spec] = &[&super::gpt2::SPEC, &super::llama::SPEC, &super::qwen2::SPEC, &super::qwen3::SPEC, &super::mistral::SPEC];
+pub const ALL: &[&Spec] = &[
+    &super::gpt2::SPEC,
+    &super::llama::SPEC,
+    &super::qwen2::SPEC,
+    &super::qwen3::SPEC,
+    &super::mistral::SPEC,
+];
 
 impl Family {
     /// The family `model.family` names.

@@ -30,7 +30,9 @@ fn preset(m: &ModelSection, c: &mut Checks) -> Arch {
             v != Some(true),
             path,
             "true",
-            format!("must be false or unset with model.family = \"{f}\" (Mistral's projections have no biases)"),
+            format!(
+                "must be false or unset with model.family = \"{f}\" (Mistral's projections have no biases)"
+            ),
         );
     }
     m.common(Family::named(f).expect("mistral is a family"))

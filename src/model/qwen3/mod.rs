@@ -89,7 +89,8 @@ mod tests {
         assert_eq!((a.n_head, a.n_kv_head, a.head_dim, a.n_embd), (16, 8, 128, 1024));
         // Qwen3-0.6B: 596,049,920 parameters (the tied embedding once).
         assert_eq!(a.num_params(), 596_049_920);
-        let names: Vec<String> = super::super::params::block_tensors(&a, 0).into_iter().map(|(n, _)| n).collect();
+        let names: Vec<String> =
+            super::super::params::block_tensors(&a, 0).into_iter().map(|(n, _)| n).collect();
         assert!(names.contains(&"layers.0.self_attn.q_norm.weight".to_string()), "{names:?}");
         assert_eq!(arch(&serde_json::to_string(&write_config(&a)).unwrap()), a);
         // Without head_dim the config's default, 128, not hidden / heads.
