@@ -396,7 +396,13 @@ mod tests {
     fn a_gpu_rank_reads_the_cpu_rank_s_shard_of_every_block_tensor_and_the_ranks_tile_it() {
         let mut gpt2 = Arch::gpt2(1, 4, 32, 10, 4);
         gpt2.head_dim = 4; // head_dim apart from n_embd / n_head: q is (16, 32), o (32, 16)
-        let llama = Arch { qkv_bias: true, mlp_bias: true, ..Arch::llama(1, 4, 2, 32, 48, 10, 4, 1e4) };
+        let llama = Arch {
+            qkv_bias: true,
+            mlp_bias: true,
+            // Its gains are whole on every rank.
+            qk_norm: true,
+            ..Arch::llama(1, 4, 2, 32, 48, 10, 4, 1e4)
+        };
         for cfg in [gpt2, llama] {
             for role in cfg.block_roles() {
                 let shape = role.shape(&cfg);
