@@ -13,7 +13,10 @@
 #      greedy generate on the GPU writes the CPU's text;
 #   3. the same for a Llama (grouped-query attention, SwiGLU, RoPE, untied
 #      head): f32 and bf16 losses against the CPU's, pp 2 = recompute = dp 2
-#      = pp 1, tp 2 on two GPUs = tp 1, greedy generate = the CPU's text.
+#      = pp 1, tp 2 on two GPUs = tp 1, greedy generate = the CPU's text;
+#   4. Qwen3 (the per-head q/k norm) and Mistral (a sliding window of 12 of
+#      the 64 positions) from their tiny configs, shortened as the Llama's:
+#      f32 losses against the CPU's.
 # Prints a table last; exits non-zero if any row failed.
 # usage: scripts/emulated-gpu.sh --gpus 4 scripts/emulated-gpu-check.sh [--no-gpu-check]
 set -uo pipefail
@@ -177,6 +180,18 @@ for tp in 1 2; do
 done
 same_weights "cuda llama tp 2 (2 GPUs) = tp 1 weights" "$work/llama-gpu-tp1" "$work/llama-gpu-tp2"
 same_text "cuda llama greedy generate = cpu" llama-gen "$work/llama-gpu-f32" "${llama_model[@]}"
+
+# 4. Qwen3's and Mistral's settings from their tiny configs, shortened as the
+# Llama's above; Qwen3's head_dim (48) set to 64, the head size the f32
+# attention kernels take. f32 losses against the CPU's.
+for fam in qwen3 mistral; do
+    fam_run=(--config "$root/configs/$fam-tiny.toml" "${small[@]}" --set model.n_kv_head=1 \
+             --set model.intermediate_size=192)
+    [ "$fam" = qwen3 ] && fam_run+=(--set model.head_dim=64)
+    run "$fam-cpu" "$bin" train "${fam_run[@]}" --steps 4 --out "$work/$fam-cpu"
+    row "train $fam cpu (reference)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "digest $(digest "$work/$fam-cpu" | cut -c1-12)" "$secs"
+    vs_cpu "$fam-gpu" "$fam cuda" "$work/$fam-cpu" f32 "${fam_run[@]}"
+done
 
 echo
 echo "emulated GPU checks ($PW_EMU_GPUS emulated GPUs, $(( $(date +%s) - start_all )) s in all; logs in $work)"

@@ -67,8 +67,8 @@ impl Share {
     }
 
     /// Query heads (`k` false) or key/value heads (`k` true) of the (N, W)
-    /// q/k/v rows, as a run for the per-head norm.
-    fn run(&self, n: usize, k: bool) -> HeadRun {
+    /// q/k/v rows, as a run for the per-head norm (the GPU block's too).
+    pub fn run(&self, n: usize, k: bool) -> HeadRun {
         let Heads { nh, nkv, hs } = self.heads;
         let w = self.heads.qkv_width();
         match k {

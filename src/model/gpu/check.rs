@@ -42,12 +42,37 @@ fn llama_step_cfg() -> Arch {
 }
 /// Settings no family presets together, so that the one block is seen to
 /// follow settings rather than a family: RoPE with biases on every
-/// projection (k's bias counts under RoPE), a GELU MLP of width 192 after an
-/// RMSNorm, an untied head, and four query heads of 64 over two key/value
-/// heads with n_embd 128 (head_dim apart from n_embd / n_head).
+/// projection (k's bias counts under RoPE; q's and k's biases come before
+/// their norms), the per-head q/k norm and a sliding window of 16 of the 64
+/// positions together, a GELU MLP of width 192 after an RMSNorm, an untied
+/// head, and four query heads of 64 over two key/value heads with n_embd 128
+/// (head_dim apart from n_embd / n_head).
 pub(super) fn mixed_step_cfg() -> Arch {
     let llama = Arch::llama(2, 4, 2, 128, 192, 1000, 64, 10_000.0);
-    Arch { head_dim: 64, qkv_bias: true, o_bias: true, mlp_bias: true, mlp: Mlp::Gelu, ..llama }
+    Arch {
+        head_dim: 64,
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        mlp: Mlp::Gelu,
+        qk_norm: true,
+        window: Some(16),
+        ..llama
+    }
+}
+
+/// Qwen3's settings over Llama's block: an RMSNorm over each head of q and
+/// of k (gains of head_dim 64, eps 1e-6) before RoPE, four query heads over
+/// two key/value heads 256 wide over a 128-wide stream, θ = 1e6, a tied head.
+pub(super) fn qwen3_step_cfg() -> Arch {
+    let llama = Arch::llama(2, 4, 2, 128, 192, 1000, 64, 1_000_000.0);
+    Arch { head_dim: 64, qk_norm: true, norm_eps: 1e-6, tied: true, ..llama }
+}
+
+/// Mistral's settings over Llama's block: each query sees the last 12 of the
+/// 64 positions (itself included), two query heads sharing one key/value head.
+pub(super) fn mistral_step_cfg() -> Arch {
+    Arch { window: Some(12), ..llama_step_cfg() }
 }
 
 const STEP_B: usize = 2;
@@ -286,8 +311,9 @@ fn pipeline_parts_match_one_part<X: Elem>(
 
 /// The whole-model checks: GPU training steps against the CPU model's (f32
 /// and bf16), bit-identical repeats, and a pipeline cut against one part,
-/// for GPT-2, for a Llama (untied, and tied across the cut) and for a mix
-/// of settings no family has (`mixed_step_cfg`).
+/// for GPT-2, for a Llama (untied, and tied across the cut), for Qwen3's
+/// and Mistral's settings (`qwen3_step_cfg`, `mistral_step_cfg`) and for a
+/// mix of settings no family has (`mixed_step_cfg`).
 pub fn step_checks(gpu: &Gpu) -> Result<Vec<Check>> {
     run(gpu, Some(Group::Steps), &mut |_| {})
 }
@@ -309,6 +335,16 @@ fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     step_vs_cpu::<f32>(gpu, tied, "llama tied f32", out)?;
     pipeline_parts_match_one_part::<f32>(gpu, tied, "llama tied f32", out)?;
     pipeline_parts_match_one_part::<Bf16>(gpu, tied, "llama tied bf16", out)?;
+    let qwen3 = qwen3_step_cfg();
+    step_vs_cpu::<f32>(gpu, qwen3, "qwen3-like f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, qwen3, "qwen3-like bf16", out)?;
+    step_repeats::<Bf16>(gpu, qwen3, "qwen3-like bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, qwen3, "qwen3-like f32", out)?;
+    let mistral = mistral_step_cfg();
+    step_vs_cpu::<f32>(gpu, mistral, "mistral-like f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, mistral, "mistral-like bf16", out)?;
+    step_repeats::<Bf16>(gpu, mistral, "mistral-like bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, mistral, "mistral-like f32", out)?;
     let mixed = mixed_step_cfg();
     step_vs_cpu::<f32>(gpu, mixed, "mixed f32", out)?;
     step_vs_cpu::<Bf16>(gpu, mixed, "mixed bf16", out)?;

@@ -134,6 +134,18 @@ struct Scratch<X: Elem> {
     dln: DeviceBuffer<X>,
     datty: DeviceBuffer<X>,
     dqkv: DeviceBuffer<X>,
+    /// q/k norm only (else empty): the gradient of q's and k's products,
+    /// before their norms (N, W) (v's columns unused).
+    dqkv_raw: DeviceBuffer<X>,
+    /// q/k norm only: the row-chunk partials of the norms' gain gradients.
+    head_partial: DeviceBuffer<f32>,
+    /// q/k norm on a split part: this rank's per-slice partials of q's gain
+    /// gradient, then of k's, (2, L, HS) f32.
+    head_leaves: DeviceBuffer<f32>,
+    /// q/k norm on a split part: every rank's subtree sums of both, (size,
+    /// 2·HS) f32, q's then k's: this rank's at its index, the others' after
+    /// the group's all-gather.
+    head_gathered: DeviceBuffer<f32>,
     /// The gradient of the MLP's first products: gate's and up's (N, 2F), or up's (N, F).
     dhidden: DeviceBuffer<X>,
     /// The gradient of the activation, down's input (N, F).
@@ -278,7 +290,6 @@ impl<X: Elem> GpuPart<X> {
         tp: GpuTp,
     ) -> Result<Self> {
         let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
-        block::check_settings(&cfg)?;
         tp.check(&cfg)?;
         let (size, owner) = (tp.size, tp.rank == 0);
         let heads = cfg.heads();
@@ -332,6 +343,10 @@ impl<X: Elem> GpuPart<X> {
             dln: gpu.alloc(n * c)?,
             datty: gpu.alloc(n * share.heads.out_width())?,
             dqkv: gpu.alloc(n * share.heads.qkv_width())?,
+            dqkv_raw: gpu.alloc(usize::from(cfg.qk_norm) * n * share.heads.qkv_width())?,
+            head_partial: gpu.alloc(block::qk_partial_len(&cfg, &share, n, tp.leaves()))?,
+            head_leaves: gpu.alloc(if split && cfg.qk_norm { 2 * tp.leaves() * heads.hs } else { 0 })?,
+            head_gathered: gpu.alloc(if split && cfg.qk_norm { size * 2 * heads.hs } else { 0 })?,
             dhidden: gpu.alloc(n * share.hidden(&cfg))?,
             dact: gpu.alloc(n * share.f)?,
             delta: gpu.alloc(b * share.heads.nh * t)?,
@@ -428,6 +443,10 @@ impl<X: Elem> GpuPart<X> {
             + s.dln.bytes()
             + s.datty.bytes()
             + s.dqkv.bytes()
+            + s.dqkv_raw.bytes()
+            + s.head_partial.bytes()
+            + s.head_leaves.bytes()
+            + s.head_gathered.bytes()
             + s.dhidden.bytes()
             + s.dact.bytes()
             + s.logits.bytes()

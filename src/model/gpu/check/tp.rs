@@ -24,6 +24,18 @@ fn llama_tp_cfg() -> Arch {
     Arch::llama(2, 4, 2, 256, 384, 1000, 64, 10_000.0)
 }
 const LLAMA_SLICES: usize = 2;
+/// Qwen3's settings (`super::qwen3_step_cfg`) with eight query heads of 64
+/// over four key/value heads, so four slices each hold a group of two query
+/// heads (each q norm partial sums two heads): 1, 2 and 4 ranks.
+fn qwen3_tp_cfg() -> Arch {
+    let llama = Arch::llama(2, 8, 4, 128, 256, 1000, 64, 1_000_000.0);
+    Arch { head_dim: 64, qk_norm: true, norm_eps: 1e-6, tied: true, ..llama }
+}
+const QWEN3_SLICES: usize = 4;
+/// Mistral's settings (a window of 12 of the 64 positions) over the Llama's split.
+fn mistral_tp_cfg() -> Arch {
+    Arch { window: Some(12), ..llama_tp_cfg() }
+}
 
 /// What two steps leave: each step's loss and gradient norm, then the master
 /// weights; and the first step's gradients.
@@ -133,6 +145,10 @@ pub(super) fn tp_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     tp_checks_in::<Bf16>(gpu, (tp_cfg(), SLICES), gpus, "bf16", out)?;
     tp_checks_in::<f32>(gpu, (llama_tp_cfg(), LLAMA_SLICES), gpus, "llama f32", out)?;
     tp_checks_in::<Bf16>(gpu, (llama_tp_cfg(), LLAMA_SLICES), gpus, "llama bf16", out)?;
-    // Biases on every projection, split with their rows (o's and down's whole, on rank 0).
+    // The q/k norms' gains are whole over cut heads: their gradient is a split sum.
+    tp_checks_in::<f32>(gpu, (qwen3_tp_cfg(), QWEN3_SLICES), gpus, "qwen3-like f32", out)?;
+    tp_checks_in::<f32>(gpu, (mistral_tp_cfg(), LLAMA_SLICES), gpus, "mistral-like f32", out)?;
+    // Biases on every projection, split with their rows (o's and down's
+    // whole, on rank 0), with the q/k norm and a window.
     tp_checks_in::<f32>(gpu, (super::mixed_step_cfg(), 2), gpus, "mixed f32", out)
 }

@@ -1,10 +1,12 @@
 //! The one block on the GPU: the twin of model/block/mod.rs's block on one
 //! rank, its kinds chosen by the model's settings ([`Arch`]) and never by a
 //! family's name — LayerNorm (with a bias) or RMSNorm, q/k/v/o and the MLP's
-//! products with biases or not, RoPE on rotary models (a learned position
-//! table is added by the embedding instead), grouped-query attention, and
-//! gelu(up) or silu(gate)·up — in the CPU block's kernel order, read from
-//! the part's flat buffers.
+//! products with biases or not, the per-head RMSNorm of q and k (Qwen3's,
+//! after their products and before RoPE), RoPE on rotary models (a learned
+//! position table is added by the embedding instead), grouped-query
+//! attention, causal or in a sliding window (Mistral's), and gelu(up) or
+//! silu(gate)·up — in the CPU block's kernel order, read from the part's
+//! flat buffers.
 //!
 //! Weights keep `nn.Linear`'s (out, in) layout, so a forward product reads
 //! its weight transposed (`product_linear`, its bias in cuBLASLt's
@@ -12,8 +14,17 @@
 //! weight gradient lands in (out, in) directly; a bias's gradient is the
 //! two-pass column sum of its output gradient (no atomics). q, k and v are
 //! written into one (N, (NH + 2·NKV)·HS) buffer through strided views, the
-//! layout the attention kernels read; the MLP's first products into one
-//! (N, 2F) buffer, gate's then up's (SwiGLU), or (N, F), up's (GELU).
+//! layout the attention kernels read; with the q/k norm, q's and k's
+//! products go to a second such buffer (`qkv_raw`) that their norms read,
+//! and backward's products read q's and k's gradients before the norms from
+//! `dqkv_raw`, v's from `dqkv` (`product_view`). The MLP's first products
+//! go into one (N, 2F) buffer, gate's then up's (SwiGLU), or (N, F), up's (GELU).
+//!
+//! The q and k norms' gains are whole (HS) while their heads are cut over
+//! ranks, so their gradient is a split sum like the row-parallel products':
+//! the plain block writes it in one kernel call (the rows in chunk order,
+//! each chunk's rows then heads in order); the split block (tp/block.rs)
+//! writes a partial per slice and joins them by the slice tree.
 //!
 //! This is the plain block (one rank, one slice); tp/block.rs runs it split
 //! over tensor-parallel ranks. The norm and activation helpers here serve
@@ -23,7 +34,9 @@
 //! MLP's width; per rank the heads and F are the rank's share.
 
 use super::{GpuPart, Result};
+use crate::kernels::cuda::attention::Window;
 use crate::kernels::cuda::matmul::{self, Out, View};
+use crate::kernels::cuda::rmsnorm::HeadRun;
 use crate::kernels::cuda::{attention, gelu, layernorm, residual, rmsnorm, rope, swiglu};
 use crate::kernels::cuda::{ensure, CudaError, DeviceBuffer, Elem, Gpu};
 use crate::model::arch::{Arch, BlockIndex, Mlp, Norm, Role};
@@ -36,8 +49,14 @@ pub(in crate::model::gpu) struct BlockActs<X: Elem> {
     /// LayerNorm only (empty for RMSNorm).
     pub(in crate::model::gpu::part) mean1: DeviceBuffer<f32>,
     pub(in crate::model::gpu::part) rstd1: DeviceBuffer<f32>,
-    /// (N, W): q and k after RoPE, then v.
+    /// (N, W): q and k after their norms and RoPE, then v.
     pub(in crate::model::gpu::part) qkv: DeviceBuffer<X>,
+    /// (N, W) q/k norm only (else empty): q's and k's products before their
+    /// norms (v's columns unused, so the norms' runs address both alike).
+    pub(in crate::model::gpu::part) qkv_raw: DeviceBuffer<X>,
+    /// (N, NH) and (N, NKV) q/k norm only: the norms' rstd.
+    pub(in crate::model::gpu::part) rstd_q: DeviceBuffer<f32>,
+    pub(in crate::model::gpu::part) rstd_k: DeviceBuffer<f32>,
     pub(in crate::model::gpu::part) atty: DeviceBuffer<X>,
     pub(in crate::model::gpu::part) lse: DeviceBuffer<f32>,
     /// The residual stream after attention.
@@ -57,11 +76,15 @@ impl<X: Elem> BlockActs<X> {
         let (t, s) = (cfg.block_size, Share::of(cfg, size));
         let (n, c, heads) = (b * t, s.c, s.heads);
         let mean = if cfg.norm == Norm::LayerNorm { n } else { 0 };
+        let qk = usize::from(cfg.qk_norm);
         Ok(BlockActs {
             n1: gpu.alloc(n * c)?,
             mean1: gpu.alloc(mean)?,
             rstd1: gpu.alloc(n)?,
             qkv: gpu.alloc(n * heads.qkv_width())?,
+            qkv_raw: gpu.alloc(qk * n * heads.qkv_width())?,
+            rstd_q: gpu.alloc(qk * n * heads.nh)?,
+            rstd_k: gpu.alloc(qk * n * heads.nkv)?,
             atty: gpu.alloc(n * heads.out_width())?,
             lse: gpu.alloc(b * heads.nh * t)?,
             h: gpu.alloc(n * c)?,
@@ -74,32 +97,15 @@ impl<X: Elem> BlockActs<X> {
     }
 
     pub(super) fn bytes(&self) -> usize {
-        [&self.n1, &self.qkv, &self.atty, &self.h, &self.n2, &self.hidden, &self.act]
+        [&self.n1, &self.qkv, &self.qkv_raw, &self.atty, &self.h, &self.n2, &self.hidden, &self.act]
             .iter()
             .map(|b| b.bytes())
             .sum::<usize>()
-            + [&self.mean1, &self.rstd1, &self.lse, &self.mean2, &self.rstd2]
+            + [&self.mean1, &self.rstd1, &self.rstd_q, &self.rstd_k, &self.lse, &self.mean2, &self.rstd2]
                 .iter()
                 .map(|b| b.bytes())
                 .sum::<usize>()
     }
-}
-
-/// Refuses settings the GPU block has no kernels for yet, naming them (the
-/// CPU block asserts the same).
-pub(super) fn check_settings(cfg: &Arch) -> Result<()> {
-    let refused = |setting: &str| {
-        Err(CudaError::Shape(format!(
-            "the CUDA backend has no kernels for {setting} yet; train this model with backend.kind = \"cpu\""
-        )))
-    };
-    if cfg.qk_norm {
-        return refused("the per-head q/k norm (Qwen3's qk_norm)");
-    }
-    if let Some(w) = cfg.window {
-        return refused(&format!("sliding-window attention (model.sliding_window = {w})"));
-    }
-    Ok(())
 }
 
 /// Block l's tensors in a part's buffers, by role.
@@ -125,6 +131,95 @@ impl Tensors {
 /// q = NH·HS and kv = NKV·HS.
 pub(super) fn qkv_parts(q: usize, kv: usize) -> [(Role, Role, usize, usize); 3] {
     [(Role::Q, Role::QBias, 0, q), (Role::K, Role::KBias, q, kv), (Role::V, Role::VBias, q + kv, kv)]
+}
+
+/// Where q's, k's or v's product (`role`) is written in forward and its
+/// gradient read in backward: with the q/k norm, q's and k's in `raw`
+/// (before their norms); otherwise, and v's always, in `post`.
+pub(super) fn product_view(cfg: &Arch, role: Role, post: View, raw: View) -> View {
+    if cfg.qk_norm && role != Role::V {
+        raw
+    } else {
+        post
+    }
+}
+
+/// The window every query's attention keeps (the model's, or causal).
+pub(super) fn window(cfg: &Arch) -> Window {
+    Window::new(cfg.window)
+}
+
+/// q's and k's heads in the (N, W) qkv rows of a rank's `share`, each with
+/// its norm's gain role: the runs of the per-head norms.
+fn qk_runs(share: &Share, n: usize) -> [(Role, HeadRun); 2] {
+    [(Role::QNorm, share.run(n, false)), (Role::KNorm, share.run(n, true))]
+}
+
+/// The q and k norms' forward: qkv's q and k columns = the per-head
+/// RMSNorm of qkv_raw's with gains `gain(QNorm)`, `gain(KNorm)`, keeping rstd.
+pub(super) fn qk_norm_forward<X: Elem>(
+    gpu: &Gpu,
+    cfg: &Arch,
+    a: &BlockActs<X>,
+    gain: impl Fn(Role) -> u64,
+    share: &Share,
+    n: usize,
+) -> Result<()> {
+    let [(q, rq), (k, rk)] = qk_runs(share, n);
+    rmsnorm::head_rmsnorm_forward(gpu, &a.qkv, &a.rstd_q, &a.qkv_raw, gain(q), rq, cfg.norm_eps)?;
+    rmsnorm::head_rmsnorm_forward(gpu, &a.qkv, &a.rstd_k, &a.qkv_raw, gain(k), rk, cfg.norm_eps)
+}
+
+/// The q and k norms' input gradient: dqkv_raw's q and k columns =
+/// ∂L/∂(their products) from `dqkv`'s (after the norms, before RoPE).
+pub(super) fn qk_norm_backward_input<X: Elem>(
+    gpu: &Gpu,
+    dqkv_raw: &DeviceBuffer<X>,
+    dqkv: &DeviceBuffer<X>,
+    a: &BlockActs<X>,
+    gain: impl Fn(Role) -> u64,
+    share: &Share,
+    n: usize,
+) -> Result<()> {
+    // The kernel accumulates: the gradient starts from zero.
+    gpu.zero(dqkv_raw)?;
+    for ((role, run), rstd) in qk_runs(share, n).into_iter().zip([&a.rstd_q, &a.rstd_k]) {
+        rmsnorm::head_rmsnorm_backward_input(gpu, dqkv_raw, dqkv, &a.qkv_raw, gain(role), rstd, run)?;
+    }
+    Ok(())
+}
+
+/// The q and k norms' gain gradients from `dqkv` (their outputs'), each
+/// into `groups` per-group partials (G, HS) f32 at `dst(role)`, accumulated;
+/// `partial` is the kernel's scratch ([`qk_partial_len`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn qk_norm_backward_weight<X: Elem>(
+    gpu: &Gpu,
+    dst: impl Fn(Role) -> u64,
+    groups: usize,
+    partial: &DeviceBuffer<f32>,
+    dqkv: &DeviceBuffer<X>,
+    a: &BlockActs<X>,
+    share: &Share,
+    n: usize,
+) -> Result<()> {
+    for ((role, run), rstd) in qk_runs(share, n).into_iter().zip([&a.rstd_q, &a.rstd_k]) {
+        rmsnorm::head_rmsnorm_backward_weight(gpu, dst(role), groups, partial, dqkv, &a.qkv_raw, rstd, run)?;
+    }
+    Ok(())
+}
+
+/// Scratch floats the q/k norms' gain gradients need on a rank of `share`
+/// writing `groups` partials each (0 without the q/k norm).
+pub(super) fn qk_partial_len(cfg: &Arch, share: &Share, n: usize, groups: usize) -> usize {
+    match cfg.qk_norm {
+        true => qk_runs(share, n)
+            .iter()
+            .map(|(_, run)| rmsnorm::head_partial_len(*run, groups))
+            .max()
+            .unwrap_or(0),
+        false => 0,
+    }
 }
 
 /// The MLP's first products, (weight, bias, first column in `hidden`):
@@ -316,15 +411,20 @@ impl<X: Elem> GpuPart<X> {
         let (a, out) = self.forward_acts(k, l, recomputing);
         let norm1 = (&a.n1, &a.mean1, &a.rstd1);
         norm_forward(gpu, cfg, norm1, x, w(Role::AttnNorm), wo(Role::AttnNormBias), n, c)?;
-        let (n1, qkv) = (View::new(a.n1.ptr(), c), View::new(a.qkv.ptr(), wd));
+        let (n1, qkv, raw) =
+            (View::new(a.n1.ptr(), c), View::new(a.qkv.ptr(), wd), View::new(a.qkv_raw.ptr(), wd));
         for (r, rb, col, width) in qkv_parts(q, kv) {
-            linear::<X>(gpu, qkv.at::<X>(0, col), n1, w(r), wo(rb), (n, c, width))?;
+            let y = product_view(cfg, r, qkv, raw).at::<X>(0, col);
+            linear::<X>(gpu, y, n1, w(r), wo(rb), (n, c, width))?;
+        }
+        if cfg.qk_norm {
+            qk_norm_forward(gpu, cfg, a, w, &s, n)?;
         }
         if let Some(table) = &self.s.rope {
             // q's and k's heads are the first NH + NKV head-wide column blocks.
             rope::rope_forward(gpu, &a.qkv, table, n, wd, 0, heads.nh + heads.nkv)?;
         }
-        attention::gqa_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, heads)?;
+        attention::gqa_window_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, heads, window(cfg))?;
         let (h, atty) = (View::new(a.h.ptr(), c), View::new(a.atty.ptr(), q));
         linear::<X>(gpu, h, atty, w(Role::O), wo(Role::OBias), (n, q, c))?;
         residual::residual_forward(gpu, a.h.ptr(), a.h.ptr(), x, n * c)?;
@@ -380,17 +480,28 @@ impl<X: Elem> GpuPart<X> {
         linear_dw::<X>(gpu, g(Role::O), dres, View::new(a.atty.ptr(), q), (n, q, c))?;
         self.bias_grad(gpu, go(Role::OBias), dres, c)?;
         linear_dx::<X>(gpu, View::new(sc.datty.ptr(), q), dres, w(Role::O), (n, q, c), false)?;
-        attention::gqa_backward(gpu, &sc.dqkv, &sc.delta, &sc.datty, &a.qkv, &a.atty, &a.lse, b, t, heads)?;
+        let (atty, lse, win) = (&a.atty, &a.lse, window(cfg));
+        attention::gqa_window_backward(
+            gpu, &sc.dqkv, &sc.delta, &sc.datty, &a.qkv, atty, lse, b, t, heads, win,
+        )?;
         if let Some(table) = &sc.rope {
             rope::rope_backward(gpu, &sc.dqkv, table, n, wd, 0, heads.nh + heads.nkv)?;
         }
-        let (dqkv, n1) = (View::new(sc.dqkv.ptr(), wd), View::new(a.n1.ptr(), c));
+        if cfg.qk_norm {
+            qk_norm_backward_input(gpu, &sc.dqkv_raw, &sc.dqkv, a, w, &s, n)?;
+            // One group: each gain's whole gradient, straight into it.
+            qk_norm_backward_weight(gpu, g, 1, &sc.head_partial, &sc.dqkv, a, &s, n)?;
+        }
+        let (post, raw) = (View::new(sc.dqkv.ptr(), wd), View::new(sc.dqkv_raw.ptr(), wd));
+        let n1 = View::new(a.n1.ptr(), c);
         for (j, (r, _, col, width)) in qkv_parts(q, kv).into_iter().enumerate() {
-            linear_dx::<X>(gpu, dn, dqkv.at::<X>(0, col), w(r), (n, c, width), j > 0)?;
+            let dy = product_view(cfg, r, post, raw).at::<X>(0, col);
+            linear_dx::<X>(gpu, dn, dy, w(r), (n, c, width), j > 0)?;
         }
         for (r, rb, col, width) in qkv_parts(q, kv) {
-            linear_dw::<X>(gpu, g(r), dqkv.at::<X>(0, col), n1, (n, c, width))?;
-            self.bias_grad(gpu, go(rb), dqkv.at::<X>(0, col), width)?;
+            let dy = product_view(cfg, r, post, raw).at::<X>(0, col);
+            linear_dw::<X>(gpu, g(r), dy, n1, (n, c, width))?;
+            self.bias_grad(gpu, go(rb), dy, width)?;
         }
         let stats1 = (&a.mean1, &a.rstd1);
         norm_backward_input(gpu, cfg, &sc.dres, &sc.dln, x, w(Role::AttnNorm), stats1, n, c)?;

@@ -12,7 +12,9 @@
 //! K-slices: each of a rank's `slices / size` slices is a cuBLASLt product
 //! of its own into an f32 leaf, the rank's leaves are summed by the
 //! pairwise tree (its subtree), the group all-gathers the subtree sums and
-//! every rank joins them by the tree's upper levels (kernels/tp.cu). So
+//! every rank joins them by the tree's upper levels (kernels/tp.cu); the q/k
+//! norms' gains, whole over cut heads, have their gradient summed so too,
+//! joined on the owner (tp/block.rs). So
 //! every `size` dividing `slices` adds the same numbers in the same order.
 //! NCCL's ring all-reduce would not: its order depends on the ring.
 //! Products that need no sum are cut into the same slices, so each
@@ -276,6 +278,8 @@ pub struct TpPart<X: Elem> {
 /// Device addresses of one buffer on every rank, per buffer the group exchanges.
 struct RankBuffers {
     gathered: Vec<u64>,
+    /// The q/k norms' gain gradient nodes (q/k norm only).
+    head_gathered: Vec<u64>,
     grads: Vec<u64>,
     params: Vec<u64>,
     dres: Vec<u64>,
@@ -288,6 +292,7 @@ impl RankBuffers {
         let all = |f: &dyn Fn(&GpuPart<X>) -> u64| ranks.iter().map(f).collect::<Vec<u64>>();
         RankBuffers {
             gathered: all(&|p| p.s.gathered.ptr()),
+            head_gathered: all(&|p| p.s.head_gathered.ptr()),
             grads: all(&|p| p.grads.ptr()),
             params: all(&|p| p.params.ptr()),
             dres: all(&|p| p.s.dres.ptr()),
@@ -327,6 +332,11 @@ fn backward_block<X: Elem>(
     gather()?;
     dev.each(ranks, |p, gpu| p.tp_back_attention(gpu, k, l))?;
     gather()?;
+    let cfg = &ranks[0].cfg;
+    if cfg.qk_norm {
+        // Every rank's subtree sums of the q and k norms' gain gradients.
+        dev.all_gather(&at.head_gathered, 2 * cfg.heads().hs)?;
+    }
     dev.each(ranks, |p, gpu| p.tp_back_input(gpu, k, l))
 }
 

@@ -15,14 +15,22 @@
 //! 0's first), once, in f32 from the master copy. Weights are (out, in): a
 //! rank's rows of q, k, v, gate and up are contiguous, its columns of o and
 //! down are strided views.
+//!
+//! With the q/k norm (Qwen3's), each rank normalises its own heads of q and
+//! k with the whole gains; a gain's gradient is a split sum too: a partial
+//! per slice of the rank's heads (rows in chunk order, then the slice's
+//! heads in order), the rank's slice tree into its node of a small gathered
+//! buffer, the group's all-gather (tp.rs, after the attention phase), and
+//! the owner's join of the nodes by the tree's upper levels, added to the
+//! gradient once: the slice tree over all S slices, whatever the ranks.
 
 use super::super::block::{
     act_backward, act_forward, mlp_in_parts, norm_backward_input, norm_backward_weight, norm_forward,
-    qkv_parts,
+    product_view, qk_norm_backward_input, qk_norm_backward_weight, qk_norm_forward, qkv_parts, window,
 };
 use super::{at, GpuPart, GpuTp};
 use crate::kernels::cuda::matmul::{self, Out, View};
-use crate::kernels::cuda::{attention, rope};
+use crate::kernels::cuda::{adamw, attention, rope, tree};
 use crate::kernels::cuda::{ensure, DeviceBuffer, Elem, Gpu, Result};
 use crate::model::arch::{Arch, Role};
 use crate::model::block::Share;
@@ -57,18 +65,20 @@ impl<X: Elem> GpuPart<X> {
         Split::of(&self.cfg, self.tp)
     }
 
-    /// Block l's q, k and v on this rank, as products of its qkv buffer's columns.
-    fn qkv_of(&self, l: usize, sp: &Split) -> [Part; 3] {
+    /// Block l's q, k and v on this rank, as products of columns of the
+    /// qkv rows `post` or, q's and k's with the q/k norm, `raw` (their
+    /// outputs in forward, their gradients in backward: `product_view`).
+    fn qkv_of(&self, l: usize, sp: &Split, post: View, raw: View) -> [(View, Part); 3] {
         let (ts, heads) = (self.block_tensors(l), sp.local.heads);
         qkv_parts(heads.out_width(), heads.nkv * heads.hs)
-            .map(|(r, rb, col, w)| (ts.at(r), ts.get(rb), col, w))
+            .map(|(r, rb, col, w)| (product_view(&self.cfg, r, post, raw), (ts.at(r), ts.get(rb), col, w)))
     }
 
     /// Block l's MLP first products on this rank (gate and up, or up), as
-    /// products of its hidden buffer's columns.
-    fn mlp_in_of(&self, l: usize, sp: &Split) -> impl Iterator<Item = Part> + Clone {
+    /// products of columns of the hidden rows `hidden`.
+    fn mlp_in_of(&self, l: usize, sp: &Split, hidden: View) -> impl Iterator<Item = (View, Part)> + Clone {
         let (ts, f) = (self.block_tensors(l), sp.local.f);
-        mlp_in_parts(&self.cfg, f).map(move |(r, rb, col)| (ts.at(r), ts.get(rb), col, f))
+        mlp_in_parts(&self.cfg, f).map(move |(r, rb, col)| (hidden, (ts.at(r), ts.get(rb), col, f)))
     }
 
     /// Column-parallel products of slices: out[:, col0 + j·per ..] (rows
@@ -123,14 +133,18 @@ impl<X: Elem> GpuPart<X> {
         let a = self.forward_acts(k, l, rc).0;
         let (w1, b1) = (self.w(ts.at(Role::AttnNorm)), self.w_opt(ts.get(Role::AttnNormBias)));
         norm_forward(gpu, cfg, (&a.n1, &a.mean1, &a.rstd1), x, w1, b1, n, c)?;
-        let qkv = View::new(a.qkv.ptr(), heads.qkv_width());
-        for part in self.qkv_of(l, &sp) {
-            self.columns(gpu, qkv, &a.n1, part, &sp)?;
+        let (qkv, raw) =
+            (View::new(a.qkv.ptr(), heads.qkv_width()), View::new(a.qkv_raw.ptr(), heads.qkv_width()));
+        for (out, part) in self.qkv_of(l, &sp, qkv, raw) {
+            self.columns(gpu, out, &a.n1, part, &sp)?;
+        }
+        if cfg.qk_norm {
+            qk_norm_forward(gpu, cfg, a, |r| self.w(ts.at(r)), &sp.local, n)?;
         }
         if let Some(table) = &self.s.rope {
             rope::rope_forward(gpu, &a.qkv, table, n, heads.qkv_width(), 0, heads.nh + heads.nkv)?;
         }
-        attention::gqa_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, heads)?;
+        attention::gqa_window_forward(gpu, &a.atty, &a.lse, &a.qkv, b, t, heads, window(cfg))?;
         let o = (ts.at(Role::O), ts.get(Role::OBias));
         let q = heads.out_width();
         self.rows(gpu, View::new(a.atty.ptr(), q), o, q / sp.leaves, &sp)
@@ -146,8 +160,8 @@ impl<X: Elem> GpuPart<X> {
         let (w2, b2) = (self.w(ts.at(Role::MlpNorm)), self.w_opt(ts.get(Role::MlpNormBias)));
         norm_forward(gpu, cfg, (&a.n2, &a.mean2, &a.rstd2), &a.h, w2, b2, n, c)?;
         let hidden = View::new(a.hidden.ptr(), sp.local.hidden(cfg));
-        for part in self.mlp_in_of(l, &sp) {
-            self.columns(gpu, hidden, &a.n2, part, &sp)?;
+        for (out, part) in self.mlp_in_of(l, &sp, hidden) {
+            self.columns(gpu, out, &a.n2, part, &sp)?;
         }
         act_forward(gpu, cfg, &a.act, &a.hidden, n, f)?;
         let down = (ts.at(Role::Down), ts.get(Role::DownBias));
@@ -190,19 +204,19 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// The input gradient of column-parallel products into the leaves, then
-    /// the rank's subtree: leaf j = Σ over `parts`, in order, of
-    /// dy[:, col0 + j·per ..] · w[rows of global slice first + j].
+    /// the rank's subtree: leaf j = Σ over `parts` (each with the rows of its
+    /// output gradient, dy), in order, of dy[:, col0 + j·per ..] · w[rows of
+    /// global slice first + j].
     fn columns_dx(
         &self,
         gpu: &Gpu,
-        dy: View,
-        parts: impl Iterator<Item = Part> + Clone,
+        parts: impl Iterator<Item = (View, Part)> + Clone,
         sp: &Split,
     ) -> Result<()> {
         let (n, c) = (self.n(), self.cfg.n_embd);
         for j in 0..sp.leaves {
             let leaf = View::new(self.s.leaves.ptr(), c).at::<f32>(j * n, 0);
-            for (q, (wi, _, col0, width)) in parts.clone().enumerate() {
+            for (q, (dy, (wi, _, col0, width))) in parts.clone().enumerate() {
                 let per = width / sp.leaves;
                 let w = View::new(self.w(wi), c).at::<X>(sp.global(j, per), 0);
                 let d = dy.at::<X>(0, col0 + j * per);
@@ -212,19 +226,19 @@ impl<X: Elem> GpuPart<X> {
         self.subtree(gpu)
     }
 
-    /// Column-parallel weights' gradients, each part in turn: dw[rows of
-    /// global slice] += dy[:, col0 + j·per ..]ᵀ · inp for each of the rank's
-    /// slices, then its bias's rows (this rank's, summed over rows of dy).
+    /// Column-parallel weights' gradients, each part (with the rows of its
+    /// output gradient, dy) in turn: dw[rows of global slice] +=
+    /// dy[:, col0 + j·per ..]ᵀ · inp for each of the rank's slices, then its
+    /// bias's rows (this rank's, summed over rows of dy).
     fn columns_dw(
         &self,
         gpu: &Gpu,
-        dy: View,
         inp: &DeviceBuffer<X>,
-        parts: impl Iterator<Item = Part>,
+        parts: impl Iterator<Item = (View, Part)>,
         sp: &Split,
     ) -> Result<()> {
         let (n, c) = (self.n(), self.cfg.n_embd);
-        for (wi, bi, col0, width) in parts {
+        for (dy, (wi, bi, col0, width)) in parts {
             let per = width / sp.leaves;
             for j in 0..sp.leaves {
                 let dw = View::new(self.g(wi), c).at::<f32>(sp.global(j, per), 0);
@@ -266,7 +280,7 @@ impl<X: Elem> GpuPart<X> {
         self.rows_back(gpu, act, dact, down, f / sp.leaves, &sp)?;
         act_backward(gpu, cfg, &s.dhidden, &s.dact, &a.hidden, n, f)?;
         let dh = View::new(s.dhidden.ptr(), sp.local.hidden(cfg));
-        self.columns_dx(gpu, dh, self.mlp_in_of(l, &sp), &sp)
+        self.columns_dx(gpu, self.mlp_in_of(l, &sp, dh), &sp)
     }
 
     /// From ∂L/∂n2's sums through attention, up to the subtree sum of ∂L/∂n1.
@@ -277,7 +291,7 @@ impl<X: Elem> GpuPart<X> {
         let a = self.backward_acts(k, l);
         self.join(gpu, &s.dln, None)?;
         let dh = View::new(s.dhidden.ptr(), sp.local.hidden(cfg));
-        self.columns_dw(gpu, dh, &a.n2, self.mlp_in_of(l, &sp), &sp)?;
+        self.columns_dw(gpu, &a.n2, self.mlp_in_of(l, &sp, dh), &sp)?;
         let norm2 = (ts.at(Role::MlpNorm), ts.get(Role::MlpNormBias));
         self.norm_back(gpu, &a.h, norm2, (&a.mean2, &a.rstd2))?;
         // dres is now ∂L/∂h.
@@ -285,12 +299,48 @@ impl<X: Elem> GpuPart<X> {
         let (atty, datty) = (View::new(a.atty.ptr(), q), View::new(s.datty.ptr(), q));
         let o = (ts.at(Role::O), ts.get(Role::OBias));
         self.rows_back(gpu, atty, datty, o, q / sp.leaves, &sp)?;
-        attention::gqa_backward(gpu, &s.dqkv, &s.delta, &s.datty, &a.qkv, &a.atty, &a.lse, b, t, heads)?;
+        let (atty, lse, win) = (&a.atty, &a.lse, window(cfg));
+        attention::gqa_window_backward(
+            gpu, &s.dqkv, &s.delta, &s.datty, &a.qkv, atty, lse, b, t, heads, win,
+        )?;
         let w = heads.qkv_width();
         if let Some(table) = &s.rope {
             rope::rope_backward(gpu, &s.dqkv, table, n, w, 0, heads.nh + heads.nkv)?;
         }
-        self.columns_dx(gpu, View::new(s.dqkv.ptr(), w), self.qkv_of(l, &sp).into_iter(), &sp)
+        if cfg.qk_norm {
+            qk_norm_backward_input(gpu, &s.dqkv_raw, &s.dqkv, a, |r| self.w(ts.at(r)), &sp.local, n)?;
+            self.qk_norm_subtree(gpu, k, l, &sp)?;
+        }
+        let (post, raw) = (View::new(s.dqkv.ptr(), w), View::new(s.dqkv_raw.ptr(), w));
+        self.columns_dx(gpu, self.qkv_of(l, &sp, post, raw).into_iter(), &sp)
+    }
+
+    /// The q and k norms' gain gradients on this rank: a partial per slice
+    /// of its heads, joined by the rank's slice tree into its node of the
+    /// gathered buffer (q's, then k's).
+    fn qk_norm_subtree(&self, gpu: &Gpu, k: usize, l: usize, sp: &Split) -> Result<()> {
+        let (s, a, n, hs) = (&self.s, self.backward_acts(k, l), self.n(), sp.local.heads.hs);
+        // The partials accumulate: they start from zero.
+        gpu.zero(&s.head_leaves)?;
+        let leaves = |r: Role| at::<f32>(s.head_leaves.ptr(), usize::from(r == Role::KNorm) * sp.leaves * hs);
+        qk_norm_backward_weight(gpu, leaves, sp.leaves, &s.head_partial, &s.dqkv, a, &sp.local, n)?;
+        for (j, role) in [Role::QNorm, Role::KNorm].into_iter().enumerate() {
+            let node = at::<f32>(s.head_gathered.ptr(), (self.tp.rank * 2 + j) * hs);
+            tree::tree_sum_f32(gpu, node, leaves(role), sp.leaves, hs)?;
+        }
+        Ok(())
+    }
+
+    /// The owner's q and k norm gain gradients += the tree over the ranks'
+    /// gathered nodes (joined in place into node 0).
+    fn qk_norm_join(&self, gpu: &Gpu, l: usize) -> Result<()> {
+        let (ts, hs, nodes) = (self.block_tensors(l), self.cfg.heads().hs, self.s.head_gathered.ptr());
+        tree::tree_sum_f32(gpu, nodes, nodes, self.tp.size, 2 * hs)?;
+        for (j, role) in [Role::QNorm, Role::KNorm].into_iter().enumerate() {
+            let g = self.g(ts.at(role));
+            adamw::add_f32(gpu, g, g, at::<f32>(nodes, j * hs), hs)?;
+        }
+        Ok(())
     }
 
     /// From ∂L/∂n1's sums to ∂L/∂(block input) in `dres`.
@@ -299,8 +349,12 @@ impl<X: Elem> GpuPart<X> {
         let (ts, s) = (self.block_tensors(l), &self.s);
         let a = self.backward_acts(k, l);
         self.join(gpu, &s.dln, None)?;
-        let dqkv = View::new(s.dqkv.ptr(), sp.local.heads.qkv_width());
-        self.columns_dw(gpu, dqkv, &a.n1, self.qkv_of(l, &sp).into_iter(), &sp)?;
+        if self.cfg.qk_norm && self.is_owner() {
+            self.qk_norm_join(gpu, l)?;
+        }
+        let w = sp.local.heads.qkv_width();
+        let (post, raw) = (View::new(s.dqkv.ptr(), w), View::new(s.dqkv_raw.ptr(), w));
+        self.columns_dw(gpu, &a.n1, self.qkv_of(l, &sp, post, raw).into_iter(), &sp)?;
         let x = &self.slots[k].stream[l];
         let norm1 = (ts.at(Role::AttnNorm), ts.get(Role::AttnNormBias));
         self.norm_back(gpu, x, norm1, (&a.mean1, &a.rstd1))
@@ -342,7 +396,13 @@ mod tests {
     fn a_gpu_rank_reads_the_cpu_rank_s_shard_of_every_block_tensor_and_the_ranks_tile_it() {
         let mut gpt2 = Arch::gpt2(1, 4, 32, 10, 4);
         gpt2.head_dim = 4; // head_dim apart from n_embd / n_head: q is (16, 32), o (32, 16)
-        let llama = Arch { qkv_bias: true, mlp_bias: true, ..Arch::llama(1, 4, 2, 32, 48, 10, 4, 1e4) };
+        let llama = Arch {
+            qkv_bias: true,
+            mlp_bias: true,
+            // Its gains are whole on every rank.
+            qk_norm: true,
+            ..Arch::llama(1, 4, 2, 32, 48, 10, 4, 1e4)
+        };
         for cfg in [gpt2, llama] {
             for role in cfg.block_roles() {
                 let shape = role.shape(&cfg);
