@@ -66,7 +66,13 @@ pub fn read_unwindowed(f: &Fields, family: &str) -> Result<Vec<String>, HfError>
 }
 
 fn write_config(a: &Arch) -> serde_json::Value {
-    let mut v = write_common(a, "Qwen2ForCausalLM", "qwen2");
+    write_unwindowed(a, "Qwen2ForCausalLM", "qwen2")
+}
+
+/// Llama's fields with Qwen's per-layer window switched off (what
+/// [`read_unwindowed`] requires back).
+pub fn write_unwindowed(a: &Arch, class: &str, model_type: &str) -> serde_json::Value {
+    let mut v = write_common(a, class, model_type);
     v["use_sliding_window"] = false.into();
     v["sliding_window"] = serde_json::Value::Null;
     v["max_window_layers"] = a.n_layer.into();

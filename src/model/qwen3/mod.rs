@@ -8,8 +8,8 @@
 use super::arch::Arch;
 use super::family::{Family, Spec};
 use super::hf::{Fields, HfError};
-use super::llama::{from_hf, hf_name, to_hf, write_common};
-use super::qwen2::read_unwindowed;
+use super::llama::{from_hf, hf_name, to_hf};
+use super::qwen2::{read_unwindowed, write_unwindowed};
 use super::section::ModelSection;
 use crate::check::Checks;
 
@@ -51,11 +51,8 @@ fn read_config(f: &Fields) -> Result<Vec<String>, HfError> {
 }
 
 fn write_config(a: &Arch) -> serde_json::Value {
-    let mut v = write_common(a, "Qwen3ForCausalLM", "qwen3");
+    let mut v = write_unwindowed(a, "Qwen3ForCausalLM", "qwen3");
     v["attention_bias"] = a.qkv_bias.into();
-    v["use_sliding_window"] = false.into();
-    v["sliding_window"] = serde_json::Value::Null;
-    v["max_window_layers"] = a.n_layer.into();
     v
 }
 
