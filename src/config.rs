@@ -254,10 +254,18 @@ pub struct ParallelSection {
     pub chunks: usize,
     /// Blocks per stage, in stage order; empty means an even split.
     pub layers_per_stage: Vec<usize>,
-    /// ZeRO stage: 0 (every replica keeps all optimizer state) or 1 (each
-    /// replica keeps the AdamW moments of its shard of every tensor; needs
-    /// dp > 1 and the CPU backend). The weights are the same bits either way.
+    /// ZeRO stage (needs dp > 1 and the CPU backend above 0): 0, every
+    /// replica keeps all training state; 1, each replica keeps the AdamW
+    /// moments of its shard of every tensor (`optim::zero`); 2, also only
+    /// its shard of the reduced gradients; 3, also only its shard of the
+    /// weights, gathered whole for a chunk's forward and backward and freed
+    /// after (fully sharded). The weights are the same bits at every level.
     pub zero: u8,
+    /// ZeRO-3: free a chunk's gathered weights after each forward, and gather
+    /// them again for its backward (FSDP's `reshard_after_forward`, the
+    /// default: least memory); false keeps them from the step's first use
+    /// to its end (one gather per chunk and step).
+    pub reshard_after_forward: bool,
     /// Tensor-parallel ranks per stage (Megatron's column/row split: each
     /// holds 1/tp of every block's attention heads and MLP columns). The
     /// ranks are threads of their stage's process (tensor parallelism within
@@ -399,6 +407,7 @@ impl Default for ParallelSection {
             chunks: 1,
             layers_per_stage: Vec::new(),
             zero: 0,
+            reshard_after_forward: true,
             tp: 1,
             tp_slices: 1,
             // A rank waits on its peers for about one block's compute; a
@@ -811,25 +820,39 @@ impl Config {
         }
     }
 
-    /// Checks only what evaluating saved weights on a token file uses: the
-    /// model's shape and the token file format. Pipeline, optimizer and
-    /// training settings are left alone: `eval` never reads them.
-    /// ZeRO-1 shares optimizer state out between replicas, so it needs more
-    /// than one, and only the CPU backend implements it.
+    /// ZeRO shares state out between replicas, so it needs more than one,
+    /// and only the CPU backend implements it.
     fn check_zero(&self, v: &mut Checks) {
         let p = &self.parallel;
-        v.check(p.zero <= 1, "parallel.zero", p.zero, "must be 0 or 1");
-        if p.zero == 1 {
-            let why = "parallel.zero = 1 shares optimizer state between replicas: needs parallel.dp >= 2";
-            v.check(p.dp >= 2, "parallel.dp", p.dp, why);
+        v.check(p.zero <= 3, "parallel.zero", p.zero, "must be 0, 1, 2 or 3");
+        if p.zero >= 1 {
+            let why = format!(
+                "parallel.zero = {} shares training state between replicas: needs parallel.dp >= 2",
+                p.zero
+            );
+            v.check(p.dp >= 2, "parallel.dp", p.dp, &why);
             let kind = self.backend.kind;
+            let why = format!(
+                "must be \"cpu\" with parallel.zero = {} (ZeRO runs on the CPU backend only)",
+                p.zero
+            );
+            v.check(kind == BackendKind::Cpu, "backend.kind", kind.name(), &why);
+        }
+        if p.zero == 3 {
             v.check(
-                kind == BackendKind::Cpu,
-                "backend.kind",
-                kind.name(),
-                "must be \"cpu\" with parallel.zero = 1 (ZeRO-1 runs on the CPU backend only)",
+                p.tp == 1,
+                "parallel.tp",
+                p.tp,
+                "must be 1 with parallel.zero = 3: tensor-parallel ranks keep their own slices of \
+                 every block's weights between steps, which a fully sharded run would have to free",
             );
         }
+        v.check(
+            p.reshard_after_forward || p.zero == 3,
+            "parallel.reshard_after_forward",
+            p.reshard_after_forward,
+            "may be false only with parallel.zero = 3 (no other level gathers weights for a forward)",
+        );
     }
 
     /// Tensor parallelism cuts heads into whole slices and each rank takes
@@ -933,6 +956,9 @@ impl Config {
         );
     }
 
+    /// Checks only what evaluating saved weights on a token file uses: the
+    /// model's shape and the token file format. Pipeline, optimizer and
+    /// training settings are left alone: `eval` never reads them.
     pub fn validate_for_eval(&self) -> Result<(), ConfigError> {
         let mut v = Checks::default();
         self.model.check(&mut v);
@@ -1654,22 +1680,39 @@ mod tests {
     }
 
     #[test]
-    fn zero_is_0_or_1_and_1_needs_replicas_and_the_cpu_backend() {
+    fn zero_is_0_to_3_and_needs_replicas_and_the_cpu_backend() {
         let mut c = valid();
         c.parallel.dp = 2;
-        c.parallel.zero = 1;
-        c.validate().unwrap();
-        c.parallel.zero = 2;
+        for zero in 1..=3 {
+            c.parallel.zero = zero;
+            c.validate().unwrap();
+        }
+        c.parallel.zero = 4;
         let err = refused(&c, "parallel.zero");
-        assert!(err.contains("must be 0 or 1"), "{err}");
-        c.parallel.zero = 1;
+        assert!(err.contains("must be 0, 1, 2 or 3"), "{err}");
+        c.parallel.zero = 2;
         c.parallel.dp = 1;
         let err = refused(&c, "parallel.dp");
-        assert!(err.contains("parallel.zero = 1") && err.contains("parallel.dp >= 2"), "{err}");
+        assert!(err.contains("parallel.zero = 2") && err.contains("parallel.dp >= 2"), "{err}");
         c.parallel.dp = 2;
         c.backend.kind = BackendKind::Sim;
         let err = refused(&c, "backend.kind");
-        assert!(err.contains("\"cpu\"") && err.contains("parallel.zero = 1"), "{err}");
+        assert!(err.contains("\"cpu\"") && err.contains("parallel.zero = 2"), "{err}");
+    }
+
+    #[test]
+    fn zero_3_refuses_tensor_parallelism_and_only_it_keeps_weights_after_forward() {
+        let mut c = valid();
+        c.model.n_head = 4;
+        (c.parallel.dp, c.parallel.zero, c.parallel.tp, c.parallel.tp_slices) = (2, 3, 2, 2);
+        let err = refused(&c, "parallel.tp");
+        assert!(err.contains("parallel.zero = 3"), "{err}");
+        c.parallel.tp = 1;
+        c.parallel.reshard_after_forward = false;
+        c.validate().unwrap();
+        c.parallel.zero = 2;
+        let err = refused(&c, "parallel.reshard_after_forward");
+        assert!(err.contains("only with parallel.zero = 3"), "{err}");
     }
 
     #[test]

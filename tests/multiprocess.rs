@@ -116,12 +116,15 @@ fn a_run_across_processes_resumes_with_the_bits_of_one_process() {
     assert_eq!(digest(&split), digest(&single));
 }
 
-/// The same bits whatever the layout: dp 1/2/4 × pp 1/2 × ZeRO 0/1 in one
-/// process, interleaved and ZB-H1 (whose W actions finish microbatches out of
-/// order), dp = 2 × pp = 2 over two processes (ZeRO 0 and 1) and four (ZeRO 1),
-/// a dp = 1 run resumed at dp = 4 × pp = 2 with ZeRO-1, and a ZeRO-1 dp = 2
+/// The same bits whatever the layout: dp 1/2/4 × pp 1/2 × ZeRO 0/1 and some
+/// ZeRO 2/3 layouts in one process, interleaved and ZB-H1 (whose W actions
+/// finish microbatches out of order), dp = 2 × pp = 2 over two processes
+/// (ZeRO 0–3) and four (ZeRO 1 and 3: the weights' shards live in the
+/// replicas' processes and are gathered across them for every action), a
+/// dp = 1 run resumed at dp = 4 × pp = 2 with ZeRO-1, a ZeRO-1 dp = 2
 /// checkpoint (moments gathered whole from the replicas' shards) resumed at
-/// dp = 1. Gradients are summed by one tree over the global microbatch index
+/// dp = 1, and ZeRO-3 checkpoints (weights gathered whole too) resumed at
+/// ZeRO 0, dp = 1 and at dp = 2, pp = 1. Gradients are summed by one tree over the global microbatch index
 /// (`optim::grad_tree`) wherever they are computed; ZeRO-1's shards are whole
 /// blocks of each tensor and the norm is summed per block in one order
 /// whoever holds the blocks (`optim::zero`).
@@ -147,8 +150,20 @@ fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_on
         digest(&run)
     };
     let reference = train("dp1-pp1", &layout(1, 0, &[]), "--out");
-    let table =
-        [(1, 2, 0), (2, 1, 0), (2, 2, 0), (4, 1, 0), (4, 2, 0), (2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 2, 1)];
+    let table = [
+        (1, 2, 0),
+        (2, 1, 0),
+        (2, 2, 0),
+        (4, 1, 0),
+        (4, 2, 0),
+        (2, 1, 1),
+        (2, 2, 1),
+        (4, 1, 1),
+        (4, 2, 1),
+        (2, 2, 2),
+        (4, 1, 3),
+        (2, 2, 3),
+    ];
     for (dp, pp, zero) in table {
         let name = format!("dp{dp}-pp{pp}-zero{zero}");
         let pp = format!("parallel.pp={pp}");
@@ -162,7 +177,7 @@ fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_on
         let name = format!("schedule{i}");
         assert_eq!(train(&name, &layout(2, 0, extra), "--out"), reference, "dp=2 {extra:?}");
     }
-    for (zero, nodes) in [(0, 2), (1, 2), (1, 4)] {
+    for (zero, nodes) in [(0, 2), (1, 2), (1, 4), (2, 2), (3, 2), (3, 4)] {
         let args = [layout(2, zero, &["parallel.pp=2"]), vec!["--steps".into(), "3".into()]].concat();
         let what = format!("zero={zero} dp=2 × pp=2 over {nodes} processes");
         let under = dir.path().join(format!("zero{zero}"));
@@ -178,6 +193,12 @@ fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_on
             layout(4, 1, &["parallel.pp=2", "checkpoint.every=1"]),
         ),
         ("zero1-dp2", layout(2, 1, &["checkpoint.every=1"]), layout(1, 0, &["checkpoint.every=1"])),
+        ("zero3-dp2", layout(2, 3, &["checkpoint.every=1"]), layout(1, 0, &["checkpoint.every=1"])),
+        (
+            "zero3-dp4",
+            layout(4, 3, &["parallel.pp=2", "checkpoint.every=1"]),
+            layout(2, 3, &["checkpoint.every=1", "parallel.reshard_after_forward=false"]),
+        ),
     ];
     for (name, first, then) in resumes {
         let run = dir.path().join(name);

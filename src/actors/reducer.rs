@@ -1,10 +1,13 @@
 //! Data-parallel gradient reduction: for each stage, the gradients of every
 //! replica are summed in replica order (0 + 1 + 2 …) and the sum is sent back
 //! to every replica, so all replicas apply the same update and stay identical.
-//! Under ZeRO-1 each replica gets only its shard of the sum (a reduce-scatter:
+//! Under ZeRO each replica gets only its shard of the sum (a reduce-scatter:
 //! the tree is elementwise, so a shard of the root has the root's bits), and
 //! the reducer also gathers the replicas' shards whole (`Gather`) and sends
-//! them to every replica.
+//! them to every replica. A stage may gather many times in a step (ZeRO-3
+//! gathers a chunk's weights for each action); a replica asks for the next
+//! gather of a stage only once the last one came back, so the gathers of a
+//! (step, stage) arrive round by round, and the reducer numbers the rounds.
 //!
 //! As with a stage, the actor only owns the mailbox and supervision: its handler
 //! forwards each message (through the chaos shim when testing) to a thread that
@@ -34,7 +37,7 @@ pub struct ReducerArgs {
     /// Test transport: deliver each gradient after a random delay, so replicas'
     /// contributions reach the sum in a scrambled order.
     pub chaos_seed: Option<u64>,
-    /// ZeRO-1: send each replica its shard of a sum, not the whole.
+    /// ZeRO: send each replica its shard of a sum, not the whole.
     pub zero: bool,
 }
 
@@ -54,11 +57,13 @@ pub struct ReducerState {
     held: BTreeMap<(u64, usize, usize), Entry>,
     /// Completed gathers of steps still open.
     done: BTreeMap<u64, usize>,
-    /// ZeRO-1 gathers: (step, stage) → shards by replica, and their log
-    /// entries and completed count as for reductions.
+    /// ZeRO gathers: (step, stage) → shards by replica; the round each
+    /// (step, stage) is at; log entries by (step, round, stage, replica) and
+    /// the stages done with each (step, round), as for reductions.
     shards: BTreeMap<(u64, usize), Vec<Option<Grads>>>,
-    shards_held: BTreeMap<(u64, usize, usize), Entry>,
-    shards_done: BTreeMap<u64, usize>,
+    rounds: BTreeMap<(u64, usize), u32>,
+    shards_held: BTreeMap<(u64, u32, usize, usize), Entry>,
+    shards_done: BTreeMap<(u64, u32), usize>,
 }
 
 /// The actor's side: where messages go, and the thread to wait for at the end.
@@ -156,6 +161,7 @@ impl ReducerState {
             held: BTreeMap::new(),
             done: BTreeMap::new(),
             shards: BTreeMap::new(),
+            rounds: BTreeMap::new(),
             shards_held: BTreeMap::new(),
             shards_done: BTreeMap::new(),
         }
@@ -239,11 +245,14 @@ impl ReducerState {
     /// each tensor is its shards in replica order, sent to every replica.
     fn on_gather(&mut self, step: u64, stage: usize, replica: usize, shards: Grads) -> Result<(), String> {
         let (dp, rank) = (self.args.dp, self.rank_of(stage, replica)?);
+        // Replicas are at most a step apart: older rounds are over.
+        self.rounds.retain(|&(s, _), _| s + 2 > step);
+        let round = self.rounds.get(&(step, stage)).copied().unwrap_or(0);
         if let Some(log) = &self.args.log {
             let e = replay::entry(&stage_name(rank, replica), "Gather", step, replica)
                 .with_stage(stage)
                 .with_inputs(tensor_blobs(&shards, log.payloads()));
-            self.shards_held.insert((step, stage, replica), e);
+            self.shards_held.insert((step, round, stage, replica), e);
         }
         let slot = self.shards.entry((step, stage)).or_insert_with(|| (0..dp).map(|_| None).collect());
         if slot[replica].replace(shards).is_some() {
@@ -258,7 +267,8 @@ impl ReducerState {
             self.shards.remove(&(step, stage)).unwrap().into_iter().flatten().collect();
         let whole = crate::optim::zero::concat_shards(by_replica).map_err(|e| format!("reducer: {e}"))?;
         let whole = Arc::new(whole);
-        self.log_gathered(step, stage, rank, &whole);
+        self.rounds.insert((step, stage), round + 1);
+        self.log_gathered((step, round), stage, rank, &whole);
         let Some(stages) = self.args.stages.get() else { return Ok(()) };
         for replica in stages.iter().take(dp) {
             let msg = StageMsg::Gathered { step, stage, tensors: Arc::clone(&whole) };
@@ -267,27 +277,29 @@ impl ReducerState {
         Ok(())
     }
 
-    /// Records a completed gather; once every stage's gather of the step is in,
-    /// logs them in (stage, replica) order, whatever order they arrived in.
-    fn log_gathered(&mut self, step: u64, stage: usize, rank: usize, whole: &Grads) {
+    /// Records a completed gather; once every stage's gather of the (step,
+    /// round) is in, logs them in (stage, replica) order, whatever order they
+    /// arrived in. Every stage gathers as often as the others in a step: each
+    /// runs every microbatch's actions once.
+    fn log_gathered(&mut self, (step, round): (u64, u32), stage: usize, rank: usize, whole: &Grads) {
         let Some(log) = &mut self.args.log else { return };
         let dp = self.args.dp;
-        if let Some(e) = self.shards_held.get_mut(&(step, stage, dp - 1)) {
+        if let Some(e) = self.shards_held.get_mut(&(step, round, stage, dp - 1)) {
             let blobs = tensor_blobs(whole, log.payloads());
             for r in 0..dp {
                 let to = stage_name(rank, r);
                 e.sent.push(replay::Sent { to, kind: "Gathered".into(), mb: None, blobs: blobs.clone() });
             }
         }
-        let n = self.shards_done.entry(step).or_insert(0);
+        let n = self.shards_done.entry((step, round)).or_insert(0);
         *n += 1;
         if *n < self.args.stage_rank.len() {
             return;
         }
-        self.shards_done.remove(&step);
+        self.shards_done.remove(&(step, round));
         let held = std::mem::take(&mut self.shards_held);
         for (key, e) in held {
-            if key.0 == step {
+            if (key.0, key.1) == (step, round) {
                 log.begin(e);
             } else {
                 self.shards_held.insert(key, e);

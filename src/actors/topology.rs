@@ -200,7 +200,7 @@ impl Topology {
             stage_rank: self.layout.schedule.stage_rank.clone(),
             log: self.log("reducer")?,
             chaos_seed: self.chaos_seed,
-            zero: self.cfg.parallel.zero == 1,
+            zero: self.cfg.parallel.zero >= 1,
         })
     }
 

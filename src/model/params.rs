@@ -22,8 +22,10 @@ pub struct Param {
 }
 
 impl Param {
+    /// Elements of the whole tensor, by its shape: a ZeRO-3 replica holds
+    /// its data only while gathered.
     pub fn numel(&self) -> usize {
-        self.data.len()
+        self.shape.iter().product()
     }
     /// PyTorch practice (nanoGPT): decay tensors of 2 or more dimensions —
     /// matrix weights and both embeddings — not biases or LayerNorm parameters.

@@ -165,6 +165,12 @@ impl<G> TreeSum<G> {
         self.spare.extend(std::mem::take(&mut self.early).into_values());
     }
 
+    /// Frees the buffers kept for later leaves (ZeRO-2 and 3 hold no whole
+    /// gradient between steps).
+    pub fn release_spares(&mut self) {
+        self.spare = Vec::new();
+    }
+
     /// Gives back a buffer (a root taken and spent) for later leaves.
     pub fn recycle(&mut self, buffer: G) {
         self.spare.push(buffer);
@@ -325,6 +331,12 @@ impl PartTree {
     /// The replica's microbatches, as global indices within the step.
     pub fn block(&self) -> Range<usize> {
         self.body.block()
+    }
+
+    /// Frees both trees' spare buffers (see [`TreeSum::release_spares`]).
+    pub fn release_spares(&mut self) {
+        self.head.release_spares();
+        self.body.release_spares();
     }
 
     /// Gradient sets held (nodes and early leaves, both kinds), at most so far.

@@ -114,7 +114,12 @@ pub fn grad_sum_squares(
         if p.canonical == 0 && !holds_embedding {
             continue;
         }
-        timed(Kernel::GradNorm, || zero::block_sum_squares(&p.grad, first[p.canonical], shard, out));
+        // A whole-length gradient (ZeRO 0, 1) or only the shard of it (ZeRO 2, 3).
+        let (numel, slot) = (p.numel(), first[p.canonical]);
+        timed(Kernel::GradNorm, || match p.grad.len() == numel {
+            true => zero::block_sum_squares(&p.grad, slot, shard, out),
+            false => zero::shard_sum_squares(&p.grad, numel, slot, shard, out),
+        });
     }
 }
 
@@ -195,14 +200,33 @@ impl AdamState {
     /// state was made for, in the same order) with their (combined)
     /// gradients; the rest of each tensor is left as it is.
     pub fn step(&mut self, params: &mut [Param], hp: Hyper, lr: f64, clip: f32) {
-        assert_eq!(params.len(), self.m.len(), "AdamW state for {} tensors", self.m.len());
+        let shard = self.shard;
+        self.step_tensors(
+            params.iter_mut().map(|p| {
+                let (r, decay) = (shard.range(p.numel()), p.decays());
+                (&mut p.data[r.clone()], &p.grad[r], decay)
+            }),
+            hp,
+            lr,
+            clip,
+        )
+    }
+
+    /// One AdamW step over each tensor's owned elements given as (values,
+    /// gradients, decays?) in the state's tensor order: how a replica that
+    /// holds only shards (ZeRO-2's gradients, ZeRO-3's weights) updates them.
+    pub fn step_tensors<'a>(
+        &mut self,
+        tensors: impl ExactSizeIterator<Item = (&'a mut [f32], &'a [f32], bool)>,
+        hp: Hyper,
+        lr: f64,
+        clip: f32,
+    ) {
+        assert_eq!(tensors.len(), self.m.len(), "AdamW state for {} tensors", self.m.len());
         self.t += 1;
         let h = hp.adamw(lr, self.t);
-        for (i, p) in params.iter_mut().enumerate() {
-            let decay = p.decays();
-            let r = self.shard.range(p.numel());
+        for (i, (data, grad, decay)) in tensors.enumerate() {
             timed(Kernel::AdamW, || {
-                let (data, grad) = (&mut p.data[r.clone()], &p.grad[r.clone()]);
                 adamw_update(data, grad, &mut self.m[i], &mut self.v[i], &h, decay, clip)
             });
         }

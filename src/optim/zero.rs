@@ -75,11 +75,26 @@ pub fn first_slots(cfg: &Arch) -> Vec<usize> {
 /// `out`. Each block is one sequential f64 sum, so its bits depend on nothing
 /// but its elements; blocks are summed in parallel.
 pub fn block_sum_squares(grad: &[f32], first_slot: usize, shard: Shard, out: &mut Vec<(usize, f64)>) {
-    let blocks = shard.blocks(grad.len());
+    shard_sum_squares(&grad[shard.range(grad.len())], grad.len(), first_slot, shard, out)
+}
+
+/// [`block_sum_squares`] of a tensor of `numel` elements of which only the
+/// shard is held (ZeRO-2 and 3 keep no other gradient elements): the same
+/// blocks, the same sums.
+pub fn shard_sum_squares(
+    held: &[f32],
+    numel: usize,
+    first_slot: usize,
+    shard: Shard,
+    out: &mut Vec<(usize, f64)>,
+) {
+    let (blocks, at) = (shard.blocks(numel), shard.range(numel).start);
+    assert_eq!(held.len(), shard.range(numel).len(), "a shard of a tensor of {numel} elements");
     let start = out.len();
     out.resize(start + blocks.len(), (0, 0.0));
     out[start..].par_iter_mut().zip(blocks.into_par_iter()).for_each(|(o, b)| {
-        let s = grad[block_range(grad.len(), b)].iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        let r = block_range(numel, b);
+        let s = held[r.start - at..r.end - at].iter().map(|&v| v as f64 * v as f64).sum::<f64>();
         *o = (first_slot + b, s);
     });
 }
@@ -187,6 +202,17 @@ mod tests {
         let whole = norm(1);
         for dp in [2, 3, 4, 8] {
             assert_eq!(norm(dp).to_bits(), whole.to_bits(), "dp = {dp}");
+        }
+        // A replica holding only its shard of each gradient (ZeRO-2, 3) sums the same blocks.
+        for dp in [2, 3] {
+            let mut parts = Vec::new();
+            for replica in 0..dp {
+                let shard = Shard { replica, dp };
+                for (g, &f) in grads.iter().zip(&first) {
+                    shard_sum_squares(&g[shard.range(g.len())], g.len(), f, shard, &mut parts);
+                }
+            }
+            assert_eq!(crate::optim::global_norm(&mut parts).to_bits(), whole.to_bits(), "shards, dp = {dp}");
         }
         let naive = grads.iter().flatten().map(|&g| g * g).sum::<f32>().sqrt() as f64;
         assert!((naive - whole).abs() / whole < 1e-5, "the same figure to f32 precision");

@@ -1,7 +1,9 @@
 //! Chunks on the CPU: `ModelPart`s computing on a rayon pool pinned to the
 //! rank's cores, each microbatch's gradients folded into `optim::grad_tree`'s
-//! `PartTree`, and AdamW state in host memory (under ZeRO-1, this replica's
-//! shard of it).
+//! `PartTree`, and AdamW state in host memory (under ZeRO, this replica's
+//! shard of it; ZeRO-2 also keeps only the shard of the reduced gradients,
+//! ZeRO-3 also only the shard of the weights, whole only between
+//! `set_params` and `release_params`).
 
 use super::{moments_of, BackwardPart, ChunkInput, ChunkOutput, StageCompute};
 use crate::checkpoint::{Loaded, TensorState};
@@ -25,15 +27,22 @@ pub struct CpuCompute {
     b: usize,
     /// Each chunk's microbatch gradients, summed by the fixed tree.
     trees: Vec<PartTree>,
-    /// The elements whose optimizer state this replica keeps (ZeRO-1).
+    /// The elements whose optimizer state this replica keeps (ZeRO).
     shard: Shard,
+    /// The ZeRO level (`parallel.zero`).
+    zero: u8,
+    /// ZeRO-3: each chunk's tensors' owned elements, the weights this
+    /// replica updates; a chunk's `params` hold data only while gathered.
+    owned: Vec<Vec<Vec<f32>>>,
     /// Each tensor's first norm slot (`optim::zero::first_slots`).
     first_slots: Vec<usize>,
 }
 
 impl CpuCompute {
     /// `block` is the replica's microbatches as global indices within the
-    /// step, of `total` (dp · microbatches).
+    /// step, of `total` (dp · microbatches); `zero` the ZeRO level, whose
+    /// shard the AdamW states were made for.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         parts: Vec<ModelPart>,
         adam: Vec<AdamState>,
@@ -42,12 +51,43 @@ impl CpuCompute {
         b: usize,
         block: std::ops::Range<usize>,
         total: usize,
+        zero: u8,
     ) -> Self {
         let tree = |p: &ModelPart| PartTree::new(&p.spec, &p.cfg, p.params.len(), block.clone(), total);
         let trees = parts.iter().map(tree).collect();
         let shard = adam.first().map_or(Shard::WHOLE, |a| a.shard);
         let first_slots = parts.first().map_or(Vec::new(), |p| optim::zero::first_slots(&p.cfg));
-        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard, first_slots }
+        let mut c = CpuCompute {
+            parts,
+            adam,
+            saved: BTreeMap::new(),
+            pool,
+            nondet,
+            b,
+            trees,
+            shard,
+            first_slots,
+            zero,
+            owned: Vec::new(),
+        };
+        if zero == 3 {
+            c.keep_owned();
+        }
+        c
+    }
+
+    /// ZeRO-3: keeps each tensor's owned elements and frees the whole
+    /// weights (built whole from the init, `--init` or a checkpoint).
+    fn keep_owned(&mut self) {
+        let shard = self.shard;
+        self.owned = self
+            .parts
+            .iter()
+            .map(|part| part.params.iter().map(|p| p.data[shard.range(p.numel())].to_vec()).collect())
+            .collect();
+        for i in 0..self.parts.len() {
+            self.release_params(i);
+        }
     }
 
     /// Most gradient sets any chunk's tree held at once (memory reports).
@@ -75,9 +115,10 @@ pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<
 }
 
 /// Puts a replica's shard of each reduced gradient (part order, the head's
-/// wte share last) into the part's whole-length gradients; the elements it
-/// does not own are zero and never read.
-fn set_grad_shards(part: &mut ModelPart, shard: Shard, grads: Vec<Vec<f32>>) {
+/// wte share last) into the part's gradients: whole-length ones whose other
+/// elements are zero and never read (ZeRO-1), or, with `held_only`, the
+/// shard alone (ZeRO-2, 3: the whole buffers are freed).
+fn set_grad_shards(part: &mut ModelPart, shard: Shard, grads: Vec<Vec<f32>>, held_only: bool) {
     let n = part.params.len();
     // An untied head has no share apart: its gradient is its own tensor's.
     let wte = if part.cfg.tied() { part.cfg.vocab_size * part.cfg.n_embd } else { 0 };
@@ -86,10 +127,16 @@ fn set_grad_shards(part: &mut ModelPart, shard: Shard, grads: Vec<Vec<f32>>) {
             true => (part.params[k].numel(), &mut part.params[k].grad),
             false => (wte, &mut part.wte_head_grad),
         };
-        target.resize(numel, 0.0);
         let r = shard.range(numel);
-        if g.is_empty() && !r.is_empty() {
-            // A tensor the reduction does not carry (the head's copy of wte).
+        let carried = !g.is_empty() || r.is_empty();
+        if held_only {
+            // A tensor the reduction does not carry (the head's copy of wte)
+            // starts from zero: the tied combination writes it.
+            *target = if carried { g } else { vec![0.0; r.len()] };
+            continue;
+        }
+        target.resize(numel, 0.0);
+        if !carried {
             continue;
         }
         assert_eq!(g.len(), r.len(), "tensor {k}'s shard of {numel} elements");
@@ -104,6 +151,12 @@ impl StageCompute for CpuCompute {
 
     fn zero_grads(&mut self) {
         for (p, t) in self.parts.iter_mut().zip(&mut self.trees) {
+            // ZeRO-2 and 3 freed the whole buffers after the last reduction.
+            for q in &mut p.params {
+                q.grad.resize(q.numel(), 0.0);
+            }
+            let wte = if p.spec.head && p.cfg.tied() { p.cfg.vocab_size * p.cfg.n_embd } else { 0 };
+            p.wte_head_grad.resize(wte, 0.0);
             p.zero_grads();
             t.reset();
         }
@@ -209,7 +262,10 @@ impl StageCompute for CpuCompute {
                 let part = &mut self.parts[i];
                 PartTree::set(&mut part.params, &mut part.wte_head_grad, grads)
             }
-            false => set_grad_shards(&mut self.parts[i], self.shard, grads),
+            false => set_grad_shards(&mut self.parts[i], self.shard, grads, self.zero >= 2),
+        }
+        if self.zero >= 2 {
+            self.trees[i].release_spares();
         }
     }
 
@@ -219,33 +275,68 @@ impl StageCompute for CpuCompute {
     }
 
     fn param_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        if self.zero == 3 {
+            return self.owned[i].clone();
+        }
         self.parts[i].params.iter().map(|p| p.data[self.shard.range(p.numel())].to_vec()).collect()
     }
 
     fn set_params(&mut self, i: usize, params: &[Vec<f32>]) {
         for (p, data) in self.parts[i].params.iter_mut().zip(params) {
             assert_eq!(data.len(), p.numel(), "{}: a gathered tensor is whole", p.name);
+            // ZeRO-3 gathers into a freed tensor.
+            p.data.resize(data.len(), 0.0);
             p.data.copy_from_slice(data);
         }
     }
 
+    fn release_params(&mut self, i: usize) {
+        assert_eq!(self.zero, 3, "only ZeRO-3 frees weights");
+        for p in &mut self.parts[i].params {
+            p.data = Vec::new();
+        }
+    }
+
     fn poison_grad(&mut self, i: usize, value: f32) {
-        self.parts[i].params[0].grad[0] = value;
+        // Under ZeRO-2 and 3 a replica may hold no element of a small tensor.
+        if let Some(g) = self.parts[i].params.iter_mut().find(|p| !p.grad.is_empty()) {
+            g.grad[0] = value;
+        }
     }
 
     fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32) {
-        let (parts, adam) = (&mut self.parts, &mut self.adam);
+        let (parts, adam, owned, shard) = (&mut self.parts, &mut self.adam, &mut self.owned, self.shard);
+        if self.zero < 2 {
+            self.pool.install(|| {
+                for (part, st) in parts.iter_mut().zip(adam.iter_mut()) {
+                    st.step(&mut part.params, hyper, lr, clip);
+                }
+            });
+            return;
+        }
+        // Gradients are the shards alone; ZeRO-3's weights too.
         self.pool.install(|| {
-            for (part, st) in parts.iter_mut().zip(adam.iter_mut()) {
-                st.step(&mut part.params, hyper, lr, clip);
+            for (i, (part, st)) in parts.iter_mut().zip(adam.iter_mut()).enumerate() {
+                let mut held = owned.get_mut(i).map(|o| o.iter_mut());
+                let tensors = part.params.iter_mut().map(|p| {
+                    let (r, decay) = (shard.range(p.numel()), p.decays());
+                    let data = match held.as_mut() {
+                        Some(o) => o.next().expect("an owned shard per tensor").as_mut_slice(),
+                        None => &mut p.data[r],
+                    };
+                    (data, p.grad.as_slice(), decay)
+                });
+                st.step_tensors(tensors, hyper, lr, clip);
             }
         });
     }
 
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
         for (i, part) in self.parts.iter().enumerate() {
-            for p in &part.params {
-                f(i, &p.name, &p.data);
+            for (k, p) in part.params.iter().enumerate() {
+                // ZeRO-3: the elements this replica keeps.
+                let data = self.owned.get(i).map_or(&p.data, |o| &o[k]);
+                f(i, &p.name, data);
             }
         }
     }
@@ -255,17 +346,19 @@ impl StageCompute for CpuCompute {
     }
 
     fn params(&self) -> Vec<Param> {
-        self.parts.iter().flat_map(|p| p.params.iter().cloned()).collect()
+        let params = self.parts.iter().flat_map(|p| p.params.iter().cloned());
+        params.inspect(|p| assert_eq!(p.data.len(), p.numel(), "{} is gathered whole", p.name)).collect()
     }
 
     fn snapshot(&self) -> (Vec<TensorState>, u64) {
         let mut tensors = Vec::new();
-        for (part, st) in self.parts.iter().zip(&self.adam) {
+        for (c, (part, st)) in self.parts.iter().zip(&self.adam).enumerate() {
             for (i, p) in part.params.iter().enumerate() {
                 tensors.push(TensorState {
                     name: p.name.clone(),
                     shape: p.shape.clone(),
-                    data: p.data.clone(),
+                    // ZeRO-3: the owned shard, gathered whole by the executor.
+                    data: self.owned.get(c).map_or(&p.data, |o| &o[i]).clone(),
                     exp_avg: st.m[i].clone(),
                     exp_avg_sq: st.v[i].clone(),
                 });
@@ -276,8 +369,14 @@ impl StageCompute for CpuCompute {
 
     fn restore(&mut self, c: &Loaded) -> Result<(), String> {
         for (part, st) in self.parts.iter_mut().zip(self.adam.iter_mut()) {
+            for p in &mut part.params {
+                p.data.resize(p.numel(), 0.0);
+            }
             c.weights.assign(part).map_err(|e| format!("rollback to {}: {e}", c.dir.display()))?;
             load_moments(&part.params, st, c)?;
+        }
+        if self.zero == 3 {
+            self.keep_owned();
         }
         Ok(())
     }

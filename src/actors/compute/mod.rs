@@ -118,22 +118,27 @@ pub trait StageCompute {
     fn sums_by_tree(&self) -> bool {
         false
     }
-    /// Replaces chunk `i`'s gradients (their sum over replicas); under ZeRO-1,
+    /// Replaces chunk `i`'s gradients (their sum over replicas); under ZeRO,
     /// the shard of each tensor this replica owns.
     fn set_grads(&mut self, i: usize, grads: Vec<Vec<f32>>);
     /// Σg² of chunk `i`'s gradients as (norm slot, value): per owned block on
     /// the CPU (see `optim::zero`), per tensor under its first block's slot
     /// on GPUs (same order, other bits).
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>);
-    /// ZeRO-1: copies of the owned elements of chunk `i`'s parameters, one
+    /// ZeRO: copies of the owned elements of chunk `i`'s parameters, one
     /// vector per tensor (what this replica updated).
     fn param_shards(&self, _i: usize) -> Vec<Vec<f32>> {
-        unreachable!("ZeRO-1 runs on the CPU backend only: the config refuses the rest")
+        unreachable!("ZeRO runs on the CPU backend only: the config refuses the rest")
     }
-    /// ZeRO-1: replaces chunk `i`'s parameters with whole tensors (their
-    /// shards gathered from every replica).
+    /// ZeRO: replaces chunk `i`'s parameters with whole tensors (their
+    /// shards gathered from every replica); under ZeRO-3 they are held from
+    /// here until [`StageCompute::release_params`].
     fn set_params(&mut self, _i: usize, _params: &[Vec<f32>]) {
-        unreachable!("ZeRO-1 runs on the CPU backend only: the config refuses the rest")
+        unreachable!("ZeRO runs on the CPU backend only: the config refuses the rest")
+    }
+    /// ZeRO-3: frees chunk `i`'s whole parameters, keeping the owned shards.
+    fn release_params(&mut self, _i: usize) {
+        unreachable!("ZeRO-3 runs on the CPU backend only: the config refuses the rest")
     }
     /// Overwrites a gradient element of chunk `i` (the overflow fault knob).
     fn poison_grad(&mut self, i: usize, value: f32);

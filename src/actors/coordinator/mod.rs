@@ -475,7 +475,18 @@ impl CoordinatorState {
         self.waiting = Waiting::Eval(kind);
         let step = self.step;
         self.send_loader(0, LoaderMsg::Eval { step, kind, batches })?;
-        self.send_stages(1, || StageMsg::RunEval { step, kind, batches })
+        if self.cfg.parallel.zero < 3 {
+            return self.send_stages(1, || StageMsg::RunEval { step, kind, batches });
+        }
+        // ZeRO-3: the other replicas hold shards of the weights replica 0
+        // evaluates with, so they take part in its gathers, with no batches.
+        for replica in 0..self.layout.dp {
+            let batches = if replica == 0 { batches } else { 0 };
+            for rank in 0..self.layout.pp {
+                self.send_stage(replica, rank, StageMsg::RunEval { step, kind, batches })?;
+            }
+        }
+        Ok(())
     }
 
     fn eval_done(
@@ -567,8 +578,8 @@ impl CoordinatorState {
             self.waiting = Waiting::Snapshots;
             self.snapshot_started = Instant::now();
             let step = self.step;
-            // Under ZeRO-1 every replica holds a shard of the moments: all take part.
-            let replicas = if self.cfg.parallel.zero == 1 { self.layout.dp } else { 1 };
+            // Under ZeRO every replica holds a shard of the moments: all take part.
+            let replicas = if self.cfg.parallel.zero >= 1 { self.layout.dp } else { 1 };
             return self.send_stages(replicas, || StageMsg::Snapshot { step });
         }
         if self.stop_requested {

@@ -105,7 +105,8 @@ fn build_cpu(
         .map_err(|e| e.to_string())?;
     let m = args.layout.microbatches;
     let block = args.replica * m..(args.replica + 1) * m;
-    Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b, block, args.layout.dp * m)))
+    let total = args.layout.dp * m;
+    Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b, block, total, cfg.parallel.zero)))
 }
 
 /// The rank's chunks on its GPU (`backend.devices`), or on its stage's

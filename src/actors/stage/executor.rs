@@ -42,9 +42,15 @@ pub struct Executor {
     pub rec: Rc<Recorder>,
     /// The current action's span, from when its inputs were all in hand.
     pub action_span: tracing::Span,
-    /// ZeRO-1: this replica keeps and updates its shard of the optimizer
-    /// state; gradients come reduce-scattered, parameters are gathered after.
-    pub zero: bool,
+    /// The ZeRO level: from 1 this replica keeps and updates its shard of
+    /// the optimizer state and gradients come reduce-scattered; at 1 and 2
+    /// the parameters are gathered whole after the update; at 3 they are
+    /// gathered for each action that computes with a chunk (see `use_chunk`).
+    pub zero: u8,
+    /// ZeRO-3: free a chunk's weights after each action (else at the step's end).
+    pub reshard_after_forward: bool,
+    /// ZeRO-3: which chunks hold their whole weights now.
+    pub gathered: Vec<bool>,
 }
 
 impl Executor {
@@ -142,7 +148,7 @@ impl Executor {
                     self.compute.adamw(self.hyper, lr, clip);
                 }
                 drop(span);
-                if self.zero && !skip {
+                if matches!(self.zero, 1 | 2) && !skip {
                     let _span = self.rank_span("gather");
                     self.gather_params()?;
                 }
@@ -150,12 +156,19 @@ impl Executor {
                 self.comm.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
             }
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
-            StageMsg::SendWeights => self.send_weights(),
+            StageMsg::SendWeights => {
+                // ZeRO-3: every replica takes part in the gather; replica 0 reports.
+                if self.zero == 3 {
+                    (0..self.stages.len()).try_for_each(|i| self.use_chunk(i))?;
+                }
+                self.send_weights();
+                self.release_chunks();
+            }
             StageMsg::Snapshot { step } => {
                 let span = self.rank_span("checkpoint");
                 let (mut tensors, adam_step) = self.compute.snapshot();
-                if self.zero {
-                    self.gather_moments(step, &mut tensors)?;
+                if self.zero >= 1 {
+                    self.gather_state(step, &mut tensors)?;
                 }
                 drop(span);
                 if self.replica == 0 {
@@ -163,6 +176,8 @@ impl Executor {
                 }
             }
             StageMsg::Restore(c) => {
+                // ZeRO-3: restoring keeps the owned shards and frees the rest.
+                self.gathered.iter_mut().for_each(|g| *g = false);
                 if let Err(e) = self.compute.restore(c.loaded()) {
                     panic!("{e}");
                 }
@@ -214,6 +229,7 @@ impl Executor {
         let actions = std::mem::take(&mut self.actions);
         for &a in &actions {
             self.current = Some(a);
+            self.use_chunk(self.local(a.stage))?;
             match a.kind {
                 ActionKind::F => {
                     let mode = Mode::Train { dloss: self.dloss * loss_scale };
@@ -226,7 +242,11 @@ impl Executor {
                 ActionKind::W => self.backward(a.stage, a.mb, BackwardPart::Weight)?,
             }
             self.trace_action(a);
+            if self.reshard_after_forward {
+                self.release_chunks();
+            }
         }
+        self.release_chunks();
         self.actions = actions;
         self.current = None;
         let trains = self.compute.has_gradients();
@@ -234,8 +254,8 @@ impl Executor {
             self.sum_gradients()?;
         }
         let mut sumsq = Vec::new();
-        // Under ZeRO-1 each replica holds the blocks of its shard only.
-        if (self.replica == 0 || self.zero) && trains {
+        // Under ZeRO each replica holds the blocks of its shard only.
+        if (self.replica == 0 || self.zero >= 1) && trains {
             for i in 0..self.stages.len() {
                 self.compute.grad_sum_squares(i, &mut self.norms);
                 sumsq.extend_from_slice(&self.norms);
@@ -377,7 +397,7 @@ impl Executor {
             })
             .collect();
         let (step, replica, at) = (self.step, self.replica, self.at());
-        let sums = match self.zero {
+        let sums = match self.zero >= 1 {
             true => self.comm.reduce_scatter(Group::Replicas, step, replica, parts, at)?,
             false => self.comm.reduce_ordered(Group::Replicas, step, replica, parts, at)?,
         };
@@ -387,8 +407,8 @@ impl Executor {
         Ok(())
     }
 
-    /// ZeRO-1, after the update: every replica's updated shards gathered, so
-    /// each holds the whole parameters again.
+    /// ZeRO-1 and 2, after the update: every replica's updated shards
+    /// gathered, so each holds the whole parameters again.
     fn gather_params(&mut self) -> Result<(), Stopped> {
         for i in 0..self.stages.len() {
             let shards = self.compute.param_shards(i);
@@ -398,13 +418,40 @@ impl Executor {
         Ok(())
     }
 
-    /// ZeRO-1, for a checkpoint: each tensor's AdamW moments gathered whole
-    /// from every replica's shard, so the checkpoint is layout-independent.
-    fn gather_moments(
+    /// ZeRO-3: chunk `i`'s whole weights, gathered from every replica's
+    /// shard unless they are held already. Every replica walks the same
+    /// actions, so each gather of a stage meets its twins in the same order.
+    fn use_chunk(&mut self, i: usize) -> Result<(), Stopped> {
+        if self.zero != 3 || self.gathered[i] {
+            return Ok(());
+        }
+        let span = self.rank_span("gather");
+        let shards = self.compute.param_shards(i);
+        let whole = self.gather(self.step, self.stages[i], shards)?;
+        self.compute.set_params(i, &whole);
+        drop(span);
+        self.gathered[i] = true;
+        Ok(())
+    }
+
+    /// ZeRO-3: frees every chunk's gathered weights.
+    fn release_chunks(&mut self) {
+        for i in 0..self.gathered.len() {
+            if std::mem::take(&mut self.gathered[i]) {
+                self.compute.release_params(i);
+            }
+        }
+    }
+
+    /// ZeRO, for a checkpoint: each tensor's AdamW moments (and under
+    /// ZeRO-3 its weights) gathered whole from every replica's shard, so
+    /// the checkpoint is layout-independent.
+    fn gather_state(
         &mut self,
         step: u64,
         tensors: &mut [crate::checkpoint::TensorState],
     ) -> Result<(), Stopped> {
+        let weights = self.zero == 3;
         let mut rest = tensors;
         for i in 0..self.stages.len() {
             let n = (0..).take_while(|&k| self.compute.param_name(i, k).is_some()).count();
@@ -413,10 +460,15 @@ impl Executor {
             let mut shards: Vec<Vec<f32>> =
                 chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg)).collect();
             shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg_sq)));
+            if weights {
+                shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.data)));
+            }
             let whole = self.gather(step, self.stages[i], shards)?;
-            let (m, v) = whole.split_at(n);
-            for ((t, m), v) in chunk.iter_mut().zip(m).zip(v) {
-                (t.exp_avg, t.exp_avg_sq) = (m.clone(), v.clone());
+            for (k, t) in chunk.iter_mut().enumerate() {
+                (t.exp_avg, t.exp_avg_sq) = (whole[k].clone(), whole[n + k].clone());
+                if weights {
+                    t.data = whole[2 * n + k].clone();
+                }
             }
         }
         Ok(())
@@ -444,6 +496,9 @@ impl Executor {
         let mut argmax = vec![0u32; if want_argmax { n } else { 0 }];
         let mut loss_sum = 0.0;
         let stages = self.stages.clone();
+        // ZeRO-3: every replica gathers each chunk once for the evaluation
+        // (only replica 0 has batches to run).
+        (0..stages.len()).try_for_each(|i| self.use_chunk(i))?;
         for mb in 0..batches {
             for &s in &stages {
                 let am = (want_argmax && s == last).then_some(argmax.as_mut_slice());
@@ -457,7 +512,8 @@ impl Executor {
                 }
             }
         }
-        if stages.contains(&last) {
+        self.release_chunks();
+        if stages.contains(&last) && self.replica == 0 {
             let msg = CoordinatorMsg::EvalDone { step, kind, loss_sum, tokens: batches * n, predictions };
             self.comm.report(msg);
         }

@@ -239,6 +239,9 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn set_params(&mut self, i: usize, params: &[Vec<f32>]) {
         self.inner.set_params(i, params)
     }
+    fn release_params(&mut self, i: usize) {
+        self.inner.release_params(i)
+    }
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
         self.inner.visit_params(f)
     }

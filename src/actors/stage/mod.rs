@@ -230,6 +230,7 @@ fn build(mut args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Ex
     let l = &args.layout;
     let dloss = 1.0 / (l.dp * l.microbatches * cfg.train.micro_batch_size * gpt.block_size) as f32;
     let last = l.last_stage();
+    let n_chunks = stages.len();
     Ok(Executor {
         rank,
         replica,
@@ -247,7 +248,9 @@ fn build(mut args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Ex
         dloss,
         rec,
         action_span: tracing::Span::none(),
-        zero: cfg.parallel.zero == 1,
+        zero: cfg.parallel.zero,
+        reshard_after_forward: cfg.parallel.reshard_after_forward,
+        gathered: vec![false; n_chunks],
     })
 }
 
