@@ -166,6 +166,42 @@ fn a_zero_1_run_replays_every_actor_alone_and_logs_the_same_under_scrambled_deli
     }
 }
 
+/// ZeRO-3's many gathers a step (a chunk's weights for each action, its
+/// weights and moments for each checkpoint, the weights for evaluation and
+/// at the end) replay alone identically and log the same under scrambled
+/// delivery: the reducer numbers each stage's gathers of a step by round.
+#[test]
+fn a_zero_3_run_replays_every_actor_alone_and_logs_the_same_under_scrambled_delivery() {
+    let cfg = config(&[
+        "parallel.pp=2",
+        "parallel.dp=2",
+        "parallel.zero=3",
+        "checkpoint.every=2",
+        "replay.payloads=[\"all\"]",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let run = record(&cfg, dir.path(), None);
+    let actors = recorded_actors(&run).unwrap();
+    for a in &actors {
+        assert_identical(&run, a, None);
+    }
+    let (_, es) = LogReader::read_all(&log_path(&run, "reducer")).unwrap();
+    let (steps, m) = (cfg.train.steps, cfg.parallel.microbatches);
+    let checkpoints = steps / 2 + usize::from(!steps.is_multiple_of(2));
+    // Per stage and replica: a gather for each F and B of each step, one per
+    // checkpoint, one for the evaluation after the last step, and one at the
+    // end for the weights.
+    let per = steps * 2 * m + checkpoints + 2;
+    let gathers = es.iter().filter(|e| e.kind == "Gather").count();
+    assert_eq!(gathers, 2 * 2 * per, "{steps} steps of {m} microbatches");
+    let d = tempfile::tempdir().unwrap();
+    let scrambled = record(&cfg, d.path(), Some(7));
+    for a in &actors {
+        let diff = compare_logs(a, &log_path(&run, a), &log_path(&scrambled, a)).unwrap();
+        assert!(diff.is_none(), "{a}: {}", diff.unwrap());
+    }
+}
+
 #[test]
 fn a_checkpointer_that_writes_other_bytes_is_caught() {
     let cfg = config(&["checkpoint.every=2", "replay.payloads=[\"checkpointer\"]"]);
