@@ -263,6 +263,8 @@ pub enum CoordinatorMsg {
         params: Vec<Param>,
         latencies_us: Vec<f64>,
         peak_live_bytes: usize,
+        /// Most bytes of weights, gradients and optimizer state held.
+        peak_state_bytes: usize,
         trace: Vec<crate::trace::Record>,
     },
     Failed(Failure),
@@ -839,6 +841,7 @@ impl CoordinatorMsg {
                 params: vec![],
                 latencies_us: vec![],
                 peak_live_bytes: 0,
+                peak_state_bytes: 0,
                 trace: vec![],
             },
             "Snapshot" => CoordinatorMsg::Snapshot {
@@ -998,6 +1001,7 @@ mod tests {
                 ],
                 latencies_us: vec![1.5],
                 peak_live_bytes: 7,
+                peak_state_bytes: 9,
                 trace: vec![],
             },
             CoordinatorMsg::Snapshot {

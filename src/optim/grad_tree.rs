@@ -84,6 +84,14 @@ pub struct TreeSum<G = Grads> {
 }
 
 impl TreeSum<Grads> {
+    /// Floats held: nodes, early leaves and spare buffers (memory reports).
+    pub fn floats(&self) -> usize {
+        let set = |g: &Grads| g.iter().map(Vec::len).sum::<usize>();
+        self.stack.iter().map(|n| set(&n.2)).sum::<usize>()
+            + self.early.values().map(set).sum::<usize>()
+            + self.spare.iter().map(set).sum::<usize>()
+    }
+
     /// Adds microbatch `g`'s leaf gradient.
     pub fn push(&mut self, g: usize, leaf: Grads) {
         self.push_with(g, leaf, &mut |a, b| add_into(a, b));
@@ -331,6 +339,11 @@ impl PartTree {
     /// The replica's microbatches, as global indices within the step.
     pub fn block(&self) -> Range<usize> {
         self.body.block()
+    }
+
+    /// Floats both trees hold (see [`TreeSum::floats`]).
+    pub fn floats(&self) -> usize {
+        self.head.floats() + self.body.floats()
     }
 
     /// Frees both trees' spare buffers (see [`TreeSum::release_spares`]).

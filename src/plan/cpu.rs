@@ -22,15 +22,28 @@ use serde::Serialize;
 /// f32 weights, gradients and both AdamW moments: 4 B each, no separate master copy.
 pub const STATE_BYTES_PER_PARAM: f64 = 16.0;
 
-/// Bytes per parameter a replica keeps: under ZeRO-1 its share of the moments
-/// (1/dp, to a block: `optim::zero`); the f32 weights are the master copy and
-/// every replica needs them whole for its forward.
+/// Bytes per parameter a replica keeps at its peak, in the backward: from
+/// ZeRO-1 its share of the moments (1/dp, to a block: `optim::zero`); under
+/// ZeRO-3 its share of the f32 weights (the master copy), a chunk gathered
+/// whole counted apart ([`zero3_gather_bytes`]). ZeRO-2's shard-only
+/// gradients hold between the reduction and the next step's backward, which
+/// accumulates whole-tensor gradients again: at the peak it is ZeRO-1.
 pub fn state_bytes_per_param(dp: usize, zero: u8) -> f64 {
-    let moments = 8.0;
-    match zero {
-        0 => STATE_BYTES_PER_PARAM,
-        _ => STATE_BYTES_PER_PARAM - moments + moments / dp as f64,
-    }
+    let share = 1.0 / dp as f64;
+    let weights = if zero >= 3 { 4.0 * share } else { 4.0 };
+    let moments = if zero >= 1 { 8.0 * share } else { 8.0 };
+    weights + 4.0 + moments
+}
+
+/// ZeRO-3's gather buffer on a rank whose chunks have `chunk_params`: the
+/// largest chunk whole when each action frees its weights, every chunk when
+/// they are kept for the step (`parallel.reshard_after_forward = false`).
+pub fn zero3_gather_bytes(chunk_params: &[f64], reshard_after_forward: bool) -> f64 {
+    let whole = match reshard_after_forward {
+        true => chunk_params.iter().copied().fold(0.0, f64::max),
+        false => chunk_params.iter().sum(),
+    };
+    4.0 * whole
 }
 
 /// One pipeline rank of one replica.
@@ -39,6 +52,11 @@ pub struct CpuRank {
     pub rank: usize,
     pub params: f64,
     pub state_bytes: f64,
+    /// What a replica's compute counts as training state at its peak
+    /// (summary.json's `peak_state_bytes`): `state_bytes`, the head's share
+    /// of the tied embedding's gradient, the gradient tree's partial sums
+    /// and ZeRO-3's gathered chunk.
+    pub state_peak_bytes: f64,
     /// Most microbatches alive at once on this rank's stages (from the simulator).
     pub live_microbatches: usize,
     /// Bytes those microbatches keep for their backward.
@@ -222,7 +240,9 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
             let mut live_total = 0;
             let mut follower = 0.0;
             let mut link = TpLinkBytes::default();
+            let mut chunk_params = Vec::new();
             for s in layout.stages_of(rank) {
+                let before = params;
                 let spec = &layout.stages[s];
                 let layers = spec.layers.len() as f64;
                 let live = report.peak_live[s] as f64;
@@ -265,12 +285,15 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                     if gpt.tied() && !spec.embedding {
                         params += v * c; // the tied head's own copy of the token embedding
                     }
-                    per_mb += 4.0 * nf * c; // the head's input gradient, made in forward
-                                            // Final LayerNorm output, logits and the head's wte gradient share.
+                    // The head's input gradient, made in forward.
+                    per_mb += 4.0 * nf * c;
+                    // Final LayerNorm output, logits and the head's wte gradient share.
                     workspace += 4.0 * (nf * c + nf * v + v * c);
                 }
                 activations += live * per_mb;
+                chunk_params.push(params - before);
             }
+            let mut held_state = 0.0;
             if cfg.backend.kind != BackendKind::Sim {
                 // Each microbatch's gradients are a leaf of the fixed reduction tree
                 // (optim::grad_tree): besides the part's own set, up to
@@ -279,12 +302,21 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                     if layout.stages_of(rank).iter().any(|&s| layout.stages[s].head) { v * c } else { 0.0 };
                 let sets = crate::optim::grad_tree::held_sets(layout.microbatches) as f64;
                 workspace += sets * 4.0 * (params + head_share);
+                // An untied head's gradient is its own tensor's: no share apart.
+                let tied_share = if gpt.tied() { head_share } else { 0.0 };
+                held_state += sets * 4.0 * (params + tied_share) + 4.0 * tied_share;
+            }
+            if cfg.parallel.zero == 3 {
+                let gather = zero3_gather_bytes(&chunk_params, cfg.parallel.reshard_after_forward);
+                workspace += gather;
+                held_state += gather;
             }
             let state_bytes = state_bytes_per_param(layout.dp, cfg.parallel.zero) * params;
             CpuRank {
                 rank,
                 params,
                 state_bytes,
+                state_peak_bytes: state_bytes + held_state,
                 live_microbatches: live_total,
                 activation_bytes: activations,
                 workspace_bytes: workspace,
@@ -599,6 +631,33 @@ mod tests {
         let params = whole.ranks[0].params;
         assert_eq!(whole.ranks[0].state_bytes - sharded.ranks[0].state_bytes, 4.0 * params);
         assert_eq!(whole.process_bytes - sharded.process_bytes, 2.0 * 4.0 * params);
+    }
+
+    /// ZeRO-2 holds ZeRO-1's peak (the backward accumulates whole
+    /// gradients); ZeRO-3 keeps 1/dp of the weights plus the chunk it
+    /// gathers: the largest, or every chunk when they stay for the step.
+    #[test]
+    fn zero_3_keeps_a_share_of_the_weights_and_a_gathered_chunk() {
+        let mut cfg = bench_config(2, 2);
+        (cfg.parallel.dp, cfg.parallel.zero) = (4, 1);
+        cfg.parallel.schedule = crate::config::ScheduleKind::Interleaved1F1B;
+        cfg.parallel.chunks = 2;
+        let one = plan(&cfg).unwrap();
+        cfg.parallel.zero = 2;
+        assert_eq!(plan(&cfg).unwrap().ranks, one.ranks);
+        cfg.parallel.zero = 3;
+        let three = plan(&cfg).unwrap();
+        for (a, b) in one.ranks.iter().zip(&three.ranks) {
+            assert_eq!(a.state_bytes - b.state_bytes, 3.0 * a.params, "4 B a weight, 3/4 of it shared out");
+        }
+        cfg.parallel.reshard_after_forward = false;
+        let kept = plan(&cfg).unwrap();
+        for (k, t) in kept.ranks.iter().zip(&three.ranks) {
+            // Two chunks a rank: keeping both holds the smaller one too.
+            assert!(k.workspace_bytes > t.workspace_bytes, "{} vs {}", k.workspace_bytes, t.workspace_bytes);
+        }
+        assert_eq!(zero3_gather_bytes(&[3.0, 5.0], true), 20.0);
+        assert_eq!(zero3_gather_bytes(&[3.0, 5.0], false), 32.0);
     }
 
     #[test]

@@ -76,6 +76,10 @@ pub struct Summary {
     /// Per pipeline rank (replica 0): the most activation bytes its stages held
     /// at once for microbatches awaiting backward.
     pub peak_activation_bytes: Vec<usize>,
+    /// Per pipeline rank, the most bytes of weights, gradients and AdamW
+    /// state one replica held at once (CPU backend; ZeRO shares them out).
+    #[serde(default)]
+    pub peak_state_bytes: Vec<usize>,
     /// The process's resident-memory high-water mark (Linux's VmHWM), bytes.
     pub peak_rss_bytes: Option<u64>,
     /// Runs whose stages' tp ranks span processes: the tensor bytes rank 0's
@@ -710,6 +714,7 @@ fn summarize(
         checkpoints_written: out.checkpoint_write_ms.len(),
         rollbacks: out.rollbacks,
         peak_activation_bytes: out.peak_live_bytes.clone(),
+        peak_state_bytes: out.peak_state_bytes.clone(),
         peak_rss_bytes: peak_rss_bytes(),
         tp_traffic,
     }

@@ -36,6 +36,8 @@ pub struct CpuCompute {
     owned: Vec<Vec<Vec<f32>>>,
     /// Each tensor's first norm slot (`optim::zero::first_slots`).
     first_slots: Vec<usize>,
+    /// Most bytes of training state held at once (see `state_bytes`).
+    peak_state_bytes: usize,
 }
 
 impl CpuCompute {
@@ -69,6 +71,7 @@ impl CpuCompute {
             first_slots,
             zero,
             owned: Vec::new(),
+            peak_state_bytes: 0,
         };
         if zero == 3 {
             c.keep_owned();
@@ -88,6 +91,30 @@ impl CpuCompute {
         for i in 0..self.parts.len() {
             self.release_params(i);
         }
+    }
+
+    /// Bytes of training state held now: weights (whole, or ZeRO-3's owned
+    /// shards and whatever is gathered), gradients (the parts' buffers and
+    /// the trees' nodes and spares) and AdamW moments. Activations are
+    /// counted apart (`peak_live_bytes`); gradients in flight to the
+    /// reducer are not counted.
+    fn state_bytes(&self) -> usize {
+        let floats = |v: &[Vec<f32>]| v.iter().map(Vec::len).sum::<usize>();
+        let parts: usize = self
+            .parts
+            .iter()
+            .map(|p| {
+                p.params.iter().map(|q| q.data.len() + q.grad.len()).sum::<usize>() + p.wte_head_grad.len()
+            })
+            .sum();
+        let trees: usize = self.trees.iter().map(PartTree::floats).sum();
+        let adam: usize = self.adam.iter().map(|a| floats(&a.m) + floats(&a.v)).sum();
+        let owned: usize = self.owned.iter().map(|o| floats(o)).sum();
+        4 * (parts + trees + adam + owned)
+    }
+
+    fn note_state(&mut self) {
+        self.peak_state_bytes = self.peak_state_bytes.max(self.state_bytes());
     }
 
     /// Most gradient sets any chunk's tree held at once (memory reports).
@@ -184,6 +211,7 @@ impl StageCompute for CpuCompute {
             let g = self.global(i, mb);
             let part = &mut self.parts[i];
             self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Head, g);
+            self.note_state();
         }
         ChunkOutput { output: out.output, loss_sum: out.loss_sum }
     }
@@ -201,6 +229,7 @@ impl StageCompute for CpuCompute {
         if which == BackwardPart::Weight {
             self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
             self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
+            self.note_state();
             return None;
         }
         let acts = self.saved.remove(&(i, mb)).expect("F ran before B");
@@ -214,6 +243,7 @@ impl StageCompute for CpuCompute {
         if which == BackwardPart::Full {
             self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
         }
+        self.note_state();
         dx
     }
 
@@ -224,6 +254,10 @@ impl StageCompute for CpuCompute {
 
     fn peak_live_bytes(&self) -> usize {
         self.parts.iter().map(|p| p.peak_live_bytes).sum()
+    }
+
+    fn peak_state_bytes(&self) -> usize {
+        self.peak_state_bytes.max(self.state_bytes())
     }
 
     fn tied_share(&self, i: usize) -> Vec<f32> {
@@ -267,6 +301,7 @@ impl StageCompute for CpuCompute {
         if self.zero >= 2 {
             self.trees[i].release_spares();
         }
+        self.note_state();
     }
 
     fn grad_sum_squares(&mut self, i: usize, out: &mut Vec<(usize, f64)>) {
@@ -288,6 +323,7 @@ impl StageCompute for CpuCompute {
             p.data.resize(data.len(), 0.0);
             p.data.copy_from_slice(data);
         }
+        self.note_state();
     }
 
     fn release_params(&mut self, i: usize) {

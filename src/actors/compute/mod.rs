@@ -95,6 +95,11 @@ pub trait StageCompute {
     fn live(&self, i: usize) -> (usize, usize);
     /// Peak activation bytes held, over all chunks.
     fn peak_live_bytes(&self) -> usize;
+    /// Peak bytes of training state (weights, gradients, optimizer state)
+    /// held, over all chunks; 0 where the backend does not count them.
+    fn peak_state_bytes(&self) -> usize {
+        0
+    }
     /// Chunk `i`'s share of the tied wte gradient (the embedding's, or the head's).
     fn tied_share(&self, i: usize) -> Vec<f32>;
     /// Sums the tied embedding's shares into chunk `i`'s wte gradient, embedding

@@ -185,11 +185,24 @@ impl CoordinatorState {
                 check(step == st.step, "evaluation of another step")?;
                 st.eval_done(kind, loss_sum, tokens, predictions)
             }
-            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
+            CoordinatorMsg::Weights {
+                rank,
+                replica,
+                params,
+                latencies_us,
+                peak_live_bytes,
+                peak_state_bytes,
+                trace,
+            } => {
                 check(matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
                 // Every replica reports (its trace records); replica 0's weights stand for all.
                 st.out.trace.extend(trace);
                 st.out.message_latency_us.extend(latencies_us);
+                // Replicas' shards differ in size: the largest per rank.
+                if st.out.peak_state_bytes.len() <= rank {
+                    st.out.peak_state_bytes.resize(rank + 1, 0);
+                }
+                st.out.peak_state_bytes[rank] = st.out.peak_state_bytes[rank].max(peak_state_bytes);
                 if replica == 0 {
                     st.weights[rank] = Some(params);
                     if st.out.peak_live_bytes.len() <= rank {

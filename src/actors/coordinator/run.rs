@@ -53,6 +53,9 @@ pub struct RunOutcome {
     pub message_latency_us: Vec<f64>,
     /// Peak activation bytes held per rank (replica 0).
     pub peak_live_bytes: Vec<usize>,
+    /// Per pipeline rank, the most bytes of weights, gradients and optimizer
+    /// state any replica's compute held (0 where the backend does not count).
+    pub peak_state_bytes: Vec<usize>,
     /// Trace records of every replica's stages and of the checkpointer (empty unless tracing).
     pub trace: Vec<crate::trace::Record>,
     /// Training paused while stages copied their state, per checkpoint, ms.

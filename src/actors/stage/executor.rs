@@ -199,6 +199,7 @@ impl Executor {
         };
         let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
         let peak_live_bytes = self.compute.peak_live_bytes();
+        let peak_state_bytes = self.compute.peak_state_bytes();
         let trace = self.rec.take();
         self.comm.report(CoordinatorMsg::Weights {
             rank: self.rank,
@@ -206,6 +207,7 @@ impl Executor {
             params,
             latencies_us: latencies,
             peak_live_bytes,
+            peak_state_bytes,
             trace,
         });
     }

@@ -196,6 +196,9 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn peak_live_bytes(&self) -> usize {
         self.inner.peak_live_bytes()
     }
+    fn peak_state_bytes(&self) -> usize {
+        self.inner.peak_state_bytes()
+    }
     fn tied_share(&self, i: usize) -> Vec<f32> {
         self.inner.tied_share(i)
     }
