@@ -8,6 +8,7 @@ use crate::checkpoint::{Loaded, TensorState};
 use crate::kernels::cpu::matmul::with_random_order;
 use crate::model::part::{MicroActs, Mode, PartInput};
 use crate::model::{ModelPart, Param};
+use crate::optim::ema::EmaState;
 use crate::optim::grad_tree::{Leaf, PartTree, Span};
 use crate::optim::zero::Shard;
 use crate::optim::{self, AdamState, Hyper};
@@ -29,6 +30,8 @@ pub struct CpuCompute {
     shard: Shard,
     /// Each tensor's first norm slot (`optim::zero::first_slots`).
     first_slots: Vec<usize>,
+    /// The EMA of each chunk's weights (`optim.ema_decay`); empty when none is kept.
+    ema: Vec<EmaState>,
 }
 
 impl CpuCompute {
@@ -47,7 +50,15 @@ impl CpuCompute {
         let trees = parts.iter().map(tree).collect();
         let shard = adam.first().map_or(Shard::WHOLE, |a| a.shard);
         let first_slots = parts.first().map_or(Vec::new(), |p| optim::zero::first_slots(&p.cfg));
-        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard, first_slots }
+        let ema = Vec::new();
+        CpuCompute { parts, adam, saved: BTreeMap::new(), pool, nondet, b, trees, shard, first_slots, ema }
+    }
+
+    /// Keeps an EMA of the weights, one state per chunk (for the same shard as AdamW's).
+    pub fn with_ema(mut self, ema: Vec<EmaState>) -> Self {
+        assert_eq!(ema.len(), self.parts.len(), "one EMA per chunk");
+        self.ema = ema;
+        self
     }
 
     /// Most gradient sets any chunk's tree held at once (memory reports).
@@ -72,6 +83,22 @@ pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<
         st.v[i].copy_from_slice(&v[r]);
     }
     Ok(())
+}
+
+/// Loads a checkpoint's EMA of the weights for `params` into `e`: the
+/// elements its shard owns of the whole tensors on disk.
+pub fn load_ema(params: &[Param], e: &mut EmaState, c: &Loaded) -> Result<(), String> {
+    match (&c.ema, c.state.ema_updates) {
+        (Some(whole), Some(n)) => {
+            e.load(params, whole, n).map_err(|why| format!("{}: {why}", c.dir.display()))
+        }
+        _ => Err(format!(
+            "{}: the checkpoint holds no EMA of the weights, and optim.ema_decay = {} keeps one \
+             (resume with optim.ema_decay = 0, or start a new run)",
+            c.dir.display(),
+            e.decay
+        )),
+    }
 }
 
 /// Puts a replica's shard of each reduced gradient (part order, the head's
@@ -242,6 +269,19 @@ impl StageCompute for CpuCompute {
         });
     }
 
+    fn update_ema(&mut self) {
+        let (parts, ema) = (&self.parts, &mut self.ema);
+        self.pool.install(|| ema.iter_mut().zip(parts).for_each(|(e, part)| e.update(&part.params)));
+    }
+
+    fn ema_updates(&self) -> Option<u64> {
+        self.ema.first().map(|e| e.updates)
+    }
+
+    fn ema_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        self.ema[i].shadow.clone()
+    }
+
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
         for (i, part) in self.parts.iter().enumerate() {
             for p in &part.params {
@@ -260,7 +300,7 @@ impl StageCompute for CpuCompute {
 
     fn snapshot(&self) -> (Vec<TensorState>, u64) {
         let mut tensors = Vec::new();
-        for (part, st) in self.parts.iter().zip(&self.adam) {
+        for (k, (part, st)) in self.parts.iter().zip(&self.adam).enumerate() {
             for (i, p) in part.params.iter().enumerate() {
                 tensors.push(TensorState {
                     name: p.name.clone(),
@@ -268,6 +308,7 @@ impl StageCompute for CpuCompute {
                     data: p.data.clone(),
                     exp_avg: st.m[i].clone(),
                     exp_avg_sq: st.v[i].clone(),
+                    ema: self.ema.get(k).map_or(Vec::new(), |e| e.shadow[i].clone()),
                 });
             }
         }
@@ -278,6 +319,9 @@ impl StageCompute for CpuCompute {
         for (part, st) in self.parts.iter_mut().zip(self.adam.iter_mut()) {
             c.weights.assign(part).map_err(|e| format!("rollback to {}: {e}", c.dir.display()))?;
             load_moments(&part.params, st, c)?;
+        }
+        for (part, e) in self.parts.iter().zip(self.ema.iter_mut()) {
+            load_ema(&part.params, e, c)?;
         }
         Ok(())
     }

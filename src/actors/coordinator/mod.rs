@@ -91,7 +91,9 @@ pub struct CoordinatorState {
     /// A symptom of a failure is on its way (`CoordinatorMsg::Symptom`): only
     /// failure reports are handled until it arrives.
     failing: bool,
-    snapshots: Vec<Option<(Vec<crate::checkpoint::TensorState>, u64)>>,
+    snapshots: Vec<Option<assembly::Snapshot>>,
+    /// Replica 0's EMA of the weights at the end, by rank (empty when none is kept).
+    ema_weights: Vec<Option<Vec<Param>>>,
     snapshot_started: Instant,
     writes_pending: usize,
     stop_requested: bool,
@@ -123,6 +125,7 @@ impl CoordinatorState {
             recovery: Recovery::new(&cfg.recovery),
             steps: cfg.train.steps as u64,
             weights: vec![None; pp],
+            ema_weights: vec![None; pp],
             run_dir,
             cfg,
             layout,
@@ -185,12 +188,21 @@ impl CoordinatorState {
                 check(step == st.step, "evaluation of another step")?;
                 st.eval_done(kind, loss_sum, tokens, predictions)
             }
-            CoordinatorMsg::Weights { rank, replica, params, latencies_us, peak_live_bytes, trace } => {
+            CoordinatorMsg::Weights { rank, replica, params, ema, latencies_us, peak_live_bytes, trace } => {
                 check(matches!(st.waiting, Waiting::Weights), "unexpected Weights")?;
                 // Every replica reports (its trace records); replica 0's weights stand for all.
                 st.out.trace.extend(trace);
                 st.out.message_latency_us.extend(latencies_us);
                 if replica == 0 {
+                    // The EMA comes as values in the order of the parameters.
+                    let ema = params.iter().zip(ema).map(|(p, data)| Param {
+                        name: p.name.clone(),
+                        shape: p.shape.clone(),
+                        data,
+                        grad: vec![],
+                        canonical: p.canonical,
+                    });
+                    st.ema_weights[rank] = Some(ema.collect());
                     st.weights[rank] = Some(params);
                     if st.out.peak_live_bytes.len() <= rank {
                         st.out.peak_live_bytes.resize(rank + 1, 0);
@@ -201,14 +213,15 @@ impl CoordinatorState {
                 if st.acks == st.layout.pp * st.layout.dp {
                     st.gather_done();
                     st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
+                    st.out.ema_params = st.ema_weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
                     st.waiting = Waiting::Flush;
                     st.maybe_done();
                 }
                 Ok(())
             }
-            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step } => {
+            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step, ema_updates } => {
                 check(matches!(st.waiting, Waiting::Snapshots) && step == st.step, "unexpected Snapshot")?;
-                st.snapshots[rank] = Some((tensors, adam_step));
+                st.snapshots[rank] = Some((tensors, adam_step, ema_updates));
                 if st.snapshots.iter().all(Option::is_some) {
                     st.gather_done();
                     st.snapshots_done()?;
@@ -320,7 +333,7 @@ impl CoordinatorState {
     /// Every stage's copy is in: hand them to the checkpointer and go on.
     fn snapshots_done(&mut self) -> Result<(), ActorProcessingErr> {
         let snapshots = self.snapshots.iter_mut().map(|s| s.take().expect("snapshot"));
-        let (tensors, adam_step) = assembly::merge(snapshots);
+        let (tensors, adam_step, ema_updates) = assembly::merge(snapshots);
         self.out.checkpoint_pause_ms.push(self.snapshot_started.elapsed().as_secs_f64() * 1e3);
         let state = assembly::state_file(assembly::RunPosition {
             cfg: &self.cfg,
@@ -334,6 +347,7 @@ impl CoordinatorState {
             dp: self.layout.dp,
             microbatches: self.layout.microbatches,
             loss_scaler: self.scaler.clone(),
+            ema_updates,
         });
         self.writes_pending += 1;
         if self.log.is_some() {

@@ -140,6 +140,7 @@ impl Executor {
                 let span = self.rank_span("optimizer");
                 if !skip {
                     self.compute.adamw(self.hyper, lr, clip);
+                    self.compute.update_ema();
                 }
                 drop(span);
                 if self.zero && !skip {
@@ -150,7 +151,7 @@ impl Executor {
                 self.comm.report(CoordinatorMsg::Applied { rank: self.rank, replica: self.replica, step });
             }
             StageMsg::RunEval { step, kind, batches } => self.run_eval(step, kind, batches)?,
-            StageMsg::SendWeights => self.send_weights(),
+            StageMsg::SendWeights => self.send_weights()?,
             StageMsg::Snapshot { step } => {
                 let span = self.rank_span("checkpoint");
                 let (mut tensors, adam_step) = self.compute.snapshot();
@@ -159,7 +160,10 @@ impl Executor {
                 }
                 drop(span);
                 if self.replica == 0 {
-                    self.comm.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
+                    let ema_updates = self.compute.ema_updates();
+                    let msg =
+                        CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step, ema_updates };
+                    self.comm.report(msg);
                 }
             }
             StageMsg::Restore(c) => {
@@ -177,10 +181,11 @@ impl Executor {
 
     /// The end of the run: parameters (replica 0's stand for all), message
     /// latencies and the trace, to the coordinator.
-    fn send_weights(&mut self) {
-        let params = match self.replica {
-            0 => self.compute.params(),
-            _ => vec![],
+    fn send_weights(&mut self) -> Result<(), Stopped> {
+        let ema = self.whole_ema()?;
+        let (params, ema) = match self.replica {
+            0 => (self.compute.params(), ema),
+            _ => (vec![], vec![]),
         };
         let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
         let peak_live_bytes = self.compute.peak_live_bytes();
@@ -189,10 +194,30 @@ impl Executor {
             rank: self.rank,
             replica: self.replica,
             params,
+            ema,
             latencies_us: latencies,
             peak_live_bytes,
             trace,
         });
+        Ok(())
+    }
+
+    /// The EMA of every chunk's weights, whole (under ZeRO-1 gathered from
+    /// every replica's shards), in the order of `params()`; empty when none is kept.
+    fn whole_ema(&mut self) -> Result<Vec<Vec<f32>>, Stopped> {
+        // Without ZeRO-1 replica 0's whole copy stands for all, as for the weights.
+        if self.compute.ema_updates().is_none() || (!self.zero && self.replica != 0) {
+            return Ok(vec![]);
+        }
+        let mut all = Vec::new();
+        for i in 0..self.stages.len() {
+            let shards = self.compute.ema_shards(i);
+            match self.zero {
+                true => all.extend(self.gather(self.step, self.stages[i], shards)?.iter().cloned()),
+                false => all.extend(shards),
+            }
+        }
+        Ok(all)
     }
 
     /// Digests of the parameters after an optimizer step (or a rollback).
@@ -413,10 +438,20 @@ impl Executor {
             let mut shards: Vec<Vec<f32>> =
                 chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg)).collect();
             shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.exp_avg_sq)));
+            // The EMA's shards ride in the same gather, after the moments.
+            let ema = self.compute.ema_updates().is_some();
+            if ema {
+                shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.ema)));
+            }
             let whole = self.gather(step, self.stages[i], shards)?;
             let (m, v) = whole.split_at(n);
             for ((t, m), v) in chunk.iter_mut().zip(m).zip(v) {
                 (t.exp_avg, t.exp_avg_sq) = (m.clone(), v.clone());
+            }
+            if ema {
+                for (t, e) in chunk.iter_mut().zip(&whole[2 * n..]) {
+                    t.ema = e.clone();
+                }
             }
         }
         Ok(())
