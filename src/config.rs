@@ -237,6 +237,9 @@ pub struct OptimSection {
     pub loss_scale_growth_factor: f64,
     /// … and by this on backing off (a power of two < 1).
     pub loss_scale_backoff_factor: f64,
+    /// Decay of an EMA of the weights kept beside them (PyTorch's
+    /// `AveragedModel` with `get_ema_multi_avg_fn`); 0 keeps none.
+    pub ema_decay: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -393,6 +396,7 @@ impl Default for OptimSection {
             loss_scale_min: 1.0,
             loss_scale_growth_factor: 2.0,
             loss_scale_backoff_factor: 0.5,
+            ema_decay: 0.0,
         }
     }
 }
@@ -539,6 +543,7 @@ impl Config {
         self.check_data(&mut v);
         self.check_optim(&mut v);
         self.check_loss_scale(&mut v);
+        self.check_ema(&mut v);
         self.check_parallel(&mut v);
         self.check_zero(&mut v);
         self.check_tp(&mut v);
@@ -668,6 +673,28 @@ impl Config {
             o.loss_scale_backoff_factor,
             "must be a power of two < 1 (0.5, 0.25, …)",
         );
+    }
+
+    /// `optim.ema_decay`: a decay in [0, 1), and an EMA only where weights
+    /// are computed on the CPU (the GPU backend does not keep one yet).
+    fn check_ema(&self, v: &mut Checks) {
+        let d = self.optim.ema_decay;
+        v.check((0.0..1.0).contains(&d), "optim.ema_decay", d, "must be in [0, 1) (0 keeps no EMA)");
+        if d > 0.0 {
+            let kind = self.backend.kind;
+            let why = match kind {
+                BackendKind::Cuda => {
+                    "the EMA of the weights is built for the CPU backend only, not yet on GPUs"
+                }
+                _ => "the simulated backend computes no weights to average",
+            };
+            v.check(
+                kind == BackendKind::Cpu,
+                "optim.ema_decay",
+                d,
+                format!("must be 0 with backend.kind = \"{}\": {why}", kind.name()),
+            );
+        }
     }
 
     /// `[parallel]`: the pipeline's shape against the model and the schedule.
@@ -1310,6 +1337,24 @@ mod tests {
         }
         let ok = ["optim.loss_scale_growth_factor=4", "optim.loss_scale_backoff_factor=0.25"];
         with_set(&ok).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn ema_decay_out_of_range_or_off_the_cpu_is_refused_by_name() {
+        for bad in ["-0.1", "1", "1.5", "nan"] {
+            let msg = refused(&with_set(&[&format!("optim.ema_decay={bad}")]).unwrap(), "optim.ema_decay");
+            assert!(msg.contains("[0, 1)"), "{msg}");
+        }
+        for (kind, why) in [("cuda", "not yet on GPUs"), ("sim", "computes no weights")] {
+            let mut c = with_set(&["optim.ema_decay=0.99"]).unwrap();
+            c.backend.kind = if kind == "cuda" { BackendKind::Cuda } else { BackendKind::Sim };
+            let err = c.validate().expect_err(kind);
+            let ema: Vec<_> = err.problems().iter().filter(|p| p.path == "optim.ema_decay").collect();
+            assert_eq!(ema.len(), 1, "{err}");
+            assert!(ema[0].expected.contains(why) && ema[0].expected.contains(kind), "{err}");
+        }
+        with_set(&["optim.ema_decay=0.999"]).unwrap().validate().unwrap();
+        with_set(&["optim.ema_decay=0"]).unwrap().validate().unwrap();
     }
 
     #[test]

@@ -162,6 +162,10 @@ enum Command {
         /// Weights to evaluate (model.safetensors or a run directory).
         #[arg(long)]
         weights: PathBuf,
+        /// Evaluate the EMA of the weights the run in --weights (a run folder)
+        /// kept (optim.ema_decay): its model.ema.safetensors.
+        #[arg(long)]
+        ema: bool,
         /// Token file (llm.c .bin or raw uint16).
         #[arg(long, required_unless_present = "text", conflicts_with = "text")]
         data: Option<PathBuf>,
@@ -945,6 +949,10 @@ fn print_done(cfg: &Config, s: &Summary) -> Result<()> {
             }
         );
         eprintln!("weights digest {}", s.weights_digest);
+        if let Some(d) = &s.ema_weights_digest {
+            let val = s.ema_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
+            eprintln!("EMA of the weights (model.ema.safetensors){val}, digest {d}");
+        }
     }
     Ok(())
 }
@@ -1043,8 +1051,9 @@ fn run(cli: Cli) -> Result<()> {
                 }
             }
         }
-        Command::Eval { config, weights, data, text, tokenizer, batches, windows, json } => {
+        Command::Eval { config, weights, ema, data, text, tokenizer, batches, windows, json } => {
             use pipewright::train::eval::Amount;
+            let weights = if ema { pipewright::train::eval::ema_weights(&weights)? } else { weights };
             let amount = match (batches, windows) {
                 (_, Some(w)) => Amount::Windows(w),
                 (Some(b), None) => Amount::Batches(b),

@@ -202,6 +202,30 @@ fn a_zero_3_run_replays_every_actor_alone_and_logs_the_same_under_scrambled_deli
     }
 }
 
+/// With an EMA of the weights (optim.ema_decay) its shards ride in the
+/// checkpoints' gathers and have one gather of their own at the end, and
+/// every actor still replays alone identically.
+#[test]
+fn a_zero_1_run_with_an_ema_replays_every_actor_alone_identically() {
+    let cfg = config(&[
+        "parallel.pp=2",
+        "parallel.dp=2",
+        "parallel.zero=1",
+        "checkpoint.every=1",
+        "optim.ema_decay=0.9",
+        "replay.payloads=[\"all\"]",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let run = record(&cfg, dir.path(), None);
+    for a in &recorded_actors(&run).unwrap() {
+        assert_identical(&run, a, None);
+    }
+    let (_, es) = LogReader::read_all(&log_path(&run, "reducer")).unwrap();
+    // As without an EMA (3 updates, 3 checkpoints), plus the EMA gathered whole at the end.
+    let gathers = es.iter().filter(|e| e.kind == "Gather").count();
+    assert_eq!(gathers, 2 * 2 * (3 + 3 + 1));
+}
+
 #[test]
 fn a_checkpointer_that_writes_other_bytes_is_caught() {
     let cfg = config(&["checkpoint.every=2", "replay.payloads=[\"checkpointer\"]"]);

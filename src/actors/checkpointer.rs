@@ -123,6 +123,9 @@ fn snapshot_blobs(tensors: &[TensorState], s: &StateFile, keep: bool) -> Vec<Blo
         b.push(Blob::f32s(&t.name, &t.data, keep));
         b.push(Blob::f32s(&format!("{}.exp_avg", t.name), &t.exp_avg, keep));
         b.push(Blob::f32s(&format!("{}.exp_avg_sq", t.name), &t.exp_avg_sq, keep));
+        if s.ema_updates.is_some() {
+            b.push(Blob::f32s(&format!("{}.ema", t.name), &t.ema, keep));
+        }
     }
     b
 }
@@ -143,6 +146,10 @@ pub fn snapshot_of(e: &Entry) -> Result<(Vec<TensorState>, StateFile), String> {
             data: e.input(name)?.to_f32s()?,
             exp_avg: e.input(&format!("{name}.exp_avg"))?.to_f32s()?,
             exp_avg_sq: e.input(&format!("{name}.exp_avg_sq"))?.to_f32s()?,
+            ema: match state.ema_updates {
+                Some(_) => e.input(&format!("{name}.ema"))?.to_f32s()?,
+                None => Vec::new(),
+            },
         });
     }
     Ok((tensors, state))

@@ -261,6 +261,9 @@ pub enum CoordinatorMsg {
         rank: usize,
         replica: usize,
         params: Vec<Param>,
+        /// The EMA of the weights, whole, one vector per parameter in the
+        /// order of `params` (empty when none is kept, and from replicas > 0).
+        ema: Vec<Vec<f32>>,
         latencies_us: Vec<f64>,
         peak_live_bytes: usize,
         /// Most bytes of weights, gradients and optimizer state held.
@@ -274,6 +277,8 @@ pub enum CoordinatorMsg {
         step: u64,
         tensors: Vec<TensorState>,
         adam_step: u64,
+        /// The EMA's update count; None when no EMA is kept.
+        ema_updates: Option<u64>,
     },
     /// The checkpointer finished writing the checkpoint of `step`.
     Saved {
@@ -739,17 +744,26 @@ impl CoordinatorMsg {
     }
 
     /// The message's tensors, in frame order: each parameter's data then its
-    /// gradient; each snapshot tensor's data, exp_avg, exp_avg_sq.
+    /// gradient, then each EMA tensor; each snapshot tensor's data, exp_avg,
+    /// exp_avg_sq, ema.
     fn tensors_mut(&mut self) -> Vec<TensorMut<'_>> {
         match self {
             CoordinatorMsg::EvalDone { predictions, .. } => vec![Tensor::U32(key::PREDICTIONS, predictions)],
-            CoordinatorMsg::Weights { params, .. } => {
-                params.iter_mut().flat_map(|p| [Tensor::F32(&mut p.data), Tensor::F32(&mut p.grad)]).collect()
-            }
+            CoordinatorMsg::Weights { params, ema, .. } => params
+                .iter_mut()
+                .flat_map(|p| [Tensor::F32(&mut p.data), Tensor::F32(&mut p.grad)])
+                // Last: a list takes every array left.
+                .chain([Tensor::F32s(ema)])
+                .collect(),
             CoordinatorMsg::Snapshot { tensors, .. } => tensors
                 .iter_mut()
                 .flat_map(|t| {
-                    [Tensor::F32(&mut t.data), Tensor::F32(&mut t.exp_avg), Tensor::F32(&mut t.exp_avg_sq)]
+                    [
+                        Tensor::F32(&mut t.data),
+                        Tensor::F32(&mut t.exp_avg),
+                        Tensor::F32(&mut t.exp_avg_sq),
+                        Tensor::F32(&mut t.ema),
+                    ]
                 })
                 .collect(),
             _ => vec![],
@@ -800,12 +814,16 @@ impl CoordinatorMsg {
             CoordinatorMsg::Weights { params, .. } if tensors => {
                 params.iter().map(|p| Blob::f32s(&p.name, &p.data, keep)).collect()
             }
-            CoordinatorMsg::Snapshot { tensors: ts, adam_step, .. } => {
+            CoordinatorMsg::Snapshot { tensors: ts, adam_step, ema_updates, .. } => {
                 let mut b = vec![Blob::f64(key::ADAM_STEP, *adam_step as f64)];
+                b.extend(ema_updates.map(|n| Blob::f64(key::EMA_UPDATES, n as f64)));
                 for t in ts.iter().filter(|_| tensors) {
                     b.push(Blob::f32s(&t.name, &t.data, keep));
                     b.push(Blob::f32s(&format!("{}.exp_avg", t.name), &t.exp_avg, keep));
                     b.push(Blob::f32s(&format!("{}.exp_avg_sq", t.name), &t.exp_avg_sq, keep));
+                    if ema_updates.is_some() {
+                        b.push(Blob::f32s(&format!("{}.ema", t.name), &t.ema, keep));
+                    }
                 }
                 b
             }
@@ -839,6 +857,7 @@ impl CoordinatorMsg {
                 rank,
                 replica,
                 params: vec![],
+                ema: vec![],
                 latencies_us: vec![],
                 peak_live_bytes: 0,
                 peak_state_bytes: 0,
@@ -849,6 +868,13 @@ impl CoordinatorMsg {
                 step: e.step,
                 tensors: vec![],
                 adam_step: f64_of(key::ADAM_STEP)? as u64,
+                // Logs from before the EMA have no count: they kept none.
+                ema_updates: e
+                    .input(key::EMA_UPDATES)
+                    .ok()
+                    .map(|b| b.to_f64())
+                    .transpose()?
+                    .map(|n| n as u64),
             },
             "EvalDone" => CoordinatorMsg::EvalDone {
                 step: e.step,
@@ -990,6 +1016,7 @@ mod tests {
             data: vec![1.0],
             exp_avg: vec![2.0],
             exp_avg_sq: vec![3.0],
+            ema: vec![4.0],
         };
         let msgs = [
             CoordinatorMsg::Weights {
@@ -999,6 +1026,7 @@ mod tests {
                     param("wte.weight", vec![1.0, 2.0], vec![0.5, -0.5]),
                     param("b", vec![3.0], vec![]),
                 ],
+                ema: vec![vec![1.5, 2.5], vec![3.5]],
                 latencies_us: vec![1.5],
                 peak_live_bytes: 7,
                 peak_state_bytes: 9,
@@ -1009,6 +1037,7 @@ mod tests {
                 step: 4,
                 tensors: vec![tensor.clone(), tensor],
                 adam_step: 3,
+                ema_updates: Some(3),
             },
             CoordinatorMsg::EvalDone {
                 step: 2,

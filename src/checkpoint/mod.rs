@@ -4,7 +4,9 @@
 //!
 //! `DIR/checkpoints/step_00000100/` holds `model.safetensors` (Hugging Face
 //! GPT-2 names), `optimizer.safetensors` (each tensor's AdamW moments as
-//! `NAME.exp_avg` and `NAME.exp_avg_sq`, PyTorch's names) and `state.json`
+//! `NAME.exp_avg` and `NAME.exp_avg_sq`, PyTorch's names), with
+//! `optim.ema_decay` the EMA of the weights as `model.ema.safetensors` (whole
+//! tensors under the names `model.safetensors` uses), and `state.json`
 //! ([`StateFile`]: step, tokens, data cursors, RNG, LR-schedule position, loss
 //! scaler, the resolved config and its hash, and a blake3 digest of each file).
 //! It is written as `step_….tmp/`, every file fsync'd, then renamed and the
@@ -34,6 +36,9 @@ pub struct TensorState {
     pub exp_avg: Vec<f32>,
     #[serde(skip)]
     pub exp_avg_sq: Vec<f32>,
+    /// The EMA of the weights (`optim.ema_decay`); empty when none is kept.
+    #[serde(skip)]
+    pub ema: Vec<f32>,
 }
 
 /// `state.json`. Fields added after format 1 first shipped default when
@@ -66,7 +71,14 @@ pub struct StateFile {
     /// Dynamic loss scaling's state, when it is on.
     #[serde(default)]
     pub loss_scaler: Option<crate::optim::scaler::LossScaler>,
+    /// Updates of the EMA of the weights in [`EMA_FILE`] (AveragedModel's
+    /// `n_averaged`); absent when the run keeps no EMA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ema_updates: Option<u64>,
 }
+
+/// The EMA of the weights in a checkpoint directory (and a run folder).
+pub use crate::model::io::EMA_FILE;
 
 /// The random generator's state. Generators are counter-based: every stream is
 /// a pure function of (seed, purpose, ids) and a position derived from the step
@@ -221,13 +233,17 @@ fn write_files(tmp: &Path, tensors: &[TensorState], state: &mut StateFile) -> Re
         optim.insert(format!("{}.exp_avg", t.name), (t.shape.as_slice(), t.exp_avg.as_slice()));
         optim.insert(format!("{}.exp_avg_sq", t.name), (t.shape.as_slice(), t.exp_avg_sq.as_slice()));
     }
+    let ema: BTreeMap<String, (&[usize], &[f32])> =
+        tensors.iter().map(|t| (t.name.clone(), (t.shape.as_slice(), t.ema.as_slice()))).collect();
     let mut meta = HashMap::new();
     meta.insert(crate::model::io::CONFIG_METADATA_KEY.to_string(), state.config.clone());
     meta.insert("format".to_string(), "pt".to_string());
     let disk_full = fault_disk_full(state.step);
-    for (i, (file, map)) in
-        [("model.safetensors", &model), ("optimizer.safetensors", &optim)].into_iter().enumerate()
-    {
+    let mut files = vec![("model.safetensors", &model), ("optimizer.safetensors", &optim)];
+    if state.ema_updates.is_some() {
+        files.push((EMA_FILE, &ema));
+    }
+    for (i, (file, map)) in files.into_iter().enumerate() {
         let p = tmp.join(file);
         let bytes = io::to_safetensors(&p, map, meta.clone())?;
         // The simulated full disk strikes halfway through the second file.
@@ -426,6 +442,9 @@ pub struct Loaded {
     pub weights: LoadedWeights,
     /// Moments by tensor name: (exp_avg, exp_avg_sq).
     pub moments: HashMap<String, (Vec<f32>, Vec<f32>)>,
+    /// The EMA of the weights by tensor name, when the run kept one
+    /// (`state.ema_updates` counts its updates).
+    pub ema: Option<HashMap<String, Vec<f32>>>,
 }
 
 /// Reads and verifies one checkpoint directory: every file present, digests
@@ -503,7 +522,25 @@ pub fn load_with(
         };
         moments.insert(name.clone(), (get("exp_avg")?, get("exp_avg_sq")?));
     }
-    Ok(Loaded { dir: dir.to_path_buf(), state, state_blake3, weights, moments })
+    let ema = match state.ema_updates {
+        None => None,
+        Some(_) => {
+            let mut file = verified(EMA_FILE)?;
+            let mut ema = HashMap::new();
+            for (name, (shape, _)) in &weights.tensors {
+                let invalid = |reason: String| CheckpointError::Invalid { path: file.path.clone(), reason };
+                match file.tensors.remove(name) {
+                    Some((s, d)) if &s == shape => ema.insert(name.clone(), d),
+                    Some((s, _)) => {
+                        return Err(invalid(format!("tensor `{name}` has shape {s:?}, expected {shape:?}")))
+                    }
+                    None => return Err(invalid(format!("tensor `{name}` is missing"))),
+                };
+            }
+            Some(ema)
+        }
+    };
+    Ok(Loaded { dir: dir.to_path_buf(), state, state_blake3, weights, moments, ema })
 }
 
 #[cfg(test)]
@@ -517,6 +554,7 @@ mod tests {
             data: vec![x; 6],
             exp_avg: vec![0.5; 6],
             exp_avg_sq: vec![0.25; 6],
+            ema: vec![],
         }]
     }
 
@@ -535,6 +573,7 @@ mod tests {
             config_hash: String::new(),
             digests: BTreeMap::new(),
             loss_scaler: None,
+            ema_updates: None,
         }
     }
 

@@ -36,6 +36,16 @@ pub const MODEL_FILE: &str = "model.safetensors";
 /// The index of a sharded folder (transformers' name).
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// The name the model's weight files start with (`model.safetensors`, `model-00001-of-00002.safetensors`).
+pub const MODEL_STEM: &str = "model";
+
+/// The same for the EMA of the weights (`optim.ema_decay`) beside them: `model.ema.safetensors`, or
+/// `model.ema-00001-of-00002.safetensors` and `model.ema.safetensors.index.json`.
+pub const EMA_STEM: &str = "model.ema";
+
+/// The EMA of the weights as one file, in a run folder and in a checkpoint.
+pub const EMA_FILE: &str = "model.ema.safetensors";
+
 /// transformers' default `max_shard_size`: 5 GB.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 
@@ -275,14 +285,17 @@ pub fn locate(path: &Path) -> Result<WeightsSource, WeightsError> {
         _ if path.is_dir() => (path.to_path_buf(), path.join(INDEX_FILE)),
         _ => return Ok(WeightsSource::File(path.to_path_buf())),
     };
-    let single = dir.join(MODEL_FILE);
+    // The single file of the same stem: an EMA's index sits beside the model's files.
+    let index_name = index.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+    let stem = index_name.strip_suffix(".safetensors.index.json").unwrap_or(MODEL_STEM).to_string();
+    let single = dir.join(format!("{stem}.safetensors"));
     if !crate::fsutil::is_present(&index).map_err(|error| WeightsError::Io { path: index.clone(), error })? {
         return Ok(WeightsSource::File(single));
     }
     if crate::fsutil::is_present(&single).unwrap_or(false) {
         return Err(WeightsError::Index {
             path: dir,
-            msg: format!("holds both {MODEL_FILE} and {INDEX_FILE}: expected one model (remove one)"),
+            msg: format!("holds both {stem}.safetensors and {index_name}: expected one model (remove one)"),
         });
     }
     let text =
@@ -324,6 +337,8 @@ pub fn locate(path: &Path) -> Result<WeightsSource, WeightsError> {
         .map_err(|error| WeightsError::Io { path: dir.clone(), error })?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| n.ends_with(".safetensors") && !named.contains(n))
+        // The model's files beside its EMA's, or the other way round, are another set of weights.
+        .filter(|n| ![MODEL_STEM, EMA_STEM].iter().any(|&s| s != stem && is_model_file_of(s, n)))
         .collect();
     stray.sort();
     if let Some(f) = stray.first() {
@@ -852,6 +867,20 @@ pub fn export_hf(
     store: StoreAs,
     max_shard_bytes: u64,
 ) -> Result<Vec<PathBuf>, WeightsError> {
+    export_hf_as(dir, MODEL_STEM, arch, tensors, metadata, store, max_shard_bytes)
+}
+
+/// [`export_hf`] under another file stem: the EMA of the weights ([`EMA_STEM`])
+/// is written by the same code, beside the model and in the same names.
+pub fn export_hf_as(
+    dir: &Path,
+    stem: &str,
+    arch: &Arch,
+    tensors: &BTreeMap<String, (&[usize], &[f32])>,
+    metadata: HashMap<String, String>,
+    store: StoreAs,
+    max_shard_bytes: u64,
+) -> Result<Vec<PathBuf>, WeightsError> {
     let ours: Vec<(&str, &[usize], &[f32])> =
         tensors.iter().map(|(n, (s, d))| (n.as_str(), *s, *d)).collect();
     let mut hf = (arch.family.spec().to_hf)(arch, ours);
@@ -871,8 +900,8 @@ pub fn export_hf(
     }
     let n = shards.len();
     let names: Vec<String> = match n {
-        1 => vec![MODEL_FILE.to_string()],
-        _ => (1..=n).map(|i| format!("model-{i:05}-of-{n:05}.safetensors")).collect(),
+        1 => vec![format!("{stem}.safetensors")],
+        _ => (1..=n).map(|i| format!("{stem}-{i:05}-of-{n:05}.safetensors")).collect(),
     };
     let mut written = Vec::new();
     let mut weight_map = BTreeMap::new();
@@ -896,7 +925,7 @@ pub fn export_hf(
         }
         written.push(path);
     }
-    let index = dir.join(INDEX_FILE);
+    let index = dir.join(format!("{stem}.safetensors.index.json"));
     if n > 1 {
         let v = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         let text = serde_json::to_string_pretty(&v).expect("an index serializes") + "\n";
@@ -910,7 +939,7 @@ pub fn export_hf(
     for e in stale.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
         let ours = written.iter().any(|w| w.file_name().is_some_and(|f| f.to_string_lossy() == name));
-        if is_model_file(&name) && !ours {
+        if is_model_file_of(stem, &name) && !ours {
             std::fs::remove_file(e.path()).map_err(|error| WeightsError::Io { path: e.path(), error })?;
         }
     }
@@ -920,7 +949,15 @@ pub fn export_hf(
 /// Whether a file name is one of a model's weight files as [`export_hf`]
 /// (and transformers) write them: the single file, the index, or a shard.
 pub fn is_model_file(name: &str) -> bool {
-    name == MODEL_FILE || name == INDEX_FILE || (name.starts_with("model-") && name.ends_with(".safetensors"))
+    is_model_file_of(MODEL_STEM, name)
+}
+
+/// [`is_model_file`] for the files [`export_hf_as`] writes under `stem`.
+pub fn is_model_file_of(stem: &str, name: &str) -> bool {
+    let Some(rest) = name.strip_prefix(stem) else { return false };
+    rest == ".safetensors"
+        || rest == ".safetensors.index.json"
+        || (rest.starts_with('-') && rest.ends_with(".safetensors"))
 }
 
 /// Names in the order people read them: `layers.2` before `layers.10`.

@@ -6,6 +6,7 @@
 //! tensor order and block order within a tensor (see `zero`), so the result is
 //! the same bits however the model is split into parts or shards.
 
+pub mod ema;
 pub mod grad_tree;
 pub mod scaler;
 pub mod zero;

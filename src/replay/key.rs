@@ -18,4 +18,5 @@ pub const LOSS_SUM: &str = "loss_sum";
 pub const TOKEN_COUNT: &str = "tokens";
 pub const PREDICTIONS: &str = "predictions";
 pub const ADAM_STEP: &str = "adam_step";
+pub const EMA_UPDATES: &str = "ema_updates";
 pub const SPANS: &str = "spans";

@@ -145,6 +145,48 @@ pub fn eval_text(
     eval_source(cfg, w, source, weights, text, amount)
 }
 
+/// The EMA of the weights in a run folder (`optim.ema_decay`): its
+/// `model.ema.safetensors`, or the index of its shards. `eval --ema` and
+/// `generate` take it like any weights file.
+pub fn ema_weights(run_dir: &Path) -> Result<std::path::PathBuf> {
+    if !run_dir.is_dir() {
+        bail!("{}: --ema takes a run folder (it reads the folder's {})", run_dir.display(), io::EMA_FILE);
+    }
+    let index = run_dir.join(format!("{}.safetensors.index.json", io::EMA_STEM));
+    let file = run_dir.join(io::EMA_FILE);
+    match (file.is_file(), index.is_file()) {
+        (true, _) => Ok(file),
+        (false, true) => Ok(index),
+        (false, false) => bail!(
+            "{}: no {}: the run kept no EMA of its weights (train with optim.ema_decay > 0)",
+            run_dir.display(),
+            io::EMA_FILE
+        ),
+    }
+}
+
+/// The val loss a run reports (the mean over `train.eval_batches` batches of
+/// `val`'s first windows, as `eval` of a run's weights with its own config
+/// gives it), for weights held in memory by name: the run's EMA at its end.
+pub fn eval_tensors(
+    cfg: &Config,
+    tensors: &std::collections::BTreeMap<String, (&[usize], &[f32])>,
+    val: std::sync::Arc<TokenSource>,
+) -> Result<f64> {
+    let mut cfg = cfg.clone();
+    let windows = cfg.train.eval_batches * cfg.train.micro_batch_size;
+    // One window per microbatch: batches of equal size have the windows' mean.
+    cfg.train.micro_batch_size = 1;
+    cfg.parallel.microbatches = 1;
+    let mut engine = Engine::new(&cfg);
+    for p in &mut engine.part.params {
+        let (_, data) = tensors.get(&p.name).ok_or_else(|| anyhow!("no tensor `{}` to evaluate", p.name))?;
+        p.data.copy_from_slice(data);
+    }
+    let mut sampler = Sampler::eval(val, cfg.model.block_size, 1)?;
+    Ok(engine.evaluate(windows, |mb, inp, tgt| sampler.fill(mb as u64, inp, tgt), None))
+}
+
 fn eval_source(
     mut cfg: Config,
     w: io::LoadedWeights,

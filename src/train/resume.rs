@@ -66,6 +66,15 @@ pub fn find_resume_point(dir: &Path, cfg: &Config) -> Result<Option<Loaded>> {
     if (step as usize) > cfg.train.steps {
         bail!("{}: step {step} is past train.steps ({})", path.display(), cfg.train.steps);
     }
+    // An EMA begun now would average only the steps from here: not the run's EMA.
+    if cfg.optim.ema_decay > 0.0 && loaded.ema.is_none() {
+        bail!(
+            "{}: the checkpoint holds no EMA of the weights (its run kept none), but optim.ema_decay = {} \
+             keeps one: resume with optim.ema_decay = 0, or start a new run",
+            path.display(),
+            cfg.optim.ema_decay
+        );
+    }
     for (dir, e) in &damaged {
         let kept = checkpoint::set_aside(dir)?;
         tracing::warn!(

@@ -58,6 +58,13 @@ pub struct Summary {
     pub skipped_steps: usize,
     pub params: usize,
     pub weights_digest: String,
+    /// `optim.ema_decay`: the digest of the EMA of the weights (as
+    /// `weights_digest`) and its val loss, measured at the end of the run
+    /// on the run's val data.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ema_weights_digest: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ema_val_loss: Option<f64>,
     pub config_hash: String,
     /// The checkpoint step this run resumed from.
     pub resumed_from: Option<u64>,
@@ -315,7 +322,7 @@ fn remove_earlier_outputs(dir: &Path) -> Result<()> {
         let name = entry.file_name().to_string_lossy().into_owned();
         let p = entry.path();
         let ours = OUTPUTS.contains(&name.as_str())
-            || io::is_model_file(&name)
+            || is_weights_file(&name)
             || p == crate::checkpoint::checkpoints_dir(dir)
             || name.starts_with("replay.before-step-");
         if !ours {
@@ -451,9 +458,24 @@ pub fn train_on(
     let curves = prior.curves_with(&mut out);
     let peak = flops_peak(cfg, threads, peak_before, &gpus);
     let tensors = io::gather_params(&out.params);
+    let ema = (!out.ema_params.is_empty()).then(|| io::gather_params(&out.ema_params));
     let tp_traffic = cluster_fabric.as_ref().and_then(|f| f.tp_inboxes.traffic());
-    let summary = summarize(cfg, &out, &curves, &prior, peak, &tensors, tp_traffic);
-    write_outputs(&opts.out_dir, cfg, &tensors, &summary, &curves)?;
+    let mut summary = summarize(cfg, &out, &curves, &prior, peak, &tensors, tp_traffic);
+    if let Some(ema) = &ema {
+        summary.ema_weights_digest = Some(io::digest_of(ema));
+        // At the end, outside the actors: evaluating inside the run would
+        // need every stage to swap its (sharded) EMA in and out.
+        if let Some(val) = &sources.val {
+            let loss = super::eval::eval_tensors(cfg, ema, val.clone())?;
+            tracing::info!(
+                "EMA of the weights (optim.ema_decay = {}): val loss {loss:.4}{}",
+                cfg.optim.ema_decay,
+                summary.val_loss.map_or(String::new(), |v| format!(" (the weights': {v:.4})"))
+            );
+            summary.ema_val_loss = Some(loss);
+        }
+    }
+    write_outputs(&opts.out_dir, cfg, &tensors, ema.as_ref(), &summary, &curves)?;
     if cfg.trace.enabled {
         let mut meta = trace_meta;
         if let Some(f) = &cluster_fabric {
@@ -537,7 +559,7 @@ fn prepare_run_dir(opts: &TrainOptions, resume: Option<&crate::checkpoint::Loade
     if !opts.force && !opts.resume {
         // Above 5 GB a run's weights are shards and their index.
         let shards = std::fs::read_dir(&opts.out_dir).into_iter().flatten().flatten().map(|e| e.file_name());
-        let shards = shards.filter(|n| io::is_model_file(&n.to_string_lossy()));
+        let shards = shards.filter(|n| is_weights_file(&n.to_string_lossy()));
         let earlier = OUTPUTS.iter().map(std::ffi::OsString::from).chain(shards);
         for f in earlier {
             let p = opts.out_dir.join(f);
@@ -704,6 +726,8 @@ fn summarize(
         skipped_steps: out.skipped,
         params: gpt.num_params(),
         weights_digest: io::digest_of(tensors),
+        ema_weights_digest: None,
+        ema_val_loss: None,
         config_hash: cfg.hash(),
         resumed_from: prior.resumed_from,
         stopped_early: out.stopped_early,
@@ -720,6 +744,23 @@ fn summarize(
     }
 }
 
+/// Removes the files of an EMA of the weights from `dir`.
+fn remove_ema_files(dir: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for e in entries.flatten() {
+        if io::is_model_file_of(io::EMA_STEM, &e.file_name().to_string_lossy()) {
+            let p = e.path();
+            std::fs::remove_file(&p).with_context(|| format!("{}: cannot remove", p.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// A run's weight files: the model's and its EMA's.
+fn is_weights_file(name: &str) -> bool {
+    io::is_model_file(name) || io::is_model_file_of(io::EMA_STEM, name)
+}
+
 /// Writes `text` to `name` in `dir`, atomically.
 fn write_text(dir: &Path, name: &str, text: &str) -> Result<()> {
     let p = dir.join(name);
@@ -733,6 +774,7 @@ fn write_outputs(
     dir: &Path,
     cfg: &Config,
     tensors: &Tensors<'_>,
+    ema: Option<&Tensors<'_>>,
     summary: &Summary,
     curves: &Curves,
 ) -> Result<()> {
@@ -743,7 +785,23 @@ fn write_outputs(
     if !simulated {
         // The family's own files, so its transformers class opens the run as it is.
         let gpt = cfg.arch();
-        io::export_hf(dir, &gpt, tensors, meta, io::StoreAs::F32, io::DEFAULT_MAX_SHARD_BYTES)?;
+        io::export_hf(dir, &gpt, tensors, meta.clone(), io::StoreAs::F32, io::DEFAULT_MAX_SHARD_BYTES)?;
+        // The EMA in the same names and format, beside the weights (an
+        // earlier segment's EMA goes when this one keeps none).
+        match ema {
+            Some(ema) => {
+                io::export_hf_as(
+                    dir,
+                    io::EMA_STEM,
+                    &gpt,
+                    ema,
+                    meta,
+                    io::StoreAs::F32,
+                    io::DEFAULT_MAX_SHARD_BYTES,
+                )?;
+            }
+            None => remove_ema_files(dir)?,
+        }
         // Beside model.safetensors, so transformers' from_pretrained(run_dir) opens the run.
         write_text(dir, crate::model::hf::HF_CONFIG_FILE, &crate::model::hf::config_json(&gpt))?;
         // The data's tokenizer, so `generate` on the run and AutoTokenizer need nothing else.

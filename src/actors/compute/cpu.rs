@@ -10,6 +10,7 @@ use crate::checkpoint::{Loaded, TensorState};
 use crate::kernels::cpu::matmul::with_random_order;
 use crate::model::part::{MicroActs, Mode, PartInput};
 use crate::model::{ModelPart, Param};
+use crate::optim::ema::EmaState;
 use crate::optim::grad_tree::{Leaf, PartTree, Span};
 use crate::optim::zero::Shard;
 use crate::optim::{self, AdamState, Hyper};
@@ -38,6 +39,8 @@ pub struct CpuCompute {
     first_slots: Vec<usize>,
     /// Most bytes of training state held at once (see `state_bytes`).
     peak_state_bytes: usize,
+    /// The EMA of each chunk's weights (`optim.ema_decay`); empty when none is kept.
+    ema: Vec<EmaState>,
 }
 
 impl CpuCompute {
@@ -72,6 +75,7 @@ impl CpuCompute {
             zero,
             owned: Vec::new(),
             peak_state_bytes: 0,
+            ema: Vec::new(),
         };
         if zero == 3 {
             c.keep_owned();
@@ -97,7 +101,8 @@ impl CpuCompute {
     /// shards and whatever is gathered), gradients (the parts' buffers and
     /// the trees' nodes and spares) and AdamW moments. Activations are
     /// counted apart (`peak_live_bytes`); gradients in flight to the
-    /// reducer are not counted.
+    /// reducer and the EMA of the weights (as many bytes as AdamW's `m`)
+    /// are not counted, nor by the planner.
     fn state_bytes(&self) -> usize {
         let floats = |v: &[Vec<f32>]| v.iter().map(Vec::len).sum::<usize>();
         let parts: usize = self
@@ -115,6 +120,13 @@ impl CpuCompute {
 
     fn note_state(&mut self) {
         self.peak_state_bytes = self.peak_state_bytes.max(self.state_bytes());
+    }
+
+    /// Keeps an EMA of the weights, one state per chunk (for the same shard as AdamW's).
+    pub fn with_ema(mut self, ema: Vec<EmaState>) -> Self {
+        assert_eq!(ema.len(), self.parts.len(), "one EMA per chunk");
+        self.ema = ema;
+        self
     }
 
     /// Most gradient sets any chunk's tree held at once (memory reports).
@@ -139,6 +151,22 @@ pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<
         st.v[i].copy_from_slice(&v[r]);
     }
     Ok(())
+}
+
+/// Loads a checkpoint's EMA of the weights for `params` into `e`: the
+/// elements its shard owns of the whole tensors on disk.
+pub fn load_ema(params: &[Param], e: &mut EmaState, c: &Loaded) -> Result<(), String> {
+    match (&c.ema, c.state.ema_updates) {
+        (Some(whole), Some(n)) => {
+            e.load(params, whole, n).map_err(|why| format!("{}: {why}", c.dir.display()))
+        }
+        _ => Err(format!(
+            "{}: the checkpoint holds no EMA of the weights, and optim.ema_decay = {} keeps one \
+             (resume with optim.ema_decay = 0, or start a new run)",
+            c.dir.display(),
+            e.decay
+        )),
+    }
 }
 
 /// Puts a replica's shard of each reduced gradient (part order, the head's
@@ -367,6 +395,27 @@ impl StageCompute for CpuCompute {
         });
     }
 
+    fn update_ema(&mut self) {
+        let (parts, ema, owned) = (&self.parts, &mut self.ema, &self.owned);
+        self.pool.install(|| {
+            for (i, (e, part)) in ema.iter_mut().zip(parts).enumerate() {
+                // ZeRO-3 holds the owned elements alone.
+                match owned.get(i) {
+                    Some(o) => e.update_owned(o.iter().map(Vec::as_slice)),
+                    None => e.update(&part.params),
+                }
+            }
+        });
+    }
+
+    fn ema_updates(&self) -> Option<u64> {
+        self.ema.first().map(|e| e.updates)
+    }
+
+    fn ema_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        self.ema[i].shadow.clone()
+    }
+
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
         for (i, part) in self.parts.iter().enumerate() {
             for (k, p) in part.params.iter().enumerate() {
@@ -397,6 +446,7 @@ impl StageCompute for CpuCompute {
                     data: self.owned.get(c).map_or(&p.data, |o| &o[i]).clone(),
                     exp_avg: st.m[i].clone(),
                     exp_avg_sq: st.v[i].clone(),
+                    ema: self.ema.get(c).map_or(Vec::new(), |e| e.shadow[i].clone()),
                 });
             }
         }
@@ -410,6 +460,9 @@ impl StageCompute for CpuCompute {
             }
             c.weights.assign(part).map_err(|e| format!("rollback to {}: {e}", c.dir.display()))?;
             load_moments(&part.params, st, c)?;
+        }
+        for (part, e) in self.parts.iter().zip(self.ema.iter_mut()) {
+            load_ema(&part.params, e, c)?;
         }
         if self.zero == 3 {
             self.keep_owned();

@@ -538,6 +538,7 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
                     data: d,
                     exp_avg: m,
                     exp_avg_sq: v,
+                    ema: Vec::new(),
                 });
             }
         }

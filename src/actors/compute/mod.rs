@@ -27,7 +27,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod gpu;
 
-pub use cpu::{load_moments, CpuCompute};
+pub use cpu::{load_ema, load_moments, CpuCompute};
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuCompute, GpuPlace};
 
@@ -149,14 +149,28 @@ pub trait StageCompute {
     fn poison_grad(&mut self, i: usize, value: f32);
     /// One AdamW step of every chunk, gradients scaled by `clip`.
     fn adamw(&mut self, hyper: Hyper, lr: f64, clip: f32);
+    /// One update of the EMA of the weights (`optim.ema_decay`), after an
+    /// applied AdamW step; nothing when no EMA is kept.
+    fn update_ema(&mut self) {}
+    /// The EMA's update count; None when no EMA is kept (the config keeps
+    /// one on the CPU backend only).
+    fn ema_updates(&self) -> Option<u64> {
+        None
+    }
+    /// Chunk `i`'s EMA: the elements this replica's shard owns of each
+    /// tensor (all of them without ZeRO-1).
+    fn ema_shards(&self, _i: usize) -> Vec<Vec<f32>> {
+        unreachable!("an EMA is kept on the CPU backend only: the config refuses the rest")
+    }
     /// Calls `f(chunk, name, values)` for every parameter, in chunk order.
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32]));
     /// Tensor `k`'s name in chunk `i`.
     fn param_name(&self, i: usize, k: usize) -> Option<String>;
     /// Copies of every parameter (the end of a run).
     fn params(&self) -> Vec<Param>;
-    /// Parameters and AdamW moments for a checkpoint, with AdamW's step count;
-    /// under ZeRO-1 the moments are this replica's shard of each tensor.
+    /// Parameters, AdamW moments and the EMA for a checkpoint, with AdamW's
+    /// step count; under ZeRO-1 the moments and the EMA are this replica's
+    /// shard of each tensor.
     fn snapshot(&self) -> (Vec<TensorState>, u64);
     /// Loads parameters and moments from a checkpoint (a rollback).
     fn restore(&mut self, c: &Loaded) -> Result<(), String>;

@@ -7,17 +7,19 @@ use crate::config::Config;
 use crate::optim::{scaler::LossScaler, LrSchedule};
 use crate::replay::Blob;
 
-/// One rank's copy of its tensors and its AdamW step count.
-pub type Snapshot = (Vec<TensorState>, u64);
+/// One rank's copy of its tensors, its AdamW step count and its EMA's
+/// update count (None: no EMA kept).
+pub type Snapshot = (Vec<TensorState>, u64, Option<u64>);
 
 /// The ranks' snapshots, in rank order, as one list of tensors with the
-/// AdamW step (every rank's is the same; the last one read stands).
-pub fn merge(snapshots: impl IntoIterator<Item = Snapshot>) -> (Vec<TensorState>, u64) {
+/// AdamW step and the EMA's updates (every rank's are the same; the last
+/// one read stands).
+pub fn merge(snapshots: impl IntoIterator<Item = Snapshot>) -> Snapshot {
     let mut tensors = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
-    let mut adam_step = 0;
-    for (ts, t) in snapshots {
-        adam_step = t;
+    let (mut adam_step, mut ema_updates) = (0, None);
+    for (ts, t, ema) in snapshots {
+        (adam_step, ema_updates) = (t, ema);
         for tensor in ts {
             // The head's copy of the tied wte equals the embedding's; keep one.
             if seen.insert(tensor.name.clone()) {
@@ -25,7 +27,7 @@ pub fn merge(snapshots: impl IntoIterator<Item = Snapshot>) -> (Vec<TensorState>
             }
         }
     }
-    (tensors, adam_step)
+    (tensors, adam_step, ema_updates)
 }
 
 /// Where the run stands at a step boundary: what `state.json` records.
@@ -43,6 +45,7 @@ pub struct RunPosition<'a> {
     pub dp: usize,
     pub microbatches: usize,
     pub loss_scaler: Option<LossScaler>,
+    pub ema_updates: Option<u64>,
 }
 
 /// `state.json` of the checkpoint taken at `p.step`.
@@ -64,6 +67,7 @@ pub fn state_file(p: RunPosition) -> StateFile {
         config_hash: p.cfg.hash(),
         digests: Default::default(),
         loss_scaler: p.loss_scaler,
+        ema_updates: p.ema_updates,
     }
 }
 
@@ -105,15 +109,17 @@ mod tests {
             data: vec![v],
             exp_avg: vec![0.0],
             exp_avg_sq: vec![0.0],
+            ema: vec![],
         }
     }
 
     #[test]
     fn the_tied_embedding_is_written_once_from_the_first_rank_holding_it() {
-        let (ts, adam) = merge([
-            (vec![tensor("wte", 1.0), tensor("h0.w", 2.0)], 7),
-            (vec![tensor("h1.w", 3.0), tensor("wte", 9.0)], 7),
+        let (ts, adam, ema) = merge([
+            (vec![tensor("wte", 1.0), tensor("h0.w", 2.0)], 7, Some(7)),
+            (vec![tensor("h1.w", 3.0), tensor("wte", 9.0)], 7, Some(7)),
         ]);
+        assert_eq!(ema, Some(7));
         let names: Vec<_> = ts.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["wte", "h0.w", "h1.w"]);
         assert_eq!(ts[0].data, [1.0]);
@@ -137,6 +143,7 @@ mod tests {
             dp: 2,
             microbatches: 4,
             loss_scaler: None,
+            ema_updates: None,
         });
         // Step 3 of dp 2 × m 4 × b 2: replica r starts at microbatch (3·2 + r)·4.
         assert_eq!(s.data_cursor, 48);

@@ -91,7 +91,9 @@ pub struct CoordinatorState {
     /// A symptom of a failure is on its way (`CoordinatorMsg::Symptom`): only
     /// failure reports are handled until it arrives.
     failing: bool,
-    snapshots: Vec<Option<(Vec<crate::checkpoint::TensorState>, u64)>>,
+    snapshots: Vec<Option<assembly::Snapshot>>,
+    /// Replica 0's EMA of the weights at the end, by rank (empty when none is kept).
+    ema_weights: Vec<Option<Vec<Param>>>,
     snapshot_started: Instant,
     writes_pending: usize,
     stop_requested: bool,
@@ -123,6 +125,7 @@ impl CoordinatorState {
             recovery: Recovery::new(&cfg.recovery),
             steps: cfg.train.steps as u64,
             weights: vec![None; pp],
+            ema_weights: vec![None; pp],
             run_dir,
             cfg,
             layout,
@@ -189,6 +192,7 @@ impl CoordinatorState {
                 rank,
                 replica,
                 params,
+                ema,
                 latencies_us,
                 peak_live_bytes,
                 peak_state_bytes,
@@ -204,6 +208,15 @@ impl CoordinatorState {
                 }
                 st.out.peak_state_bytes[rank] = st.out.peak_state_bytes[rank].max(peak_state_bytes);
                 if replica == 0 {
+                    // The EMA comes as values in the order of the parameters.
+                    let ema = params.iter().zip(ema).map(|(p, data)| Param {
+                        name: p.name.clone(),
+                        shape: p.shape.clone(),
+                        data,
+                        grad: vec![],
+                        canonical: p.canonical,
+                    });
+                    st.ema_weights[rank] = Some(ema.collect());
                     st.weights[rank] = Some(params);
                     if st.out.peak_live_bytes.len() <= rank {
                         st.out.peak_live_bytes.resize(rank + 1, 0);
@@ -214,14 +227,15 @@ impl CoordinatorState {
                 if st.acks == st.layout.pp * st.layout.dp {
                     st.gather_done();
                     st.out.params = st.weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
+                    st.out.ema_params = st.ema_weights.iter_mut().flat_map(|w| w.take().unwrap()).collect();
                     st.waiting = Waiting::Flush;
                     st.maybe_done();
                 }
                 Ok(())
             }
-            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step } => {
+            CoordinatorMsg::Snapshot { rank, step, tensors, adam_step, ema_updates } => {
                 check(matches!(st.waiting, Waiting::Snapshots) && step == st.step, "unexpected Snapshot")?;
-                st.snapshots[rank] = Some((tensors, adam_step));
+                st.snapshots[rank] = Some((tensors, adam_step, ema_updates));
                 if st.snapshots.iter().all(Option::is_some) {
                     st.gather_done();
                     st.snapshots_done()?;
@@ -333,7 +347,7 @@ impl CoordinatorState {
     /// Every stage's copy is in: hand them to the checkpointer and go on.
     fn snapshots_done(&mut self) -> Result<(), ActorProcessingErr> {
         let snapshots = self.snapshots.iter_mut().map(|s| s.take().expect("snapshot"));
-        let (tensors, adam_step) = assembly::merge(snapshots);
+        let (tensors, adam_step, ema_updates) = assembly::merge(snapshots);
         self.out.checkpoint_pause_ms.push(self.snapshot_started.elapsed().as_secs_f64() * 1e3);
         let state = assembly::state_file(assembly::RunPosition {
             cfg: &self.cfg,
@@ -347,6 +361,7 @@ impl CoordinatorState {
             dp: self.layout.dp,
             microbatches: self.layout.microbatches,
             loss_scaler: self.scaler.clone(),
+            ema_updates,
         });
         self.writes_pending += 1;
         if self.log.is_some() {

@@ -38,6 +38,8 @@ pub struct RunInputs {
 pub struct RunOutcome {
     /// Parameters of replica 0, every stage (a tied copy may appear twice).
     pub params: Vec<Param>,
+    /// Replica 0's EMA of the weights, as parameters (empty when none is kept).
+    pub ema_params: Vec<Param>,
     pub losses: Vec<f64>,
     pub train_curve: Vec<(usize, f64)>,
     pub val_curve: Vec<(usize, f64)>,

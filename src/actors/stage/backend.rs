@@ -9,6 +9,7 @@ use super::StageArgs;
 use crate::config::BackendKind;
 use crate::model::tp::TpShape;
 use crate::model::ModelPart;
+use crate::optim::ema::EmaState;
 use crate::optim::AdamState;
 
 /// The rank's compute, or why it could not start.
@@ -69,6 +70,7 @@ fn build_cpu(
     let b = cfg.train.micro_batch_size;
     let mut parts = Vec::new();
     let mut adam = Vec::new();
+    let mut ema = Vec::new();
     for (chunk, (spec, params)) in chunks.into_iter().enumerate() {
         let tp = TpShape::from_config(cfg);
         let remote = match &args.processes {
@@ -85,6 +87,13 @@ fn build_cpu(
         let mut st = AdamState::sharded(&part.params, zero_shard(args));
         if let Some(c) = &args.resume {
             super::super::compute::load_moments(&part.params, &mut st, c)?;
+        }
+        if cfg.optim.ema_decay > 0.0 {
+            let mut e = EmaState::sharded(&part.params, zero_shard(args), cfg.optim.ema_decay);
+            if let Some(c) = &args.resume {
+                super::super::compute::load_ema(&part.params, &mut e, c)?;
+            }
+            ema.push(e);
         }
         parts.push(part);
         adam.push(st);
@@ -106,7 +115,8 @@ fn build_cpu(
     let m = args.layout.microbatches;
     let block = args.replica * m..(args.replica + 1) * m;
     let total = args.layout.dp * m;
-    Ok(Box::new(CpuCompute::new(parts, adam, pool, nondet, b, block, total, cfg.parallel.zero)))
+    let compute = CpuCompute::new(parts, adam, pool, nondet, b, block, total, cfg.parallel.zero);
+    Ok(Box::new(if ema.is_empty() { compute } else { compute.with_ema(ema) }))
 }
 
 /// The rank's chunks on its GPU (`backend.devices`), or on its stage's

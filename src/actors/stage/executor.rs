@@ -146,6 +146,7 @@ impl Executor {
                 let span = self.rank_span("optimizer");
                 if !skip {
                     self.compute.adamw(self.hyper, lr, clip);
+                    self.compute.update_ema();
                 }
                 drop(span);
                 if matches!(self.zero, 1 | 2) && !skip {
@@ -161,7 +162,7 @@ impl Executor {
                 if self.zero == 3 {
                     (0..self.stages.len()).try_for_each(|i| self.use_chunk(i))?;
                 }
-                self.send_weights();
+                self.send_weights()?;
                 self.release_chunks();
             }
             StageMsg::Snapshot { step } => {
@@ -172,7 +173,10 @@ impl Executor {
                 }
                 drop(span);
                 if self.replica == 0 {
-                    self.comm.report(CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step });
+                    let ema_updates = self.compute.ema_updates();
+                    let msg =
+                        CoordinatorMsg::Snapshot { rank: self.rank, step, tensors, adam_step, ema_updates };
+                    self.comm.report(msg);
                 }
             }
             StageMsg::Restore(c) => {
@@ -192,10 +196,11 @@ impl Executor {
 
     /// The end of the run: parameters (replica 0's stand for all), message
     /// latencies and the trace, to the coordinator.
-    fn send_weights(&mut self) {
-        let params = match self.replica {
-            0 => self.compute.params(),
-            _ => vec![],
+    fn send_weights(&mut self) -> Result<(), Stopped> {
+        let ema = self.whole_ema()?;
+        let (params, ema) = match self.replica {
+            0 => (self.compute.params(), ema),
+            _ => (vec![], vec![]),
         };
         let latencies = std::mem::take(&mut *self.latencies_us.lock().expect("latency log"));
         let peak_live_bytes = self.compute.peak_live_bytes();
@@ -205,11 +210,31 @@ impl Executor {
             rank: self.rank,
             replica: self.replica,
             params,
+            ema,
             latencies_us: latencies,
             peak_live_bytes,
             peak_state_bytes,
             trace,
         });
+        Ok(())
+    }
+
+    /// The EMA of every chunk's weights, whole (under ZeRO-1 gathered from
+    /// every replica's shards), in the order of `params()`; empty when none is kept.
+    fn whole_ema(&mut self) -> Result<Vec<Vec<f32>>, Stopped> {
+        // Without ZeRO-1 replica 0's whole copy stands for all, as for the weights.
+        if self.compute.ema_updates().is_none() || (self.zero == 0 && self.replica != 0) {
+            return Ok(vec![]);
+        }
+        let mut all = Vec::new();
+        for i in 0..self.stages.len() {
+            let shards = self.compute.ema_shards(i);
+            match self.zero >= 1 {
+                true => all.extend(self.gather(self.step, self.stages[i], shards)?.iter().cloned()),
+                false => all.extend(shards),
+            }
+        }
+        Ok(all)
     }
 
     /// Digests of the parameters after an optimizer step (or a rollback).
@@ -465,11 +490,22 @@ impl Executor {
             if weights {
                 shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.data)));
             }
+            // The EMA's shards ride in the same gather, after the moments (and weights).
+            let ema = self.compute.ema_updates().is_some();
+            if ema {
+                shards.extend(chunk.iter_mut().map(|t| std::mem::take(&mut t.ema)));
+            }
             let whole = self.gather(step, self.stages[i], shards)?;
             for (k, t) in chunk.iter_mut().enumerate() {
                 (t.exp_avg, t.exp_avg_sq) = (whole[k].clone(), whole[n + k].clone());
                 if weights {
                     t.data = whole[2 * n + k].clone();
+                }
+            }
+            if ema {
+                let at = if weights { 3 * n } else { 2 * n };
+                for (t, e) in chunk.iter_mut().zip(&whole[at..]) {
+                    t.ema = e.clone();
                 }
             }
         }

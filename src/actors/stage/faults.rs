@@ -254,6 +254,15 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn params(&self) -> Vec<Param> {
         self.inner.params()
     }
+    fn update_ema(&mut self) {
+        self.inner.update_ema()
+    }
+    fn ema_updates(&self) -> Option<u64> {
+        self.inner.ema_updates()
+    }
+    fn ema_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        self.inner.ema_shards(i)
+    }
     fn snapshot(&self) -> (Vec<TensorState>, u64) {
         self.inner.snapshot()
     }

@@ -9,6 +9,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod crossentropy;
+pub mod ema;
 pub mod embedding;
 pub mod flash_attention;
 pub mod gelu;
