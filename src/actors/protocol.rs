@@ -182,6 +182,17 @@ pub enum StageMsg {
         #[serde(skip)]
         grads: Vec<Vec<f32>>,
     },
+    /// ZeRO-2 and 3: this replica's shard of every replica's gradient of
+    /// microbatch `mb` (the replica's own index) of `stage` — the head's
+    /// tensors or the body's — replicas in order, each a set of tensors.
+    Scattered {
+        step: u64,
+        stage: usize,
+        mb: usize,
+        head: bool,
+        #[serde(skip)]
+        shards: Vec<Vec<f32>>,
+    },
     /// ZeRO-1: `stage`'s tensors gathered whole from every replica's shard
     /// (the updated parameters, or for a checkpoint the AdamW moments). Shared:
     /// in one process every replica reads the one copy the reducer made.
@@ -323,10 +334,14 @@ pub enum ReducerMsg {
     /// tree: `grads` holds `spans.len()` sets of the stage's tensors, one
     /// after the other.
     Reduce { step: u64, stage: usize, replica: usize, spans: Vec<Span>, grads: Vec<Vec<f32>> },
-    /// ZeRO-1: a replica's shard of each of `stage`'s tensors (updated
+    /// ZeRO: a replica's shard of each of `stage`'s tensors (updated
     /// parameters, or AdamW moments for a checkpoint), to be sent whole to
     /// every replica.
     Gather { step: u64, stage: usize, replica: usize, shards: Vec<Vec<f32>> },
+    /// ZeRO-2 and 3: a replica's gradient of its microbatch `mb` of `stage`
+    /// (the head's tensors, or the body's), whole, to be cut into shards for
+    /// their owners as soon as every replica's is in.
+    Scatter { step: u64, stage: usize, replica: usize, mb: usize, head: bool, grads: Vec<Vec<f32>> },
 }
 
 impl Message for ReducerMsg {}
@@ -491,6 +506,7 @@ macro_rules! tensor_table {
                 | StageMsg::Gradient { data, .. }
                 | StageMsg::TiedShare { data, .. } => vec![Tensor::F32(data)],
                 StageMsg::Reduced { grads, .. } => vec![Tensor::F32s(grads)],
+                StageMsg::Scattered { shards, .. } => vec![Tensor::F32s(shards)],
                 StageMsg::Gathered { tensors, .. } => vec![Tensor::F32s($shared(tensors))],
                 _ => vec![],
             }
@@ -560,6 +576,7 @@ impl StageMsg {
             StageMsg::Gradient { .. } => "Gradient",
             StageMsg::TiedShare { .. } => "TiedShare",
             StageMsg::Reduced { .. } => "Reduced",
+            StageMsg::Scattered { .. } => "Scattered",
             StageMsg::Gathered { .. } => "Gathered",
             StageMsg::SendWeights => "SendWeights",
             StageMsg::Snapshot { .. } => "Snapshot",
@@ -581,6 +598,7 @@ impl StageMsg {
             | Gradient { step, .. }
             | TiedShare { step, .. }
             | Reduced { step, .. }
+            | Scattered { step, .. }
             | Gathered { step, .. }
             | Snapshot { step } => Some(*step),
             SendWeights | Restore(_) | Stop => None,
@@ -625,6 +643,7 @@ impl StageMsg {
             StageMsg::Activation { phase, stage, mb, .. } => (Some(*stage), Some(*mb), eval(phase)),
             StageMsg::Gradient { stage, mb, .. } => (Some(*stage), Some(*mb), false),
             StageMsg::Reduced { stage, .. } | StageMsg::Gathered { stage, .. } => (Some(*stage), None, false),
+            StageMsg::Scattered { stage, mb, .. } => (Some(*stage), Some(*mb), false),
             _ => (None, None, false),
         }
     }
@@ -642,6 +661,7 @@ impl StageMsg {
                 vec![Blob::str(key::EVAL_KIND, kind.name()), Blob::f64(key::BATCHES, *batches as f64)]
             }
             StageMsg::Restore(c) => vec![Blob::str(key::CHECKPOINT, &c.dir)],
+            StageMsg::Scattered { head, .. } => vec![Blob::f64(key::HEAD, *head as u8 as f64)],
             _ => vec![],
         }
     }
@@ -673,6 +693,9 @@ impl StageMsg {
             "Gradient" => StageMsg::Gradient { step, stage, mb, data, sent },
             "TiedShare" => StageMsg::TiedShare { step, data },
             "Reduced" => StageMsg::Reduced { step, stage, grads: vec![] },
+            "Scattered" => {
+                StageMsg::Scattered { step, stage, mb, head: f64_of(key::HEAD)? != 0.0, shards: vec![] }
+            }
             "Gathered" => StageMsg::Gathered { step, stage, tensors: Arc::new(vec![]) },
             "SendWeights" => StageMsg::SendWeights,
             "Snapshot" => StageMsg::Snapshot { step },
@@ -690,8 +713,10 @@ impl StageMsg {
     /// `keep`: store tensor bytes, not only their digests.
     pub fn logged(&self, keep: bool, grad_name: &dyn Fn(usize, usize) -> String) -> Logged {
         let (stage, mb, eval) = self.entry_fields();
-        // Gathered tensors are parameters or moments: numbered, not named.
-        let grad_name = if matches!(self, StageMsg::Gathered { .. }) { &no_grad_names } else { grad_name };
+        // Gathered tensors are parameters or moments, scattered ones shards
+        // of several replicas' gradients: numbered, not named.
+        let numbered = matches!(self, StageMsg::Gathered { .. } | StageMsg::Scattered { .. });
+        let grad_name = if numbered { &no_grad_names } else { grad_name };
         let mut blobs = self.scalar_blobs();
         for t in self.tensors() {
             match t {
@@ -716,7 +741,11 @@ impl StageMsg {
             match t {
                 Tensor::U32(name, v) => *v = e.input(name)?.to_u32s()?,
                 Tensor::F32(v) => *v = e.input(key::DATA)?.to_f32s()?,
-                Tensor::F32s(l) => *l = e.inputs.iter().map(|b| b.to_f32s()).collect::<Result<_, _>>()?,
+                Tensor::F32s(l) => {
+                    // A scattered set's head flag is a scalar blob beside its tensors.
+                    let tensors = e.inputs.iter().filter(|b| b.name != key::HEAD);
+                    *l = tensors.map(|b| b.to_f32s()).collect::<Result<_, _>>()?
+                }
             }
         }
         msg.read_checkpoint().map_err(|x| x.to_string())?;
@@ -941,6 +970,12 @@ impl ReducerMsg {
                 let named = |(k, s): (usize, &Vec<f32>)| Blob::f32s(&format!("tensor.{k}"), s, keep);
                 ("Gather", shards.iter().enumerate().map(named).collect())
             }
+            ReducerMsg::Scatter { mb, head, grads, .. } => {
+                let mut blobs = vec![Blob::u32s(key::LEAF, &[*mb as u32, *head as u32], true)];
+                let named = |(k, s): (usize, &Vec<f32>)| Blob::f32s(&format!("tensor.{k}"), s, keep);
+                blobs.extend(grads.iter().enumerate().map(named));
+                ("Scatter", blobs)
+            }
         }
     }
 
@@ -952,6 +987,15 @@ impl ReducerMsg {
         let f32s = |blobs: &[Blob]| blobs.iter().map(|b| b.to_f32s()).collect::<Result<Vec<_>, _>>();
         match e.kind.as_str() {
             "Gather" => Ok(ReducerMsg::Gather { step, stage, replica, shards: f32s(&e.inputs)? }),
+            "Scatter" => {
+                let (leaf, tensors) = e.inputs.split_first().ok_or("holds no microbatch")?;
+                let leaf = leaf.to_u32s()?;
+                let [mb, head] = leaf[..] else {
+                    return Err(format!("{}: {} values, not (microbatch, head)", key::LEAF, leaf.len()));
+                };
+                let (mb, head) = (mb as usize, head != 0);
+                Ok(ReducerMsg::Scatter { step, stage, replica, mb, head, grads: f32s(tensors)? })
+            }
             "Reduce" => {
                 let (spans, tensors) = e.inputs.split_first().ok_or("holds no tree spans")?;
                 let spans = spans.to_u32s()?;
@@ -986,6 +1030,7 @@ mod tests {
             },
             StageMsg::Reduced { step: 4, stage: 1, grads: vec![vec![1.0], vec![2.0, 3.0]] },
             StageMsg::Gathered { step: 5, stage: 2, tensors: Arc::new(vec![vec![], vec![4.0, 5.0]]) },
+            StageMsg::Scattered { step: 6, stage: 1, mb: 3, head: true, shards: vec![vec![1.0], vec![]] },
         ];
         for m in msgs {
             let entry = m.logged(true, &|s, k| format!("s{s}.{k}")).entry("x", 0, 0);
@@ -1080,11 +1125,13 @@ mod tests {
                 grads: vec![vec![1.0], vec![2.0, 3.0]],
             },
             ReducerMsg::Gather { step: 6, stage: 2, replica: 0, shards: vec![vec![], vec![4.0]] },
+            ReducerMsg::Scatter { step: 7, stage: 1, replica: 1, mb: 2, head: false, grads: vec![vec![5.0]] },
         ];
         for m in reducer {
             let (step, stage, replica) = match &m {
                 ReducerMsg::Reduce { step, stage, replica, .. }
-                | ReducerMsg::Gather { step, stage, replica, .. } => (*step, *stage, *replica),
+                | ReducerMsg::Gather { step, stage, replica, .. }
+                | ReducerMsg::Scatter { step, stage, replica, .. } => (*step, *stage, *replica),
             };
             let (kind, blobs) = m.logged(true, &|s, k| format!("s{s}.{k}"));
             let e = crate::replay::entry("stage-0", kind, step, replica).with_stage(stage).with_inputs(blobs);

@@ -8,6 +8,10 @@
 //! gathers a chunk's weights for each action); a replica asks for the next
 //! gather of a stage only once the last one came back, so the gathers of a
 //! (step, stage) arrive round by round, and the reducer numbers the rounds.
+//! Under ZeRO-2 and 3 there is no Reduce: each replica sends every
+//! microbatch's gradient as it is made (`Scatter`), and once every replica's
+//! gradient of that microbatch is in, each owner gets its shard of all of
+//! them (`Scattered`) and folds them by the tree itself.
 //!
 //! As with a stage, the actor only owns the mailbox and supervision: its handler
 //! forwards each message (through the chaos shim when testing) to a thread that
@@ -64,7 +68,15 @@ pub struct ReducerState {
     rounds: BTreeMap<(u64, usize), u32>,
     shards_held: BTreeMap<(u64, u32, usize, usize), Entry>,
     shards_done: BTreeMap<(u64, u32), usize>,
+    /// ZeRO-2/3 scatters: (step, stage, microbatch, head?) → gradients by
+    /// replica, and their log entries, logged once the step is over (the
+    /// first message of a later step) in key order.
+    scatters: BTreeMap<ScatterKey, Vec<Option<Grads>>>,
+    scatter_held: BTreeMap<(ScatterKey, usize), Entry>,
 }
+
+/// (step, stage, the replica's microbatch, head's tensors?) of a scatter.
+type ScatterKey = (u64, usize, usize, bool);
 
 /// The actor's side: where messages go, and the thread to wait for at the end.
 pub struct ReducerHandle {
@@ -163,6 +175,8 @@ impl ReducerState {
             shards: BTreeMap::new(),
             rounds: BTreeMap::new(),
             shards_held: BTreeMap::new(),
+            scatters: BTreeMap::new(),
+            scatter_held: BTreeMap::new(),
             shards_done: BTreeMap::new(),
         }
     }
@@ -181,10 +195,21 @@ impl ReducerState {
     /// Handles one message; with no stage actors (replaying the reducer alone)
     /// the sums are only logged.
     pub fn on_message(&mut self, msg: ReducerMsg) -> Result<(), String> {
+        let step = match &msg {
+            ReducerMsg::Reduce { step, .. } | ReducerMsg::Gather { step, .. } | ReducerMsg::Scatter { step, .. } => {
+                *step
+            }
+        };
+        // A replica starts a step only after every scatter of the steps
+        // before is complete: they can be logged.
+        self.flush_scatters(step);
         let (step, stage, replica, spans, grads) = match msg {
             ReducerMsg::Reduce { step, stage, replica, spans, grads } => (step, stage, replica, spans, grads),
             ReducerMsg::Gather { step, stage, replica, shards } => {
                 return self.on_gather(step, stage, replica, shards)
+            }
+            ReducerMsg::Scatter { step, stage, replica, mb, head, grads } => {
+                return self.on_scatter((step, stage, mb, head), replica, grads)
             }
         };
         let dp = self.args.dp;
@@ -277,6 +302,63 @@ impl ReducerState {
         Ok(())
     }
 
+    /// A replica's gradient of one microbatch; once every replica's is in,
+    /// each owner gets its shard of each, replicas in order (a shard of a
+    /// tensor is the elements `optim::zero::Shard` gives its owner).
+    fn on_scatter(&mut self, key: ScatterKey, replica: usize, grads: Grads) -> Result<(), String> {
+        let (step, stage, mb, head) = key;
+        let (dp, rank) = (self.args.dp, self.rank_of(stage, replica)?);
+        if let Some(log) = &self.args.log {
+            let mut inputs = vec![Blob::u32s(crate::replay::key::LEAF, &[mb as u32, head as u32], true)];
+            inputs.extend(tensor_blobs(&grads, log.payloads()));
+            let e = replay::entry(&stage_name(rank, replica), "Scatter", step, replica)
+                .with_stage(stage)
+                .with_inputs(inputs);
+            self.scatter_held.insert((key, replica), e);
+        }
+        let slot = self.scatters.entry(key).or_insert_with(|| (0..dp).map(|_| None).collect());
+        if slot[replica].replace(grads).is_some() {
+            return Err(format!(
+                "reducer: replica {replica} sent microbatch {mb} of stage {stage}, step {step} twice"
+            ));
+        }
+        if slot.iter().any(Option::is_none) {
+            return Ok(());
+        }
+        let by_replica: Vec<Grads> = self.scatters.remove(&key).unwrap().into_iter().flatten().collect();
+        let shards_for = |owner: usize| -> Grads {
+            let shard = Shard { replica: owner, dp };
+            by_replica.iter().flat_map(|g| g.iter().map(|t| t[shard.range(t.len())].to_vec())).collect()
+        };
+        if let Some(e) = self.scatter_held.get_mut(&(key, dp - 1)) {
+            let keep = self.args.log.as_ref().is_some_and(|l| l.payloads());
+            for owner in 0..dp {
+                let (to, blobs) = (stage_name(rank, owner), tensor_blobs(&shards_for(owner), keep));
+                e.sent.push(replay::Sent { to, kind: "Scattered".into(), mb: Some(mb as u64), blobs });
+            }
+        }
+        let Some(stages) = self.args.stages.get() else { return Ok(()) };
+        for (owner, replica) in stages.iter().enumerate().take(dp) {
+            let msg = StageMsg::Scattered { step, stage, mb, head, shards: shards_for(owner) };
+            replica[rank].send_message(msg).map_err(|e| format!("reducer: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Logs the scatters of steps before `step`, in (step, stage,
+    /// microbatch, head, replica) order.
+    fn flush_scatters(&mut self, step: u64) {
+        let Some(log) = &mut self.args.log else { return };
+        if self.scatter_held.first_key_value().is_none_or(|(k, _)| k.0 .0 >= step) {
+            return;
+        }
+        let later = self.scatter_held.split_off(&((step, 0, 0, false), 0));
+        for (_, e) in std::mem::replace(&mut self.scatter_held, later) {
+            log.begin(e);
+        }
+        log.end();
+    }
+
     /// Records a completed gather; once every stage's gather of the (step,
     /// round) is in, logs them in (stage, replica) order, whatever order they
     /// arrived in. Every stage gathers as often as the others in a step: each
@@ -311,6 +393,7 @@ impl ReducerState {
     /// Flushes and closes the log; returns how far a replay got.
     pub fn close_log(&mut self) -> Result<usize, String> {
         self.flush_log();
+        self.flush_scatters(u64::MAX);
         match &mut self.args.log {
             Some(log) => {
                 log.finish()?;

@@ -365,6 +365,17 @@ impl Fabric {
                 let _ = dest.send_message(msg);
                 Ok(())
             }
+            Kind::Scatter { step, stage, replica, mb, head } => {
+                let dest = self
+                    .routes
+                    .get()
+                    .and_then(|r| r.reducer.clone())
+                    .ok_or_else(|| format!("{} sent gradients to a process without a reducer", who()))?;
+                let msg = wire::scatter_msg((step, stage, replica), mb, head, f.arrays)
+                    .map_err(|e| format!("{}: {e}", who()))?;
+                let _ = dest.send_message(msg);
+                Ok(())
+            }
             Kind::Roster { config, config_hash, listen, run_dir, resume, init, nccl } => {
                 let _ = self.events.send(Event::Roster {
                     config,

@@ -73,6 +73,15 @@ pub enum Kind {
         stage: u32,
         replica: u32,
     },
+    /// ZeRO-2 and 3: a replica's gradient of its microbatch `mb` of a stage
+    /// (the head's tensors or the body's; the arrays).
+    Scatter {
+        step: u64,
+        stage: u32,
+        replica: u32,
+        mb: u32,
+        head: bool,
+    },
     /// The run failed elsewhere; stop with this reason.
     Abort {
         reason: String,
@@ -134,9 +143,9 @@ pub fn coordinator_msg(kind: CoordinatorMsg, arrays: Vec<Array>) -> Result<Coord
 
 pub fn reducer_frame(msg: ReducerMsg) -> Frame {
     let (stage, replica) = match &msg {
-        ReducerMsg::Reduce { stage, replica, .. } | ReducerMsg::Gather { stage, replica, .. } => {
-            (*stage as u32, *replica as u32)
-        }
+        ReducerMsg::Reduce { stage, replica, .. }
+        | ReducerMsg::Gather { stage, replica, .. }
+        | ReducerMsg::Scatter { stage, replica, .. } => (*stage as u32, *replica as u32),
     };
     match msg {
         ReducerMsg::Reduce { step, spans, grads, .. } => {
@@ -149,7 +158,22 @@ pub fn reducer_frame(msg: ReducerMsg) -> Frame {
         ReducerMsg::Gather { step, shards, .. } => {
             Frame::with(Kind::Gather { step, stage, replica }, shards.into_iter().map(Array::F32).collect())
         }
+        ReducerMsg::Scatter { step, mb, head, grads, .. } => Frame::with(
+            Kind::Scatter { step, stage, replica, mb: mb as u32, head },
+            grads.into_iter().map(Array::F32).collect(),
+        ),
     }
+}
+
+pub fn scatter_msg(
+    (step, stage, replica): (u64, u32, u32),
+    mb: u32,
+    head: bool,
+    arrays: Vec<Array>,
+) -> Result<ReducerMsg, WireError> {
+    let grads = protocol::f32_arrays("Scatter", arrays)?;
+    let (stage, replica, mb) = (stage as usize, replica as usize, mb as usize);
+    Ok(ReducerMsg::Scatter { step, stage, replica, mb, head, grads })
 }
 
 pub fn gather_msg(step: u64, stage: u32, replica: u32, arrays: Vec<Array>) -> Result<ReducerMsg, WireError> {

@@ -300,14 +300,50 @@ impl PartTree {
     /// part's buffers into the tree, leaving zeroed buffers for the next
     /// microbatch.
     pub fn push(&mut self, params: &mut [Param], wte_head_grad: &mut Vec<f32>, which: Leaf, g: usize) {
+        if let Some(leaf) = self.take_leaf(params, wte_head_grad, which, true) {
+            // The buffers folds free come back as the next leaves' (a steady
+            // step allocates nothing).
+            match which {
+                Leaf::Head => self.head.push(g, leaf),
+                Leaf::Body => self.body.push(g, leaf),
+            }
+        }
+    }
+
+    /// Adds microbatch `g`'s set of kind `which` (the tensors `take_leaf`
+    /// gives, all cut to one shard: the tree's adds are elementwise). Sets
+    /// pushed here come from elsewhere, so the buffers a fold frees are
+    /// dropped, not kept for leaves.
+    pub fn push_set(&mut self, which: Leaf, g: usize, set: Grads) {
+        let tree = match which {
+            Leaf::Head => &mut self.head,
+            Leaf::Body => &mut self.body,
+        };
+        tree.push(g, set);
+        tree.release_spares();
+    }
+
+    /// The part's finished gradients of kind `which`, moved out; zeroed
+    /// buffers are left in their place, or with `refill` false empty ones
+    /// (the caller zeroes them when next needed, so a leaf on its way out
+    /// and the next leaf's buffers are not held at once). None for the
+    /// head's on a part without it.
+    pub fn take_leaf(
+        &mut self,
+        params: &mut [Param],
+        wte_head_grad: &mut Vec<f32>,
+        which: Leaf,
+        refill: bool,
+    ) -> Option<Grads> {
         if which == Leaf::Head && !self.has_head {
-            return;
+            return None;
         }
         let (tree, idx) = match which {
             Leaf::Head => (&mut self.head, &self.head_idx),
             Leaf::Body => (&mut self.body, &self.body_idx),
         };
         let mut fresh = match tree.spare() {
+            _ if !refill => vec![Vec::new(); idx.len() + usize::from(which == Leaf::Head)],
             Some(mut g) => {
                 g.iter_mut().for_each(|t| t.fill(0.0));
                 g
@@ -327,13 +363,19 @@ impl PartTree {
         if which == Leaf::Head {
             std::mem::swap(wte_head_grad, &mut fresh[idx.len()]);
         }
-        tree.push(g, fresh);
+        Some(fresh)
     }
 
     /// Starts a step: partial sums of a step that did not finish are dropped.
     pub fn reset(&mut self) {
         self.head.reset();
         self.body.reset();
+    }
+
+    /// Empties the tree, keeping no buffer (a tree fed by [`Self::push_set`]).
+    pub fn clear(&mut self) {
+        self.reset();
+        self.release_spares();
     }
 
     /// The replica's microbatches, as global indices within the step.

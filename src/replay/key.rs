@@ -20,3 +20,5 @@ pub const PREDICTIONS: &str = "predictions";
 pub const ADAM_STEP: &str = "adam_step";
 pub const EMA_UPDATES: &str = "ema_updates";
 pub const SPANS: &str = "spans";
+pub const LEAF: &str = "leaf";
+pub const HEAD: &str = "head";

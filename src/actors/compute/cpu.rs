@@ -41,6 +41,13 @@ pub struct CpuCompute {
     peak_state_bytes: usize,
     /// The EMA of each chunk's weights (`optim.ema_decay`); empty when none is kept.
     ema: Vec<EmaState>,
+    /// ZeRO-2 and 3 over replicas: each microbatch's gradient leaves as it
+    /// is made (`leaves`, for the executor to scatter), and this replica's
+    /// shards of every replica's come back into `shard_trees`: per chunk,
+    /// one tree per replica's block, joined by `grad_tree::combine`.
+    scatter: bool,
+    leaves: Vec<(usize, usize, Leaf, Vec<Vec<f32>>)>,
+    shard_trees: Vec<Vec<PartTree>>,
 }
 
 impl CpuCompute {
@@ -76,7 +83,19 @@ impl CpuCompute {
             owned: Vec::new(),
             peak_state_bytes: 0,
             ema: Vec::new(),
+            scatter: false,
+            leaves: Vec::new(),
+            shard_trees: Vec::new(),
         };
+        let (m, dp) = (block.len(), total / block.len().max(1));
+        if zero >= 2 && dp > 1 {
+            c.scatter = true;
+            let trees = |p: &ModelPart| {
+                let tree = |r: usize| PartTree::new(&p.spec, &p.cfg, p.params.len(), r * m..(r + 1) * m, total);
+                (0..dp).map(tree).collect()
+            };
+            c.shard_trees = c.parts.iter().map(trees).collect();
+        }
         if zero == 3 {
             c.keep_owned();
         }
@@ -112,10 +131,36 @@ impl CpuCompute {
                 p.params.iter().map(|q| q.data.len() + q.grad.len()).sum::<usize>() + p.wte_head_grad.len()
             })
             .sum();
-        let trees: usize = self.trees.iter().map(PartTree::floats).sum();
+        let trees: usize = self.trees.iter().chain(self.shard_trees.iter().flatten()).map(PartTree::floats).sum();
+        let leaves: usize = self.leaves.iter().map(|l| floats(&l.3)).sum();
         let adam: usize = self.adam.iter().map(|a| floats(&a.m) + floats(&a.v)).sum();
         let owned: usize = self.owned.iter().map(|o| floats(o)).sum();
-        4 * (parts + trees + adam + owned)
+        4 * (parts + trees + leaves + adam + owned)
+    }
+
+    /// Microbatch `mb`'s gradients of kind `which` on chunk `i` are final:
+    /// into the chunk's tree, or (scattering) out for the executor.
+    fn leaf_done(&mut self, i: usize, mb: usize, which: Leaf) {
+        let (g, part) = (self.global(i, mb), &mut self.parts[i]);
+        if !self.scatter {
+            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, which, g);
+            return;
+        }
+        if let Some(leaf) = self.trees[i].take_leaf(&mut part.params, &mut part.wte_head_grad, which, false) {
+            self.leaves.push((i, mb, which, leaf));
+        }
+    }
+
+    /// Zeroed whole gradient buffers for chunk `i`'s next forward or
+    /// backward where a scattered leaf left none.
+    fn ensure_grads(&mut self, i: usize) {
+        let p = &mut self.parts[i];
+        for q in p.params.iter_mut().filter(|q| q.grad.is_empty()) {
+            q.grad = vec![0.0; q.numel()];
+        }
+        if p.wte_head_grad.is_empty() && p.spec.head && p.cfg.tied() {
+            p.wte_head_grad = vec![0.0; p.cfg.vocab_size * p.cfg.n_embd];
+        }
     }
 
     fn note_state(&mut self) {
@@ -215,6 +260,8 @@ impl StageCompute for CpuCompute {
             p.zero_grads();
             t.reset();
         }
+        self.shard_trees.iter_mut().flatten().for_each(PartTree::clear);
+        self.leaves.clear();
     }
 
     fn forward(
@@ -226,6 +273,7 @@ impl StageCompute for CpuCompute {
         mode: Mode,
         argmax: Option<&mut [u32]>,
     ) -> ChunkOutput {
+        self.ensure_grads(i);
         let part = &mut self.parts[i];
         let out = self.pool.install(|| {
             let input = match input {
@@ -236,9 +284,7 @@ impl StageCompute for CpuCompute {
         });
         if let Some(acts) = out.acts {
             self.saved.insert((i, mb), acts);
-            let g = self.global(i, mb);
-            let part = &mut self.parts[i];
-            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Head, g);
+            self.leaf_done(i, mb, Leaf::Head);
             self.note_state();
         }
         ChunkOutput { output: out.output, loss_sum: out.loss_sum }
@@ -252,11 +298,11 @@ impl StageCompute for CpuCompute {
         dout: Option<Vec<f32>>,
     ) -> Option<Vec<f32>> {
         let nondet = self.nondet;
-        let g = self.global(i, mb);
+        self.ensure_grads(i);
         let part = &mut self.parts[i];
         if which == BackwardPart::Weight {
             self.pool.install(|| with_random_order(nondet, || part.backward_weight(mb)));
-            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
+            self.leaf_done(i, mb, Leaf::Body);
             self.note_state();
             return None;
         }
@@ -269,7 +315,7 @@ impl StageCompute for CpuCompute {
             })
         });
         if which == BackwardPart::Full {
-            self.trees[i].push(&mut part.params, &mut part.wte_head_grad, Leaf::Body, g);
+            self.leaf_done(i, mb, Leaf::Body);
         }
         self.note_state();
         dx
@@ -303,6 +349,32 @@ impl StageCompute for CpuCompute {
 
     fn take_grads(&mut self, i: usize) -> Vec<Vec<f32>> {
         self.parts[i].params.iter_mut().map(|p| std::mem::take(&mut p.grad)).collect()
+    }
+
+    fn take_leaves(&mut self) -> Vec<(usize, usize, bool, Vec<Vec<f32>>)> {
+        let leaves = std::mem::take(&mut self.leaves);
+        leaves.into_iter().map(|(i, mb, which, g)| (i, mb, which == Leaf::Head, g)).collect()
+    }
+
+    fn fold_scattered(&mut self, i: usize, mb: usize, head: bool, shards: Vec<Vec<f32>>) {
+        let trees = &mut self.shard_trees[i];
+        let (dp, m) = (trees.len(), self.trees[i].block().len());
+        assert!(shards.len().is_multiple_of(dp), "{} shards from {dp} replicas", shards.len());
+        let per = shards.len() / dp;
+        let which = if head { Leaf::Head } else { Leaf::Body };
+        let mut it = shards.into_iter();
+        for (r, tree) in trees.iter_mut().enumerate() {
+            tree.push_set(which, r * m + mb, it.by_ref().take(per).collect());
+        }
+        self.note_state();
+    }
+
+    fn finish_scattered(&mut self, i: usize) {
+        let total = self.trees[i].block().len() * self.shard_trees[i].len();
+        let nodes = self.shard_trees[i].iter_mut().flat_map(PartTree::take_nodes).collect();
+        self.shard_trees[i].iter_mut().for_each(PartTree::clear);
+        let sum = self.pool.install(|| crate::optim::grad_tree::combine(nodes, total));
+        self.set_grads(i, sum);
     }
 
     fn take_grad_nodes(&mut self, i: usize, _block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {

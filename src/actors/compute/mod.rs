@@ -114,6 +114,22 @@ pub trait StageCompute {
     fn take_grad_nodes(&mut self, i: usize, block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
         vec![(Span { lo: block.start, hi: block.end }, self.take_grads(i))]
     }
+    /// ZeRO-2 and 3 over replicas: the microbatch gradients made since the
+    /// last call, as (chunk, microbatch, head's tensors?, tensors), moved
+    /// out for scattering to their shards' owners.
+    fn take_leaves(&mut self) -> Vec<(usize, usize, bool, Vec<Vec<f32>>)> {
+        Vec::new()
+    }
+    /// ZeRO-2 and 3: this replica's shards of every replica's gradient of
+    /// microbatch `mb` on chunk `i` (replicas in order), folded by the tree.
+    fn fold_scattered(&mut self, _i: usize, _mb: usize, _head: bool, _shards: Vec<Vec<f32>>) {
+        unreachable!("ZeRO runs on the CPU backend only: the config refuses the rest")
+    }
+    /// ZeRO-2 and 3: chunk `i`'s folded shards joined into its gradients
+    /// (this replica's shard of the step's sum).
+    fn finish_scattered(&mut self, _i: usize) {
+        unreachable!("ZeRO runs on the CPU backend only: the config refuses the rest")
+    }
     /// Sums chunk `i`'s tree nodes into its gradients when one replica holds
     /// every microbatch (dp = 1).
     fn finish_grad_tree(&mut self, _i: usize) {}

@@ -34,6 +34,7 @@ pub enum Key {
     Grad(usize, usize),
     Tied,
     Reduced(usize),
+    Scattered(usize),
     Gathered(usize),
 }
 
@@ -47,6 +48,7 @@ impl Key {
             StageMsg::Gradient { stage, mb, .. } => Key::Grad(stage, mb),
             StageMsg::TiedShare { .. } => Key::Tied,
             StageMsg::Reduced { stage, .. } => Key::Reduced(stage),
+            StageMsg::Scattered { stage, .. } => Key::Scattered(stage),
             StageMsg::Gathered { stage, .. } => Key::Gathered(stage),
             _ => return None,
         })
@@ -61,6 +63,7 @@ impl Key {
             Key::Grad(s, _) => format!("gradient from stage {}", s + 1),
             Key::Tied => "the other share of the tied embedding gradient".into(),
             Key::Reduced(_) => "gradients reduced over replicas".into(),
+            Key::Scattered(_) => "this replica's shards of every replica's microbatch gradient".into(),
             Key::Gathered(_) => "shards gathered from every replica".into(),
         }
     }

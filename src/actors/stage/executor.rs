@@ -6,7 +6,9 @@
 
 use super::super::compute::{BackwardPart, ChunkInput, StageCompute};
 use super::super::layout::Layout;
-use super::super::protocol::{CoordinatorMsg, EvalKind, Failure, Phase, Sent, StageMsg, StageReport};
+use super::super::protocol::{
+    CoordinatorMsg, EvalKind, Failure, Phase, ReducerMsg, Sent, StageMsg, StageReport,
+};
 use super::comm::{At, Comm, Group, Key, Stopped};
 use super::faults::{Faulty, InjectedError};
 use super::panic_text;
@@ -269,6 +271,7 @@ impl Executor {
                 ActionKind::W => self.backward(a.stage, a.mb, BackwardPart::Weight)?,
             }
             self.trace_action(a);
+            self.scatter_leaves()?;
             if self.reshard_after_forward {
                 self.release_chunks();
             }
@@ -364,7 +367,12 @@ impl Executor {
             self.combine_tied()?;
             drop(span);
         }
-        if self.layout.dp > 1 {
+        if self.scatters() {
+            // Every microbatch's shards came in as it was made.
+            let span = self.rank_span("reduce");
+            (0..self.stages.len()).for_each(|i| self.compute.finish_scattered(i));
+            drop(span);
+        } else if self.layout.dp > 1 {
             let span = self.rank_span("reduce");
             self.reduce_over_replicas()?;
             drop(span);
@@ -408,6 +416,31 @@ impl Executor {
             let peer = [self.layout.rank_of(other)];
             let theirs = self.comm.all_gather(Group::Tied, self.step, &peer, share, self.at())?;
             self.compute.combine_tied(i, Some(&theirs[0]));
+        }
+        Ok(())
+    }
+
+    /// ZeRO-2 and 3 over replicas: gradients are cut to their owners'
+    /// shards as each microbatch's is made.
+    fn scatters(&self) -> bool {
+        self.zero >= 2 && self.layout.dp > 1
+    }
+
+    /// Scatters the microbatch gradients the last action made and folds
+    /// this replica's shards of every replica's. Every replica runs the
+    /// same actions, so each scatter meets its twins.
+    fn scatter_leaves(&mut self) -> Result<(), Stopped> {
+        for (i, mb, head, grads) in self.compute.take_leaves() {
+            let _span = self.rank_span("scatter");
+            let (step, stage, replica, at) = (self.step, self.stages[i], self.replica, self.at());
+            self.comm.to_reducer(ReducerMsg::Scatter { step, stage, replica, mb, head, grads })?;
+            match self.comm.recv(Key::Scattered(stage), at)? {
+                StageMsg::Scattered { shards, mb: got, head: h, .. } => {
+                    assert_eq!((got, h), (mb, head), "scatters of a stage come back in order");
+                    self.compute.fold_scattered(i, mb, head, shards);
+                }
+                _ => unreachable!("Key::Scattered holds Scattered"),
+            }
         }
         Ok(())
     }

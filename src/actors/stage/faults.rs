@@ -211,6 +211,15 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn take_grad_nodes(&mut self, i: usize, block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
         self.inner.take_grad_nodes(i, block)
     }
+    fn take_leaves(&mut self) -> Vec<(usize, usize, bool, Vec<Vec<f32>>)> {
+        self.inner.take_leaves()
+    }
+    fn fold_scattered(&mut self, i: usize, mb: usize, head: bool, shards: Vec<Vec<f32>>) {
+        self.inner.fold_scattered(i, mb, head, shards)
+    }
+    fn finish_scattered(&mut self, i: usize) {
+        self.inner.finish_scattered(i)
+    }
     fn finish_grad_tree(&mut self, i: usize) {
         self.inner.finish_grad_tree(i)
     }

@@ -56,7 +56,7 @@ impl<C: Comm + ?Sized> Recorded<C> {
                 let last = self.layout.last_stage();
                 name_of(if self.stages.contains(&0) { last } else { 0 })
             }
-            Key::Reduced(_) | Key::Gathered(_) => "reducer".to_string(),
+            Key::Reduced(_) | Key::Scattered(_) | Key::Gathered(_) => "reducer".to_string(),
         }
     }
 
