@@ -313,6 +313,10 @@ impl StageCompute for CpuCompute {
         true
     }
 
+    fn set_block(&mut self, block: std::ops::Range<usize>, total: usize) {
+        self.trees.iter_mut().for_each(|t| t.set_block(block.clone(), total));
+    }
+
     fn finish_grad_tree(&mut self, i: usize) {
         let (tree, part) = (&mut self.trees[i], &mut self.parts[i]);
         self.pool.install(|| tree.finish_local(&mut part.params, &mut part.wte_head_grad));

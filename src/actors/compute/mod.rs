@@ -114,6 +114,9 @@ pub trait StageCompute {
     fn take_grad_nodes(&mut self, i: usize, block: std::ops::Range<usize>) -> Vec<(Span, Vec<Vec<f32>>)> {
         vec![(Span { lo: block.start, hi: block.end }, self.take_grads(i))]
     }
+    /// The coming step's microbatches on this replica, as global indices of
+    /// `total` (a batch ramp's steps differ in size); before `zero_grads`.
+    fn set_block(&mut self, _block: std::ops::Range<usize>, _total: usize) {}
     /// Sums chunk `i`'s tree nodes into its gradients when one replica holds
     /// every microbatch (dp = 1).
     fn finish_grad_tree(&mut self, _i: usize) {}
