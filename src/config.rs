@@ -600,7 +600,12 @@ impl Config {
              so every replica gets whole microbatches",
             p.dp
         );
-        v.check(r.start > 0 && r.start.is_multiple_of(unit.max(1)), "train.batch_ramp.start", r.start, &whole);
+        v.check(
+            r.start > 0 && r.start.is_multiple_of(unit.max(1)),
+            "train.batch_ramp.start",
+            r.start,
+            &whole,
+        );
         v.check(
             r.start < full,
             "train.batch_ramp.start",
@@ -610,7 +615,12 @@ impl Config {
                  train.micro_batch_size = {full} sequences)"
             ),
         );
-        v.check(r.increment > 0 && r.increment.is_multiple_of(unit.max(1)), "train.batch_ramp.increment", r.increment, &whole);
+        v.check(
+            r.increment > 0 && r.increment.is_multiple_of(unit.max(1)),
+            "train.batch_ramp.increment",
+            r.increment,
+            &whole,
+        );
         v.check(
             r.increment == 0 || r.start >= full || (full - r.start).is_multiple_of(r.increment),
             "train.batch_ramp.increment",
@@ -1149,6 +1159,11 @@ fn schema() -> toml::Table {
         for (k, v) in crate::model::section::OPTIONAL_KEYS {
             model.insert(k.to_string(), toml::Value::Boolean(v));
         }
+    }
+    // Absent from the defaults, yet `--set` may name it or its keys.
+    if let Some(toml::Value::Table(train)) = schema.get_mut("train") {
+        let ramp = BatchRamp { start: 0, increment: 0, tokens: 0 };
+        train.insert("batch_ramp".into(), toml::Value::try_from(ramp).expect("a ramp serializes"));
     }
     schema
 }

@@ -3,12 +3,12 @@
 //! Refuses layouts that cannot work before anything starts, naming the field.
 
 use crate::config::Config;
-use crate::optim::batch_ramp::BatchSizes;
-use std::collections::BTreeMap;
-use std::sync::Arc;
 use crate::model::PartSpec;
+use crate::optim::batch_ramp::BatchSizes;
 use crate::schedule::{self, Schedule};
 use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 #[derive(Clone, Debug)]
 pub struct Layout {
@@ -95,7 +95,10 @@ impl Layout {
             check_schedule(&s, &field)?;
             // The runtime finds a stage's rank once, from the full schedule.
             if s.stage_rank != schedule.stage_rank {
-                bail!("{field}: the schedule places stages otherwise than with {} microbatches", p.microbatches);
+                bail!(
+                    "{field}: the schedule places stages otherwise than with {} microbatches",
+                    p.microbatches
+                );
             }
             ramp_schedules.insert(m, s);
         }

@@ -186,8 +186,14 @@ mod tests {
         // consumed 0, 2, 4, 6 → 2 (c·3/20 < 1); 8 → 2+2=4 (24/20 = 1); 12 → 4; 16 → 6 (48/20 = 2);
         // 22 > 20 → full.
         assert_eq!(sizes(2, 2, 20, 8, 10), [2, 2, 2, 2, 4, 4, 6, 8, 8, 8]);
-        for (start, inc, t, full) in [(2, 2, 20, 8), (4, 4, 1000, 64), (1, 3, 77, 31), (8, 8, 8, 16), (6, 6, 1, 12)] {
-            assert_eq!(sizes(start, inc, t, full, 60), megatron(start, inc, t, full, 60), "{start} {inc} {t} {full}");
+        for (start, inc, t, full) in
+            [(2, 2, 20, 8), (4, 4, 1000, 64), (1, 3, 77, 31), (8, 8, 8, 16), (6, 6, 1, 12)]
+        {
+            assert_eq!(
+                sizes(start, inc, t, full, 60),
+                megatron(start, inc, t, full, 60),
+                "{start} {inc} {t} {full}"
+            );
         }
     }
 

@@ -97,8 +97,8 @@ impl LrSchedule {
                 if step < decay_start as f64 {
                     self.lr
                 } else {
-                    let ratio =
-                        ((step - decay_start as f64 + 1.0) / (self.total_steps - decay_start) as f64).min(1.0);
+                    let ratio = ((step - decay_start as f64 + 1.0) / (self.total_steps - decay_start) as f64)
+                        .min(1.0);
                     self.lr + (self.min_lr - self.lr) * ratio
                 }
             }
