@@ -195,6 +195,10 @@ pub struct DataSection {
 pub struct TrainSection {
     /// Optimizer steps to run (`--steps` overrides).
     pub steps: usize,
+    /// The global batch grown from a smaller one over the first tokens
+    /// (`optim::batch_ramp`); none: every step has the full batch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_ramp: Option<BatchRamp>,
     /// Sequences per microbatch (B).
     pub micro_batch_size: usize,
     pub seed: u64,
@@ -205,6 +209,20 @@ pub struct TrainSection {
     pub eval_batches: usize,
     /// Keep only each block's input in forward and recompute the rest in backward.
     pub recompute: bool,
+}
+
+/// `train.batch_ramp = { start = S, increment = I, tokens = T }`:
+/// Megatron-LM's `--rampup-batch-size S I T/block_size`. Global batch sizes
+/// in sequences, the length in tokens (GPT-3 counts its ramp in tokens).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BatchRamp {
+    /// The first steps' global batch, sequences.
+    pub start: usize,
+    /// What the global batch grows by at a time, sequences.
+    pub increment: usize,
+    /// Tokens over which it grows to the full batch.
+    pub tokens: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -367,6 +385,7 @@ impl Default for TrainSection {
     fn default() -> Self {
         TrainSection {
             steps: 1000,
+            batch_ramp: None,
             micro_batch_size: 4,
             seed: 1337,
             eval_every: 100,
@@ -564,6 +583,58 @@ impl Config {
         ] {
             v.check(value > 0, path, value, "must be > 0");
         }
+        self.check_batch_ramp(v);
+    }
+
+    /// `train.batch_ramp`: every size it reaches splits into whole
+    /// microbatches on every replica, so each step's global microbatches —
+    /// and with them the gradient tree and the data — are the same at any
+    /// layout with this dp.
+    fn check_batch_ramp(&self, v: &mut Checks) {
+        let Some(r) = &self.train.batch_ramp else { return };
+        let (p, b) = (&self.parallel, self.train.micro_batch_size);
+        let unit = p.dp * b;
+        let full = unit * p.microbatches;
+        let whole = format!(
+            "must be a multiple of parallel.dp × train.micro_batch_size ({} × {b} = {unit} sequences), \
+             so every replica gets whole microbatches",
+            p.dp
+        );
+        v.check(
+            r.start > 0 && r.start.is_multiple_of(unit.max(1)),
+            "train.batch_ramp.start",
+            r.start,
+            &whole,
+        );
+        v.check(
+            r.start < full,
+            "train.batch_ramp.start",
+            r.start,
+            format!(
+                "must be below the full global batch (parallel.dp × parallel.microbatches × \
+                 train.micro_batch_size = {full} sequences)"
+            ),
+        );
+        v.check(
+            r.increment > 0 && r.increment.is_multiple_of(unit.max(1)),
+            "train.batch_ramp.increment",
+            r.increment,
+            &whole,
+        );
+        v.check(
+            r.increment == 0 || r.start >= full || (full - r.start).is_multiple_of(r.increment),
+            "train.batch_ramp.increment",
+            r.increment,
+            format!("must divide the growth from start to the full batch ({full} − {} sequences)", r.start),
+        );
+        v.check(r.tokens > 0, "train.batch_ramp.tokens", r.tokens, "must be > 0");
+        v.check(
+            self.backend.kind != BackendKind::Cuda,
+            "train.batch_ramp",
+            format!("{{ start = {}, increment = {}, tokens = {} }}", r.start, r.increment, r.tokens),
+            "not supported with backend.kind = \"cuda\" yet (its activation slots and gradient tree are sized \
+             for one microbatch count)",
+        );
     }
 
     /// `[data]`: a built-in corpus or token files, never both.
@@ -1088,6 +1159,11 @@ fn schema() -> toml::Table {
         for (k, v) in crate::model::section::OPTIONAL_KEYS {
             model.insert(k.to_string(), toml::Value::Boolean(v));
         }
+    }
+    // Absent from the defaults, yet `--set` may name it or its keys.
+    if let Some(toml::Value::Table(train)) = schema.get_mut("train") {
+        let ramp = BatchRamp { start: 0, increment: 0, tokens: 0 };
+        train.insert("batch_ramp".into(), toml::Value::try_from(ramp).expect("a ramp serializes"));
     }
     schema
 }

@@ -1,12 +1,15 @@
 //! One data loader per data-parallel replica. For a training step it sends
 //! every microbatch's tokens to the first stage and its targets to the last;
 //! replica r of step s, microbatch j reads the sequences of global microbatch
-//! (s·dp + r)·m + j, so dp = 2 with m microbatches sees exactly the data of
-//! dp = 1 with 2m. For evaluations it sends validation windows or the held-out
-//! problems.
+//! r·m + j of the step, which starts after every sequence of the steps
+//! before it ((s·dp)·m microbatches at a constant batch; a batch ramp's
+//! prefix sum otherwise), so dp = 2 with m microbatches sees exactly the data
+//! of dp = 1 with 2m. For evaluations it sends validation windows or the
+//! held-out problems.
 
 use super::protocol::{EvalKind, LoaderMsg, Phase, StageMsg};
 use crate::data::{EvalSet, Sampler};
+use crate::optim::batch_ramp::BatchSizes;
 use crate::replay::{self, ActorLog};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use std::sync::{Arc, OnceLock};
@@ -14,7 +17,8 @@ use std::sync::{Arc, OnceLock};
 pub struct LoaderArgs {
     pub replica: usize,
     pub dp: usize,
-    pub microbatches: usize,
+    /// Each step's global batch.
+    pub batches: Arc<BatchSizes>,
     pub micro_batch_size: usize,
     pub block_size: usize,
     pub train: Sampler,
@@ -80,9 +84,12 @@ impl LoaderArgs {
         }
         match msg {
             LoaderMsg::Train { step } => {
-                for mb in 0..self.microbatches {
+                let m = self.batches.per_replica(step, self.dp);
+                let before = self.batches.sequences_before(step);
+                for mb in 0..m {
                     let (mut inp, mut tgt) = (vec![0u32; n], vec![0u32; n]);
-                    let global_mb = (step as usize * self.dp + self.replica) * self.microbatches + mb;
+                    // The microbatch's index over all steps: its poison key.
+                    let global_mb = (before / self.micro_batch_size as u64) as usize + self.replica * m + mb;
                     self.train.fill((global_mb * self.micro_batch_size) as u64, &mut inp, &mut tgt);
                     if spike_fault(step) {
                         poison(&inp, &mut tgt, global_mb as u64);

@@ -4,8 +4,11 @@
 
 use crate::config::Config;
 use crate::model::PartSpec;
+use crate::optim::batch_ramp::BatchSizes;
 use crate::schedule::{self, Schedule};
 use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 #[derive(Clone, Debug)]
 pub struct Layout {
@@ -15,7 +18,12 @@ pub struct Layout {
     pub dp: usize,
     /// Model chunks per rank (v); stages = pp · chunks.
     pub chunks: usize,
+    /// Microbatches per replica in a step with the full global batch.
     pub microbatches: usize,
+    /// Each step's global batch (`train.batch_ramp`).
+    pub batches: Arc<BatchSizes>,
+    /// The schedules of the smaller steps of a ramp, by microbatches per replica.
+    pub ramp_schedules: Arc<BTreeMap<usize, Schedule>>,
     /// One spec per global stage.
     pub stages: Vec<PartSpec>,
     pub schedule: Schedule,
@@ -79,6 +87,21 @@ impl Layout {
         let schedule = schedule::build(kind, p.pp, p.microbatches, chunks)
             .map_err(|e| anyhow::anyhow!("parallel.schedule = {:?}: {e}", p.schedule.name()))?;
         check_schedule(&schedule, &format!("parallel.schedule = {:?}", p.schedule.name()))?;
+        let batches = BatchSizes::from_config(cfg);
+        let mut ramp_schedules = BTreeMap::new();
+        for m in batches.counts(cfg.train.steps as u64, p.dp).into_iter().filter(|&m| m != p.microbatches) {
+            let field = format!("train.batch_ramp (a step of {m} microbatches per replica)");
+            let s = schedule::build(kind, p.pp, m, chunks).map_err(|e| anyhow::anyhow!("{field}: {e}"))?;
+            check_schedule(&s, &field)?;
+            // The runtime finds a stage's rank once, from the full schedule.
+            if s.stage_rank != schedule.stage_rank {
+                bail!(
+                    "{field}: the schedule places stages otherwise than with {} microbatches",
+                    p.microbatches
+                );
+            }
+            ramp_schedules.insert(m, s);
+        }
         let total = crate::host::thread_count(cfg.backend.threads);
         let threads_per_rank = (total / (p.pp * p.dp)).max(1);
         Ok(Layout {
@@ -86,10 +109,25 @@ impl Layout {
             dp: p.dp,
             chunks,
             microbatches: p.microbatches,
+            batches: Arc::new(batches),
+            ramp_schedules: Arc::new(ramp_schedules),
             stages,
             schedule,
             threads_per_rank,
         })
+    }
+
+    /// Step `step`'s microbatches per replica.
+    pub fn microbatches_at(&self, step: u64) -> usize {
+        self.batches.per_replica(step, self.dp)
+    }
+
+    /// The schedule of a step with `m` microbatches per replica.
+    pub fn schedule_for(&self, m: usize) -> &Schedule {
+        match m == self.microbatches {
+            true => &self.schedule,
+            false => &self.ramp_schedules[&m],
+        }
     }
 
     pub fn n_stages(&self) -> usize {

@@ -196,9 +196,9 @@ impl ReducerState {
     /// the sums are only logged.
     pub fn on_message(&mut self, msg: ReducerMsg) -> Result<(), String> {
         let step = match &msg {
-            ReducerMsg::Reduce { step, .. } | ReducerMsg::Gather { step, .. } | ReducerMsg::Scatter { step, .. } => {
-                *step
-            }
+            ReducerMsg::Reduce { step, .. }
+            | ReducerMsg::Gather { step, .. }
+            | ReducerMsg::Scatter { step, .. } => *step,
         };
         // A replica starts a step only after every scatter of the steps
         // before is complete: they can be logged.

@@ -180,7 +180,7 @@ impl Topology {
         Ok(LoaderArgs {
             replica,
             dp: layout.dp,
-            microbatches: layout.microbatches,
+            batches: layout.batches.clone(),
             micro_batch_size: cfg.train.micro_batch_size,
             block_size: cfg.model.block_size,
             train: data.train,

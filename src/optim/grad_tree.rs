@@ -173,6 +173,14 @@ impl<G> TreeSum<G> {
         self.spare.extend(std::mem::take(&mut self.early).into_values());
     }
 
+    /// Starts a step over another block of another total (a batch ramp's
+    /// steps differ in size); partial sums are dropped, buffers kept.
+    pub fn set_block(&mut self, block: Range<usize>, total: usize) {
+        assert!(block.start <= block.end && block.end <= total, "block {block:?} of {total} microbatches");
+        self.reset();
+        (self.next, self.block, self.total) = (block.start, block, total);
+    }
+
     /// Frees the buffers kept for later leaves (ZeRO-2 and 3 hold no whole
     /// gradient between steps).
     pub fn release_spares(&mut self) {
@@ -376,6 +384,12 @@ impl PartTree {
     pub fn clear(&mut self) {
         self.reset();
         self.release_spares();
+    }
+
+    /// Both trees over another block (see [`TreeSum::set_block`]).
+    pub fn set_block(&mut self, block: Range<usize>, total: usize) {
+        self.head.set_block(block.clone(), total);
+        self.body.set_block(block, total);
     }
 
     /// The replica's microbatches, as global indices within the step.

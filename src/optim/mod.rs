@@ -6,6 +6,7 @@
 //! tensor order and block order within a tensor (see `zero`), so the result is
 //! the same bits however the model is split into parts or shards.
 
+pub mod batch_ramp;
 pub mod ema;
 pub mod grad_tree;
 pub mod scaler;
@@ -69,8 +70,16 @@ impl LrSchedule {
 
     /// The learning rate of 0-based optimizer step `step`.
     pub fn lr(&self, step: usize) -> f64 {
-        if step < self.warmup_steps {
-            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        self.lr_at(step as f64)
+    }
+
+    /// The learning rate at a position on the step axis that need not be
+    /// whole (a batch ramp counts the schedule in tokens: `batch_ramp`); at
+    /// whole steps the same bits as `lr`, every integer here being exact.
+    pub fn lr_at(&self, step: f64) -> f64 {
+        let warmup = self.warmup_steps as f64;
+        if step < warmup {
+            return self.lr * (step + 1.0) / warmup;
         }
         let last = self.total_steps.saturating_sub(1).max(self.warmup_steps);
         match self.kind {
@@ -79,17 +88,17 @@ impl LrSchedule {
                 if last == self.warmup_steps {
                     return self.lr;
                 }
-                let ratio = ((step - self.warmup_steps) as f64 / (last - self.warmup_steps) as f64).min(1.0);
+                let ratio = ((step - warmup) / (last - self.warmup_steps) as f64).min(1.0);
                 let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
                 self.min_lr + coeff * (self.lr - self.min_lr)
             }
             ScheduleKind::Wsd { .. } => {
                 let (decay_start, _) = self.decay_bounds();
-                if step < decay_start {
+                if step < decay_start as f64 {
                     self.lr
                 } else {
-                    let ratio =
-                        ((step - decay_start + 1) as f64 / (self.total_steps - decay_start) as f64).min(1.0);
+                    let ratio = ((step - decay_start as f64 + 1.0) / (self.total_steps - decay_start) as f64)
+                        .min(1.0);
                     self.lr + (self.min_lr - self.lr) * ratio
                 }
             }

@@ -182,12 +182,12 @@ fn warn_changes(old: &Config, new: &Config, state: &checkpoint::StateFile) {
     let new_decay = LrSchedule::from_config(new).decay_bounds();
     let mut notes = Vec::new();
     if !same_batch {
-        let next = state.step * new_batch as u64;
+        let next = crate::optim::batch_ramp::BatchSizes::from_config(new).sequences_before(state.step);
         let (lo, hi) = (next.min(state.data_cursor), next.max(state.data_cursor));
         let gap = if next > state.data_cursor { "skipped" } else { "read again" };
         notes.push(format!(
             "  the global batch changes: {} → {} sequences per step (dp·microbatches·micro_batch_size = \
-             {}·{}·{} → {}·{}·{}); a step's data position is step × global batch, so the resumed run \
+             {}·{}·{} → {}·{}·{}); a step's data position is the sequences of the steps before it, so the resumed run \
              reads from sequence {next} while the checkpoint's cursor is {}: sequences {lo}..{hi} are {gap}",
             old_batch,
             new_batch,

@@ -91,7 +91,8 @@ impl CpuCompute {
         if zero >= 2 && dp > 1 {
             c.scatter = true;
             let trees = |p: &ModelPart| {
-                let tree = |r: usize| PartTree::new(&p.spec, &p.cfg, p.params.len(), r * m..(r + 1) * m, total);
+                let tree =
+                    |r: usize| PartTree::new(&p.spec, &p.cfg, p.params.len(), r * m..(r + 1) * m, total);
                 (0..dp).map(tree).collect()
             };
             c.shard_trees = c.parts.iter().map(trees).collect();
@@ -131,7 +132,8 @@ impl CpuCompute {
                 p.params.iter().map(|q| q.data.len() + q.grad.len()).sum::<usize>() + p.wte_head_grad.len()
             })
             .sum();
-        let trees: usize = self.trees.iter().chain(self.shard_trees.iter().flatten()).map(PartTree::floats).sum();
+        let trees: usize =
+            self.trees.iter().chain(self.shard_trees.iter().flatten()).map(PartTree::floats).sum();
         let leaves: usize = self.leaves.iter().map(|l| floats(&l.3)).sum();
         let adam: usize = self.adam.iter().map(|a| floats(&a.m) + floats(&a.v)).sum();
         let owned: usize = self.owned.iter().map(|o| floats(o)).sum();
@@ -383,6 +385,17 @@ impl StageCompute for CpuCompute {
 
     fn sums_by_tree(&self) -> bool {
         true
+    }
+
+    fn set_block(&mut self, block: std::ops::Range<usize>, total: usize) {
+        self.trees.iter_mut().for_each(|t| t.set_block(block.clone(), total));
+        // Scattering: one shard tree per replica's block of the same size.
+        let m = block.len();
+        for trees in &mut self.shard_trees {
+            for (r, t) in trees.iter_mut().enumerate() {
+                t.set_block(r * m..(r + 1) * m, total);
+            }
+        }
     }
 
     fn finish_grad_tree(&mut self, i: usize) {

@@ -130,6 +130,9 @@ pub trait StageCompute {
     fn finish_scattered(&mut self, _i: usize) {
         unreachable!("ZeRO runs on the CPU backend only: the config refuses the rest")
     }
+    /// The coming step's microbatches on this replica, as global indices of
+    /// `total` (a batch ramp's steps differ in size); before `zero_grads`.
+    fn set_block(&mut self, _block: std::ops::Range<usize>, _total: usize) {}
     /// Sums chunk `i`'s tree nodes into its gradients when one replica holds
     /// every microbatch (dp = 1).
     fn finish_grad_tree(&mut self, _i: usize) {}

@@ -4,7 +4,7 @@
 
 use crate::checkpoint::{LrPosition, RngState, StateFile, TensorState, FORMAT_VERSION, RNG_NOTE};
 use crate::config::Config;
-use crate::optim::{scaler::LossScaler, LrSchedule};
+use crate::optim::{batch_ramp::BatchSizes, scaler::LossScaler, LrSchedule};
 use crate::replay::Blob;
 
 /// One rank's copy of its tensors, its AdamW step count and its EMA's
@@ -43,24 +43,26 @@ pub struct RunPosition<'a> {
     pub next_lr: f64,
     pub cooldown_until: u64,
     pub dp: usize,
-    pub microbatches: usize,
+    /// Each step's global batch: where step `step`'s data starts.
+    pub batches: &'a BatchSizes,
     pub loss_scaler: Option<LossScaler>,
     pub ema_updates: Option<u64>,
 }
 
 /// `state.json` of the checkpoint taken at `p.step`.
 pub fn state_file(p: RunPosition) -> StateFile {
-    // Replica r of step s reads from global microbatch (s·dp + r)·m (see data_loader).
-    let (dp, m) = (p.dp as u64, p.microbatches as u64);
-    let b = p.cfg.train.micro_batch_size as u64;
+    // Replica r of step s reads from the step's global microbatch r·m, after
+    // every sequence of the steps before (see data_loader).
+    let (dp, before) = (p.dp, p.batches.sequences_before(p.step));
+    let replica_seqs = (p.batches.per_replica(p.step, dp) * p.cfg.train.micro_batch_size) as u64;
     StateFile {
         format_version: FORMAT_VERSION,
         step: p.step,
         adam_step: p.adam_step,
         tokens: p.tokens,
         skipped_steps: p.skipped_steps,
-        data_cursor: p.step * dp * m * b,
-        data_cursors: (0..dp).map(|r| (p.step * dp + r) * m * b).collect(),
+        data_cursor: before,
+        data_cursors: (0..dp as u64).map(|r| before + r * replica_seqs).collect(),
         rng: RngState { seed: p.cfg.train.seed, step: p.step, note: RNG_NOTE.into() },
         lr_schedule: lr_position(&p),
         config: p.cfg.to_toml_string(),
@@ -130,7 +132,9 @@ mod tests {
     fn data_cursors_count_global_microbatches_per_replica() {
         let mut cfg = Config::default();
         cfg.train.micro_batch_size = 2;
+        (cfg.parallel.dp, cfg.parallel.microbatches) = (2, 4);
         let sched = LrSchedule::from_config(&cfg);
+        let batches = BatchSizes::from_config(&cfg);
         let s = state_file(RunPosition {
             cfg: &cfg,
             sched: &sched,
@@ -141,7 +145,7 @@ mod tests {
             next_lr: 0.25,
             cooldown_until: 5,
             dp: 2,
-            microbatches: 4,
+            batches: &batches,
             loss_scaler: None,
             ema_updates: None,
         });

@@ -78,7 +78,6 @@ pub struct CoordinatorState {
     lr: f64,
     pending: Option<StepMetrics>,
     weights: Vec<Option<Vec<Param>>>,
-    tokens_per_step: u64,
     /// (step, tokens trained on by then): where the token count continues
     /// from, so segments resumed with another batch size add up.
     tokens_base: (u64, u64),
@@ -117,9 +116,8 @@ impl CoordinatorState {
         log: Option<ActorLog>,
         reply: Option<oneshot::Sender<Result<RunOutcome, String>>>,
     ) -> CoordinatorState {
-        let (pp, dp) = (layout.pp, layout.dp);
-        let tokens_per_step =
-            (dp * layout.microbatches * cfg.train.micro_batch_size * cfg.model.block_size) as u64;
+        let pp = layout.pp;
+        let tokens_base = (start_step, layout.batches.tokens_before(start_step));
         CoordinatorState {
             sched: LrSchedule::from_config(&cfg),
             recovery: Recovery::new(&cfg.recovery),
@@ -147,8 +145,7 @@ impl CoordinatorState {
             step_started: Instant::now(),
             lr: 0.0,
             pending: None,
-            tokens_per_step,
-            tokens_base: (start_step, start_step * tokens_per_step),
+            tokens_base,
             norms: Vec::new(),
             out: RunOutcome::default(),
             snapshots: vec![None; pp],
@@ -359,7 +356,7 @@ impl CoordinatorState {
             next_lr: self.lr_of(self.step),
             cooldown_until: self.recovery.cooldown_until(),
             dp: self.layout.dp,
-            microbatches: self.layout.microbatches,
+            batches: &self.layout.batches,
             loss_scaler: self.scaler.clone(),
             ema_updates,
         });
@@ -388,12 +385,19 @@ impl CoordinatorState {
 
     /// Tokens trained on before the current step.
     fn tokens_seen(&self) -> u64 {
-        self.tokens_base.1 + (self.step - self.tokens_base.0) * self.tokens_per_step
+        let b = &self.layout.batches;
+        self.tokens_base.1 + b.tokens_before(self.step) - b.tokens_before(self.tokens_base.0)
+    }
+
+    /// Tokens in the current step (a batch ramp changes them).
+    fn step_tokens(&self) -> u64 {
+        self.layout.batches.tokens(self.step)
     }
 
     /// The learning rate of 0-based `step`, a rollback's cooldown included.
     fn lr_of(&self, step: u64) -> f64 {
-        self.recovery.lr(self.sched.lr(step as usize), step)
+        let at = self.layout.batches.lr_position(step, self.cfg.train.steps as u64);
+        self.recovery.lr(self.sched.lr_at(at), step)
     }
 
     fn finish(&mut self, result: Result<(), String>) {
@@ -433,7 +437,7 @@ impl CoordinatorState {
         let scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         let grad_norm = optim::global_norm(&mut self.norms) / scale;
         let loss_sum: f64 = self.reports.iter().filter_map(|r| r.loss_sum).sum();
-        let loss = loss_sum / self.tokens_per_step as f64;
+        let loss = loss_sum / self.step_tokens() as f64;
         let Verdict { skip, overflow, alert } =
             self.recovery.judge(loss, grad_norm, self.scaler.as_ref().map(|_| scale));
         if let Some(a) = &alert {
@@ -471,8 +475,8 @@ impl CoordinatorState {
         let dt = self.step_started.elapsed().as_secs_f64();
         self.out.train_seconds += dt;
         let done = self.step + 1;
-        self.out.tokens = self.tokens_seen() + self.tokens_per_step;
-        self.out.tokens_this_run += self.tokens_per_step;
+        self.out.tokens = self.tokens_seen() + self.step_tokens();
+        self.out.tokens_this_run += self.step_tokens();
         let m = self.pending.as_mut().expect("metrics of this step");
         m.ms = dt * 1e3;
         m.tokens = self.out.tokens;

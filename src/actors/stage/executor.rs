@@ -33,6 +33,9 @@ pub struct Executor {
     pub comm: Box<dyn Comm>,
     pub hyper: Hyper,
     pub actions: Vec<Action>,
+    /// Microbatches per replica in the step `actions` are for (a batch ramp
+    /// changes them from step to step).
+    pub microbatches: usize,
     pub step: u64,
     /// The action being executed, for failure reports.
     pub current: Option<Action>,
@@ -251,6 +254,10 @@ impl Executor {
 
     fn run_step(&mut self, step: u64, loss_scale: f32) -> Result<(), Stopped> {
         self.step = step;
+        let m = self.layout.microbatches_at(step);
+        if m != self.microbatches {
+            self.resize_step(m);
+        }
         self.compute.begin_step(step);
         self.compute.zero_grads();
         let last = self.layout.last_stage();
@@ -300,6 +307,16 @@ impl Executor {
             loss_sum: holds_last.then_some(loss_sum),
         }));
         Ok(())
+    }
+
+    /// A step of another size (`train.batch_ramp`): its schedule, its loss
+    /// scale (1 / its tokens) and the replica's block of its microbatches.
+    fn resize_step(&mut self, m: usize) {
+        self.actions = self.layout.schedule_for(m).actions[self.rank].clone();
+        self.dloss = 1.0 / self.layout.batches.tokens(self.step) as f32;
+        let (r, dp) = (self.replica, self.layout.dp);
+        self.compute.set_block(r * m..(r + 1) * m, dp * m);
+        self.microbatches = m;
     }
 
     /// F of (stage, mb). Returns the microbatch's loss sum on the last stage.
@@ -447,7 +464,7 @@ impl Executor {
 
     /// Sends each part's gradients to the reducer and takes back their sum over replicas.
     fn reduce_over_replicas(&mut self) -> Result<(), Stopped> {
-        let m = self.layout.microbatches;
+        let m = self.microbatches;
         let block = self.replica * m..(self.replica + 1) * m;
         let parts = (0..self.stages.len())
             .map(|i| {

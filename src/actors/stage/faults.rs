@@ -223,6 +223,9 @@ impl<C: StageCompute + ?Sized> StageCompute for Faulty<C> {
     fn finish_grad_tree(&mut self, i: usize) {
         self.inner.finish_grad_tree(i)
     }
+    fn set_block(&mut self, block: std::ops::Range<usize>, total: usize) {
+        self.inner.set_block(block, total)
+    }
     fn sums_by_tree(&self) -> bool {
         self.inner.sums_by_tree()
     }

@@ -235,6 +235,7 @@ fn build(mut args: StageArgs, rx: Receiver<StageMsg>, links: Links) -> Result<Ex
         rank,
         replica,
         actions: l.schedule.actions[rank].clone(),
+        microbatches: l.microbatches,
         hyper: crate::optim::Hyper::from_config(cfg),
         layout: args.layout,
         gpt,
