@@ -39,6 +39,13 @@ pub fn held_sets(m: usize) -> usize {
     (usize::BITS - m.leading_zeros()) as usize
 }
 
+/// Most partial sums a block's tree holds after any leaf when it keeps no
+/// spare buffer (ZeRO-2 and 3's shard trees): the most one-bits of a count
+/// up to `m`.
+pub fn scattered_sets(m: usize) -> usize {
+    (usize::BITS - (m + 1).leading_zeros()) as usize - 1
+}
+
 /// `a += b`, tensor by tensor: the tree's one add.
 pub fn add_into(a: &mut Grads, b: &Grads) {
     debug_assert_eq!(a.len(), b.len());
@@ -500,6 +507,14 @@ mod tests {
             t.push(g, ls[g].clone());
         }
         t.take_nodes()
+    }
+
+    #[test]
+    fn a_spareless_tree_holds_as_many_sums_as_the_most_one_bits_of_a_count() {
+        let most = |m: usize| (1..=m).map(|k: usize| k.count_ones() as usize).max().unwrap();
+        for m in 1..200 {
+            assert_eq!(scattered_sets(m), most(m), "m = {m}");
+        }
     }
 
     #[test]

@@ -300,7 +300,14 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                 // `held_sets(m)` partial sums live at once, the head's wte share with them.
                 let head_share =
                     if layout.stages_of(rank).iter().any(|&s| layout.stages[s].head) { v * c } else { 0.0 };
-                let sets = crate::optim::grad_tree::held_sets(layout.microbatches) as f64;
+                // ZeRO-2 and 3 over replicas scatter each leaf as it is made:
+                // the shards of every replica's partial sums come to a
+                // whole set per node, and no spare is kept.
+                let scatters = cfg.parallel.zero >= 2 && layout.dp > 1;
+                let sets = match scatters {
+                    true => crate::optim::grad_tree::scattered_sets(layout.microbatches),
+                    false => crate::optim::grad_tree::held_sets(layout.microbatches),
+                } as f64;
                 workspace += sets * 4.0 * (params + head_share);
                 // An untied head's gradient is its own tensor's: no share apart.
                 let tied_share = if gpt.tied() { head_share } else { 0.0 };
@@ -633,9 +640,10 @@ mod tests {
         assert_eq!(whole.process_bytes - sharded.process_bytes, 2.0 * 4.0 * params);
     }
 
-    /// ZeRO-2 holds ZeRO-1's peak (the backward accumulates whole
-    /// gradients); ZeRO-3 keeps 1/dp of the weights plus the chunk it
-    /// gathers: the largest, or every chunk when they stay for the step.
+    /// ZeRO-2 holds ZeRO-1's state (the backward accumulates whole
+    /// gradients) but not its tree's whole partial sums; ZeRO-3 keeps 1/dp
+    /// of the weights plus the chunk it gathers: the largest, or every chunk
+    /// when they stay for the step.
     #[test]
     fn zero_3_keeps_a_share_of_the_weights_and_a_gathered_chunk() {
         let mut cfg = bench_config(2, 2);
@@ -644,10 +652,15 @@ mod tests {
         cfg.parallel.chunks = 2;
         let one = plan(&cfg).unwrap();
         cfg.parallel.zero = 2;
-        assert_eq!(plan(&cfg).unwrap().ranks, one.ranks);
+        let two = plan(&cfg).unwrap();
+        for (a, b) in one.ranks.iter().zip(&two.ranks) {
+            assert_eq!(a.state_bytes, b.state_bytes, "gradients accumulate whole in the backward");
+            // 2 microbatches: ZeRO-1's tree holds a node and a spare, ZeRO-2's a node's shards.
+            assert!(b.state_peak_bytes < a.state_peak_bytes - 4.0 * a.params * 0.99);
+        }
         cfg.parallel.zero = 3;
         let three = plan(&cfg).unwrap();
-        for (a, b) in one.ranks.iter().zip(&three.ranks) {
+        for (a, b) in two.ranks.iter().zip(&three.ranks) {
             assert_eq!(a.state_bytes - b.state_bytes, 3.0 * a.params, "4 B a weight, 3/4 of it shared out");
         }
         cfg.parallel.reshard_after_forward = false;
