@@ -183,8 +183,13 @@ impl BlockActs {
         self.n1.is_empty()
     }
 
-    /// Trades the remade tensors' buffers with `r`: a selective set borrows
-    /// them for a forward or a backward and gives them back after.
+    /// A selective set borrows the remade tensors' buffers from `r` for a
+    /// forward or a backward ([`Self::trade`] gives them back).
+    fn lend(&mut self, r: &mut Remade) {
+        assert!(!r.n1.is_empty(), "a set kept for selective recompute needs a scratch made for it");
+        self.trade(r);
+    }
+
     fn trade(&mut self, r: &mut Remade) {
         std::mem::swap(&mut self.n1, &mut r.n1);
         std::mem::swap(&mut self.n2, &mut r.n2);
@@ -448,7 +453,7 @@ pub fn block_forward(
     let wt = Weights { p, ix: cfg.block_index() };
     let slim = a.slim();
     if slim {
-        a.trade(&mut sc.remade);
+        a.lend(&mut sc.remade);
     }
     norm_forward(
         cfg,
@@ -554,7 +559,7 @@ fn remake(
     let s = Share::of(cfg, size);
     let (n, c, f) = (b * cfg.block_size, s.c, s.f);
     let wt = Weights { p, ix: cfg.block_index() };
-    a.trade(&mut sc.remade);
+    a.lend(&mut sc.remade);
     let (norm1, bias1) = (wt.w(Role::AttnNorm), wt.opt(Role::AttnNormBias));
     norm_forward(cfg, &mut a.n1, &mut a.mean1, &mut a.rstd1, x, norm1, bias1, n, c);
     let (norm2, bias2) = (wt.w(Role::MlpNorm), wt.opt(Role::MlpNormBias));
