@@ -7,7 +7,7 @@
 //!   residual after attention, the MLP's first products), the norms'
 //!   statistics and the block's input; the norms' outputs and the MLP's
 //!   activation are computed again from them when a weight gradient needs
-//!   them. Those three are 2·C + F floats a token (6·C of GPT-2's ≈ 15·C)
+//!   them. Those three are 2·C + F floats a token (6·C of the 16·C GPT-2's block keeps with its input)
 //!   and cost a few elementwise passes to remake, where any product or the
 //!   attention would cost as much again as its forward. pipewright's
 //!   attention never stores the T×T scores (it keeps the log-sum-exp), so
