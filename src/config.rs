@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::check::Problem;
 use crate::check::{quoted, Checks};
 use crate::choice;
+pub use crate::model::recompute::Recompute;
 pub use crate::model::section::{ModelSection, RopeScalingSection};
 
 pub use crate::data::mixture::SourceSpec;
@@ -207,8 +208,11 @@ pub struct TrainSection {
     /// Batches of train.micro_batch_size validation windows per evaluation
     /// (what `eval --batches` counts too).
     pub eval_batches: usize,
-    /// Keep only each block's input in forward and recompute the rest in backward.
-    pub recompute: bool,
+    /// What backward computes again instead of keeping from forward:
+    /// "none", "selective" (the norms' outputs and the MLP's activation) or
+    /// "full" (all but each block's input); `true`/`false` still mean
+    /// "full"/"none" (`model::recompute`).
+    pub recompute: Recompute,
 }
 
 /// `train.batch_ramp = { start = S, increment = I, tokens = T }`:
@@ -390,7 +394,7 @@ impl Default for TrainSection {
             seed: 1337,
             eval_every: 100,
             eval_batches: 8,
-            recompute: false,
+            recompute: Recompute::None,
         }
     }
 }
@@ -792,11 +796,11 @@ impl Config {
             "must be >= 1, and more than 1 only with parallel.schedule = \"interleaved\" (or 2 with \"zb-v\")",
         );
         v.check(
-            !(p.schedule.splits_backward() && self.train.recompute),
+            !(p.schedule.splits_backward() && self.train.recompute == Recompute::Full),
             "train.recompute",
             self.train.recompute,
             "the split backward of the zero-bubble schedules (zb-h1, zb-v) keeps activations until W; \
-             recompute is not supported with them",
+             \"full\" is not supported with them (\"selective\" and \"none\" are)",
         );
     }
 
@@ -839,6 +843,12 @@ impl Config {
             p.schedule,
             "the split backward (I and W) of zero-bubble schedules is built for the CPU backend only; \
              with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
+        );
+        v.check(
+            self.backend.kind != BackendKind::Cuda || self.train.recompute != Recompute::Selective,
+            "train.recompute",
+            self.train.recompute,
+            "\"selective\" is built for the CPU backend only; with backend.kind = \"cuda\" use \"none\" or \"full\"",
         );
     }
 
@@ -1968,11 +1978,53 @@ mod tests {
     }
 
     #[test]
-    fn zero_bubble_refuses_recompute() {
+    fn zero_bubble_refuses_full_recompute_only() {
         let mut c = valid();
         c.parallel.schedule = ScheduleKind::ZbH1;
-        c.train.recompute = true;
+        c.train.recompute = Recompute::Full;
         refused(&c, "train.recompute");
+        c.train.recompute = Recompute::Selective;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn cuda_refuses_selective_recompute() {
+        let mut c = valid();
+        c.backend.kind = BackendKind::Cuda;
+        c.train.recompute = Recompute::Selective;
+        let err = refused(&c, "train.recompute");
+        assert!(err.contains("CPU backend only"), "{err}");
+        c.train.recompute = Recompute::Full;
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn recompute_reads_its_three_names_and_the_old_booleans() {
+        let read = |v: &str, set: &[&str]| {
+            let text = format!("[train]\nrecompute = {v}\n");
+            let sets: Vec<String> = set.iter().map(|s| s.to_string()).collect();
+            Config::parse(&text, "t.toml", &sets).map(|c| c.train.recompute)
+        };
+        for (v, want) in [
+            ("\"none\"", Recompute::None),
+            ("\"selective\"", Recompute::Selective),
+            ("\"full\"", Recompute::Full),
+            ("true", Recompute::Full),
+            ("false", Recompute::None),
+        ] {
+            assert_eq!(read(v, &[]).unwrap(), want, "{v}");
+        }
+        for set in ["train.recompute=true", "train.recompute=full"] {
+            assert_eq!(read("false", &[set]).unwrap(), Recompute::Full, "{set}");
+        }
+        assert_eq!(read("true", &["train.recompute=selective"]).unwrap(), Recompute::Selective);
+        let err = read("\"some\"", &[]).unwrap_err().to_string();
+        assert!(err.contains("train.recompute") && err.contains("\"selective\""), "{err}");
+        let err = read("false", &["train.recompute=most"]).unwrap_err().to_string();
+        assert!(err.contains("--set train.recompute=most") && err.contains("\"full\""), "{err}");
+        // The resolved config names the choice.
+        let c = Config::parse("[train]\nrecompute = true\n", "t.toml", &[]).unwrap();
+        assert!(c.to_toml_string().contains("recompute = \"full\""));
     }
 
     #[test]

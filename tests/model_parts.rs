@@ -2,7 +2,7 @@
 //! properties the pipeline depends on (recompute and splitting change no bits).
 
 use crossbeam_channel::{Receiver, Sender};
-use pipewright::model::block::Exchange;
+use pipewright::model::block::{BlockActs, Exchange, Recompute};
 use pipewright::model::part::{Mode, PartInput};
 use pipewright::model::tp::{Followers, Remote, TpCmd, TpFollower, TpShape};
 use pipewright::model::{Arch, ModelPart, PartSpec};
@@ -83,11 +83,14 @@ fn whole_model_gradient_matches_directional_finite_differences() {
 fn recompute_changes_no_bits() {
     let cfg = tiny();
     let (tok, tgt) = batch(&cfg, 3, 2);
-    let mut a = ModelPart::new(cfg, PartSpec::whole(&cfg), 3, 9, false);
-    let mut r = ModelPart::new(cfg, PartSpec::whole(&cfg), 3, 9, true);
-    assert_eq!(loss_and_grads(&mut a, &tok, &tgt), loss_and_grads(&mut r, &tok, &tgt));
-    for (p, q) in a.params.iter().zip(&r.params) {
-        assert_eq!(p.grad, q.grad, "{}", p.name);
+    let mut a = ModelPart::new(cfg, PartSpec::whole(&cfg), 3, 9, Recompute::None);
+    let want = loss_and_grads(&mut a, &tok, &tgt);
+    for how in [Recompute::Selective, Recompute::Full] {
+        let mut r = ModelPart::new(cfg, PartSpec::whole(&cfg), 3, 9, how);
+        assert_eq!(loss_and_grads(&mut r, &tok, &tgt), want, "{how}");
+        for (p, q) in a.params.iter().zip(&r.params) {
+            assert_eq!(p.grad, q.grad, "{how}: {}", p.name);
+        }
     }
 }
 
@@ -132,17 +135,23 @@ fn recompute_keeps_less_activation_memory() {
     let cfg = Arch::gpt2(4, 2, 32, 50, 16);
     let (tok, tgt) = batch(&cfg, 4, 0);
     let mut bytes = vec![];
-    for recompute in [false, true] {
+    for recompute in Recompute::ALL {
         let mut p = ModelPart::new(cfg, PartSpec::whole(&cfg), 4, 1, recompute);
         let o = p.forward(PartInput::Tokens(&tok), Some(&tgt), Mode::Train { dloss: 1.0 });
         bytes.push(o.acts.as_ref().unwrap().bytes());
+        assert_eq!(p.live_bytes, bytes[bytes.len() - 1], "{recompute}: the part counts what it holds");
         p.backward(o.acts.unwrap(), None);
     }
-    // Per block: 15 (N, C)-sized tensors plus statistics without recompute, one with it.
-    assert!(bytes[1] * 5 < bytes[0], "{bytes:?}");
+    // Per block: 16 (N, C)-sized tensors (the input, MLP's 4C twice) plus
+    // statistics without recompute; selective drops both norms' outputs and
+    // the GELU (6 of them); full keeps the input alone.
+    let (n, c, blocks) = (4 * cfg.block_size, cfg.n_embd, cfg.n_layer);
+    assert_eq!(bytes[0] - bytes[1], blocks * 4 * n * 6 * c, "{bytes:?}");
+    assert_eq!(bytes[1] - bytes[2], blocks * BlockActs::bytes_for(4, &cfg, 1, Recompute::Selective));
+    assert!(bytes[2] * 5 < bytes[0], "{bytes:?}");
 }
 
-fn engine_digest(threads: usize, recompute: bool) -> (Vec<f64>, String) {
+fn engine_digest(threads: usize, recompute: Recompute) -> (Vec<f64>, String) {
     use pipewright::config::Config;
     use pipewright::train::engine::Engine;
     let mut cfg = Config::load(
@@ -175,9 +184,10 @@ fn engine_digest(threads: usize, recompute: bool) -> (Vec<f64>, String) {
 
 #[test]
 fn training_steps_are_bit_identical_across_thread_counts_and_recompute() {
-    let one = engine_digest(1, false);
-    assert_eq!(one, engine_digest(2, false));
-    assert_eq!(one, engine_digest(3, true));
+    let one = engine_digest(1, Recompute::None);
+    assert_eq!(one, engine_digest(2, Recompute::None));
+    assert_eq!(one, engine_digest(3, Recompute::Full));
+    assert_eq!(one, engine_digest(2, Recompute::Selective));
 }
 
 #[test]
@@ -224,7 +234,7 @@ fn split_backward_input_then_weight_equals_full_backward() {
 /// Loss, input gradients and every weight gradient of two microbatches
 /// through a first part and a last part split over `tp` ranks; `zb` splits
 /// each backward into I and W (W after both I's), `recompute` recomputes blocks.
-fn split_run(tp: TpShape, zb: bool, recompute: bool) -> (f64, Vec<(String, Vec<u32>)>) {
+fn split_run(tp: TpShape, zb: bool, recompute: Recompute) -> (f64, Vec<(String, Vec<u32>)>) {
     split_run_over(tp, None, zb, recompute)
 }
 
@@ -235,7 +245,7 @@ fn split_run_over(
     tp: TpShape,
     per: Option<usize>,
     zb: bool,
-    recompute: bool,
+    recompute: Recompute,
 ) -> (f64, Vec<(String, Vec<u32>)>) {
     let cfg = Arch::gpt2(3, 4, 32, 13, 8);
     let b = 2;
@@ -342,7 +352,7 @@ fn processes(
     cfg: Arch,
     spec: PartSpec,
     b: usize,
-    recompute: bool,
+    recompute: Recompute,
     tp: TpShape,
     per: usize,
 ) -> (Remote, Vec<std::thread::JoinHandle<()>>) {
@@ -378,8 +388,17 @@ fn processes(
 
 #[test]
 fn a_part_split_over_two_or_four_ranks_gives_the_bits_of_one_rank_with_the_same_slices() {
-    for (zb, recompute) in [(false, false), (true, false), (false, true)] {
+    let all = [
+        (false, Recompute::None),
+        (true, Recompute::None),
+        (false, Recompute::Full),
+        (false, Recompute::Selective),
+        (true, Recompute::Selective),
+    ];
+    let kept = split_run(TpShape { size: 1, slices: 4 }, false, Recompute::None);
+    for (zb, recompute) in all {
         let one = split_run(TpShape { size: 1, slices: 4 }, zb, recompute);
+        assert_eq!(one, kept, "one rank (zb {zb}, recompute {recompute}) against keeping everything");
         for size in [2, 4] {
             let got = split_run(TpShape { size, slices: 4 }, zb, recompute);
             assert_eq!(got.0, one.0, "loss at {size} ranks (zb {zb}, recompute {recompute})");
@@ -389,14 +408,20 @@ fn a_part_split_over_two_or_four_ranks_gives_the_bits_of_one_rank_with_the_same_
         }
     }
     // The slices are part of the definition: another count is another rounding.
-    let plain = split_run(TpShape::WHOLE, false, false);
-    let four = split_run(TpShape { size: 1, slices: 4 }, false, false);
+    let plain = split_run(TpShape::WHOLE, false, Recompute::None);
+    let four = split_run(TpShape { size: 1, slices: 4 }, false, Recompute::None);
     assert_ne!(plain.1, four.1);
 }
 
 #[test]
 fn ranks_held_by_followers_in_other_processes_give_the_bits_of_ranks_held_here() {
-    for (zb, recompute) in [(false, false), (true, false), (false, true)] {
+    let all = [
+        (false, Recompute::None),
+        (true, Recompute::None),
+        (false, Recompute::Full),
+        (true, Recompute::Selective),
+    ];
+    for (zb, recompute) in all {
         let here = split_run(TpShape { size: 4, slices: 4 }, zb, recompute);
         for per in [1, 2] {
             let over = split_run_over(TpShape { size: 4, slices: 4 }, Some(per), zb, recompute);

@@ -61,6 +61,36 @@ fn pipelines_of_1_2_and_4_stages_give_identical_bits_under_1f1b_and_gpipe() {
     }
 }
 
+/// Keeping every activation, keeping the selective set (the norms' outputs
+/// and the MLP's activation remade in backward) and keeping each block's
+/// input alone give one set of weights: at pp 1 and 2 (the default), and
+/// selective also with two replicas under ZeRO-1 and under ZB-H1's split
+/// backward, whose W remakes what it reads.
+#[test]
+fn recompute_none_selective_and_full_give_one_set_of_weights() {
+    let run = |extra: &[&str]| {
+        train(&config(&[&["train.steps=2", "parallel.microbatches=4"], extra].concat()), None)
+    };
+    let reference = run(&[]);
+    let layouts: [&[&str]; 7] = [
+        &["parallel.pp=1", "train.recompute=none"],
+        &["parallel.pp=1", "train.recompute=selective"],
+        &["parallel.pp=1", "train.recompute=full"],
+        &["train.recompute=selective"],
+        &["train.recompute=full"],
+        &["parallel.dp=2", "parallel.zero=1", "parallel.microbatches=2", "train.recompute=selective"],
+        &["parallel.schedule=\"zb-h1\"", "train.recompute=selective"],
+    ];
+    let mut held = Vec::new();
+    for extra in layouts {
+        let r = run(extra);
+        assert_same_bits(&reference, &r, &format!("{extra:?}"));
+        held.push(r.0.peak_activation_bytes[0]);
+    }
+    // At pp = 1: none holds the most, full the least.
+    assert!(held[0] > held[1] && held[1] > held[2], "{held:?}");
+}
+
 #[test]
 fn interleaved_and_zero_bubble_schedules_give_identical_bits_too() {
     let reference = train(&config(&[]), None);

@@ -262,18 +262,23 @@ fn planned_memory_matches_runs_of_the_bench_model_within_20_percent() {
     let dir = tempfile::tempdir().unwrap();
     let base =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/bench-cpu.toml")).unwrap();
-    let layouts =
-        [(1, 2, "1f1b", false), (2, 4, "1f1b", false), (2, 4, "gpipe", false), (4, 4, "1f1b", true)];
+    let layouts = [
+        (1, 2, "1f1b", "none"),
+        (2, 4, "1f1b", "none"),
+        (2, 4, "gpipe", "none"),
+        (2, 4, "1f1b", "selective"),
+        (4, 4, "1f1b", "full"),
+    ];
     for (pp, m, schedule, recompute) in layouts {
         let what = format!("pp={pp} m={m} {schedule} recompute={recompute}");
         let text = base
             .replace("pp = 1", &format!("pp = {pp}"))
             .replace("microbatches = 1", &format!("microbatches = {m}"))
             .replace("schedule = \"1f1b\"", &format!("schedule = \"{schedule}\""))
-            .replace("eval_every = 0", &format!("eval_every = 0\nrecompute = {recompute}"));
-        let config = dir.path().join(format!("pp{pp}-{schedule}.toml"));
+            .replace("eval_every = 0", &format!("eval_every = 0\nrecompute = \"{recompute}\""));
+        let config = dir.path().join(format!("pp{pp}-{schedule}-{recompute}.toml"));
         std::fs::write(&config, text).unwrap();
-        let out = dir.path().join(format!("run-pp{pp}-{schedule}"));
+        let out = dir.path().join(format!("run-pp{pp}-{schedule}-{recompute}"));
         let run = Command::new(env!("CARGO_BIN_EXE_pipewright"))
             .args([
                 "train",
@@ -310,6 +315,44 @@ fn planned_memory_matches_runs_of_the_bench_model_within_20_percent() {
                 planned.process_bytes / 1e6
             );
         }
+    }
+}
+
+/// The CPU planner's activation bytes are, to the byte, what each rank of a
+/// small run held at its peak, for each `train.recompute` (the bench model's
+/// test above checks the process within 20%).
+#[test]
+fn planned_activation_bytes_are_what_runs_hold_for_none_selective_and_full() {
+    use pipewright::config::Config;
+    use pipewright::train::run::{train_with, TrainOptions};
+    let dir = tempfile::tempdir().unwrap();
+    for (i, recompute) in ["none", "selective", "full"].into_iter().enumerate() {
+        let sets = [
+            "model.n_layer=4",
+            "model.n_embd=32",
+            "model.n_head=2",
+            "model.block_size=16",
+            "train.micro_batch_size=2",
+            "train.steps=1",
+            "train.eval_every=0",
+            "parallel.pp=2",
+            "parallel.microbatches=4",
+        ];
+        let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        sets.push(format!("train.recompute={recompute}"));
+        let cfg = Config::load(None, &sets).unwrap();
+        let opts = TrainOptions {
+            out_dir: dir.path().join(format!("run{i}")),
+            init: None,
+            force: false,
+            progress: false,
+            resume: false,
+        };
+        let (summary, _) = train_with(&cfg, &opts, None).unwrap();
+        let planned: Vec<f64> =
+            pipewright::plan::cpu::plan(&cfg).unwrap().ranks.iter().map(|r| r.activation_bytes).collect();
+        let held: Vec<f64> = summary.peak_activation_bytes.iter().map(|&b| b as f64).collect();
+        assert_eq!(held, planned, "recompute = {recompute}");
     }
 }
 

@@ -24,6 +24,7 @@ pub mod params;
 pub mod part;
 pub mod qwen2;
 pub mod qwen3;
+pub mod recompute;
 pub mod rope;
 pub mod section;
 pub mod tp;

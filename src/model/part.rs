@@ -19,6 +19,7 @@
 use super::arch::{Norm, Positions};
 use super::block::{
     block_backward_input, block_backward_weight, block_forward, BlockActs, BlockGrads, BlockScratch,
+    Recompute,
 };
 use super::params::{self, Arch, Param};
 use super::tp::{Members, Remote, TpRanks, TpShape};
@@ -102,7 +103,8 @@ pub struct MicroActs {
     tokens: Vec<u32>,
     /// inputs[l]: the residual stream entering local block l, (N, C).
     inputs: Vec<Vec<f32>>,
-    /// Per-block intermediates; empty when recomputing.
+    /// Per-block intermediates (the selective set with selective
+    /// recompute); empty with full recompute.
     blocks: Vec<BlockActs>,
     /// Last part: gradient of the head's input, computed during forward.
     dhead: Vec<f32>,
@@ -145,7 +147,7 @@ pub struct ModelPart {
     pub spec: PartSpec,
     /// Sequences per microbatch.
     pub b: usize,
-    pub recompute: bool,
+    pub recompute: Recompute,
     /// This part's tensors: the embedding's if first, the blocks', the final
     /// norm's if last, then the head's weight if it is not the embedding held
     /// here (a tied copy of wte, or the untied lm_head).
@@ -155,7 +157,7 @@ pub struct ModelPart {
     /// when the head is untied: its gradient is its own tensor's).
     pub wte_head_grad: Vec<f32>,
     scratch: Scratch,
-    /// One block's intermediates, recomputed in backward when `recompute` is on.
+    /// One block's intermediates, recomputed in backward under full recompute.
     recompute_acts: Option<BlockActs>,
     /// Microbatches whose I ran and whose W has not, by microbatch.
     pending_w: std::collections::BTreeMap<usize, PendingWeight>,
@@ -211,20 +213,28 @@ pub(super) fn pair(p: &mut [Param], i: usize, j: usize) -> (&mut Param, &mut Par
 }
 
 impl ModelPart {
-    pub fn new(cfg: Arch, spec: PartSpec, b: usize, seed: u64, recompute: bool) -> Self {
+    /// `recompute`: a [`Recompute`], or a bool for full or none.
+    pub fn new(cfg: Arch, spec: PartSpec, b: usize, seed: u64, recompute: impl Into<Recompute>) -> Self {
         let params = part_params(&cfg, &spec, seed);
         ModelPart::from_params(cfg, spec, b, recompute, params)
     }
 
     /// The part holding `params` (`part_params`' tensors, in its order, with
     /// any values: initial, loaded or resumed).
-    pub fn from_params(cfg: Arch, spec: PartSpec, b: usize, recompute: bool, params: Vec<Param>) -> Self {
+    pub fn from_params(
+        cfg: Arch,
+        spec: PartSpec,
+        b: usize,
+        recompute: impl Into<Recompute>,
+        params: Vec<Param>,
+    ) -> Self {
+        let recompute = recompute.into();
         let (t, c, v) = (cfg.block_size, cfg.n_embd, cfg.vocab_size);
         let n = b * t;
         let head = spec.head;
         let scratch = Scratch {
             dln: vec![0.0; n * c],
-            block: BlockScratch::new(b, &cfg, &TpShape::WHOLE.single()),
+            block: BlockScratch::new(b, &cfg, &TpShape::WHOLE.single(), recompute),
             lnf: if head { vec![0.0; n * c] } else { vec![] },
             lnf_mean: if head { vec![0.0; n] } else { vec![] },
             lnf_rstd: if head { vec![0.0; n] } else { vec![] },
@@ -239,7 +249,8 @@ impl ModelPart {
             params,
             wte_head_grad: if head && cfg.tied() { vec![0.0; v * c] } else { vec![] },
             scratch,
-            recompute_acts: recompute.then(|| BlockActs::new(b, &cfg, 1)),
+            recompute_acts: (recompute == Recompute::Full)
+                .then(|| BlockActs::new(b, &cfg, 1, Recompute::None)),
             pending_w: std::collections::BTreeMap::new(),
             grads_pool: Vec::new(),
             full_grads: BlockGrads::new(n, &cfg, 1),
@@ -264,7 +275,9 @@ impl ModelPart {
     /// held by followers in other processes.
     pub fn with_tp_over(mut self, shape: TpShape, threads: usize, remote: Option<Remote>) -> Self {
         self.tp = shape;
-        self.scratch.block = BlockScratch::new(self.b, &self.cfg, &shape.single());
+        // Split, the ranks' own scratch remakes a selective set.
+        let remade = if shape.size > 1 { Recompute::None } else { self.recompute };
+        self.scratch.block = BlockScratch::new(self.b, &self.cfg, &shape.single(), remade);
         self.acts_pool.clear();
         self.grads_pool.clear();
         self.split = (shape.size > 1).then(|| {
@@ -308,12 +321,14 @@ impl ModelPart {
             return a;
         }
         let (b, t) = (self.b, self.cfg.block_size);
-        let keep = if self.recompute { 0 } else { self.n_blocks() };
+        let keep = if self.recompute.keeps_blocks() { self.n_blocks() } else { 0 };
         MicroActs {
             key,
             tokens: if self.spec.embedding { vec![0; b * t] } else { vec![] },
             inputs: Vec::with_capacity(self.n_blocks()),
-            blocks: (0..keep * self.held()).map(|_| BlockActs::new(b, &self.cfg, self.tp.size)).collect(),
+            blocks: (0..keep * self.held())
+                .map(|_| BlockActs::new(b, &self.cfg, self.tp.size, self.recompute))
+                .collect(),
             dhead: vec![],
         }
     }
@@ -379,12 +394,14 @@ impl ModelPart {
             let x = &acts.inputs[l];
             if let Some(sp) = &mut self.split {
                 let t = sp.held_here();
-                let blocks = (!self.recompute).then(|| &mut acts.blocks[l * t..(l + 1) * t]);
+                let blocks = self.recompute.keeps_blocks().then(|| &mut acts.blocks[l * t..(l + 1) * t]);
                 sp.forward(l, acts.key, blocks, false, x, &mut out, self.b, &self.cfg);
             } else {
                 let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
-                let ba =
-                    if self.recompute { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
+                let ba = match self.recompute {
+                    Recompute::Full => self.recompute_acts.as_mut().unwrap(),
+                    _ => &mut acts.blocks[l],
+                };
                 let tp = self.tp.single();
                 block_forward(
                     &self.params[base..base + bl],
@@ -566,7 +583,8 @@ impl ModelPart {
         let mut dres = self.output_grad(&mut acts, dout);
         for l in (0..self.n_blocks()).rev() {
             let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
-            if self.recompute {
+            let full = self.recompute == Recompute::Full;
+            if full {
                 self.recompute_block(&acts, l);
             }
             let x = &acts.inputs[l];
@@ -574,13 +592,13 @@ impl ModelPart {
             // same kernel calls as an I followed later by a W, so B = I + W in bits.
             if let Some(sp) = &mut self.split {
                 let t = sp.held_here();
-                let blocks = (!self.recompute).then(|| &acts.blocks[l * t..(l + 1) * t]);
+                let blocks = (!full).then(|| &mut acts.blocks[l * t..(l + 1) * t]);
                 sp.load_grads(l, &self.params[base..base + bl]);
                 sp.backward_input(l, acts.key, blocks, None, x, &mut dres, self.b, &self.cfg, true);
                 sp.store_grads(l, &mut self.params[base..base + bl]);
                 continue;
             }
-            let ba = if self.recompute { self.recompute_acts.as_ref().unwrap() } else { &acts.blocks[l] };
+            let ba = if full { self.recompute_acts.as_mut().unwrap() } else { &mut acts.blocks[l] };
             block_backward_input(
                 &mut self.params[base..base + bl],
                 ba,
@@ -612,7 +630,7 @@ impl ModelPart {
         dout: Option<Vec<f32>>,
         mb: usize,
     ) -> Option<Vec<f32>> {
-        assert!(!self.recompute, "split backward with recompute is refused by the config");
+        assert!(self.recompute.keeps_blocks(), "split backward with full recompute is refused by the config");
         let mut dres = self.output_grad(&mut acts, dout);
         let mut grads = self.grads_pool.pop().unwrap_or_default();
         let n = self.n();
@@ -623,7 +641,7 @@ impl ModelPart {
         for l in (0..self.n_blocks()).rev() {
             let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
             if let Some(sp) = &mut self.split {
-                let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &mut grads[l * t..(l + 1) * t]);
+                let (blocks, g) = (&mut acts.blocks[l * t..(l + 1) * t], &mut grads[l * t..(l + 1) * t]);
                 sp.backward_input(
                     l,
                     acts.key,
@@ -639,7 +657,7 @@ impl ModelPart {
             }
             block_backward_input(
                 &mut self.params[base..base + bl],
-                &acts.blocks[l],
+                &mut acts.blocks[l],
                 &acts.inputs[l],
                 &mut dres,
                 &mut grads[l],
@@ -660,13 +678,13 @@ impl ModelPart {
 
     /// The weight half (zero-bubble schedules' W) of microbatch `mb`, whose I ran.
     pub fn backward_weight(&mut self, mb: usize) {
-        let PendingWeight { acts, grads, dembed } = self.pending_w.remove(&mb).expect("I ran before W");
+        let PendingWeight { mut acts, grads, dembed } = self.pending_w.remove(&mb).expect("I ran before W");
         self.live_bytes -= acts.bytes() + grads.iter().map(BlockGrads::bytes).sum::<usize>();
         for l in (0..self.n_blocks()).rev() {
             let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
             if let Some(sp) = &mut self.split {
                 let t = sp.held_here();
-                let (blocks, g) = (&acts.blocks[l * t..(l + 1) * t], &grads[l * t..(l + 1) * t]);
+                let (blocks, g) = (&mut acts.blocks[l * t..(l + 1) * t], &grads[l * t..(l + 1) * t]);
                 sp.load_grads(l, &self.params[base..base + bl]);
                 sp.backward_weight(l, acts.key, blocks, g, &acts.inputs[l], self.b, &self.cfg);
                 sp.store_grads(l, &mut self.params[base..base + bl]);
@@ -674,7 +692,7 @@ impl ModelPart {
             }
             block_backward_weight(
                 &mut self.params[base..base + bl],
-                &acts.blocks[l],
+                &mut acts.blocks[l],
                 &acts.inputs[l],
                 &grads[l],
                 &mut self.scratch.block,

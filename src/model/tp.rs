@@ -18,7 +18,7 @@
 
 use super::block::{
     block_backward_input, block_backward_weight, block_forward, cut_of, shard, shard_into, unshard_into,
-    BlockActs, BlockGrads, BlockScratch, Exchange, TensorGroup, ThreadGroup, TpRank,
+    BlockActs, BlockGrads, BlockScratch, Exchange, Recompute, TensorGroup, ThreadGroup, TpRank,
 };
 use super::params::{Arch, Param};
 // PIPEWRIGHT_NONDET's random bias-gradient order is a per-thread switch: the
@@ -61,7 +61,7 @@ pub enum TpCmd {
     /// sent before a forward when they changed (once per step).
     Refresh,
     /// Block `l`'s forward, its activations kept (`keep`) or not; a
-    /// `recompute` in backward keeps no output. Arrays: [the part's input]
+    /// `recompute` in backward (full recompute) keeps no output. Arrays: [the part's input]
     /// for block 0's first forward; later blocks' inputs are the follower's
     /// own outputs (every rank ends a block with the same bits).
     Forward { key: u64, l: u32, keep: bool, recompute: bool },
@@ -133,6 +133,8 @@ fn block_range(cfg: &Arch, l: usize) -> std::ops::Range<usize> {
 pub struct TpRanks {
     cfg: Arch,
     shape: TpShape,
+    /// What a microbatch's activation sets keep (a follower's are made here).
+    recompute: Recompute,
     /// The ranks held here.
     local: std::ops::Range<usize>,
     ranks: Vec<Rank>,
@@ -157,7 +159,7 @@ impl TpRanks {
         cfg: &Arch,
         spec: &PartSpec,
         b: usize,
-        recompute: bool,
+        recompute: Recompute,
         shape: TpShape,
         whole: &[Param],
         threads: usize,
@@ -181,9 +183,10 @@ impl TpRanks {
                     .collect();
                 Rank {
                     params,
-                    scratch: BlockScratch::new(b, cfg, &tp),
+                    scratch: BlockScratch::new(b, cfg, &tp, recompute),
                     full_grads: BlockGrads::new(n, cfg, shape.size),
-                    recompute_acts: recompute.then(|| BlockActs::new(b, cfg, shape.size)),
+                    recompute_acts: (recompute == Recompute::Full)
+                        .then(|| BlockActs::new(b, cfg, shape.size, Recompute::None)),
                     pool: rayon::ThreadPoolBuilder::new()
                         .num_threads(per)
                         .thread_name(move |i| format!("tp{r}-{i}"))
@@ -196,6 +199,7 @@ impl TpRanks {
         TpRanks {
             cfg: *cfg,
             shape,
+            recompute,
             copies: (1..local.len()).map(|_| vec![0.0; n * c]).collect(),
             local,
             ranks,
@@ -407,7 +411,7 @@ impl TpRanks {
         &mut self,
         l: usize,
         key: u64,
-        blocks: Option<&[BlockActs]>,
+        blocks: Option<&mut [BlockActs]>,
         grads: Option<&mut [BlockGrads]>,
         x: &[f32],
         dres: &mut [f32],
@@ -431,13 +435,14 @@ impl TpRanks {
         }
         let (shape, group) = (self.shape, &self.group as &dyn TensorGroup);
         let mut grads = grads.map(|s| s.iter_mut());
+        let mut blocks = blocks.map(|s| s.iter_mut());
         let dress = std::iter::once(dres).chain(self.copies.iter_mut().map(Vec::as_mut_slice));
         std::thread::scope(|sc| {
             for (i, (rank, d)) in self.ranks.iter_mut().zip(dress).enumerate() {
                 let tp = shape.rank(self.local.start + i, Some(group));
-                let ba = match blocks {
-                    Some(s) => &s[i],
-                    None => rank.recompute_acts.as_ref().expect("recompute buffers"),
+                let ba = match blocks.as_mut() {
+                    Some(it) => it.next().expect("an activation set per rank"),
+                    None => rank.recompute_acts.as_mut().expect("recompute buffers"),
                 };
                 let g = match grads.as_mut() {
                     Some(it) => it.next().expect("a gradient set per rank"),
@@ -465,7 +470,7 @@ impl TpRanks {
         &mut self,
         l: usize,
         key: u64,
-        blocks: &[BlockActs],
+        blocks: &mut [BlockActs],
         grads: &[BlockGrads],
         x: &[f32],
         b: usize,
@@ -476,15 +481,10 @@ impl TpRanks {
         // The group joins the one split sum a W holds, the per-head q/k norms' weight gradients.
         let (shape, group) = (self.shape, &self.group as &dyn TensorGroup);
         std::thread::scope(|sc| {
-            for (i, rank) in self.ranks.iter_mut().enumerate() {
+            for (i, (rank, ba)) in self.ranks.iter_mut().zip(blocks.iter_mut()).enumerate() {
                 let tp = shape.rank(self.local.start + i, Some(group));
-                let (params, scratch, pool, ba, g) = (
-                    &mut rank.params[block_range(cfg, l)],
-                    &mut rank.scratch,
-                    &rank.pool,
-                    &blocks[i],
-                    &grads[i],
-                );
+                let (params, scratch, pool, g) =
+                    (&mut rank.params[block_range(cfg, l)], &mut rank.scratch, &rank.pool, &grads[i]);
                 sc.spawn(move || {
                     pool.install(|| {
                         with_random_order(nondet, || {
@@ -572,7 +572,7 @@ impl TpFollower {
         cfg: Arch,
         spec: PartSpec,
         b: usize,
-        recompute: bool,
+        recompute: impl Into<Recompute>,
         shape: TpShape,
         local: std::ops::Range<usize>,
         threads: usize,
@@ -581,7 +581,7 @@ impl TpFollower {
         let whole = super::part::part_params(&cfg, &spec, 0);
         let group = ThreadGroup::spanning(shape.size, local.clone(), Some(exchange));
         let members = Members { local, group, followers: None };
-        let ranks = TpRanks::new(&cfg, &spec, b, recompute, shape, &whole, threads, members);
+        let ranks = TpRanks::new(&cfg, &spec, b, recompute.into(), shape, &whole, threads, members);
         let n = b * cfg.block_size * cfg.n_embd;
         TpFollower {
             cfg,
@@ -598,7 +598,7 @@ impl TpFollower {
     /// `blocks`/`grads`: with room for every block's activations / gradients.
     fn take(&mut self, key: u64, blocks: bool, grads: bool) -> Kept {
         let (per, nb) = (self.ranks.held_here(), self.spec.layers.len());
-        let (b, cfg, size) = (self.b, self.cfg, self.ranks.size());
+        let (b, cfg, size, kept) = (self.b, self.cfg, self.ranks.size(), self.ranks.recompute);
         let n = b * cfg.block_size;
         let mut k = self.kept.remove(&key).unwrap_or_else(|| self.spare.pop().unwrap_or_default());
         if k.inputs.len() != nb {
@@ -606,7 +606,7 @@ impl TpFollower {
             k.dres = vec![0.0; n * cfg.n_embd];
         }
         if blocks && k.blocks.len() != nb * per {
-            k.blocks = (0..nb * per).map(|_| BlockActs::new(b, &cfg, size)).collect();
+            k.blocks = (0..nb * per).map(|_| BlockActs::new(b, &cfg, size, kept)).collect();
         }
         if grads && k.grads.len() != nb * per {
             k.grads = (0..nb * per).map(|_| BlockGrads::new(n, &cfg, size)).collect();
@@ -701,7 +701,7 @@ impl TpFollower {
                     k.dres = d.remove(0);
                 }
                 let Kept { inputs, dres, blocks, grads } = &mut k;
-                let blocks = keep.then(|| &blocks[l * per..(l + 1) * per]);
+                let blocks = keep.then(|| &mut blocks[l * per..(l + 1) * per]);
                 let grads = later_w.then(|| &mut grads[l * per..(l + 1) * per]);
                 with_random_order(nondet, || {
                     self.ranks.backward_input(l, key, blocks, grads, &inputs[l], dres, b, &cfg, full)
@@ -716,12 +716,15 @@ impl TpFollower {
                 let l = layer(l)?;
                 let (_, shards) = split(arrays, 0, true)?;
                 self.ranks.set_grads(l, &shards)?;
-                let k =
-                    self.kept.get(&key).ok_or_else(|| format!("a W of microbatch key {key} before its I"))?;
+                let k = self
+                    .kept
+                    .get_mut(&key)
+                    .ok_or_else(|| format!("a W of microbatch key {key} before its I"))?;
                 if k.grads.len() != nb * per || k.blocks.len() != nb * per {
                     return Err(format!("a W of microbatch key {key} whose I kept nothing for it"));
                 }
-                let (blocks, grads) = (&k.blocks[l * per..(l + 1) * per], &k.grads[l * per..(l + 1) * per]);
+                let (blocks, grads) =
+                    (&mut k.blocks[l * per..(l + 1) * per], &k.grads[l * per..(l + 1) * per]);
                 let ranks = &mut self.ranks;
                 with_random_order(nondet, || {
                     ranks.backward_weight(l, key, blocks, grads, &k.inputs[l], b, &cfg)

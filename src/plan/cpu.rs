@@ -12,6 +12,7 @@
 use super::flops::ModelShape;
 use crate::actors::Layout;
 use crate::config::{BackendKind, Config};
+use crate::model::block::{BlockActs, Recompute, Remade};
 use crate::model::params;
 use crate::model::tp::TpShape;
 use crate::model::Arch;
@@ -101,13 +102,13 @@ fn tp_link_bytes(
     layers: usize,
     tp: TpShape,
     held: usize,
-    recompute: bool,
+    recompute: Recompute,
 ) -> TpLinkBytes {
     let (nc4, l, h, t) = (4.0 * (n * shape.hidden()) as f64, layers as f64, held as f64, tp.size as f64);
     let followers = (tp.size / held - 1) as f64;
     // Two all-reduces in a block's forward, two in its backward, and the
     // forward's two again when the block is recomputed.
-    let all_reduces = if recompute { 6.0 } else { 4.0 };
+    let all_reduces = if recompute == Recompute::Full { 6.0 } else { 4.0 };
     // A rank's shards of one block: 1/tp of it, the norms (and GPT-2's
     // projection biases) whole.
     let whole = shape.layer_whole_params();
@@ -138,23 +139,23 @@ pub struct CpuPlan {
 /// Bytes one block keeps per microbatch of `n` tokens: its input, ln1, qkv (3C),
 /// the attention output, the residual after attention, ln2, the MLP product and its
 /// GELU (4C each) — 16 floats per token and channel — plus mean and rstd of both
-/// LayerNorms and the attention's log-sum-exp per head. With recompute, the input alone.
-pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usize) -> f64 {
+/// LayerNorms and the attention's log-sum-exp per head. Selective recompute
+/// keeps neither norm's output nor the GELU (10 floats, GPT-2's shape); full
+/// recompute the input alone.
+pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: Recompute, tp: usize) -> f64 {
     held_activation_bytes(shape, n, recompute, tp, tp)
 }
 
 /// [`block_activation_bytes`] in a process holding `held` of the `tp` ranks
 /// (a follower keeps its own copy of the block's input, as the owner does).
-fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: bool, tp: usize, held: usize) -> f64 {
+fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: Recompute, tp: usize, held: usize) -> f64 {
     let input = 4.0 * (n * shape.hidden()) as f64;
-    if recompute {
-        input
-    } else {
+    match recompute {
+        Recompute::Full => input,
         // The block's input, and each held rank's intermediates as the block
         // allocates them (its share of q, k, v, attention, the MLP; the norms'
         // outputs and statistics and the residual whole).
-        let t = shape.seq();
-        input + held as f64 * crate::model::block::BlockActs::bytes_for(n / t, &shape.arch, tp) as f64
+        _ => input + held as f64 * BlockActs::bytes_for(n / shape.seq(), &shape.arch, tp, recompute) as f64,
     }
 }
 
@@ -167,7 +168,7 @@ struct TpSite<'a> {
     b: usize,
     tp: TpShape,
     held: usize,
-    recompute: bool,
+    recompute: Recompute,
 }
 
 impl TpSite<'_> {
@@ -192,7 +193,10 @@ impl TpSite<'_> {
         let attn =
             crate::kernels::cpu::attention::scratch_len(b, gpt.n_head / tp.size, gpt.block_size) as f64;
         let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (4.0 * c + 7.0 * cl);
-        let recomputed = if recompute { block_activation_bytes(shape, n, false, tp.size) / t } else { 0.0 };
+        let recomputed = match recompute {
+            Recompute::Full => block_activation_bytes(shape, n, Recompute::None, tp.size) / t,
+            _ => Remade::bytes_for(b, gpt, tp.size, recompute) as f64,
+        };
         shards + h * (per_rank + recomputed) + 4.0 * (h - 1.0) * nf * c
     }
 
@@ -254,9 +258,17 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                 // and MLP inputs (6), and the attention's query tiles.
                 workspace += 4.0 * nf * 17.0 * c
                     + 4.0 * crate::kernels::cpu::attention::scratch_len(b, gpt.n_head, gpt.block_size) as f64;
-                if cfg.train.recompute {
+                match cfg.train.recompute {
                     // The one block being recomputed holds its full set.
-                    workspace += block_activation_bytes(&shape, n, false, tp.size) - per_layer;
+                    Recompute::Full => {
+                        workspace += block_activation_bytes(&shape, n, Recompute::None, tp.size) - per_layer
+                    }
+                    // The part's scratch lends one block the tensors it remakes
+                    // (when split, each rank's does: `TpSite`).
+                    Recompute::Selective if tp.size == 1 => {
+                        workspace += Remade::bytes_for(b, &gpt, 1, Recompute::Selective) as f64
+                    }
+                    _ => {}
                 }
                 workspace += site.workspace_bytes(spec.layers.len());
                 if held < tp.size {

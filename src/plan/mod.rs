@@ -126,7 +126,9 @@ pub fn trainer_config(
     c.data.builtin = crate::config::Builtin::Random;
     c.model = shape.section.clone();
     c.train.micro_batch_size = layout.micro_batch;
-    c.train.recompute = layout.recompute == Recompute::Full;
+    // The planner's selective is Megatron's (no attention scores stored),
+    // which every pipewright run has: `runnable` refuses it by name.
+    c.train.recompute = (layout.recompute == Recompute::Full).into();
     let p = &mut c.parallel;
     (p.pp, p.dp, p.tp, p.microbatches, p.schedule) = (layout.pp, layout.dp, layout.tp, microbatches, kind);
     p.chunks = layout.chunks;
@@ -163,7 +165,12 @@ pub fn runnable(
     }
     crate::actors::Layout::from_config(&cfg).map_err(|e| format!("train refuses it ({e})"))?;
     if layout.recompute == Recompute::Selective {
-        return Err("selective recompute is not a setting (train.recompute recomputes whole blocks)".into());
+        return Err(
+            "this selective recompute is Megatron's (the attention scores not stored), which pipewright's \
+                    attention never stores: plan recompute none for it (train.recompute = \"selective\" also \
+                    remakes the norms and the MLP's activation, on the CPU backend only)"
+                .into(),
+        );
     }
     if layout.tp > 1 && backend != Backend::Cpu {
         // The GPU split runs (parallel.tp on cuda), but keeps the master

@@ -149,7 +149,7 @@ mod tests {
 
     /// Two blocks, T = 70 (two attention tiles), two microbatches, one thread,
     /// so all the work, gemm's included, happens on the pool's one thread.
-    fn small(recompute: bool, llama: bool) -> Config {
+    fn small(recompute: crate::config::Recompute, llama: bool) -> Config {
         let mut cfg = Config::default();
         if llama {
             cfg.model.family = "llama".into();
@@ -183,26 +183,28 @@ mod tests {
     /// counted apart and allowed: gemm 0.19 cannot be given memory.
     #[test]
     fn steady_state_steps_allocate_nothing_of_ours() {
-        for (recompute, llama) in [(false, false), (true, false), (false, true), (true, true)] {
-            let mut engine = Engine::new(&small(recompute, llama));
-            for s in 0..2 {
-                engine.step(1e-3, fill(s));
-                engine.evaluate(2, fill(100 + s), None);
+        for llama in [false, true] {
+            for recompute in crate::config::Recompute::ALL {
+                let mut engine = Engine::new(&small(recompute, llama));
+                for s in 0..2 {
+                    engine.step(1e-3, fill(s));
+                    engine.evaluate(2, fill(100 + s), None);
+                }
+                let (ours0, gemm0) = engine.pool.install(allocations_on_this_thread);
+                for s in 2..5 {
+                    let stats = engine.step(1e-3, fill(s));
+                    assert!(stats.loss.is_finite() && !stats.skipped);
+                    engine.evaluate(2, fill(100 + s), None);
+                }
+                let (ours1, gemm1) = engine.pool.install(allocations_on_this_thread);
+                assert_eq!(
+                    ours1 - ours0,
+                    0,
+                    "recompute = {recompute}, llama = {llama}: our code allocated in the steady state"
+                );
+                // If gemm ever stops allocating, this says so and the claim can grow.
+                assert!(gemm1 > gemm0, "gemm allocated nothing: update the note in model::part");
             }
-            let (ours0, gemm0) = engine.pool.install(allocations_on_this_thread);
-            for s in 2..5 {
-                let stats = engine.step(1e-3, fill(s));
-                assert!(stats.loss.is_finite() && !stats.skipped);
-                engine.evaluate(2, fill(100 + s), None);
-            }
-            let (ours1, gemm1) = engine.pool.install(allocations_on_this_thread);
-            assert_eq!(
-                ours1 - ours0,
-                0,
-                "recompute = {recompute}, llama = {llama}: our code allocated in the steady state"
-            );
-            // If gemm ever stops allocating, this says so and the claim can grow.
-            assert!(gemm1 > gemm0, "gemm allocated nothing: update the note in model::part");
         }
     }
 
@@ -217,7 +219,7 @@ mod tests {
     }
 
     fn pipeline_parts_allocate_nothing(llama: bool) {
-        let cfg = small(false, llama);
+        let cfg = small(crate::config::Recompute::None, llama);
         let gpt = cfg.arch();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         pool.install(|| {

@@ -41,6 +41,7 @@ pub use split::{
 
 use super::arch::{Arch, BlockIndex, Mlp, Norm, Positions, Role};
 use super::params::Param;
+pub use super::recompute::Recompute;
 use crate::kernels::cpu::attention::{gqa_window_backward, gqa_window_forward, scratch_len, Heads, Window};
 use crate::kernels::cpu::rmsnorm::HeadRun;
 use crate::kernels::cpu::rope::{rope_backward, rope_forward, RopeTable};
@@ -95,7 +96,9 @@ fn mean_len(a: &Arch, n: usize) -> usize {
     }
 }
 
-/// One block's intermediate values for one microbatch on one rank.
+/// One block's intermediate values for one microbatch on one rank. Kept
+/// for selective recompute, `n1`, `n2` and `act` are empty: the block lends
+/// them from its scratch ([`Remade`]) and computes them again when needed.
 #[derive(Default)]
 pub struct BlockActs {
     n1: Vec<f32>,      // (N, C) the attention norm's output
@@ -116,10 +119,12 @@ pub struct BlockActs {
 }
 
 impl BlockActs {
-    /// For a rank of `size` in a model of `cfg`'s settings.
-    pub fn new(b: usize, cfg: &Arch, size: usize) -> Self {
+    /// For a rank of `size` in a model of `cfg`'s settings, holding what
+    /// `recompute` keeps (`full` keeps a whole set for the block being
+    /// recomputed; a part keeps none per microbatch).
+    pub fn new(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> Self {
         let [n1, mean1, rstd1, qkv, qkv_raw, rstd_q, rstd_k, atty, lse, h, n2, mean2, rstd2, hidden, act] =
-            Self::lens(b, cfg, size).map(|len| vec![0.0; len]);
+            Self::lens(b, cfg, size, recompute).map(|len| vec![0.0; len]);
         BlockActs {
             n1,
             mean1,
@@ -141,13 +146,14 @@ impl BlockActs {
 
     /// The elements of each buffer, in field order: the one count the
     /// planner's memory model and the allocation share.
-    fn lens(b: usize, cfg: &Arch, size: usize) -> [usize; 15] {
+    fn lens(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> [usize; 15] {
         let (t, s) = (cfg.block_size, Share::of(cfg, size));
         let n = b * t;
         let (c, heads) = (s.c, s.heads);
         let qk = usize::from(cfg.qk_norm);
+        let kept = usize::from(recompute != Recompute::Selective);
         [
-            n * c,
+            kept * n * c,
             mean_len(cfg, n),
             n,
             n * heads.qkv_width(),
@@ -157,18 +163,37 @@ impl BlockActs {
             n * heads.out_width(),
             b * heads.nh * t,
             n * c,
-            n * c,
+            kept * n * c,
             mean_len(cfg, n),
             n,
             n * s.hidden(cfg),
-            n * s.f,
+            kept * n * s.f,
         ]
     }
 
-    /// Bytes a rank of `size` keeps for one microbatch of `b` sequences,
+    /// Bytes a rank of `size` keeps for one microbatch of `b` sequences
+    /// under `recompute` (the set `full` recomputes into is `none`'s),
     /// computed without allocating.
-    pub fn bytes_for(b: usize, cfg: &Arch, size: usize) -> usize {
-        4 * Self::lens(b, cfg, size).iter().sum::<usize>()
+    pub fn bytes_for(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> usize {
+        4 * Self::lens(b, cfg, size, recompute).iter().sum::<usize>()
+    }
+
+    /// Kept for selective recompute: the remade tensors are not here.
+    fn slim(&self) -> bool {
+        self.n1.is_empty()
+    }
+
+    /// A selective set borrows the remade tensors' buffers from `r` for a
+    /// forward or a backward ([`Self::trade`] gives them back).
+    fn lend(&mut self, r: &mut Remade) {
+        assert!(!r.n1.is_empty(), "a set kept for selective recompute needs a scratch made for it");
+        self.trade(r);
+    }
+
+    fn trade(&mut self, r: &mut Remade) {
+        std::mem::swap(&mut self.n1, &mut r.n1);
+        std::mem::swap(&mut self.n2, &mut r.n2);
+        std::mem::swap(&mut self.act, &mut r.act);
     }
 
     pub fn bytes(&self) -> usize {
@@ -228,10 +253,41 @@ impl BlockGrads {
     }
 }
 
+/// The tensors selective recompute makes again instead of keeping: both
+/// norms' outputs and the MLP's activation, one block's worth per rank.
+/// Empty under any other setting.
+#[derive(Default)]
+pub struct Remade {
+    n1: Vec<f32>,  // (N, C)
+    n2: Vec<f32>,  // (N, C)
+    act: Vec<f32>, // (N, F)
+}
+
+impl Remade {
+    fn new(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> Remade {
+        let len = Remade::lens(b, cfg, size, recompute);
+        Remade { n1: vec![0.0; len[0]], n2: vec![0.0; len[1]], act: vec![0.0; len[2]] }
+    }
+
+    fn lens(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> [usize; 3] {
+        let (n, s) = (b * cfg.block_size, Share::of(cfg, size));
+        match recompute {
+            Recompute::Selective => [n * s.c, n * s.c, n * s.f],
+            _ => [0; 3],
+        }
+    }
+
+    /// Bytes a rank's scratch holds for them, computed without allocating.
+    pub fn bytes_for(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> usize {
+        4 * Remade::lens(b, cfg, size, recompute).iter().sum::<usize>()
+    }
+}
+
 /// One rank's workspace (one microbatch runs at a time): the rotary table
 /// and backward's intermediate gradients, kept so a step allocates nothing.
 pub struct BlockScratch {
     rope: Option<RopeTable>,
+    remade: Remade,
     attn: Vec<f32>,
     dact: Vec<f32>,  // (N, F)
     datty: Vec<f32>, // (N, NH·HS)
@@ -245,7 +301,7 @@ pub struct BlockScratch {
 }
 
 impl BlockScratch {
-    pub fn new(b: usize, cfg: &Arch, tp: &TpRank) -> Self {
+    pub fn new(b: usize, cfg: &Arch, tp: &TpRank, recompute: Recompute) -> Self {
         let Heads { nh, nkv, .. } = cfg.heads();
         // The config refuses other splits (config.rs, check_tp); a slice must be whole heads and groups.
         assert!(
@@ -262,6 +318,7 @@ impl BlockScratch {
         let (s, t, n) = (Share::of(cfg, tp.size), cfg.block_size, b * cfg.block_size);
         BlockScratch {
             rope: (cfg.positions == Positions::Rotary).then(|| super::rope::rope_table(cfg)),
+            remade: Remade::new(b, cfg, tp.size, recompute),
             attn: vec![0.0; scratch_len(b, s.heads.nh, t)],
             dact: vec![0.0; n * s.f],
             datty: vec![0.0; n * s.heads.out_width()],
@@ -394,6 +451,10 @@ pub fn block_forward(
     let (n, c, f, heads, l) = (b * t, s.c, s.f, s.heads, tp.leaves());
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     let wt = Weights { p, ix: cfg.block_index() };
+    let slim = a.slim();
+    if slim {
+        a.lend(&mut sc.remade);
+    }
     norm_forward(
         cfg,
         &mut a.n1,
@@ -466,12 +527,44 @@ pub fn block_forward(
             l,
         );
     });
-    match cfg.mlp {
-        Mlp::SwiGlu => timed(Kernel::Swiglu, || swiglu::swiglu_forward(&mut a.act, &a.hidden, n, f)),
-        Mlp::Gelu => timed(Kernel::Gelu, || gelu::gelu_forward(&mut a.act, &a.hidden)),
-    }
+    mlp_activation(cfg, &mut a.act, &a.hidden, n, f);
     row_parallel(out, &mut sc.leaves, &a.act, wt.w(Role::Down), wt.opt(Role::DownBias), (n, f, c), tp);
     timed(Kernel::Residual, || residual::accumulate(out, &a.h));
+    if slim {
+        a.trade(&mut sc.remade);
+    }
+}
+
+/// act (N, F) = the MLP's activation of its first products (N, 2F or F).
+fn mlp_activation(cfg: &Arch, act: &mut [f32], hidden: &[f32], n: usize, f: usize) {
+    match cfg.mlp {
+        Mlp::SwiGlu => timed(Kernel::Swiglu, || swiglu::swiglu_forward(act, hidden, n, f)),
+        Mlp::Gelu => timed(Kernel::Gelu, || gelu::gelu_forward(act, hidden)),
+    }
+}
+
+/// Selective recompute: lends `a` the scratch's buffers for the tensors it
+/// does not keep and makes them again, by the forward's kernels on the
+/// forward's inputs, so with the forward's bits (the norms' statistics are
+/// written again with the bits kept). `a.trade` gives the buffers back.
+fn remake(
+    p: &[Param],
+    a: &mut BlockActs,
+    x: &[f32],
+    sc: &mut BlockScratch,
+    b: usize,
+    cfg: &Arch,
+    size: usize,
+) {
+    let s = Share::of(cfg, size);
+    let (n, c, f) = (b * cfg.block_size, s.c, s.f);
+    let wt = Weights { p, ix: cfg.block_index() };
+    a.lend(&mut sc.remade);
+    let (norm1, bias1) = (wt.w(Role::AttnNorm), wt.opt(Role::AttnNormBias));
+    norm_forward(cfg, &mut a.n1, &mut a.mean1, &mut a.rstd1, x, norm1, bias1, n, c);
+    let (norm2, bias2) = (wt.w(Role::MlpNorm), wt.opt(Role::MlpNormBias));
+    norm_forward(cfg, &mut a.n2, &mut a.mean2, &mut a.rstd2, &a.h, norm2, bias2, n, c);
+    mlp_activation(cfg, &mut a.act, &a.hidden, n, f);
 }
 
 /// The input half of one block's backward on one rank: `dres` holds ∂L/∂out
@@ -480,10 +573,13 @@ pub fn block_forward(
 /// its output gradient exists, by the same kernel calls on the same inputs
 /// as [`block_backward_weight`] makes, so I then W gives B's bits, and the
 /// gradients that `dres` carries need no copies.
+///
+/// A set kept for selective recompute has its tensors made again first when
+/// `full` takes weight gradients from them; the input half alone reads none.
 #[allow(clippy::too_many_arguments)]
 pub fn block_backward_input(
     p: &mut [Param],
-    a: &BlockActs,
+    a: &mut BlockActs,
     x: &[f32],
     dres: &mut [f32],
     g: &mut BlockGrads,
@@ -499,6 +595,10 @@ pub fn block_backward_input(
     let (w, q, kv) = (heads.qkv_width(), heads.out_width(), heads.nkv * heads.hs);
     let ix = cfg.block_index();
     let hidden = s.hidden(cfg);
+    let remade = full && a.slim();
+    if remade {
+        remake(p, a, x, sc, b, cfg, tp.size);
+    }
     // MLP: dres is ∂L/∂out, which is also the residual's share of ∂L/∂h.
     if full {
         down_grads(p, &ix, dres, a, (n, f, c), l);
@@ -596,14 +696,19 @@ pub fn block_backward_input(
     if full {
         norm_grad(cfg, p, attn_norm, &g.dn1, x, &a.mean1, &a.rstd1, n, c);
     }
+    if remade {
+        a.trade(&mut sc.remade);
+    }
 }
 
 /// The weight half of one block's backward (a W) on one rank: accumulates
-/// every weight gradient from the activations and the output gradients its I kept.
+/// every weight gradient from the activations and the output gradients its I
+/// kept (a set kept for selective recompute has its tensors made again: the
+/// scratch has served other microbatches since the I).
 #[allow(clippy::too_many_arguments)]
 pub fn block_backward_weight(
     p: &mut [Param],
-    a: &BlockActs,
+    a: &mut BlockActs,
     x: &[f32],
     g: &BlockGrads,
     sc: &mut BlockScratch,
@@ -615,6 +720,10 @@ pub fn block_backward_weight(
     let (n, c, f, heads, l) = (b * cfg.block_size, s.c, s.f, s.heads, tp.leaves());
     let (q, kv) = (heads.out_width(), heads.nkv * heads.hs);
     let ix = cfg.block_index();
+    let remade = a.slim();
+    if remade {
+        remake(p, a, x, sc, b, cfg, tp.size);
+    }
     down_grads(p, &ix, &g.dout, a, (n, f, c), l);
     mlp_in_grads(cfg, p, &ix, &g.dhidden, a, (n, c, f), l);
     norm_grad(cfg, p, ix.at(Role::MlpNorm), &g.dn2, &a.h, &a.mean2, &a.rstd2, n, c);
@@ -625,6 +734,9 @@ pub fn block_backward_weight(
     let dqkv = if cfg.qk_norm { &g.dqkv_raw } else { &g.dqkv };
     qkv_grads(p, &ix, dqkv, a, (n, c, q, kv), l);
     norm_grad(cfg, p, ix.at(Role::AttnNorm), &g.dn1, x, &a.mean1, &a.rstd1, n, c);
+    if remade {
+        a.trade(&mut sc.remade);
+    }
 }
 
 /// The q and k norms' weight gradients from their outputs' gradients

@@ -1,8 +1,8 @@
 //! The block against an f64 reference written from the formulas, its
 //! backward against finite differences in f64, and the split's promises
 //! (any rank count dividing the slices gives one rank's bits; I then W gives
-//! B's bits; the thread count changes nothing), for each kind of block the
-//! settings choose.
+//! B's bits; the thread count changes nothing; selective recompute changes
+//! nothing), for each kind of block the settings choose.
 
 use super::*;
 use crate::kernels::cpu::testutil::*;
@@ -196,13 +196,13 @@ fn reference(a: &Arch, p: &[Vec<f64>], x: &[f64], b: usize) -> Vec<f64> {
 /// the output and the input gradient, weight gradients into `p`.
 fn run(a: &Arch, p: &mut [Param], x: &[f32], dout: &[f32], b: usize) -> (Vec<f32>, Vec<f32>) {
     let one = TpShape::WHOLE.single();
-    let mut acts = BlockActs::new(b, a, 1);
+    let mut acts = BlockActs::new(b, a, 1, Recompute::None);
     let mut g = BlockGrads::new(b * a.block_size, a, 1);
-    let mut sc = BlockScratch::new(b, a, &one);
+    let mut sc = BlockScratch::new(b, a, &one, Recompute::None);
     let mut out = vec![0.0; x.len()];
     block_forward(p, &mut acts, x, &mut out, &mut sc, b, a, &one);
     let mut dres = dout.to_vec();
-    block_backward_input(p, &acts, x, &mut dres, &mut g, &mut sc, b, a, &one, true);
+    block_backward_input(p, &mut acts, x, &mut dres, &mut g, &mut sc, b, a, &one, true);
     (out, dres)
 }
 
@@ -325,7 +325,10 @@ fn split_archs() -> Vec<(&'static str, Arch)> {
         .collect()
 }
 
-fn run_rank(whole: &[Param], a: &Arch, tp: &TpRank, how: Backward) -> Ranked {
+/// One rank's forward and backward, keeping what `kept` keeps (`none` or `selective`). Between
+/// I and W another microbatch's forward runs through the same scratch, as
+/// a zero-bubble schedule's would: W must remake what it reads.
+fn run_rank_keeping(whole: &[Param], a: &Arch, tp: &TpRank, how: Backward, kept: Recompute) -> Ranked {
     let n = B * a.block_size;
     let c = a.n_embd;
     let mut p: Vec<Param> = whole
@@ -337,28 +340,42 @@ fn run_rank(whole: &[Param], a: &Arch, tp: &TpRank, how: Backward) -> Ranked {
         })
         .collect();
     let x = randn(n * c, 7);
-    let mut acts = BlockActs::new(B, a, tp.size);
-    let mut s = BlockScratch::new(B, a, tp);
+    let mut acts = BlockActs::new(B, a, tp.size, kept);
+    let mut s = BlockScratch::new(B, a, tp, kept);
     let mut out = vec![0.0; n * c];
     block_forward(&p, &mut acts, &x, &mut out, &mut s, B, a, tp);
     let mut dx = randn(n * c, 8);
     let mut g = BlockGrads::new(n, a, tp.size);
-    block_backward_input(&mut p, &acts, &x, &mut dx, &mut g, &mut s, B, a, tp, how == Backward::Full);
+    block_backward_input(&mut p, &mut acts, &x, &mut dx, &mut g, &mut s, B, a, tp, how == Backward::Full);
     if how == Backward::Split {
-        block_backward_weight(&mut p, &acts, &x, &g, &mut s, B, a, tp);
+        let mut other = BlockActs::new(B, a, tp.size, kept);
+        let mut other_out = vec![0.0; n * c];
+        block_forward(&p, &mut other, &randn(n * c, 9), &mut other_out, &mut s, B, a, tp);
+        block_backward_weight(&mut p, &mut acts, &x, &g, &mut s, B, a, tp);
     }
     Ranked { out, dx, grads: p.into_iter().map(|q| q.grad).collect() }
 }
 
 /// Runs `size` ranks as threads joined by one group; the ranks' results.
 fn run_ranks(whole: &[Param], a: &Arch, size: usize, slices: usize, how: Backward) -> Vec<Ranked> {
+    run_ranks_keeping(whole, a, size, slices, how, Recompute::None)
+}
+
+fn run_ranks_keeping(
+    whole: &[Param],
+    a: &Arch,
+    size: usize,
+    slices: usize,
+    how: Backward,
+    kept: Recompute,
+) -> Vec<Ranked> {
     let group = ThreadGroup::new(size);
     std::thread::scope(|sc| {
         let hs: Vec<_> = (0..size)
             .map(|rank| {
                 let group: &dyn TensorGroup = &group;
                 let tp = TpShape { size, slices }.rank(rank, Some(group));
-                sc.spawn(move || run_rank(whole, a, &tp, how))
+                sc.spawn(move || run_rank_keeping(whole, a, &tp, how, kept))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -435,6 +452,34 @@ fn every_rank_count_dividing_the_slices_gives_the_bits_of_one_rank() {
                 }
             }
         }
+    }
+}
+
+/// Selective recompute keeps no norm output and no MLP activation, and
+/// remakes them for the weight gradients with the same kernels on the same
+/// inputs: every output, input gradient and weight gradient keeps the bits
+/// of keeping everything, for B, for I then W, and split over ranks.
+#[test]
+fn selective_recompute_gives_the_bits_of_keeping_everything() {
+    for (what, a) in split_archs() {
+        let whole = params(&a, 14);
+        for (size, slices) in [(1, 1), (1, 2), (2, 2)] {
+            for how in [Backward::Full, Backward::Split, Backward::InputOnly] {
+                let kept = run_ranks_keeping(&whole, &a, size, slices, how, Recompute::None);
+                let remade = run_ranks_keeping(&whole, &a, size, slices, how, Recompute::Selective);
+                for (r, (got, want)) in remade.iter().zip(&kept).enumerate() {
+                    same_results(got, want, &format!("{what}: {size} ranks, {slices} slices, rank {r}"));
+                }
+            }
+        }
+        // What it keeps: GPT-2's block without 2·C + F of its floats a token.
+        let (n, s) = (B * a.block_size, Share::of(&a, 1));
+        let (none, selective) = (
+            BlockActs::bytes_for(B, &a, 1, Recompute::None),
+            BlockActs::bytes_for(B, &a, 1, Recompute::Selective),
+        );
+        assert_eq!(none - selective, 4 * n * (2 * s.c + s.f), "{what}");
+        assert_eq!(BlockActs::new(B, &a, 1, Recompute::Selective).bytes(), selective, "{what}");
     }
 }
 
