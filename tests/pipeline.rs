@@ -231,7 +231,7 @@ fn zero_2_and_3_give_the_bits_and_checkpoints_of_dp_1_under_scrambled_delivery()
     };
     let (one, one_ckpt) = train_keeping_checkpoint(&cfg(&[]), None);
     assert!(one.0.val_loss.is_some(), "the reference evaluates");
-    let layouts: [&[&str]; 5] = [
+    let layouts: [&[&str]; 6] = [
         &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=2"],
         &["parallel.dp=4", "parallel.microbatches=2", "parallel.zero=3"],
         &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=3", "parallel.schedule=\"zb-h1\""],
@@ -244,6 +244,7 @@ fn zero_2_and_3_give_the_bits_and_checkpoints_of_dp_1_under_scrambled_delivery()
             "parallel.reshard_after_forward=false",
         ],
         &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=3", "train.recompute=true"],
+        &["parallel.dp=2", "parallel.microbatches=4", "parallel.zero=2", "train.recompute=\"selective\""],
     ];
     for (seed, extra) in (21..).zip(layouts) {
         let (run, ckpt) = train_keeping_checkpoint(&cfg(extra), Some(seed));
