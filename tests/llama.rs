@@ -53,7 +53,7 @@ fn train(dir: &Path, name: &str, args: &[String], flag: &str) -> String {
     digest(&run)
 }
 
-/// pp 1/2 × tp 1/2 × dp 1/2 × ZeRO 0/1 (tp_slices = 2 on every run: the
+/// pp 1/2 × tp 1/2 × dp 1/2 × ZeRO 0/1, ZeRO 2 and 3 at tp 1 (tp_slices = 2 on every run: the
 /// slices define the sums, the ranks only who computes them), pp 4, GPipe,
 /// interleaved and the zero-bubble schedules beside 1F1B, recompute, two and
 /// four processes (tp ranks across them), and a run stopped in its last step
@@ -101,6 +101,18 @@ fn a_llama_gives_one_digest_across_pp_tp_dp_zero_schedules_processes_and_a_resum
         for (i, (dp, pp, extra)) in others.iter().enumerate() {
             let name = at(&format!("other{i}"));
             let args = layout(*dp, *pp, 2, 0, extra);
+            assert_eq!(train(dir.path(), &name, &args, "--out"), reference, "{name}: {extra:?}");
+        }
+        // ZeRO 2 and 3 (at tp 1: ZeRO-3 refuses tp > 1), with selective
+        // recompute and with the weights kept for the step.
+        let sharded: [(usize, usize, u8, &[&str]); 3] = [
+            (2, 2, 2, &["train.recompute=\"selective\""]),
+            (2, 1, 3, &[]),
+            (4, 2, 3, &["parallel.reshard_after_forward=false"]),
+        ];
+        for (dp, pp, zero, extra) in sharded {
+            let name = at(&format!("dp{dp}-pp{pp}-zero{zero}"));
+            let args = layout(dp, pp, 1, zero, extra);
             assert_eq!(train(dir.path(), &name, &args, "--out"), reference, "{name}: {extra:?}");
         }
         // Two processes, a pipeline stage each; four, each stage's two tp

@@ -398,6 +398,14 @@ fn killing_a_worker_stops_the_others_with_an_error_naming_it() {
     kill_one_of_four(&["parallel.pp=2", "parallel.dp=2"], 2);
 }
 
+/// The same under ZeRO-3, where the killed process holds a replica's shards
+/// of the weights and the others wait in its gathers and scatters.
+#[test]
+fn killing_a_zero_3_worker_stops_the_others_with_an_error_naming_it() {
+    let _serial = one_at_a_time();
+    kill_one_of_four(&["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"], 3);
+}
+
 /// The same when the one killed holds tensor-parallel ranks of stage 0,
 /// whose actor runs on rank 0: the owner's all-reduce waits must end too.
 #[test]
