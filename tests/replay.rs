@@ -147,23 +147,29 @@ fn a_zero_1_run_replays_every_actor_alone_and_logs_the_same_under_scrambled_deli
         "checkpoint.every=1",
         "replay.payloads=[\"all\"]",
     ]);
+    // Two stages × two replicas, each sending shards of its updated
+    // parameters (3 steps) and of its moments (checkpoints at steps 1, 2, 3).
+    assert_eq!(replays_alone_and_scrambled_alike(&cfg, 5), 2 * 2 * (3 + 3));
+}
+
+/// Records `cfg`, replays every actor alone against its log, records it
+/// again under scrambled delivery (`seed`) and compares every actor's logs;
+/// returns how many `Gather`s the reducer logged.
+fn replays_alone_and_scrambled_alike(cfg: &Config, seed: u64) -> usize {
     let dir = tempfile::tempdir().unwrap();
-    let run = record(&cfg, dir.path(), None);
+    let run = record(cfg, dir.path(), None);
     let actors = recorded_actors(&run).unwrap();
     for a in &actors {
         assert_identical(&run, a, None);
     }
-    let (_, es) = LogReader::read_all(&log_path(&run, "reducer")).unwrap();
-    // Two stages × two replicas, each sending shards of its updated
-    // parameters (3 steps) and of its moments (checkpoints at steps 1, 2, 3).
-    let gathers = es.iter().filter(|e| e.kind == "Gather").count();
-    assert_eq!(gathers, 2 * 2 * (3 + 3));
     let d = tempfile::tempdir().unwrap();
-    let scrambled = record(&cfg, d.path(), Some(5));
+    let scrambled = record(cfg, d.path(), Some(seed));
     for a in &actors {
         let diff = compare_logs(a, &log_path(&run, a), &log_path(&scrambled, a)).unwrap();
         assert!(diff.is_none(), "{a}: {}", diff.unwrap());
     }
+    let (_, es) = LogReader::read_all(&log_path(&run, "reducer")).unwrap();
+    es.iter().filter(|e| e.kind == "Gather").count()
 }
 
 /// ZeRO-3's many gathers a step (a chunk's weights for each action, its
@@ -179,27 +185,13 @@ fn a_zero_3_run_replays_every_actor_alone_and_logs_the_same_under_scrambled_deli
         "checkpoint.every=2",
         "replay.payloads=[\"all\"]",
     ]);
-    let dir = tempfile::tempdir().unwrap();
-    let run = record(&cfg, dir.path(), None);
-    let actors = recorded_actors(&run).unwrap();
-    for a in &actors {
-        assert_identical(&run, a, None);
-    }
-    let (_, es) = LogReader::read_all(&log_path(&run, "reducer")).unwrap();
     let (steps, m) = (cfg.train.steps, cfg.parallel.microbatches);
     let checkpoints = steps / 2 + usize::from(!steps.is_multiple_of(2));
     // Per stage and replica: a gather for each F and B of each step, one per
     // checkpoint, one for the evaluation after the last step, and one at the
     // end for the weights.
     let per = steps * 2 * m + checkpoints + 2;
-    let gathers = es.iter().filter(|e| e.kind == "Gather").count();
-    assert_eq!(gathers, 2 * 2 * per, "{steps} steps of {m} microbatches");
-    let d = tempfile::tempdir().unwrap();
-    let scrambled = record(&cfg, d.path(), Some(7));
-    for a in &actors {
-        let diff = compare_logs(a, &log_path(&run, a), &log_path(&scrambled, a)).unwrap();
-        assert!(diff.is_none(), "{a}: {}", diff.unwrap());
-    }
+    assert_eq!(replays_alone_and_scrambled_alike(&cfg, 7), 2 * 2 * per, "{steps} steps of {m} microbatches");
 }
 
 /// With an EMA of the weights (optim.ema_decay) its shards ride in the
