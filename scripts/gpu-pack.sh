@@ -6,8 +6,8 @@
 #   COMMIT       git rev-parse HEAD (the device copy has no .git), "+dirty" when
 #                the work tree had changes
 #   scripts/     the device-side scripts, configs/ the ready configs
-# The device then runs scripts/gpu-device.sh check and scripts/gpu-device.sh bench
-# (docs/gpu.md gives the exact device-tool calls).
+# The device then runs scripts/gpu-device.sh first: one call inside the session's
+# 15 minutes of device time (docs/gpu.md gives the exact device-tool call).
 #
 # usage: scripts/gpu-pack.sh            (builds, then packs)
 # env:   PIPEWRIGHT_BIN=path            pack this binary instead of building

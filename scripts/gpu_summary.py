@@ -4,8 +4,10 @@ the fields docs/gpu.md lists, and a short table. Reads only what the phase left
 in its work folder, so a step that failed or timed out leaves its fields null
 and the others stand.
 
-usage: gpu_summary.py check|bench WORKDIR COMMIT OUT.json OUT.txt
-exit status: 0 when every step of the phase passed, 1 otherwise.
+usage: gpu_summary.py first|check|bench WORKDIR COMMIT OUT.json OUT.txt
+exit status: 0 when every step of the phase that ran passed, 1 otherwise. A
+step the budget skipped (exit status 125, phase `first`) is listed under
+`skipped` and its figures are null: not run is not failed.
 """
 import json
 import os
@@ -44,34 +46,44 @@ def check_summary(work):
     for line in (read(work, "pipeline.txt") or "").splitlines():
         dtype, layout, digest = line.split()
         digests[(dtype, layout)] = digest
+    # True: same bits; False: different, or a run failed; None: not run (budget).
+    def same(a, b):
+        one, two = digests.get(a), digests.get(b)
+        if one is None or two is None:
+            return None
+        return one != "FAILED" and one == two
+
     bits = {}
     for dtype in ("f32", "bf16"):
-        one = digests.get((dtype, "pp1-1f1b"))
-        for layout in ("pp2-1f1b", "pp2-gpipe"):
-            two = digests.get((dtype, layout))
-            ok = one is not None and one != "FAILED" and one == two
-            bits[f"{dtype} {layout} = pp1"] = ok
-        one, two = digests.get((dtype, "tp1-s2")), digests.get((dtype, "tp2-s2"))
-        bits[f"{dtype} tp2 = tp1 (2 slices)"] = one is not None and one != "FAILED" and one == two
-        one, two = digests.get((dtype, "llama-pp1")), digests.get((dtype, "llama-pp2"))
-        bits[f"{dtype} llama pp2 = pp1"] = one is not None and one != "FAILED" and one == two
-        one, two = digests.get((dtype, "llama-tp1-s2")), digests.get((dtype, "llama-tp2-s2"))
-        bits[f"{dtype} llama tp2 = tp1 (2 slices)"] = one is not None and one != "FAILED" and one == two
+        one = (dtype, "pp1-1f1b")
+        bits[f"{dtype} pp2-1f1b = pp1"] = same(one, (dtype, "pp2-1f1b"))
+        bits[f"{dtype} pp2-gpipe = pp1"] = same(one, (dtype, "pp2-gpipe"))
+        bits[f"{dtype} tp2 = tp1 (2 slices)"] = same((dtype, "tp1-s2"), (dtype, "tp2-s2"))
+        bits[f"{dtype} llama pp2 = pp1"] = same((dtype, "llama-pp1"), (dtype, "llama-pp2"))
+        bits[f"{dtype} llama tp2 = tp1 (2 slices)"] = same((dtype, "llama-tp1-s2"), (dtype, "llama-tp2-s2"))
+    ran = [v for v in bits.values() if v is not None]
+    check_rc = rc(work, "gpu-check")
     summary = {
-        "gpu_check_passed": rc(work, "gpu-check") == 0,
+        "gpu_check_passed": None if check_rc in (None, 125) else check_rc == 0,
         "gpu_checks_ok": passed,
         "gpu_checks_failed": failed,
         "gpu_check_error": errors[-1] if errors else None,
-        "gpu_pipeline_bits_match": all(bits.values()),
+        "gpu_pipeline_bits_match": bool(ran) and all(ran),
         "gpu_pipeline": bits,
     }
-    rows = [
-        ("gpu-check", f"passed ({passed} checks)" if summary["gpu_check_passed"] else f"FAILED ({len(failed)} failed, {passed} ok)"),
-    ] + [(k, "same bits" if v else "NO") for k, v in bits.items()]
+    verdict = {True: "same bits", False: "NO", None: "not run"}
+    if summary["gpu_check_passed"] is None:
+        check_row = "not run"
+    elif summary["gpu_check_passed"]:
+        check_row = f"passed ({passed} checks)"
+    else:
+        check_row = f"FAILED ({len(failed)} failed, {passed} ok)"
+    rows = [("gpu-check", check_row)] + [(k, verdict[v]) for k, v in bits.items()]
     if errors:
         rows.append(("gpu-check stopped", errors[-1][:90]))
     rows += [("failed: " + f.split()[1], " ".join(f.split()[2:])) for f in failed[:8]]
-    return summary, rows, summary["gpu_check_passed"] and summary["gpu_pipeline_bits_match"]
+    ok = summary["gpu_check_passed"] is not False and all(v is not False for v in bits.values())
+    return summary, rows, ok
 
 
 def bench_summary(work):
@@ -118,16 +130,29 @@ def bench_summary(work):
         ("Llama (same L, C) tokens/s", f(summary["llama_tokens_per_s"], ".0f")),
         ("Llama MFU (989 TF) %", f(summary["llama_mfu"], ".1f", 100)),
     ]
-    return summary, rows, all(v == 0 for v in summary["steps_rc"].values())
+    return summary, rows, all(v in (0, 125, None) for v in summary["steps_rc"].values())
+
+
+def skipped(work):
+    names = sorted(f[:-3] for f in os.listdir(work) if f.endswith(".rc"))
+    return [n for n in names if rc(work, n) == 125]
 
 
 def main():
     phase, work, commit, out_json, out_txt = sys.argv[1:6]
-    summary, rows, ok = (check_summary if phase == "check" else bench_summary)(work)
-    summary = {"commit": commit, "phase": phase, "passed": ok, **summary}
+    if phase == "first":
+        # The figures first (MFU, tokens/s), then the bits.
+        bench, bench_rows, bench_ok = bench_summary(work)
+        check, check_rows, check_ok = check_summary(work)
+        summary, rows, ok = {**bench, **check}, bench_rows + check_rows, bench_ok and check_ok
+    else:
+        summary, rows, ok = (check_summary if phase == "check" else bench_summary)(work)
+    summary = {"commit": commit, "phase": phase, "passed": ok, "skipped": skipped(work), **summary}
+    if summary["skipped"]:
+        rows.append(("skipped (budget)", " ".join(summary["skipped"])[:90]))
     json.dump(summary, open(out_json, "w"), indent=1)
     rows = [("commit", commit[:12]), ("phase " + phase, "passed" if ok else "FAILED")] + rows
-    open(out_txt, "w").write("\n".join(f"{k:<30} {v}" for k, v in rows) + "\n")
+    open(out_txt, "w").write("\n".join(f"{k:<32} {v}" for k, v in rows) + "\n")
     sys.exit(0 if ok else 1)
 
 
