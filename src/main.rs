@@ -660,6 +660,14 @@ fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
     // The flags are checked before the GPU opens, so a mistake is named on any machine.
     let gpu = Gpu::new(args.device)?;
     eprintln!("pipewright gpu-bench: GPU {}, {} (sm_{})", args.device, gpu.name, gpu.arch);
+    if args.counts {
+        let report = bench::counts(&gpu, cfg, args.micro_batch.unwrap_or(1))?;
+        print!("{}", bench::counts_table(&report));
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        }
+        return Ok(());
+    }
     let bargs = bench::BenchArgs {
         cfg,
         micro_batch: args.micro_batch,
@@ -732,6 +740,11 @@ struct GpuBenchArgs {
     /// End with one JSON line holding the figures.
     #[arg(long)]
     json: bool,
+    /// Instead of timing: count what a steady step asks of the driver (launches,
+    /// cuBLASLt calls, host-blocking synchronizes, copies and their bytes,
+    /// allocations), per step, per microbatch and per block [micro-batch default 1].
+    #[arg(long)]
+    counts: bool,
 }
 
 fn parse_family(s: &str) -> Result<String, String> {

@@ -65,6 +65,7 @@ pub struct Event(sys::CUevent);
 
 impl Event {
     pub fn wait(&self) -> Result<()> {
+        super::counts::host_sync();
         // SAFETY: a live event made by `comm_mark`.
         unsafe { result::event::synchronize(self.0)? };
         Ok(())
@@ -150,6 +151,8 @@ impl Gpu {
     /// `bytes` from `src` in context `src_ctx` (this GPU's or another's) to
     /// `dst` on this GPU, finished before returning.
     pub fn copy_from_context(&self, dst: u64, src: u64, src_ctx: Context, bytes: usize) -> Result<()> {
+        super::counts::d2d();
+        super::counts::host_sync();
         // SAFETY: callers pass live ranges of `bytes` bytes in their contexts;
         // synchronized before the source may be reused.
         unsafe {
@@ -198,7 +201,9 @@ impl Gpu {
         let bytes = (len * std::mem::size_of::<T>()).max(1);
         // SAFETY: a fresh allocation in the bound context, zeroed before use.
         let ptr = unsafe { result::malloc_sync(bytes)? };
+        super::counts::alloc(bytes);
         let buf = DeviceBuffer { ptr, len, ctx: self.ctx.clone(), _t: PhantomData };
+        super::counts::memset();
         unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream())? };
         Ok(buf)
     }
@@ -217,6 +222,8 @@ impl Gpu {
         if host.is_empty() {
             return Ok(());
         }
+        super::counts::h2d(std::mem::size_of_val(host));
+        super::counts::host_sync();
         // SAFETY: bounds checked; the copy completes before `host` can move.
         unsafe {
             result::memcpy_htod_async(buf.ptr_at(offset), host, self.stream())?;
@@ -243,6 +250,8 @@ impl Gpu {
             format!("download of {} elements at {offset} from a buffer of {}", host.len(), buf.len)
         })?;
         if !host.is_empty() {
+            super::counts::d2h(std::mem::size_of_val(host));
+            super::counts::host_sync();
             // SAFETY: bounds checked; synchronized before `host` is read.
             unsafe {
                 result::memcpy_dtoh_async(host, buf.ptr_at(offset), self.stream())?;
@@ -263,6 +272,7 @@ impl Gpu {
     }
 
     pub fn zero<T>(&self, buf: &DeviceBuffer<T>) -> Result<()> {
+        super::counts::memset();
         // SAFETY: the whole allocation, on this GPU's stream.
         unsafe { result::memset_d8_async(buf.ptr, 0, buf.bytes(), self.stream())? };
         Ok(())
@@ -270,6 +280,7 @@ impl Gpu {
 
     pub fn copy_device<T>(&self, dst: &DeviceBuffer<T>, src: &DeviceBuffer<T>) -> Result<()> {
         ensure(dst.len == src.len, || format!("device copy of {} into {} elements", src.len, dst.len))?;
+        super::counts::d2d();
         // SAFETY: equal sizes, same context.
         unsafe { result::memcpy_dtod_async(dst.ptr, src.ptr, src.bytes(), self.stream())? };
         Ok(())
@@ -278,6 +289,7 @@ impl Gpu {
     /// `bytes` from `src` to `dst`, both on this GPU, queued on its stream
     /// (a tensor-parallel exchange between ranks sharing this GPU).
     pub fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        super::counts::d2d();
         // SAFETY: callers pass live device ranges of `bytes` bytes in this context.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream())? };
         Ok(())
@@ -285,6 +297,7 @@ impl Gpu {
 
     /// Every element of `buf` set to `value`, on this GPU's stream.
     pub fn fill_f32(&self, buf: &DeviceBuffer<f32>, value: f32) -> Result<()> {
+        super::counts::memset();
         // SAFETY: the whole allocation (len f32s), on this GPU's stream.
         unsafe { sys::cuMemsetD32Async(buf.ptr, value.to_bits(), buf.len, self.stream()).result()? };
         Ok(())
@@ -295,12 +308,14 @@ impl Gpu {
         ensure(offset + len <= buf.len, || {
             format!("a fill of elements {offset}..{} of a buffer of {}", offset + len, buf.len)
         })?;
+        super::counts::memset();
         // SAFETY: inside the allocation (checked above), on this GPU's stream.
         unsafe { sys::cuMemsetD32Async(buf.ptr_at(offset), value.to_bits(), len, self.stream()).result()? };
         Ok(())
     }
 
     pub fn synchronize(&self) -> Result<()> {
+        super::counts::host_sync();
         // SAFETY: our own stream.
         unsafe { result::stream::synchronize(self.stream())? };
         Ok(())
@@ -342,6 +357,7 @@ impl Gpu {
         block: (u32, u32, u32),
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        super::counts::launch();
         // SAFETY: callers pass arguments matching the kernel's signature, and
         // device pointers of buffers that outlive the stream's work on them
         // (every buffer is freed only after a synchronize or on the same stream).

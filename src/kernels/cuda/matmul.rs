@@ -250,6 +250,7 @@ pub fn gemm(gpu: &Gpu, s: &GemmShape, a: u64, b: u64, d: u64, bias: Option<u64>,
         set_desc(plan.desc, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
     }
     let alpha = 1.0f32;
+    super::counts::matmul();
     // SAFETY: layouts describe the buffers the callers checked; scalars are
     // f32 (the scale type); the workspace belongs to this handle.
     unsafe {

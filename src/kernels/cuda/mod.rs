@@ -11,6 +11,7 @@ pub mod adamw;
 pub mod attention;
 pub mod cast;
 pub mod check;
+pub mod counts;
 pub mod crossentropy;
 pub mod device;
 pub mod embedding;

@@ -99,6 +99,7 @@ impl Comm {
         // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
         let stream = gpu.comm_stream() as sys::cudaStream_t;
         let lib = nccl()?;
+        super::counts::nccl();
         let code = unsafe { (lib.send)(p, count, T::KIND, peer as i32, self.comm, stream) };
         lib.check(&format!("ncclSend of {count} elements to rank {peer}"), code)
     }
@@ -118,6 +119,7 @@ impl Comm {
         let p = buf.ptr_at(offset) as *mut c_void;
         // SAFETY: bounds checked; the buffer lives on this communicator's GPU.
         let lib = nccl()?;
+        super::counts::nccl();
         let code = unsafe { (lib.recv)(p, count, T::KIND, peer as i32, self.comm, Self::stream(gpu)) };
         lib.check(&format!("ncclRecv of {count} elements from rank {peer}"), code)
     }
@@ -132,6 +134,7 @@ impl Comm {
         let p = ptr as *mut c_void;
         let lib = nccl()?;
         // SAFETY: the caller passes a live f32 range of `count` elements on this GPU.
+        super::counts::nccl();
         let code = unsafe {
             (lib.all_reduce)(
                 p as *const c_void,
@@ -171,6 +174,7 @@ impl Comm {
         let lib = nccl()?;
         // SAFETY: the caller passes live ranges on this communicator's GPU:
         // `count` elements at send, size × count at recv.
+        super::counts::nccl();
         let code = unsafe {
             (lib.all_gather)(
                 send as *const c_void,
@@ -194,6 +198,7 @@ impl Comm {
         let lib = nccl()?;
         let p = buf as *mut c_void;
         // SAFETY: the caller passes `count` live elements at buf on this GPU.
+        super::counts::nccl();
         let code =
             unsafe { (lib.broadcast)(p, p, count, T::KIND, root as i32, self.comm, Self::stream(gpu)) };
         lib.check(&format!("ncclBroadcast of {count} elements from rank {root} of {}", self.size), code)
@@ -209,6 +214,7 @@ impl Comm {
         let lib = nccl()?;
         let p = buf as *mut c_void;
         // SAFETY: the caller passes `count` live f32s at buf on this GPU.
+        super::counts::nccl();
         let code = unsafe {
             (lib.reduce)(
                 p,

@@ -4,6 +4,7 @@
 //! cuBLASLt bf16 rate measured in the same call.
 
 use super::model::{is_out_of_memory, GpuModel};
+use crate::kernels::cuda::counts::Counts;
 use crate::kernels::cuda::matmul::{gemm, GemmShape};
 use crate::kernels::cuda::{Bf16, CudaError, Gpu, Result};
 use crate::model::params::{all_tensors, init_tensor, Arch};
@@ -247,4 +248,104 @@ pub fn table(r: &BenchReport) -> String {
         r.first_loss,
         r.last_loss,
     )
+}
+
+/// What a steady training step of the whole GPU model (bf16) asks of the
+/// driver (`gpu-bench --counts`): a step of one microbatch and a step of two
+/// after two warm steps (kernels compiled, products planned, buffers made),
+/// so the counts split into a part per microbatch (their difference) and a
+/// part per step (the rest); and the same for a model one block deeper, so
+/// the per-microbatch part splits again into what each block costs.
+#[derive(Clone, Debug, Serialize)]
+pub struct CountsReport {
+    pub family: String,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub seq: usize,
+    pub micro_batch: usize,
+    pub per_step: Counts,
+    pub per_microbatch: Counts,
+    pub per_block_per_microbatch: Counts,
+}
+
+/// The counts of one step of `microbatches` microbatches, from a warm model.
+fn step_counts(
+    model: &mut GpuModel<Bf16>,
+    batches: &[(Vec<u32>, Vec<u32>)],
+    microbatches: usize,
+) -> Result<Counts> {
+    let hyper = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let before = Counts::now();
+    // Every microbatch the same tokens: what a microbatch uploads (its token
+    // owner lists) depends on its distinct tokens, and the split needs equal ones.
+    model.step(6e-4, &hyper, 1.0, microbatches, |_, i, t| {
+        let (inputs, targets) = &batches[0];
+        i.copy_from_slice(inputs);
+        t.copy_from_slice(targets);
+    })?;
+    Ok(Counts::now().since(&before))
+}
+
+/// (per step, per microbatch) of `cfg` at micro-batch `b`.
+fn split_counts(gpu: &Gpu, cfg: Arch, b: usize) -> Result<(Counts, Counts)> {
+    let host: Vec<Vec<f32>> =
+        all_tensors(&cfg).iter().map(|(name, shape)| init_tensor(&cfg, name, shape, SEED)).collect();
+    let weights: Vec<&[f32]> = host.iter().map(Vec::as_slice).collect();
+    let batches = batches_for(&cfg, b);
+    let mut model = GpuModel::<Bf16>::new(gpu, cfg, b, &weights)?;
+    for _ in 0..2 {
+        step_counts(&mut model, &batches, 2)?;
+    }
+    let one = step_counts(&mut model, &batches, 1)?;
+    let two = step_counts(&mut model, &batches, 2)?;
+    let per_mb = two.minus(&one).ok_or_else(|| {
+        CudaError::Shape(format!(
+            "a step of two microbatches counted less than one of one: {two:?} < {one:?}"
+        ))
+    })?;
+    let per_step = one.minus(&per_mb).ok_or_else(|| {
+        CudaError::Shape(format!("a microbatch counted more than a step of one: {per_mb:?} > {one:?}"))
+    })?;
+    Ok((per_step, per_mb))
+}
+
+pub fn counts(gpu: &Gpu, cfg: Arch, b: usize) -> Result<CountsReport> {
+    let (per_step, per_microbatch) = split_counts(gpu, cfg, b)?;
+    let deeper = Arch { n_layer: cfg.n_layer + 1, ..cfg };
+    let (_, deeper_mb) = split_counts(gpu, deeper, b)?;
+    let per_block_per_microbatch = deeper_mb
+        .minus(&per_microbatch)
+        .ok_or_else(|| CudaError::Shape("a model one block deeper counted less per microbatch".into()))?;
+    Ok(CountsReport {
+        family: cfg.family.name().to_string(),
+        n_layer: cfg.n_layer,
+        n_embd: cfg.n_embd,
+        seq: cfg.block_size,
+        micro_batch: b,
+        per_step,
+        per_microbatch,
+        per_block_per_microbatch,
+    })
+}
+
+/// The counts as a table: one row per counter, per step, per microbatch and per block.
+pub fn counts_table(r: &CountsReport) -> String {
+    let mut s = format!(
+        "{} L={} C={} T={} micro-batch {}: what a steady step asks of the driver\n{:<14} {:>12} {:>14} {:>16}  counts\n",
+        crate::model::Family::named(&r.family).map_or(r.family.as_str(), |f| f.title()),
+        r.n_layer,
+        r.n_embd,
+        r.seq,
+        r.micro_batch,
+        "counter",
+        "per step",
+        "per microbatch",
+        "per block per mb",
+    );
+    let rows =
+        r.per_step.rows().into_iter().zip(r.per_microbatch.rows()).zip(r.per_block_per_microbatch.rows());
+    for (((name, what, step), (_, _, mb)), (_, _, block)) in rows {
+        s.push_str(&format!("{name:<14} {step:>12} {mb:>14} {block:>16}  {what}\n"));
+    }
+    s
 }

@@ -345,6 +345,15 @@ fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     step_vs_cpu::<Bf16>(gpu, mistral, "mistral-like bf16", out)?;
     step_repeats::<Bf16>(gpu, mistral, "mistral-like bf16", out)?;
     pipeline_parts_match_one_part::<f32>(gpu, mistral, "mistral-like f32", out)?;
+    // Both families at ragged shapes: T = 33 (a multiple of no tile), an odd
+    // vocabulary (padded), and for the Llama a SwiGLU of 200 (N·H not a whole
+    // number of blocks).
+    let gpt2_ragged = Arch::gpt2(2, 2, 128, 1001, 33);
+    step_vs_cpu::<f32>(gpu, gpt2_ragged, "ragged T=33 f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, gpt2_ragged, "ragged T=33 bf16", out)?;
+    let llama_ragged = Arch::llama(2, 2, 1, 128, 200, 1001, 33, 10_000.0);
+    step_vs_cpu::<f32>(gpu, llama_ragged, "llama ragged T=33 f32", out)?;
+    step_vs_cpu::<Bf16>(gpu, llama_ragged, "llama ragged T=33 bf16", out)?;
     let mixed = mixed_step_cfg();
     step_vs_cpu::<f32>(gpu, mixed, "mixed f32", out)?;
     step_vs_cpu::<Bf16>(gpu, mixed, "mixed bf16", out)?;
