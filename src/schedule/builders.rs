@@ -422,15 +422,17 @@ impl DualPipeRank {
             self.f(1);
             self.back(0, false);
         }
-        let halfway = (r + 1) / 2;
+        // The drain's r + 1 pairs of backwards switch to split ones at the middle pair.
+        let drain = r + 1;
+        let halfway = drain / 2;
         let mut split = false;
-        for i in 0..r + 1 {
+        for i in 0..drain {
             split |= i == halfway && r % 2 == 1;
             self.back(1, split);
             split |= i == halfway && r % 2 == 0;
             self.back(0, split);
         }
-        // Step 6 always ends split (halfway < r + 1).
+        // Step 6 always ends split (halfway < drain).
         for _ in 0..below {
             self.w();
             self.back(0, true);
