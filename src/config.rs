@@ -273,9 +273,9 @@ pub struct ParallelSection {
     pub dp: usize,
     /// Microbatches per optimizer step (per replica): the gradient-accumulation count.
     pub microbatches: usize,
-    /// Pipeline schedule: "1f1b", "gpipe", "interleaved", "zb-h1" or "zb-v".
+    /// Pipeline schedule: "1f1b", "gpipe", "interleaved", "zb-h1", "zb-v" or "dualpipev".
     pub schedule: ScheduleKind,
-    /// Model chunks per rank (interleaved 1F1B's v); stages = pp · chunks.
+    /// Model chunks per rank (interleaved 1F1B's v; 2 for the V kinds); stages = pp · chunks.
     pub chunks: usize,
     /// Blocks per stage, in stage order; empty means an even split.
     pub layers_per_stage: Vec<usize>,
@@ -793,13 +793,24 @@ impl Config {
             p.chunks >= 1 && p.schedule.chunks_for(p.chunks).is_some(),
             "parallel.chunks",
             p.chunks,
-            "must be >= 1, and more than 1 only with parallel.schedule = \"interleaved\" (or 2 with \"zb-v\")",
+            "must be >= 1, and more than 1 only with parallel.schedule = \"interleaved\" (or 2 with \"zb-v\" \
+             or \"dualpipev\")",
+        );
+        let least = p.schedule.min_microbatches(p.pp);
+        v.check(
+            p.microbatches == 0 || p.microbatches >= least,
+            "parallel.microbatches",
+            p.microbatches,
+            format!(
+                "parallel.schedule = \"{}\" needs at least {least} (one per stage: 2 × parallel.pp = {})",
+                p.schedule, p.pp
+            ),
         );
         v.check(
             !(p.schedule.splits_backward() && self.train.recompute == Recompute::Full),
             "train.recompute",
             self.train.recompute,
-            "the split backward of the zero-bubble schedules (zb-h1, zb-v) keeps activations until W; \
+            "the split backward of the zero-bubble schedules (zb-h1, zb-v, dualpipev) keeps activations until W; \
              \"full\" is not supported with them (\"selective\" and \"none\" are)",
         );
     }
@@ -841,7 +852,8 @@ impl Config {
             self.backend.kind != BackendKind::Cuda || !p.schedule.splits_backward(),
             "parallel.schedule",
             p.schedule,
-            "the split backward (I and W) of zero-bubble schedules is built for the CPU backend only; \
+            "the split backward (I and W) of zero-bubble schedules (zb-h1, zb-v, dualpipev) is built for the CPU \
+             backend only; \
              with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
         );
         v.check(
@@ -1699,6 +1711,9 @@ mod tests {
         assert_eq!(Interleaved1F1B.chunks_for(3), Some(3));
         assert_eq!(ZbV.chunks_for(1), Some(2));
         assert_eq!(ZbV.chunks_for(3), None);
+        assert_eq!(DualPipeV.chunks_for(1), Some(2));
+        assert_eq!(DualPipeV.chunks_for(2), Some(2));
+        assert_eq!(DualPipeV.chunks_for(4), None);
     }
 
     #[test]
@@ -1781,7 +1796,11 @@ mod tests {
 
     #[test]
     fn pipeline_schedule_must_be_known() {
-        unknown_choice("parallel.schedule", "zbh1", &["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]);
+        unknown_choice(
+            "parallel.schedule",
+            "zbh1",
+            &["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"],
+        );
         // A schedule loaded from JSON has a kind no config can name.
         assert!(with_set(&["parallel.schedule=custom"]).is_err());
     }
@@ -1799,6 +1818,18 @@ mod tests {
         c.parallel.pp = c.model.n_layer + 1;
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("every stage needs at least one block"), "{err}");
+    }
+
+    #[test]
+    fn dualpipev_needs_a_microbatch_per_stage() {
+        let mut c = valid();
+        c.parallel.pp = 2;
+        c.parallel.schedule = ScheduleKind::DualPipeV;
+        c.parallel.microbatches = 3;
+        let err = refused(&c, "parallel.microbatches");
+        assert!(err.contains("\"dualpipev\" needs at least 4"), "{err}");
+        c.parallel.microbatches = 4;
+        c.validate().unwrap();
     }
 
     #[test]
@@ -2049,6 +2080,10 @@ mod tests {
         c.backend.dtype = Dtype::F32;
         c.parallel.schedule = ScheduleKind::ZbH1;
         refused(&c, "parallel.schedule");
+        c.parallel.schedule = ScheduleKind::DualPipeV;
+        c.parallel.microbatches = 4;
+        let err = refused(&c, "parallel.schedule");
+        assert!(err.contains("dualpipev") && err.contains("CPU backend only"), "{err}");
         c.parallel.schedule = ScheduleKind::OneFOneB;
         c.backend.kind = BackendKind::Cpu;
         c.backend.devices = vec![0, 1];

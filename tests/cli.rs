@@ -261,7 +261,7 @@ fn an_unknown_choice_is_refused_naming_its_field_and_the_accepted_names() {
     std::fs::write(&file, "[parallel]\nschedule = \"zbh1\"\n").unwrap();
     refused_without_touching_an_earlier_run(
         &["--config", file.to_str().unwrap()],
-        &["sched.toml: parallel.schedule: unknown variant `zbh1`, expected one of `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-v`"],
+        &["sched.toml: parallel.schedule: unknown variant `zbh1`, expected one of `gpipe`, `1f1b`, `interleaved`, `zb-h1`, `zb-v`, `dualpipev`"],
     );
 }
 

@@ -55,7 +55,7 @@ fn train(dir: &Path, name: &str, args: &[String], flag: &str) -> String {
 
 /// pp 1/2 × tp 1/2 × dp 1/2 × ZeRO 0/1, ZeRO 2 and 3 at tp 1 (tp_slices = 2 on every run: the
 /// slices define the sums, the ranks only who computes them), pp 4, GPipe,
-/// interleaved and the zero-bubble schedules beside 1F1B, recompute, two and
+/// interleaved, the zero-bubble schedules and DualPipeV beside 1F1B, recompute, two and
 /// four processes (tp ranks across them), and a run stopped in its last step
 /// resumed at another layout: one digest, untied and tied.
 #[test]
@@ -90,12 +90,13 @@ fn a_llama_gives_one_digest_across_pp_tp_dp_zero_schedules_processes_and_a_resum
                 }
             }
         }
-        let others: [(usize, usize, &[&str]); 6] = [
+        let others: [(usize, usize, &[&str]); 7] = [
             (1, 4, &[]),
             (2, 2, &["parallel.schedule=\"gpipe\""]),
             (2, 2, &["parallel.schedule=\"interleaved\"", "parallel.chunks=2"]),
             (2, 2, &["parallel.schedule=\"zb-h1\""]),
             (1, 2, &["parallel.schedule=\"zb-v\""]),
+            (1, 2, &["parallel.schedule=\"dualpipev\""]),
             (1, 2, &["train.recompute=true"]),
         ];
         for (i, (dp, pp, extra)) in others.iter().enumerate() {

@@ -106,6 +106,11 @@ fn interleaved_and_zero_bubble_schedules_give_identical_bits_too() {
     let zb_v = config(&["parallel.pp=2", "parallel.schedule=\"zb-v\""]);
     assert_same_bits(&reference, &train(&zb_v, None), "zb-v pp=2");
     assert_same_bits(&reference, &train(&zb_v, Some(7)), "zb-v pp=2 under chaos");
+    // DualPipeV on the same V mixes full backwards (B) with split ones (I, W) on
+    // one stage, W's deferred past other stages' work: still one set of bits.
+    let dualpipe_v = config(&["parallel.pp=2", "parallel.schedule=\"dualpipev\""]);
+    assert_same_bits(&reference, &train(&dualpipe_v, None), "dualpipev pp=2");
+    assert_same_bits(&reference, &train(&dualpipe_v, Some(7)), "dualpipev pp=2 under chaos");
     let uneven = config(&["parallel.pp=2", "parallel.layers_per_stage=[3, 1]"]);
     assert_same_bits(&reference, &train(&uneven, Some(9)), "uneven split under chaos");
 }

@@ -13,7 +13,7 @@ fn run(args: &[&str]) -> (bool, String, String) {
 
 #[test]
 fn json_has_one_list_per_rank() {
-    for kind in ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"] {
+    for kind in ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"] {
         let (ok, out, err) = run(&["--kind", kind, "--stages", "4", "--microbatches", "8", "--json"]);
         assert!(ok, "{kind}: {err}");
         let v: serde_json::Value =
@@ -51,6 +51,25 @@ fn zb_v_is_drawn_on_its_v() {
     assert!(rows[0].contains("7F0") && rows[3].contains("4F0"), "{out}");
     assert!(out.contains("zb-v: 4 rank(s) × 2 chunk(s) = 8 stage(s)"), "{out}");
     assert!(out.contains("makespan: 51"), "{out}");
+}
+
+/// PyTorch's order on the V: rank 3 (the turn) starts with F0 F1 pairs and its
+/// first pair is 3F4 then 4B0; the figures reach ZB-V's 6m + p − 1 and name
+/// DeepSeek's formula.
+#[test]
+fn dualpipev_is_drawn_on_its_v_with_deepseeks_formula() {
+    let (ok, out, err) = run(&["--kind", "dualpipev", "--stages", "4", "--microbatches", "8"]);
+    assert!(ok, "{err}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("rank ")).collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    assert!(rows[0].contains("7F0") && rows[3].starts_with("rank 3 | .   .   .   3F0 4F0 3F1 4F1"), "{out}");
+    assert!(out.contains("dualpipev: 4 rank(s) × 2 chunk(s) = 8 stage(s)"), "{out}");
+    assert!(out.contains("makespan: 51"), "{out}");
+    assert!(out.contains("bubble fraction mean: 0.0588") && out.contains("(p−1)(F&B+B−3W)"), "{out}");
+    assert!(out.contains("buffered sends (the actor runtime): deadlock-free"), "{out}");
+    let (ok, out, err) = run(&["--kind", "dualpipev", "--stages", "4", "--microbatches", "7"]);
+    assert!(!ok, "{out}");
+    assert!(err.contains("--microbatches") && err.contains("2 × 4 = 8 stages"), "{err}");
 }
 
 #[test]

@@ -46,7 +46,7 @@ impl Layout {
         let kind = p.schedule;
         let Some(chunks) = kind.chunks_for(p.chunks) else {
             bail!(
-                "parallel.chunks: {}: more than one chunk per rank needs parallel.schedule = \"interleaved\" (or 2 with \"zb-v\")",
+                "parallel.chunks: {}: more than one chunk per rank needs parallel.schedule = \"interleaved\" (or 2 with \"zb-v\" or \"dualpipev\")",
                 p.chunks
             );
         };

@@ -1,12 +1,14 @@
 //! One function per schedule kind, each returning the per-rank action lists.
 //!
-//! A new kind (DualPipeV, …) is a variant of `ScheduleKind`, a function here and an
-//! arm in [`build_actions`], which also names the kind's placement (looped, or a V). Every builder keeps each stage's backwards (B, or I
-//! and W) in ascending microbatch order: gradient accumulation then runs in
-//! microbatch order on every stage, which is what makes a pipeline bit-identical to a
-//! single stage.
+//! A new kind is a variant of `ScheduleKind`, a function here and an arm in
+//! [`build_actions`], which also names the kind's placement (looped, or a V). Every
+//! builder keeps each stage's backwards (B, or I and W) in ascending microbatch order,
+//! and the weight-gradient halves (B or W) too where a stage mixes both: gradient
+//! accumulation then runs in microbatch order on every stage, which is what makes a
+//! pipeline bit-identical to a single stage.
 
 use super::{looped_placement, v_placement, Action, ActionKind, ScheduleError, ScheduleKind};
+use std::collections::VecDeque;
 
 type Lists = Vec<Vec<Action>>;
 
@@ -99,6 +101,11 @@ pub(super) fn build_actions(
             format!("zb-v runs exactly 2 model chunks per rank (a V), not {v}"),
         )),
         ScheduleKind::ZbV => Ok((zb_v(p, m)?, v_placement(p))),
+        ScheduleKind::DualPipeV if v != 2 => Err(unsupported(
+            "parallel.chunks",
+            format!("dualpipev runs exactly 2 model chunks per rank (a V), not {v}"),
+        )),
+        ScheduleKind::DualPipeV => Ok((dualpipe_v(p, m)?, v_placement(p))),
         ScheduleKind::Custom => {
             Err(unsupported("parallel.schedule", "a custom schedule is loaded from JSON, not built".into()))
         }
@@ -292,4 +299,148 @@ fn zb_v(p: usize, m: usize) -> Result<Lists, ScheduleError> {
         now += 1;
     }
     Ok(lists)
+}
+
+/// DualPipeV: DeepSeek's DualPipe (DeepSeek-V3 report, §3.2.1) folded into a V, in
+/// the per-rank order of PyTorch's `ScheduleDualPipeV` (itself from
+/// deepseek-ai/DualPipe's `dualpipev.py`). Rank r holds the down-leg stage r
+/// (chunk 0) and the up-leg stage 2p − 1 − r (chunk 1); with k = p − r − 1 ranks
+/// below it on the V's down leg, it runs
+///
+/// 1. 2k forwards of chunk 0 (rank 0 the most: the V's deepest fill);
+/// 2. r + 1 pairs F0 F1: the up leg starts as the first microbatches turn;
+/// 3. k times I1 W1 F1: a split backward of chunk 1 with its W at once, filling
+///    the gap while the first gradients climb the down leg;
+/// 4. m − 2p + r + 1 steady steps F0 B1 F1 B0: the forward of one chunk paired with
+///    the backward of the other, DualPipe's overlapped "F&B" chunks;
+/// 5. k times B1 F1 B0: the last forwards, paired likewise;
+/// 6. r + 1 times B1 B0, switching to a split backward (I, W deferred) halfway
+///    through (before B1 on odd ranks, before B0 on even ones);
+/// 7. k times W I0: each deferred W fills the wait for the next gradient;
+/// 8. the W's still owed, oldest first.
+///
+/// PyTorch emits each pair of step 4 and 5 as one `OVERLAP_F_B` action whose
+/// sub-actions its runtime runs one after the other, forward first (unless an
+/// overlap callback is registered to interleave their kernels, e.g. to hide an
+/// MoE all-to-all behind the other's compute); our executor runs one action at a
+/// time, so a pair is written as its F followed by its B, which is exactly that
+/// sequential order. Likewise rank p − 1's first step-4 pair, which PyTorch leaves
+/// un-overlapped on purpose, reads the same here. Each stage's F, B/I and W run in
+/// ascending microbatch order, and a stage's B's all precede its deferred W's
+/// except step 3's, whose W comes right after its I — so the weight gradients
+/// accumulate in microbatch order. Needs m ≥ 2p, as PyTorch does (with fewer,
+/// step 4's count goes negative and the fill-and-drain steps do not meet).
+fn dualpipe_v(p: usize, m: usize) -> Result<Lists, ScheduleError> {
+    if m < ScheduleKind::DualPipeV.min_microbatches(p) {
+        return Err(unsupported(
+            "parallel.microbatches",
+            format!(
+                "dualpipev needs at least as many microbatches as its 2 × {p} = {} stages (as PyTorch's \
+                 ScheduleDualPipeV does), got {m}",
+                2 * p
+            ),
+        ));
+    }
+    Ok((0..p).map(|r| DualPipeRank::new(p, r, m).build()).collect())
+}
+
+/// One rank's list as DualPipeV builds it: the next microbatch per chunk for F and
+/// for the backward (B or I), and the W's owed, oldest first.
+struct DualPipeRank {
+    p: usize,
+    r: usize,
+    m: usize,
+    /// [down-leg stage r, up-leg stage 2p − 1 − r].
+    stage: [usize; 2],
+    next_f: [usize; 2],
+    next_back: [usize; 2],
+    owed_w: VecDeque<Action>,
+    list: Vec<Action>,
+}
+
+impl DualPipeRank {
+    fn new(p: usize, r: usize, m: usize) -> DualPipeRank {
+        DualPipeRank {
+            p,
+            r,
+            m,
+            stage: [r, 2 * p - 1 - r],
+            next_f: [0; 2],
+            next_back: [0; 2],
+            owed_w: VecDeque::new(),
+            list: Vec::with_capacity(5 * m),
+        }
+    }
+
+    fn f(&mut self, chunk: usize) {
+        self.list.push(Action::f(self.stage[chunk], self.next_f[chunk]));
+        self.next_f[chunk] += 1;
+    }
+
+    /// The next backward of `chunk`: B, or I with its W owed when `split`.
+    fn back(&mut self, chunk: usize, split: bool) {
+        let (stage, mb) = (self.stage[chunk], self.next_back[chunk]);
+        self.next_back[chunk] += 1;
+        if split {
+            self.list.push(Action::i(stage, mb));
+            self.owed_w.push_back(Action::w(stage, mb));
+        } else {
+            self.list.push(Action::b(stage, mb));
+        }
+    }
+
+    /// The oldest W owed, if any.
+    fn w(&mut self) {
+        if let Some(w) = self.owed_w.pop_front() {
+            self.list.push(w);
+        }
+    }
+
+    fn build(mut self) -> Vec<Action> {
+        let (p, r, m) = (self.p, self.r, self.m);
+        let below = p - r - 1;
+        for _ in 0..2 * below {
+            self.f(0);
+        }
+        for _ in 0..r + 1 {
+            self.f(0);
+            self.f(1);
+        }
+        for _ in 0..below {
+            self.back(1, true);
+            self.w();
+            self.f(1);
+        }
+        for _ in 0..m + r + 1 - 2 * p {
+            self.f(0);
+            self.back(1, false);
+            self.f(1);
+            self.back(0, false);
+        }
+        for _ in 0..below {
+            self.back(1, false);
+            self.f(1);
+            self.back(0, false);
+        }
+        // The drain's r + 1 pairs of backwards switch to split ones at the middle pair.
+        let drain = r + 1;
+        let halfway = drain / 2;
+        let mut split = false;
+        for i in 0..drain {
+            split |= i == halfway && r % 2 == 1;
+            self.back(1, split);
+            split |= i == halfway && r % 2 == 0;
+            self.back(0, split);
+        }
+        // Step 6 always ends split (halfway < drain).
+        for _ in 0..below {
+            self.w();
+            self.back(0, true);
+        }
+        while !self.owed_w.is_empty() {
+            self.w();
+        }
+        debug_assert_eq!((self.next_f, self.next_back), ([m; 2], [m; 2]));
+        self.list
+    }
 }

@@ -4,7 +4,7 @@
 //! p ranks each own v model chunks, so there are S = p·v stages. Which rank holds
 //! which stage (the placement, [`Schedule::stage_rank`]) is part of the schedule,
 //! chosen by its builder: looped (stage s on rank s % p) for most kinds, V-shaped
-//! (rank r holds stages r and 2p − 1 − r) for ZB-V. Each rank's list says, in
+//! (rank r holds stages r and 2p − 1 − r) for ZB-V and DualPipeV. Each rank's list says, in
 //! execution order, which (stage, kind, microbatch) it computes; the actor runtime
 //! walks the lists, asks the schedule where a stage lives, and holds no schedule
 //! logic of its own. This module is pure: it builds ([`build`], one function per kind
@@ -13,8 +13,9 @@
 //! touches threads or files.
 //!
 //! Kinds: GPipe, 1F1B, interleaved 1F1B (Megatron-LM's rule), ZB-H1 (backward
-//! split into I and W, W deferred into the bubbles) and ZB-V (the same split over two
-//! chunks per rank in a V).
+//! split into I and W, W deferred into the bubbles), ZB-V (the same split over two
+//! chunks per rank in a V) and DualPipeV (DeepSeek's DualPipe folded into the same V,
+//! in PyTorch's order).
 
 mod action;
 mod builders;
@@ -49,6 +50,11 @@ pub enum ScheduleKind {
     /// Zero-bubble V: two chunks per rank placed in a V, split backward.
     #[serde(rename = "zb-v")]
     ZbV,
+    /// DualPipeV (DeepSeek's DualPipe on a V, PyTorch's `ScheduleDualPipeV`): two
+    /// chunks per rank in a V, F of one chunk paired with B of the other, the
+    /// backward split into I and W only where W fills a bubble.
+    #[serde(rename = "dualpipev")]
+    DualPipeV,
     /// Loaded from JSON and not equal to any built schedule: no config names it.
     #[serde(rename = "custom", skip_deserializing)]
     Custom,
@@ -56,38 +62,54 @@ pub enum ScheduleKind {
 
 impl ScheduleKind {
     /// The kinds [`build`] can make.
-    pub const BUILT: [ScheduleKind; 5] = [
+    pub const BUILT: [ScheduleKind; 6] = [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
         ScheduleKind::ZbH1,
         ScheduleKind::ZbV,
+        ScheduleKind::DualPipeV,
     ];
 
-    /// v when not given: 2 for interleaved and ZB-V, else 1.
+    /// v when not given: 2 for interleaved and the V kinds (ZB-V, DualPipeV), else 1.
     pub fn default_chunks(self) -> usize {
         match self {
-            ScheduleKind::Interleaved1F1B | ScheduleKind::ZbV => 2,
+            ScheduleKind::Interleaved1F1B | ScheduleKind::ZbV | ScheduleKind::DualPipeV => 2,
             _ => 1,
         }
     }
 
     /// The chunks per rank a run with `configured` chunks uses, or `None` if
     /// this kind cannot: interleaved runs any v (at least 2: a configured 1 is
-    /// raised), ZB-V exactly 2 (likewise), the others 1.
+    /// raised), the V kinds (ZB-V, DualPipeV) exactly 2 (likewise), the others 1.
     pub fn chunks_for(self, configured: usize) -> Option<usize> {
         let v = configured.max(self.default_chunks());
         let ok = match self {
             ScheduleKind::Interleaved1F1B => true,
-            ScheduleKind::ZbV => v == 2,
+            ScheduleKind::ZbV | ScheduleKind::DualPipeV => v == 2,
             _ => v == 1,
         };
         ok.then_some(v)
     }
 
-    /// The zero-bubble kinds, whose backward is split into I and W.
+    /// The fewest microbatches a step of `ranks` pipeline ranks may have: DualPipeV
+    /// needs one per stage (2p, as PyTorch's `ScheduleDualPipeV` does), the others 1.
+    pub fn min_microbatches(self, ranks: usize) -> usize {
+        match self {
+            ScheduleKind::DualPipeV => ranks.saturating_mul(2),
+            _ => 1,
+        }
+    }
+
+    /// The kinds whose backward is split into I and W: the zero-bubble ones, and
+    /// DualPipeV (for the microbatches whose W it defers into a bubble).
     pub fn splits_backward(self) -> bool {
-        matches!(self, ScheduleKind::ZbH1 | ScheduleKind::ZbV)
+        matches!(self, ScheduleKind::ZbH1 | ScheduleKind::ZbV | ScheduleKind::DualPipeV)
+    }
+
+    /// Whether the kind places its two chunks per rank in a V ([`v_placement`]).
+    pub fn v_shaped(self) -> bool {
+        matches!(self, ScheduleKind::ZbV | ScheduleKind::DualPipeV)
     }
 
     pub fn name(self) -> &'static str {
@@ -97,6 +119,7 @@ impl ScheduleKind {
             ScheduleKind::Interleaved1F1B => "interleaved",
             ScheduleKind::ZbH1 => "zb-h1",
             ScheduleKind::ZbV => "zb-v",
+            ScheduleKind::DualPipeV => "dualpipev",
             ScheduleKind::Custom => "custom",
         }
     }
@@ -114,7 +137,9 @@ impl FromStr for ScheduleKind {
     fn from_str(s: &str) -> Result<ScheduleKind, ScheduleError> {
         ScheduleKind::BUILT.into_iter().find(|k| k.name() == s).ok_or_else(|| ScheduleError::Unsupported {
             field: "parallel.schedule".into(),
-            reason: format!("unknown schedule {s:?}; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v"),
+            reason: format!(
+                "unknown schedule {s:?}; expected one of gpipe, 1f1b, interleaved, zb-h1, zb-v, dualpipev"
+            ),
         })
     }
 }
@@ -192,8 +217,8 @@ pub fn v_placement(ranks: usize) -> Vec<usize> {
 
 /// Builds the schedule `kind` for `ranks` (p) ranks, `microbatches` (m) microbatches
 /// and `chunks` (v) model chunks per rank. Refuses (`Unsupported`, naming the config
-/// field) what the kind cannot do: v ≠ 1 except interleaved, v < 2 or m % p ≠ 0 for
-/// interleaved.
+/// field) what the kind cannot do: v ≠ 1 except interleaved and the V kinds, v < 2
+/// or m % p ≠ 0 for interleaved, v ≠ 2 for the V kinds, m < 2p for DualPipeV.
 pub fn build(
     kind: ScheduleKind,
     ranks: usize,
@@ -281,6 +306,14 @@ impl Schedule {
     /// reaches when m is a multiple of p (p ≤ 8; see `zb_v` for the rest). In bubble
     /// time that is a sixth of 1F1B's over the same layers (1F1B's stages are twice
     /// as long: 6(p−1)), at 1F1B's peak memory.
+    ///
+    /// DualPipeV (m ≥ 2p, which it needs): the same (p−1)/(6m+p−1), reached for every
+    /// m, at one stage-microbatch more per rank (2p + 1, DeepSeek's "PP + 1" in
+    /// chunks). DeepSeek's formula, (PP/2 − 1)(F&B + B − 3W) with PP = 2p stages,
+    /// gives 2(p − 1) here (F&B = F + B = 3): it draws each overlapped F&B pair as
+    /// one block that starts when both inputs are in, while the pair run as F then
+    /// B (here, and in PyTorch's runtime without an overlap callback) lets the F
+    /// start before the B's gradient arrives.
     pub fn theory_bubble(&self) -> Option<f64> {
         let (p, m, v) = (self.ranks as f64, self.microbatches as f64, self.chunks as f64);
         match self.kind {
@@ -291,7 +324,8 @@ impl Schedule {
                 Some((makespan - 3.0 * m) / makespan)
             }
             ScheduleKind::ZbV if m >= p => Some((p - 1.0) / (6.0 * m + p - 1.0)),
-            ScheduleKind::ZbV | ScheduleKind::Custom => None,
+            ScheduleKind::DualPipeV if m >= 2.0 * p => Some((p - 1.0) / (6.0 * m + p - 1.0)),
+            ScheduleKind::ZbV | ScheduleKind::DualPipeV | ScheduleKind::Custom => None,
         }
     }
 

@@ -77,6 +77,9 @@ impl Schedule {
                 ScheduleKind::Interleaved1F1B => "≈ (p−1)/(v·m), bubble over ideal time",
                 ScheduleKind::ZbH1 => "(p−1)/(3m+p−1) for m ≥ p: a third of 1F1B's bubble time",
                 ScheduleKind::ZbV => "(p−1)/(6m+p−1), the lower bound: a sixth of 1F1B's bubble time",
+                ScheduleKind::DualPipeV => {
+                    "(p−1)/(6m+p−1), ZB-V's bound; DeepSeek's (p−1)(F&B+B−3W) counts each F&B pair as one block: 2(p−1)"
+                }
                 ScheduleKind::Custom => "",
             };
             write!(out, " (theory with unit costs: {t:.4}, {formula})").unwrap();

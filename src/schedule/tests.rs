@@ -320,8 +320,13 @@ fn timeline_respects_every_dependency() {
                 let last = s.stages() - 1;
                 let deps: Vec<Action> = match a.kind {
                     ActionKind::F if a.stage > 0 => vec![Action::f(a.stage - 1, a.mb)],
+                    // The gradient from above, whichever backward (B, or I) made it:
+                    // DualPipeV mixes them across stages.
                     ActionKind::B | ActionKind::I if a.stage < last => {
-                        vec![Action::f(a.stage, a.mb), Action::new(a.stage + 1, a.kind, a.mb)]
+                        let above = Action::b(a.stage + 1, a.mb);
+                        let above =
+                            if end.contains_key(&above) { above } else { Action::i(a.stage + 1, a.mb) };
+                        vec![Action::f(a.stage, a.mb), above]
                     }
                     ActionKind::B | ActionKind::I => vec![Action::f(a.stage, a.mb)],
                     ActionKind::W => vec![Action::i(a.stage, a.mb)],
@@ -516,4 +521,129 @@ fn shapes_too_large_to_build_are_refused_naming_the_field_before_allocating() {
     // The limit leaves every shape the trainer and the benchmarks use.
     build(ScheduleKind::OneFOneB, 32, 256, 1).unwrap();
     build(ScheduleKind::Interleaved1F1B, 8, 64, 4).unwrap();
+}
+
+/// Each stage's weight-gradient halves (B, or W) by microbatch: the order gradients
+/// accumulate in, which must be ascending for a pipeline's bits to equal pp = 1's.
+fn accumulation_order(s: &Schedule, stage: usize) -> Vec<usize> {
+    s.actions[s.rank_of(stage)]
+        .iter()
+        .filter(|a| a.stage == stage && matches!(a.kind, ActionKind::B | ActionKind::W))
+        .map(|a| a.mb)
+        .collect()
+}
+
+/// PyTorch's own per-rank order, written out once (not computed here, so the test
+/// needs no Python): `ScheduleDualPipeV._calculate_single_rank_operations` of torch
+/// 2.15.0 run for each rank with only `pp_group_size` and `_n_microbatches` set,
+/// each `OVERLAP_F_B` action written as its two sub-actions, forward first (the
+/// order its runtime runs them), `FULL_BACKWARD` as B, `BACKWARD_INPUT` as I,
+/// `BACKWARD_WEIGHT` as W. The shapes: p = 1; the smallest m = 2p for p = 2, 3, 4;
+/// an odd m; rank p − 1's un-overlapped first pair shows in each.
+#[test]
+fn dualpipev_runs_pytorchs_order() {
+    let pytorch: &[(usize, usize, &[&str])] = &[
+        (1, 2, &[
+            "0F0 1F0 0F1 1B0 1F1 0B0 1B1 0I1 0W1",
+        ]),
+        (2, 4, &[
+            "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+            "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3",
+        ]),
+        (2, 5, &[
+            "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 0F4 3B2 3F3 0B1 3B3 3F4 0B2 3B4 0I3 0W3 0I4 0W4",
+            "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 1F4 2B2 2F4 1B2 2B3 1B3 2I4 1I4 2W4 1W4",
+        ]),
+        (3, 6, &[
+            "0F0 0F1 0F2 0F3 0F4 5F0 5I0 5W0 5F1 5I1 5W1 5F2 0F5 5B2 5F3 0B0 5B3 5F4 0B1 5B4 5F5 0B2 5B5 0I3 0W3 0I4 0W4 0I5 0W5",
+            "1F0 1F1 1F2 4F0 1F3 4F1 4I0 4W0 4F2 1F4 4B1 4F3 1B0 1F5 4B2 4F4 1B1 4B3 4F5 1B2 4B4 1B3 4I5 1I4 4W5 1I5 1W4 1W5",
+            "2F0 3F0 2F1 3F1 2F2 3F2 2F3 3B0 3F3 2B0 2F4 3B1 3F4 2B1 2F5 3B2 3F5 2B2 3B3 2B3 3B4 2I4 3I5 2I5 2W4 3W5 2W5",
+        ]),
+        (4, 8, &[
+            "0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 0F7 7B3 7F4 0B0 7B4 7F5 0B1 7B5 7F6 0B2 7B6 7F7 0B3 7B7 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7",
+            "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 1F6 6B2 6F4 1B0 1F7 6B3 6F5 1B1 6B4 6F6 1B2 6B5 6F7 1B3 6B6 1B4 6I7 1I5 6W7 1I6 1W5 1I7 1W6 1W7",
+            "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 2F5 5B1 5F4 2B0 2F6 5B2 5F5 2B1 2F7 5B3 5F6 2B2 5B4 5F7 2B3 5B5 2B4 5B6 2I5 5I7 2I6 2W5 2I7 5W7 2W6 2W7",
+            "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4B0 4F4 3B0 3F5 4B1 4F5 3B1 3F6 4B2 4F6 3B2 3F7 4B3 4F7 3B3 4B4 3B4 4B5 3B5 4I6 3I6 4I7 3I7 4W6 3W6 4W7 3W7",
+        ]),
+    ];
+    for &(p, m, ranks) in pytorch {
+        let s = built(ScheduleKind::DualPipeV, p, m, 2);
+        for (r, want) in ranks.iter().enumerate() {
+            let got: Vec<String> = s.actions[r].iter().map(|a| a.to_string()).collect();
+            assert_eq!(got.join(" "), *want, "p={p} m={m} rank {r}");
+        }
+        assert_eq!(s.stage_rank, v_placement(p));
+    }
+}
+
+/// Every shape DualPipeV takes (m ≥ 2p): valid, each stage's actions and its
+/// gradient accumulation in microbatch order, the makespan ZB-V's unit-cost lower
+/// bound 6m + p − 1 for every m (ZB-V's list scheduler reaches it only for m a
+/// multiple of p), and 2p + 1 stage-microbatches alive per rank — one more than
+/// ZB-V and 1F1B, DeepSeek's "PP + 1" with PP = 2p stages.
+#[test]
+fn dualpipev_meets_zb_vs_bound_for_every_m_at_one_more_live_microbatch() {
+    for p in PS {
+        for m in 2 * p..=4 * p + 1 {
+            let s = built(ScheduleKind::DualPipeV, p, m, 2);
+            let r = sim(&s);
+            assert_ascending(&s);
+            for stage in 0..s.stages() {
+                let o = accumulation_order(&s, stage);
+                assert_eq!(o, (0..m).collect::<Vec<_>>(), "p={p} m={m} stage {stage}");
+            }
+            assert_eq!(r.makespan, (6 * m + p - 1) as f64, "p={p} m={m}");
+            let theory = s.theory_bubble().unwrap();
+            assert!(
+                (r.mean_bubble_frac - theory).abs() < 1e-12,
+                "p={p} m={m}: {} vs {theory}",
+                r.mean_bubble_frac
+            );
+            assert_eq!(r.peak_live_rank, vec![2 * p + 1; p], "p={p} m={m}");
+            // Both backward forms: B where a pair needs it, I and W where W fills a gap.
+            let kinds: Vec<ActionKind> = s.actions.iter().flatten().map(|a| a.kind).collect();
+            assert!(kinds.contains(&ActionKind::B) && kinds.contains(&ActionKind::W), "p={p} m={m}");
+        }
+    }
+}
+
+/// DualPipe's claim: the bubble does not grow with the microbatches. Checked with
+/// costs where F, I and W differ (the V's list-built ZB-V is tuned to unit costs and
+/// does grow there): each rank idles the same at m = 2p as at m = 8p.
+#[test]
+fn dualpipev_idle_time_does_not_grow_with_microbatches() {
+    for (forward, input, weight) in [(2.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 0.5)] {
+        let costs = Costs {
+            forward,
+            backward: input + weight,
+            backward_input: input,
+            backward_weight: weight,
+            ..Costs::unit()
+        };
+        for p in [2, 4, 8] {
+            let idle = |m: usize| {
+                let r = built(ScheduleKind::DualPipeV, p, m, 2).simulate(&costs).unwrap();
+                bubble_time(&r)
+            };
+            assert_eq!(idle(2 * p), idle(8 * p), "F={forward} I={input} W={weight} p={p}");
+        }
+    }
+}
+
+#[test]
+fn dualpipev_refuses_what_pytorch_refuses() {
+    // PyTorch: "DualPipeV requires at least as many microbatches as stages".
+    let e = build(ScheduleKind::DualPipeV, 4, 7, 2).unwrap_err();
+    assert!(
+        matches!(&e, ScheduleError::Unsupported { field, .. } if field == "parallel.microbatches"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("2 × 4 = 8 stages") && e.to_string().contains("got 7"), "{e}");
+    // PyTorch: "requires exactly 2 stages per rank".
+    for v in [1, 3] {
+        let e = build(ScheduleKind::DualPipeV, 4, 8, v).unwrap_err();
+        assert!(e.to_string().contains("parallel.chunks") && e.to_string().contains("exactly 2"), "{e}");
+    }
+    assert_eq!(ScheduleKind::DualPipeV.chunks_for(1), Some(2));
+    assert_eq!("dualpipev".parse::<ScheduleKind>().unwrap(), ScheduleKind::DualPipeV);
 }

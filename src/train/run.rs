@@ -10,7 +10,7 @@
 use super::plot::loss_svg;
 use crate::actors::coordinator::RunData;
 use crate::actors::{Layout, RunInputs, RunOutcome};
-use crate::config::{BackendKind, Builtin, Config, Dtype, ScheduleKind};
+use crate::config::{BackendKind, Builtin, Config, Dtype};
 use crate::data::{ArithmeticCorpus, EvalSet, RandomText, Sampler, TokenSource, TrainText, RANDOM_TOKENS};
 use crate::host::signals::{self, StoppedBeforeStart};
 use crate::metrics::{gemm_peak, StepMetrics};
@@ -520,8 +520,8 @@ pub fn train_restarting(
 /// layout and the same run.
 fn resolved_config(cfg: &Config, layout: &Layout, sources: &Sources) -> Config {
     let mut cfg = cfg.clone();
-    let why = if cfg.parallel.schedule == ScheduleKind::ZbV {
-        "ZB-V runs each rank's two model chunks as a V"
+    let why = if cfg.parallel.schedule.v_shaped() {
+        "ZB-V and DualPipeV run each rank's two model chunks as a V"
     } else {
         "interleaved 1F1B needs at least 2 chunks per rank"
     };
