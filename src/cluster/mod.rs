@@ -162,7 +162,18 @@ impl JoinSpec {
                 let host = slurm.rendezvous_host().map_err(|e| ClusterError::Setup(e.to_string()))?;
                 let port = port.unwrap_or_else(|| slurm::default_port(slurm.job_id));
                 let what = format!("rank 0's node {host} (the first of {}), port {port}", slurm.nodes_from);
-                resolve_master(&format!("{host}:{port}"), &what)?
+                let master = resolve_master(&format!("{host}:{port}"), &what)?;
+                // Some hosts map their own name to 127.0.1.1 (Debian's
+                // /etc/hosts): rank 0 would listen where no other node reaches.
+                if master.ip().is_loopback() && slurm.nodes.len() > 1 {
+                    return Err(ClusterError::Setup(format!(
+                        "{what}: resolves to {} here, a loopback address, but the step spans {} nodes; \
+                         pass --join with an address the other nodes reach",
+                        master.ip(),
+                        slurm.nodes.len()
+                    )));
+                }
+                master
             }
         };
         check_timeout(timeout)?;
@@ -954,6 +965,43 @@ pub fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn slurm_step(nodes: &str, tasks: &str, rank: usize) -> slurm::SlurmTask {
+        let env = std::collections::BTreeMap::from([
+            ("SLURM_JOB_ID", "77".to_string()),
+            ("SLURM_PROCID", rank.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_LOCALID", "0".into()),
+            ("SLURM_STEP_NODELIST", nodes.into()),
+            ("SLURM_STEP_TASKS_PER_NODE", tasks.into()),
+        ]);
+        slurm::SlurmTask::read(&|v| env.get(v).cloned()).unwrap()
+    }
+
+    #[test]
+    fn a_slurm_task_finds_rank_0_on_the_first_node_and_flags_override_the_variables() {
+        let t = slurm_step("localhost", "2", 1);
+        let second = Duration::from_secs(1);
+        let spec = JoinSpec::from_slurm(None, None, None, None, second, &t).unwrap();
+        assert_eq!((spec.rank, spec.world), (1, 2));
+        assert_eq!(spec.master, "127.0.0.1:20154".parse().unwrap());
+        assert_eq!(spec.cookie_scope.as_deref(), Some("slurm job 77"));
+        let spec = JoinSpec::from_slurm(None, Some(0), Some(3), Some(4000), second, &t).unwrap();
+        assert_eq!((spec.rank, spec.world, spec.master.port()), (0, 3, 4000));
+        let spec = JoinSpec::from_slurm(Some("127.0.0.1:5000"), None, None, None, second, &t).unwrap();
+        assert_eq!(spec.master.port(), 5000);
+        let e = JoinSpec::from_slurm(None, Some(2), None, None, second, &t).unwrap_err().to_string();
+        assert!(e.contains("--rank 2: must be below --world 2"), "{e}");
+    }
+
+    #[test]
+    fn a_first_node_that_resolves_to_loopback_in_a_multi_node_step_is_refused() {
+        let t = slurm_step("localhost,n2", "1(x2)", 1);
+        let e =
+            JoinSpec::from_slurm(None, None, None, None, Duration::from_secs(1), &t).unwrap_err().to_string();
+        assert!(e.contains("rank 0's node localhost (the first of SLURM_STEP_NODELIST), port 20154"), "{e}");
+        assert!(e.contains("a loopback address, but the step spans 2 nodes") && e.contains("--join"), "{e}");
+    }
 
     #[test]
     fn cookie_files_of_launches_that_are_gone_are_removed_and_live_ones_kept() {
