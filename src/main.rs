@@ -101,10 +101,22 @@ enum Command {
     /// Join a run that spans processes or machines as one rank. Rank 0 takes
     /// train's options and writes the outputs; other ranks get the config from
     /// it. The cookie comes from PIPEWRIGHT_COOKIE_FILE or PIPEWRIGHT_COOKIE.
+    /// Under srun, --slurm reads the rank, the run's size and rank 0's node
+    /// from SLURM's variables instead.
     Worker {
-        /// Rank 0's cluster node, HOST:PORT (or MASTER_ADDR and MASTER_PORT).
+        /// Rank 0's cluster node, HOST:PORT (or MASTER_ADDR and MASTER_PORT;
+        /// with --slurm: the step's first node).
         #[arg(long, value_name = "HOST:PORT")]
         join: Option<String>,
+        /// Take this task's place from srun: SLURM_PROCID, SLURM_NTASKS, the
+        /// step's node list and tasks per node (rank 0 is on the first node),
+        /// SLURM_LOCALID for its share of the node's GPUs. Flags given override them.
+        #[arg(long)]
+        slurm: bool,
+        /// With --slurm: rank 0's cluster port (its data link uses the next one)
+        /// [default: 20000 + 2 × (SLURM_JOB_ID mod 5000)].
+        #[arg(long, requires = "slurm", conflicts_with = "join")]
+        port: Option<u16>,
         /// This process's rank (or RANK).
         #[arg(long)]
         rank: Option<usize>,
@@ -1050,8 +1062,9 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => train_command(args, None),
         Command::Launch { nodes, port, tls, train } => launch_command(nodes, port, tls, train),
-        Command::Worker { join, rank, world, join_timeout, tls, train } => {
-            worker_command(join, rank, world, join_timeout, tls, train)
+        Command::Worker { join, slurm, port, rank, world, join_timeout, tls, train } => {
+            let place = WorkerPlace { join, slurm, port, rank, world };
+            worker_command(place, join_timeout, tls, train)
         }
         Command::Replay { dir, actor, from_step, log_dir, allow_truncated, all, chaos_seed, out, list } => {
             let opts = pipewright::train::replay::ReplayOptions { from_step, log_dir, allow_truncated };
@@ -1137,21 +1150,24 @@ fn launch_command(nodes: usize, port: Option<u16>, tls: TlsArgs, train: TrainArg
     Ok(())
 }
 
-/// `worker`: joins a run as one rank; rank 0 trains and writes the outputs.
-fn worker_command(
+/// `worker`'s flags that say where the process stands in the run.
+struct WorkerPlace {
     join: Option<String>,
+    slurm: bool,
+    port: Option<u16>,
     rank: Option<usize>,
     world: Option<usize>,
-    join_timeout: u64,
-    tls: TlsArgs,
-    train: TrainArgs,
-) -> Result<()> {
-    let spec = pipewright::cluster::JoinSpec::resolve(
-        join.as_deref(),
-        rank,
-        world,
-        std::time::Duration::from_secs(join_timeout),
-    )?
+}
+
+/// `worker`: joins a run as one rank; rank 0 trains and writes the outputs.
+fn worker_command(place: WorkerPlace, join_timeout: u64, tls: TlsArgs, train: TrainArgs) -> Result<()> {
+    let timeout = std::time::Duration::from_secs(join_timeout);
+    let WorkerPlace { join, slurm, port, rank, world } = place;
+    let spec = if slurm {
+        slurm_join(join.as_deref(), rank, world, port, timeout)?
+    } else {
+        pipewright::cluster::JoinSpec::resolve(join.as_deref(), rank, world, timeout)?
+    }
     .with_tls(tls.load()?);
     if spec.rank > 0 {
         pipewright::cluster::run_worker(&spec)?;
@@ -1174,6 +1190,41 @@ fn worker_command(
     let result = train_command(train, Some(&mut driver));
     driver.finish(result.as_ref().err().map(|e| format!("{e:#}")));
     result
+}
+
+/// `worker --slurm`: the place srun gave this task, and its share of the
+/// node's GPUs. Runs before any thread starts: it may narrow
+/// CUDA_VISIBLE_DEVICES, which CUDA reads once, when it starts.
+fn slurm_join(
+    join: Option<&str>,
+    rank: Option<usize>,
+    world: Option<usize>,
+    port: Option<u16>,
+    timeout: std::time::Duration,
+) -> Result<pipewright::cluster::JoinSpec> {
+    use pipewright::cluster::slurm::{gpu_view, GpuView, SlurmTask};
+    let var = |v: &str| std::env::var(v).ok();
+    let task = SlurmTask::read(&var)?;
+    let spec = pipewright::cluster::JoinSpec::from_slurm(join, rank, world, port, timeout, &task)?;
+    let visible = var("CUDA_VISIBLE_DEVICES");
+    // srun binds each task's GPUs for --gpus-per-task (SLURM_GPUS_PER_TASK)
+    // or a --gpu-bind other than none (SLURM_GPU_BIND).
+    let bound = var("SLURM_GPUS_PER_TASK").is_some()
+        || var("SLURM_GPU_BIND").is_some_and(|b| !b.split(',').any(|part| part.trim() == "none"));
+    let gpus = match gpu_view(visible.as_deref(), bound, task.tasks_here(), task.local_id) {
+        GpuView::Keep(why) => why,
+        GpuView::Narrow(share) => {
+            // Single-threaded here (see above), so no reader races the write.
+            std::env::set_var("CUDA_VISIBLE_DEVICES", &share);
+            format!("CUDA_VISIBLE_DEVICES={share}: this task's share of {}", visible.unwrap_or_default())
+        }
+        GpuView::Uneven(why) => {
+            tracing::warn!("{task}: {why}");
+            why
+        }
+    };
+    tracing::info!("{task}: rank {} of {}, rank 0 at {}; {gpus}", spec.rank, spec.world, spec.master);
+    Ok(spec)
 }
 
 /// `eval`: the mean loss of saved weights over a token file's first windows.

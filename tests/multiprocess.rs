@@ -1,7 +1,9 @@
 //! Runs that span processes, on loopback: the same bits as one process (also
 //! under TLS), a killed worker stops the rest with an error naming it, a wrong
 //! cookie or a certificate from another CA is refused, garbage on a data port
-//! costs the run nothing, and a bad TLS file is an error naming it.
+//! costs the run nothing, and a bad TLS file is an error naming it. Workers
+//! started as srun starts them (`worker --slurm`, SLURM's variables and no
+//! rank flags) give the bits of one process too.
 
 mod common;
 use common::{free_ports, run_to_end};
@@ -739,4 +741,111 @@ fn strangers_holding_connections_open_cannot_stop_a_run() {
     for t in tricklers {
         t.join().unwrap();
     }
+}
+
+/// `worker --slurm` as task `rank` of an srun step of `ntasks` tasks on one
+/// node named `localhost`: the variables srun sets for it, and no others
+/// that place a worker (torchrun's, a GPU list).
+fn slurm_task(job: u64, rank: usize, ntasks: usize, extra: &[&str], args: &[String]) -> Command {
+    let mut c = Command::new(BIN);
+    c.args(["worker", "--slurm"]).args(extra).args(args);
+    for v in
+        ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "PIPEWRIGHT_COOKIE_FILE"]
+    {
+        c.env_remove(v);
+    }
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SLURM") {
+            c.env_remove(k);
+        }
+    }
+    let n = ntasks.to_string();
+    c.envs([
+        ("SLURM_JOB_ID", job.to_string()),
+        ("SLURM_STEP_ID", "0".into()),
+        ("SLURM_PROCID", rank.to_string()),
+        ("SLURM_LOCALID", rank.to_string()),
+        ("SLURM_NODEID", "0".into()),
+        ("SLURM_NTASKS", n.clone()),
+        ("SLURM_NPROCS", n.clone()),
+        ("SLURM_STEP_NUM_TASKS", n.clone()),
+        ("SLURM_STEP_NUM_NODES", "1".into()),
+        ("SLURM_NNODES", "1".into()),
+        ("SLURM_STEP_NODELIST", "localhost".into()),
+        ("SLURM_JOB_NODELIST", "localhost".into()),
+        ("SLURM_NODELIST", "localhost".into()),
+        ("SLURMD_NODENAME", "localhost".into()),
+        ("SLURM_STEP_TASKS_PER_NODE", n.clone()),
+        ("SLURM_TASKS_PER_NODE", n),
+        ("PIPEWRIGHT_COOKIE", "one file for every job".into()),
+    ])
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped());
+    c
+}
+
+/// A job id whose default port (`cluster::slurm::default_port`) and the
+/// next are free on loopback now.
+fn job_with_free_default_port() -> u64 {
+    let start = std::process::id() as u64 * 7919;
+    (start..start + 5_000)
+        .find(|job| {
+            let port = 20_000 + 2 * (job % 5_000) as u16;
+            let a = std::net::TcpListener::bind(("127.0.0.1", port));
+            let b = std::net::TcpListener::bind(("127.0.0.1", port + 1));
+            a.is_ok() && b.is_ok()
+        })
+        .expect("a free port pair in 20000..30000")
+}
+
+#[test]
+fn two_and_four_srun_tasks_with_no_rank_flags_give_the_bits_of_one_process() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let steps = vec!["--steps".to_string(), "3".to_string()];
+    let reference = one_process(dir.path(), &[model(&[]), steps.clone()].concat());
+    // pp = 4 over 2 tasks at the port derived from the job id; pp = 2 ×
+    // dp = 2 over 4 tasks at a --port (microbatches per replica halved: the
+    // same global batch).
+    let port = free_ports().to_string();
+    let runs: [(usize, Vec<String>, Vec<&str>); 2] = [
+        (2, model(&["parallel.pp=4"]), vec![]),
+        (4, model(&["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4"]), vec!["--port", &port]),
+    ];
+    for (ntasks, layout, extra) in runs {
+        let job = job_with_free_default_port();
+        let run = dir.path().join(format!("srun{ntasks}"));
+        let args = [layout, steps.clone(), vec!["--out".into(), run.display().to_string()]].concat();
+        let tasks: Vec<Child> =
+            (0..ntasks).map(|r| slurm_task(job, r, ntasks, &extra, &args).spawn().unwrap()).collect();
+        let outs: Vec<Output> = tasks
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| finish(t, Duration::from_secs(90), &format!("task {r}")))
+            .collect();
+        for (r, o) in outs.iter().enumerate() {
+            assert!(o.status.success(), "{ntasks} tasks: task {r}: {}", text(o));
+        }
+        let log = text(&outs[1]);
+        let want = format!(
+            "SLURM job {job} step 0, task 1 of {ntasks} (local id 1) on localhost: rank 1 of {ntasks}"
+        );
+        assert!(log.contains(&want), "{ntasks} tasks: task 1 does not say where it stands: {log}");
+        assert_eq!(digest(&run), reference, "{ntasks} srun tasks");
+    }
+}
+
+#[test]
+fn contradictory_slurm_variables_are_an_error_naming_the_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = refused_peer_args(dir.path(), 5);
+    let o = run_to_end(slurm_task(1, 3, 2, &[], &args), Duration::from_secs(30));
+    assert!(!o.status.success());
+    assert!(text(&o).contains("SLURM_PROCID=3: expected a rank below SLURM_NTASKS=2"), "{}", text(&o));
+    let mut c = slurm_task(1, 0, 2, &[], &args);
+    c.env("SLURM_STEP_NODELIST", "node[01-02").env("SLURM_STEP_TASKS_PER_NODE", "1(x2)");
+    let o = run_to_end(c, Duration::from_secs(30));
+    assert!(!o.status.success());
+    assert!(text(&o).contains("SLURM_STEP_NODELIST=node[01-02: expected a SLURM hostlist"), "{}", text(&o));
+    assert!(!dir.path().join("run").exists(), "a refused task wrote its run directory");
 }

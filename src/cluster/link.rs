@@ -98,6 +98,18 @@ impl Cookie {
         }
     }
 
+    /// The cookie bound to `scope` (a SLURM job): a secret derived from
+    /// both, so one cookie file can serve many jobs and a process of one
+    /// job still fails the handshake of another's.
+    pub fn scoped(&self, scope: &str) -> Cookie {
+        let mut input = self.text.as_bytes().to_vec();
+        input.push(0);
+        input.extend_from_slice(scope.as_bytes());
+        let derived = blake3::derive_key("pipewright 2026 cookie scope", &input);
+        let text: String = derived.iter().map(|b| format!("{b:02x}")).collect();
+        Cookie::new(&text).expect("64 hex digits are not empty")
+    }
+
     /// A fresh random cookie (hex), for `launch`.
     pub fn generate() -> std::io::Result<String> {
         let bytes = random_bytes()?;
@@ -411,6 +423,19 @@ fn writer_main(stream: Box<dyn Write + Send>, rx: Receiver<Frame>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_scoped_cookie_is_one_secret_per_scope_and_cookie() {
+        let (a, b) = (Cookie::new("shared").unwrap(), Cookie::new("other").unwrap());
+        let nonce = [7u8; 32];
+        let proof = a.scoped("slurm job 1").proof(&nonce, 1);
+        // Another task of the job derives the same secret from the same file.
+        assert!(Cookie::new("shared").unwrap().scoped("slurm job 1").check(&nonce, 1, &proof));
+        for other in [a.scoped("slurm job 2"), b.scoped("slurm job 1"), a.clone()] {
+            assert!(!other.check(&nonce, 1, &proof));
+        }
+        assert_ne!(a.scoped("slurm job 1").text(), a.scoped("slurm job 2").text());
+    }
 
     #[test]
     fn an_oversized_hello_is_refused_after_the_handshake_cap_not_read_whole() {

@@ -16,6 +16,7 @@ pub mod gate;
 pub mod link;
 pub mod mesh;
 pub mod node;
+pub mod slurm;
 pub mod tls;
 pub mod tp;
 pub mod wire;
@@ -88,6 +89,9 @@ pub struct JoinSpec {
     pub timeout: Duration,
     /// Mutual TLS on both links; every process of a run has it or none does.
     pub tls: Option<tls::Tls>,
+    /// What the cookie is bound to besides its text (a SLURM job), so a
+    /// process of another run holding the same cookie file cannot join.
+    pub cookie_scope: Option<String>,
 }
 
 impl JoinSpec {
@@ -119,16 +123,7 @@ impl JoinSpec {
                 }
             },
         };
-        let master = join
-            .to_socket_addrs()
-            .map_err(|e| ClusterError::Setup(format!("--join {join}: {e}")))?
-            .find(|a| a.is_ipv4())
-            .ok_or_else(|| ClusterError::Setup(format!("--join {join}: no IPv4 address")))?;
-        if master.port() == u16::MAX {
-            return Err(ClusterError::Setup(format!(
-                "--join {join}: the data link needs the next port free"
-            )));
-        }
+        let master = resolve_master(&join, &format!("--join {join}"))?;
         let rank = match rank {
             Some(r) => r,
             None => env("RANK")?.ok_or_else(|| ClusterError::Setup("--rank (or RANK) is required".into()))?,
@@ -141,14 +136,58 @@ impl JoinSpec {
         if world == 0 || rank >= world {
             return Err(ClusterError::Setup(format!("--rank {rank}: must be below --world {world}")));
         }
-        // Deadlines are `now + timeout`, which panics past the clock's range.
-        if timeout.is_zero() || timeout.as_secs() > MAX_JOIN_TIMEOUT_S {
-            return Err(ClusterError::Setup(format!(
-                "--join-timeout {}: expected 1 to {MAX_JOIN_TIMEOUT_S} seconds",
-                timeout.as_secs()
-            )));
+        check_timeout(timeout)?;
+        Ok(JoinSpec { master, rank, world, timeout, tls: None, cookie_scope: None })
+    }
+
+    /// `worker --slurm`: the place srun gave this task (`slurm`), with the
+    /// flags given overriding it. Rank 0 is found on the step's first node
+    /// at `port`, or at the port derived from the job id; the cookie is
+    /// bound to the job id.
+    pub fn from_slurm(
+        join: Option<&str>,
+        rank: Option<usize>,
+        world: Option<usize>,
+        port: Option<u16>,
+        timeout: Duration,
+        slurm: &slurm::SlurmTask,
+    ) -> Result<JoinSpec, ClusterError> {
+        let (rank, world) = (rank.unwrap_or(slurm.rank), world.unwrap_or(slurm.ntasks));
+        if world == 0 || rank >= world {
+            return Err(ClusterError::Setup(format!("--rank {rank}: must be below --world {world}")));
         }
-        Ok(JoinSpec { master, rank, world, timeout, tls: None })
+        let master = match join {
+            Some(j) => resolve_master(j, &format!("--join {j}"))?,
+            None => {
+                let host = slurm.rendezvous_host().map_err(|e| ClusterError::Setup(e.to_string()))?;
+                let port = port.unwrap_or_else(|| slurm::default_port(slurm.job_id));
+                let what = format!("rank 0's node {host} (the first of {}), port {port}", slurm.nodes_from);
+                let master = resolve_master(&format!("{host}:{port}"), &what)?;
+                // Some hosts map their own name to 127.0.1.1 (Debian's
+                // /etc/hosts): rank 0 would listen where no other node reaches.
+                if master.ip().is_loopback() && slurm.nodes.len() > 1 {
+                    return Err(ClusterError::Setup(format!(
+                        "{what}: resolves to {} here, a loopback address, but the step spans {} nodes; \
+                         pass --join with an address the other nodes reach",
+                        master.ip(),
+                        slurm.nodes.len()
+                    )));
+                }
+                master
+            }
+        };
+        check_timeout(timeout)?;
+        let cookie_scope = Some(format!("slurm job {}", slurm.job_id));
+        Ok(JoinSpec { master, rank, world, timeout, tls: None, cookie_scope })
+    }
+
+    /// The run's cookie: the shared secret, bound to the scope if any.
+    fn cookie(&self) -> Result<Cookie, ClusterError> {
+        let shared = Cookie::from_env()?;
+        Ok(match &self.cookie_scope {
+            Some(scope) => shared.scoped(scope),
+            None => shared,
+        })
     }
 
     pub fn with_tls(self, tls: Option<tls::Tls>) -> JoinSpec {
@@ -158,6 +197,31 @@ impl JoinSpec {
     pub fn data_addr(&self) -> SocketAddr {
         SocketAddr::new(self.master.ip(), self.master.port() + 1)
     }
+}
+
+/// HOST:PORT as rank 0's IPv4 address, with the next port free for its data link.
+/// `what` names where the address came from, for the errors.
+fn resolve_master(join: &str, what: &str) -> Result<SocketAddr, ClusterError> {
+    let master = join
+        .to_socket_addrs()
+        .map_err(|e| ClusterError::Setup(format!("{what}: {e}")))?
+        .find(|a| a.is_ipv4())
+        .ok_or_else(|| ClusterError::Setup(format!("{what}: no IPv4 address")))?;
+    if master.port() == u16::MAX {
+        return Err(ClusterError::Setup(format!("{what}: the data link needs the next port free")));
+    }
+    Ok(master)
+}
+
+fn check_timeout(timeout: Duration) -> Result<(), ClusterError> {
+    // Deadlines are `now + timeout`, which panics past the clock's range.
+    if timeout.is_zero() || timeout.as_secs() > MAX_JOIN_TIMEOUT_S {
+        return Err(ClusterError::Setup(format!(
+            "--join-timeout {}: expected 1 to {MAX_JOIN_TIMEOUT_S} seconds",
+            timeout.as_secs()
+        )));
+    }
+    Ok(())
 }
 
 /// A runtime for the node server and the actors of a worker.
@@ -307,7 +371,7 @@ impl Driver {
     /// Starts rank 0's node and data listener and waits until every worker has
     /// joined both.
     pub fn rendezvous(spec: &JoinSpec, placement: Placement) -> Result<Driver, ClusterError> {
-        let cookie = Cookie::from_env()?;
+        let cookie = spec.cookie()?;
         let rt = runtime()?;
         let node =
             rt.block_on(Node::start(0, &cookie, spec.master.ip(), spec.master.port(), spec.tls.as_ref()))?;
@@ -444,7 +508,7 @@ fn retry<T, E: std::fmt::Display>(
 
 /// Runs a worker (rank ≥ 1) until rank 0 ends the run.
 pub fn run_worker(spec: &JoinSpec) -> Result<(), ClusterError> {
-    let cookie = Cookie::from_env()?;
+    let cookie = spec.cookie()?;
     let rt = runtime()?;
     // Ctrl-C reaches every process of a launch: rank 0 answers it (a
     // checkpoint, then a clean stop it passes on); a worker dying first
@@ -901,6 +965,43 @@ pub fn launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn slurm_step(nodes: &str, tasks: &str, rank: usize) -> slurm::SlurmTask {
+        let env = std::collections::BTreeMap::from([
+            ("SLURM_JOB_ID", "77".to_string()),
+            ("SLURM_PROCID", rank.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_LOCALID", "0".into()),
+            ("SLURM_STEP_NODELIST", nodes.into()),
+            ("SLURM_STEP_TASKS_PER_NODE", tasks.into()),
+        ]);
+        slurm::SlurmTask::read(&|v| env.get(v).cloned()).unwrap()
+    }
+
+    #[test]
+    fn a_slurm_task_finds_rank_0_on_the_first_node_and_flags_override_the_variables() {
+        let t = slurm_step("localhost", "2", 1);
+        let second = Duration::from_secs(1);
+        let spec = JoinSpec::from_slurm(None, None, None, None, second, &t).unwrap();
+        assert_eq!((spec.rank, spec.world), (1, 2));
+        assert_eq!(spec.master, "127.0.0.1:20154".parse().unwrap());
+        assert_eq!(spec.cookie_scope.as_deref(), Some("slurm job 77"));
+        let spec = JoinSpec::from_slurm(None, Some(0), Some(3), Some(4000), second, &t).unwrap();
+        assert_eq!((spec.rank, spec.world, spec.master.port()), (0, 3, 4000));
+        let spec = JoinSpec::from_slurm(Some("127.0.0.1:5000"), None, None, None, second, &t).unwrap();
+        assert_eq!(spec.master.port(), 5000);
+        let e = JoinSpec::from_slurm(None, Some(2), None, None, second, &t).unwrap_err().to_string();
+        assert!(e.contains("--rank 2: must be below --world 2"), "{e}");
+    }
+
+    #[test]
+    fn a_first_node_that_resolves_to_loopback_in_a_multi_node_step_is_refused() {
+        let t = slurm_step("localhost,n2", "1(x2)", 1);
+        let e =
+            JoinSpec::from_slurm(None, None, None, None, Duration::from_secs(1), &t).unwrap_err().to_string();
+        assert!(e.contains("rank 0's node localhost (the first of SLURM_STEP_NODELIST), port 20154"), "{e}");
+        assert!(e.contains("a loopback address, but the step spans 2 nodes") && e.contains("--join"), "{e}");
+    }
 
     #[test]
     fn cookie_files_of_launches_that_are_gone_are_removed_and_live_ones_kept() {

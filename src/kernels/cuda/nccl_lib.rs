@@ -149,6 +149,59 @@ type Reduce = unsafe extern "C" fn(
 type GroupCall = unsafe extern "C" fn() -> c_int;
 type CommDestroy = unsafe extern "C" fn(sys::ncclComm_t) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const std::ffi::c_char;
+type GetVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// An NCCL release, from the code ncclGetVersion answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NcclVersion {
+    pub major: u32,
+    pub minor: u32,
+    pub patch: u32,
+    pub code: i32,
+}
+
+impl NcclVersion {
+    /// Decodes NCCL_VERSION_CODE as nccl.h builds it: X*1000 + Y*100 + Z up
+    /// to 2.8, X*10000 + Y*100 + Z from 2.9 on (2.8.4 is 2804, 2.23.4 is
+    /// 22304; every code of the second form is at least 20900).
+    pub fn from_code(code: c_int) -> Option<NcclVersion> {
+        let c = u32::try_from(code).ok().filter(|&c| c >= 1000)?;
+        let (major, rest) = if c >= 10_000 { (c / 10_000, c % 10_000) } else { (c / 1000, c % 1000) };
+        Some(NcclVersion { major, minor: rest / 100, patch: rest % 100, code })
+    }
+}
+
+impl std::fmt::Display for NcclVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+/// The line a run prints when it loads NCCL: which release, from which file.
+pub fn loaded_line(version: Result<NcclVersion, String>, path: &Path) -> String {
+    let v = match version {
+        Ok(v) => format!("{v} (ncclGetVersion {})", v.code),
+        Err(e) => format!("of unknown version ({e})"),
+    };
+    format!("NCCL {v} loaded from {}", path.display())
+}
+
+/// The file the loader mapped the code at `address` from (the real path,
+/// where a bare name went through LD_LIBRARY_PATH or ld.so.cache), or None.
+/// An address, not a pointer: dladdr compares it with the mapped objects'
+/// ranges and never reads through it.
+pub fn object_path(address: usize) -> Option<PathBuf> {
+    // SAFETY: Dl_info is plain pointers, for which all zeros is valid.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr fills `info`; dli_fname then points into the loader's
+    // own records for a mapped object.
+    if unsafe { libc::dladdr(address as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+    let path = PathBuf::from(name);
+    Some(std::fs::canonicalize(&path).unwrap_or(path))
+}
 
 /// The entry points `nccl.rs` calls, bound once.
 pub struct Nccl {
@@ -166,6 +219,7 @@ pub struct Nccl {
     pub group_end: GroupCall,
     pub comm_destroy: CommDestroy,
     get_error_string: GetErrorString,
+    get_version: GetVersion,
     // Keeps the library mapped while the pointers above are used.
     _lib: libloading::Library,
 }
@@ -179,6 +233,20 @@ impl Nccl {
         // SAFETY: NCCL returns a static string for any code.
         let text = unsafe { CStr::from_ptr((self.get_error_string)(code)) }.to_string_lossy();
         Err(CudaError::Nccl(format!("{what}: {text} (ncclResult_t {code})")))
+    }
+
+    /// The release, as ncclGetVersion reports it.
+    pub fn version(&self) -> Result<NcclVersion, String> {
+        let mut code: c_int = 0;
+        // SAFETY: one out-parameter of the right type.
+        let rc = unsafe { (self.get_version)(&mut code) };
+        self.check("ncclGetVersion", rc).map_err(|e| e.to_string())?;
+        NcclVersion::from_code(code).ok_or_else(|| format!("ncclGetVersion answered {code}"))
+    }
+
+    /// The file the library was mapped from (where a bare name was found).
+    pub fn loaded_from(&self) -> PathBuf {
+        object_path(self.get_unique_id as usize).unwrap_or_else(|| self.path.clone())
     }
 
     fn open(path: &Path) -> Result<Nccl, libloading::Error> {
@@ -201,13 +269,17 @@ impl Nccl {
                 group_end: *lib.get(b"ncclGroupEnd\0")?,
                 comm_destroy: *lib.get(b"ncclCommDestroy\0")?,
                 get_error_string: *lib.get(b"ncclGetErrorString\0")?,
+                get_version: *lib.get(b"ncclGetVersion\0")?,
                 _lib: lib,
             })
         }
     }
 }
 
-/// libnccl, opened on first use: the first candidate that opens and has every entry point.
+/// libnccl, opened on first use: the first candidate that opens and has
+/// every entry point. The first use says which file and release it is, once
+/// per process: NCCL_DEBUG=INFO says the same from inside NCCL, but only
+/// once a communicator is made, and mixed with every other line it prints.
 pub fn nccl() -> super::Result<&'static Nccl> {
     static LIB: OnceLock<Result<Nccl, String>> = OnceLock::new();
     let found = LIB.get_or_init(|| {
@@ -215,7 +287,10 @@ pub fn nccl() -> super::Result<&'static Nccl> {
         let mut last = String::from("none tried");
         for path in candidates(&dirs) {
             match Nccl::open(&path) {
-                Ok(n) => return Ok(n),
+                Ok(n) => {
+                    tracing::info!("{}", loaded_line(n.version(), &n.loaded_from()));
+                    return Ok(n);
+                }
                 Err(e) => last = e.to_string(),
             }
         }
@@ -230,6 +305,45 @@ pub fn nccl() -> super::Result<&'static Nccl> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn version_codes_decode_in_both_of_nccl_h_s_forms() {
+        let v = |c| NcclVersion::from_code(c).map(|v| v.to_string());
+        assert_eq!(v(22304).as_deref(), Some("2.23.4"));
+        assert_eq!(v(20900).as_deref(), Some("2.9.0"));
+        assert_eq!(v(22807).as_deref(), Some("2.28.7"));
+        assert_eq!(v(2804).as_deref(), Some("2.8.4"));
+        assert_eq!(v(2708).as_deref(), Some("2.7.8"));
+        assert_eq!(v(0), None);
+        assert_eq!(v(-1), None);
+    }
+
+    #[test]
+    fn the_loaded_line_names_release_code_and_file() {
+        let v = NcclVersion::from_code(22304).unwrap();
+        let p = Path::new("/v/nvidia/nccl/lib/libnccl.so.2");
+        assert_eq!(
+            loaded_line(Ok(v), p),
+            "NCCL 2.23.4 (ncclGetVersion 22304) loaded from /v/nvidia/nccl/lib/libnccl.so.2"
+        );
+        let e = loaded_line(Err("ncclGetVersion answered 7".into()), p);
+        assert_eq!(
+            e,
+            "NCCL of unknown version (ncclGetVersion answered 7) loaded from /v/nvidia/nccl/lib/libnccl.so.2"
+        );
+    }
+
+    #[test]
+    fn a_symbol_opened_by_its_bare_name_is_traced_to_its_file() {
+        // What `loaded_from` does for libnccl.so.2 found on LD_LIBRARY_PATH,
+        // on a library every Linux process has.
+        let lib = unsafe { libloading::Library::new("libc.so.6") }.unwrap();
+        let strlen: libloading::Symbol<unsafe extern "C" fn()> = unsafe { lib.get(b"strlen\0") }.unwrap();
+        let path = object_path(*strlen as usize).expect("dladdr found strlen");
+        assert!(path.is_absolute(), "{}", path.display());
+        assert!(path.file_name().unwrap().to_string_lossy().starts_with("libc"), "{}", path.display());
+        assert!(object_path(0).is_none());
+    }
 
     #[test]
     fn the_wheels_soname_is_tried_first_then_the_unversioned_name() {
