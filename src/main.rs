@@ -355,7 +355,7 @@ enum Command {
     },
     /// Build a pipeline schedule, check it, and draw its simulated timeline (unit costs).
     Schedule {
-        /// gpipe, 1f1b, interleaved, zb-h1 or zb-v.
+        /// gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev.
         #[arg(long)]
         kind: String,
         /// Pipeline ranks (p).
@@ -364,7 +364,7 @@ enum Command {
         /// Microbatches per step (m).
         #[arg(long)]
         microbatches: usize,
-        /// Model chunks per rank (v) [default: 2 for interleaved and zb-v, else 1].
+        /// Model chunks per rank (v) [default: 2 for interleaved, zb-v and dualpipev, else 1].
         #[arg(long)]
         chunks: Option<usize>,
         /// Print only the per-rank action lists: {"ranks": [["0F0", …], …]}.
