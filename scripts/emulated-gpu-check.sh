@@ -18,7 +18,9 @@
 #      = pp 1, tp 2 on two GPUs = tp 1, greedy generate = the CPU's text;
 #   4. Qwen3 (the per-head q/k norm) and Mistral (a sliding window of 12 of
 #      the 64 positions) from their tiny configs, shortened as the Llama's:
-#      f32 losses against the CPU's.
+#      f32 losses against the CPU's;
+#   5. what a steady step asks of the driver (gpu-bench --counts) within
+#      scripts/gpu-counts-bounds.json.
 # Prints a table last; exits non-zero if any row failed.
 # usage: scripts/emulated-gpu.sh --gpus 4 scripts/emulated-gpu-check.sh [--no-gpu-check]
 set -uo pipefail
@@ -210,6 +212,29 @@ for fam in qwen3 mistral; do
     row "train $fam cpu (reference)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "digest $(digest "$work/$fam-cpu" | cut -c1-12)" "$secs"
     vs_cpu "$fam-gpu" "$fam cuda" "$work/$fam-cpu" f32 "${fam_run[@]}"
 done
+
+# 5. What a steady step asks of the driver (gpu-bench --counts: launches,
+# cuBLASLt calls, host-blocking synchronizes, copies by direction, allocations,
+# per step, per microbatch and per block), held to scripts/gpu-counts-bounds.json:
+# a change that adds any of them fails here; one that removes some lowers the bounds.
+run counts "$bin" gpu-bench --counts --layers 2 --embd 128 --heads 2 --vocab 256 --seq 64 --micro-batch 2 --json
+if [ $rc = 0 ]; then
+    detail=$(python3 - "$work/counts.log" "$root/scripts/gpu-counts-bounds.json" <<'PY'
+import json, sys
+report = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
+bounds = json.load(open(sys.argv[2]))
+over = [f"{part}.{k} {report[part][k]} > {v}" for part, b in bounds.items() if not part.startswith("_")
+        for k, v in b.items() if report[part][k] > v]
+mb = report["per_microbatch"]
+print("; ".join(over) if over else
+      f"per microbatch {mb['launches']} launches, {mb['host_syncs']} host syncs, {mb['h2d_copies']} uploads")
+sys.exit(1 if over else 0)
+PY
+); ok=$?
+    row "gpu counts within bounds" "$([ $ok = 0 ] && echo ok || echo FAIL)" "$detail" "$secs"
+else
+    row "gpu counts within bounds" FAIL "exit $rc" "$secs"
+fi
 
 echo
 echo "emulated GPU checks ($PW_EMU_GPUS emulated GPUs, $(( $(date +%s) - start_all )) s in all; logs in $work)"
