@@ -37,6 +37,9 @@ pub struct KernelInfo {
 
 pub struct Module {
     pub handle: usize,
+    /// The context that loaded it (0 for a module made from Rust functions
+    /// with none bound): its functions launch only there, as the driver's.
+    pub ctx: usize,
     pub source_name: String,
     pub kernels: Vec<KernelInfo>,
     /// Touches the module's thread_local block (its static shared memory)
@@ -107,6 +110,9 @@ struct Registry {
     functions: HashMap<usize, Arc<Function>>,
     /// (module, kernel index) → function handle, so a name looked up twice is one function.
     by_kernel: HashMap<(usize, usize), usize>,
+    /// Unloaded modules and their functions (handles are never reused): what
+    /// each was and why it is gone, to say so when one is used again.
+    dead: HashMap<usize, String>,
     next: usize,
 }
 
@@ -117,6 +123,7 @@ fn registry() -> MutexGuard<'static, Registry> {
             modules: HashMap::new(),
             functions: HashMap::new(),
             by_kernel: HashMap::new(),
+            dead: HashMap::new(),
             next: 1,
         })
     })
@@ -203,11 +210,11 @@ unsafe fn not_elf(image: *const u8) -> EmuError {
     )
 }
 
-/// Loads a module image (cuModuleLoadData); returns its handle.
+/// Loads a module image (cuModuleLoadData) into context `ctx`; returns its handle.
 ///
 /// # Safety
 /// `image` must point at a complete image, as cuModuleLoadData requires.
-pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
+pub unsafe fn load_data(image: *const c_void, ctx: usize) -> Result<usize> {
     if image.is_null() {
         return Err(EmuError::new(cu::INVALID_VALUE, "cuModuleLoadData: the image pointer is null"));
     }
@@ -282,6 +289,7 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
     };
     Ok(register(Module {
         handle: 0,
+        ctx,
         source_name,
         kernels,
         touch_shared: Some(touch),
@@ -393,11 +401,13 @@ fn register(mut module: Module) -> usize {
 
 /// A module made from Rust functions, for tests of the execution engine
 /// that cannot wait for a C++ compiler: the kernels are called exactly as a
-/// loaded module's are. It has no static shared memory.
+/// loaded module's are. It has no static shared memory. It belongs to the
+/// calling thread's current context, as a loaded module would.
 #[doc(hidden)]
 pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
     register(Module {
         handle: 0,
+        ctx: crate::context::current_handle(),
         source_name: source_name.to_string(),
         kernels,
         touch_shared: None,
@@ -410,34 +420,62 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
 /// Unloads a module (cuModuleUnload); launches already queued keep it alive.
 pub fn unload(handle: usize) -> Result<()> {
     let mut r = registry();
-    if r.modules.remove(&handle).is_none() {
+    if !r.modules.contains_key(&handle) {
+        let why = r.dead.get(&handle).cloned();
         drop(r);
         return Err(EmuError::new(
             cu::INVALID_HANDLE,
             format!(
                 "cuModuleUnload: {handle:#x} is not a loaded module ({})",
-                crate::driver::what_handle(handle)
+                why.unwrap_or_else(|| crate::driver::what_handle(handle))
             ),
         ));
     }
+    forget(&mut r, handle, "unloaded by cuModuleUnload".into());
+    Ok(())
+}
+
+/// Unloads every module of a context being destroyed (cuCtxDestroy frees
+/// all its resources): their handles and their functions' are refused from
+/// now on, naming the context.
+pub fn unload_context(ctx: usize, device: usize) {
+    let mut r = registry();
+    let of_ctx: Vec<usize> = r.modules.values().filter(|m| m.ctx == ctx).map(|m| m.handle).collect();
+    for m in of_ctx {
+        forget(
+            &mut r,
+            m,
+            format!("unloaded with its context {ctx:#x} (GPU {device}), destroyed by cuCtxDestroy"),
+        );
+    }
+}
+
+fn forget(r: &mut Registry, handle: usize, why: String) {
+    let Some(m) = r.modules.remove(&handle) else { return };
+    r.dead.insert(handle, format!("module {handle:#x} ({}) was {why}", m.source_name));
     let gone: Vec<usize> = r.by_kernel.keys().filter(|(m, _)| *m == handle).map(|(_, k)| *k).collect();
     for k in gone {
         if let Some(f) = r.by_kernel.remove(&(handle, k)) {
             r.functions.remove(&f);
+            let what =
+                format!("kernel `{}` ({}) of module {handle:#x}, {why}", m.kernels[k].name, m.source_name);
+            r.dead.insert(f, what);
         }
     }
-    Ok(())
 }
 
 /// The function `name` of a module (cuModuleGetFunction).
 pub fn get_function(module: usize, name: &str) -> Result<usize> {
-    let found = registry().modules.get(&module).cloned();
+    let (found, dead) = {
+        let r = registry();
+        (r.modules.get(&module).cloned(), r.dead.get(&module).cloned())
+    };
     let m = found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
                 "cuModuleGetFunction({name}): {module:#x} is not a loaded module ({})",
-                crate::driver::what_handle(module)
+                dead.unwrap_or_else(|| crate::driver::what_handle(module))
             ),
         )
     })?;
@@ -466,13 +504,16 @@ pub fn get_function(module: usize, name: &str) -> Result<usize> {
 }
 
 pub fn function(handle: usize, call: &str) -> Result<Arc<Function>> {
-    let found = registry().functions.get(&handle).cloned();
+    let (found, dead) = {
+        let r = registry();
+        (r.functions.get(&handle).cloned(), r.dead.get(&handle).cloned())
+    };
     found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
                 "{call}: {handle:#x} is not a function of a loaded module ({})",
-                crate::driver::what_handle(handle)
+                dead.unwrap_or_else(|| crate::driver::what_handle(handle))
             ),
         )
     })
