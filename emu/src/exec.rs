@@ -26,7 +26,7 @@ use corosensei::trap::CoroutineTrapHandler;
 use corosensei::{Coroutine, CoroutineResult, Yielder};
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void, CStr};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
@@ -42,6 +42,8 @@ pub static RUNTIME: abi::Runtime = abi::Runtime {
     mma_m16n8k16_f32_bf16: rt_mma,
     dynamic_shared: rt_dynamic_shared,
     trap: rt_trap,
+    misaligned: rt_misaligned,
+    access: rt_access,
 };
 
 /// Bytes of each fiber's stack (mapped lazily: only touched pages cost memory).
@@ -236,10 +238,46 @@ impl Launch {
     }
 }
 
+/// PW_EMU_CHECK's comma-separated modes, read once per process.
+fn check_modes() -> &'static [String] {
+    static MODES: OnceLock<Vec<String>> = OnceLock::new();
+    MODES.get_or_init(|| {
+        std::env::var("PW_EMU_CHECK")
+            .map(|v| v.split(',').map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect())
+            .unwrap_or_default()
+    })
+}
+
+fn check_mode(name: &str) -> bool {
+    check_modes().iter().any(|m| m == name)
+}
+
 /// PW_EMU_CHECK=order: run every launch in two lane orders and compare.
 pub fn order_check_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PW_EMU_CHECK").is_ok_and(|v| v.split(',').any(|c| c.trim() == "order")))
+    check_mode("order")
+}
+
+/// The modes that watch every load and store (their kernels are built
+/// instrumented): `bounds` (an access outside its allocation, the alignment
+/// slack included).
+const INSTRUMENTED_MODES: [&str; 1] = ["bounds"];
+
+/// PW_EMU_CHECK=bounds: every access of an instrumented kernel to device
+/// memory must lie inside one live allocation (reads in the slack after an
+/// allocation's end, which no guard page covers, included).
+pub fn bounds_check_enabled() -> bool {
+    check_mode("bounds")
+}
+
+/// Whether a mode that needs instrumented kernels is on (the NVRTC stand-in
+/// builds with PW_EMU_INSTRUMENT, the driver refuses modules without it).
+pub fn instrumented_checks() -> bool {
+    INSTRUMENTED_MODES.iter().any(|m| check_mode(m))
+}
+
+/// Those modes, for messages.
+pub fn instrumented_check_names() -> String {
+    INSTRUMENTED_MODES.iter().filter(|m| check_mode(m)).copied().collect::<Vec<_>>().join(",")
 }
 
 /// The order fibers are scheduled in.
@@ -985,6 +1023,106 @@ extern "C" fn rt_trap(what: *const c_char) {
     };
     let t = tid_of(&b.lanes[lane].lane);
     stop(cu::LAUNCH_FAILED, format!("thread {t}: device-side trap: {what}"));
+}
+
+extern "C" fn rt_misaligned(
+    addr: *const c_void,
+    align: c_ulong,
+    size: c_ulong,
+    type_: *const c_char,
+    kind: c_int,
+    file: *const c_char,
+    line: c_uint,
+) {
+    let (b, lane) = current();
+    // SAFETY: the module passes UBSan's NUL-terminated type name and file.
+    let text = |p: *const c_char| {
+        if p.is_null() {
+            "?".to_string()
+        } else {
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    // UBSan's TypeCheckKind, as its runtime words it.
+    let what = match kind {
+        0 => "load of",
+        1 => "store to",
+        2 => "reference binding to",
+        3 => "member access within",
+        4 => "member call on",
+        5 => "constructor call on",
+        6 | 7 => "downcast of",
+        8 | 9 => "upcast of",
+        _ => "access to",
+    };
+    let addr = addr as u64;
+    let sized = if size > 0 { format!("{size}-byte ") } else { String::new() };
+    let msg = format!(
+        "thread {}: misaligned address: {sized}{what} `{}` at {addr:#x}, which needs {align}-byte alignment \
+         ({} byte(s) off), at {}:{line}; {}",
+        tid_of(&b.lanes[lane].lane),
+        text(type_).trim_matches('\''),
+        addr % align.max(1),
+        text(file),
+        memory::describe(addr)
+    );
+    stop(cu::MISALIGNED_ADDRESS, msg);
+}
+
+/// An instrumented kernel's load or store (PW_EMU_CHECK=bounds and the
+/// other modes that watch every access).
+extern "C" fn rt_access(addr: *const c_void, size: c_ulong, is_store: c_int) {
+    let addr = addr as u64;
+    let (lo, hi) = memory::device_area();
+    if addr < lo || addr >= hi || !bounds_check_enabled() {
+        return;
+    }
+    let (b, lane) = current();
+    let launch = b.launch();
+    let end = addr + size;
+    let inside = |a: &Allocation| addr >= a.base && end <= a.base + a.size;
+    if launch.pointers.iter().any(|p| inside(&p.alloc)) {
+        return;
+    }
+    // Memory reached through a pointer kept in memory, not an argument.
+    if memory::find(addr).is_some_and(|a| inside(&a)) {
+        return;
+    }
+    let verb = if is_store != 0 { "store" } else { "load" };
+    let t = tid_of(&b.lanes[lane].lane);
+    let mut msg = match memory::nearest(addr) {
+        Some(a) if addr >= a.base => format!(
+            "thread {t}: out-of-bounds {verb}: {size} byte(s) at {addr:#x} are bytes {}..{} of GPU {}'s \
+             {}-byte allocation at {:#x}, {} byte(s) past its end",
+            addr - a.base,
+            end - a.base,
+            a.device,
+            a.size,
+            a.base,
+            end - (a.base + a.size).max(addr)
+        ),
+        Some(a) => format!(
+            "thread {t}: out-of-bounds {verb}: {size} byte(s) at {addr:#x}, {} byte(s) before the start of \
+             GPU {}'s {}-byte allocation at {:#x}",
+            a.base - addr,
+            a.device,
+            a.size,
+            a.base
+        ),
+        None => format!("thread {t}: out-of-bounds {verb}: {size} byte(s) at {}", memory::describe(addr)),
+    };
+    if let Some(a) = memory::nearest(addr) {
+        let k = launch.func.kernel();
+        for p in launch.pointers.iter().filter(|p| p.alloc.base == a.base) {
+            let param = &k.params[p.param];
+            let _ = write!(
+                msg,
+                "; argument `{}` ({}) = {:#x} points into that allocation",
+                param.name, param.type_, p.value
+            );
+        }
+    }
+    stop(cu::ILLEGAL_ADDRESS, msg);
 }
 
 #[repr(C)]

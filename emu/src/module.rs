@@ -53,6 +53,8 @@ pub struct Module {
     /// for a block this thread had just touched while another thread was
     /// loading modules (seen once in CI, in the pp 2 run).
     pub tls: Option<(usize, usize)>,
+    /// Built with PW_EMU_INSTRUMENT: every load and store calls the runtime.
+    pub instrumented: bool,
     /// dlopen's handle; null for a module made from Rust functions.
     lib: *mut c_void,
     /// The memfd the image was loaded from, never closed (one fd per module
@@ -278,7 +280,20 @@ pub unsafe fn load_data(image: *const c_void, ctx: usize) -> Result<usize> {
             return Err(e);
         }
     };
-    let (source_name, kernels, touch) = module;
+    let (source_name, kernels, touch, instrumented) = module;
+    if crate::exec::instrumented_checks() && !instrumented {
+        libc::dlclose(lib);
+        libc::close(fd);
+        return Err(EmuError::new(
+            cu::INVALID_IMAGE,
+            format!(
+                "cuModuleLoadData: module {source_name} was built without the per-access instrumentation \
+                 PW_EMU_CHECK={} needs (an image cached by a run without the check? clear the kernel cache \
+                 or rebuild it in this mode)",
+                crate::exec::instrumented_check_names()
+            ),
+        ));
+    }
     let tls = match tls_of(lib, bytes) {
         Ok(t) => t,
         Err(e) => {
@@ -294,6 +309,7 @@ pub unsafe fn load_data(image: *const c_void, ctx: usize) -> Result<usize> {
         kernels,
         touch_shared: Some(touch),
         tls: Some(tls),
+        instrumented,
         lib,
         _memfd: fd,
     }))
@@ -337,7 +353,7 @@ unsafe fn tls_of(lib: *mut c_void, bytes: &[u8]) -> Result<(usize, usize)> {
     Ok((modid, len))
 }
 
-type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void);
+type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void, bool);
 
 unsafe fn text(p: *const std::ffi::c_char, what: &str) -> Result<String> {
     if p.is_null() {
@@ -387,7 +403,7 @@ unsafe fn read_info(info: *const abi::ModuleInfo) -> Result<ModuleParts> {
             params,
         });
     }
-    Ok((source, kernels, info.touch_shared))
+    Ok((source, kernels, info.touch_shared, info.instrumented != 0))
 }
 
 fn register(mut module: Module) -> usize {
@@ -412,6 +428,7 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
         kernels,
         touch_shared: None,
         tls: None,
+        instrumented: false,
         lib: std::ptr::null_mut(),
         _memfd: -1,
     })

@@ -50,7 +50,34 @@ const FLAGS: &[&str] = &[
     "-Wno-sign-compare",
     "-Wno-maybe-uninitialized",
     "-Wl,-z,defs",
+    // Every typed load and store checked against its type's alignment: a
+    // GPU faults on a misaligned one (CUDA_ERROR_MISALIGNED_ADDRESS) that
+    // x86 performs; cuda_emu.h's handler reports it through the runtime.
+    "-fsanitize=alignment",
+    "-fno-sanitize-recover=alignment",
 ];
+
+/// What a PW_EMU_CHECK mode that watches every access (bounds, blocks,
+/// warp) adds: the kernel flavour of ASan's instrumentation, a call per
+/// load and store into cuda_emu.h's hooks (no shadow memory, no runtime
+/// library, no instrumented stack or globals).
+const INSTRUMENT: &[&str] = &[
+    "-fsanitize=kernel-address",
+    "--param=asan-instrumentation-with-call-threshold=0",
+    "--param=asan-stack=0",
+    "--param=asan-globals=0",
+    "-DPW_EMU_INSTRUMENT",
+];
+
+/// The flags of this process's builds: FLAGS, and INSTRUMENT when a check
+/// mode needs every access.
+fn flags() -> Vec<&'static str> {
+    let mut f = FLAGS.to_vec();
+    if crate::exec::instrumented_checks() {
+        f.extend_from_slice(INSTRUMENT);
+    }
+    f
+}
 
 pub struct Program<'a> {
     pub name: &'a str,
@@ -154,7 +181,7 @@ fn cache_name(p: &Program, o: &Options, compiler: &str, version: &str) -> String
     for g in GENERATOR {
         k.part(g.as_bytes());
     }
-    for f in FLAGS {
+    for f in flags() {
         k.part(f.as_bytes());
     }
     k.part(compiler.as_bytes());
@@ -311,7 +338,7 @@ fn compile(p: &Program, o: &Options, cxx: &str) -> Outcome {
         }
     }
     let mut cmd = Command::new(cxx);
-    cmd.current_dir(&dir.0).args(FLAGS).arg(format!("-std={}", o.std));
+    cmd.current_dir(&dir.0).args(flags()).arg(format!("-std={}", o.std));
     cmd.args(["-include", ".pw-emu/cuda_emu.h", "-I."]);
     // What NVRTC predefines when it compiles device code, so a program's
     // #if on them takes the branch it takes on a GPU.
