@@ -238,37 +238,46 @@ __ubsan_handle_type_mismatch_v1(void* data, void* ptr) {
 }
 
 // PW_EMU_INSTRUMENT (a PW_EMU_CHECK mode that watches memory: bounds,
-// blocks, warp): the stand-in also compiles with -fsanitize=kernel-address
-// and a call per access (no shadow memory, no runtime library: the kernel
-// flavour of ASan calls these functions and links nothing), and every load
-// and store of a kernel reports itself to the runtime. (pw_emu_module_init's
-// own store of the table runs before there is a table to call.)
+// blocks): the stand-in also compiles with ThreadSanitizer's
+// instrumentation, a call before every load and store (none for locals kept
+// in registers), and links without TSan's runtime: these hooks take its
+// place, and every access of a kernel reports itself to the runtime.
+// (pw_emu_module_init's own store of the table runs before there is a table
+// to call; the module constructor's __tsan_init has nothing to do.)
 #ifdef PW_EMU_INSTRUMENT
 #define PW_EMU_INSTRUMENTED 1u
-#define PW_EMU_ACCESS(name, size, store)                                                                  \
-    extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void name(uintptr_t addr) {   \
-        if (pw_emu_runtime) pw_emu_runtime->access((const void*)addr, size, store);                      \
+#define PW_EMU_HOOK extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) void
+#define PW_EMU_ACCESS(name, size, store)                                                 \
+    PW_EMU_HOOK name(void* addr) {                                                       \
+        if (pw_emu_runtime) pw_emu_runtime->access(addr, size, store);                  \
     }
-PW_EMU_ACCESS(__asan_load1_noabort, 1, 0)
-PW_EMU_ACCESS(__asan_load2_noabort, 2, 0)
-PW_EMU_ACCESS(__asan_load4_noabort, 4, 0)
-PW_EMU_ACCESS(__asan_load8_noabort, 8, 0)
-PW_EMU_ACCESS(__asan_load16_noabort, 16, 0)
-PW_EMU_ACCESS(__asan_store1_noabort, 1, 1)
-PW_EMU_ACCESS(__asan_store2_noabort, 2, 1)
-PW_EMU_ACCESS(__asan_store4_noabort, 4, 1)
-PW_EMU_ACCESS(__asan_store8_noabort, 8, 1)
-PW_EMU_ACCESS(__asan_store16_noabort, 16, 1)
+PW_EMU_ACCESS(__tsan_read1, 1, 0)
+PW_EMU_ACCESS(__tsan_read2, 2, 0)
+PW_EMU_ACCESS(__tsan_read4, 4, 0)
+PW_EMU_ACCESS(__tsan_read8, 8, 0)
+PW_EMU_ACCESS(__tsan_read16, 16, 0)
+PW_EMU_ACCESS(__tsan_write1, 1, 1)
+PW_EMU_ACCESS(__tsan_write2, 2, 1)
+PW_EMU_ACCESS(__tsan_write4, 4, 1)
+PW_EMU_ACCESS(__tsan_write8, 8, 1)
+PW_EMU_ACCESS(__tsan_write16, 16, 1)
+PW_EMU_ACCESS(__tsan_unaligned_read2, 2, 0)
+PW_EMU_ACCESS(__tsan_unaligned_read4, 4, 0)
+PW_EMU_ACCESS(__tsan_unaligned_read8, 8, 0)
+PW_EMU_ACCESS(__tsan_unaligned_read16, 16, 0)
+PW_EMU_ACCESS(__tsan_unaligned_write2, 2, 1)
+PW_EMU_ACCESS(__tsan_unaligned_write4, 4, 1)
+PW_EMU_ACCESS(__tsan_unaligned_write8, 8, 1)
+PW_EMU_ACCESS(__tsan_unaligned_write16, 16, 1)
 #undef PW_EMU_ACCESS
-extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void __asan_loadN_noabort(uintptr_t addr,
-                                                                                              size_t size) {
-    if (pw_emu_runtime) pw_emu_runtime->access((const void*)addr, size, 0);
+PW_EMU_HOOK __tsan_read_range(void* addr, unsigned long size) {
+    if (pw_emu_runtime) pw_emu_runtime->access(addr, size, 0);
 }
-extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void __asan_storeN_noabort(uintptr_t addr,
-                                                                                               size_t size) {
-    if (pw_emu_runtime) pw_emu_runtime->access((const void*)addr, size, 1);
+PW_EMU_HOOK __tsan_write_range(void* addr, unsigned long size) {
+    if (pw_emu_runtime) pw_emu_runtime->access(addr, size, 1);
 }
-extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void __asan_handle_no_return() {}
+PW_EMU_HOOK __tsan_init() {}
+#undef PW_EMU_HOOK
 #else
 #define PW_EMU_INSTRUMENTED 0u
 #endif

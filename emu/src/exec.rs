@@ -259,8 +259,98 @@ pub fn order_check_enabled() -> bool {
 
 /// The modes that watch every load and store (their kernels are built
 /// instrumented): `bounds` (an access outside its allocation, the alignment
-/// slack included).
-const INSTRUMENTED_MODES: [&str; 1] = ["bounds"];
+/// slack included), `blocks` (two blocks of one launch touching one byte of
+/// global memory, one of them writing).
+const INSTRUMENTED_MODES: [&str; 2] = ["bounds", "blocks"];
+
+/// PW_EMU_CHECK=blocks: within one launch, a byte of an argument's
+/// allocation written by one block and read or written by another is an
+/// error. Blocks of a launch run in no order the hardware fixes (and at
+/// once), so such a pair is a lost update or a result that depends on the
+/// schedule: a plain `+=` where an atomic or per-block partials are needed.
+/// (The emulator has no atomics: kernels that need them do not build.)
+pub fn blocks_check_enabled() -> bool {
+    check_mode("blocks")
+}
+
+/// Who touched each byte of a launch's argument allocations during one grid
+/// run (PW_EMU_CHECK=blocks): per byte, the low 32 bits the last writing
+/// block (linear index + 1, 0 for none), the high 32 the reading block
+/// (+ 1), or MANY_READERS once two blocks read it.
+struct BlockShadow {
+    allocs: Vec<(Allocation, String, Box<[AtomicU64]>)>,
+}
+
+const MANY_READERS: u32 = u32::MAX;
+
+impl BlockShadow {
+    fn new(launch: &Launch) -> BlockShadow {
+        let allocs = launch
+            .allocations()
+            .into_iter()
+            .map(|(a, names)| {
+                // Zeroed memory comes from the allocator's zeroed pages: only
+                // the bytes a kernel touches are ever committed.
+                let zeros: Box<[u64]> = vec![0u64; a.size as usize].into_boxed_slice();
+                // SAFETY: AtomicU64 has u64's size and alignment.
+                let cells = unsafe { Box::from_raw(Box::into_raw(zeros) as *mut [AtomicU64]) };
+                (a, names, cells)
+            })
+            .collect();
+        BlockShadow { allocs }
+    }
+
+    /// Records block `me`'s access; on a conflict, the message naming it.
+    fn record(&self, launch: &Launch, me: u64, addr: u64, size: u64, store: bool) -> Option<String> {
+        let (a, names, cells) =
+            self.allocs.iter().find(|(a, _, _)| addr >= a.base && addr < a.base + a.size)?;
+        let me32 = me as u32 + 1;
+        let end = (addr + size).min(a.base + a.size);
+        for at in addr..end {
+            let cell = &cells[(at - a.base) as usize];
+            let mut old = cell.load(Ordering::Relaxed);
+            loop {
+                let (writer, reader) = (old as u32, (old >> 32) as u32);
+                let other = |b: u32| b != 0 && b != me32;
+                let clash = if other(writer) {
+                    Some((writer, "wrote"))
+                } else if store && other(reader) {
+                    Some((reader, "read"))
+                } else {
+                    None
+                };
+                if let Some((them, did)) = clash {
+                    let them = if them == MANY_READERS {
+                        "other blocks".to_string()
+                    } else {
+                        format!("block {}", dims(launch.block_idx(them as u64 - 1)))
+                    };
+                    return Some(format!(
+                        "PW_EMU_CHECK=blocks: it {} {at:#x} (byte {} of argument {names}, the {}-byte allocation \
+                         at {:#x}), which {them} {did} in this launch with no atomic: blocks of one launch run \
+                         in no fixed order, so an update is lost or the result depends on which runs first \
+                         (use an atomic, or per-block partial results combined by a second launch)",
+                        if store { "stores to" } else { "loads from" },
+                        at - a.base,
+                        a.size,
+                        a.base
+                    ));
+                }
+                let new = if store {
+                    (reader as u64) << 32 | me32 as u64
+                } else {
+                    let r = if reader == 0 || reader == me32 { me32 } else { MANY_READERS };
+                    (r as u64) << 32 | writer as u64
+                };
+                match cell.compare_exchange_weak(old, new, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => break,
+                    Err(now) => old = now,
+                }
+            }
+        }
+        None
+    }
+}
 
 /// PW_EMU_CHECK=bounds: every access of an instrumented kernel to device
 /// memory must lie inside one live allocation (reads in the slack after an
@@ -338,6 +428,8 @@ fn run_order_checked(launch: &Arc<Launch>) -> Result<()> {
 struct Job {
     launch: Arc<Launch>,
     order: LaneOrder,
+    /// PW_EMU_CHECK=blocks: this grid run's record of who touched what.
+    shadow: Option<Arc<BlockShadow>>,
     total: u64,
     next: AtomicU64,
     abort: AtomicBool,
@@ -357,7 +449,7 @@ impl Job {
             let result = if self.abort.load(Ordering::Relaxed) {
                 Ok(())
             } else {
-                run_block(&self.launch, b, self.order)
+                run_block(&self.launch, b, self.order, self.shadow.as_ref())
             };
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = result {
@@ -437,6 +529,7 @@ fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
     let job = Arc::new(Job {
         launch: launch.clone(),
         order,
+        shadow: blocks_check_enabled().then(|| Arc::new(BlockShadow::new(launch))),
         total: launch.blocks(),
         next: AtomicU64::new(0),
         abort: AtomicBool::new(false),
@@ -560,6 +653,10 @@ struct Block {
     at_barrier: u32,
     exited: u32,
     error: Option<EmuError>,
+    /// The block's linear index in its grid.
+    linear: u64,
+    /// PW_EMU_CHECK=blocks: the grid run's record of accesses.
+    shadow: Option<Arc<BlockShadow>>,
     /// The block's dynamic shared memory, 128-byte aligned as real shared
     /// memory is (kernels cast it to float4 and wider).
     dynamic_shared: Vec<SharedChunk>,
@@ -601,6 +698,8 @@ fn worker() -> *mut Worker {
                     at_barrier: 0,
                     exited: 0,
                     error: None,
+                    linear: 0,
+                    shadow: None,
                     dynamic_shared: Vec::new(),
                 },
                 tls: Vec::new(),
@@ -1074,10 +1173,19 @@ extern "C" fn rt_misaligned(
 extern "C" fn rt_access(addr: *const c_void, size: c_ulong, is_store: c_int) {
     let addr = addr as u64;
     let (lo, hi) = memory::device_area();
-    if addr < lo || addr >= hi || !bounds_check_enabled() {
+    if addr < lo || addr >= hi {
         return;
     }
     let (b, lane) = current();
+    if let Some(shadow) = &b.shadow {
+        if let Some(msg) = shadow.record(b.launch(), b.linear, addr, size, is_store != 0) {
+            let msg = format!("thread {}: {msg}", tid_of(&b.lanes[lane].lane));
+            stop(cu::LAUNCH_FAILED, msg);
+        }
+    }
+    if !bounds_check_enabled() {
+        return;
+    }
     let launch = b.launch();
     let end = addr + size;
     let inside = |a: &Allocation| addr >= a.base && end <= a.base + a.size;
@@ -1160,7 +1268,12 @@ fn tls_block(
     Ok(start)
 }
 
-fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
+fn run_block(
+    launch: &Launch,
+    linear: u64,
+    order: LaneOrder,
+    shadow: Option<&Arc<BlockShadow>>,
+) -> Result<()> {
     let w = worker();
     // SAFETY: the worker is this thread's own; fibers reach the block only
     // through BLOCK while the scheduler below waits in `resume`.
@@ -1175,6 +1288,8 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
     let b = &mut w.block;
     b.launch = launch;
     b.block_idx = launch.block_idx(linear);
+    b.linear = linear;
+    b.shadow = shadow.cloned();
     b.at_barrier = 0;
     b.exited = 0;
     b.error = None;
@@ -1261,6 +1376,7 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
         }
     }
     BLOCK.with(|c| c.set(std::ptr::null_mut()));
+    w.block.shadow = None;
     result
 }
 
