@@ -260,8 +260,78 @@ pub fn order_check_enabled() -> bool {
 /// The modes that watch every load and store (their kernels are built
 /// instrumented): `bounds` (an access outside its allocation, the alignment
 /// slack included), `blocks` (two blocks of one launch touching one byte of
-/// global memory, one of them writing).
-const INSTRUMENTED_MODES: [&str; 2] = ["bounds", "blocks"];
+/// global memory, one of them writing), `warp` (two threads of a block
+/// touching one byte of shared memory, one writing, with no barrier between).
+const INSTRUMENTED_MODES: [&str; 3] = ["bounds", "blocks", "warp"];
+
+/// PW_EMU_CHECK=warp: a byte of shared memory written by one thread and read
+/// or written by another with no `__syncthreads` between them, nor a
+/// `__syncwarp` both took part in (same warp), is an error naming both
+/// threads. The emulator runs a warp's lanes one after another, so code that
+/// counts on lockstep (a warp-synchronous reduction without `__syncwarp`)
+/// reads poison or stale values instead of failing by name; so does a GPU
+/// since Volta, only sometimes. Shuffles, votes and mma order no memory
+/// (CUDA's memory model: only the barriers do). Each byte keeps its last
+/// write and last read, so a race with an earlier reader can go unseen.
+pub fn warp_check_enabled() -> bool {
+    check_mode("warp")
+}
+
+/// The last write and read of one byte of shared memory (PW_EMU_CHECK=warp):
+/// the barrier interval it happened in, the lane, and the lane's own clock.
+#[derive(Clone, Copy, Default)]
+struct SharedCell {
+    w_epoch: u32,
+    w_lane: u32,
+    w_clock: u32,
+    r_epoch: u32,
+    r_lane: u32,
+    r_clock: u32,
+}
+
+/// Whether an access (epoch, lane, clock) happened before lane `me`'s
+/// present point, or (when false) races with it.
+fn ordered(b: &Block, epoch: u32, lane: usize, clock: u32, me: usize) -> bool {
+    epoch < b.epoch_start // none in this block (the cell is from an earlier one)
+        || epoch < b.epoch // a __syncthreads since
+        || lane == me
+        || (lane / 32 == me / 32 && b.clocks[me][lane % 32] >= clock)
+}
+
+/// Records lane `me`'s access to shared byte `index`; on a race, the message.
+fn record_shared(b: &mut Block, me: usize, index: usize, addr: u64, store: bool) -> Option<String> {
+    let c = b.shared_cells[index];
+    let clock = b.clocks[me][me % 32];
+    let name = |b: &Block, l: usize| tid_of(&b.lanes[l].lane);
+    let clash = if c.w_epoch != 0 && !ordered(b, c.w_epoch, c.w_lane as usize, c.w_clock, me) {
+        Some((c.w_lane as usize, "wrote"))
+    } else if store && c.r_epoch != 0 && !ordered(b, c.r_epoch, c.r_lane as usize, c.r_clock, me) {
+        Some((c.r_lane as usize, "read"))
+    } else {
+        None
+    };
+    if let Some((them, did)) = clash {
+        let between = if them / 32 == me / 32 {
+            format!("both in warp {}, with no __syncwarp or __syncthreads between", me / 32)
+        } else {
+            format!("warps {} and {}, with no __syncthreads between", them / 32, me / 32)
+        };
+        return Some(format!(
+            "PW_EMU_CHECK=warp: thread {} {} shared memory at {addr:#x}, which thread {} {did} ({between}): \
+             a race on shared memory (the lanes of a warp are not in lockstep; order them with __syncwarp)",
+            name(b, me),
+            if store { "writes" } else { "reads" },
+            name(b, them)
+        ));
+    }
+    let cell = &mut b.shared_cells[index];
+    if store {
+        (cell.w_epoch, cell.w_lane, cell.w_clock) = (b.epoch, me as u32, clock);
+    } else {
+        (cell.r_epoch, cell.r_lane, cell.r_clock) = (b.epoch, me as u32, clock);
+    }
+    None
+}
 
 /// PW_EMU_CHECK=blocks: within one launch, a byte of an argument's
 /// allocation written by one block and read or written by another is an
@@ -657,6 +727,16 @@ struct Block {
     linear: u64,
     /// PW_EMU_CHECK=blocks: the grid run's record of accesses.
     shadow: Option<Arc<BlockShadow>>,
+    /// PW_EMU_CHECK=warp: the barrier interval (one more at each block
+    /// start and each __syncthreads, never reset, so cells of earlier blocks
+    /// are told apart without clearing them), where this block's began, each
+    /// lane's vector clock over its warp's lanes, the shared memory's
+    /// ranges (static, dynamic) and a cell per byte of them.
+    epoch: u32,
+    epoch_start: u32,
+    clocks: Vec<[u32; 32]>,
+    shared_ranges: [(u64, u64); 2],
+    shared_cells: Vec<SharedCell>,
     /// The block's dynamic shared memory, 128-byte aligned as real shared
     /// memory is (kernels cast it to float4 and wider).
     dynamic_shared: Vec<SharedChunk>,
@@ -700,6 +780,11 @@ fn worker() -> *mut Worker {
                     error: None,
                     linear: 0,
                     shadow: None,
+                    epoch: 0,
+                    epoch_start: 0,
+                    clocks: Vec::new(),
+                    shared_ranges: [(0, 0); 2],
+                    shared_cells: Vec::new(),
                     dynamic_shared: Vec::new(),
                 },
                 tls: Vec::new(),
@@ -847,6 +932,7 @@ extern "C" fn rt_syncthreads() {
             l.state = State::Ready;
         }
         b.at_barrier = 0;
+        b.epoch += 1;
         return;
     }
     suspend(b, lane);
@@ -968,7 +1054,21 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
                 b.lanes[warp * 32 + l as usize].result = r;
             }
         }
-        Kind::Syncwarp => {}
+        Kind::Syncwarp => {
+            if !b.clocks.is_empty() {
+                let mut joined = [0u32; 32];
+                for l in members.clone() {
+                    for (j, c) in joined.iter_mut().zip(&b.clocks[warp * 32 + l as usize]) {
+                        *j = (*j).max(*c);
+                    }
+                }
+                for l in members {
+                    let clock = &mut b.clocks[warp * 32 + l as usize];
+                    *clock = joined;
+                    clock[l as usize] += 1;
+                }
+            }
+        }
         Kind::Mma => {
             let mut d = [[0f32; 4]; 32];
             let mut arrivals = [NO_ARRIVAL; 32];
@@ -1174,6 +1274,28 @@ extern "C" fn rt_access(addr: *const c_void, size: c_ulong, is_store: c_int) {
     let addr = addr as u64;
     let (lo, hi) = memory::device_area();
     if addr < lo || addr >= hi {
+        if warp_check_enabled() {
+            if BLOCK.with(Cell::get).is_null() {
+                return;
+            }
+            let (b, lane) = current();
+            if b.clocks.is_empty() {
+                return;
+            }
+            let [(s0, n0), (s1, n1)] = b.shared_ranges;
+            for at in addr..addr + size {
+                let index = if at >= s0 && at < s0 + n0 {
+                    (at - s0) as usize
+                } else if at >= s1 && at < s1 + n1 {
+                    (n0 + at - s1) as usize
+                } else {
+                    continue;
+                };
+                if let Some(msg) = record_shared(b, lane, index, at, is_store != 0) {
+                    stop(cu::LAUNCH_FAILED, msg);
+                }
+            }
+        }
         return;
     }
     let (b, lane) = current();
@@ -1313,6 +1435,7 @@ fn run_block(
             arrival: NO_ARRIVAL,
         });
     }
+    b.shared_ranges = [(0, 0); 2];
     // Poisoned shared memory: a read before a write shows (SHARED_POISON).
     if launch.shared > 0 {
         b.dynamic_shared.clear();
@@ -1343,6 +1466,24 @@ fn run_block(
         }
         // SAFETY: this thread's thread_local block of the module, `len` bytes.
         unsafe { std::ptr::write_bytes(p, SHARED_POISON, len) };
+        b.shared_ranges[0] = (p as u64, len as u64);
+    }
+    if launch.shared > 0 {
+        b.shared_ranges[1] = (b.dynamic_shared.as_ptr() as u64, launch.shared as u64);
+    }
+    b.epoch += 1;
+    b.epoch_start = b.epoch;
+    b.clocks.clear();
+    if warp_check_enabled() {
+        b.clocks.extend((0..n).map(|l| {
+            let mut c = [0u32; 32];
+            c[l % 32] = 1;
+            c
+        }));
+        let bytes = (b.shared_ranges[0].1 + b.shared_ranges[1].1) as usize;
+        if b.shared_cells.len() < bytes {
+            b.shared_cells.resize(bytes, SharedCell::default());
+        }
     }
     let block_ptr: *mut Block = b;
     BLOCK.with(|c| c.set(block_ptr));

@@ -5,7 +5,9 @@
 //!   inside the alignment slack after the end, which no guard page covers
 //!   (a read there otherwise returns the canary's bytes, silently);
 //! - blocks: two blocks of one launch touching one byte of global memory,
-//!   one of them writing, with no atomic (a lost update).
+//!   one of them writing, with no atomic (a lost update);
+//! - warp: two threads touching one byte of shared memory, one writing,
+//!   with no barrier between (warp-synchronous code without __syncwarp).
 
 mod exec_compiled;
 mod exec_support;
@@ -17,10 +19,11 @@ use pipewright_emu::error::cu;
 
 fn watch_modes() {
     // Read once per process, before the first build and launch: set before any.
-    std::env::set_var("PW_EMU_CHECK", "bounds,blocks");
+    std::env::set_var("PW_EMU_CHECK", "bounds,blocks,warp");
     init();
     assert!(pipewright_emu::exec::bounds_check_enabled());
     assert!(pipewright_emu::exec::blocks_check_enabled());
+    assert!(pipewright_emu::exec::warp_check_enabled());
 }
 
 const SHIFT_CU: &str = r#"
@@ -152,4 +155,61 @@ fn per_block_partials_pass_the_blocks_check() {
     let (code, host) = total("total_partials");
     assert_eq!(code, cu::SUCCESS, "{}", error_text(code));
     assert_eq!(host, vec![64f32; 4]);
+}
+
+const SWAP_CU: &str = r#"
+// Neighbouring lanes swap values through shared memory. Planted bug when
+// `synced` is 0: no __syncwarp between the write and the read, so a lane
+// reads its neighbour's slot before the neighbour wrote it (lockstep is not
+// guaranteed since Volta; the emulator runs lanes one after another and the
+// read returns shared memory's poison, a NaN).
+extern "C" __global__ void swap_pairs(float* out, const float* in, int synced) {
+    __shared__ float s[32];
+    unsigned t = threadIdx.x;
+    s[t] = in[t];
+    if (synced) __syncwarp();
+    out[t] = s[t ^ 1];
+}
+"#;
+
+fn swap(synced: bool) -> (u32, Vec<f32>) {
+    watch_modes();
+    let gpu = Gpu::new(0);
+    let m = load_cu("swap.cu", SWAP_CU);
+    let f = get(m, "swap_pairs");
+    let (out, inp) = (gpu.alloc(32 * 4), gpu.alloc(32 * 4));
+    gpu.upload(inp, &(0..32).map(|i| i as f32).collect::<Vec<_>>());
+    let (mut o, mut i, mut s) = (out, inp, synced as i32);
+    assert_eq!(
+        launch(f, (1, 1, 1), (32, 1, 1), 0, gpu.stream, &mut [p(&mut o), p(&mut i), p(&mut s)]),
+        cu::SUCCESS
+    );
+    let code = gpu.sync();
+    let host = if code == cu::SUCCESS { gpu.download(out, 32) } else { Vec::new() };
+    (code, host)
+}
+
+#[test]
+fn a_warp_reading_shared_memory_its_neighbour_writes_without_syncwarp_is_a_named_race() {
+    let _s = serial();
+    let (code, _) = swap(false);
+    assert_error(
+        code,
+        cu::LAUNCH_FAILED,
+        &[
+            "kernel `swap_pairs` (swap.cu)",
+            "PW_EMU_CHECK=warp",
+            "thread 1 writes shared memory",
+            "which thread 0 read",
+            "both in warp 0, with no __syncwarp",
+        ],
+    );
+}
+
+#[test]
+fn the_same_swap_with_its_syncwarp_passes_the_warp_check() {
+    let _s = serial();
+    let (code, host) = swap(true);
+    assert_eq!(code, cu::SUCCESS, "{}", error_text(code));
+    assert_eq!(host, (0..32).map(|i| (i ^ 1) as f32).collect::<Vec<_>>());
 }
