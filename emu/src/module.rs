@@ -367,7 +367,18 @@ unsafe fn text(p: *const std::ffi::c_char, what: &str) -> Result<String> {
 
 unsafe fn read_info(info: *const abi::ModuleInfo) -> Result<ModuleParts> {
     if info.is_null() {
-        return Err(EmuError::new(cu::INVALID_IMAGE, "cuModuleLoadData: pw_emu_module_init returned null"));
+        // The generated init refuses a runtime table of another ABI version:
+        // an image an older or newer emulator built, most often found in a
+        // kernel cache that outlived an emulator upgrade.
+        return Err(EmuError::new(
+            cu::INVALID_IMAGE,
+            format!(
+                "cuModuleLoadData: pw_emu_module_init refused this emulator's runtime table (ABI {}): the image \
+                 was built by another version of the emulator (a stale kernel cache? clear \
+                 $PIPEWRIGHT_KERNEL_CACHE, target/emu-gpu/kernel-cache under scripts/emulated-gpu.sh)",
+                abi::ABI_VERSION
+            ),
+        ));
     }
     let info = &*info;
     if info.abi_version != abi::ABI_VERSION {
