@@ -29,7 +29,10 @@ def main():
     target = os.environ.get("PW_MUTANT_FILE")
     log = os.environ.get("PW_MUTANT_LOG")
     planted = False
-    if target and args != ["--version"]:
+    # The stand-in may run the compiler more than once in one build folder
+    # (compile, then link): plant once.
+    marker = ".pw-mutant-planted"
+    if target and args != ["--version"] and not os.path.exists(marker):
         frm = unescape(os.environ["PW_MUTANT_FROM"])
         to = unescape(os.environ.get("PW_MUTANT_TO", ""))
         nth = int(os.environ.get("PW_MUTANT_NTH", "1"))
@@ -49,6 +52,7 @@ def main():
                 at = text.index(frm, at + 1)
             open(path, "w").write(text[:at] + to + text[at + len(frm):])
             planted = True
+            open(marker, "w").close()
             if log:
                 with open(log, "a") as f:
                     f.write(f"planted in {path}\n")

@@ -64,8 +64,14 @@ export PW_EMU_GPUS="$gpus"
 # the same device in each of them (two NCCL ranks on it are refused, as on
 # real hardware).
 export PW_EMU_SESSION="${PW_EMU_SESSION:-emu-$$-$(date +%s%N)}"
-# Emulated "CUBINs" are host shared objects: kept apart from real ones.
-export PIPEWRIGHT_KERNEL_CACHE="${PIPEWRIGHT_KERNEL_CACHE:-$target/emu-gpu/kernel-cache}"
 [ -n "$check" ] && export PW_EMU_CHECK="$check"
+# Emulated "CUBINs" are host shared objects: kept apart from real ones, and per
+# emulator build and per instrumenting check mode (bounds, blocks, warp build
+# kernels differently), since an image made by another is refused at load.
+if [ -z "${PIPEWRIGHT_KERNEL_CACHE:-}" ]; then
+    build_modes=$(printf '%s\n' ${PW_EMU_CHECK//,/ } | grep -xE 'bounds|blocks|warp' | sort -u | paste -sd+ -)
+    emu_id=$(sha256sum "$so" | cut -c1-12)
+    export PIPEWRIGHT_KERNEL_CACHE="$target/emu-gpu/kernel-cache/$emu_id${build_modes:+-$build_modes}"
+fi
 echo "emulated-gpu.sh: $gpus emulated GPU(s), session $PW_EMU_SESSION" >&2
 exec "$@"

@@ -192,6 +192,96 @@ inline void* pw_emu_dynamic_shared() {
 #undef assert
 #define assert(e) ((e) ? (void)0 : pw_emu_assert_fail(#e, __FILE__, __LINE__))
 
+// ---- Checks the compiler instruments -----------------------------------------
+// The stand-in compiles with -fsanitize=alignment: before each load and store
+// through a typed pointer (and each member access, reference binding) the
+// compiler checks the address against the type's alignment and calls UBSan's
+// handler when it is off. A GPU faults there (a 4-byte load needs a 4-byte
+// aligned address: CUDA_ERROR_MISALIGNED_ADDRESS) where x86 would read the
+// right bytes, so the handler, here instead of UBSan's runtime, ends the
+// launch through the runtime naming the access. The structs are the handler
+// ABI GCC and Clang share (ubsan_handlers.h: TypeMismatchData v1).
+struct PwEmuUbsanLocation {
+    const char* file;
+    unsigned int line, column;
+};
+struct PwEmuUbsanType {
+    unsigned short kind;  // 0 integer, 1 float, 0xffff anything else
+    unsigned short info;  // integer: log2(bits) << 1 | signed; float: bits
+    char name[1];
+};
+struct PwEmuUbsanMismatch {
+    PwEmuUbsanLocation loc;
+    const PwEmuUbsanType* type;
+    unsigned char log_alignment;
+    unsigned char check_kind;
+};
+
+// (Not inline: the compiler's calls do not count as uses that make an inline
+// definition be emitted.)
+extern "C" __attribute__((visibility("hidden"), noreturn, no_sanitize("alignment"))) void
+__ubsan_handle_type_mismatch_v1_abort(void* data, void* ptr) {
+    const PwEmuUbsanMismatch* d = static_cast<const PwEmuUbsanMismatch*>(data);
+    // GCC describes the pointee as "any other type" (0xffff), Clang an
+    // integer or float by its width: the size when the descriptor says it.
+    unsigned long size = 0;
+    if (d->type->kind == 0) size = (1ul << (d->type->info >> 1)) / 8;
+    if (d->type->kind == 1) size = d->type->info / 8;
+    pw_emu_runtime->misaligned(ptr, 1ul << d->log_alignment, size, d->type->name, d->check_kind, d->loc.file,
+                               d->loc.line);
+    __builtin_unreachable();
+}
+
+extern "C" __attribute__((visibility("hidden"), noreturn, no_sanitize("alignment"))) void
+__ubsan_handle_type_mismatch_v1(void* data, void* ptr) {
+    __ubsan_handle_type_mismatch_v1_abort(data, ptr);
+}
+
+// PW_EMU_INSTRUMENT (a PW_EMU_CHECK mode that watches memory: bounds,
+// blocks): the stand-in also compiles with ThreadSanitizer's
+// instrumentation, a call before every load and store (none for locals kept
+// in registers), and links without TSan's runtime: these hooks take its
+// place, and every access of a kernel reports itself to the runtime.
+// (pw_emu_module_init's own store of the table runs before there is a table
+// to call; the module constructor's __tsan_init has nothing to do.)
+#ifdef PW_EMU_INSTRUMENT
+#define PW_EMU_INSTRUMENTED 1u
+#define PW_EMU_HOOK extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) void
+#define PW_EMU_ACCESS(name, size, store)                                                 \
+    PW_EMU_HOOK name(void* addr) {                                                       \
+        if (pw_emu_runtime) pw_emu_runtime->access(addr, size, store);                  \
+    }
+PW_EMU_ACCESS(__tsan_read1, 1, 0)
+PW_EMU_ACCESS(__tsan_read2, 2, 0)
+PW_EMU_ACCESS(__tsan_read4, 4, 0)
+PW_EMU_ACCESS(__tsan_read8, 8, 0)
+PW_EMU_ACCESS(__tsan_read16, 16, 0)
+PW_EMU_ACCESS(__tsan_write1, 1, 1)
+PW_EMU_ACCESS(__tsan_write2, 2, 1)
+PW_EMU_ACCESS(__tsan_write4, 4, 1)
+PW_EMU_ACCESS(__tsan_write8, 8, 1)
+PW_EMU_ACCESS(__tsan_write16, 16, 1)
+PW_EMU_ACCESS(__tsan_unaligned_read2, 2, 0)
+PW_EMU_ACCESS(__tsan_unaligned_read4, 4, 0)
+PW_EMU_ACCESS(__tsan_unaligned_read8, 8, 0)
+PW_EMU_ACCESS(__tsan_unaligned_read16, 16, 0)
+PW_EMU_ACCESS(__tsan_unaligned_write2, 2, 1)
+PW_EMU_ACCESS(__tsan_unaligned_write4, 4, 1)
+PW_EMU_ACCESS(__tsan_unaligned_write8, 8, 1)
+PW_EMU_ACCESS(__tsan_unaligned_write16, 16, 1)
+#undef PW_EMU_ACCESS
+PW_EMU_HOOK __tsan_read_range(void* addr, unsigned long size) {
+    if (pw_emu_runtime) pw_emu_runtime->access(addr, size, 0);
+}
+PW_EMU_HOOK __tsan_write_range(void* addr, unsigned long size) {
+    if (pw_emu_runtime) pw_emu_runtime->access(addr, size, 1);
+}
+PW_EMU_HOOK __tsan_init() {}
+#undef PW_EMU_HOOK
+#else
+#define PW_EMU_INSTRUMENTED 0u
+#endif
+
 // ---- Bit casts --------------------------------------------------------------
 
 inline float __uint_as_float(unsigned int x) {

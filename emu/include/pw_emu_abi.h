@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define PW_EMU_ABI_VERSION 1u
+#define PW_EMU_ABI_VERSION 2u
 
 #ifdef __cplusplus
 extern "C" {
@@ -61,6 +61,17 @@ typedef struct PwEmuRuntime {
     // __trap() and a failed device-side assert: ends the launch with an error
     // naming the lane; never returns.
     void (*trap)(const char* what);
+    // A load or store the compiler's alignment check (-fsanitize=alignment)
+    // found misaligned for its type: ends the launch with
+    // CUDA_ERROR_MISALIGNED_ADDRESS naming the lane, the address, the access
+    // (its size, 0 when the type does not say, and its type) and the source
+    // line; never returns. `kind` is UBSan's type-check kind (0 load, 1 store, ...).
+    void (*misaligned)(const void* addr, unsigned long align, unsigned long size, const char* type, int kind,
+                       const char* file, unsigned int line);
+    // An instrumented load (is_store 0) or store (1) of `size` bytes at
+    // `addr`, in a module built with PW_EMU_INSTRUMENT (a PW_EMU_CHECK mode
+    // that watches every access: bounds, blocks, warp).
+    void (*access)(const void* addr, unsigned long size, int is_store);
 } PwEmuRuntime;
 
 // One kernel parameter, from the kernel's declaration.
@@ -92,6 +103,9 @@ typedef struct PwEmuModuleInfo {
     // anchor's address; the driver then finds the block and its size through
     // __tls_get_addr (offset 0 of the module's TLS id) to poison the block's shared memory at each block start.
     void* (*touch_shared)(void);
+    // 1 when every load and store of the module's kernels calls the
+    // runtime's `access` (built with PW_EMU_INSTRUMENT), else 0.
+    unsigned int instrumented;
 } PwEmuModuleInfo;
 
 // The one symbol a module exports.

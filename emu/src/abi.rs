@@ -2,9 +2,9 @@
 //! contract between the emulator and a kernel module. Field for field the
 //! same; `abi_layout_matches_the_header` in tests/ holds them together.
 
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void};
 
-pub const ABI_VERSION: c_uint = 1;
+pub const ABI_VERSION: c_uint = 2;
 pub const MODULE_INIT: &str = "pw_emu_module_init";
 
 #[repr(C)]
@@ -45,6 +45,16 @@ pub struct Runtime {
     pub mma_m16n8k16_f32_bf16: extern "C" fn(d: *mut f32, a: *const c_uint, b: *const c_uint, c: *const f32),
     pub dynamic_shared: extern "C" fn() -> *mut c_void,
     pub trap: extern "C" fn(what: *const c_char),
+    pub misaligned: extern "C" fn(
+        addr: *const c_void,
+        align: c_ulong,
+        size: c_ulong,
+        type_: *const c_char,
+        kind: c_int,
+        file: *const c_char,
+        line: c_uint,
+    ),
+    pub access: extern "C" fn(addr: *const c_void, size: c_ulong, is_store: c_int),
 }
 
 #[repr(C)]
@@ -74,6 +84,7 @@ pub struct ModuleInfo {
     pub num_kernels: c_uint,
     pub kernels: *const Kernel,
     pub touch_shared: extern "C" fn() -> *mut c_void,
+    pub instrumented: c_uint,
 }
 
 pub type ModuleInitFn = unsafe extern "C" fn(rt: *const Runtime) -> *const ModuleInfo;

@@ -130,6 +130,7 @@ pub fn destroy(handle: usize) -> Result<()> {
     // error does not stop it.
     let _ = crate::stream::synchronize_context(&ctx);
     crate::stream::retire_context(&ctx);
+    crate::module::unload_context(handle, ctx.device);
     lock().contexts.remove(&handle);
     CURRENT.with(|c| c.borrow_mut().retain(|&h| h != handle));
     Ok(())

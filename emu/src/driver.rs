@@ -839,8 +839,8 @@ pub unsafe extern "C" fn cuMemcpyPeer(
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoadData(pmodule: *mut Handle, image: *const c_void) -> CUresult {
     ret((|| {
-        context::current("cuModuleLoadData")?;
-        let m = module::load_data(image)?;
+        let ctx = context::current("cuModuleLoadData")?;
+        let m = module::load_data(image, ctx.handle)?;
         out(pmodule, m as Handle, "cuModuleLoadData", "module")
     })())
 }
@@ -848,7 +848,7 @@ pub unsafe extern "C" fn cuModuleLoadData(pmodule: *mut Handle, image: *const c_
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoad(pmodule: *mut Handle, fname: *const c_char) -> CUresult {
     ret((|| {
-        context::current("cuModuleLoad")?;
+        let ctx = context::current("cuModuleLoad")?;
         if fname.is_null() {
             return Err(EmuError::new(cu::INVALID_VALUE, "cuModuleLoad: the file name is null"));
         }
@@ -858,7 +858,7 @@ pub unsafe extern "C" fn cuModuleLoad(pmodule: *mut Handle, fname: *const c_char
         // A trailing NUL so a text image (PTX) is read as a C string.
         let mut bytes = bytes;
         bytes.extend_from_slice(&[0; 64]);
-        let m = module::load_data(bytes.as_ptr() as *const c_void)?;
+        let m = module::load_data(bytes.as_ptr() as *const c_void, ctx.handle)?;
         out(pmodule, m as Handle, "cuModuleLoad", "module")
     })())
 }
@@ -959,6 +959,26 @@ pub unsafe extern "C" fn cuLaunchKernel(
         let ctx = context::current("cuLaunchKernel")?;
         ctx.check("cuLaunchKernel")?;
         let func = module::function(f as usize, "cuLaunchKernel")?;
+        if func.module.ctx != ctx.handle {
+            // A module is loaded into one context, and its functions are
+            // that context's resources: elsewhere the driver refuses the
+            // handle (CUDA_ERROR_INVALID_HANDLE, "invalid resource handle").
+            let loaded = match context::get(func.module.ctx, "cuLaunchKernel") {
+                Ok(c) => format!("context {:#x} (GPU {})", c.handle, c.device),
+                Err(_) => format!("context {:#x}", func.module.ctx),
+            };
+            return Err(EmuError::new(
+                cu::INVALID_HANDLE,
+                format!(
+                    "cuLaunchKernel: {} (function {:#x}) was loaded in {loaded}, launched in context {:#x} (GPU {}); \
+                     load the module in each context that launches it",
+                    func.label(),
+                    f as usize,
+                    ctx.handle,
+                    ctx.device
+                ),
+            ));
+        }
         let st = stream::resolve(s as usize, "cuLaunchKernel")?;
         if st.ctx.handle != ctx.handle {
             return Err(EmuError::new(

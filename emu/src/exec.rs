@@ -26,7 +26,7 @@ use corosensei::trap::CoroutineTrapHandler;
 use corosensei::{Coroutine, CoroutineResult, Yielder};
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_ulong, c_void, CStr};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
@@ -42,6 +42,8 @@ pub static RUNTIME: abi::Runtime = abi::Runtime {
     mma_m16n8k16_f32_bf16: rt_mma,
     dynamic_shared: rt_dynamic_shared,
     trap: rt_trap,
+    misaligned: rt_misaligned,
+    access: rt_access,
 };
 
 /// Bytes of each fiber's stack (mapped lazily: only touched pages cost memory).
@@ -236,10 +238,206 @@ impl Launch {
     }
 }
 
+/// PW_EMU_CHECK's comma-separated modes, read once per process.
+fn check_modes() -> &'static [String] {
+    static MODES: OnceLock<Vec<String>> = OnceLock::new();
+    MODES.get_or_init(|| {
+        std::env::var("PW_EMU_CHECK")
+            .map(|v| v.split(',').map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect())
+            .unwrap_or_default()
+    })
+}
+
+fn check_mode(name: &str) -> bool {
+    check_modes().iter().any(|m| m == name)
+}
+
 /// PW_EMU_CHECK=order: run every launch in two lane orders and compare.
 pub fn order_check_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("PW_EMU_CHECK").is_ok_and(|v| v.split(',').any(|c| c.trim() == "order")))
+    check_mode("order")
+}
+
+/// The modes that watch every load and store (their kernels are built
+/// instrumented): `bounds` (an access outside its allocation, the alignment
+/// slack included), `blocks` (two blocks of one launch touching one byte of
+/// global memory, one of them writing), `warp` (two threads of a block
+/// touching one byte of shared memory, one writing, with no barrier between).
+const INSTRUMENTED_MODES: [&str; 3] = ["bounds", "blocks", "warp"];
+
+/// PW_EMU_CHECK=warp: a byte of shared memory written by one thread and read
+/// or written by another with no `__syncthreads` between them, nor a
+/// `__syncwarp` both took part in (same warp), is an error naming both
+/// threads. The emulator runs a warp's lanes one after another, so code that
+/// counts on lockstep (a warp-synchronous reduction without `__syncwarp`)
+/// reads poison or stale values instead of failing by name; so does a GPU
+/// since Volta, only sometimes. Shuffles, votes and mma order no memory
+/// (CUDA's memory model: only the barriers do). Each byte keeps its last
+/// write and last read, so a race with an earlier reader can go unseen.
+pub fn warp_check_enabled() -> bool {
+    check_mode("warp")
+}
+
+/// The last write and read of one byte of shared memory (PW_EMU_CHECK=warp):
+/// the barrier interval it happened in, the lane, and the lane's own clock.
+#[derive(Clone, Copy, Default)]
+struct SharedCell {
+    w_epoch: u32,
+    w_lane: u32,
+    w_clock: u32,
+    r_epoch: u32,
+    r_lane: u32,
+    r_clock: u32,
+}
+
+/// Whether an access (epoch, lane, clock) happened before lane `me`'s
+/// present point, or (when false) races with it.
+fn ordered(b: &Block, epoch: u32, lane: usize, clock: u32, me: usize) -> bool {
+    epoch < b.epoch_start // none in this block (the cell is from an earlier one)
+        || epoch < b.epoch // a __syncthreads since
+        || lane == me
+        || (lane / 32 == me / 32 && b.clocks[me][lane % 32] >= clock)
+}
+
+/// Records lane `me`'s access to shared byte `index`; on a race, the message.
+fn record_shared(b: &mut Block, me: usize, index: usize, addr: u64, store: bool) -> Option<String> {
+    let c = b.shared_cells[index];
+    let clock = b.clocks[me][me % 32];
+    let name = |b: &Block, l: usize| tid_of(&b.lanes[l].lane);
+    let clash = if c.w_epoch != 0 && !ordered(b, c.w_epoch, c.w_lane as usize, c.w_clock, me) {
+        Some((c.w_lane as usize, "wrote"))
+    } else if store && c.r_epoch != 0 && !ordered(b, c.r_epoch, c.r_lane as usize, c.r_clock, me) {
+        Some((c.r_lane as usize, "read"))
+    } else {
+        None
+    };
+    if let Some((them, did)) = clash {
+        let between = if them / 32 == me / 32 {
+            format!("both in warp {}, with no __syncwarp or __syncthreads between", me / 32)
+        } else {
+            format!("warps {} and {}, with no __syncthreads between", them / 32, me / 32)
+        };
+        return Some(format!(
+            "PW_EMU_CHECK=warp: thread {} {} shared memory at {addr:#x}, which thread {} {did} ({between}): \
+             a race on shared memory (the lanes of a warp are not in lockstep; order them with __syncwarp)",
+            name(b, me),
+            if store { "writes" } else { "reads" },
+            name(b, them)
+        ));
+    }
+    let cell = &mut b.shared_cells[index];
+    if store {
+        (cell.w_epoch, cell.w_lane, cell.w_clock) = (b.epoch, me as u32, clock);
+    } else {
+        (cell.r_epoch, cell.r_lane, cell.r_clock) = (b.epoch, me as u32, clock);
+    }
+    None
+}
+
+/// PW_EMU_CHECK=blocks: within one launch, a byte of an argument's
+/// allocation written by one block and read or written by another is an
+/// error. Blocks of a launch run in no order the hardware fixes (and at
+/// once), so such a pair is a lost update or a result that depends on the
+/// schedule: a plain `+=` where an atomic or per-block partials are needed.
+/// (The emulator has no atomics: kernels that need them do not build.)
+pub fn blocks_check_enabled() -> bool {
+    check_mode("blocks")
+}
+
+/// Who touched each byte of a launch's argument allocations during one grid
+/// run (PW_EMU_CHECK=blocks): per byte, the low 32 bits the last writing
+/// block (linear index + 1, 0 for none), the high 32 the reading block
+/// (+ 1), or MANY_READERS once two blocks read it.
+struct BlockShadow {
+    allocs: Vec<(Allocation, String, Box<[AtomicU64]>)>,
+}
+
+const MANY_READERS: u32 = u32::MAX;
+
+impl BlockShadow {
+    fn new(launch: &Launch) -> BlockShadow {
+        let allocs = launch
+            .allocations()
+            .into_iter()
+            .map(|(a, names)| {
+                // Zeroed memory comes from the allocator's zeroed pages: only
+                // the bytes a kernel touches are ever committed.
+                let zeros: Box<[u64]> = vec![0u64; a.size as usize].into_boxed_slice();
+                // SAFETY: AtomicU64 has u64's size and alignment.
+                let cells = unsafe { Box::from_raw(Box::into_raw(zeros) as *mut [AtomicU64]) };
+                (a, names, cells)
+            })
+            .collect();
+        BlockShadow { allocs }
+    }
+
+    /// Records block `me`'s access; on a conflict, the message naming it.
+    fn record(&self, launch: &Launch, me: u64, addr: u64, size: u64, store: bool) -> Option<String> {
+        let (a, names, cells) =
+            self.allocs.iter().find(|(a, _, _)| addr >= a.base && addr < a.base + a.size)?;
+        let me32 = me as u32 + 1;
+        let end = (addr + size).min(a.base + a.size);
+        for at in addr..end {
+            let cell = &cells[(at - a.base) as usize];
+            let mut old = cell.load(Ordering::Relaxed);
+            loop {
+                let (writer, reader) = (old as u32, (old >> 32) as u32);
+                let other = |b: u32| b != 0 && b != me32;
+                let clash = if other(writer) {
+                    Some((writer, "wrote"))
+                } else if store && other(reader) {
+                    Some((reader, "read"))
+                } else {
+                    None
+                };
+                if let Some((them, did)) = clash {
+                    let them = if them == MANY_READERS {
+                        "other blocks".to_string()
+                    } else {
+                        format!("block {}", dims(launch.block_idx(them as u64 - 1)))
+                    };
+                    return Some(format!(
+                        "PW_EMU_CHECK=blocks: it {} {at:#x} (byte {} of argument {names}, the {}-byte allocation \
+                         at {:#x}), which {them} {did} in this launch with no atomic: blocks of one launch run \
+                         in no fixed order, so an update is lost or the result depends on which runs first \
+                         (use an atomic, or per-block partial results combined by a second launch)",
+                        if store { "stores to" } else { "loads from" },
+                        at - a.base,
+                        a.size,
+                        a.base
+                    ));
+                }
+                let new = if store {
+                    (reader as u64) << 32 | me32 as u64
+                } else {
+                    let r = if reader == 0 || reader == me32 { me32 } else { MANY_READERS };
+                    (r as u64) << 32 | writer as u64
+                };
+                match cell.compare_exchange_weak(old, new, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => break,
+                    Err(now) => old = now,
+                }
+            }
+        }
+        None
+    }
+}
+
+/// PW_EMU_CHECK=bounds: every access of an instrumented kernel to device
+/// memory must lie inside one live allocation (reads in the slack after an
+/// allocation's end, which no guard page covers, included).
+pub fn bounds_check_enabled() -> bool {
+    check_mode("bounds")
+}
+
+/// Whether a mode that needs instrumented kernels is on (the NVRTC stand-in
+/// builds with PW_EMU_INSTRUMENT, the driver refuses modules without it).
+pub fn instrumented_checks() -> bool {
+    INSTRUMENTED_MODES.iter().any(|m| check_mode(m))
+}
+
+/// Those modes, for messages.
+pub fn instrumented_check_names() -> String {
+    INSTRUMENTED_MODES.iter().filter(|m| check_mode(m)).copied().collect::<Vec<_>>().join(",")
 }
 
 /// The order fibers are scheduled in.
@@ -300,6 +498,8 @@ fn run_order_checked(launch: &Arc<Launch>) -> Result<()> {
 struct Job {
     launch: Arc<Launch>,
     order: LaneOrder,
+    /// PW_EMU_CHECK=blocks: this grid run's record of who touched what.
+    shadow: Option<Arc<BlockShadow>>,
     total: u64,
     next: AtomicU64,
     abort: AtomicBool,
@@ -319,7 +519,7 @@ impl Job {
             let result = if self.abort.load(Ordering::Relaxed) {
                 Ok(())
             } else {
-                run_block(&self.launch, b, self.order)
+                run_block(&self.launch, b, self.order, self.shadow.as_ref())
             };
             let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = result {
@@ -399,6 +599,7 @@ fn run_grid(launch: &Arc<Launch>, order: LaneOrder) -> Result<()> {
     let job = Arc::new(Job {
         launch: launch.clone(),
         order,
+        shadow: blocks_check_enabled().then(|| Arc::new(BlockShadow::new(launch))),
         total: launch.blocks(),
         next: AtomicU64::new(0),
         abort: AtomicBool::new(false),
@@ -522,6 +723,20 @@ struct Block {
     at_barrier: u32,
     exited: u32,
     error: Option<EmuError>,
+    /// The block's linear index in its grid.
+    linear: u64,
+    /// PW_EMU_CHECK=blocks: the grid run's record of accesses.
+    shadow: Option<Arc<BlockShadow>>,
+    /// PW_EMU_CHECK=warp: the barrier interval (one more at each block
+    /// start and each __syncthreads, never reset, so cells of earlier blocks
+    /// are told apart without clearing them), where this block's began, each
+    /// lane's vector clock over its warp's lanes, the shared memory's
+    /// ranges (static, dynamic) and a cell per byte of them.
+    epoch: u32,
+    epoch_start: u32,
+    clocks: Vec<[u32; 32]>,
+    shared_ranges: [(u64, u64); 2],
+    shared_cells: Vec<SharedCell>,
     /// The block's dynamic shared memory, 128-byte aligned as real shared
     /// memory is (kernels cast it to float4 and wider).
     dynamic_shared: Vec<SharedChunk>,
@@ -563,6 +778,13 @@ fn worker() -> *mut Worker {
                     at_barrier: 0,
                     exited: 0,
                     error: None,
+                    linear: 0,
+                    shadow: None,
+                    epoch: 0,
+                    epoch_start: 0,
+                    clocks: Vec::new(),
+                    shared_ranges: [(0, 0); 2],
+                    shared_cells: Vec::new(),
                     dynamic_shared: Vec::new(),
                 },
                 tls: Vec::new(),
@@ -710,6 +932,7 @@ extern "C" fn rt_syncthreads() {
             l.state = State::Ready;
         }
         b.at_barrier = 0;
+        b.epoch += 1;
         return;
     }
     suspend(b, lane);
@@ -831,7 +1054,21 @@ fn complete(b: &mut Block, warp: usize, p: &Pending) -> std::result::Result<(), 
                 b.lanes[warp * 32 + l as usize].result = r;
             }
         }
-        Kind::Syncwarp => {}
+        Kind::Syncwarp => {
+            if !b.clocks.is_empty() {
+                let mut joined = [0u32; 32];
+                for l in members.clone() {
+                    for (j, c) in joined.iter_mut().zip(&b.clocks[warp * 32 + l as usize]) {
+                        *j = (*j).max(*c);
+                    }
+                }
+                for l in members {
+                    let clock = &mut b.clocks[warp * 32 + l as usize];
+                    *clock = joined;
+                    clock[l as usize] += 1;
+                }
+            }
+        }
         Kind::Mma => {
             let mut d = [[0f32; 4]; 32];
             let mut arrivals = [NO_ARRIVAL; 32];
@@ -987,6 +1224,137 @@ extern "C" fn rt_trap(what: *const c_char) {
     stop(cu::LAUNCH_FAILED, format!("thread {t}: device-side trap: {what}"));
 }
 
+extern "C" fn rt_misaligned(
+    addr: *const c_void,
+    align: c_ulong,
+    size: c_ulong,
+    type_: *const c_char,
+    kind: c_int,
+    file: *const c_char,
+    line: c_uint,
+) {
+    let (b, lane) = current();
+    // SAFETY: the module passes UBSan's NUL-terminated type name and file.
+    let text = |p: *const c_char| {
+        if p.is_null() {
+            "?".to_string()
+        } else {
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    // UBSan's TypeCheckKind, as its runtime words it.
+    let what = match kind {
+        0 => "load of",
+        1 => "store to",
+        2 => "reference binding to",
+        3 => "member access within",
+        4 => "member call on",
+        5 => "constructor call on",
+        6 | 7 => "downcast of",
+        8 | 9 => "upcast of",
+        _ => "access to",
+    };
+    let addr = addr as u64;
+    let sized = if size > 0 { format!("{size}-byte ") } else { String::new() };
+    let msg = format!(
+        "thread {}: misaligned address: {sized}{what} `{}` at {addr:#x}, which needs {align}-byte alignment \
+         ({} byte(s) off), at {}:{line}; {}",
+        tid_of(&b.lanes[lane].lane),
+        text(type_).trim_matches('\''),
+        addr % align.max(1),
+        text(file),
+        memory::describe(addr)
+    );
+    stop(cu::MISALIGNED_ADDRESS, msg);
+}
+
+/// An instrumented kernel's load or store (PW_EMU_CHECK=bounds and the
+/// other modes that watch every access).
+extern "C" fn rt_access(addr: *const c_void, size: c_ulong, is_store: c_int) {
+    let addr = addr as u64;
+    let (lo, hi) = memory::device_area();
+    if addr < lo || addr >= hi {
+        if warp_check_enabled() {
+            if BLOCK.with(Cell::get).is_null() {
+                return;
+            }
+            let (b, lane) = current();
+            if b.clocks.is_empty() {
+                return;
+            }
+            let [(s0, n0), (s1, n1)] = b.shared_ranges;
+            for at in addr..addr + size {
+                let index = if at >= s0 && at < s0 + n0 {
+                    (at - s0) as usize
+                } else if at >= s1 && at < s1 + n1 {
+                    (n0 + at - s1) as usize
+                } else {
+                    continue;
+                };
+                if let Some(msg) = record_shared(b, lane, index, at, is_store != 0) {
+                    stop(cu::LAUNCH_FAILED, msg);
+                }
+            }
+        }
+        return;
+    }
+    let (b, lane) = current();
+    if let Some(shadow) = &b.shadow {
+        if let Some(msg) = shadow.record(b.launch(), b.linear, addr, size, is_store != 0) {
+            let msg = format!("thread {}: {msg}", tid_of(&b.lanes[lane].lane));
+            stop(cu::LAUNCH_FAILED, msg);
+        }
+    }
+    if !bounds_check_enabled() {
+        return;
+    }
+    let launch = b.launch();
+    let end = addr + size;
+    let inside = |a: &Allocation| addr >= a.base && end <= a.base + a.size;
+    if launch.pointers.iter().any(|p| inside(&p.alloc)) {
+        return;
+    }
+    // Memory reached through a pointer kept in memory, not an argument.
+    if memory::find(addr).is_some_and(|a| inside(&a)) {
+        return;
+    }
+    let verb = if is_store != 0 { "store" } else { "load" };
+    let t = tid_of(&b.lanes[lane].lane);
+    let mut msg = match memory::nearest(addr) {
+        Some(a) if addr >= a.base => format!(
+            "thread {t}: out-of-bounds {verb}: {size} byte(s) at {addr:#x} are bytes {}..{} of GPU {}'s \
+             {}-byte allocation at {:#x}, {} byte(s) past its end",
+            addr - a.base,
+            end - a.base,
+            a.device,
+            a.size,
+            a.base,
+            end - (a.base + a.size).max(addr)
+        ),
+        Some(a) => format!(
+            "thread {t}: out-of-bounds {verb}: {size} byte(s) at {addr:#x}, {} byte(s) before the start of \
+             GPU {}'s {}-byte allocation at {:#x}",
+            a.base - addr,
+            a.device,
+            a.size,
+            a.base
+        ),
+        None => format!("thread {t}: out-of-bounds {verb}: {size} byte(s) at {}", memory::describe(addr)),
+    };
+    if let Some(a) = memory::nearest(addr) {
+        let k = launch.func.kernel();
+        for p in launch.pointers.iter().filter(|p| p.alloc.base == a.base) {
+            let param = &k.params[p.param];
+            let _ = write!(
+                msg,
+                "; argument `{}` ({}) = {:#x} points into that allocation",
+                param.name, param.type_, p.value
+            );
+        }
+    }
+    stop(cu::ILLEGAL_ADDRESS, msg);
+}
+
 #[repr(C)]
 struct TlsIndex {
     module: usize,
@@ -1022,7 +1390,12 @@ fn tls_block(
     Ok(start)
 }
 
-fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
+fn run_block(
+    launch: &Launch,
+    linear: u64,
+    order: LaneOrder,
+    shadow: Option<&Arc<BlockShadow>>,
+) -> Result<()> {
     let w = worker();
     // SAFETY: the worker is this thread's own; fibers reach the block only
     // through BLOCK while the scheduler below waits in `resume`.
@@ -1037,6 +1410,8 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
     let b = &mut w.block;
     b.launch = launch;
     b.block_idx = launch.block_idx(linear);
+    b.linear = linear;
+    b.shadow = shadow.cloned();
     b.at_barrier = 0;
     b.exited = 0;
     b.error = None;
@@ -1060,6 +1435,7 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
             arrival: NO_ARRIVAL,
         });
     }
+    b.shared_ranges = [(0, 0); 2];
     // Poisoned shared memory: a read before a write shows (SHARED_POISON).
     if launch.shared > 0 {
         b.dynamic_shared.clear();
@@ -1090,6 +1466,24 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
         }
         // SAFETY: this thread's thread_local block of the module, `len` bytes.
         unsafe { std::ptr::write_bytes(p, SHARED_POISON, len) };
+        b.shared_ranges[0] = (p as u64, len as u64);
+    }
+    if launch.shared > 0 {
+        b.shared_ranges[1] = (b.dynamic_shared.as_ptr() as u64, launch.shared as u64);
+    }
+    b.epoch += 1;
+    b.epoch_start = b.epoch;
+    b.clocks.clear();
+    if warp_check_enabled() {
+        b.clocks.extend((0..n).map(|l| {
+            let mut c = [0u32; 32];
+            c[l % 32] = 1;
+            c
+        }));
+        let bytes = (b.shared_ranges[0].1 + b.shared_ranges[1].1) as usize;
+        if b.shared_cells.len() < bytes {
+            b.shared_cells.resize(bytes, SharedCell::default());
+        }
     }
     let block_ptr: *mut Block = b;
     BLOCK.with(|c| c.set(block_ptr));
@@ -1123,6 +1517,7 @@ fn run_block(launch: &Launch, linear: u64, order: LaneOrder) -> Result<()> {
         }
     }
     BLOCK.with(|c| c.set(std::ptr::null_mut()));
+    w.block.shadow = None;
     result
 }
 

@@ -20,7 +20,7 @@
 //! error code, never a silent success. It proves semantics, not speed.
 //!
 //! Settings (environment): PW_EMU_GPUS, PW_EMU_SESSION, CUDA_VISIBLE_DEVICES,
-//! PW_EMU_CHECK=order,race, PW_EMU_THREADS, PW_EMU_MEM_GIB,
+//! PW_EMU_CHECK=order,race,bounds,blocks,warp, PW_EMU_THREADS, PW_EMU_MEM_GIB,
 //! PW_EMU_NCCL_TIMEOUT_S, PW_EMU_CXX, PW_EMU_CACHE; docs/emulated-gpu.md says
 //! what each does, what the emulator verifies and what only hardware can.
 

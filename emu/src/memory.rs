@@ -340,6 +340,28 @@ pub fn check_canary(base: u64) -> Result<()> {
     }
 }
 
+/// [start, end) of every device's address range together: an address
+/// outside it is not device memory (a cheap first test for every access a
+/// check mode watches).
+pub fn device_area() -> (u64, u64) {
+    let count = device_count().unwrap_or(0) as u64;
+    (DEVICE_BASE, DEVICE_BASE + count * DEVICE_SPAN)
+}
+
+/// The live allocation whose mapping holds `ptr`: inside it, or in the
+/// slack before its start or after its end (which no guard page covers).
+pub fn nearest(ptr: u64) -> Option<Allocation> {
+    let guard = heap().ok()?;
+    let heap = guard.as_ref()?;
+    if let Some((_, live)) = heap.live.range(..=ptr).next_back() {
+        if ptr < live.map + live.map_len {
+            return Some(live.alloc);
+        }
+    }
+    let (_, live) = heap.live.range(ptr..).next()?;
+    (live.map <= ptr).then_some(live.alloc)
+}
+
 /// The live allocation holding `ptr`, if any.
 pub fn find(ptr: u64) -> Option<Allocation> {
     let guard = heap().ok()?;

@@ -37,6 +37,9 @@ pub struct KernelInfo {
 
 pub struct Module {
     pub handle: usize,
+    /// The context that loaded it (0 for a module made from Rust functions
+    /// with none bound): its functions launch only there, as the driver's.
+    pub ctx: usize,
     pub source_name: String,
     pub kernels: Vec<KernelInfo>,
     /// Touches the module's thread_local block (its static shared memory)
@@ -50,6 +53,8 @@ pub struct Module {
     /// for a block this thread had just touched while another thread was
     /// loading modules (seen once in CI, in the pp 2 run).
     pub tls: Option<(usize, usize)>,
+    /// Built with PW_EMU_INSTRUMENT: every load and store calls the runtime.
+    pub instrumented: bool,
     /// dlopen's handle; null for a module made from Rust functions.
     lib: *mut c_void,
     /// The memfd the image was loaded from, never closed (one fd per module
@@ -107,6 +112,9 @@ struct Registry {
     functions: HashMap<usize, Arc<Function>>,
     /// (module, kernel index) → function handle, so a name looked up twice is one function.
     by_kernel: HashMap<(usize, usize), usize>,
+    /// Unloaded modules and their functions (handles are never reused): what
+    /// each was and why it is gone, to say so when one is used again.
+    dead: HashMap<usize, String>,
     next: usize,
 }
 
@@ -117,6 +125,7 @@ fn registry() -> MutexGuard<'static, Registry> {
             modules: HashMap::new(),
             functions: HashMap::new(),
             by_kernel: HashMap::new(),
+            dead: HashMap::new(),
             next: 1,
         })
     })
@@ -203,11 +212,11 @@ unsafe fn not_elf(image: *const u8) -> EmuError {
     )
 }
 
-/// Loads a module image (cuModuleLoadData); returns its handle.
+/// Loads a module image (cuModuleLoadData) into context `ctx`; returns its handle.
 ///
 /// # Safety
 /// `image` must point at a complete image, as cuModuleLoadData requires.
-pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
+pub unsafe fn load_data(image: *const c_void, ctx: usize) -> Result<usize> {
     if image.is_null() {
         return Err(EmuError::new(cu::INVALID_VALUE, "cuModuleLoadData: the image pointer is null"));
     }
@@ -271,7 +280,20 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
             return Err(e);
         }
     };
-    let (source_name, kernels, touch) = module;
+    let (source_name, kernels, touch, instrumented) = module;
+    if crate::exec::instrumented_checks() && !instrumented {
+        libc::dlclose(lib);
+        libc::close(fd);
+        return Err(EmuError::new(
+            cu::INVALID_IMAGE,
+            format!(
+                "cuModuleLoadData: module {source_name} was built without the per-access instrumentation \
+                 PW_EMU_CHECK={} needs (an image cached by a run without the check? clear the kernel cache \
+                 or rebuild it in this mode)",
+                crate::exec::instrumented_check_names()
+            ),
+        ));
+    }
     let tls = match tls_of(lib, bytes) {
         Ok(t) => t,
         Err(e) => {
@@ -282,10 +304,12 @@ pub unsafe fn load_data(image: *const c_void) -> Result<usize> {
     };
     Ok(register(Module {
         handle: 0,
+        ctx,
         source_name,
         kernels,
         touch_shared: Some(touch),
         tls: Some(tls),
+        instrumented,
         lib,
         _memfd: fd,
     }))
@@ -329,7 +353,7 @@ unsafe fn tls_of(lib: *mut c_void, bytes: &[u8]) -> Result<(usize, usize)> {
     Ok((modid, len))
 }
 
-type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void);
+type ModuleParts = (String, Vec<KernelInfo>, extern "C" fn() -> *mut c_void, bool);
 
 unsafe fn text(p: *const std::ffi::c_char, what: &str) -> Result<String> {
     if p.is_null() {
@@ -343,7 +367,18 @@ unsafe fn text(p: *const std::ffi::c_char, what: &str) -> Result<String> {
 
 unsafe fn read_info(info: *const abi::ModuleInfo) -> Result<ModuleParts> {
     if info.is_null() {
-        return Err(EmuError::new(cu::INVALID_IMAGE, "cuModuleLoadData: pw_emu_module_init returned null"));
+        // The generated init refuses a runtime table of another ABI version:
+        // an image an older or newer emulator built, most often found in a
+        // kernel cache that outlived an emulator upgrade.
+        return Err(EmuError::new(
+            cu::INVALID_IMAGE,
+            format!(
+                "cuModuleLoadData: pw_emu_module_init refused this emulator's runtime table (ABI {}): the image \
+                 was built by another version of the emulator (a stale kernel cache? clear \
+                 $PIPEWRIGHT_KERNEL_CACHE, target/emu-gpu/kernel-cache under scripts/emulated-gpu.sh)",
+                abi::ABI_VERSION
+            ),
+        ));
     }
     let info = &*info;
     if info.abi_version != abi::ABI_VERSION {
@@ -379,7 +414,7 @@ unsafe fn read_info(info: *const abi::ModuleInfo) -> Result<ModuleParts> {
             params,
         });
     }
-    Ok((source, kernels, info.touch_shared))
+    Ok((source, kernels, info.touch_shared, info.instrumented != 0))
 }
 
 fn register(mut module: Module) -> usize {
@@ -393,15 +428,18 @@ fn register(mut module: Module) -> usize {
 
 /// A module made from Rust functions, for tests of the execution engine
 /// that cannot wait for a C++ compiler: the kernels are called exactly as a
-/// loaded module's are. It has no static shared memory.
+/// loaded module's are. It has no static shared memory. It belongs to the
+/// calling thread's current context, as a loaded module would.
 #[doc(hidden)]
 pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
     register(Module {
         handle: 0,
+        ctx: crate::context::current_handle(),
         source_name: source_name.to_string(),
         kernels,
         touch_shared: None,
         tls: None,
+        instrumented: false,
         lib: std::ptr::null_mut(),
         _memfd: -1,
     })
@@ -410,34 +448,62 @@ pub fn from_kernels(source_name: &str, kernels: Vec<KernelInfo>) -> usize {
 /// Unloads a module (cuModuleUnload); launches already queued keep it alive.
 pub fn unload(handle: usize) -> Result<()> {
     let mut r = registry();
-    if r.modules.remove(&handle).is_none() {
+    if !r.modules.contains_key(&handle) {
+        let why = r.dead.get(&handle).cloned();
         drop(r);
         return Err(EmuError::new(
             cu::INVALID_HANDLE,
             format!(
                 "cuModuleUnload: {handle:#x} is not a loaded module ({})",
-                crate::driver::what_handle(handle)
+                why.unwrap_or_else(|| crate::driver::what_handle(handle))
             ),
         ));
     }
+    forget(&mut r, handle, "unloaded by cuModuleUnload".into());
+    Ok(())
+}
+
+/// Unloads every module of a context being destroyed (cuCtxDestroy frees
+/// all its resources): their handles and their functions' are refused from
+/// now on, naming the context.
+pub fn unload_context(ctx: usize, device: usize) {
+    let mut r = registry();
+    let of_ctx: Vec<usize> = r.modules.values().filter(|m| m.ctx == ctx).map(|m| m.handle).collect();
+    for m in of_ctx {
+        forget(
+            &mut r,
+            m,
+            format!("unloaded with its context {ctx:#x} (GPU {device}), destroyed by cuCtxDestroy"),
+        );
+    }
+}
+
+fn forget(r: &mut Registry, handle: usize, why: String) {
+    let Some(m) = r.modules.remove(&handle) else { return };
+    r.dead.insert(handle, format!("module {handle:#x} ({}) was {why}", m.source_name));
     let gone: Vec<usize> = r.by_kernel.keys().filter(|(m, _)| *m == handle).map(|(_, k)| *k).collect();
     for k in gone {
         if let Some(f) = r.by_kernel.remove(&(handle, k)) {
             r.functions.remove(&f);
+            let what =
+                format!("kernel `{}` ({}) of module {handle:#x}, {why}", m.kernels[k].name, m.source_name);
+            r.dead.insert(f, what);
         }
     }
-    Ok(())
 }
 
 /// The function `name` of a module (cuModuleGetFunction).
 pub fn get_function(module: usize, name: &str) -> Result<usize> {
-    let found = registry().modules.get(&module).cloned();
+    let (found, dead) = {
+        let r = registry();
+        (r.modules.get(&module).cloned(), r.dead.get(&module).cloned())
+    };
     let m = found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
                 "cuModuleGetFunction({name}): {module:#x} is not a loaded module ({})",
-                crate::driver::what_handle(module)
+                dead.unwrap_or_else(|| crate::driver::what_handle(module))
             ),
         )
     })?;
@@ -466,13 +532,16 @@ pub fn get_function(module: usize, name: &str) -> Result<usize> {
 }
 
 pub fn function(handle: usize, call: &str) -> Result<Arc<Function>> {
-    let found = registry().functions.get(&handle).cloned();
+    let (found, dead) = {
+        let r = registry();
+        (r.functions.get(&handle).cloned(), r.dead.get(&handle).cloned())
+    };
     found.ok_or_else(|| {
         EmuError::new(
             cu::INVALID_HANDLE,
             format!(
                 "{call}: {handle:#x} is not a function of a loaded module ({})",
-                crate::driver::what_handle(handle)
+                dead.unwrap_or_else(|| crate::driver::what_handle(handle))
             ),
         )
     })

@@ -391,3 +391,71 @@ fn a_failed_context_can_be_destroyed_and_a_new_one_works() {
     fresh.upload(buf, &[1u32, 2, 3, 4]);
     assert_eq!(fresh.download::<u32>(buf, 4), vec![1, 2, 3, 4]);
 }
+
+extern "C" fn one_k(args: *mut *mut c_void) {
+    let out: *mut u32 = unsafe { arg(args, 0) };
+    unsafe { *out = 1 };
+}
+
+#[test]
+fn a_function_launches_only_in_the_context_that_loaded_its_module_and_only_while_loaded() {
+    let _s = serial();
+    let (a, b) = (Gpu::new(0), Gpu::new(0));
+    a.bind();
+    let out_a = a.alloc(4);
+    let m = pipewright_emu::module::from_kernels(
+        "one.cu",
+        vec![kernel("one", one_k, 0, &[("out", "unsigned*", true)])],
+    );
+    let mut f: Handle = std::ptr::null_mut();
+    // SAFETY: a loaded module and a NUL-terminated name; then launches with
+    // the kernel's one argument and module calls the driver must refuse.
+    unsafe {
+        assert_eq!(cuModuleGetFunction(&mut f, m as Handle, c"one".as_ptr()), cu::SUCCESS);
+        // Another context on the same GPU: its memory, its stream, a function of a's module.
+        b.bind();
+        let mut o = b.alloc(4);
+        let code = launch(f, (1, 1, 1), (1, 1, 1), 0, b.stream, &mut [p(&mut o)]);
+        let (ca, cb) = (format!("context {:#x}", a.ctx as usize), format!("context {:#x}", b.ctx as usize));
+        assert_error(
+            code,
+            cu::INVALID_HANDLE,
+            &["cuLaunchKernel", "kernel `one` (one.cu)", "loaded in", &ca, &cb],
+        );
+        // In its own context it runs.
+        a.bind();
+        let mut o = out_a;
+        assert_eq!(launch(f, (1, 1, 1), (1, 1, 1), 0, a.stream, &mut [p(&mut o)]), cu::SUCCESS);
+        assert_eq!(a.download::<u32>(out_a, 1), vec![1]);
+        // Unloaded, neither the module nor its function is a handle any more.
+        assert_eq!(cuModuleUnload(m as Handle), cu::SUCCESS);
+        let code = launch(f, (1, 1, 1), (1, 1, 1), 0, a.stream, &mut [p(&mut o)]);
+        assert_error(
+            code,
+            cu::INVALID_HANDLE,
+            &["cuLaunchKernel", "kernel `one` (one.cu)", "unloaded by cuModuleUnload"],
+        );
+        let mut g: Handle = std::ptr::null_mut();
+        let code = cuModuleGetFunction(&mut g, m as Handle, c"one".as_ptr());
+        assert_error(
+            code,
+            cu::INVALID_HANDLE,
+            &["cuModuleGetFunction(one)", "(one.cu) was unloaded by cuModuleUnload"],
+        );
+
+        // A destroyed context takes its modules with it.
+        let c = Gpu::new(1);
+        let m = pipewright_emu::module::from_kernels(
+            "one.cu",
+            vec![kernel("one", one_k, 0, &[("out", "unsigned*", true)])],
+        );
+        assert_eq!(cuModuleGetFunction(&mut f, m as Handle, c"one".as_ptr()), cu::SUCCESS);
+        assert_eq!(cuCtxDestroy_v2(c.ctx), cu::SUCCESS);
+        a.bind();
+        let code = launch(f, (1, 1, 1), (1, 1, 1), 0, a.stream, &mut [p(&mut o)]);
+        let cc = format!("its context {:#x} (GPU 1), destroyed by cuCtxDestroy", c.ctx as usize);
+        assert_error(code, cu::INVALID_HANDLE, &["kernel `one` (one.cu)", &cc]);
+        let code = cuModuleGetFunction(&mut g, m as Handle, c"one".as_ptr());
+        assert_error(code, cu::INVALID_HANDLE, &["cuModuleGetFunction(one)", &cc]);
+    }
+}

@@ -40,7 +40,6 @@ const FLAGS: &[&str] = &[
     "c++",
     "-O2",
     "-fPIC",
-    "-shared",
     "-ffp-contract=off",
     "-fno-fast-math",
     "-fno-strict-aliasing",
@@ -49,8 +48,35 @@ const FLAGS: &[&str] = &[
     "-Wall",
     "-Wno-sign-compare",
     "-Wno-maybe-uninitialized",
-    "-Wl,-z,defs",
+    // Every typed load and store checked against its type's alignment: a
+    // GPU faults on a misaligned one (CUDA_ERROR_MISALIGNED_ADDRESS) that
+    // x86 performs; cuda_emu.h's handler reports it through the runtime.
+    "-fsanitize=alignment",
+    "-fno-sanitize-recover=alignment",
 ];
+
+/// The link step, apart from the compile so that no sanitizer runtime is
+/// linked (cuda_emu.h defines the handlers the instrumentation calls):
+/// -z defs: an undefined function is a build error here, not a dlopen
+/// failure later.
+const LINK: &[&str] = &["-shared", "-fPIC", "-Wl,-z,defs"];
+
+/// What a PW_EMU_CHECK mode that watches every access (bounds, blocks)
+/// adds: ThreadSanitizer's instrumentation, a call per load and store
+/// (reads and writes told apart, a read-modify-write reported as both) into
+/// cuda_emu.h's hooks; TSan's own runtime is never linked.
+const INSTRUMENT: &[&str] =
+    &["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-DPW_EMU_INSTRUMENT"];
+
+/// The flags of this process's builds: FLAGS, and INSTRUMENT when a check
+/// mode needs every access.
+fn flags() -> Vec<&'static str> {
+    let mut f = FLAGS.to_vec();
+    if crate::exec::instrumented_checks() {
+        f.extend_from_slice(INSTRUMENT);
+    }
+    f
+}
 
 pub struct Program<'a> {
     pub name: &'a str,
@@ -154,7 +180,7 @@ fn cache_name(p: &Program, o: &Options, compiler: &str, version: &str) -> String
     for g in GENERATOR {
         k.part(g.as_bytes());
     }
-    for f in FLAGS {
+    for f in flags().iter().chain(LINK) {
         k.part(f.as_bytes());
     }
     k.part(compiler.as_bytes());
@@ -311,7 +337,7 @@ fn compile(p: &Program, o: &Options, cxx: &str) -> Outcome {
         }
     }
     let mut cmd = Command::new(cxx);
-    cmd.current_dir(&dir.0).args(FLAGS).arg(format!("-std={}", o.std));
+    cmd.current_dir(&dir.0).args(flags()).arg(format!("-std={}", o.std));
     cmd.args(["-include", ".pw-emu/cuda_emu.h", "-I."]);
     // What NVRTC predefines when it compiles device code, so a program's
     // #if on them takes the branch it takes on a GPU.
@@ -325,14 +351,21 @@ fn compile(p: &Program, o: &Options, cxx: &str) -> Outcome {
     for i in &o.include_paths {
         cmd.arg("-I").arg(absolute(i));
     }
-    cmd.arg("-o").arg("image.so").arg(&main_file);
+    cmd.arg("-c").arg("-o").arg("image.o").arg(&main_file);
     let out = match cmd.output() {
         Ok(out) => out,
         Err(e) => return Outcome::Broken { log: format!("could not run `{cxx}`: {e}") },
     };
-    let log = String::from_utf8_lossy(&out.stderr).into_owned();
+    let mut log = String::from_utf8_lossy(&out.stderr).into_owned();
     if !out.status.success() {
         return Outcome::Failed { log };
+    }
+    let linked =
+        Command::new(cxx).current_dir(&dir.0).args(LINK).args(["-o", "image.so", "image.o"]).output();
+    match linked {
+        Ok(out) if out.status.success() => log.push_str(&String::from_utf8_lossy(&out.stderr)),
+        Ok(out) => return Outcome::Failed { log: log + &String::from_utf8_lossy(&out.stderr) },
+        Err(e) => return Outcome::Broken { log: format!("could not run `{cxx}` to link: {e}") },
     }
     match std::fs::read(dir.0.join("image.so")) {
         Ok(image) if is_elf(&image) => Outcome::Built { image, log },

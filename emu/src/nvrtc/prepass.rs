@@ -579,7 +579,7 @@ pub fn trailer(source_name: &str, arch: &str, kernels: &[Kernel]) -> String {
     }
     let table = if kernels.is_empty() { "nullptr" } else { "pw_kernels" };
     t.push_str(&format!(
-        "const PwEmuModuleInfo pw_module = {{PW_EMU_ABI_VERSION, {}, {}, {}u, {table}, pw_emu_touch_shared}};\n",
+        "const PwEmuModuleInfo pw_module = {{PW_EMU_ABI_VERSION, {}, {}, {}u, {table}, pw_emu_touch_shared, PW_EMU_INSTRUMENTED}};\n",
         c_string(source_name),
         c_string(arch),
         kernels.len()

@@ -257,6 +257,21 @@ extern "C" fn trap(what: *const c_char) {
     std::process::abort();
 }
 
+extern "C" fn misaligned(
+    addr: *const c_void,
+    align: std::ffi::c_ulong,
+    _size: std::ffi::c_ulong,
+    type_: *const c_char,
+    _kind: c_int,
+    file: *const c_char,
+    line: c_uint,
+) {
+    eprintln!("test runtime: misaligned {} at {addr:?} (align {align}) at {}:{line}", c(type_), c(file));
+    std::process::abort();
+}
+
+extern "C" fn access(_addr: *const c_void, _size: std::ffi::c_ulong, _is_store: c_int) {}
+
 pub static RUNTIME: abi::Runtime = abi::Runtime {
     abi_version: abi::ABI_VERSION,
     lane,
@@ -267,4 +282,6 @@ pub static RUNTIME: abi::Runtime = abi::Runtime {
     mma_m16n8k16_f32_bf16: mma,
     dynamic_shared,
     trap,
+    misaligned,
+    access,
 };
