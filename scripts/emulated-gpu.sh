@@ -69,7 +69,7 @@ export PW_EMU_SESSION="${PW_EMU_SESSION:-emu-$$-$(date +%s%N)}"
 # emulator build and per instrumenting check mode (bounds, blocks, warp build
 # kernels differently), since an image made by another is refused at load.
 if [ -z "${PIPEWRIGHT_KERNEL_CACHE:-}" ]; then
-    build_modes=$(printf '%s\n' ${PW_EMU_CHECK//,/ } | grep -xE 'bounds|blocks|warp' | sort -u | paste -sd+ -)
+    build_modes=$(printf '%s\n' ${PW_EMU_CHECK:+${PW_EMU_CHECK//,/ }} | { grep -xE "bounds|blocks|warp" || true; } | sort -u | paste -sd+ -)
     emu_id=$(sha256sum "$so" | cut -c1-12)
     export PIPEWRIGHT_KERNEL_CACHE="$target/emu-gpu/kernel-cache/$emu_id${build_modes:+-$build_modes}"
 fi
