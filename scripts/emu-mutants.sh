@@ -30,12 +30,20 @@ equivalent=0
 while IFS=$'\t' read -r id group file nth from to what; do
     case "$id" in "#"* | "") continue ;; esac
     [ $# -eq 0 ] || [[ "$wanted" == *" $id "* ]] || continue
+    # GROUP@MODES: the group runs under those check modes, as a row of CI's
+    # emulated job does (emulated-gpu-check.sh runs every kernel group under
+    # bounds,blocks,warp too).
+    modes="${PW_EMU_CHECK:-}"
+    if [[ "$group" == *@* ]]; then
+        modes="${modes:+$modes,}${group#*@}"
+        group="${group%@*}"
+    fi
     dir="$work/$id"
     mkdir -p "$dir/emu-cache" "$dir/kernel-cache"
     start=$(date +%s)
     PW_EMU_CXX="$root/scripts/emu_mutant_cxx.py" PW_MUTANT_CXX="$real_cxx" PW_MUTANT_FILE="$file" \
         PW_MUTANT_NTH="$nth" PW_MUTANT_FROM="$from" PW_MUTANT_TO="$to" PW_MUTANT_LOG="$dir/planted" \
-        PW_EMU_CACHE="$dir/emu-cache" PIPEWRIGHT_KERNEL_CACHE="$dir/kernel-cache" \
+        PW_EMU_CACHE="$dir/emu-cache" PIPEWRIGHT_KERNEL_CACHE="$dir/kernel-cache" PW_EMU_CHECK="$modes" \
         timeout --kill-after=10 "$limit" scripts/emulated-gpu.sh $order "$bin" gpu-check --only "$group" \
         >"$dir/out.txt" 2>&1
     rc=$?
@@ -66,11 +74,11 @@ while IFS=$'\t' read -r id group file nth from to what; do
         [ -n "$how" ] || how=$(grep -m1 -iE 'error|illegal|misaligned|race|barrier' "$dir/out.txt" | cut -c1-70)
         [ "$rc" -ge 124 ] && how="timed out after ${limit}s"
     fi
-    rows+=("$(printf '%-26s %-13s %-12s %4ss  %s' "$id" "$group" "$verdict" "$secs" "$how")")
+    rows+=("$(printf '%-27s %-20s %-12s %4ss  %s' "$id" "$group${modes:+@$modes}" "$verdict" "$secs" "$how")")
     printf '%s\n' "${rows[-1]}" >&2
 done <scripts/emu-mutants.tsv
 echo
-printf '%-26s %-13s %-12s %5s  %s\n' mutant group verdict time "first failure"
+printf '%-27s %-20s %-12s %5s  %s\n' mutant group verdict time "first failure"
 printf '%s\n' "${rows[@]}"
 echo "$(( ${#rows[@]} - missed - equivalent )) of $(( ${#rows[@]} - equivalent )) caught, $equivalent equivalent${order:+ (with --check-order)}"
 [ "$missed" -eq 0 ]

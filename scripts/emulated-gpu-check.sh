@@ -133,6 +133,26 @@ if [ -z "$order_failed" ]; then
 else
     row "gpu-check kernels, order check" FAIL "failed:$order_failed" "$secs"
 fi
+# And under the watching modes: every access inside its allocation, slack
+# included (bounds), no byte one block writes touched by another block of the
+# launch (blocks), no shared byte two threads of a warp touch, one writing,
+# without a barrier or __syncwarp between (warp). Their kernels are built
+# instrumented, into a cache of their own.
+t_watch=$(date +%s); watch_failed=""
+watch_cache="$PIPEWRIGHT_KERNEL_CACHE-watch"
+for g in layernorm rmsnorm rope swiglu matmul attention elementwise crossentropy embedding adamw norm tree exactness; do
+    PW_EMU_CHECK=bounds,blocks,warp PIPEWRIGHT_KERNEL_CACHE="$watch_cache" "$bin" gpu-check --only "$g" \
+        >"$work/gpu-check-watch-$g.log" 2>&1 || {
+        watch_failed="$watch_failed $g"
+        tail -n 20 "$work/gpu-check-watch-$g.log"
+    }
+done
+secs=$(( $(date +%s) - t_watch ))
+if [ -z "$watch_failed" ]; then
+    row "gpu-check kernels, bounds/blocks/warp" ok "13 kernel groups, every access watched" "$secs"
+else
+    row "gpu-check kernels, bounds/blocks/warp" FAIL "failed:$watch_failed" "$secs"
+fi
 fi
 
 # 2. training: CPU reference, then the GPU in f32 and bf16.
