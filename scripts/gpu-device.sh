@@ -22,7 +22,7 @@
 #   bench   gpu-bench (GPT-2 124M, bf16, T = 1024), then PyTorch on the same
 #           micro-batch, eager and torch.compile; then gpu-bench of a Llama
 #           of the same width and depth.
-# Everything is written under /tmp/pw-gpu/PHASE; $OUT (or the 2nd argument)
+# Everything is written under /tmp/pw-gpu/PHASE (PW_GPU_WORK replaces /tmp/pw-gpu); $OUT (or the 2nd argument)
 # receives three files: PHASE.tar.gz (all of it), PHASE-summary.json and
 # PHASE-summary.txt, the table that is also printed last. A failing step is
 # recorded in the summary and the phase goes on: what passed is never lost.
@@ -40,14 +40,15 @@ PACK="$ROOT/.gpu-pack"
 BIN="${PIPEWRIGHT_BIN:-$PACK/pipewright}"
 GPU="${GPU:-0}"
 STEPS="${BENCH_STEPS:-20}"
-WORK="/tmp/pw-gpu/$PHASE"
+WORKROOT="${PW_GPU_WORK:-/tmp/pw-gpu}"
+WORK="$WORKROOT/$PHASE"
 STARTED=$(date +%s)
 if [ "$PHASE" = first ]; then BUDGET="${BUDGET_S:-510}"; else BUDGET="${BUDGET_S:-}"; fi
 rm -rf "$WORK" && mkdir -p "$WORK" "$DEST"
 [ -x "$BIN" ] || { echo "gpu-device: no binary at $BIN: run scripts/gpu-pack.sh and carry .gpu-pack" >&2; exit 2; }
 BIN="$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")"
 COMMIT="${PIPEWRIGHT_COMMIT:-$(cat "$PACK/COMMIT" 2>/dev/null || git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)}"
-export PIPEWRIGHT_KERNEL_CACHE=/tmp/pw-gpu/kernel-cache
+export PIPEWRIGHT_KERNEL_CACHE="$WORKROOT/kernel-cache"
 
 # NVRTC, cuBLASLt and NCCL from pip's NVIDIA wheels (nvidia/*/lib, nvidia/cu13/lib),
 # ahead of the path; the binary also looks for libnccl.so.2 there by itself.
@@ -214,7 +215,7 @@ cat "$WORK/pipeline.txt"
 
 python3 "$ROOT/scripts/gpu_summary.py" "$PHASE" "$WORK" "$COMMIT" "$DEST/$PHASE-summary.json" "$DEST/$PHASE-summary.txt"
 rc=$?
-tar czf "$DEST/$PHASE.tar.gz" -C /tmp/pw-gpu "$PHASE"
+tar czf "$DEST/$PHASE.tar.gz" -C "$WORKROOT" "$PHASE"
 echo "== $PHASE summary (commit $COMMIT)"
 cat "$DEST/$PHASE-summary.txt"
 exit "$rc"
