@@ -117,42 +117,35 @@ cuda=(--set 'backend.kind="cuda"')
 if [ "${1:-}" != "--no-gpu-check" ]; then
 run gpu-check "$bin" gpu-check
 row "gpu-check (all groups)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "$(grep -E 'GPU checks passed|failed' "$work/gpu-check.log" | tail -n 1)" "$secs"
-# The kernel groups again with every launch run in two thread orders that must
-# give the same bits (PW_EMU_CHECK=order): a missing barrier the default
-# schedule passes by luck is named here.
-t_order=$(date +%s); order_failed=""
-for g in layernorm rmsnorm rope swiglu matmul attention elementwise crossentropy embedding adamw norm tree exactness; do
-    PW_EMU_CHECK=order "$bin" gpu-check --only "$g" >"$work/gpu-check-order-$g.log" 2>&1 || {
-        order_failed="$order_failed $g"
-        tail -n 20 "$work/gpu-check-order-$g.log"
-    }
-done
-secs=$(( $(date +%s) - t_order ))
-if [ -z "$order_failed" ]; then
-    row "gpu-check kernels, order check" ok "13 kernel groups, two thread orders each" "$secs"
-else
-    row "gpu-check kernels, order check" FAIL "failed:$order_failed" "$secs"
-fi
-# And under the watching modes: every access inside its allocation, slack
-# included (bounds), no byte one block writes touched by another block of the
-# launch (blocks), no shared byte two threads of a warp touch, one writing,
-# without a barrier or __syncwarp between (warp). Their kernels are built
-# instrumented, into a cache of their own.
-t_watch=$(date +%s); watch_failed=""
-watch_cache="$PIPEWRIGHT_KERNEL_CACHE-watch"
-for g in layernorm rmsnorm rope swiglu matmul attention elementwise crossentropy embedding adamw norm tree exactness; do
-    PW_EMU_CHECK=bounds,blocks,warp PIPEWRIGHT_KERNEL_CACHE="$watch_cache" "$bin" gpu-check --only "$g" \
-        >"$work/gpu-check-watch-$g.log" 2>&1 || {
-        watch_failed="$watch_failed $g"
-        tail -n 20 "$work/gpu-check-watch-$g.log"
-    }
-done
-secs=$(( $(date +%s) - t_watch ))
-if [ -z "$watch_failed" ]; then
-    row "gpu-check kernels, bounds/blocks/warp" ok "13 kernel groups, every access watched" "$secs"
-else
-    row "gpu-check kernels, bounds/blocks/warp" FAIL "failed:$watch_failed" "$secs"
-fi
+# The kernel groups again under check modes: every launch run in two thread
+# orders that must give the same bits (order: a missing barrier the default
+# schedule passes by luck is named); and watched: every access inside its
+# allocation, slack included (bounds), no byte one block writes touched by
+# another block of the launch (blocks), no shared byte two threads of a warp
+# touch, one writing, without a barrier or __syncwarp between (warp). Watched
+# kernels are built instrumented, into a cache of their own.
+# kernel_groups ROW DETAIL ENV...: each kernel group with ENV set, as one row.
+kernel_groups() {
+    local label="$1" detail="$2" t0 g failed="" log
+    shift 2
+    t0=$(date +%s)
+    for g in layernorm rmsnorm rope swiglu matmul attention elementwise crossentropy embedding adamw norm tree exactness; do
+        log="$work/gpu-check-${label//[^a-z]/-}-$g.log"
+        env "$@" "$bin" gpu-check --only "$g" >"$log" 2>&1 || {
+            failed="$failed $g"
+            tail -n 20 "$log"
+        }
+    done
+    secs=$(( $(date +%s) - t0 ))
+    if [ -z "$failed" ]; then
+        row "gpu-check kernels, $label" ok "$detail" "$secs"
+    else
+        row "gpu-check kernels, $label" FAIL "failed:$failed" "$secs"
+    fi
+}
+kernel_groups "order check" "13 kernel groups, two thread orders each" PW_EMU_CHECK=order
+kernel_groups "bounds/blocks/warp" "13 kernel groups, every access watched" PW_EMU_CHECK=bounds,blocks,warp \
+    PIPEWRIGHT_KERNEL_CACHE="$PIPEWRIGHT_KERNEL_CACHE-watch"
 fi
 
 # 2. training: CPU reference, then the GPU in f32 and bf16.
