@@ -34,6 +34,7 @@ while IFS=$'\t' read -r id group file nth from to what; do
     # emulated job does (emulated-gpu-check.sh runs every kernel group under
     # bounds,blocks,warp too).
     modes="${PW_EMU_CHECK:-}"
+    [ -n "$order" ] && modes="${modes:+$modes,}order"
     if [[ "$group" == *@* ]]; then
         modes="${modes:+$modes,}${group#*@}"
         group="${group%@*}"
@@ -44,7 +45,7 @@ while IFS=$'\t' read -r id group file nth from to what; do
     PW_EMU_CXX="$root/scripts/emu_mutant_cxx.py" PW_MUTANT_CXX="$real_cxx" PW_MUTANT_FILE="$file" \
         PW_MUTANT_NTH="$nth" PW_MUTANT_FROM="$from" PW_MUTANT_TO="$to" PW_MUTANT_LOG="$dir/planted" \
         PW_EMU_CACHE="$dir/emu-cache" PIPEWRIGHT_KERNEL_CACHE="$dir/kernel-cache" PW_EMU_CHECK="$modes" \
-        timeout --kill-after=10 "$limit" scripts/emulated-gpu.sh $order "$bin" gpu-check --only "$group" \
+        timeout --kill-after=10 "$limit" scripts/emulated-gpu.sh "$bin" gpu-check --only "$group" \
         >"$dir/out.txt" 2>&1
     rc=$?
     secs=$(($(date +%s) - start))
