@@ -180,6 +180,15 @@ pub struct SlurmTask {
 pub const NODELIST_VARS: [&str; 3] = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"];
 pub const TASKS_PER_NODE_VARS: [&str; 2] = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"];
 
+/// The first of `vars` that is set, with its name; missing: the first is named.
+fn first_set(
+    var: &dyn Fn(&str) -> Option<String>,
+    vars: &[&'static str],
+    expected: &'static str,
+) -> Result<(&'static str, String), SlurmError> {
+    vars.iter().find_map(|&v| var(v).map(|l| (v, l))).ok_or(SlurmError::Missing { var: vars[0], expected })
+}
+
 impl SlurmTask {
     /// Reads and cross-checks srun's variables through `var`.
     pub fn read(var: &dyn Fn(&str) -> Option<String>) -> Result<SlurmTask, SlurmError> {
@@ -215,19 +224,13 @@ impl SlurmTask {
             });
         }
         let local_id = number("SLURM_LOCALID", "this task's rank on its node, a number")?;
-        let (nodes_from, list) = NODELIST_VARS
-            .iter()
-            .find_map(|&v| var(v).map(|l| (v, l)))
-            .ok_or(SlurmError::Missing { var: NODELIST_VARS[0], expected: "the step's node list" })?;
+        let (nodes_from, list) = first_set(var, &NODELIST_VARS, "the step's node list")?;
         let nodes = expand_hostlist(&list).map_err(|e| SlurmError::Invalid {
             var: nodes_from,
             value: list.clone(),
             expected: format!("a SLURM hostlist such as node[01-04,07] ({e})"),
         })?;
-        let (tasks_from, tasks_text) = TASKS_PER_NODE_VARS
-            .iter()
-            .find_map(|&v| var(v).map(|l| (v, l)))
-            .ok_or(SlurmError::Missing { var: TASKS_PER_NODE_VARS[0], expected: "the tasks on each node" })?;
+        let (tasks_from, tasks_text) = first_set(var, &TASKS_PER_NODE_VARS, "the tasks on each node")?;
         let tasks_per_node = expand_tasks_per_node(&tasks_text).map_err(|e| SlurmError::Invalid {
             var: tasks_from,
             value: tasks_text.clone(),

@@ -125,8 +125,6 @@ struct Dims {
     label: &'static str,
     b: usize,
     t: usize,
-    /// Rows: b · t.
-    n: usize,
     /// Channels of the row kernels and the products (attention takes its own heads).
     c: usize,
     v: usize,
@@ -139,31 +137,36 @@ struct Dims {
 }
 
 impl Dims {
-    const EVEN: Dims =
-        Dims { label: "", b: 2, t: 160, n: 320, c: C, v: 1000, vp: 1024, h: 200, elems: 4 * 320 * C };
+    /// Rows: b · t.
+    fn n(&self) -> usize {
+        self.b * self.t
+    }
+
+    const EVEN: Dims = Dims { label: "", b: 2, t: 160, c: C, v: 1000, vp: 1024, h: 200, elems: 4 * N * C };
     // 3 · 33 = 99 rows; 104 channels = 3 warp strides and 8 lanes (a multiple of
     // 8, as cuBLASLt's 16-byte rows need in bf16); 99 · 75 = 29 · 256 + 1
     // SwiGLU threads; 40961 = 160 · 256 + 1 elements.
     const RAGGED: Dims =
-        Dims { label: " ragged", b: 3, t: 33, n: 99, c: 104, v: 1001, vp: 1008, h: 75, elems: 40_961 };
+        Dims { label: " ragged", b: 3, t: 33, c: 104, v: 1001, vp: 1008, h: 75, elems: 40_961 };
 }
 
 fn layernorm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let d = cx.d;
     let gpu = cx.gpu;
-    let x = rounded::<X>(&randn(d.n * d.c, 1, 1.0));
+    let x = rounded::<X>(&randn(d.n() * d.c, 1, 1.0));
     let w = rounded::<X>(&randn(d.c, 2, 1.0));
     let bias = rounded::<X>(&randn(d.c, 3, 1.0));
-    let (mut out, mut mean, mut rstd) = (vec![0.0; d.n * d.c], vec![0.0; d.n], vec![0.0; d.n]);
-    cpu::layernorm::layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &bias, d.n, d.c);
+    let (mut out, mut mean, mut rstd) = (vec![0.0; d.n() * d.c], vec![0.0; d.n()], vec![0.0; d.n()]);
+    cpu::layernorm::layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, &bias, d.n(), d.c);
     let (dx, dw, db) = (cx.up(&x)?, cx.up(&w)?, cx.up(&bias)?);
-    let (gout, gmean, grstd) = (gpu.alloc::<X>(d.n * d.c)?, gpu.alloc::<f32>(d.n)?, gpu.alloc::<f32>(d.n)?);
-    layernorm::layernorm_forward(gpu, &gout, &gmean, &grstd, &dx, dw.ptr(), db.ptr(), d.n, d.c)?;
+    let (gout, gmean, grstd) =
+        (gpu.alloc::<X>(d.n() * d.c)?, gpu.alloc::<f32>(d.n())?, gpu.alloc::<f32>(d.n())?);
+    layernorm::layernorm_forward(gpu, &gout, &gmean, &grstd, &dx, dw.ptr(), db.ptr(), d.n(), d.c)?;
     cx.push_rows("layernorm_forward out", &cx.down(&gout)?, &out, d.c);
     cx.push_rows("layernorm_forward rstd", &gpu.download(&grstd)?, &rstd, 1);
 
-    let dout = rounded::<X>(&randn(d.n * d.c, 4, 1.0));
-    let dinp0 = rounded::<X>(&randn(d.n * d.c, 5, 1.0));
+    let dout = rounded::<X>(&randn(d.n() * d.c, 4, 1.0));
+    let dinp0 = rounded::<X>(&randn(d.n() * d.c, 5, 1.0));
     let (mut dinp, mut dweight, mut dbias) = (dinp0.clone(), vec![0.0; d.c], vec![0.0; d.c]);
     cpu::layernorm::layernorm_backward(
         &mut dinp,
@@ -174,13 +177,13 @@ fn layernorm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
         &w,
         &mean,
         &rstd,
-        d.n,
+        d.n(),
         d.c,
     );
     let (gdout, gdinp) = (cx.up(&dout)?, cx.up(&dinp0)?);
     let (gdw, gdb) = (gpu.alloc::<f32>(d.c)?, gpu.alloc::<f32>(d.c)?);
-    let partial = gpu.alloc::<f32>(layernorm::partial_len(d.n, d.c))?;
-    layernorm::layernorm_backward_input(gpu, &gdinp, &gdout, &dx, dw.ptr(), &gmean, &grstd, d.n, d.c)?;
+    let partial = gpu.alloc::<f32>(layernorm::partial_len(d.n(), d.c))?;
+    layernorm::layernorm_backward_input(gpu, &gdinp, &gdout, &dx, dw.ptr(), &gmean, &grstd, d.n(), d.c)?;
     layernorm::layernorm_backward_weight(
         gpu,
         gdw.ptr(),
@@ -190,7 +193,7 @@ fn layernorm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
         &dx,
         &gmean,
         &grstd,
-        d.n,
+        d.n(),
         d.c,
     )?;
     cx.push_rows("layernorm_backward dinp", &cx.down(&gdinp)?, &dinp, d.c);
@@ -203,28 +206,28 @@ fn matmul_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let d = cx.d;
     let gpu = cx.gpu;
     let (ic, oc) = (d.c, 3 * d.c);
-    let inp = rounded::<X>(&randn(d.n * ic, 10, 1.0));
+    let inp = rounded::<X>(&randn(d.n() * ic, 10, 1.0));
     let w = rounded::<X>(&randn(ic * oc, 11, 0.1));
     let bias = rounded::<X>(&randn(oc, 12, 1.0));
-    let mut out = vec![0.0; d.n * oc];
-    cpu::matmul::matmul_forward(&mut out, &inp, &w, Some(&bias), d.n, ic, oc);
-    let (ginp, gw, gb, gout) = (cx.up(&inp)?, cx.up(&w)?, cx.up(&bias)?, gpu.alloc::<X>(d.n * oc)?);
-    matmul::matmul_forward(gpu, &gout, &ginp, gw.ptr(), Some(gb.ptr()), d.n, ic, oc)?;
+    let mut out = vec![0.0; d.n() * oc];
+    cpu::matmul::matmul_forward(&mut out, &inp, &w, Some(&bias), d.n(), ic, oc);
+    let (ginp, gw, gb, gout) = (cx.up(&inp)?, cx.up(&w)?, cx.up(&bias)?, gpu.alloc::<X>(d.n() * oc)?);
+    matmul::matmul_forward(gpu, &gout, &ginp, gw.ptr(), Some(gb.ptr()), d.n(), ic, oc)?;
     cx.push_rows("matmul_forward", &cx.down(&gout)?, &out, oc);
 
-    let dout = rounded::<X>(&randn(d.n * oc, 13, 1.0));
-    let mut dinp = vec![0.0; d.n * ic];
-    cpu::matmul::matmul_backward_input(&mut dinp, &dout, &w, d.n, ic, oc, false);
-    let (gdout, gdinp) = (cx.up(&dout)?, gpu.alloc::<X>(d.n * ic)?);
-    matmul::matmul_backward_input(gpu, &gdinp, &gdout, gw.ptr(), d.n, ic, oc)?;
+    let dout = rounded::<X>(&randn(d.n() * oc, 13, 1.0));
+    let mut dinp = vec![0.0; d.n() * ic];
+    cpu::matmul::matmul_backward_input(&mut dinp, &dout, &w, d.n(), ic, oc, false);
+    let (gdout, gdinp) = (cx.up(&dout)?, gpu.alloc::<X>(d.n() * ic)?);
+    matmul::matmul_backward_input(gpu, &gdinp, &gdout, gw.ptr(), d.n(), ic, oc)?;
     cx.push_rows("matmul_backward_input", &cx.down(&gdinp)?, &dinp, ic);
 
     let dw0 = randn(ic * oc, 14, 1.0);
     let (mut dw, mut db) = (dw0.clone(), vec![0.5; oc]);
-    cpu::matmul::matmul_backward_weight(&mut dw, Some(&mut db), &dout, &inp, d.n, ic, oc);
+    cpu::matmul::matmul_backward_weight(&mut dw, Some(&mut db), &dout, &inp, d.n(), ic, oc);
     let (gdw, gdb) = (gpu.upload(&dw0)?, gpu.upload(&vec![0.5f32; oc])?);
-    let partial = gpu.alloc::<f32>(matmul::bias_partial_len(d.n, oc))?;
-    matmul::matmul_backward_weight(gpu, gdw.ptr(), Some(gdb.ptr()), &partial, &gdout, &ginp, d.n, ic, oc)?;
+    let partial = gpu.alloc::<f32>(matmul::bias_partial_len(d.n(), oc))?;
+    matmul::matmul_backward_weight(gpu, gdw.ptr(), Some(gdb.ptr()), &partial, &gdout, &ginp, d.n(), ic, oc)?;
     cx.push("matmul_backward_weight dweight", &gpu.download(&gdw)?, &dw);
     cx.push("matmul_backward_weight dbias", &gpu.download(&gdb)?, &db);
     Ok(())
@@ -381,19 +384,19 @@ fn elementwise_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
 fn crossentropy_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let d = cx.d;
     let gpu = cx.gpu;
-    let logits = rounded::<X>(&randn(d.n * d.v, 40, 3.0));
+    let logits = rounded::<X>(&randn(d.n() * d.v, 40, 3.0));
     let mut r = Rng::new(41, Purpose::Test, &[]);
-    let targets: Vec<u32> = (0..d.n).map(|_| r.below(d.v as u64) as u32).collect();
-    let dloss = 1.0 / d.n as f32;
-    let (mut grad, mut losses) = (logits.clone(), vec![0.0; d.n]);
-    cpu::crossentropy::crossentropy_forward_backward(&mut grad, &mut losses, &targets, dloss, d.n, d.v);
+    let targets: Vec<u32> = (0..d.n()).map(|_| r.below(d.v as u64) as u32).collect();
+    let dloss = 1.0 / d.n() as f32;
+    let (mut grad, mut losses) = (logits.clone(), vec![0.0; d.n()]);
+    cpu::crossentropy::crossentropy_forward_backward(&mut grad, &mut losses, &targets, dloss, d.n(), d.v);
     // Padding columns hold garbage on purpose: they must neither count nor get a gradient.
-    let mut padded = vec![50.0f32; d.n * d.vp];
+    let mut padded = vec![50.0f32; d.n() * d.vp];
     for (row, src) in padded.chunks_mut(d.vp).zip(logits.chunks(d.v)) {
         row[..d.v].copy_from_slice(src);
     }
-    let (gl, glosses, gt) = (cx.up(&padded)?, gpu.alloc::<f32>(d.n)?, gpu.upload(&targets)?);
-    crossentropy::crossentropy_forward_backward(gpu, &gl, &glosses, &gt, dloss, d.n, d.v, d.vp)?;
+    let (gl, glosses, gt) = (cx.up(&padded)?, gpu.alloc::<f32>(d.n())?, gpu.upload(&targets)?);
+    crossentropy::crossentropy_forward_backward(gpu, &gl, &glosses, &gt, dloss, d.n(), d.v, d.vp)?;
     cx.push_rows("crossentropy losses", &gpu.download(&glosses)?, &losses, 1);
     let got = cx.down(&gl)?;
     let real: Vec<f32> = got.chunks(d.vp).flat_map(|r| r[..d.v].to_vec()).collect();
@@ -402,10 +405,17 @@ fn crossentropy_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     cx.push("crossentropy padding gradient is zero", &pad, &vec![0.0; pad.len()]);
 
     // Evaluation: losses and argmax predictions, logits untouched.
-    let (mut eval_losses, mut argmax) = (vec![0.0; d.n], vec![0u32; d.n]);
-    cpu::crossentropy::crossentropy_forward(&logits, &mut eval_losses, &targets, Some(&mut argmax), d.n, d.v);
-    let (gl, gam) = (cx.up(&padded)?, gpu.alloc::<u32>(d.n)?);
-    crossentropy::crossentropy_forward(gpu, &gl, &glosses, Some(&gam), &gt, d.n, d.v, d.vp)?;
+    let (mut eval_losses, mut argmax) = (vec![0.0; d.n()], vec![0u32; d.n()]);
+    cpu::crossentropy::crossentropy_forward(
+        &logits,
+        &mut eval_losses,
+        &targets,
+        Some(&mut argmax),
+        d.n(),
+        d.v,
+    );
+    let (gl, gam) = (cx.up(&padded)?, gpu.alloc::<u32>(d.n())?);
+    crossentropy::crossentropy_forward(gpu, &gl, &glosses, Some(&gam), &gt, d.n(), d.v, d.vp)?;
     cx.push_rows("crossentropy_forward losses", &gpu.download(&glosses)?, &eval_losses, 1);
     let got_am = gpu.download(&gam)?;
     let wrong = got_am.iter().zip(&argmax).filter(|(a, b)| a != b).count();
@@ -545,14 +555,14 @@ fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let wpe = rounded::<X>(&randn(d.t * d.c, 51, 1.0));
     let mut r = Rng::new(52, Purpose::Test, &[]);
     // A small id range, so ids repeat and the ownership lists matter.
-    let tokens: Vec<u32> = (0..d.n).map(|_| r.below(37) as u32 * 7).collect();
-    let mut out = vec![0.0; d.n * d.c];
+    let tokens: Vec<u32> = (0..d.n()).map(|_| r.below(37) as u32 * 7).collect();
+    let mut out = vec![0.0; d.n() * d.c];
     cpu::embedding::embedding_forward(&mut out, &tokens, &wte, &wpe, d.t, d.c);
     let (gwte, gwpe, gtok, gout) =
-        (cx.up(&wte)?, cx.up(&wpe)?, gpu.upload(&tokens)?, gpu.alloc::<X>(d.n * d.c)?);
-    embedding::embedding_forward(gpu, &gout, &gtok, gwte.ptr(), gwpe.ptr(), d.n, d.t, d.c)?;
+        (cx.up(&wte)?, cx.up(&wpe)?, gpu.upload(&tokens)?, gpu.alloc::<X>(d.n() * d.c)?);
+    embedding::embedding_forward(gpu, &gout, &gtok, gwte.ptr(), gwpe.ptr(), d.n(), d.t, d.c)?;
     cx.push_rows("embedding_forward", &cx.down(&gout)?, &out, d.c);
-    let dout = rounded::<X>(&randn(d.n * d.c, 53, 1.0));
+    let dout = rounded::<X>(&randn(d.n() * d.c, 53, 1.0));
     let (mut dwte, mut dwpe) = (vec![0.0; d.v * d.c], vec![0.0; d.t * d.c]);
     cpu::embedding::embedding_backward(&mut dwte, &mut dwpe, &dout, &tokens, d.t, d.c);
     let owners = embedding::DeviceOwners::upload(gpu, &embedding::TokenOwners::new(&tokens))?;
@@ -561,10 +571,10 @@ fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     cx.push_rows("embedding_backward dwte", &gpu.download(&gdwte)?, &dwte, d.c);
     cx.push("embedding_backward dwpe", &gpu.download(&gdwpe)?, &dwpe);
     // The token embedding alone (Llama), into fresh buffers: nothing of the above carries over.
-    let mut out = vec![0.0; d.n * d.c];
+    let mut out = vec![0.0; d.n() * d.c];
     cpu::embedding::token_embedding_forward(&mut out, &tokens, &wte, d.c);
-    let gout = gpu.alloc::<X>(d.n * d.c)?;
-    embedding::token_embedding_forward(gpu, &gout, &gtok, gwte.ptr(), d.n, d.c)?;
+    let gout = gpu.alloc::<X>(d.n() * d.c)?;
+    embedding::token_embedding_forward(gpu, &gout, &gtok, gwte.ptr(), d.n(), d.c)?;
     cx.push_rows("token_embedding_forward", &cx.down(&gout)?, &out, d.c);
     let mut dwte = vec![0.0; d.v * d.c];
     cpu::embedding::token_embedding_backward(&mut dwte, &dout, &tokens, d.c);
@@ -897,21 +907,19 @@ mod tests {
     #[test]
     fn the_ragged_pass_leaves_every_grid_partial() {
         let d = Dims::RAGGED;
-        assert_eq!(d.n, d.b * d.t);
-        assert_eq!(Dims::EVEN.n, Dims::EVEN.b * Dims::EVEN.t);
-        assert_eq!(d.n % 2, 1, "an odd row count");
+        assert_eq!(d.n() % 2, 1, "an odd row count");
         for tile in [16, 32, 64] {
             assert_ne!(d.t % tile, 0, "T a multiple of no tile");
         }
         assert_ne!(d.c % 32, 0, "a warp's last stride partial");
         assert_eq!(d.c % 8, 0, "bf16 rows of whole 16 bytes, as cuBLASLt's plans take");
-        assert_eq!(d.n * d.h % 256, 1, "SwiGLU's last block has one live thread");
+        assert_eq!(d.n() * d.h % 256, 1, "SwiGLU's last block has one live thread");
         assert_eq!(d.elems % 256, 1, "the element-wise kernels' last block has one live thread");
         assert!(d.vp >= d.v && d.v % 2 == 1);
         // The even pass is what its name says, so a failure at the ragged one
         // alone points at an edge.
         let e = Dims::EVEN;
-        assert_eq!((e.n * e.h) % 256, 0);
+        assert_eq!((e.n() * e.h) % 256, 0);
         assert_eq!(e.elems % 256, 0);
     }
 }

@@ -20,6 +20,8 @@ pub const MICRO_BATCHES: [usize; 7] = [64, 32, 16, 8, 4, 2, 1];
 /// Distinct random batches cycled through the timed steps (made before timing).
 const BATCHES: usize = 4;
 const SEED: u64 = 1337;
+/// AdamW's settings for every bench step (GPT-2's).
+const HYPER: Hyper = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
 
 #[derive(Clone, Debug)]
 pub struct BenchArgs {
@@ -131,9 +133,8 @@ fn batches_for(cfg: &Arch, b: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
 }
 
 fn step(model: &mut GpuModel<Bf16>, batches: &[(Vec<u32>, Vec<u32>)], k: usize) -> Result<f64> {
-    let hyper = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
     let (inputs, targets) = &batches[k % batches.len()];
-    let s = model.step(6e-4, &hyper, 1.0, 1, |_, i, t| {
+    let s = model.step(6e-4, &HYPER, 1.0, 1, |_, i, t| {
         i.copy_from_slice(inputs);
         t.copy_from_slice(targets);
     })?;
@@ -274,11 +275,10 @@ fn step_counts(
     batches: &[(Vec<u32>, Vec<u32>)],
     microbatches: usize,
 ) -> Result<Counts> {
-    let hyper = Hyper { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
     let before = Counts::now();
     // Every microbatch the same tokens: what a microbatch uploads (its token
     // owner lists) depends on its distinct tokens, and the split needs equal ones.
-    model.step(6e-4, &hyper, 1.0, microbatches, |_, i, t| {
+    model.step(6e-4, &HYPER, 1.0, microbatches, |_, i, t| {
         let (inputs, targets) = &batches[0];
         i.copy_from_slice(inputs);
         t.copy_from_slice(targets);
