@@ -303,6 +303,13 @@ pub struct ParallelSection {
     /// (the fastest, and tp = 1); set the same value on every run whose bits
     /// should agree. A power of two dividing model.n_head.
     pub tp_slices: usize,
+    /// Megatron's sequence parallelism (needs tp > 1): each tensor-parallel
+    /// rank computes the norms and residual adds of its run of a
+    /// microbatch's B·T rows and keeps only those rows' norm outputs,
+    /// statistics and residual; the split regions' inputs are all-gathered
+    /// and their outputs reduce-scattered instead of all-reduced. The same
+    /// bits as without it.
+    pub sp: bool,
     /// When a stage's tensor-parallel ranks span processes: seconds a rank
     /// waits for another process's all-reduce nodes or gradient shards before
     /// failing the run, naming that process (a process that is gone is
@@ -437,6 +444,7 @@ impl Default for ParallelSection {
             reshard_after_forward: true,
             tp: 1,
             tp_slices: 1,
+            sp: false,
             // A rank waits on its peers for about one block's compute; a
             // minute is far beyond that at any size this trainer runs, and
             // ten times sooner than the fixed wait it replaces.
@@ -1050,6 +1058,34 @@ impl Config {
             p.tp_timeout_s,
             format!("must be a number of seconds in (0, {TP_TIMEOUT_MAX_S}]"),
         );
+        if p.sp {
+            v.check(
+                p.tp >= 2,
+                "parallel.sp",
+                p.sp,
+                "needs parallel.tp >= 2: sequence parallelism shares rows out between tensor-parallel ranks",
+            );
+            let rows = self.train.micro_batch_size * self.model.block_size;
+            v.check(
+                p.tp < 2 || !p.tp.is_power_of_two() || rows.is_multiple_of(p.tp),
+                "parallel.sp",
+                p.sp,
+                format!(
+                    "needs parallel.tp = {} to divide a microbatch's rows, train.micro_batch_size × \
+                     model.block_size = {rows} (each rank takes an equal run of them)",
+                    p.tp
+                ),
+            );
+            v.check(
+                kind == BackendKind::Cpu,
+                "parallel.sp",
+                p.sp,
+                format!(
+                    "is built for the CPU backend only; with backend.kind = \"{}\" leave it false",
+                    kind.name()
+                ),
+            );
+        }
     }
 
     /// `[[data.sources]]`: each entry's own rules, and no `data.train` or

@@ -259,7 +259,7 @@ pub fn run(req: &GenerateRequest, out: &mut dyn std::io::Write) -> anyhow::Resul
     let prompt = encode_prompt(&tok, req.prompt, gpt.vocab_size)?;
     // The sums are taken over the slices the model was trained with (one
     // rank: generation gains nothing from splitting).
-    let slices = crate::model::tp::TpShape { size: 1, slices: cfg.parallel.tp_slices };
+    let slices = crate::model::tp::TpShape::of(1, cfg.parallel.tp_slices);
     let threads = crate::host::thread_count(cfg.backend.threads);
     let mut part =
         ModelPart::new(gpt, PartSpec::whole(&gpt), 1, cfg.train.seed, false).with_tp(slices, threads);

@@ -147,7 +147,7 @@ fn recompute_keeps_less_activation_memory() {
     // the GELU (6 of them); full keeps the input alone.
     let (n, c, blocks) = (4 * cfg.block_size, cfg.n_embd, cfg.n_layer);
     assert_eq!(bytes[0] - bytes[1], blocks * 4 * n * 6 * c, "{bytes:?}");
-    assert_eq!(bytes[1] - bytes[2], blocks * BlockActs::bytes_for(4, &cfg, 1, Recompute::Selective));
+    assert_eq!(bytes[1] - bytes[2], blocks * BlockActs::bytes_for(4, &cfg, 1, false, Recompute::Selective));
     assert!(bytes[2] * 5 < bytes[0], "{bytes:?}");
 }
 
@@ -395,21 +395,23 @@ fn a_part_split_over_two_or_four_ranks_gives_the_bits_of_one_rank_with_the_same_
         (false, Recompute::Selective),
         (true, Recompute::Selective),
     ];
-    let kept = split_run(TpShape { size: 1, slices: 4 }, false, Recompute::None);
+    let kept = split_run(TpShape::of(1, 4), false, Recompute::None);
     for (zb, recompute) in all {
-        let one = split_run(TpShape { size: 1, slices: 4 }, zb, recompute);
+        let one = split_run(TpShape::of(1, 4), zb, recompute);
         assert_eq!(one, kept, "one rank (zb {zb}, recompute {recompute}) against keeping everything");
-        for size in [2, 4] {
-            let got = split_run(TpShape { size, slices: 4 }, zb, recompute);
-            assert_eq!(got.0, one.0, "loss at {size} ranks (zb {zb}, recompute {recompute})");
+        // Sequence parallelism (sp) shares the rows out between the ranks: the same bits.
+        for (size, sp) in [(2, false), (4, false), (2, true), (4, true)] {
+            let got = split_run(TpShape { size, slices: 4, sp }, zb, recompute);
+            let at = format!("{size} ranks (sp {sp}, zb {zb}, recompute {recompute})");
+            assert_eq!(got.0, one.0, "loss at {at}");
             let bad: Vec<&String> =
                 got.1.iter().zip(&one.1).filter(|(g, w)| g.1 != w.1).map(|(g, _)| &g.0).collect();
-            assert!(bad.is_empty(), "{bad:?} at {size} ranks (zb {zb}, recompute {recompute})");
+            assert!(bad.is_empty(), "{bad:?} at {at}");
         }
     }
     // The slices are part of the definition: another count is another rounding.
     let plain = split_run(TpShape::WHOLE, false, Recompute::None);
-    let four = split_run(TpShape { size: 1, slices: 4 }, false, Recompute::None);
+    let four = split_run(TpShape::of(1, 4), false, Recompute::None);
     assert_ne!(plain.1, four.1);
 }
 
@@ -422,13 +424,15 @@ fn ranks_held_by_followers_in_other_processes_give_the_bits_of_ranks_held_here()
         (true, Recompute::Selective),
     ];
     for (zb, recompute) in all {
-        let here = split_run(TpShape { size: 4, slices: 4 }, zb, recompute);
-        for per in [1, 2] {
-            let over = split_run_over(TpShape { size: 4, slices: 4 }, Some(per), zb, recompute);
-            assert_eq!(over.0, here.0, "loss, {per} ranks per process (zb {zb}, recompute {recompute})");
+        let here = split_run(TpShape::of(4, 4), zb, recompute);
+        // Sequence parallelism's gathers, reduce-scatters and turns ride the same exchange.
+        for (per, sp) in [(1, false), (2, false), (1, true), (2, true)] {
+            let over = split_run_over(TpShape { size: 4, slices: 4, sp }, Some(per), zb, recompute);
+            let at = format!("{per} ranks per process (sp {sp}, zb {zb}, recompute {recompute})");
+            assert_eq!(over.0, here.0, "loss, {at}");
             let bad: Vec<&String> =
                 over.1.iter().zip(&here.1).filter(|(g, w)| g.1 != w.1).map(|(g, _)| &g.0).collect();
-            assert!(bad.is_empty(), "{bad:?}, {per} ranks per process (zb {zb}, recompute {recompute})");
+            assert!(bad.is_empty(), "{bad:?}, {at}");
         }
     }
 }
@@ -447,7 +451,7 @@ impl Exchange for Unreached {
 fn a_follower_refuses_commands_that_do_not_fit_its_part_with_a_reason() {
     let cfg = Arch::gpt2(2, 4, 32, 13, 8);
     let spec = PartSpec { layers: 0..2, embedding: false, head: false };
-    let tp = TpShape { size: 2, slices: 2 };
+    let tp = TpShape::of(2, 2);
     let mut f = TpFollower::new(cfg, spec, 2, false, tp, 1..2, 1, Box::new(Unreached));
     let n = 2 * 8 * 32;
     let cases: Vec<(TpCmd, Arrays, &str)> = vec![

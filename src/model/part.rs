@@ -250,10 +250,10 @@ impl ModelPart {
             wte_head_grad: if head && cfg.tied() { vec![0.0; v * c] } else { vec![] },
             scratch,
             recompute_acts: (recompute == Recompute::Full)
-                .then(|| BlockActs::new(b, &cfg, 1, Recompute::None)),
+                .then(|| BlockActs::new(b, &cfg, 1, false, Recompute::None)),
             pending_w: std::collections::BTreeMap::new(),
             grads_pool: Vec::new(),
-            full_grads: BlockGrads::new(n, &cfg, 1),
+            full_grads: BlockGrads::new(n, &cfg, 1, false),
             nc_pool: Vec::new(),
             acts_pool: Vec::new(),
             tp: TpShape::WHOLE,
@@ -327,7 +327,7 @@ impl ModelPart {
             tokens: if self.spec.embedding { vec![0; b * t] } else { vec![] },
             inputs: Vec::with_capacity(self.n_blocks()),
             blocks: (0..keep * self.held())
-                .map(|_| BlockActs::new(b, &self.cfg, self.tp.size, self.recompute))
+                .map(|_| BlockActs::new(b, &self.cfg, self.tp.size, self.tp.sp, self.recompute))
                 .collect(),
             dhead: vec![],
         }
@@ -636,7 +636,7 @@ impl ModelPart {
         let n = self.n();
         let t = self.held();
         while grads.len() < self.n_blocks() * t {
-            grads.push(BlockGrads::new(n, &self.cfg, self.tp.size));
+            grads.push(BlockGrads::new(n, &self.cfg, self.tp.size, self.tp.sp));
         }
         for l in (0..self.n_blocks()).rev() {
             let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());

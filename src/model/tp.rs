@@ -26,30 +26,42 @@ use super::params::{Arch, Param};
 use super::part::PartSpec;
 use crate::kernels::cpu::matmul::{random_order, with_random_order};
 
-/// How a part's blocks are split: `size` ranks, sums over `slices` K-slices.
+/// How a part's blocks are split: `size` ranks, sums over `slices`
+/// K-slices, rows shared out between the split regions or not (`sp`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TpShape {
     pub size: usize,
     pub slices: usize,
+    pub sp: bool,
 }
 
 impl TpShape {
     /// Not split, plain products: every run before tensor parallelism.
-    pub const WHOLE: TpShape = TpShape { size: 1, slices: 1 };
+    pub const WHOLE: TpShape = TpShape { size: 1, slices: 1, sp: false };
 
-    /// The split a run's config asks for (`parallel.tp`, `parallel.tp_slices`).
+    /// The split a run's config asks for (`parallel.tp`, `parallel.tp_slices`, `parallel.sp`).
     pub fn from_config(cfg: &crate::config::Config) -> TpShape {
-        TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices }
+        TpShape { size: cfg.parallel.tp, slices: cfg.parallel.tp_slices, sp: cfg.parallel.sp }
+    }
+
+    /// `size` ranks over `slices`, without sequence parallelism.
+    pub fn of(size: usize, slices: usize) -> TpShape {
+        TpShape { size, slices, sp: false }
+    }
+
+    /// Whether rows are shared out: sequence parallelism over more than one rank.
+    pub fn sequence_parallel(self) -> bool {
+        self.sp && self.size > 1
     }
 
     /// The rank a part that is not split computes as.
     pub fn single(self) -> TpRank<'static> {
-        TpRank { rank: 0, size: 1, slices: self.slices, group: None }
+        TpRank { rank: 0, size: 1, slices: self.slices, sp: false, group: None }
     }
 
     /// Rank `rank` of this split, joined by `group`.
     pub fn rank(self, rank: usize, group: Option<&dyn TensorGroup>) -> TpRank<'_> {
-        TpRank { rank, size: self.size, slices: self.slices, group }
+        TpRank { rank, size: self.size, slices: self.slices, sp: self.sp, group }
     }
 }
 
@@ -184,9 +196,9 @@ impl TpRanks {
                 Rank {
                     params,
                     scratch: BlockScratch::new(b, cfg, &tp, recompute),
-                    full_grads: BlockGrads::new(n, cfg, shape.size),
+                    full_grads: BlockGrads::new(n, cfg, shape.size, shape.sp),
                     recompute_acts: (recompute == Recompute::Full)
-                        .then(|| BlockActs::new(b, cfg, shape.size, Recompute::None)),
+                        .then(|| BlockActs::new(b, cfg, shape.size, shape.sp, Recompute::None)),
                     pool: rayon::ThreadPoolBuilder::new()
                         .num_threads(per)
                         .thread_name(move |i| format!("tp{r}-{i}"))
@@ -599,6 +611,7 @@ impl TpFollower {
     fn take(&mut self, key: u64, blocks: bool, grads: bool) -> Kept {
         let (per, nb) = (self.ranks.held_here(), self.spec.layers.len());
         let (b, cfg, size, kept) = (self.b, self.cfg, self.ranks.size(), self.ranks.recompute);
+        let sp = self.ranks.shape.sp;
         let n = b * cfg.block_size;
         let mut k = self.kept.remove(&key).unwrap_or_else(|| self.spare.pop().unwrap_or_default());
         if k.inputs.len() != nb {
@@ -606,10 +619,10 @@ impl TpFollower {
             k.dres = vec![0.0; n * cfg.n_embd];
         }
         if blocks && k.blocks.len() != nb * per {
-            k.blocks = (0..nb * per).map(|_| BlockActs::new(b, &cfg, size, kept)).collect();
+            k.blocks = (0..nb * per).map(|_| BlockActs::new(b, &cfg, size, sp, kept)).collect();
         }
         if grads && k.grads.len() != nb * per {
-            k.grads = (0..nb * per).map(|_| BlockGrads::new(n, &cfg, size)).collect();
+            k.grads = (0..nb * per).map(|_| BlockGrads::new(n, &cfg, size, sp)).collect();
         }
         k
     }

@@ -107,14 +107,29 @@ fn tp_link_bytes(
     let (nc4, l, h, t) = (4.0 * (n * shape.hidden()) as f64, layers as f64, held as f64, tp.size as f64);
     let followers = (tp.size / held - 1) as f64;
     // Two all-reduces in a block's forward, two in its backward, and the
-    // forward's two again when the block is recomputed.
-    let all_reduces = if recompute == Recompute::Full { 6.0 } else { 4.0 };
+    // forward's two again when the block is recomputed. Under sequence
+    // parallelism they are reduce-scatters (whole nodes go out all the same),
+    // and the exchange also carries all-gathers of a rank's rows (the
+    // forward's two norm outputs and its output; the backward's two norm
+    // outputs and two residual gradients) and the norms' weight gradients
+    // handed on in turn (`block::norm_grad`: tp turns of one C-float node,
+    // two for a LayerNorm's weight and bias, per norm).
+    let full = recompute == Recompute::Full;
+    let all_reduces = if full { 6.0 } else { 4.0 };
+    let per_block = match tp.sequence_parallel() {
+        false => all_reduces * nc4,
+        true => {
+            let gathers = if full { 10.0 } else { 7.0 };
+            let per_norm = if shape.arch.norm == crate::model::arch::Norm::LayerNorm { 2.0 } else { 1.0 };
+            all_reduces * nc4 + gathers * nc4 / t + 2.0 * t * per_norm * 4.0 * shape.hidden() as f64
+        }
+    };
     // A rank's shards of one block: 1/tp of it, the norms (and GPT-2's
     // projection biases) whole.
     let whole = shape.layer_whole_params();
     let shard = 4.0 * ((shape.layer_params() - whole) / t + whole);
     TpLinkBytes {
-        nodes_sent: l * all_reduces * h * nc4 * followers,
+        nodes_sent: l * per_block * h * followers,
         commands_sent: followers * 2.0 * nc4,
         answers_received: followers * l * h * shard,
         shards_per_step: followers * l * h * shard,
@@ -142,20 +157,31 @@ pub struct CpuPlan {
 /// LayerNorms and the attention's log-sum-exp per head. Selective recompute
 /// keeps neither norm's output nor the GELU (10 floats, GPT-2's shape); full
 /// recompute the input alone.
-pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: Recompute, tp: usize) -> f64 {
-    held_activation_bytes(shape, n, recompute, tp, tp)
+/// Under sequence parallelism a rank keeps its rows only of the norms'
+/// outputs and statistics and of the residual.
+pub fn block_activation_bytes(shape: &ModelShape, n: usize, recompute: Recompute, tp: TpShape) -> f64 {
+    held_activation_bytes(shape, n, recompute, tp, tp.size)
 }
 
 /// [`block_activation_bytes`] in a process holding `held` of the `tp` ranks
 /// (a follower keeps its own copy of the block's input, as the owner does).
-fn held_activation_bytes(shape: &ModelShape, n: usize, recompute: Recompute, tp: usize, held: usize) -> f64 {
+fn held_activation_bytes(
+    shape: &ModelShape,
+    n: usize,
+    recompute: Recompute,
+    tp: TpShape,
+    held: usize,
+) -> f64 {
     let input = 4.0 * (n * shape.hidden()) as f64;
     match recompute {
         Recompute::Full => input,
         // The block's input, and each held rank's intermediates as the block
         // allocates them (its share of q, k, v, attention, the MLP; the norms'
-        // outputs and statistics and the residual whole).
-        _ => input + held as f64 * BlockActs::bytes_for(n / shape.seq(), &shape.arch, tp, recompute) as f64,
+        // outputs and statistics and the residual whole, or their rows).
+        _ => {
+            let per = BlockActs::bytes_for(n / shape.seq(), &shape.arch, tp.size, tp.sp, recompute);
+            input + held as f64 * per as f64
+        }
     }
 }
 
@@ -192,10 +218,19 @@ impl TpSite<'_> {
         let shards = 8.0 * layers as f64 * h * ((shape.layer_params() - whole) / t + whole);
         let attn =
             crate::kernels::cpu::attention::scratch_len(b, gpt.n_head / tp.size, gpt.block_size) as f64;
-        let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (4.0 * c + 7.0 * cl);
+        // The gradient set: the block's output and residual gradients whole,
+        // the norms' output gradients whole or (sequence parallel) the
+        // rank's rows, and then a norm output gathered whole and a split
+        // region's own sum before its reduce-scatter, (N, C) each.
+        let (rows_c, sp_bufs) = match tp.sequence_parallel() {
+            true => (cl, 2.0 * c),
+            false => (c, 0.0),
+        };
+        let grads = 2.0 * c + 2.0 * rows_c;
+        let per_rank = leaves + 4.0 * (nf * 5.0 * cl + attn) + 4.0 * nf * (grads + 7.0 * cl + sp_bufs);
         let recomputed = match recompute {
-            Recompute::Full => block_activation_bytes(shape, n, Recompute::None, tp.size) / t,
-            _ => Remade::bytes_for(b, gpt, tp.size, recompute) as f64,
+            Recompute::Full => block_activation_bytes(shape, n, Recompute::None, tp) / t,
+            _ => Remade::bytes_for(b, gpt, tp.size, tp.sp, recompute) as f64,
         };
         shards + h * (per_rank + recomputed) + 4.0 * (h - 1.0) * nf * c
     }
@@ -206,8 +241,7 @@ impl TpSite<'_> {
     /// activations and the blocks' inputs (`model::tp::TpFollower`).
     fn follower_bytes(&self, layers: usize, live: f64) -> f64 {
         let n = self.b * self.gpt.block_size;
-        let acts =
-            layers as f64 * held_activation_bytes(self.shape, n, self.recompute, self.tp.size, self.held);
+        let acts = layers as f64 * held_activation_bytes(self.shape, n, self.recompute, self.tp, self.held);
         self.workspace_bytes(layers) + 4.0 * (n * self.gpt.n_embd) as f64 + live * acts
     }
 }
@@ -236,7 +270,7 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
     let tp = TpShape::from_config(cfg);
     let placement = crate::cluster::Placement::new(layout.pp, layout.dp, tp.size, nodes.max(1))?;
     let held = placement.tp_held();
-    let per_layer = held_activation_bytes(&shape, n, cfg.train.recompute, tp.size, held);
+    let per_layer = held_activation_bytes(&shape, n, cfg.train.recompute, tp, held);
     let site = TpSite { gpt: &gpt, shape: &shape, b, tp, held, recompute: cfg.train.recompute };
     let ranks = (0..layout.pp)
         .map(|rank| {
@@ -261,12 +295,12 @@ pub fn plan_over(cfg: &Config, nodes: usize) -> Result<CpuPlan> {
                 match cfg.train.recompute {
                     // The one block being recomputed holds its full set.
                     Recompute::Full => {
-                        workspace += block_activation_bytes(&shape, n, Recompute::None, tp.size) - per_layer
+                        workspace += block_activation_bytes(&shape, n, Recompute::None, tp) - per_layer
                     }
                     // The part's scratch lends one block the tensors it remakes
                     // (when split, each rank's does: `TpSite`).
                     Recompute::Selective if tp.size == 1 => {
-                        workspace += Remade::bytes_for(b, &gpt, 1, Recompute::Selective) as f64
+                        workspace += Remade::bytes_for(b, &gpt, 1, false, Recompute::Selective) as f64
                     }
                     _ => {}
                 }

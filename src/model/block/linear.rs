@@ -143,6 +143,7 @@ pub(super) fn column_parallel_dx(
     parts: &[ColumnPart],
     (n, i): (usize, usize),
     tp: &TpRank,
+    rows: Option<&mut [f32]>,
 ) {
     let count = leaves.len() + 1;
     let leaf = |dst: &mut [f32], j: usize| {
@@ -159,7 +160,7 @@ pub(super) fn column_parallel_dx(
             leaf(l, j + 1);
         }
     });
-    sum_slices(dx, leaves, tp);
+    sum_slices(dx, leaves, tp, rows);
 }
 
 /// Row-parallel forward: out (N, C) = Σ over this rank's slices of
@@ -174,6 +175,7 @@ pub(super) fn row_parallel(
     bias: Option<&[f32]>,
     (n, k, c): (usize, usize, usize),
     tp: &TpRank,
+    rows: Option<&mut [f32]>,
 ) {
     assert!(x.len() == n * k && w.len() == c * k);
     let ks = k / (leaves.len() + 1);
@@ -191,7 +193,7 @@ pub(super) fn row_parallel(
             leaf(l, j + 1, false);
         }
     });
-    sum_slices(out, leaves, tp);
+    sum_slices(out, leaves, tp, rows);
 }
 
 /// The input gradient of a row-parallel product, dx (N, K) = dy (N, C) · w,

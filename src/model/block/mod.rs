@@ -87,6 +87,15 @@ impl Share {
     }
 }
 
+/// The rows of `n` a rank of `size` normalizes: its run under sequence
+/// parallelism (`sp`), else all of them.
+pub fn own_rows(n: usize, size: usize, sp: bool) -> usize {
+    match sp && size > 1 {
+        true => n / size,
+        false => n,
+    }
+}
+
 /// Rows of mean/variance a norm keeps: a LayerNorm's mean, none for RMSNorm.
 fn mean_len(a: &Arch, n: usize) -> usize {
     if a.norm == Norm::LayerNorm {
@@ -99,6 +108,8 @@ fn mean_len(a: &Arch, n: usize) -> usize {
 /// One block's intermediate values for one microbatch on one rank. Kept
 /// for selective recompute, `n1`, `n2` and `act` are empty: the block lends
 /// them from its scratch ([`Remade`]) and computes them again when needed.
+/// Under sequence parallelism the norms' outputs and statistics and the
+/// residual `h` hold the rank's rows only (`TpRank::rows`).
 #[derive(Default)]
 pub struct BlockActs {
     n1: Vec<f32>,      // (N, C) the attention norm's output
@@ -122,9 +133,9 @@ impl BlockActs {
     /// For a rank of `size` in a model of `cfg`'s settings, holding what
     /// `recompute` keeps (`full` keeps a whole set for the block being
     /// recomputed; a part keeps none per microbatch).
-    pub fn new(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> Self {
+    pub fn new(b: usize, cfg: &Arch, size: usize, sp: bool, recompute: Recompute) -> Self {
         let [n1, mean1, rstd1, qkv, qkv_raw, rstd_q, rstd_k, atty, lse, h, n2, mean2, rstd2, hidden, act] =
-            Self::lens(b, cfg, size, recompute).map(|len| vec![0.0; len]);
+            Self::lens(b, cfg, size, sp, recompute).map(|len| vec![0.0; len]);
         BlockActs {
             n1,
             mean1,
@@ -146,36 +157,37 @@ impl BlockActs {
 
     /// The elements of each buffer, in field order: the one count the
     /// planner's memory model and the allocation share.
-    fn lens(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> [usize; 15] {
+    fn lens(b: usize, cfg: &Arch, size: usize, sp: bool, recompute: Recompute) -> [usize; 15] {
         let (t, s) = (cfg.block_size, Share::of(cfg, size));
         let n = b * t;
+        let r = own_rows(n, size, sp);
         let (c, heads) = (s.c, s.heads);
         let qk = usize::from(cfg.qk_norm);
         let kept = usize::from(recompute != Recompute::Selective);
         [
-            kept * n * c,
-            mean_len(cfg, n),
-            n,
+            kept * r * c,
+            mean_len(cfg, r),
+            r,
             n * heads.qkv_width(),
             qk * n * heads.qkv_width(),
             qk * n * heads.nh,
             qk * n * heads.nkv,
             n * heads.out_width(),
             b * heads.nh * t,
-            n * c,
-            kept * n * c,
-            mean_len(cfg, n),
-            n,
+            r * c,
+            kept * r * c,
+            mean_len(cfg, r),
+            r,
             n * s.hidden(cfg),
             kept * n * s.f,
         ]
     }
 
-    /// Bytes a rank of `size` keeps for one microbatch of `b` sequences
-    /// under `recompute` (the set `full` recomputes into is `none`'s),
-    /// computed without allocating.
-    pub fn bytes_for(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> usize {
-        4 * Self::lens(b, cfg, size, recompute).iter().sum::<usize>()
+    /// Bytes a rank of `size` (sharing out rows with `sp`) keeps for one
+    /// microbatch of `b` sequences under `recompute` (the set `full`
+    /// recomputes into is `none`'s), computed without allocating.
+    pub fn bytes_for(b: usize, cfg: &Arch, size: usize, sp: bool, recompute: Recompute) -> usize {
+        4 * Self::lens(b, cfg, size, sp, recompute).iter().sum::<usize>()
     }
 
     /// Kept for selective recompute: the remade tensors are not here.
@@ -233,17 +245,18 @@ pub struct BlockGrads {
 }
 
 impl BlockGrads {
-    /// For `n` rows (B·T) on a rank of `size`.
-    pub fn new(n: usize, cfg: &Arch, size: usize) -> Self {
-        let s = Share::of(cfg, size);
+    /// For `n` rows (B·T) on a rank of `size` (the norms' output gradients
+    /// its rows only under sequence parallelism, `sp`).
+    pub fn new(n: usize, cfg: &Arch, size: usize, sp: bool) -> Self {
+        let (s, r) = (Share::of(cfg, size), own_rows(n, size, sp));
         BlockGrads {
             dout: vec![0.0; n * s.c],
             dhidden: vec![0.0; n * s.hidden(cfg)],
-            dn2: vec![0.0; n * s.c],
+            dn2: vec![0.0; r * s.c],
             dh: vec![0.0; n * s.c],
             dqkv: vec![0.0; n * s.heads.qkv_width()],
             dqkv_raw: vec![0.0; usize::from(cfg.qk_norm) * n * s.heads.qkv_width()],
-            dn1: vec![0.0; n * s.c],
+            dn1: vec![0.0; r * s.c],
         }
     }
 
@@ -264,22 +277,23 @@ pub struct Remade {
 }
 
 impl Remade {
-    fn new(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> Remade {
-        let len = Remade::lens(b, cfg, size, recompute);
+    fn new(b: usize, cfg: &Arch, size: usize, sp: bool, recompute: Recompute) -> Remade {
+        let len = Remade::lens(b, cfg, size, sp, recompute);
         Remade { n1: vec![0.0; len[0]], n2: vec![0.0; len[1]], act: vec![0.0; len[2]] }
     }
 
-    fn lens(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> [usize; 3] {
+    fn lens(b: usize, cfg: &Arch, size: usize, sp: bool, recompute: Recompute) -> [usize; 3] {
         let (n, s) = (b * cfg.block_size, Share::of(cfg, size));
+        let r = own_rows(n, size, sp);
         match recompute {
-            Recompute::Selective => [n * s.c, n * s.c, n * s.f],
+            Recompute::Selective => [r * s.c, r * s.c, n * s.f],
             _ => [0; 3],
         }
     }
 
     /// Bytes a rank's scratch holds for them, computed without allocating.
-    pub fn bytes_for(b: usize, cfg: &Arch, size: usize, recompute: Recompute) -> usize {
-        4 * Remade::lens(b, cfg, size, recompute).iter().sum::<usize>()
+    pub fn bytes_for(b: usize, cfg: &Arch, size: usize, sp: bool, recompute: Recompute) -> usize {
+        4 * Remade::lens(b, cfg, size, sp, recompute).iter().sum::<usize>()
     }
 }
 
@@ -298,6 +312,11 @@ pub struct BlockScratch {
     /// this rank's heads, (L, HS), the first slice's joined with the others'.
     head_partials: Vec<f32>,
     head_leaves: Vec<Vec<f32>>,
+    /// Sequence parallelism only, (N, C) each: a norm's output gathered
+    /// whole for the products that read it, and a split region's own
+    /// subtree sum before the group reduce-scatters it.
+    gathered: Vec<f32>,
+    partial: Vec<f32>,
 }
 
 impl BlockScratch {
@@ -318,13 +337,15 @@ impl BlockScratch {
         let (s, t, n) = (Share::of(cfg, tp.size), cfg.block_size, b * cfg.block_size);
         BlockScratch {
             rope: (cfg.positions == Positions::Rotary).then(|| super::rope::rope_table(cfg)),
-            remade: Remade::new(b, cfg, tp.size, recompute),
+            remade: Remade::new(b, cfg, tp.size, tp.sp, recompute),
             attn: vec![0.0; scratch_len(b, s.heads.nh, t)],
             dact: vec![0.0; n * s.f],
             datty: vec![0.0; n * s.heads.out_width()],
             leaves: (1..tp.leaves()).map(|_| vec![0.0; n * s.c]).collect(),
             head_partials: vec![0.0; usize::from(cfg.qk_norm) * tp.leaves() * s.heads.hs],
             head_leaves: (1..tp.leaves()).filter(|_| cfg.qk_norm).map(|_| vec![0.0; s.heads.hs]).collect(),
+            gathered: vec![0.0; usize::from(tp.sequence_parallel()) * n * s.c],
+            partial: vec![0.0; usize::from(tp.sequence_parallel()) * n * s.c],
         }
     }
 }
@@ -391,9 +412,41 @@ fn norm_backward_input(
     }
 }
 
-/// The norm's weight (and bias) gradients, p[w] and p[w + 1] for a LayerNorm.
+/// The norm's weight (and bias) gradients, p[w] and p[w + 1] for a
+/// LayerNorm, over this rank's `n` rows. The kernels add row after row onto
+/// what the gradient holds, so under sequence parallelism the ranks take
+/// turns in rank order (= row order), each going on from the last one's sum
+/// (a broadcast after each turn): the unsplit bits, where Megatron's
+/// all-reduce of per-rank partial sums would give others.
 #[allow(clippy::too_many_arguments)]
 fn norm_grad(
+    a: &Arch,
+    p: &mut [Param],
+    w: usize,
+    dout: &[f32],
+    x: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+    tp: &TpRank,
+) {
+    if !tp.sequence_parallel() {
+        return norm_grad_rows(a, p, w, dout, x, mean, rstd, n, c);
+    }
+    for turn in 0..tp.size {
+        if turn == tp.rank {
+            norm_grad_rows(a, p, w, dout, x, mean, rstd, n, c);
+        }
+        tp.broadcast(turn, &mut p[w].grad);
+        if a.norm == Norm::LayerNorm {
+            tp.broadcast(turn, &mut p[w + 1].grad);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn norm_grad_rows(
     a: &Arch,
     p: &mut [Param],
     w: usize,
@@ -433,6 +486,16 @@ fn grad_and_bias<'p>(
     }
 }
 
+/// The input gradient of column-parallel products into `dx`: the group's
+/// sum whole (all-reduced), or this rank's rows of it under sequence
+/// parallelism (reduce-scattered from the rank's own subtree sum).
+fn split_dx(dx: &mut [f32], sc: &mut BlockScratch, parts: &[ColumnPart], ni: (usize, usize), tp: &TpRank) {
+    match tp.sequence_parallel() {
+        true => column_parallel_dx(&mut sc.partial, &mut sc.leaves, parts, ni, tp, Some(dx)),
+        false => column_parallel_dx(dx, &mut sc.leaves, parts, ni, tp, None),
+    }
+}
+
 /// One block's forward on one rank: `p` holds the rank's shards of the
 /// block's tensors (`cfg.block_len()` of them); out (N, C) = the block of x.
 #[allow(clippy::too_many_arguments)]
@@ -455,24 +518,27 @@ pub fn block_forward(
     if slim {
         a.lend(&mut sc.remade);
     }
+    let (rows, sp) = (tp.rows(n), tp.sequence_parallel());
+    let (r, own) = (rows.len(), rows.start * c..rows.end * c);
     norm_forward(
         cfg,
         &mut a.n1,
         &mut a.mean1,
         &mut a.rstd1,
-        x,
+        &x[own.clone()],
         wt.w(Role::AttnNorm),
         wt.opt(Role::AttnNormBias),
-        n,
+        r,
         c,
     );
+    let n1 = whole(&a.n1, &mut sc.gathered, tp);
     timed(Kernel::Matmul, || {
         // With the q/k norm, q's and k's products go where their norms read them.
         for (r, rb, col0, o) in [(Role::Q, Role::QBias, 0, q), (Role::K, Role::KBias, q, kv)] {
             let dst = if cfg.qk_norm { &mut a.qkv_raw } else { &mut a.qkv };
-            column_product(dst, w, col0, &a.n1, wt.w(r), wt.opt(rb), (n, c, o), l);
+            column_product(dst, w, col0, n1, wt.w(r), wt.opt(rb), (n, c, o), l);
         }
-        column_product(&mut a.qkv, w, q + kv, &a.n1, wt.w(Role::V), wt.opt(Role::VBias), (n, c, kv), l);
+        column_product(&mut a.qkv, w, q + kv, n1, wt.w(Role::V), wt.opt(Role::VBias), (n, c, kv), l);
     });
     if cfg.qk_norm {
         let (wq, wk, eps) = (wt.w(Role::QNorm), wt.w(Role::KNorm), cfg.norm_eps);
@@ -489,8 +555,14 @@ pub fn block_forward(
     timed(Kernel::Attention, || {
         gqa_window_forward(&mut a.atty, &mut a.lse, &mut sc.attn, &a.qkv, b, t, heads, window)
     });
-    row_parallel(&mut a.h, &mut sc.leaves, &a.atty, wt.w(Role::O), wt.opt(Role::OBias), (n, q, c), tp);
-    timed(Kernel::Residual, || residual::accumulate(&mut a.h, x));
+    let (o_w, o_b) = (wt.w(Role::O), wt.opt(Role::OBias));
+    match sp {
+        true => {
+            row_parallel(&mut sc.partial, &mut sc.leaves, &a.atty, o_w, o_b, (n, q, c), tp, Some(&mut a.h))
+        }
+        false => row_parallel(&mut a.h, &mut sc.leaves, &a.atty, o_w, o_b, (n, q, c), tp, None),
+    }
+    timed(Kernel::Residual, || residual::accumulate(&mut a.h, &x[own.clone()]));
     norm_forward(
         cfg,
         &mut a.n2,
@@ -499,9 +571,10 @@ pub fn block_forward(
         &a.h,
         wt.w(Role::MlpNorm),
         wt.opt(Role::MlpNormBias),
-        n,
+        r,
         c,
     );
+    let n2 = whole(&a.n2, &mut sc.gathered, tp);
     let hidden = s.hidden(cfg);
     timed(Kernel::Matmul, || {
         if cfg.mlp == Mlp::SwiGlu {
@@ -509,7 +582,7 @@ pub fn block_forward(
                 &mut a.hidden,
                 hidden,
                 0,
-                &a.n2,
+                n2,
                 wt.w(Role::Gate),
                 wt.opt(Role::GateBias),
                 (n, c, f),
@@ -520,7 +593,7 @@ pub fn block_forward(
             &mut a.hidden,
             hidden,
             hidden - f,
-            &a.n2,
+            n2,
             wt.w(Role::Up),
             wt.opt(Role::UpBias),
             (n, c, f),
@@ -528,11 +601,35 @@ pub fn block_forward(
         );
     });
     mlp_activation(cfg, &mut a.act, &a.hidden, n, f);
-    row_parallel(out, &mut sc.leaves, &a.act, wt.w(Role::Down), wt.opt(Role::DownBias), (n, f, c), tp);
-    timed(Kernel::Residual, || residual::accumulate(out, &a.h));
+    let (down_w, down_b) = (wt.w(Role::Down), wt.opt(Role::DownBias));
+    match sp {
+        true => {
+            let mine = &mut out[own];
+            row_parallel(&mut sc.partial, &mut sc.leaves, &a.act, down_w, down_b, (n, f, c), tp, Some(mine));
+            timed(Kernel::Residual, || residual::accumulate(mine, &a.h));
+            // The part passes whole residual streams between blocks.
+            tp.gather(out);
+        }
+        false => {
+            row_parallel(out, &mut sc.leaves, &a.act, down_w, down_b, (n, f, c), tp, None);
+            timed(Kernel::Residual, || residual::accumulate(out, &a.h));
+        }
+    }
     if slim {
         a.trade(&mut sc.remade);
     }
+}
+
+/// A norm's output `mine` (this rank's rows) whole: gathered from the
+/// ranks into `buf` under sequence parallelism, else `mine` itself.
+fn whole<'a>(mine: &'a [f32], buf: &'a mut [f32], tp: &TpRank) -> &'a [f32] {
+    if !tp.sequence_parallel() {
+        return mine;
+    }
+    let at = tp.rank * mine.len();
+    buf[at..at + mine.len()].copy_from_slice(mine);
+    tp.gather(buf);
+    buf
 }
 
 /// act (N, F) = the MLP's activation of its first products (N, 2F or F).
@@ -554,16 +651,18 @@ fn remake(
     sc: &mut BlockScratch,
     b: usize,
     cfg: &Arch,
-    size: usize,
+    tp: &TpRank,
 ) {
-    let s = Share::of(cfg, size);
+    let s = Share::of(cfg, tp.size);
     let (n, c, f) = (b * cfg.block_size, s.c, s.f);
+    let rows = tp.rows(n);
+    let (r, x) = (rows.len(), &x[rows.start * c..rows.end * c]);
     let wt = Weights { p, ix: cfg.block_index() };
     a.lend(&mut sc.remade);
     let (norm1, bias1) = (wt.w(Role::AttnNorm), wt.opt(Role::AttnNormBias));
-    norm_forward(cfg, &mut a.n1, &mut a.mean1, &mut a.rstd1, x, norm1, bias1, n, c);
+    norm_forward(cfg, &mut a.n1, &mut a.mean1, &mut a.rstd1, x, norm1, bias1, r, c);
     let (norm2, bias2) = (wt.w(Role::MlpNorm), wt.opt(Role::MlpNormBias));
-    norm_forward(cfg, &mut a.n2, &mut a.mean2, &mut a.rstd2, &a.h, norm2, bias2, n, c);
+    norm_forward(cfg, &mut a.n2, &mut a.mean2, &mut a.rstd2, &a.h, norm2, bias2, r, c);
     mlp_activation(cfg, &mut a.act, &a.hidden, n, f);
 }
 
@@ -597,8 +696,11 @@ pub fn block_backward_input(
     let hidden = s.hidden(cfg);
     let remade = full && a.slim();
     if remade {
-        remake(p, a, x, sc, b, cfg, tp.size);
+        remake(p, a, x, sc, b, cfg, tp);
     }
+    let (rows, sp) = (tp.rows(n), tp.sequence_parallel());
+    let (r, own) = (rows.len(), rows.start * c..rows.end * c);
+    let x = &x[own.clone()];
     // MLP: dres is ∂L/∂out, which is also the residual's share of ∂L/∂h.
     if full {
         down_grads(p, &ix, dres, a, (n, f, c), l);
@@ -623,18 +725,23 @@ pub fn block_backward_input(
         match cfg.mlp {
             Mlp::SwiGlu => {
                 let gate = ColumnPart { dy: &g.dhidden, dy_cols: hidden, col0: 0, w: wt.w(Role::Gate), o: f };
-                column_parallel_dx(&mut g.dn2, &mut sc.leaves, &[gate, up], (n, c), tp)
+                split_dx(&mut g.dn2, sc, &[gate, up], (n, c), tp)
             }
-            Mlp::Gelu => column_parallel_dx(&mut g.dn2, &mut sc.leaves, &[up], (n, c), tp),
+            Mlp::Gelu => split_dx(&mut g.dn2, sc, &[up], (n, c), tp),
         }
     }
     if full {
-        mlp_in_grads(cfg, p, &ix, &g.dhidden, a, (n, c, f), l);
+        let n2 = whole(&a.n2, &mut sc.gathered, tp);
+        mlp_in_grads(cfg, p, &ix, &g.dhidden, n2, (n, c, f), l);
     }
     let (mlp_norm, attn_norm) = (ix.at(Role::MlpNorm), ix.at(Role::AttnNorm));
-    norm_backward_input(cfg, dres, &g.dn2, &a.h, &p[mlp_norm].data, &a.mean2, &a.rstd2, n, c);
+    let mine = &mut dres[own.clone()];
+    norm_backward_input(cfg, mine, &g.dn2, &a.h, &p[mlp_norm].data, &a.mean2, &a.rstd2, r, c);
     if full {
-        norm_grad(cfg, p, mlp_norm, &g.dn2, &a.h, &a.mean2, &a.rstd2, n, c);
+        norm_grad(cfg, p, mlp_norm, &g.dn2, &a.h, &a.mean2, &a.rstd2, r, c, tp);
+    }
+    if sp {
+        tp.gather(dres);
     }
     // Attention: dres is now ∂L/∂h, the residual's share of ∂L/∂x.
     if full {
@@ -687,14 +794,19 @@ pub fn block_backward_input(
             ColumnPart { dy: dqkv, dy_cols: w, col0: q, w: wt.w(Role::K), o: kv },
             ColumnPart { dy: dqkv, dy_cols: w, col0: q + kv, w: wt.w(Role::V), o: kv },
         ];
-        column_parallel_dx(&mut g.dn1, &mut sc.leaves, &parts, (n, c), tp);
+        split_dx(&mut g.dn1, sc, &parts, (n, c), tp);
     }
     if full {
-        qkv_grads(p, &ix, dqkv, a, (n, c, q, kv), l);
+        let n1 = whole(&a.n1, &mut sc.gathered, tp);
+        qkv_grads(p, &ix, dqkv, n1, (n, c, q, kv), l);
     }
-    norm_backward_input(cfg, dres, &g.dn1, x, &p[attn_norm].data, &a.mean1, &a.rstd1, n, c);
+    let mine = &mut dres[own];
+    norm_backward_input(cfg, mine, &g.dn1, x, &p[attn_norm].data, &a.mean1, &a.rstd1, r, c);
     if full {
-        norm_grad(cfg, p, attn_norm, &g.dn1, x, &a.mean1, &a.rstd1, n, c);
+        norm_grad(cfg, p, attn_norm, &g.dn1, x, &a.mean1, &a.rstd1, r, c, tp);
+    }
+    if sp {
+        tp.gather(dres);
     }
     if remade {
         a.trade(&mut sc.remade);
@@ -722,18 +834,20 @@ pub fn block_backward_weight(
     let ix = cfg.block_index();
     let remade = a.slim();
     if remade {
-        remake(p, a, x, sc, b, cfg, tp.size);
+        remake(p, a, x, sc, b, cfg, tp);
     }
+    let rows = tp.rows(n);
+    let (r, x) = (rows.len(), &x[rows.start * c..rows.end * c]);
     down_grads(p, &ix, &g.dout, a, (n, f, c), l);
-    mlp_in_grads(cfg, p, &ix, &g.dhidden, a, (n, c, f), l);
-    norm_grad(cfg, p, ix.at(Role::MlpNorm), &g.dn2, &a.h, &a.mean2, &a.rstd2, n, c);
+    mlp_in_grads(cfg, p, &ix, &g.dhidden, whole(&a.n2, &mut sc.gathered, tp), (n, c, f), l);
+    norm_grad(cfg, p, ix.at(Role::MlpNorm), &g.dn2, &a.h, &a.mean2, &a.rstd2, r, c, tp);
     o_grads(p, &ix, &g.dh, a, (n, q, c), l);
     if cfg.qk_norm {
         qk_norm_grads(p, &ix, &g.dqkv, a, sc, &s, n, tp);
     }
     let dqkv = if cfg.qk_norm { &g.dqkv_raw } else { &g.dqkv };
-    qkv_grads(p, &ix, dqkv, a, (n, c, q, kv), l);
-    norm_grad(cfg, p, ix.at(Role::AttnNorm), &g.dn1, x, &a.mean1, &a.rstd1, n, c);
+    qkv_grads(p, &ix, dqkv, whole(&a.n1, &mut sc.gathered, tp), (n, c, q, kv), l);
+    norm_grad(cfg, p, ix.at(Role::AttnNorm), &g.dn1, x, &a.mean1, &a.rstd1, r, c, tp);
     if remade {
         a.trade(&mut sc.remade);
     }
@@ -765,7 +879,7 @@ fn qk_norm_grads(
         for (leaf, part) in sc.head_leaves.iter_mut().zip(rest.chunks(hs)) {
             leaf.copy_from_slice(part);
         }
-        sum_slices(first, &mut sc.head_leaves, tp);
+        sum_slices(first, &mut sc.head_leaves, tp, None);
         for (g, d) in p[ix.at(role)].grad.iter_mut().zip(first.iter()) {
             *g += d;
         }
@@ -799,13 +913,13 @@ fn o_grads(
 }
 
 /// The MLP's first products' weight (and bias) gradients from their output
-/// gradients `dhidden` (gate's then up's, or up's).
+/// gradients `dhidden` (gate's then up's, or up's) and their input `n2`, whole.
 fn mlp_in_grads(
     cfg: &Arch,
     p: &mut [Param],
     ix: &BlockIndex,
     dhidden: &[f32],
-    a: &BlockActs,
+    n2: &[f32],
     (n, c, f): (usize, usize, usize),
     l: usize,
 ) {
@@ -813,19 +927,20 @@ fn mlp_in_grads(
     timed(Kernel::Matmul, || {
         if cfg.mlp == Mlp::SwiGlu {
             let (dw, db) = grad_and_bias(p, ix, Role::Gate, Role::GateBias);
-            column_weight_grad(dw, db, dhidden, cols, 0, &a.n2, (n, c, f), l);
+            column_weight_grad(dw, db, dhidden, cols, 0, n2, (n, c, f), l);
         }
         let (dw, db) = grad_and_bias(p, ix, Role::Up, Role::UpBias);
-        column_weight_grad(dw, db, dhidden, cols, cols - f, &a.n2, (n, c, f), l);
+        column_weight_grad(dw, db, dhidden, cols, cols - f, n2, (n, c, f), l);
     });
 }
 
-/// q's, k's and v's weight (and bias) gradients from theirs, `dqkv` (N, Q + 2·KV).
+/// q's, k's and v's weight (and bias) gradients from theirs, `dqkv` (N, Q + 2·KV),
+/// and their input `n1`, whole.
 fn qkv_grads(
     p: &mut [Param],
     ix: &BlockIndex,
     dqkv: &[f32],
-    a: &BlockActs,
+    n1: &[f32],
     (n, c, q, kv): (usize, usize, usize, usize),
     l: usize,
 ) {
@@ -835,7 +950,7 @@ fn qkv_grads(
             [(Role::Q, Role::QBias, 0, q), (Role::K, Role::KBias, q, kv), (Role::V, Role::VBias, q + kv, kv)]
         {
             let (dw, db) = grad_and_bias(p, ix, r, rb);
-            column_weight_grad(dw, db, dqkv, w, col0, &a.n1, (n, c, o), l);
+            column_weight_grad(dw, db, dqkv, w, col0, n1, (n, c, o), l);
         }
     });
 }

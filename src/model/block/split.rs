@@ -13,21 +13,37 @@ use crate::kernels::profile::{timed, Kernel};
 pub use crate::model::arch::Cut;
 use crate::model::params::Arch;
 
-/// Joins every rank's subtree sum into the root of the slice tree.
+/// Joins every rank's subtree sum into the root of the slice tree, and
+/// moves rows between ranks for sequence parallelism. Every rank of a group
+/// makes the same calls in the same order.
 pub trait TensorGroup: Sync {
     /// Replaces `node`, rank `rank`'s subtree sum, with the sum of every
     /// rank's node by the pairwise tree over rank order: the same bits on
     /// every rank.
     fn all_reduce(&self, rank: usize, node: &mut [f32]);
+    /// `out` = rank `rank`'s run (the `rank`-th of `size` equal runs) of
+    /// [`Self::all_reduce`]'s sum of every rank's `node`: the same bits as
+    /// that run of the all-reduce, since the tree is element by element.
+    fn reduce_scatter(&self, rank: usize, node: &[f32], out: &mut [f32]);
+    /// `whole` = every rank's own run of it (the `r`-th of `size` equal
+    /// runs from rank `r`), joined in rank order.
+    fn all_gather(&self, rank: usize, whole: &mut [f32]);
+    /// `buf` = rank `root`'s `buf` on every rank.
+    fn broadcast(&self, rank: usize, root: usize, buf: &mut [f32]);
 }
 
-/// Which tensor-parallel rank computes, out of how many, and how many slices
-/// the split sums are defined over.
+/// Which tensor-parallel rank computes, out of how many, how many slices
+/// the split sums are defined over, and whether the ranks share out the
+/// rows between the split regions (sequence parallelism).
 #[derive(Clone, Copy)]
 pub struct TpRank<'g> {
     pub rank: usize,
     pub size: usize,
     pub slices: usize,
+    /// Megatron's sequence parallelism: the norms, the residual adds and
+    /// what they keep work on this rank's run of the N rows only; a split
+    /// region's input is all-gathered and its output reduce-scattered.
+    pub sp: bool,
     pub group: Option<&'g dyn TensorGroup>,
 }
 
@@ -39,20 +55,63 @@ impl TpRank<'_> {
 
     fn reduce(&self, node: &mut [f32]) {
         if self.size > 1 {
-            self.group.expect("a split block needs its tensor group").all_reduce(self.rank, node);
+            self.group().all_reduce(self.rank, node);
+        }
+    }
+
+    fn group(&self) -> &dyn TensorGroup {
+        self.group.expect("a split block needs its tensor group")
+    }
+
+    /// Whether rows are shared out (sequence parallelism on more than one rank).
+    pub fn sequence_parallel(&self) -> bool {
+        self.sp && self.size > 1
+    }
+
+    /// The rows of a microbatch's `n` this rank normalizes and adds
+    /// residuals for: its run of them under sequence parallelism, else all.
+    pub fn rows(&self, n: usize) -> std::ops::Range<usize> {
+        match self.sequence_parallel() {
+            true => {
+                let run = n / self.size;
+                self.rank * run..(self.rank + 1) * run
+            }
+            false => 0..n,
+        }
+    }
+
+    /// `out` = this rank's rows of the group's sum of `node` (sequence parallelism only).
+    pub fn scatter(&self, node: &[f32], out: &mut [f32]) {
+        self.group().reduce_scatter(self.rank, node, out);
+    }
+
+    /// `whole`'s other rows from the ranks that hold them (sequence parallelism only).
+    pub fn gather(&self, whole: &mut [f32]) {
+        self.group().all_gather(self.rank, whole);
+    }
+
+    /// `buf` = rank `root`'s on every rank.
+    pub fn broadcast(&self, root: usize, buf: &mut [f32]) {
+        if self.size > 1 {
+            self.group().broadcast(self.rank, root, buf);
         }
     }
 }
 
 /// out (N, C) = the slice tree over `out` (slice 0) and `leaves`, then over
-/// the group (both families' split sums end here).
-pub fn sum_slices(out: &mut [f32], leaves: &mut [Vec<f32>], tp: &TpRank) {
+/// the group (both families' split sums end here). With `rows`, the group's
+/// sum goes there, this rank's rows of it only (a reduce-scatter), and `out`
+/// keeps the rank's own subtree sum.
+pub fn sum_slices(out: &mut [f32], leaves: &mut [Vec<f32>], tp: &TpRank, rows: Option<&mut [f32]>) {
     if !leaves.is_empty() {
         let mut bufs: Vec<&mut [f32]> =
             std::iter::once(out as &mut [f32]).chain(leaves.iter_mut().map(|l| l.as_mut_slice())).collect();
         timed(Kernel::Residual, || tree_sum(&mut bufs));
     }
-    tp.reduce(out);
+    match rows {
+        Some(dst) => tp.scatter(out, dst),
+        None => tp.reduce(out),
+    }
 }
 
 /// How block tensor `i` (its index among the block's tensors) is cut.
@@ -189,8 +248,13 @@ impl ThreadGroup {
     }
 }
 
-impl TensorGroup for ThreadGroup {
-    fn all_reduce(&self, rank: usize, node: &mut [f32]) {
+impl ThreadGroup {
+    /// Puts rank `rank`'s `node` in its slot and, once every local rank has,
+    /// the group's other processes' nodes in theirs. False when the exchange
+    /// failed: the other processes' slots then hold nothing (or an older
+    /// call's nodes), the ranks leave their results as they are and the
+    /// caller, reading `failure`, voids them. Each call ends with [`Self::done`].
+    fn publish(&self, rank: usize, node: &[f32]) -> bool {
         {
             let mut slot = self.slots[rank].write().expect("slot");
             slot.clear();
@@ -217,7 +281,7 @@ impl TensorGroup for ThreadGroup {
                             // An exchange that checks less than `Link` does must
                             // not turn a hostile node into an index out of bounds.
                             Some((r, n)) => self.fail(format!(
-                                "all-reduce {seq}: the exchange returned a node of {} elements for \
+                                "exchange {seq}: the exchange returned a node of {} elements for \
                                  rank {r}; wanted {len} elements for a rank of 0..{} outside {:?}",
                                 n.len(),
                                 self.slots.len(),
@@ -235,15 +299,57 @@ impl TensorGroup for ThreadGroup {
             }
             self.barrier.wait();
         }
-        // After a failed exchange the other processes' slots hold nothing
-        // (or an older call's nodes): the ranks leave their nodes as they are
-        // and the caller, reading `failure`, voids the result.
-        if self.failure().is_none() {
-            let held: Vec<_> = self.slots.iter().map(|s| s.read().expect("slot")).collect();
+        self.failure().is_none()
+    }
+
+    /// Every rank's node of this call, in rank order.
+    fn held(&self) -> Vec<std::sync::RwLockReadGuard<'_, Vec<f32>>> {
+        self.slots.iter().map(|s| s.read().expect("slot")).collect()
+    }
+
+    /// No slot is written again before every rank has read this call's.
+    fn done(&self) {
+        self.barrier.wait();
+    }
+}
+
+impl TensorGroup for ThreadGroup {
+    fn all_reduce(&self, rank: usize, node: &mut [f32]) {
+        if self.publish(rank, node) {
+            let held = self.held();
             let nodes: Vec<&[f32]> = held.iter().map(|g| g.as_slice()).collect();
             tree_sum_elementwise(node, &nodes);
         }
-        self.barrier.wait();
+        self.done();
+    }
+
+    fn reduce_scatter(&self, rank: usize, node: &[f32], out: &mut [f32]) {
+        let run = out.len();
+        assert_eq!(node.len(), run * self.slots.len(), "a reduce-scatter's node is one run per rank");
+        if self.publish(rank, node) {
+            let held = self.held();
+            let runs: Vec<&[f32]> = held.iter().map(|g| &g[rank * run..(rank + 1) * run]).collect();
+            tree_sum_elementwise(out, &runs);
+        }
+        self.done();
+    }
+
+    fn all_gather(&self, rank: usize, whole: &mut [f32]) {
+        let run = whole.len() / self.slots.len();
+        assert_eq!(run * self.slots.len(), whole.len(), "an all-gather's tensor is one run per rank");
+        if self.publish(rank, &whole[rank * run..(rank + 1) * run]) {
+            for (r, g) in self.held().iter().enumerate().filter(|(r, _)| *r != rank) {
+                whole[r * run..(r + 1) * run].copy_from_slice(g);
+            }
+        }
+        self.done();
+    }
+
+    fn broadcast(&self, rank: usize, root: usize, buf: &mut [f32]) {
+        if self.publish(rank, buf) && rank != root {
+            buf.copy_from_slice(&self.held()[root]);
+        }
+        self.done();
     }
 }
 

@@ -196,8 +196,8 @@ fn reference(a: &Arch, p: &[Vec<f64>], x: &[f64], b: usize) -> Vec<f64> {
 /// the output and the input gradient, weight gradients into `p`.
 fn run(a: &Arch, p: &mut [Param], x: &[f32], dout: &[f32], b: usize) -> (Vec<f32>, Vec<f32>) {
     let one = TpShape::WHOLE.single();
-    let mut acts = BlockActs::new(b, a, 1, Recompute::None);
-    let mut g = BlockGrads::new(b * a.block_size, a, 1);
+    let mut acts = BlockActs::new(b, a, 1, false, Recompute::None);
+    let mut g = BlockGrads::new(b * a.block_size, a, 1, false);
     let mut sc = BlockScratch::new(b, a, &one, Recompute::None);
     let mut out = vec![0.0; x.len()];
     block_forward(p, &mut acts, x, &mut out, &mut sc, b, a, &one);
@@ -340,15 +340,15 @@ fn run_rank_keeping(whole: &[Param], a: &Arch, tp: &TpRank, how: Backward, kept:
         })
         .collect();
     let x = randn(n * c, 7);
-    let mut acts = BlockActs::new(B, a, tp.size, kept);
+    let mut acts = BlockActs::new(B, a, tp.size, tp.sp, kept);
     let mut s = BlockScratch::new(B, a, tp, kept);
     let mut out = vec![0.0; n * c];
     block_forward(&p, &mut acts, &x, &mut out, &mut s, B, a, tp);
     let mut dx = randn(n * c, 8);
-    let mut g = BlockGrads::new(n, a, tp.size);
+    let mut g = BlockGrads::new(n, a, tp.size, tp.sp);
     block_backward_input(&mut p, &mut acts, &x, &mut dx, &mut g, &mut s, B, a, tp, how == Backward::Full);
     if how == Backward::Split {
-        let mut other = BlockActs::new(B, a, tp.size, kept);
+        let mut other = BlockActs::new(B, a, tp.size, tp.sp, kept);
         let mut other_out = vec![0.0; n * c];
         block_forward(&p, &mut other, &randn(n * c, 9), &mut other_out, &mut s, B, a, tp);
         block_backward_weight(&mut p, &mut acts, &x, &g, &mut s, B, a, tp);
@@ -358,23 +358,22 @@ fn run_rank_keeping(whole: &[Param], a: &Arch, tp: &TpRank, how: Backward, kept:
 
 /// Runs `size` ranks as threads joined by one group; the ranks' results.
 fn run_ranks(whole: &[Param], a: &Arch, size: usize, slices: usize, how: Backward) -> Vec<Ranked> {
-    run_ranks_keeping(whole, a, size, slices, how, Recompute::None)
+    run_ranks_keeping(whole, a, TpShape::of(size, slices), how, Recompute::None)
 }
 
 fn run_ranks_keeping(
     whole: &[Param],
     a: &Arch,
-    size: usize,
-    slices: usize,
+    shape: TpShape,
     how: Backward,
     kept: Recompute,
 ) -> Vec<Ranked> {
-    let group = ThreadGroup::new(size);
+    let group = ThreadGroup::new(shape.size);
     std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..size)
+        let hs: Vec<_> = (0..shape.size)
             .map(|rank| {
                 let group: &dyn TensorGroup = &group;
-                let tp = TpShape { size, slices }.rank(rank, Some(group));
+                let tp = shape.rank(rank, Some(group));
                 sc.spawn(move || run_rank_keeping(whole, a, &tp, how, kept))
             })
             .collect();
@@ -434,24 +433,64 @@ fn every_rank_count_dividing_the_slices_gives_the_bits_of_one_rank() {
                         "{what}: {slices} slices, {size} ranks, {}",
                         if how == Backward::Full { "B" } else { "I+W" }
                     );
-                    for (r, res) in ranks.iter().enumerate() {
-                        same_bits(&res.out, &one.out, &format!("{at}: output of rank {r}"));
-                        same_bits(&res.dx, &one.dx, &format!("{at}: input gradient of rank {r}"));
-                    }
-                    for (i, want) in one.grads.iter().enumerate() {
-                        let pieces: Vec<&[f32]> = ranks.iter().map(|res| res.grads[i].as_slice()).collect();
-                        let cols = *whole[i].shape.last().unwrap();
-                        let name = &whole[i].name;
-                        same_bits(&unshard(cut_of(&a, i), &pieces, cols), want, &format!("{at}: {name}"));
-                        if cut_of(&a, i) == Cut::Whole {
-                            for (r, piece) in pieces.iter().enumerate() {
-                                same_bits(piece, want, &format!("{at}: {name} whole on rank {r}"));
-                            }
-                        }
-                    }
+                    same_as_one_rank(&ranks, &one, &whole, &a, &at);
                 }
             }
         }
+    }
+}
+
+/// Every rank's output and input gradient, and the ranks' weight gradients
+/// joined, have the bits of `one` rank's (a whole tensor's on every rank).
+fn same_as_one_rank(ranks: &[Ranked], one: &Ranked, whole: &[Param], a: &Arch, at: &str) {
+    for (r, res) in ranks.iter().enumerate() {
+        same_bits(&res.out, &one.out, &format!("{at}: output of rank {r}"));
+        same_bits(&res.dx, &one.dx, &format!("{at}: input gradient of rank {r}"));
+    }
+    for (i, want) in one.grads.iter().enumerate() {
+        let pieces: Vec<&[f32]> = ranks.iter().map(|res| res.grads[i].as_slice()).collect();
+        let cols = *whole[i].shape.last().unwrap();
+        let name = &whole[i].name;
+        same_bits(&unshard(cut_of(a, i), &pieces, cols), want, &format!("{at}: {name}"));
+        if cut_of(a, i) == Cut::Whole {
+            for (r, piece) in pieces.iter().enumerate() {
+                same_bits(piece, want, &format!("{at}: {name} whole on rank {r}"));
+            }
+        }
+    }
+}
+
+/// Sequence parallelism moves rows between the ranks and sums nothing
+/// otherwise: the norms' weight gradients go on from rank to rank in row
+/// order, so every output, input gradient and weight gradient has the bits
+/// of one rank, for B and for I then W, keeping all or selectively.
+#[test]
+fn sequence_parallel_ranks_give_the_bits_of_one_rank() {
+    for (what, a) in split_archs() {
+        let whole = params(&a, 15);
+        for (size, slices) in [(2, 2), (2, 4), (4, 4)] {
+            let one = run_ranks(&whole, &a, 1, slices, Backward::Full).pop().unwrap();
+            for kept in [Recompute::None, Recompute::Selective] {
+                for how in [Backward::Full, Backward::Split] {
+                    let ranks = run_ranks_keeping(&whole, &a, TpShape { size, slices, sp: true }, how, kept);
+                    let at = format!(
+                        "{what}: sequence parallel, {slices} slices, {size} ranks, {kept:?}, {}",
+                        if how == Backward::Full { "B" } else { "I+W" }
+                    );
+                    same_as_one_rank(&ranks, &one, &whole, &a, &at);
+                }
+            }
+        }
+        // What a rank keeps: its rows of both norms' outputs and statistics and of the residual.
+        let n = B * a.block_size;
+        let stats = if a.norm == Norm::LayerNorm { 2 } else { 1 };
+        let rows = 4 * n * (3 * a.n_embd + 2 * stats);
+        let (tp, sp) = (
+            BlockActs::bytes_for(B, &a, 4, false, Recompute::None),
+            BlockActs::bytes_for(B, &a, 4, true, Recompute::None),
+        );
+        assert_eq!(tp - sp, rows - rows / 4, "{what}");
+        assert_eq!(BlockActs::new(B, &a, 4, true, Recompute::None).bytes(), sp, "{what}");
     }
 }
 
@@ -465,8 +504,9 @@ fn selective_recompute_gives_the_bits_of_keeping_everything() {
         let whole = params(&a, 14);
         for (size, slices) in [(1, 1), (1, 2), (2, 2)] {
             for how in [Backward::Full, Backward::Split, Backward::InputOnly] {
-                let kept = run_ranks_keeping(&whole, &a, size, slices, how, Recompute::None);
-                let remade = run_ranks_keeping(&whole, &a, size, slices, how, Recompute::Selective);
+                let shape = TpShape::of(size, slices);
+                let kept = run_ranks_keeping(&whole, &a, shape, how, Recompute::None);
+                let remade = run_ranks_keeping(&whole, &a, shape, how, Recompute::Selective);
                 for (r, (got, want)) in remade.iter().zip(&kept).enumerate() {
                     same_results(got, want, &format!("{what}: {size} ranks, {slices} slices, rank {r}"));
                 }
@@ -475,11 +515,11 @@ fn selective_recompute_gives_the_bits_of_keeping_everything() {
         // What it keeps: GPT-2's block without 2·C + F of its floats a token.
         let (n, s) = (B * a.block_size, Share::of(&a, 1));
         let (none, selective) = (
-            BlockActs::bytes_for(B, &a, 1, Recompute::None),
-            BlockActs::bytes_for(B, &a, 1, Recompute::Selective),
+            BlockActs::bytes_for(B, &a, 1, false, Recompute::None),
+            BlockActs::bytes_for(B, &a, 1, false, Recompute::Selective),
         );
         assert_eq!(none - selective, 4 * n * (2 * s.c + s.f), "{what}");
-        assert_eq!(BlockActs::new(B, &a, 1, Recompute::Selective).bytes(), selective, "{what}");
+        assert_eq!(BlockActs::new(B, &a, 1, false, Recompute::Selective).bytes(), selective, "{what}");
     }
 }
 
