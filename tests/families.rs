@@ -85,8 +85,14 @@ fn every_family_gives_one_digest_across_layouts_processes_and_a_resume_at_anothe
             ("dp2-pp2-tp2-zero1", layout(2, 2, 2, 1, &[])),
             ("zb-h1", layout(1, 2, 1, 0, &["parallel.schedule=\"zb-h1\""])),
             (
-                "interleaved-tp2",
-                layout(1, 2, 2, 0, &["parallel.schedule=\"interleaved\"", "parallel.chunks=2"]),
+                "interleaved-tp2-sp",
+                layout(
+                    1,
+                    2,
+                    2,
+                    0,
+                    &["parallel.schedule=\"interleaved\"", "parallel.chunks=2", "parallel.sp=true"],
+                ),
             ),
             ("recompute", layout(2, 2, 1, 0, &["train.recompute=true"])),
         ];

@@ -266,8 +266,13 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
     // A stage's ranks in other processes under ZB-H1's split backward and
     // ZeRO-1, and under interleaving with recompute.
     let mixed: [&[&str]; 2] = [
-        &["parallel.zero=1", "parallel.schedule=\"zb-h1\""],
-        &["parallel.schedule=\"interleaved\"", "parallel.chunks=2", "train.recompute=true"],
+        &["parallel.zero=1", "parallel.schedule=\"zb-h1\"", "parallel.sp=true"],
+        &[
+            "parallel.schedule=\"interleaved\"",
+            "parallel.chunks=2",
+            "train.recompute=true",
+            "parallel.sp=true",
+        ],
     ];
     for (i, extra) in mixed.iter().enumerate() {
         let tp = 4 / (i + 1);
@@ -281,8 +286,13 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
     }
     // With the other schedules, ZeRO-1 and recompute.
     let mixed: [&[&str]; 2] = [
-        &["parallel.zero=1", "parallel.schedule=\"zb-h1\""],
-        &["parallel.schedule=\"interleaved\"", "parallel.chunks=2", "train.recompute=true"],
+        &["parallel.zero=1", "parallel.schedule=\"zb-h1\"", "parallel.sp=true"],
+        &[
+            "parallel.schedule=\"interleaved\"",
+            "parallel.chunks=2",
+            "train.recompute=true",
+            "parallel.sp=true",
+        ],
     ];
     for (i, extra) in mixed.iter().enumerate() {
         let tp = 2 * (i + 1);
@@ -316,16 +326,18 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
 
 /// What rank 0's tp frames carried (summary.json's `tp_traffic`) is the
 /// planner's count (`plan --nodes`: per microbatch, and the weight shards
-/// per step) over the steps and microbatches trained, to the byte: plain, with recompute, and interleaved (two chunks
-/// on rank 0, each its own group).
+/// per step) over the steps and microbatches trained, to the byte: plain, with recompute, interleaved (two chunks
+/// on rank 0, each its own group), and sequence parallel with recompute.
 #[test]
 fn a_split_stage_s_tp_traffic_is_the_planner_s_count() {
     let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&[&str], usize); 3] = [
+    let cases: [(&[&str], usize); 4] = [
         (&["parallel.pp=1"], 2),
         (&["parallel.pp=1", "train.recompute=true"], 2),
         (&["parallel.pp=2", "parallel.schedule=\"interleaved\"", "parallel.chunks=2"], 4),
+        // Sequence parallelism's gathers, reduce-scatters and the norms' turns.
+        (&["parallel.pp=1", "parallel.sp=true", "train.recompute=true"], 2),
     ];
     for (i, (extra, nodes)) in cases.into_iter().enumerate() {
         // Random tokens: no validation split or exact-match set, so no

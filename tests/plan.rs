@@ -319,14 +319,23 @@ fn planned_memory_matches_runs_of_the_bench_model_within_20_percent() {
 }
 
 /// The CPU planner's activation bytes are, to the byte, what each rank of a
-/// small run held at its peak, for each `train.recompute` (the bench model's
+/// small run held at its peak, for each `train.recompute`, and split over
+/// two tp ranks with and without sequence parallelism (the bench model's
 /// test above checks the process within 20%).
 #[test]
 fn planned_activation_bytes_are_what_runs_hold_for_none_selective_and_full() {
     use pipewright::config::Config;
     use pipewright::train::run::{train_with, TrainOptions};
     let dir = tempfile::tempdir().unwrap();
-    for (i, recompute) in ["none", "selective", "full"].into_iter().enumerate() {
+    let cases = [
+        ("none", 1, false),
+        ("selective", 1, false),
+        ("full", 1, false),
+        ("none", 2, false),
+        ("none", 2, true),
+        ("selective", 2, true),
+    ];
+    for (i, (recompute, tp, sp)) in cases.into_iter().enumerate() {
         let sets = [
             "model.n_layer=4",
             "model.n_embd=32",
@@ -340,6 +349,11 @@ fn planned_activation_bytes_are_what_runs_hold_for_none_selective_and_full() {
         ];
         let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         sets.push(format!("train.recompute={recompute}"));
+        sets.extend([
+            format!("parallel.tp={tp}"),
+            format!("parallel.tp_slices={tp}"),
+            format!("parallel.sp={sp}"),
+        ]);
         let cfg = Config::load(None, &sets).unwrap();
         let opts = TrainOptions {
             out_dir: dir.path().join(format!("run{i}")),
@@ -352,7 +366,7 @@ fn planned_activation_bytes_are_what_runs_hold_for_none_selective_and_full() {
         let planned: Vec<f64> =
             pipewright::plan::cpu::plan(&cfg).unwrap().ranks.iter().map(|r| r.activation_bytes).collect();
         let held: Vec<f64> = summary.peak_activation_bytes.iter().map(|&b| b as f64).collect();
-        assert_eq!(held, planned, "recompute = {recompute}");
+        assert_eq!(held, planned, "recompute = {recompute}, tp = {tp}, sp = {sp}");
     }
 }
 

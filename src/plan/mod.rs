@@ -134,6 +134,10 @@ pub fn trainer_config(
     p.chunks = layout.chunks;
     // The fewest slices a split of tp ranks may have.
     p.tp_slices = layout.tp;
+    // The memory model divides all of a layer's activations by tp: Megatron's
+    // sequence parallelism, which the CPU backend runs (the GPU split is
+    // refused below for its own reasons).
+    p.sp = layout.tp > 1 && backend == Backend::Cpu;
     p.zero = layout.zero;
     c.backend.kind = match backend {
         Backend::Cpu => crate::config::BackendKind::Cpu,
@@ -178,7 +182,9 @@ pub fn runnable(
         // per-GPU figure here (states divided by tp, as Megatron's) is not what
         // it would need.
         return Err(
-            "GPU tensor parallelism keeps the optimizer state whole on tp rank 0, not divided by tp".into()
+            "GPU tensor parallelism keeps the optimizer state whole on tp rank 0, not divided by tp, and has \
+             no sequence parallelism yet"
+                .into()
         );
     }
     Ok(())
