@@ -966,15 +966,6 @@ impl Config {
             );
             v.check(kind == BackendKind::Cpu, "backend.kind", kind.name(), &why);
         }
-        if p.zero == 3 {
-            v.check(
-                p.tp == 1,
-                "parallel.tp",
-                p.tp,
-                "must be 1 with parallel.zero = 3: tensor-parallel ranks keep their own slices of \
-                 every block's weights between steps, which a fully sharded run would have to free",
-            );
-        }
         v.check(
             p.reshard_after_forward || p.zero == 3,
             "parallel.reshard_after_forward",
@@ -1899,13 +1890,28 @@ mod tests {
     }
 
     #[test]
-    fn zero_3_refuses_tensor_parallelism_and_only_it_keeps_weights_after_forward() {
+    fn sequence_parallelism_needs_tp_rows_it_divides_and_the_cpu() {
+        let mut c = valid();
+        c.model.n_head = 4;
+        c.parallel.sp = true;
+        assert!(refused(&c, "parallel.sp").contains("needs parallel.tp >= 2"));
+        (c.parallel.tp, c.parallel.tp_slices) = (4, 4);
+        (c.train.micro_batch_size, c.model.block_size) = (1, 6);
+        assert!(refused(&c, "parallel.sp").contains("train.micro_batch_size × model.block_size = 6"));
+        c.model.block_size = 8;
+        c.validate().unwrap();
+        c.backend.kind = BackendKind::Cuda;
+        assert!(refused(&c, "parallel.sp").contains("CPU backend only"));
+    }
+
+    #[test]
+    fn zero_3_takes_tensor_parallelism_and_only_it_keeps_weights_after_forward() {
         let mut c = valid();
         c.model.n_head = 4;
         (c.parallel.dp, c.parallel.zero, c.parallel.tp, c.parallel.tp_slices) = (2, 3, 2, 2);
-        let err = refused(&c, "parallel.tp");
-        assert!(err.contains("parallel.zero = 3"), "{err}");
-        c.parallel.tp = 1;
+        c.parallel.sp = true;
+        c.validate().unwrap();
+        (c.parallel.tp, c.parallel.sp) = (1, false);
         c.parallel.reshard_after_forward = false;
         c.validate().unwrap();
         c.parallel.zero = 2;

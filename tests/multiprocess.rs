@@ -219,7 +219,9 @@ fn every_dp_pp_zero_schedule_process_count_and_resume_at_another_layout_gives_on
 /// every run) with pp = 2 and dp = 2, in one process, over two (whole
 /// stages each) and over eight (each stage's tp ranks split over two
 /// processes, the all-reduces crossing the data links), with ZeRO-1 and
-/// ZB-H1, with interleaving and recompute, and for a tp = 1 run stopped in
+/// ZB-H1, with interleaving and recompute (those two with sequence
+/// parallelism), with ZeRO-3 (with SP and selective recompute; with ZB-H1
+/// keeping the weights for the step), and for a tp = 1 run stopped in
 /// its last step and resumed at tp = 4 (and pp = 1) in one process and over
 /// four. The row-parallel sums are one slice tree whoever computes the
 /// slices (`model::block`, `model::tp`); checkpoints hold whole tensors.
@@ -265,17 +267,22 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
     }
     // A stage's ranks in other processes under ZB-H1's split backward and
     // ZeRO-1, and under interleaving with recompute.
-    let mixed: [&[&str]; 2] = [
-        &["parallel.zero=1", "parallel.schedule=\"zb-h1\"", "parallel.sp=true"],
-        &[
-            "parallel.schedule=\"interleaved\"",
-            "parallel.chunks=2",
-            "train.recompute=true",
-            "parallel.sp=true",
-        ],
+    let mixed: [(usize, &[&str]); 3] = [
+        (4, &["parallel.zero=1", "parallel.schedule=\"zb-h1\"", "parallel.sp=true"]),
+        (
+            2,
+            &[
+                "parallel.schedule=\"interleaved\"",
+                "parallel.chunks=2",
+                "train.recompute=true",
+                "parallel.sp=true",
+            ],
+        ),
+        // ZeRO-3: the replicas' weight shards gathered across processes, each
+        // stage's tp ranks cutting theirs from the gathered whole per action.
+        (2, &["parallel.zero=3", "parallel.sp=true", "train.recompute=\"selective\""]),
     ];
-    for (i, extra) in mixed.iter().enumerate() {
-        let tp = 4 / (i + 1);
+    for (i, &(tp, extra)) in mixed.iter().enumerate() {
         let under = dir.path().join(format!("launch-mixed{i}"));
         std::fs::create_dir_all(&under).unwrap();
         assert_eq!(
@@ -285,17 +292,20 @@ fn every_tp_dividing_the_slices_with_pp_dp_processes_and_a_resume_at_another_tp_
         );
     }
     // With the other schedules, ZeRO-1 and recompute.
-    let mixed: [&[&str]; 2] = [
-        &["parallel.zero=1", "parallel.schedule=\"zb-h1\"", "parallel.sp=true"],
-        &[
-            "parallel.schedule=\"interleaved\"",
-            "parallel.chunks=2",
-            "train.recompute=true",
-            "parallel.sp=true",
-        ],
+    let mixed: [(usize, &[&str]); 3] = [
+        (2, &["parallel.zero=1", "parallel.schedule=\"zb-h1\"", "parallel.sp=true"]),
+        (
+            4,
+            &[
+                "parallel.schedule=\"interleaved\"",
+                "parallel.chunks=2",
+                "train.recompute=true",
+                "parallel.sp=true",
+            ],
+        ),
+        (4, &["parallel.zero=3", "parallel.schedule=\"zb-h1\"", "parallel.reshard_after_forward=false"]),
     ];
-    for (i, extra) in mixed.iter().enumerate() {
-        let tp = 2 * (i + 1);
+    for (i, &(tp, extra)) in mixed.iter().enumerate() {
         assert_eq!(
             train(&format!("mixed{i}"), &layout(tp, 2, 4, extra), "--out"),
             reference,

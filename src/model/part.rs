@@ -575,11 +575,33 @@ impl ModelPart {
         (loss_sum, Some(dx))
     }
 
+    /// ZeRO-3 frees the part's weights between actions: the tensor-parallel
+    /// ranks' shards of them go too, cut again from the next gathered weights.
+    pub fn release_weights(&mut self) {
+        for p in &mut self.params {
+            p.data = Vec::new();
+        }
+        if let Some(sp) = &mut self.split {
+            sp.release_shards();
+        }
+    }
+
+    /// Before a backward: the ranks' shards cut again if the weights were
+    /// released (and gathered again) since the forward cut them.
+    fn ensure_shards(&mut self) {
+        if let Some(sp) = &mut self.split {
+            if sp.released() {
+                sp.refresh(&self.params, &self.spec);
+            }
+        }
+    }
+
     /// Backward of one microbatch (B). `dout` is the gradient of this part's
     /// output (None on the last part, whose loss gradient was formed in forward).
     /// Returns the gradient of the part's input (None on the first part).
     pub fn backward(&mut self, mut acts: MicroActs, dout: Option<Vec<f32>>) -> Option<Vec<f32>> {
         self.live_bytes -= acts.bytes();
+        self.ensure_shards();
         let mut dres = self.output_grad(&mut acts, dout);
         for l in (0..self.n_blocks()).rev() {
             let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());
@@ -631,6 +653,7 @@ impl ModelPart {
         mb: usize,
     ) -> Option<Vec<f32>> {
         assert!(self.recompute.keeps_blocks(), "split backward with full recompute is refused by the config");
+        self.ensure_shards();
         let mut dres = self.output_grad(&mut acts, dout);
         let mut grads = self.grads_pool.pop().unwrap_or_default();
         let n = self.n();
@@ -679,6 +702,7 @@ impl ModelPart {
     /// The weight half (zero-bubble schedules' W) of microbatch `mb`, whose I ran.
     pub fn backward_weight(&mut self, mb: usize) {
         let PendingWeight { mut acts, grads, dembed } = self.pending_w.remove(&mb).expect("I ran before W");
+        self.ensure_shards();
         self.live_bytes -= acts.bytes() + grads.iter().map(BlockGrads::bytes).sum::<usize>();
         for l in (0..self.n_blocks()).rev() {
             let (base, bl) = (self.spec.block_base(&self.cfg, l), self.cfg.block_len());

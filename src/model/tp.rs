@@ -161,6 +161,8 @@ pub struct TpRanks {
     /// The shards each follower was last sent, and this forward's cut (see `refresh`).
     sent: Vec<Vec<Vec<f32>>>,
     cut: Vec<Vec<Vec<f32>>>,
+    /// The held ranks' shards were freed (ZeRO-3) and not cut again since.
+    released: bool,
 }
 
 impl TpRanks {
@@ -220,6 +222,7 @@ impl TpRanks {
             loads: vec![Vec::new(); followers_n],
             sent: vec![Vec::new(); followers_n],
             cut: vec![Vec::new(); followers_n],
+            released: false,
         }
     }
 
@@ -263,9 +266,30 @@ impl TpRanks {
         }
     }
 
+    /// ZeRO-3: frees the held ranks' weight shards (and the followers' cut
+    /// beside them) with the part's whole weights; [`Self::refresh`] cuts
+    /// them again. Followers keep theirs: what they were last sent stays
+    /// here to compare with, so unchanged weights are not sent again.
+    pub fn release_shards(&mut self) {
+        for rank in &mut self.ranks {
+            for p in &mut rank.params {
+                p.data = Vec::new();
+            }
+        }
+        for c in &mut self.cut {
+            *c = Vec::new();
+        }
+        self.released = true;
+    }
+
+    pub fn released(&self) -> bool {
+        self.released
+    }
+
     /// Cuts every rank's shards again from the whole tensors (followers'
     /// are sent to them when they differ from the last sent, bit for bit).
     pub fn refresh(&mut self, whole: &[Param], spec: &PartSpec) {
+        self.released = false;
         let (size, cfg, bl) = (self.shape.size, &self.cfg, self.cfg.block_len());
         for (rank, r) in self.ranks.iter_mut().zip(self.local.clone()) {
             for (j, p) in rank.params.iter_mut().enumerate() {

@@ -441,9 +441,7 @@ impl StageCompute for CpuCompute {
 
     fn release_params(&mut self, i: usize) {
         assert_eq!(self.zero, 3, "only ZeRO-3 frees weights");
-        for p in &mut self.parts[i].params {
-            p.data = Vec::new();
-        }
+        self.parts[i].release_weights();
     }
 
     fn poison_grad(&mut self, i: usize, value: f32) {
