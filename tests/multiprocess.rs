@@ -435,7 +435,7 @@ fn killing_a_zero_3_worker_stops_the_others_with_an_error_naming_it() {
 #[test]
 fn killing_a_tp_follower_stops_the_others_with_an_error_naming_it() {
     let _serial = one_at_a_time();
-    kill_one_of_four(&["parallel.pp=2", "parallel.tp=2", "parallel.tp_slices=2"], 1);
+    kill_one_of_four(&["parallel.pp=2", "parallel.tp=2", "parallel.tp_slices=2", "parallel.sp=true"], 1);
 }
 
 /// Four workers on `layout`; once two checkpoints are written, `victim` is
