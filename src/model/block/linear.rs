@@ -136,7 +136,8 @@ pub(super) struct ColumnPart<'a> {
 
 /// The input gradient of column-parallel products, dx (N, I) = Σ over this
 /// rank's slices of Σ over `parts` of dy[:, slice] · w[slice, :], added in
-/// `parts` order within a slice, by the slice tree and then the group.
+/// `parts` order within a slice, by the slice tree and then the group (or,
+/// with `rows`, reduce-scattered there: this rank's rows of the sum).
 pub(super) fn column_parallel_dx(
     dx: &mut [f32],
     leaves: &mut [Vec<f32>],
@@ -166,7 +167,9 @@ pub(super) fn column_parallel_dx(
 /// Row-parallel forward: out (N, C) = Σ over this rank's slices of
 /// x[:, slice] · w[:, slice]ᵀ (+ bias on slice 0 of rank 0), x (N, K) and
 /// w (C, K) with K this rank's share of the reduction, by the slice tree
-/// and then the group.
+/// and then the group; with `rows`, the group's sum is reduce-scattered
+/// there (this rank's rows) and `out` keeps the rank's own.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn row_parallel(
     out: &mut [f32],
     leaves: &mut [Vec<f32>],
