@@ -12,7 +12,10 @@
 #      pp 2 (1F1B) = pp 1 weights; tp 2 on two emulated GPUs (NCCL) = tp 1;
 #      dp 2 across two processes (launch --nodes 2, NCCL between them) runs;
 #      a checkpoint and a resume end on the uninterrupted run's weights;
-#      greedy generate on the GPU writes the CPU's text;
+#      greedy generate on the GPU writes the CPU's text; every run keeps
+#      an EMA of its weights, compared with the weights; a batch ramp: pp 2
+#      gives pp 1's bits, the losses the CPU's, and the EMA is the CPU
+#      twin's lerp of the GPU's weights, bit for bit;
 #   3. the same for a Llama (grouped-query attention, SwiGLU, RoPE, untied
 #      head): f32 and bf16 losses against the CPU's, pp 2 = recompute = dp 2
 #      = pp 1, tp 2 on two GPUs = tp 1, greedy generate = the CPU's text;
@@ -53,6 +56,8 @@ run() {
 }
 
 digest() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["weights_digest"])' "$1/summary.json" 2>/dev/null || echo none; }
+# The EMA's digest (optim.ema_decay), or none.
+ema_digest() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ema_weights_digest"])' "$1/summary.json" 2>/dev/null || echo none; }
 
 # losses A B TOL: max relative difference of the per-step losses, and whether it is within TOL.
 losses() {
@@ -84,11 +89,13 @@ vs_cpu() {
     fi
 }
 
-# same_weights LABEL REF_RUN RUN: a row, ok when both runs end on one weights digest.
+# same_weights LABEL REF_RUN RUN: a row, ok when both runs end on one weights
+# digest and one digest of the EMA of the weights (or both keep none).
 same_weights() {
-    local a b
-    a=$(digest "$2"); b=$(digest "$3")
-    row "$1" "$([ "$a" = "$b" ] && [ "$a" != none ] && echo ok || echo FAIL)" "${b:0:12} vs ${a:0:12}" "$secs"
+    local a b ea eb
+    a=$(digest "$2"); b=$(digest "$3"); ea=$(ema_digest "$2"); eb=$(ema_digest "$3")
+    row "$1" "$([ "$a" = "$b" ] && [ "$a" != none ] && [ "$ea" = "$eb" ] && echo ok || echo FAIL)" \
+        "${b:0:12} vs ${a:0:12}, EMA ${eb:0:12} vs ${ea:0:12}" "$secs"
 }
 
 # same_text LABEL NAME RUN MODEL_SETS...: greedy generation from RUN's weights on
@@ -109,8 +116,10 @@ same_text() {
 # The model (what generate needs too), then the run.
 model=(--set model.n_layer=2 --set model.n_embd=128 --set model.n_head=2 --set model.vocab_size=256
        --set model.block_size=64)
+# Every run keeps an EMA of its weights (optim.ema_decay): same_weights
+# compares it too, so pp, tp, dp, recompute and a resume check its bits.
 small=("${model[@]}" --set train.micro_batch_size=4 --set train.eval_every=0 --set 'data.builtin="random"'
-       --set parallel.pp=1 --set parallel.microbatches=2 --force)
+       --set parallel.pp=1 --set parallel.microbatches=2 --set optim.ema_decay=0.9 --force)
 cuda=(--set 'backend.kind="cuda"')
 
 # 1. gpu-check (--no-gpu-check skips it: it takes minutes)
@@ -129,7 +138,7 @@ kernel_groups() {
     local label="$1" detail="$2" t0 g failed="" log
     shift 2
     t0=$(date +%s)
-    for g in layernorm rmsnorm rope swiglu matmul attention elementwise crossentropy embedding adamw norm tree exactness; do
+    for g in layernorm rmsnorm rope swiglu matmul attention elementwise crossentropy embedding adamw ema norm tree exactness; do
         log="$work/gpu-check-${label//[^a-z]/-}-$g.log"
         env "$@" "$bin" gpu-check --only "$g" >"$log" 2>&1 || {
             failed="$failed $g"
@@ -143,8 +152,8 @@ kernel_groups() {
         row "gpu-check kernels, $label" FAIL "failed:$failed" "$secs"
     fi
 }
-kernel_groups "order check" "13 kernel groups, two thread orders each" PW_EMU_CHECK=order
-kernel_groups "bounds/blocks/warp" "13 kernel groups, every access watched" PW_EMU_CHECK=bounds,blocks,warp \
+kernel_groups "order check" "14 kernel groups, two thread orders each" PW_EMU_CHECK=order
+kernel_groups "bounds/blocks/warp" "14 kernel groups, every access watched" PW_EMU_CHECK=bounds,blocks,warp \
     PIPEWRIGHT_KERNEL_CACHE="$PIPEWRIGHT_KERNEL_CACHE-watch"
 fi
 
@@ -182,6 +191,61 @@ same_weights "cuda checkpoint + resume = whole run" "$work/gpu-f32" "$work/gpu-c
 
 # Greedy generation on the GPU writes the CPU's text from the same weights.
 same_text "cuda greedy generate = cpu text" gen "$work/gpu-f32" "${model[@]}"
+
+# The EMA of the weights (every run above keeps one: see `small`) step by
+# step, and a batch ramp, on the device: 2 steps of 1, then 2 microbatches
+# (the smaller step's schedule, gradient tree and loss scale), checkpointed
+# after each. pp 2 (both stages on GPU 0) ends on pp 1's weights and EMA bit
+# for bit; the losses are the CPU backend's within 1e-5; and the GPU's EMA is
+# the CPU twin's lerp of the GPU's own weights, bit for bit: step 1's EMA is
+# step 1's weights, step 2's is lerp(step 1's EMA, step 2's weights).
+ramp=("${small[@]}" --set 'train.batch_ramp={ start = 4, increment = 4, tokens = 200 }' --set checkpoint.every=1)
+t_ramp=$(date +%s)
+run ramp-cpu "$bin" train "${ramp[@]}" --steps 2 --out "$work/ramp-cpu"
+run ramp-gpu "$bin" train "${ramp[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --steps 2 --out "$work/ramp-gpu"
+run ramp-pp2 "$bin" train "${ramp[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.pp=2 \
+    --set 'backend.devices=[0,0]' --steps 2 --out "$work/ramp-pp2"
+secs=$(( $(date +%s) - t_ramp ))
+detail=$(python3 - "$work" <<'PY'
+import json, struct, sys
+w = sys.argv[1]
+f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]
+def tensors(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    head = json.loads(raw[8:8 + n])
+    out = {}
+    for name, t in sorted(head.items()):
+        if name == "__metadata__": continue
+        assert t["dtype"] == "F32", (name, t["dtype"])
+        a, b = t["data_offsets"]
+        out[name] = struct.unpack(f"<{(b - a) // 4}f", raw[8 + n + a:8 + n + b])
+    return out
+def lerp(e, p, wt):
+    # ATen's vectorized CPU lerp (kernels/cpu/ema.rs): p - e rounded to f32, then one
+    # fused multiply-add, exact in f64 (a product of two f32s) and rounded once.
+    d = f32(p - e)
+    return f32(wt * d + e) if abs(wt) < 0.5 else f32((wt - 1.0) * d + p)
+try:
+    s = {r: json.load(open(f"{w}/{r}/summary.json")) for r in ("ramp-gpu", "ramp-pp2")}
+    key = lambda r: (s[r]["weights_digest"], s[r]["ema_weights_digest"])
+    pp2 = "pp 2 = pp 1" if key("ramp-pp2") == key("ramp-gpu") else "pp 2 differs"
+    la = [json.loads(l)["loss"] for l in open(f"{w}/ramp-gpu/metrics.jsonl")]
+    lb = [json.loads(l)["loss"] for l in open(f"{w}/ramp-cpu/metrics.jsonl")]
+    loss = max(abs(x - y) / abs(y) for x, y in zip(la, lb)) if len(la) == len(lb) == 2 else float("inf")
+    ck = lambda k, f: tensors(f"{w}/ramp-gpu/checkpoints/step_0000000{k}/{f}.safetensors")
+    (w1, e1), (w2, e2) = (ck(1, "model"), ck(1, "model.ema")), (ck(2, "model"), ck(2, "model.ema"))
+    wt = f32(1.0 - 0.9)
+    bad = sum(x != y for k in w1 for x, y in zip(e1[k], w1[k]))
+    bad += sum(lerp(e, p, wt) != got for k in w2 for e, p, got in zip(e1[k], w2[k], e2[k]))
+    n = sum(len(v) for v in w2.values())
+except Exception as e:
+    print(f"no result: {e!r}"); sys.exit(1)
+print(f"{pp2}; losses vs cpu {loss:.1e}; EMA = cpu twin's lerp: {n - bad}/{n} elements")
+sys.exit(0 if pp2 == "pp 2 = pp 1" and loss <= 1e-5 and bad == 0 else 1)
+PY
+); ok=$?
+row "cuda EMA + batch ramp" "$([ $ok = 0 ] && echo ok || echo FAIL)" "$detail" "$secs"
 
 # 3. A Llama (RMSNorm, RoPE, SwiGLU, two query heads sharing one key/value
 # head of size 64, an untied head) on the GPU against the CPU and itself.

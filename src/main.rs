@@ -286,8 +286,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         device: usize,
         /// Run one group of checks: layernorm, rmsnorm, rope, swiglu, matmul,
-        /// attention, elementwise, crossentropy, embedding, adamw, norm, tree,
-        /// exactness or steps.
+        /// attention, elementwise, crossentropy, embedding, adamw, ema, norm,
+        /// tree, exactness or steps.
         #[arg(long)]
         only: Option<String>,
     },

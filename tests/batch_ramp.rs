@@ -101,8 +101,16 @@ fn ramps_that_would_split_a_step_unevenly_are_refused_naming_the_field() {
     let e =
         refused(&["parallel.microbatches=8", "train.batch_ramp={ start = 4, increment = 3, tokens = 9 }"]);
     assert!(e.contains("train.batch_ramp.increment: 3: must divide"), "{e}");
-    let e = refused(&[RAMP, "parallel.microbatches=8", "backend.kind=\"cuda\""]);
-    assert!(e.contains("train.batch_ramp: { start = 2") && e.contains("cuda"), "{e}");
+    // The CUDA backend runs a ramp too (its bits: scripts/emulated-gpu-check.sh);
+    // whatever else this tiny model asks of a GPU, the ramp is not refused.
+    let o: Vec<String> = TINY
+        .iter()
+        .chain(&[RAMP, "parallel.microbatches=8", "backend.kind=\"cuda\""])
+        .map(|s| s.to_string())
+        .collect();
+    if let Err(e) = Config::load(None, &o).unwrap().validate() {
+        assert!(!e.to_string().contains("train.batch_ramp"), "{e}");
+    }
     let o = vec!["train.batch_ramp={ start = 2, increments = 2, tokens = 9 }".to_string()];
     let e = Config::load(None, &o).unwrap_err().to_string();
     assert!(e.contains("train.batch_ramp") && e.contains("increments"), "{e}");

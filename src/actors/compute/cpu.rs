@@ -203,17 +203,8 @@ pub fn load_moments(params: &[Param], st: &mut AdamState, c: &Loaded) -> Result<
 /// Loads a checkpoint's EMA of the weights for `params` into `e`: the
 /// elements its shard owns of the whole tensors on disk.
 pub fn load_ema(params: &[Param], e: &mut EmaState, c: &Loaded) -> Result<(), String> {
-    match (&c.ema, c.state.ema_updates) {
-        (Some(whole), Some(n)) => {
-            e.load(params, whole, n).map_err(|why| format!("{}: {why}", c.dir.display()))
-        }
-        _ => Err(format!(
-            "{}: the checkpoint holds no EMA of the weights, and optim.ema_decay = {} keeps one \
-             (resume with optim.ema_decay = 0, or start a new run)",
-            c.dir.display(),
-            e.decay
-        )),
-    }
+    let (whole, n) = super::ema_of(c, e.decay)?;
+    e.load(params, whole, n).map_err(|why| format!("{}: {why}", c.dir.display()))
 }
 
 /// Puts a replica's shard of each reduced gradient (part order, the head's

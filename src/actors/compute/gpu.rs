@@ -40,6 +40,16 @@ pub struct GpuCompute<X: Elem> {
     routes: Option<std::cell::RefCell<Routes<X>>>,
     /// Each chunk's microbatch gradients, summed by the fixed tree.
     trees: Vec<DeviceTree>,
+    /// The EMA of the weights (`optim.ema_decay`), kept on the device
+    /// beside each chunk's master weights; None when none is kept.
+    ema: Option<DeviceEma>,
+}
+
+/// What the device's EMA buffers (`GpuPart::keep_ema`) are updated by.
+struct DeviceEma {
+    decay: f64,
+    /// AveragedModel's `n_averaged` (0 → the next update copies).
+    updates: u64,
 }
 
 /// A chunk's microbatch tree on its GPU (the CPU's `PartTree`): the
@@ -75,6 +85,21 @@ impl DeviceTree {
         if let Some(h) = &mut self.head {
             h.reset();
         }
+    }
+
+    /// A step over another block of another total (a batch ramp's steps
+    /// differ in size): the buffers stay, allocated for the full step, which
+    /// holds the most (`held_sets` grows with the block).
+    fn set_block(&mut self, block: Range<usize>, total: usize) {
+        self.body.set_block(block.clone(), total);
+        if let Some(h) = &mut self.head {
+            h.set_block(block, total);
+        }
+    }
+
+    /// The global index of the step's microbatch `mb` on this replica.
+    fn global(&self, mb: usize) -> usize {
+        self.body.block().start + mb
     }
 
     /// A zeroed-or-stale buffer for a leaf: the leaf's copy overwrites it whole.
@@ -191,7 +216,57 @@ impl<X: Elem + NcclType> GpuCompute<X> {
             layout,
             routes,
             trees,
+            ema: None,
         })
+    }
+
+    /// Keeps an EMA of every chunk's master weights on its GPU
+    /// (`optim.ema_decay` = `decay`; 0 keeps none), resumed from
+    /// `resume`'s when given.
+    pub fn with_ema(mut self, decay: f64, resume: Option<&Loaded>) -> Result<Self, String> {
+        if decay == 0.0 {
+            return Ok(self);
+        }
+        let gpu = self.dev.gpu(0);
+        for part in &mut self.parts {
+            part.owner_mut().keep_ema(gpu).map_err(|e| {
+                format!("GPU {} (the EMA of the weights, {}): {e}", gpu.name, gpu_memory_hint(&e))
+            })?;
+        }
+        self.ema = Some(DeviceEma { decay, updates: 0 });
+        if let Some(c) = resume {
+            self.load_ema(c)?;
+        }
+        Ok(self)
+    }
+
+    /// Sets every chunk's EMA and the update count from a checkpoint.
+    fn load_ema(&mut self, c: &Loaded) -> Result<(), String> {
+        let Some(e) = &mut self.ema else { return Ok(()) };
+        let (whole, n) = super::ema_of(c, e.decay)?;
+        let gpu = self.dev.gpu(0);
+        for part in &mut self.parts {
+            let owner = part.owner_mut();
+            let mut values = Vec::with_capacity(owner.tensors.len());
+            for t in &owner.tensors {
+                let at = c.dir.display();
+                let v = whole
+                    .get(&t.name)
+                    .ok_or_else(|| format!("{at}: checkpoint lacks the EMA of {}", t.name))?;
+                if v.len() != t.numel {
+                    return Err(format!(
+                        "{at}: the EMA of {} has {} elements, expected {}",
+                        t.name,
+                        v.len(),
+                        t.numel
+                    ));
+                }
+                values.push(v.as_slice());
+            }
+            owner.load_ema(gpu, &values).map_err(|e| e.to_string())?;
+        }
+        e.updates = n;
+        Ok(())
     }
 }
 
@@ -218,14 +293,20 @@ impl<X: Elem + NcclType> Routes<X> {
                 NcclKey::Link { replica: r, from, to, gradient }
                     if !host_only && r == replica && (from == rank || to == rank) =>
                 {
-                    let (sent, taken) = link_orders(layout, from, to, gradient);
-                    if sent != taken {
-                        return Err(format!(
-                            "NCCL matches a link's sends and receives by order, but this schedule sends \
-                             rank {from} → rank {to} {} in the order {sent:?} and consumes them in the order \
-                             {taken:?}: run these ranks in one process, or use gpipe or 1f1b",
-                            if gradient { "gradients" } else { "activations" }
-                        ));
+                    // A batch ramp's smaller steps run schedules of their own.
+                    let schedules = std::iter::once(&layout.schedule).chain(layout.ramp_schedules.values());
+                    for schedule in schedules {
+                        let (sent, taken) = link_orders(layout, schedule, from, to, gradient);
+                        if sent != taken {
+                            return Err(format!(
+                                "NCCL matches a link's sends and receives by order, but this schedule \
+                                 ({} microbatches) sends rank {from} → rank {to} {} in the order {sent:?} and \
+                                 consumes them in the order {taken:?}: run these ranks in one process, or use \
+                                 gpipe or 1f1b",
+                                schedule.microbatches,
+                                if gradient { "gradients" } else { "activations" }
+                            ));
+                        }
                     }
                     let me = usize::from(to == rank);
                     let comm = Comm::init(gpu, &id, 2, me).map_err(|e| format!("NCCL link {key:?}: {e}"))?;
@@ -385,7 +466,7 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
         };
         let out = self.parts[i].forward(&self.dev, mb, input, targets, mode, argmax, Some(&mut sink));
         let out = ok(out, "forward");
-        let global = self.replica * self.layout.microbatches + mb;
+        let global = self.trees[i].global(mb);
         let head_len = self.trees[i].head_len;
         if let (false, Some(tree)) = (eval, &mut self.trees[i].head) {
             let gpu = self.dev.gpu(0);
@@ -420,7 +501,7 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
         let (gpu, tree) = (self.dev.gpu(0), &mut self.trees[i]);
         let leaf = ok(DeviceTree::leaf(&mut tree.body, gpu, tree.body_len), "gradient tree buffer");
         ok(self.parts[i].take_body_leaf(&self.dev, &leaf), "body gradient leaf");
-        let global = self.replica * self.layout.microbatches + mb;
+        let global = tree.global(mb);
         ok(DeviceTree::push(&mut tree.body, gpu, global, leaf), "gradient tree add");
         dx
     }
@@ -470,6 +551,12 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
         true
     }
 
+    fn set_block(&mut self, block: Range<usize>, total: usize) {
+        for t in &mut self.trees {
+            t.set_block(block.clone(), total);
+        }
+    }
+
     fn finish_grad_tree(&mut self, i: usize) {
         let (gpu, tree) = (self.dev.gpu(0), &mut self.trees[i]);
         let body = tree.body.take_root();
@@ -499,6 +586,25 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
         for p in &mut self.parts {
             ok(p.adamw(&self.dev, &hyper, lr, clip), "AdamW");
         }
+    }
+
+    fn update_ema(&mut self) {
+        let Some(e) = &mut self.ema else { return };
+        let weight = crate::kernels::cpu::ema::weight_of(e.decay);
+        // Chunk order; each chunk's update is elementwise, so the order
+        // sets no bits, only which launch comes first on the stream.
+        for part in &mut self.parts {
+            ok(part.owner_mut().update_ema(self.dev.gpu(0), e.updates == 0, weight), "EMA update");
+        }
+        e.updates += 1;
+    }
+
+    fn ema_updates(&self) -> Option<u64> {
+        self.ema.as_ref().map(|e| e.updates)
+    }
+
+    fn ema_shards(&self, i: usize) -> Vec<Vec<f32>> {
+        ok(self.parts[i].owner().ema_weights(self.gpu()), "EMA download")
     }
 
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32])) {
@@ -531,6 +637,10 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
         for part in &self.parts {
             let data = ok(part.owner().master_weights(self.gpu()), "weight download");
             let (m, v) = ok(part.owner().moments(self.gpu()), "moment download");
+            let mut ema = match self.ema {
+                Some(_) => ok(part.owner().ema_weights(self.gpu()), "EMA download").into_iter(),
+                None => Vec::new().into_iter(),
+            };
             for (((t, d), m), v) in part.owner().tensors.iter().zip(data).zip(m).zip(v) {
                 tensors.push(TensorState {
                     name: t.name.clone(),
@@ -538,7 +648,7 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
                     data: d,
                     exp_avg: m,
                     exp_avg_sq: v,
-                    ema: Vec::new(),
+                    ema: ema.next().unwrap_or_default(),
                 });
             }
         }
@@ -569,6 +679,6 @@ impl<X: Elem + NcclType> StageCompute for GpuCompute<X> {
             let t = c.state.adam_step;
             part.owner_mut().load_moments(self.dev.gpu(0), &m, &v, t).map_err(|e| e.to_string())?;
         }
-        Ok(())
+        self.load_ema(c)
     }
 }

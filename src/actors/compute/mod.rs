@@ -172,14 +172,14 @@ pub trait StageCompute {
     /// applied AdamW step; nothing when no EMA is kept.
     fn update_ema(&mut self) {}
     /// The EMA's update count; None when no EMA is kept (the config keeps
-    /// one on the CPU backend only).
+    /// none on the simulated backend).
     fn ema_updates(&self) -> Option<u64> {
         None
     }
     /// Chunk `i`'s EMA: the elements this replica's shard owns of each
     /// tensor (all of them without ZeRO-1).
     fn ema_shards(&self, _i: usize) -> Vec<Vec<f32>> {
-        unreachable!("an EMA is kept on the CPU backend only: the config refuses the rest")
+        unreachable!("an EMA is kept on the CPU and CUDA backends only: the config refuses the rest")
     }
     /// Calls `f(chunk, name, values)` for every parameter, in chunk order.
     fn visit_params(&self, f: &mut dyn FnMut(usize, &str, &[f32]));
@@ -193,6 +193,21 @@ pub trait StageCompute {
     fn snapshot(&self) -> (Vec<TensorState>, u64);
     /// Loads parameters and moments from a checkpoint (a rollback).
     fn restore(&mut self, c: &Loaded) -> Result<(), String>;
+}
+
+/// A checkpoint's EMA of the weights (whole tensors by name) and its
+/// update count, for a run that keeps one with `decay`.
+type CheckpointEma<'c> = (&'c std::collections::HashMap<String, Vec<f32>>, u64);
+
+fn ema_of(c: &Loaded, decay: f64) -> Result<CheckpointEma<'_>, String> {
+    match (&c.ema, c.state.ema_updates) {
+        (Some(whole), Some(n)) => Ok((whole, n)),
+        _ => Err(format!(
+            "{}: the checkpoint holds no EMA of the weights, and optim.ema_decay = {decay} keeps one \
+             (resume with optim.ema_decay = 0, or start a new run)",
+            c.dir.display(),
+        )),
+    }
 }
 
 /// A checkpoint's AdamW moments (exp_avg, exp_avg_sq) of tensor `name`.

@@ -134,8 +134,13 @@ fn build_gpu(
     let ordinals =
         tp_ordinals(&cfg.backend.devices, args.layout.pp, cfg.parallel.tp, args.rank, args.replica);
     let dev = TpDevices::open(&ordinals).map_err(|e| format!("backend.devices: GPUs {ordinals:?}: {e}"))?;
-    let peak =
-        args.layout.schedule.simulate(&crate::schedule::Costs::unit()).map_err(|e| e.to_string())?.peak_live;
+    // Slots for the most microbatches any step keeps alive on each stage:
+    // a batch ramp's smaller steps run schedules of their own.
+    let mut peak = vec![0; args.layout.n_stages()];
+    for s in std::iter::once(&args.layout.schedule).chain(args.layout.ramp_schedules.values()) {
+        let p = s.simulate(&crate::schedule::Costs::unit()).map_err(|e| e.to_string())?.peak_live;
+        peak.iter_mut().zip(p).for_each(|(a, b)| *a = (*a).max(b));
+    }
     let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
     // The config refuses selective recompute on the GPU: its part recomputes whole blocks or none.
     let rc = cfg.train.recompute == crate::config::Recompute::Full;
@@ -149,10 +154,17 @@ fn build_gpu(
         host_only: args.log.is_some(),
         tp_slices: cfg.parallel.tp_slices,
     };
+    let decay = cfg.optim.ema_decay;
     Ok(if cfg.backend.dtype == crate::config::Dtype::F32 {
-        Box::new(GpuCompute::<f32>::new(dev, chunks, gpt, b, rc, &live, resume, place())?)
+        Box::new(
+            GpuCompute::<f32>::new(dev, chunks, gpt, b, rc, &live, resume, place())?
+                .with_ema(decay, resume)?,
+        )
     } else {
-        Box::new(GpuCompute::<Bf16>::new(dev, chunks, gpt, b, rc, &live, resume, place())?)
+        Box::new(
+            GpuCompute::<Bf16>::new(dev, chunks, gpt, b, rc, &live, resume, place())?
+                .with_ema(decay, resume)?,
+        )
     })
 }
 

@@ -92,17 +92,19 @@ fn new_nccl_id() -> Result<Vec<u8>, String> {
 pub type LinkOrder = Vec<(usize, usize)>;
 
 /// The order in which a link's tensors are sent and the order in which its
-/// receiver takes them, as (consuming stage, microbatch): NCCL matches a
-/// link's sends and receives by order alone, so the two must agree.
+/// receiver takes them under `schedule` (the layout's, or one of a batch
+/// ramp's), as (consuming stage, microbatch): NCCL matches a link's sends
+/// and receives by order alone, so the two must agree.
 pub fn link_orders(
     layout: &crate::actors::Layout,
+    schedule: &crate::schedule::Schedule,
     from: usize,
     to: usize,
     gradient: bool,
 ) -> (LinkOrder, LinkOrder) {
     use crate::schedule::ActionKind::{B, F, I};
     let last = layout.last_stage();
-    let acts = &layout.schedule.actions;
+    let acts = &schedule.actions;
     let sent = acts[from]
         .iter()
         .filter_map(|a| match (a.kind, gradient) {

@@ -10,7 +10,7 @@
 
 mod llama;
 
-use super::{adamw, attention, crossentropy, embedding, gelu, layernorm, matmul, residual, tree};
+use super::{adamw, attention, crossentropy, ema, embedding, gelu, layernorm, matmul, residual, tree};
 use super::{Bf16, DeviceBuffer, Elem, Gpu, Result};
 use crate::kernels::cpu;
 use crate::rng::{Purpose, Rng};
@@ -606,6 +606,29 @@ fn adamw_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     Ok(())
 }
 
+/// The EMA of the weights against its CPU twin `cpu::ema::ema_update`, bit
+/// for bit: three updates of `d.elems` elements at decays on both sides of
+/// the lerp's branch (a weight below 0.5, and from 0.5 up), values at the
+/// scale of weights.
+fn ema_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let gpu = cx.gpu;
+    let n = cx.d.elems;
+    for (k, decay) in [0.999, 0.9, 0.5, 0.3].into_iter().enumerate() {
+        let seed = 90 + 10 * k as u64;
+        let mut want = randn(n, seed, 0.05);
+        let (ge, gp) = (gpu.upload(&want)?, gpu.alloc::<f32>(n)?);
+        let weight = cpu::ema::weight_of(decay);
+        for step in 1..=3 {
+            let p = randn(n, seed + step, 0.05);
+            cpu::ema::ema_update(&mut want, &p, weight);
+            gpu.copy_to(&gp, 0, &p)?;
+            ema::ema_update(gpu, &ge, &gp, n, weight)?;
+        }
+        push_bits(cx, format!("ema_update decay {decay}, 3 updates"), &gpu.download(&ge)?, &want);
+    }
+    Ok(())
+}
+
 /// The checks in the order `gpu-check` runs them; `gpu-check --only NAME` runs one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Group {
@@ -619,6 +642,7 @@ pub enum Group {
     Crossentropy,
     Embedding,
     Adamw,
+    Ema,
     Norm,
     Tree,
     Exactness,
@@ -627,7 +651,7 @@ pub enum Group {
 }
 
 impl Group {
-    pub const ALL: [Group; 14] = [
+    pub const ALL: [Group; 15] = [
         Group::Layernorm,
         Group::Rmsnorm,
         Group::Rope,
@@ -638,6 +662,7 @@ impl Group {
         Group::Crossentropy,
         Group::Embedding,
         Group::Adamw,
+        Group::Ema,
         Group::Norm,
         Group::Tree,
         Group::Exactness,
@@ -656,6 +681,7 @@ impl Group {
             Group::Crossentropy => "crossentropy",
             Group::Embedding => "embedding",
             Group::Adamw => "adamw",
+            Group::Ema => "ema",
             Group::Norm => "norm",
             Group::Tree => "tree",
             Group::Exactness => "exactness",
@@ -663,9 +689,10 @@ impl Group {
         }
     }
 
-    /// Kernel groups run once per storage type (f32, then bf16).
+    /// Kernel groups run once per storage type (f32, then bf16); the EMA's
+    /// kernel is f32 whatever the storage type: once, as f32.
     fn per_precision(self) -> bool {
-        !matches!(self, Group::Exactness | Group::Steps)
+        !matches!(self, Group::Ema | Group::Exactness | Group::Steps)
     }
 }
 
@@ -716,6 +743,7 @@ fn run_precision<X: Elem>(
             Group::Adamw if even => adamw_checks(&mut cx),
             Group::Norm if even => norm_checks(&mut cx),
             Group::Tree if even => tree_checks(&mut cx),
+            Group::Ema => ema_checks(&mut cx),
             Group::Adamw | Group::Norm | Group::Tree | Group::Exactness | Group::Steps => Ok(()),
         };
         // Checks made before an error are kept: they are reported with it.
@@ -749,6 +777,7 @@ pub fn run(
             let mut out = vec![];
             let ran = match g {
                 Group::Exactness => exactness_checks(gpu, &mut out),
+                Group::Ema => run_precision::<f32>(gpu, g, "f32", 1e-5, &mut out),
                 Group::Steps => steps.as_mut().map_or(Ok(()), |run_steps| run_steps(&mut out)),
                 _ if f32 => run_precision::<f32>(gpu, g, tag, 1e-5, &mut out),
                 _ => run_precision::<Bf16>(gpu, g, tag, 1e-2, &mut out),

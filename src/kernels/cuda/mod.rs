@@ -14,6 +14,7 @@ pub mod check;
 pub mod counts;
 pub mod crossentropy;
 pub mod device;
+pub mod ema;
 pub mod embedding;
 pub mod gelu;
 pub mod layernorm;

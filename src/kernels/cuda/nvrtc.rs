@@ -21,6 +21,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("cast", include_str!("../../../kernels/cast.cu")),
     ("crossentropy", include_str!("../../../kernels/crossentropy.cu")),
+    ("ema", include_str!("../../../kernels/ema.cu")),
     ("embedding", include_str!("../../../kernels/embedding.cu")),
     ("flash_attention", include_str!("../../../kernels/flash_attention.cu")),
     ("gelu", include_str!("../../../kernels/gelu.cu")),

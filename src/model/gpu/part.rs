@@ -31,7 +31,7 @@ pub use tp::{GpuTp, TpDevices, TpPart};
 
 use crate::kernels::cuda::embedding::{DeviceOwners, TokenOwners};
 use crate::kernels::cuda::rope::DeviceRope;
-use crate::kernels::cuda::{adamw, attention, crossentropy, embedding, matmul};
+use crate::kernels::cuda::{adamw, attention, crossentropy, ema, embedding, matmul};
 use crate::kernels::cuda::{ensure, CudaError, DeviceBuffer, Elem, Gpu, Result};
 use crate::model::arch::Positions;
 use crate::model::block::Share;
@@ -209,6 +209,9 @@ pub struct GpuPart<X: Elem> {
     v: DeviceBuffer<f32>,
     /// AdamW updates applied so far.
     pub adam_t: u64,
+    /// The EMA of the master weights (`optim.ema_decay`), laid out as
+    /// `master`; empty when none is kept (and on followers).
+    ema: DeviceBuffer<f32>,
     /// The head's share of the tied embedding's gradient (Vp, C), f32;
     /// empty untied (the head's gradient is then its own tensor's).
     head_grad: DeviceBuffer<f32>,
@@ -391,6 +394,7 @@ impl<X: Elem> GpuPart<X> {
             m: gpu.alloc(kept)?,
             v: gpu.alloc(kept)?,
             adam_t: 0,
+            ema: gpu.alloc(0)?,
             head_grad: gpu.alloc(if head && owner && cfg.tied() { vp * c } else { 0 })?,
             free: (0..live).rev().collect(),
             slots,
@@ -437,6 +441,7 @@ impl<X: Elem> GpuPart<X> {
             + self.grads.bytes()
             + self.m.bytes()
             + self.v.bytes()
+            + self.ema.bytes()
             + self.head_grad.bytes()
             + self.slots.len() * self.slot_bytes
             + s.dres.bytes()
@@ -829,6 +834,39 @@ impl<X: Elem> GpuPart<X> {
             )?;
         }
         Ok(())
+    }
+
+    /// Keeps an EMA of the master weights from now on (rank 0 only, beside
+    /// them): its buffer allocated here, so a step allocates nothing.
+    pub fn keep_ema(&mut self, gpu: &Gpu) -> Result<()> {
+        ensure(!self.master.is_empty(), || "an EMA on a part without master weights (a follower)".into())?;
+        self.ema = gpu.alloc(self.master.len())?;
+        Ok(())
+    }
+
+    /// One EMA update after an applied AdamW step: the first (`first`)
+    /// copies the master weights, as AveragedModel's does; later ones lerp
+    /// toward them by `weight` (`kernels::cpu::ema::weight_of`). One launch
+    /// over the whole flat buffer: elementwise, and the padding between
+    /// tensors is zero in both buffers, so it stays zero.
+    pub fn update_ema(&mut self, gpu: &Gpu, first: bool, weight: f32) -> Result<()> {
+        ensure(self.ema.len() == self.master.len() && !self.ema.is_empty(), || {
+            "an EMA update on a part that keeps none".into()
+        })?;
+        match first {
+            true => gpu.copy_device(&self.ema, &self.master),
+            false => ema::ema_update(gpu, &self.ema, &self.master, self.master.len(), weight),
+        }
+    }
+
+    /// The EMA of the master weights, per tensor.
+    pub fn ema_weights(&self, gpu: &Gpu) -> Result<Vec<Vec<f32>>> {
+        self.per_tensor(gpu, &self.ema)
+    }
+
+    /// Sets the EMA, per tensor in this part's order (a resume or a rollback).
+    pub fn load_ema(&mut self, gpu: &Gpu, values: &[impl AsRef<[f32]>]) -> Result<()> {
+        self.upload_per_tensor(gpu, "EMA", values, |p| &p.ema)
     }
 
     /// Per tensor (CPU order and shapes, wte without padding) values of a flat buffer.
