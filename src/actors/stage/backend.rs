@@ -137,8 +137,7 @@ fn build_gpu(
     let peak =
         args.layout.schedule.simulate(&crate::schedule::Costs::unit()).map_err(|e| e.to_string())?.peak_live;
     let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
-    // The config refuses selective recompute on the GPU: its part recomputes whole blocks or none.
-    let rc = cfg.train.recompute == crate::config::Recompute::Full;
+    let rc = cfg.train.recompute;
     let (gpt, b) = (cfg.arch(), cfg.train.micro_batch_size);
     let resume = args.resume.as_deref();
     let place = || GpuPlace {
