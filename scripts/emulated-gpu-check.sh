@@ -9,7 +9,8 @@
 #      cross-entropy at V = 50,257;
 #   2. train with backend.kind = "cuda" at a small shape: f32 losses equal the
 #      CPU backend's (relative 1e-5), bf16 within bf16's rounding (2e-2);
-#      pp 2 (1F1B) = pp 1 weights; tp 2 on two emulated GPUs (NCCL) = tp 1;
+#      pp 2 (1F1B, selective recompute) = pp 1 weights; tp 2 on two emulated
+#      GPUs (NCCL) = tp 1;
 #      dp 2 across two processes (launch --nodes 2, NCCL between them) runs;
 #      a checkpoint and a resume end on the uninterrupted run's weights;
 #      greedy generate on the GPU writes the CPU's text; every run keeps
@@ -17,8 +18,9 @@
 #      gives pp 1's bits, the losses the CPU's, and the EMA is the CPU
 #      twin's lerp of the GPU's weights, bit for bit;
 #   3. the same for a Llama (grouped-query attention, SwiGLU, RoPE, untied
-#      head): f32 and bf16 losses against the CPU's, pp 2 = recompute = dp 2
-#      = pp 1, tp 2 on two GPUs = tp 1, greedy generate = the CPU's text;
+#      head): f32 and bf16 losses against the CPU's, pp 2 (selective
+#      recompute) = full recompute = dp 2 = pp 1, tp 2 on two GPUs (selective
+#      recompute) = tp 1, greedy generate = the CPU's text;
 #   4. Qwen3 (the per-head q/k norm) and Mistral (a sliding window of 12 of
 #      the 64 positions) from their tiny configs, shortened as the Llama's:
 #      f32 losses against the CPU's;
@@ -164,10 +166,12 @@ for dtype in f32 bf16; do
     vs_cpu gpu cuda "$work/cpu" "$dtype" "${small[@]}"
 done
 
-# pp 2 on one GPU (both stages on GPU 0) against pp 1.
+# pp 2 on one GPU (both stages on GPU 0) against pp 1; the pp 2 run with
+# selective recompute (LayerNorm and GELU made again in backward, with the
+# forward's bits).
 run gpu-pp2 "$bin" train "${small[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.pp=2 \
-    --set 'backend.devices=[0,0]' --steps 4 --out "$work/gpu-pp2"
-same_weights "cuda pp 2 = pp 1 weights" "$work/gpu-f32" "$work/gpu-pp2"
+    --set 'backend.devices=[0,0]' --set train.recompute=selective --steps 4 --out "$work/gpu-pp2"
+same_weights "cuda pp 2, selective = pp 1 weights" "$work/gpu-f32" "$work/gpu-pp2"
 
 # tp 2 over two emulated GPUs (NCCL between them) against tp 1, both over 2 slices.
 for tp in 1 2; do
@@ -256,9 +260,10 @@ row "train llama cpu (reference)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "dige
 for dtype in f32 bf16; do
     vs_cpu llama-gpu "llama cuda" "$work/llama-cpu" "$dtype" "${llama[@]}"
 done
+# pp 2 with selective recompute (RMSNorm and SwiGLU made again in backward).
 run llama-gpu-pp2 "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set parallel.pp=2 \
-    --set 'backend.devices=[0,0]' --steps 4 --out "$work/llama-gpu-pp2"
-same_weights "cuda llama pp 2 = pp 1 weights" "$work/llama-gpu-f32" "$work/llama-gpu-pp2"
+    --set 'backend.devices=[0,0]' --set train.recompute=selective --steps 4 --out "$work/llama-gpu-pp2"
+same_weights "cuda llama pp 2, selective = pp 1" "$work/llama-gpu-f32" "$work/llama-gpu-pp2"
 # Recompute in backward, and dp 2 (two GPUs, one microbatch each: the same
 # global batch; the microbatch tree's sums exchanged in the untied head's
 # part order): the same weights.
@@ -270,12 +275,14 @@ run llama-gpu-dp2 "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="
 same_weights "cuda llama dp 2 (2 GPUs) = dp 1 weights" "$work/llama-gpu-f32" "$work/llama-gpu-dp2"
 # tp 2 over two emulated GPUs (NCCL) against tp 1, both over 2 slices: a
 # rank needs whole key/value groups, so here each query head has its own.
+# tp 2 with selective recompute: each rank makes its own share again.
 for tp in 1 2; do
-    devs="[0]"; [ $tp = 2 ] && devs="[0,1]"
+    devs="[0]" rc=none; [ $tp = 2 ] && devs="[0,1]" rc=selective
     run "llama-gpu-tp$tp" "$bin" train "${llama[@]}" "${cuda[@]}" --set 'backend.dtype="f32"' --set model.n_kv_head=2 \
-        --set parallel.tp=$tp --set parallel.tp_slices=2 --set "backend.devices=$devs" --steps 3 --out "$work/llama-gpu-tp$tp"
+        --set parallel.tp=$tp --set parallel.tp_slices=2 --set "backend.devices=$devs" --set train.recompute=$rc \
+        --steps 3 --out "$work/llama-gpu-tp$tp"
 done
-same_weights "cuda llama tp 2 (2 GPUs) = tp 1 weights" "$work/llama-gpu-tp1" "$work/llama-gpu-tp2"
+same_weights "cuda llama tp 2 (2 GPUs), selective = tp 1" "$work/llama-gpu-tp1" "$work/llama-gpu-tp2"
 same_text "cuda llama greedy generate = cpu" llama-gen "$work/llama-gpu-f32" "${llama_model[@]}"
 
 # 4. Qwen3's and Mistral's settings from their tiny configs, shortened as the

@@ -854,12 +854,6 @@ impl Config {
              backend only; \
              with backend.kind = \"cuda\" use gpipe, 1f1b or interleaved",
         );
-        v.check(
-            self.backend.kind != BackendKind::Cuda || self.train.recompute != Recompute::Selective,
-            "train.recompute",
-            self.train.recompute,
-            "\"selective\" is built for the CPU backend only; with backend.kind = \"cuda\" use \"none\" or \"full\"",
-        );
     }
 
     /// `[sim]`: the simulated costs, and a factor per stage.
@@ -2053,14 +2047,18 @@ mod tests {
     }
 
     #[test]
-    fn cuda_refuses_selective_recompute() {
+    fn cuda_takes_every_recompute_but_not_the_zero_bubble_split_it_would_meet() {
         let mut c = valid();
         c.backend.kind = BackendKind::Cuda;
+        for r in Recompute::ALL {
+            c.train.recompute = r;
+            c.validate().unwrap();
+        }
+        // The split backward is the CPU's alone, selective or not.
         c.train.recompute = Recompute::Selective;
-        let err = refused(&c, "train.recompute");
+        c.parallel.schedule = ScheduleKind::ZbH1;
+        let err = refused(&c, "parallel.schedule");
         assert!(err.contains("CPU backend only"), "{err}");
-        c.train.recompute = Recompute::Full;
-        c.validate().unwrap();
     }
 
     #[test]

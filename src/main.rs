@@ -686,6 +686,7 @@ fn gpu_bench(args: GpuBenchArgs) -> anyhow::Result<()> {
         steps: args.steps,
         warmup: args.warmup,
         matmul_size: args.matmul_size,
+        recompute: args.recompute,
     };
     let report = bench::run(&gpu, &bargs, |line| eprintln!("{line}"))?;
     print!("{}", bench::table(&report));
@@ -746,6 +747,9 @@ struct GpuBenchArgs {
     /// Side of the square bf16 product that measures cuBLASLt's rate.
     #[arg(long, default_value_t = 8192)]
     matmul_size: usize,
+    /// What backward computes again (train.recompute): none, selective or full.
+    #[arg(long, default_value = "none", value_parser = parse_recompute)]
+    recompute: pipewright::model::recompute::Recompute,
     /// GPU ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -757,6 +761,14 @@ struct GpuBenchArgs {
     /// allocations), per step, per microbatch and per block [micro-batch default 1].
     #[arg(long)]
     counts: bool,
+}
+
+fn parse_recompute(s: &str) -> Result<pipewright::model::recompute::Recompute, String> {
+    use pipewright::model::recompute::Recompute;
+    Recompute::ALL
+        .into_iter()
+        .find(|r| r.name() == s)
+        .ok_or_else(|| format!("\"{s}\": expected none, selective or full"))
 }
 
 fn parse_family(s: &str) -> Result<String, String> {

@@ -33,7 +33,7 @@ pub const ADAM_V_BYTES: f64 = 4.0;
 /// What the backward pass recomputes instead of storing, as Megatron-LM
 /// means it. Its `Selective` is Megatron's (the attention core), which a
 /// flash attention such as pipewright's never stores anyway; pipewright's
-/// `train.recompute = "selective"` (`model::recompute`, CPU only) keeps less
+/// `train.recompute = "selective"` (`model::recompute`) keeps less
 /// than that, and the CPU planner (`plan::cpu`) counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

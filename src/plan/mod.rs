@@ -172,7 +172,7 @@ pub fn runnable(
         return Err(
             "this selective recompute is Megatron's (the attention scores not stored), which pipewright's \
                     attention never stores: plan recompute none for it (train.recompute = \"selective\" also \
-                    remakes the norms and the MLP's activation, on the CPU backend only)"
+                    remakes the norms and the MLP's activation)"
                 .into(),
         );
     }

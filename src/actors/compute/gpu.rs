@@ -166,7 +166,7 @@ impl<X: Elem + NcclType> GpuCompute<X> {
         chunks: Vec<(crate::model::PartSpec, Vec<Param>)>,
         cfg: crate::model::Arch,
         b: usize,
-        recompute: bool,
+        recompute: crate::model::recompute::Recompute,
         live: &[usize],
         resume: Option<&Loaded>,
         place: GpuPlace,

@@ -142,8 +142,7 @@ fn build_gpu(
         peak.iter_mut().zip(p).for_each(|(a, b)| *a = (*a).max(b));
     }
     let live: Vec<usize> = args.layout.stages_of(args.rank).iter().map(|&s| peak[s]).collect();
-    // The config refuses selective recompute on the GPU: its part recomputes whole blocks or none.
-    let rc = cfg.train.recompute == crate::config::Recompute::Full;
+    let rc = cfg.train.recompute;
     let (gpt, b) = (cfg.arch(), cfg.train.micro_batch_size);
     let resume = args.resume.as_deref();
     let place = || GpuPlace {

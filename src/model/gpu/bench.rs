@@ -8,6 +8,7 @@ use crate::kernels::cuda::counts::Counts;
 use crate::kernels::cuda::matmul::{gemm, GemmShape};
 use crate::kernels::cuda::{Bf16, CudaError, Gpu, Result};
 use crate::model::params::{all_tensors, init_tensor, Arch};
+use crate::model::recompute::Recompute;
 use crate::optim::Hyper;
 use crate::rng::{Purpose, Rng};
 use serde::Serialize;
@@ -32,6 +33,8 @@ pub struct BenchArgs {
     pub warmup: usize,
     /// Side of the square bf16 product that measures cuBLASLt's rate.
     pub matmul_size: usize,
+    /// What backward computes again (`train.recompute`).
+    pub recompute: Recompute,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -51,6 +54,8 @@ pub struct BenchReport {
     pub padded_vocab: usize,
     pub seq: usize,
     pub micro_batch: usize,
+    /// `train.recompute`'s name.
+    pub recompute: String,
     pub steps: usize,
     pub params: usize,
     pub flops_per_token: f64,
@@ -65,6 +70,8 @@ pub struct BenchReport {
     pub mfu_vs_matmul: f64,
     pub first_loss: f64,
     pub last_loss: f64,
+    /// The model's device buffers, all allocated before the first step: the
+    /// allocator's peak for the model.
     pub device_gib: f64,
 }
 
@@ -109,12 +116,12 @@ pub fn matmul_rate(gpu: &Gpu, s: usize) -> Result<f64> {
 /// A model of microbatch `b` that has run one step, or the error (out of memory included).
 fn try_model<'g>(
     gpu: &'g Gpu,
-    cfg: Arch,
+    (cfg, recompute): (Arch, Recompute),
     b: usize,
     weights: &[&[f32]],
     batches: &[(Vec<u32>, Vec<u32>)],
 ) -> Result<(GpuModel<'g, Bf16>, f64)> {
-    let mut model = GpuModel::<Bf16>::new(gpu, cfg, b, weights)?;
+    let mut model = GpuModel::<Bf16>::with_recompute(gpu, cfg, b, recompute, weights)?;
     let loss = step(&mut model, batches, 0)?;
     Ok((model, loss))
 }
@@ -157,7 +164,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs, mut log: impl FnMut(&str)) -> Result<Ben
     let mut found = None;
     for &b in &sizes {
         let batches = batches_for(&cfg, b);
-        match try_model(gpu, cfg, b, &weights, &batches) {
+        match try_model(gpu, (cfg, args.recompute), b, &weights, &batches) {
             Ok((model, loss)) => {
                 found = Some((model, loss, batches));
                 break;
@@ -173,8 +180,9 @@ pub fn run(gpu: &Gpu, args: &BenchArgs, mut log: impl FnMut(&str)) -> Result<Ben
     })?;
     let b = model.b;
     log(&format!(
-        "micro-batch {b} × {} tokens, {:.1} GiB of device buffers",
+        "micro-batch {b} × {} tokens, recompute {}, {:.1} GiB of device buffers",
         cfg.block_size,
+        args.recompute,
         model.device_bytes() as f64 / (1u64 << 30) as f64
     ));
     for k in 1..args.warmup {
@@ -206,6 +214,7 @@ pub fn run(gpu: &Gpu, args: &BenchArgs, mut log: impl FnMut(&str)) -> Result<Ben
         padded_vocab: super::model::padded_vocab(model.cfg.vocab_size),
         seq: cfg.block_size,
         micro_batch: b,
+        recompute: args.recompute.name().to_string(),
         steps,
         params: cfg.num_params(),
         flops_per_token,
@@ -227,7 +236,7 @@ pub fn table(r: &BenchReport) -> String {
         "{} L={} C={} NH={} NKV={} F={} V={} (padded {}{}) T={}: {:.1} M parameters, micro-batch {}, {} steps\n\
          {:.1} ms/step   {:.0} tokens/s\n\
          MFU {:.1}% of 989 TFLOP/s bf16 (H100 SXM)   {:.1}% of the measured cuBLASLt {:.1} TFLOP/s\n\
-         loss {:.4} → {:.4}\n",
+         loss {:.4} → {:.4}   recompute {}, {:.3} GiB of device buffers\n",
         crate::model::Family::named(&r.family).map_or(r.family.as_str(), |f| f.title()),
         r.n_layer,
         r.n_embd,
@@ -248,6 +257,8 @@ pub fn table(r: &BenchReport) -> String {
         r.matmul_flops / 1e12,
         r.first_loss,
         r.last_loss,
+        r.recompute,
+        r.device_gib,
     )
 }
 

@@ -16,6 +16,7 @@ use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
 use crate::metrics::StepStats;
 use crate::model::arch::{Mlp, Positions, Role};
 use crate::model::part::{Mode, PartInput};
+use crate::model::recompute::Recompute;
 use crate::model::{Arch, ModelPart, Param, PartSpec};
 use crate::optim::{self, AdamState, Hyper};
 use crate::rng::{Purpose, Rng};
@@ -278,9 +279,12 @@ fn pipeline_gradients<X: Elem>(gpu: &Gpu, parts: &mut [GpuPart<X>]) -> Result<(f
 /// The model cut into two pipeline parts on one GPU against one part holding
 /// everything: the same loss and gradients, bit for bit — activations cross
 /// the cut exactly (X → f32 → X), and each part accumulates in microbatch order.
+/// The cut parts run under `recompute`, the whole one keeps everything: what
+/// backward makes again it makes with the forward's bits.
 fn pipeline_parts_match_one_part<X: Elem>(
     gpu: &Gpu,
     cfg: Arch,
+    recompute: Recompute,
     tag: &str,
     out: &mut Vec<Check>,
 ) -> Result<()> {
@@ -289,12 +293,12 @@ fn pipeline_parts_match_one_part<X: Elem>(
         PartSpec { layers: 0..1, embedding: true, head: false },
         PartSpec { layers: 1..cfg.n_layer, embedding: false, head: true },
     ];
-    let build = |spec: &PartSpec| {
+    let build = |spec: &PartSpec, recompute| {
         let params = crate::model::part::part_params(&cfg, spec, STEP_SEED);
-        GpuPart::<X>::new(gpu, cfg, spec.clone(), STEP_B, false, STEP_MICROBATCHES, &params)
+        GpuPart::<X>::new(gpu, cfg, spec.clone(), STEP_B, recompute, STEP_MICROBATCHES, &params)
     };
-    let mut one = vec![build(&whole)?];
-    let mut two = cut.iter().map(build).collect::<Result<Vec<_>>>()?;
+    let mut one = vec![build(&whole, Recompute::None)?];
+    let mut two = cut.iter().map(|spec| build(spec, recompute)).collect::<Result<Vec<_>>>()?;
     let (l1, g1) = pipeline_gradients(gpu, &mut one)?;
     let (l2, g2) = pipeline_gradients(gpu, &mut two)?;
     let mut a = vec![l1 as f32];
@@ -302,9 +306,46 @@ fn pipeline_parts_match_one_part<X: Elem>(
     let mut b = vec![l2 as f32];
     b.extend(g2.concat());
     out.push(Check {
-        name: format!("two pipeline parts = one part, loss and gradients bit for bit ({tag})"),
+        name: match recompute {
+            Recompute::None => {
+                format!("two pipeline parts = one part, loss and gradients bit for bit ({tag})")
+            }
+            r => format!(
+                "two pipeline parts, {r} recompute = one part, loss and gradients bit for bit ({tag})"
+            ),
+        },
         rel_err: bits_differ(&a, &b),
         tol: 0.5,
+    });
+    Ok(())
+}
+
+/// What selective recompute frees on the device: a whole part of
+/// STEP_MICROBATCHES activation slots keeps n1, n2 and act, N·(2·C + F)
+/// elements a block, in none of its slots' blocks, and holds one such set
+/// for every block to remake them in; every device buffer is allocated by
+/// `GpuPart::new`, so its bytes are the part's peak.
+fn selective_frees_device_bytes<X: Elem>(
+    gpu: &Gpu,
+    cfg: Arch,
+    tag: &str,
+    out: &mut Vec<Check>,
+) -> Result<()> {
+    let spec = PartSpec::whole(&cfg);
+    let params = crate::model::part::part_params(&cfg, &spec, STEP_SEED);
+    let bytes = |r| -> Result<usize> {
+        Ok(GpuPart::<X>::new(gpu, cfg, spec.clone(), STEP_B, r, STEP_MICROBATCHES, &params)?.device_bytes())
+    };
+    let (none, selective) = (bytes(Recompute::None)?, bytes(Recompute::Selective)?);
+    let per_set = STEP_B * cfg.block_size * (2 * cfg.n_embd + cfg.ffn()) * std::mem::size_of::<X>();
+    let want = (STEP_MICROBATCHES * cfg.n_layer - 1) * per_set;
+    out.push(Check {
+        name: format!(
+            "selective recompute frees (slots × blocks − 1) × N·(2C + F) device elements: {} of {none} bytes ({tag})",
+            none as i64 - selective as i64
+        ),
+        rel_err: (none as f64 - selective as f64 - want as f64).abs() / want as f64,
+        tol: f64::EPSILON,
     });
     Ok(())
 }
@@ -324,27 +365,29 @@ fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     step_vs_cpu::<Bf16>(gpu, gpt2, "bf16", out)?;
     step_repeats::<f32>(gpu, gpt2, "f32", out)?;
     step_repeats::<Bf16>(gpu, gpt2, "bf16", out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, gpt2, "f32", out)?;
-    pipeline_parts_match_one_part::<Bf16>(gpu, gpt2, "bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, gpt2, Recompute::None, "f32", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, gpt2, Recompute::Selective, "bf16", out)?;
+    selective_frees_device_bytes::<Bf16>(gpu, gpt2, "bf16", out)?;
     let llama = llama_step_cfg();
     step_vs_cpu::<f32>(gpu, llama, "llama f32", out)?;
     step_vs_cpu::<Bf16>(gpu, llama, "llama bf16", out)?;
     step_repeats::<Bf16>(gpu, llama, "llama bf16", out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, llama, "llama f32", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, llama, Recompute::Selective, "llama f32", out)?;
+    selective_frees_device_bytes::<Bf16>(gpu, llama, "llama bf16", out)?;
     let tied = Arch { tied: true, ..llama };
     step_vs_cpu::<f32>(gpu, tied, "llama tied f32", out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, tied, "llama tied f32", out)?;
-    pipeline_parts_match_one_part::<Bf16>(gpu, tied, "llama tied bf16", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, tied, Recompute::None, "llama tied f32", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, tied, Recompute::Selective, "llama tied bf16", out)?;
     let qwen3 = qwen3_step_cfg();
     step_vs_cpu::<f32>(gpu, qwen3, "qwen3-like f32", out)?;
     step_vs_cpu::<Bf16>(gpu, qwen3, "qwen3-like bf16", out)?;
     step_repeats::<Bf16>(gpu, qwen3, "qwen3-like bf16", out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, qwen3, "qwen3-like f32", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, qwen3, Recompute::Selective, "qwen3-like f32", out)?;
     let mistral = mistral_step_cfg();
     step_vs_cpu::<f32>(gpu, mistral, "mistral-like f32", out)?;
     step_vs_cpu::<Bf16>(gpu, mistral, "mistral-like bf16", out)?;
     step_repeats::<Bf16>(gpu, mistral, "mistral-like bf16", out)?;
-    pipeline_parts_match_one_part::<f32>(gpu, mistral, "mistral-like f32", out)?;
+    pipeline_parts_match_one_part::<f32>(gpu, mistral, Recompute::None, "mistral-like f32", out)?;
     // Both families at ragged shapes: T = 33 (a multiple of no tile), an odd
     // vocabulary (padded), and for the Llama a SwiGLU of 200 (N·H not a whole
     // number of blocks).
@@ -357,6 +400,6 @@ fn step_checks_into(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     let mixed = mixed_step_cfg();
     step_vs_cpu::<f32>(gpu, mixed, "mixed f32", out)?;
     step_vs_cpu::<Bf16>(gpu, mixed, "mixed bf16", out)?;
-    pipeline_parts_match_one_part::<Bf16>(gpu, mixed, "mixed bf16", out)?;
+    pipeline_parts_match_one_part::<Bf16>(gpu, mixed, Recompute::Selective, "mixed bf16", out)?;
     tp::tp_checks(gpu, out)
 }

@@ -10,6 +10,7 @@ use crate::kernels::cuda::{ensure, CudaError, Elem, Gpu, Result};
 use crate::metrics::StepStats;
 use crate::model::params::{all_tensors, Arch, Param};
 use crate::model::part::{Mode, PartSpec};
+use crate::model::recompute::Recompute;
 use crate::optim::{self, Hyper};
 
 pub use super::part::{padded_vocab, TensorSlot};
@@ -30,6 +31,17 @@ impl<'g, X: Elem> GpuModel<'g, X> {
     /// sequences of `cfg.block_size` tokens. Out of device memory is an error
     /// (`is_out_of_memory`), with everything allocated so far freed.
     pub fn new(gpu: &'g Gpu, cfg: Arch, b: usize, weights: &[&[f32]]) -> Result<Self> {
+        Self::with_recompute(gpu, cfg, b, Recompute::None, weights)
+    }
+
+    /// `new`, with the blocks' intermediates kept as `recompute` says.
+    pub fn with_recompute(
+        gpu: &'g Gpu,
+        cfg: Arch,
+        b: usize,
+        recompute: Recompute,
+        weights: &[&[f32]],
+    ) -> Result<Self> {
         let shapes = all_tensors(&cfg);
         ensure(weights.len() == shapes.len(), || {
             format!("{} weight tensors given, the model has {}", weights.len(), shapes.len())
@@ -47,7 +59,7 @@ impl<'g, X: Elem> GpuModel<'g, X> {
             })
             .collect();
         // One microbatch runs forward and backward before the next: one slot.
-        let part = GpuPart::new(gpu, cfg, PartSpec::whole(&cfg), b, false, 1, &params)?;
+        let part = GpuPart::new(gpu, cfg, PartSpec::whole(&cfg), b, recompute, 1, &params)?;
         let n = part.n();
         Ok(GpuModel { gpu, part, cfg, b, host_inputs: vec![0; n], host_targets: vec![0; n] })
     }

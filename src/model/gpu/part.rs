@@ -26,7 +26,7 @@
 
 mod block;
 mod tp;
-use block::BlockActs;
+use block::{Acts, BlockActs, Remade};
 pub use tp::{GpuTp, TpDevices, TpPart};
 
 use crate::kernels::cuda::embedding::{DeviceOwners, TokenOwners};
@@ -36,6 +36,7 @@ use crate::kernels::cuda::{ensure, CudaError, DeviceBuffer, Elem, Gpu, Result};
 use crate::model::arch::Positions;
 use crate::model::block::Share;
 use crate::model::part::{Mode, PartSpec};
+use crate::model::recompute::Recompute;
 use crate::model::{Arch, Param};
 use crate::optim::Hyper;
 use std::collections::BTreeMap;
@@ -108,7 +109,8 @@ struct Slot<X: Elem> {
     /// stream[l]: the residual stream entering local block l; stream[nb]: the
     /// part's output (the head's input on the last part).
     stream: Vec<DeviceBuffer<X>>,
-    /// Per-block intermediates; empty when recomputing.
+    /// Per-block intermediates (the selective set with selective
+    /// recompute); empty with full recompute.
     blocks: Vec<BlockActs<X>>,
     /// First part: the token ids and who owns each id's wte gradient row.
     tokens: Option<(DeviceBuffer<u32>, DeviceOwners)>,
@@ -156,8 +158,11 @@ struct Scratch<X: Elem> {
     norm_partial: DeviceBuffer<f32>,
     /// One f32 per tensor: the per-tensor sums of squares.
     norm_out: DeviceBuffer<f32>,
-    /// Recompute: one block's intermediates and its (discarded) output.
+    /// Full recompute: one block's intermediates and its (discarded) output.
     recompute: Option<(BlockActs<X>, DeviceBuffer<X>)>,
+    /// Selective recompute: the n1, n2 and act every block writes in
+    /// forward and makes again in backward.
+    remade: Option<Remade<X>>,
     /// The rotary table (T, HS/2) of a model with rotary positions.
     rope: Option<DeviceRope>,
     /// Sliced products (tp.rs): this rank's slices of one split sum, (L, N, C) f32.
@@ -195,7 +200,7 @@ pub struct GpuPart<X: Elem> {
     /// Sequences per microbatch.
     pub b: usize,
     pub vp: usize,
-    pub recompute: bool,
+    pub recompute: Recompute,
     /// Which tensor-parallel rank this part computes (tp.rs); rank 0 of 1
     /// with one slice is the plain block.
     pub tp: GpuTp,
@@ -270,7 +275,7 @@ impl<X: Elem> GpuPart<X> {
         cfg: Arch,
         spec: PartSpec,
         b: usize,
-        recompute: bool,
+        recompute: Recompute,
         live: usize,
         params: &[Param],
     ) -> Result<Self> {
@@ -287,7 +292,7 @@ impl<X: Elem> GpuPart<X> {
         cfg: Arch,
         spec: PartSpec,
         b: usize,
-        recompute: bool,
+        recompute: Recompute,
         live: usize,
         params: &[Param],
         tp: GpuTp,
@@ -316,10 +321,11 @@ impl<X: Elem> GpuPart<X> {
         let new_slot = || -> Result<Slot<X>> {
             Ok(Slot {
                 stream: (0..=nb).map(|_| gpu.alloc(n * c)).collect::<Result<_>>()?,
-                blocks: if recompute {
-                    vec![]
+                blocks: if recompute.keeps_blocks() {
+                    let whole = recompute == Recompute::None;
+                    (0..nb).map(|_| BlockActs::new(gpu, &cfg, b, size, whole)).collect::<Result<_>>()?
                 } else {
-                    (0..nb).map(|_| BlockActs::new(gpu, &cfg, b, size)).collect::<Result<_>>()?
+                    vec![]
                 },
                 tokens: if spec.embedding && owner {
                     let owners = DeviceOwners {
@@ -357,8 +363,13 @@ impl<X: Elem> GpuPart<X> {
             bias_partial: gpu.alloc(matmul::bias_partial_len(n, bias_cols))?,
             norm_partial: gpu.alloc(adamw::NORM_BLOCKS)?,
             norm_out: gpu.alloc(tensors.len().max(1))?,
-            recompute: if recompute {
-                Some((BlockActs::new(gpu, &cfg, b, size)?, gpu.alloc(n * c)?))
+            recompute: if recompute == Recompute::Full {
+                Some((BlockActs::new(gpu, &cfg, b, size, true)?, gpu.alloc(n * c)?))
+            } else {
+                None
+            },
+            remade: if recompute == Recompute::Selective {
+                Some(Remade::new(gpu, &cfg, b, size)?)
             } else {
                 None
             },
@@ -458,6 +469,7 @@ impl<X: Elem> GpuPart<X> {
             + s.lnf.bytes()
             + s.tied.bytes()
             + s.recompute.as_ref().map_or(0, |(a, o)| a.bytes() + o.bytes())
+            + s.remade.as_ref().map_or(0, Remade::bytes)
             + s.leaves.bytes()
             + s.gathered.bytes()
     }
@@ -592,21 +604,24 @@ impl<X: Elem> GpuPart<X> {
     }
 
     /// Where block l's forward for slot k writes: its intermediates and its output.
-    fn forward_acts(&self, k: usize, l: usize, recomputing: bool) -> (&BlockActs<X>, &DeviceBuffer<X>) {
+    fn forward_acts(&self, k: usize, l: usize, recomputing: bool) -> (Acts<'_, X>, &DeviceBuffer<X>) {
         let slot = &self.slots[k];
-        match (&self.s.recompute, recomputing) {
+        let (kept, out) = match (&self.s.recompute, recomputing) {
             (Some((acts, scratch_out)), true) => (acts, scratch_out),
             (Some((acts, _)), false) => (acts, &slot.stream[l + 1]),
             (None, _) => (&slot.blocks[l], &slot.stream[l + 1]),
-        }
+        };
+        (Acts::new(kept, self.s.remade.as_ref()), out)
     }
 
-    /// Block l's intermediates for backward of slot k (recomputed or kept).
-    fn backward_acts(&self, k: usize, l: usize) -> &BlockActs<X> {
-        match &self.s.recompute {
+    /// Block l's intermediates for backward of slot k (recomputed, kept, or
+    /// kept selectively and made again by `remake`).
+    fn backward_acts(&self, k: usize, l: usize) -> Acts<'_, X> {
+        let kept = match &self.s.recompute {
             Some((acts, _)) => acts,
             None => &self.slots[k].blocks[l],
-        }
+        };
+        Acts::new(kept, self.s.remade.as_ref())
     }
 
     /// Final norm, head and loss of the microbatch in slot `k`; in training
@@ -681,7 +696,7 @@ impl<X: Elem> GpuPart<X> {
     ) -> Result<Option<Vec<f32>>> {
         let blocks: Blocks<X> = &mut |part, gpu, k| {
             for l in (0..part.n_blocks()).rev() {
-                if part.recompute {
+                if part.recompute == Recompute::Full {
                     part.block_forward(gpu, k, l, true)?;
                 }
                 part.block_backward(gpu, k, l)?;

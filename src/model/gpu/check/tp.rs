@@ -10,6 +10,7 @@ use crate::kernels::cuda::nccl::NcclType;
 use crate::kernels::cuda::{Bf16, Elem, Gpu, Result};
 use crate::model::gpu::part::{GpuGrad, GpuInput, TpDevices, TpPart};
 use crate::model::part::Mode;
+use crate::model::recompute::Recompute;
 use crate::model::{Arch, ModelPart, PartSpec};
 use crate::optim::{self, AdamState};
 
@@ -60,7 +61,7 @@ fn tp_run<X: Elem + NcclType>(
     slices: usize,
     params: &[crate::model::Param],
     size: usize,
-    recompute: bool,
+    recompute: Recompute,
     ranks: Ranks,
 ) -> Result<Run> {
     let dev = match ranks {
@@ -96,8 +97,9 @@ fn tp_run<X: Elem + NcclType>(
     Ok(run)
 }
 
-/// Every rank count dividing `slices` (and 2 with recompute) gives one
-/// rank's bits; in f32 the sliced step's gradients match the CPU model's.
+/// Every rank count dividing `slices` gives one rank's bits, 2 also with
+/// full recompute and with selective (what backward makes again has the
+/// forward's bits); in f32 the sliced step's gradients match the CPU model's.
 fn tp_checks_in<X: Elem + NcclType>(
     gpu: &Gpu,
     (cfg, slices): (Arch, usize),
@@ -106,14 +108,18 @@ fn tp_checks_in<X: Elem + NcclType>(
     out: &mut Vec<Check>,
 ) -> Result<()> {
     let mut cpu = ModelPart::new(cfg, PartSpec::whole(&cfg), STEP_B, STEP_SEED, false);
-    let one = tp_run::<X>(gpu, cfg, slices, &cpu.params, 1, false, Ranks::OnOneGpu)?;
-    let sizes = [(2, false), (4, false), (2, true)].into_iter().filter(|&(size, _)| size <= slices);
-    for (size, recompute) in sizes {
+    let one = tp_run::<X>(gpu, cfg, slices, &cpu.params, 1, Recompute::None, Ranks::OnOneGpu)?;
+    // tp 2 keeping everything is the NCCL row's below (CI's emulated GPUs are four).
+    let sizes = [(2, Recompute::Selective), (4, Recompute::None), (2, Recompute::Full)];
+    for (size, recompute) in sizes.into_iter().filter(|&(size, _)| size <= slices) {
         let run = tp_run::<X>(gpu, cfg, slices, &cpu.params, size, recompute, Ranks::OnOneGpu)?;
         out.push(Check {
             name: format!(
                 "tp {size}{} = tp 1 over {slices} slices, 2 steps bit for bit ({tag})",
-                if recompute { " recompute" } else { "" }
+                match recompute {
+                    Recompute::None => String::new(),
+                    r => format!(" {r} recompute"),
+                }
             ),
             rel_err: bits_differ(&run.figures, &one.figures),
             tol: 0.5,
@@ -122,7 +128,7 @@ fn tp_checks_in<X: Elem + NcclType>(
     // With GPUs enough, the same ranks one per GPU: NCCL moves the bytes
     // the device copies moved above, and the bits must not change.
     for size in [2, 4].into_iter().filter(|&s| s <= gpus && s <= slices) {
-        let run = tp_run::<X>(gpu, cfg, slices, &cpu.params, size, false, Ranks::OneGpuEach)?;
+        let run = tp_run::<X>(gpu, cfg, slices, &cpu.params, size, Recompute::None, Ranks::OneGpuEach)?;
         out.push(Check {
             name: format!("tp {size} on {size} GPUs (NCCL) = tp 1 over {slices} slices, bit for bit ({tag})"),
             rel_err: bits_differ(&run.figures, &one.figures),

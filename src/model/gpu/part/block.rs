@@ -26,6 +26,11 @@
 //! each chunk's rows then heads in order); the split block (tp/block.rs)
 //! writes a partial per slice and joins them by the slice tree.
 //!
+//! Under selective recompute (`model::recompute`) a microbatch's set keeps
+//! neither norm's output nor the activation: every block writes them into
+//! the part's one [`Remade`] set in forward, and `remake` writes them there
+//! again, by the same kernel calls, before the block's backward reads them.
+//!
 //! This is the plain block (one rank, one slice); tp/block.rs runs it split
 //! over tensor-parallel ranks. The norm and activation helpers here serve
 //! both, and the head.
@@ -43,9 +48,13 @@ use crate::model::arch::{Arch, BlockIndex, Mlp, Norm, Role};
 use crate::model::block::Share;
 
 /// One block's intermediates for one microbatch on one rank, kept from
-/// forward for backward (the CPU's `BlockActs`, field for field).
+/// forward for backward (the CPU's `BlockActs`, field for field). Kept for
+/// selective recompute, `n1`, `n2` and `act` are empty: the block reads them
+/// from the part's [`Remade`] through [`Acts`], which forward writes and
+/// backward writes again.
 pub(in crate::model::gpu) struct BlockActs<X: Elem> {
-    pub(in crate::model::gpu::part) n1: DeviceBuffer<X>,
+    /// Read through [`Acts`] (a selective set's is empty).
+    n1: DeviceBuffer<X>,
     /// LayerNorm only (empty for RMSNorm).
     pub(in crate::model::gpu::part) mean1: DeviceBuffer<f32>,
     pub(in crate::model::gpu::part) rstd1: DeviceBuffer<f32>,
@@ -61,24 +70,28 @@ pub(in crate::model::gpu) struct BlockActs<X: Elem> {
     pub(in crate::model::gpu::part) lse: DeviceBuffer<f32>,
     /// The residual stream after attention.
     pub(in crate::model::gpu::part) h: DeviceBuffer<X>,
-    pub(in crate::model::gpu::part) n2: DeviceBuffer<X>,
+    /// Read through [`Acts`] (a selective set's is empty).
+    n2: DeviceBuffer<X>,
     pub(in crate::model::gpu::part) mean2: DeviceBuffer<f32>,
     pub(in crate::model::gpu::part) rstd2: DeviceBuffer<f32>,
     /// (N, 2F) gate's then up's outputs (SwiGLU), or (N, F) up's (GELU).
     pub(in crate::model::gpu::part) hidden: DeviceBuffer<X>,
-    /// (N, F) the activation, down's input.
-    pub(in crate::model::gpu::part) act: DeviceBuffer<X>,
+    /// (N, F) the activation, down's input; read through [`Acts`] (a
+    /// selective set's is empty).
+    act: DeviceBuffer<X>,
 }
 
 impl<X: Elem> BlockActs<X> {
-    /// For a rank of `size` in a model of `cfg`'s settings.
-    pub(super) fn new(gpu: &Gpu, cfg: &Arch, b: usize, size: usize) -> Result<Self> {
+    /// For a rank of `size` in a model of `cfg`'s settings; without `whole`,
+    /// the set selective recompute keeps (no n1, n2 or act).
+    pub(super) fn new(gpu: &Gpu, cfg: &Arch, b: usize, size: usize, whole: bool) -> Result<Self> {
         let (t, s) = (cfg.block_size, Share::of(cfg, size));
         let (n, c, heads) = (b * t, s.c, s.heads);
         let mean = if cfg.norm == Norm::LayerNorm { n } else { 0 };
         let qk = usize::from(cfg.qk_norm);
+        let kept = usize::from(whole);
         Ok(BlockActs {
-            n1: gpu.alloc(n * c)?,
+            n1: gpu.alloc(kept * n * c)?,
             mean1: gpu.alloc(mean)?,
             rstd1: gpu.alloc(n)?,
             qkv: gpu.alloc(n * heads.qkv_width())?,
@@ -88,11 +101,11 @@ impl<X: Elem> BlockActs<X> {
             atty: gpu.alloc(n * heads.out_width())?,
             lse: gpu.alloc(b * heads.nh * t)?,
             h: gpu.alloc(n * c)?,
-            n2: gpu.alloc(n * c)?,
+            n2: gpu.alloc(kept * n * c)?,
             mean2: gpu.alloc(mean)?,
             rstd2: gpu.alloc(n)?,
             hidden: gpu.alloc(n * s.hidden(cfg))?,
-            act: gpu.alloc(n * s.f)?,
+            act: gpu.alloc(kept * n * s.f)?,
         })
     }
 
@@ -105,6 +118,57 @@ impl<X: Elem> BlockActs<X> {
                 .iter()
                 .map(|b| b.bytes())
                 .sum::<usize>()
+    }
+}
+
+/// The tensors selective recompute makes again instead of keeping (the
+/// CPU's `Remade`): both norms' outputs and the MLP's activation, one
+/// block's worth per rank, shared by every block and microbatch of a part.
+pub(super) struct Remade<X: Elem> {
+    n1: DeviceBuffer<X>,
+    n2: DeviceBuffer<X>,
+    act: DeviceBuffer<X>,
+}
+
+impl<X: Elem> Remade<X> {
+    pub(super) fn new(gpu: &Gpu, cfg: &Arch, b: usize, size: usize) -> Result<Self> {
+        let (n, s) = (b * cfg.block_size, Share::of(cfg, size));
+        Ok(Remade { n1: gpu.alloc(n * s.c)?, n2: gpu.alloc(n * s.c)?, act: gpu.alloc(n * s.f)? })
+    }
+
+    pub(super) fn bytes(&self) -> usize {
+        self.n1.bytes() + self.n2.bytes() + self.act.bytes()
+    }
+}
+
+/// A block's intermediates as forward writes and backward reads them: the
+/// kept set, with n1, n2 and act its own or, kept for selective recompute,
+/// the part's [`Remade`] ones.
+pub(in crate::model::gpu) struct Acts<'a, X: Elem> {
+    kept: &'a BlockActs<X>,
+    /// (N, C) the attention norm's output.
+    pub(in crate::model::gpu::part) n1: &'a DeviceBuffer<X>,
+    /// (N, C) the MLP norm's output.
+    pub(in crate::model::gpu::part) n2: &'a DeviceBuffer<X>,
+    /// (N, F) the activation, down's input.
+    pub(in crate::model::gpu::part) act: &'a DeviceBuffer<X>,
+}
+
+impl<'a, X: Elem> Acts<'a, X> {
+    pub(super) fn new(kept: &'a BlockActs<X>, remade: Option<&'a Remade<X>>) -> Self {
+        debug_assert_eq!(kept.n1.is_empty(), remade.is_some(), "a selective set reads the remade tensors");
+        match remade {
+            Some(r) => Acts { kept, n1: &r.n1, n2: &r.n2, act: &r.act },
+            None => Acts { kept, n1: &kept.n1, n2: &kept.n2, act: &kept.act },
+        }
+    }
+}
+
+impl<X: Elem> std::ops::Deref for Acts<'_, X> {
+    type Target = BlockActs<X>;
+
+    fn deref(&self) -> &BlockActs<X> {
+        self.kept
     }
 }
 
@@ -395,6 +459,30 @@ impl<X: Elem> GpuPart<X> {
         }
     }
 
+    /// Selective recompute: block l's n1, n2 and act for slot k made again
+    /// into the part's `Remade`, by the forward's kernel calls on the
+    /// forward's inputs and into the same buffers, so with the forward's
+    /// bits (the norms' statistics are written again with the bits kept).
+    /// Nothing under any other setting. The plain and the split block share
+    /// it: the norms are whole on every rank, the activation the rank's F.
+    pub(super) fn remake(&self, gpu: &Gpu, k: usize, l: usize) -> Result<()> {
+        if self.s.remade.is_none() {
+            return Ok(());
+        }
+        let cfg = &self.cfg;
+        let s = Share::of(cfg, self.tp.size);
+        let (n, c, f) = (self.n(), s.c, s.f);
+        let ts = self.block_tensors(l);
+        let (w, wo) = (|r: Role| self.w(ts.at(r)), |r: Role| self.w_opt(ts.get(r)));
+        let x = &self.slots[k].stream[l];
+        let a = self.backward_acts(k, l);
+        let norm1 = (a.n1, &a.mean1, &a.rstd1);
+        norm_forward(gpu, cfg, norm1, x, w(Role::AttnNorm), wo(Role::AttnNormBias), n, c)?;
+        let norm2 = (a.n2, &a.mean2, &a.rstd2);
+        norm_forward(gpu, cfg, norm2, &a.h, w(Role::MlpNorm), wo(Role::MlpNormBias), n, c)?;
+        act_forward(gpu, cfg, a.act, &a.hidden, n, f)
+    }
+
     /// Block l's forward for the microbatch in slot `k`; with `recomputing`,
     /// into the shared recompute buffers (the output is discarded: the slot
     /// already holds it).
@@ -409,7 +497,7 @@ impl<X: Elem> GpuPart<X> {
         let (w, wo) = (|r: Role| self.w(ts.at(r)), |r: Role| self.w_opt(ts.get(r)));
         let x = &self.slots[k].stream[l];
         let (a, out) = self.forward_acts(k, l, recomputing);
-        let norm1 = (&a.n1, &a.mean1, &a.rstd1);
+        let norm1 = (a.n1, &a.mean1, &a.rstd1);
         norm_forward(gpu, cfg, norm1, x, w(Role::AttnNorm), wo(Role::AttnNormBias), n, c)?;
         let (n1, qkv, raw) =
             (View::new(a.n1.ptr(), c), View::new(a.qkv.ptr(), wd), View::new(a.qkv_raw.ptr(), wd));
@@ -418,7 +506,7 @@ impl<X: Elem> GpuPart<X> {
             linear::<X>(gpu, y, n1, w(r), wo(rb), (n, c, width))?;
         }
         if cfg.qk_norm {
-            qk_norm_forward(gpu, cfg, a, w, &s, n)?;
+            qk_norm_forward(gpu, cfg, &a, w, &s, n)?;
         }
         if let Some(table) = &self.s.rope {
             // q's and k's heads are the first NH + NKV head-wide column blocks.
@@ -428,13 +516,13 @@ impl<X: Elem> GpuPart<X> {
         let (h, atty) = (View::new(a.h.ptr(), c), View::new(a.atty.ptr(), q));
         linear::<X>(gpu, h, atty, w(Role::O), wo(Role::OBias), (n, q, c))?;
         residual::residual_forward(gpu, a.h.ptr(), a.h.ptr(), x, n * c)?;
-        let norm2 = (&a.n2, &a.mean2, &a.rstd2);
+        let norm2 = (a.n2, &a.mean2, &a.rstd2);
         norm_forward(gpu, cfg, norm2, &a.h, w(Role::MlpNorm), wo(Role::MlpNormBias), n, c)?;
         let (n2, hid) = (View::new(a.n2.ptr(), c), View::new(a.hidden.ptr(), hidden));
         for (r, rb, col) in mlp_in_parts(cfg, f) {
             linear::<X>(gpu, hid.at::<X>(0, col), n2, w(r), wo(rb), (n, c, f))?;
         }
-        act_forward(gpu, cfg, &a.act, &a.hidden, n, f)?;
+        act_forward(gpu, cfg, a.act, &a.hidden, n, f)?;
         let (y, act) = (View::new(out.ptr(), c), View::new(a.act.ptr(), f));
         linear::<X>(gpu, y, act, w(Role::Down), wo(Role::DownBias), (n, f, c))?;
         residual::residual_forward(gpu, out.ptr(), out.ptr(), &a.h, n * c)
@@ -455,6 +543,7 @@ impl<X: Elem> GpuPart<X> {
         let (w, g, go) =
             (|r: Role| self.w(ts.at(r)), |r: Role| self.g(ts.at(r)), |r: Role| self.g_opt(ts.get(r)));
         let x = &self.slots[k].stream[l];
+        self.remake(gpu, k, l)?;
         let a = self.backward_acts(k, l);
         let sc = &self.s;
         let (dres, dn) = (View::new(sc.dres.ptr(), c), View::new(sc.dln.ptr(), c));
@@ -488,9 +577,9 @@ impl<X: Elem> GpuPart<X> {
             rope::rope_backward(gpu, &sc.dqkv, table, n, wd, 0, heads.nh + heads.nkv)?;
         }
         if cfg.qk_norm {
-            qk_norm_backward_input(gpu, &sc.dqkv_raw, &sc.dqkv, a, w, &s, n)?;
+            qk_norm_backward_input(gpu, &sc.dqkv_raw, &sc.dqkv, &a, w, &s, n)?;
             // One group: each gain's whole gradient, straight into it.
-            qk_norm_backward_weight(gpu, g, 1, &sc.head_partial, &sc.dqkv, a, &s, n)?;
+            qk_norm_backward_weight(gpu, g, 1, &sc.head_partial, &sc.dqkv, &a, &s, n)?;
         }
         let (post, raw) = (View::new(sc.dqkv.ptr(), wd), View::new(sc.dqkv_raw.ptr(), wd));
         let n1 = View::new(a.n1.ptr(), c);

@@ -38,6 +38,7 @@ use crate::kernels::cuda::nccl::{self, Comm, NcclType};
 use crate::kernels::cuda::tree::{self, MAX_NODES};
 use crate::kernels::cuda::{ensure, CudaError, Elem, Gpu, Result};
 use crate::model::part::{Mode, PartSpec};
+use crate::model::recompute::Recompute;
 use crate::model::{Arch, Param};
 use std::cell::Cell;
 
@@ -349,7 +350,7 @@ impl<X: Elem + NcclType> TpPart<X> {
         cfg: Arch,
         spec: PartSpec,
         b: usize,
-        recompute: bool,
+        recompute: Recompute,
         live: usize,
         params: &[Param],
         slices: usize,
@@ -452,7 +453,7 @@ impl<X: Elem + NcclType> TpPart<X> {
             let ranks: Vec<&GpuPart<X>> = std::iter::once(&*owner).chain(followers).collect();
             dev.broadcast::<X>(&at.dres, owner.n() * owner.cfg.n_embd)?;
             for l in (0..owner.n_blocks()).rev() {
-                if owner.recompute {
+                if owner.recompute == Recompute::Full {
                     forward_block(dev, &ranks, at, k, l, true)?;
                 }
                 backward_block(dev, &ranks, at, k, l)?;

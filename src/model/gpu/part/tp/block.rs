@@ -132,14 +132,14 @@ impl<X: Elem> GpuPart<X> {
         let x = &self.slots[k].stream[l];
         let a = self.forward_acts(k, l, rc).0;
         let (w1, b1) = (self.w(ts.at(Role::AttnNorm)), self.w_opt(ts.get(Role::AttnNormBias)));
-        norm_forward(gpu, cfg, (&a.n1, &a.mean1, &a.rstd1), x, w1, b1, n, c)?;
+        norm_forward(gpu, cfg, (a.n1, &a.mean1, &a.rstd1), x, w1, b1, n, c)?;
         let (qkv, raw) =
             (View::new(a.qkv.ptr(), heads.qkv_width()), View::new(a.qkv_raw.ptr(), heads.qkv_width()));
         for (out, part) in self.qkv_of(l, &sp, qkv, raw) {
-            self.columns(gpu, out, &a.n1, part, &sp)?;
+            self.columns(gpu, out, a.n1, part, &sp)?;
         }
         if cfg.qk_norm {
-            qk_norm_forward(gpu, cfg, a, |r| self.w(ts.at(r)), &sp.local, n)?;
+            qk_norm_forward(gpu, cfg, &a, |r| self.w(ts.at(r)), &sp.local, n)?;
         }
         if let Some(table) = &self.s.rope {
             rope::rope_forward(gpu, &a.qkv, table, n, heads.qkv_width(), 0, heads.nh + heads.nkv)?;
@@ -158,12 +158,12 @@ impl<X: Elem> GpuPart<X> {
         let a = self.forward_acts(k, l, rc).0;
         self.join(gpu, &a.h, Some(&self.slots[k].stream[l]))?;
         let (w2, b2) = (self.w(ts.at(Role::MlpNorm)), self.w_opt(ts.get(Role::MlpNormBias)));
-        norm_forward(gpu, cfg, (&a.n2, &a.mean2, &a.rstd2), &a.h, w2, b2, n, c)?;
+        norm_forward(gpu, cfg, (a.n2, &a.mean2, &a.rstd2), &a.h, w2, b2, n, c)?;
         let hidden = View::new(a.hidden.ptr(), sp.local.hidden(cfg));
         for (out, part) in self.mlp_in_of(l, &sp, hidden) {
-            self.columns(gpu, out, &a.n2, part, &sp)?;
+            self.columns(gpu, out, a.n2, part, &sp)?;
         }
-        act_forward(gpu, cfg, &a.act, &a.hidden, n, f)?;
+        act_forward(gpu, cfg, a.act, &a.hidden, n, f)?;
         let down = (ts.at(Role::Down), ts.get(Role::DownBias));
         self.rows(gpu, View::new(a.act.ptr(), f), down, f / sp.leaves, &sp)
     }
@@ -274,6 +274,8 @@ impl<X: Elem> GpuPart<X> {
         let (cfg, sp) = (&self.cfg, self.split());
         let (n, f, s) = (self.n(), sp.local.f, &self.s);
         let ts = self.block_tensors(l);
+        // A selective set's n1, n2 and act, for this phase and the two after it.
+        self.remake(gpu, k, l)?;
         let a = self.backward_acts(k, l);
         let (act, dact) = (View::new(a.act.ptr(), f), View::new(s.dact.ptr(), f));
         let down = (ts.at(Role::Down), ts.get(Role::DownBias));
@@ -291,7 +293,7 @@ impl<X: Elem> GpuPart<X> {
         let a = self.backward_acts(k, l);
         self.join(gpu, &s.dln, None)?;
         let dh = View::new(s.dhidden.ptr(), sp.local.hidden(cfg));
-        self.columns_dw(gpu, &a.n2, self.mlp_in_of(l, &sp, dh), &sp)?;
+        self.columns_dw(gpu, a.n2, self.mlp_in_of(l, &sp, dh), &sp)?;
         let norm2 = (ts.at(Role::MlpNorm), ts.get(Role::MlpNormBias));
         self.norm_back(gpu, &a.h, norm2, (&a.mean2, &a.rstd2))?;
         // dres is now ∂L/∂h.
@@ -308,7 +310,7 @@ impl<X: Elem> GpuPart<X> {
             rope::rope_backward(gpu, &s.dqkv, table, n, w, 0, heads.nh + heads.nkv)?;
         }
         if cfg.qk_norm {
-            qk_norm_backward_input(gpu, &s.dqkv_raw, &s.dqkv, a, |r| self.w(ts.at(r)), &sp.local, n)?;
+            qk_norm_backward_input(gpu, &s.dqkv_raw, &s.dqkv, &a, |r| self.w(ts.at(r)), &sp.local, n)?;
             self.qk_norm_subtree(gpu, k, l, &sp)?;
         }
         let (post, raw) = (View::new(s.dqkv.ptr(), w), View::new(s.dqkv_raw.ptr(), w));
@@ -323,7 +325,7 @@ impl<X: Elem> GpuPart<X> {
         // The partials accumulate: they start from zero.
         gpu.zero(&s.head_leaves)?;
         let leaves = |r: Role| at::<f32>(s.head_leaves.ptr(), usize::from(r == Role::KNorm) * sp.leaves * hs);
-        qk_norm_backward_weight(gpu, leaves, sp.leaves, &s.head_partial, &s.dqkv, a, &sp.local, n)?;
+        qk_norm_backward_weight(gpu, leaves, sp.leaves, &s.head_partial, &s.dqkv, &a, &sp.local, n)?;
         for (j, role) in [Role::QNorm, Role::KNorm].into_iter().enumerate() {
             let node = at::<f32>(s.head_gathered.ptr(), (self.tp.rank * 2 + j) * hs);
             tree::tree_sum_f32(gpu, node, leaves(role), sp.leaves, hs)?;
@@ -354,7 +356,7 @@ impl<X: Elem> GpuPart<X> {
         }
         let w = sp.local.heads.qkv_width();
         let (post, raw) = (View::new(s.dqkv.ptr(), w), View::new(s.dqkv_raw.ptr(), w));
-        self.columns_dw(gpu, &a.n1, self.qkv_of(l, &sp, post, raw).into_iter(), &sp)?;
+        self.columns_dw(gpu, a.n1, self.qkv_of(l, &sp, post, raw).into_iter(), &sp)?;
         let x = &self.slots[k].stream[l];
         let norm1 = (ts.at(Role::AttnNorm), ts.get(Role::AttnNormBias));
         self.norm_back(gpu, x, norm1, (&a.mean1, &a.rstd1))
