@@ -510,23 +510,15 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
 // The entry points, per head size (the emulated GPU registers kernels from
 // their declarations, so none comes from a macro). Grid (ceil(T / 64), NH
 // or NKV, B), block 128, dynamic shared memory as SharedBytes<D> says.
-
-// ptxas left to itself gives this one 96 registers and a 4-byte spill; a
-// minimum of one block per SM lets it take what it needs (158, no spill).
-extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
-    flash_forward_hs16(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<16, false>(out, lse, qkv, T, NH, NKV, T);
-}
+// 64 and 128 have causal kernels (compiled without the window's tests: the
+// bits and registers they had before windows) and window twins; the other
+// sizes have the window kernels only, which are causal attention with
+// WIN = T (every window test holds, every tile is walked): a third fewer
+// kernels for NVRTC, and the emulator, to compile.
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_forward_window_hs16(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
     flash_forward<16, true>(out, lse, qkv, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_hs16(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                           const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<16, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -536,20 +528,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dkdv_hs16(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                             const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dkdv<16, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_window_hs16(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                                     const float* delta, int B, int T, int NH, int NKV, int WIN) {
     flash_backward_dkdv<16, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs32(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<32, false>(out, lse, qkv, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -558,21 +539,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_hs32(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                           const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<32, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_window_hs32(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                                   const float* delta, int B, int T, int NH, int NKV, int WIN) {
     flash_backward_dq<32, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dkdv_hs32(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                             const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dkdv<32, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -587,20 +556,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_window_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
-    flash_forward<64, true>(out, lse, qkv, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                            const float* delta, int B, int T, int NH, int NKV) {
     flash_backward_dq<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dq<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -610,25 +568,25 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<64, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                                     const float* delta, int B, int T, int NH, int NKV, int WIN) {
     flash_backward_dkdv<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs80(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<80, false>(out, lse, qkv, T, NH, NKV, T);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_forward_window_hs80(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
     flash_forward<80, true>(out, lse, qkv, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_hs80(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                           const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<80, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -638,20 +596,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dkdv_hs80(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                             const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dkdv<80, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_window_hs80(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                                     const float* delta, int B, int T, int NH, int NKV, int WIN) {
     flash_backward_dkdv<80, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs96(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<96, false>(out, lse, qkv, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -660,21 +607,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_hs96(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                           const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<96, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_window_hs96(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                                   const float* delta, int B, int T, int NH, int NKV, int WIN) {
     flash_backward_dq<96, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dkdv_hs96(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                             const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dkdv<96, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -689,26 +624,26 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_window_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
-    flash_forward<128, true>(out, lse, qkv, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dq_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                            const float* delta, int B, int T, int NH, int NKV) {
     flash_backward_dq<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dq<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
-}
-
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                              const float* delta, int B, int T, int NH, int NKV) {
     flash_backward_dkdv<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<128, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)

@@ -15,7 +15,8 @@
 //! i to keys (i − W, i] (Hugging Face's rule; kernels/cpu/attention.rs). The
 //! CUDA-core kernels get the window as an int, T for plain causal attention;
 //! the tensor-core ones have causal kernels (as before windows) and `_window_`
-//! twins that take it.
+//! twins that take it at 64 and 128, and the `_window_` kernels alone at the
+//! other sizes (causal attention there is a window of T).
 
 use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, Elem, Result};
@@ -113,9 +114,19 @@ macro_rules! per_size {
     };
 }
 
+/// The head sizes whose tensor-core kernels have causal versions (compiled
+/// without the window's tests: their registers and bits from before windows);
+/// the others run causal attention on their window kernels, WIN = T.
+const CAUSAL_KERNEL_SIZES: [usize; 2] = [64, 128];
+
+/// Whether a launch at `head_size` takes the `_window_` kernels: for a window
+/// narrower than T, or at a size that has no causal ones.
+fn takes_window_kernels(head_size: usize, win: i32, t: i32) -> bool {
+    win < t || !CAUSAL_KERNEL_SIZES.contains(&head_size)
+}
+
 /// The tensor-core kernel's name for a head size, causal or over a sliding
-/// window (the `_window_` kernels: the causal ones compile without the
-/// window's tests, so they keep their registers and bits).
+/// window.
 fn flash_name(kernel: &str, head_size: usize, sliding: bool) -> &'static str {
     let names: [&'static str; 6] = match (kernel, sliding) {
         ("forward", false) => per_size!("flash_forward", [16, 32, 64, 80, 96, 128]),
@@ -217,7 +228,7 @@ pub fn gqa_window_forward<X: Elem>(
         (out.ptr(), lse.ptr(), qkv.ptr(), b as i32, t as i32, nh as i32, heads.nkv as i32);
     match kernels {
         Kernels::TensorCore { head_size } => {
-            let sliding = win < ti;
+            let sliding = takes_window_kernels(head_size, win, ti);
             let f = gpu.function::<X>("flash_attention", flash_name("forward", head_size, sliding))?;
             let (grid, shared) =
                 ((blocks(t, FLASH_ROWS), nh as u32, b as u32), flash_shared_bytes("forward", head_size));
@@ -326,7 +337,7 @@ pub fn gqa_window_backward<X: Elem>(
             )?;
             let (queries, keys) =
                 ((blocks(t, FLASH_ROWS), nh as u32, b as u32), (blocks(t, FLASH_ROWS), nkv as u32, b as u32));
-            let sliding = win < ti;
+            let sliding = takes_window_kernels(head_size, win, ti);
             for (kernel, grid) in [("dq", queries), ("dkdv", keys)] {
                 let f = gpu.function::<X>("flash_attention", flash_name(kernel, head_size, sliding))?;
                 let shared = flash_shared_bytes(kernel, head_size);
@@ -396,6 +407,9 @@ mod tests {
                 assert_eq!(flash_name(kernel, hs, false), format!("flash_{part}_hs{hs}"));
                 assert_eq!(flash_name(kernel, hs, true), format!("flash_{part}_window_hs{hs}"));
             }
+            // Causal attention (a window of T) takes the causal kernels where they exist.
+            assert_eq!(!takes_window_kernels(hs, 100, 100), hs == 64 || hs == 128, "hs {hs}");
+            assert!(takes_window_kernels(hs, 99, 100), "hs {hs}");
         }
         for hs in CUDA_CORE_HEAD_SIZES {
             for (kernel, part) in [("forward", "forward"), ("dq", "backward_dq"), ("dkdv", "backward_dkdv")] {
