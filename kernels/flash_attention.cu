@@ -1,6 +1,9 @@
 // Causal attention on tensor cores, FlashAttention-2 style, optionally over a
-// sliding window; twin of src/kernels/cpu/flash_attention.rs. Head sizes 64
-// and 128 (one kernel each, and one each with a window).
+// sliding window; twin of src/kernels/cpu/flash_attention.rs. Head sizes 16,
+// 32, 64, 80, 96 and 128 (one kernel each, and one each with a window: the
+// `_hsN` entry points at the end); the tiles are the same at every size, as
+// the registers of 128 (dk, dv: 2·D/2 f32 accumulators per thread) bound
+// them and smaller heads only need fewer.
 //
 // Grouped-query heads as kernels/attention.cu lays them out: qkv is (B, T, W)
 // floatX, W = (NH + 2·NKV)·D, query head h at column h·D, key head g at
@@ -117,11 +120,23 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Each kernel's static shared memory, one instance per head size: a causal
-// kernel and its window twin use the same arrays. (On hardware every kernel
-// has its own; the emulated GPU counts a module's static shared memory
-// together, and two copies of every kernel's would pass the 227 KiB a block
-// may have.)
+// Each kernel's shared memory, laid out per head size, in the block's dynamic
+// shared memory (the launcher passes the bytes: `flash_shared_bytes` in
+// src/kernels/cuda/attention.rs, the sizes the static_asserts below pin).
+// Dynamic, not static: on hardware each kernel gets its own either way, but
+// the emulated GPU counts a module's static shared memory together, and six
+// head sizes' arrays, each twice (causal and window), would pass the
+// 227 KiB a block may have. Every size here is under 48 KiB (the largest,
+// dk/dv at D 128, is 43,648 bytes), so no opt-in is needed.
+//
+// Alignment, by construction for every D (80 and 96 included, which are not
+// multiples of 64): the 4-byte pair reads (`lds2`) start at an even bf16
+// index, as every row stride (D + FA_PAD, FA_KT + FA_PAD) and column offset
+// (kk·16 + 2t, + 8) is even because D is a multiple of 16 and FA_PAD is 8;
+// each array holds an even number of bf16, so the next one (and the float
+// arrays of DkdvShared) starts on 4 bytes; the block's base is 16-aligned.
+// Global memory is read and written one floatX at a time (`ldg2`, the
+// stores), so a head's column offset h·D needs no alignment at all.
 template <int D>
 struct ForwardShared {
     bf16_t ks[FA_KT * (D + FA_PAD)];
@@ -143,16 +158,29 @@ struct DkdvShared {
     float ls[FA_BT], dls[FA_BT];
 };
 
+extern __shared__ __align__(16) unsigned char flash_shared[];
+
 template <typename S>
 __device__ __forceinline__ S& block_shared() {
-    __shared__ __align__(16) S shared;
-    return shared;
+    return *reinterpret_cast<S*>(flash_shared);
 }
+
+// The launcher's byte counts, per head size (D a multiple of 16).
+template <int D>
+struct SharedBytes {
+    static_assert(D % 16 == 0, "mma.m16n8k16 takes 16 dims per step");
+    static_assert(sizeof(ForwardShared<D>) == 2 * (FA_KT * (D + FA_PAD) + D * (FA_KT + FA_PAD)), "forward");
+    static_assert(sizeof(DqShared<D>) == 2 * 2 * FA_BT * (D + FA_PAD), "dq");
+    static_assert(sizeof(DkdvShared<D>) == 2 * (2 * FA_ROWS + 2 * FA_BT) * (D + FA_PAD) + 2 * 4 * FA_BT, "dk/dv");
+    static_assert(sizeof(DkdvShared<D>) <= 48 * 1024, "no opt-in past 48 KiB");
+    static constexpr bool ok = true;
+};
 
 // Grid (ceil(T / 64), NH, B), block 128.
 template <int D, bool SLIDING>
 __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const floatX* qkv, int T, int NH, int NKV,
                                               int WIN) {
+    static_assert(SharedBytes<D>::ok, "");
     bf16_t* ks = block_shared<ForwardShared<D>>().ks;
     bf16_t* vts = block_shared<ForwardShared<D>>().vts;  // V transposed: [d][key]
     const int C = NH * D, C3 = (NH + 2 * NKV) * D;
@@ -264,25 +292,9 @@ __device__ __forceinline__ void flash_forward(floatX* out, float* lse, const flo
     if (t == 0 && r1 < T) lse[(size_t)(b * NH + h) * T + r1] = m1 + logf(l1);
 }
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<64, false>(out, lse, qkv, T, NH, NKV, T);
-}
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
-    flash_forward<128, false>(out, lse, qkv, T, NH, NKV, T);
-}
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_window_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
-    flash_forward<64, true>(out, lse, qkv, T, NH, NKV, WIN);
-}
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_forward_window_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
-    flash_forward<128, true>(out, lse, qkv, T, NH, NKV, WIN);
-}
 
 // delta[b, h, i] = Σ_d dout·out over head h's D dims, in d order. Grid
 // ceil(B·NH·T / 256), block 256.
@@ -381,29 +393,9 @@ __device__ __forceinline__ void flash_backward_dq(floatX* dqkv, const floatX* do
     }
 }
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                           const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
-}
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dq<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
-}
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                            const float* delta, int B, int T, int NH, int NKV) {
-    flash_backward_dq<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
-}
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-    flash_backward_dq_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                   const float* delta, int B, int T, int NH, int NKV, int WIN) {
-    flash_backward_dq<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
-}
 
 // dk and dv for 64 keys; writes the k and v columns of dqkv. The products run
 // transposed (keys as rows): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q.
@@ -515,10 +507,75 @@ __device__ __forceinline__ void flash_backward_dkdv(floatX* dqkv, const floatX* 
     }
 }
 
+// The entry points, per head size (the emulated GPU registers kernels from
+// their declarations, so none comes from a macro). Grid (ceil(T / 64), NH
+// or NKV, B), block 128, dynamic shared memory as SharedBytes<D> says.
+// 64 and 128 have causal kernels (compiled without the window's tests: the
+// bits and registers they had before windows) and window twins; the other
+// sizes have the window kernels only, which are causal attention with
+// WIN = T (every window test holds, every tile is walked): a third fewer
+// kernels for NVRTC, and the emulator, to compile.
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs16(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<16, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs16(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<16, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs16(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                    const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<16, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs32(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<32, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs32(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<32, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs32(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                    const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<32, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
+    flash_forward<64, false>(out, lse, qkv, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                           const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dq<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
                              const float* delta, int B, int T, int NH, int NKV) {
     flash_backward_dkdv<64, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs64(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<64, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs64(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<64, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
@@ -528,13 +585,69 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs80(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<80, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs80(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<80, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs80(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                    const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<80, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs96(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<96, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs96(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<96, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dkdv_window_hs96(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                    const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dkdv<96, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV) {
+    flash_forward<128, false>(out, lse, qkv, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                           const float* delta, int B, int T, int NH, int NKV) {
+    flash_backward_dq<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                              const float* delta, int B, int T, int NH, int NKV) {
+                             const float* delta, int B, int T, int NH, int NKV) {
     flash_backward_dkdv<128, false>(dqkv, dout, qkv, lse, delta, T, NH, NKV, T);
 }
 
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_forward_window_hs128(floatX* out, float* lse, const floatX* qkv, int B, int T, int NH, int NKV, int WIN) {
+    flash_forward<128, true>(out, lse, qkv, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_backward_dq_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
+                                  const float* delta, int B, int T, int NH, int NKV, int WIN) {
+    flash_backward_dq<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_backward_dkdv_window_hs128(floatX* dqkv, const floatX* dout, const floatX* qkv, const float* lse,
-                                     const float* delta, int B, int T, int NH, int NKV, int WIN) {
+                                    const float* delta, int B, int T, int NH, int NKV, int WIN) {
     flash_backward_dkdv<128, true>(dqkv, dout, qkv, lse, delta, T, NH, NKV, WIN);
 }

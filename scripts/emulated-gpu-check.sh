@@ -286,12 +286,15 @@ same_weights "cuda llama tp 2 (2 GPUs), selective = tp 1" "$work/llama-gpu-tp1" 
 same_text "cuda llama greedy generate = cpu" llama-gen "$work/llama-gpu-f32" "${llama_model[@]}"
 
 # 4. Qwen3's and Mistral's settings from their tiny configs, shortened as the
-# Llama's above; Qwen3's head_dim (48) set to 64, the head size the f32
-# attention kernels take. f32 losses against the CPU's.
+# Llama's above, at head sizes other than 64: Qwen3's head_dim (48, which the
+# attention kernels do not take) set to 96, Phi's (two heads of 96 over a
+# 128-wide stream), and Mistral's four heads of 32 (its config's). f32
+# losses against the CPU's.
 for fam in qwen3 mistral; do
     fam_run=(--config "$root/configs/$fam-tiny.toml" "${small[@]}" --set model.n_kv_head=1 \
              --set model.intermediate_size=192)
-    [ "$fam" = qwen3 ] && fam_run+=(--set model.head_dim=64)
+    [ "$fam" = qwen3 ] && fam_run+=(--set model.head_dim=96)
+    [ "$fam" = mistral ] && fam_run+=(--set model.n_head=4)
     run "$fam-cpu" "$bin" train "${fam_run[@]}" --steps 4 --out "$work/$fam-cpu"
     row "train $fam cpu (reference)" "$([ $rc = 0 ] && echo ok || echo FAIL)" "digest $(digest "$work/$fam-cpu" | cut -c1-12)" "$secs"
     vs_cpu "$fam-gpu" "$fam cuda" "$work/$fam-cpu" f32 "${fam_run[@]}"

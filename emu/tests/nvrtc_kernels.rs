@@ -87,8 +87,9 @@ fn attention_forward_records_its_launch_bounds_and_parameters_as_declared() {
         &["--gpu-architecture=sm_90", "--std=c++17"],
     );
     let m = load(&c.image.expect("attention.cu compiles"));
-    let k = m.kernel("attention_forward");
-    assert_eq!(k.launch_bounds, 128, "__launch_bounds__(2 * ROWS) with ROWS 64");
+    let k = m.kernel("attention_forward_hs64");
+    assert_eq!(k.launch_bounds, 128, "__launch_bounds__(64 * 2): 64 rows of two threads");
+    assert_eq!(m.kernel("attention_forward_hs256").launch_bounds, 256, "__launch_bounds__(32 * 8)");
     let params: Vec<(&str, &str, usize, bool, bool)> =
         k.params.iter().map(|p| (p.0.as_str(), p.1.as_str(), p.2, p.4, p.5)).collect();
     assert_eq!(

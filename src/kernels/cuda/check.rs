@@ -269,6 +269,44 @@ fn attention_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
             flash_against_twin(cx, sliding(heads, w))?;
         }
     }
+    if !windows {
+        other_head_size_checks(cx)?;
+    }
+    Ok(())
+}
+
+/// Every other head size the kernels take (64 and, in bf16, 128 run above at
+/// both passes), in the ragged pass only, small so CI barely notices (B 3,
+/// T 33, two query heads sharing one key/value head): causal, and over a
+/// window of 5 (rows of one 16-row warp see different tiles' keys). f32
+/// runs the CUDA-core kernels against the CPU's attention; bf16 the
+/// tensor-core kernels against their twin, and at 256 the CUDA-core kernels
+/// against the CPU's attention.
+fn other_head_size_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
+    let t = cx.d.t;
+    for hs in attention::CUDA_CORE_HEAD_SIZES {
+        let heads = Heads { nh: 2, nkv: 1, hs };
+        let kernels = attention::kernels_for_heads::<X>(heads)?;
+        let skip = match kernels {
+            attention::Kernels::TensorCore { .. } => hs == 64 || hs == 128,
+            attention::Kernels::CudaCore { .. } => hs == 64,
+        };
+        if skip {
+            continue;
+        }
+        for (window, seed) in [(Window::Causal, 30), (Window::Sliding(5), 40)] {
+            let case = Case { heads, t, window };
+            if matches!(kernels, attention::Kernels::TensorCore { .. }) {
+                flash_against_twin(cx, case)?;
+            } else {
+                let label = match window {
+                    Window::Causal => format!("hs{hs} gqa 2q/1kv "),
+                    Window::Sliding(w) => format!("hs{hs} gqa 2q/1kv window {w} "),
+                };
+                attention_vs_cpu(cx, &label, case, seed + hs as u64)?;
+            }
+        }
+    }
     Ok(())
 }
 

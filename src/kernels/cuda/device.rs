@@ -357,11 +357,24 @@ impl Gpu {
         block: (u32, u32, u32),
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        self.launch_shared(f, grid, block, 0, args)
+    }
+
+    /// [`Gpu::launch`] with `shared` bytes of dynamic shared memory per block
+    /// (at most 48 KiB: no kernel here opts in to more).
+    pub(crate) fn launch_shared(
+        &self,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         super::counts::launch();
         // SAFETY: callers pass arguments matching the kernel's signature, and
         // device pointers of buffers that outlive the stream's work on them
         // (every buffer is freed only after a synchronize or on the same stream).
-        unsafe { result::launch_kernel(f, grid, block, 0, self.stream(), args) }
+        unsafe { result::launch_kernel(f, grid, block, shared, self.stream(), args) }
             .map_err(|err| CudaError::Launch { kernel: self.kernel_name(f), grid, block, err })
     }
 
