@@ -503,8 +503,21 @@ fn rewrite_extern_shared(
     let text = if namespace_level {
         // Every use anywhere below reads the running block's memory, as in
         // CUDA (all extern __shared__ arrays start at the same address).
-        let (line, _) = line_col(src, toks[semi].end);
-        format!("\n#define {name} (static_cast<{ty}*>(pw_emu_dynamic_shared()))\n#line {line} \"{file}\"\n")
+        let define = format!("#define {name} (static_cast<{ty}*>(pw_emu_dynamic_shared()))");
+        // A declaration alone on its line (at most a comment after it) becomes
+        // the directive in its place: every line keeps its number. Elsewhere
+        // the directive takes lines of its own and `#line` restores the count.
+        let line_start = src[..here].rfind('\n').map_or(0, |i| i + 1);
+        let line_end = src[toks[semi].end..].find('\n').map_or(src.len(), |i| toks[semi].end + i);
+        let after = src[toks[semi].end..line_end].trim_start();
+        let alone = src[line_start..here].trim().is_empty() && (after.is_empty() || after.starts_with("//"));
+        match alone && newlines == 0 {
+            true => define,
+            false => {
+                let (line, _) = line_col(src, toks[semi].end);
+                format!("\n{define}\n#line {line} \"{file}\"\n")
+            }
+        }
     } else {
         format!("{ty}* const {name} = static_cast<{ty}*>(pw_emu_dynamic_shared());{}", "\n".repeat(newlines))
     };
