@@ -7,10 +7,49 @@ use super::device::{args, blocks, DeviceBuffer, Gpu};
 use super::{ensure, Elem, Result};
 use crate::kernels::cpu::adamw::AdamW;
 
-/// Blocks of the norm's first pass: fixed, so the summation order is too.
+/// Blocks of the norm's first pass per range: fixed, so the summation order is too.
 pub const NORM_BLOCKS: usize = 1024;
 
-/// One AdamW update of `n` elements starting at element `offset` of each buffer.
+/// The most elements one block of the AdamW launch updates: a run longer
+/// than this is cut into several (each element's update is its own, so the
+/// cut changes no bit).
+pub const ADAMW_RUN: usize = 8192;
+
+/// Where a part's tensors lie in its flat buffers, as one AdamW launch reads
+/// it: each tensor's elements cut into runs of at most [`ADAMW_RUN`], with
+/// whether it decays. Built and uploaded once per part (the layout never
+/// changes), so a step uploads nothing.
+pub struct AdamwRuns {
+    /// Two words a run: its first element; its length | decay << 32.
+    table: DeviceBuffer<u64>,
+    runs: usize,
+    /// One past the last element any run updates.
+    end: usize,
+}
+
+impl AdamwRuns {
+    /// `tensors`: (first element, elements, decays) of each tensor.
+    pub fn new(gpu: &Gpu, tensors: &[(usize, usize, bool)]) -> Result<Self> {
+        let mut words = Vec::new();
+        for &(offset, n, decay) in tensors {
+            for start in (0..n).step_by(ADAMW_RUN) {
+                let len = ADAMW_RUN.min(n - start);
+                words.extend([(offset + start) as u64, len as u64 | u64::from(decay) << 32]);
+            }
+        }
+        let runs = words.len() / 2;
+        ensure(runs <= i32::MAX as usize, || format!("adamw: {runs} runs are more blocks than a grid has"))?;
+        let end = tensors.iter().map(|&(o, n, _)| o + n).max().unwrap_or(0);
+        Ok(AdamwRuns { table: gpu.upload(&words)?, runs, end })
+    }
+
+    /// Blocks (kernel launches' runs) of the update.
+    pub fn runs(&self) -> usize {
+        self.runs
+    }
+}
+
+/// One AdamW update of every run of `runs`, in one launch.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_update<X: Elem>(
     gpu: &Gpu,
@@ -19,20 +58,21 @@ pub fn adamw_update<X: Elem>(
     grad: &DeviceBuffer<f32>,
     m: &DeviceBuffer<f32>,
     v: &DeviceBuffer<f32>,
-    offset: usize,
-    n: usize,
+    runs: &AdamwRuns,
     hp: &AdamW,
-    decay: bool,
     grad_scale: f32,
 ) -> Result<()> {
-    let end = offset + n;
+    let end = runs.end;
     ensure(
         master.len() >= end && param.len() >= end && grad.len() >= end && m.len() >= end && v.len() >= end,
-        || format!("adamw_update: elements {offset}..{end} out of range"),
+        || format!("adamw_update: elements up to {end} out of range"),
     )?;
     ensure(hp.step >= 1, || "adamw_update: step counts from 1".into())?;
+    if runs.runs == 0 {
+        return Ok(());
+    }
     // The scalars exactly as the CPU twin forms them (f64, rounded to f32).
-    let decay_factor = if decay { (1.0 - hp.lr * hp.weight_decay) as f32 } else { 1.0 };
+    let decay_factor = (1.0 - hp.lr * hp.weight_decay) as f32;
     let one_minus_b1 = (1.0 - hp.beta1) as f32;
     let b2 = hp.beta2 as f32;
     let one_minus_b2 = (1.0 - hp.beta2) as f32;
@@ -42,17 +82,11 @@ pub fn adamw_update<X: Elem>(
     let bc2_sqrt = bc2.sqrt() as f32;
     let eps = hp.eps as f32;
     let f = gpu.function::<X>("adamw", "adamw_update")?;
-    let (pm, pp, pg, pmm, pv) = (
-        master.ptr_at(offset),
-        param.ptr_at(offset),
-        grad.ptr_at(offset),
-        m.ptr_at(offset),
-        v.ptr_at(offset),
-    );
-    let nl = n as i64;
+    let (pm, pp, pg, pmm, pv, table) =
+        (master.ptr(), param.ptr(), grad.ptr(), m.ptr(), v.ptr(), runs.table.ptr());
     gpu.launch(
         f,
-        (blocks(n, 256), 1, 1),
+        (runs.runs as u32, 1, 1),
         (256, 1, 1),
         &mut args![
             pm,
@@ -60,7 +94,7 @@ pub fn adamw_update<X: Elem>(
             pg,
             pmm,
             pv,
-            nl,
+            table,
             decay_factor,
             one_minus_b1,
             b2,
@@ -73,52 +107,56 @@ pub fn adamw_update<X: Elem>(
     )
 }
 
-/// Σ x² over the buffer, summed in a fixed order; `partial` holds NORM_BLOCKS
-/// floats and `out` one. Waits for the result.
-pub fn sum_squares(
-    gpu: &Gpu,
-    x: &DeviceBuffer<f32>,
-    partial: &DeviceBuffer<f32>,
-    out: &DeviceBuffer<f32>,
-) -> Result<f32> {
-    ensure(partial.len() >= NORM_BLOCKS && !out.is_empty(), || "sum_squares: scratch too small".into())?;
-    let f = gpu.function::<f32>("norm", "global_norm_partial")?;
-    let (p, xp, n) = (partial.ptr(), x.ptr(), x.len() as i64);
-    gpu.launch(f, (NORM_BLOCKS as u32, 1, 1), (256, 1, 1), &mut args![p, xp, n])?;
-    let f = gpu.function::<f32>("norm", "global_norm_finish")?;
-    let (o, cnt) = (out.ptr(), NORM_BLOCKS as i32);
-    gpu.launch(f, (1, 1, 1), (1024, 1, 1), &mut args![o, p, cnt])?;
-    Ok(gpu.download(out)?[0])
+/// The ranges of a buffer whose sums of squares one pair of launches forms
+/// (a part's tensors, for the gradient norm), with their scratch: built and
+/// uploaded once, so a step allocates and uploads nothing.
+pub struct NormRanges {
+    /// Two words a range: its first element and its length.
+    table: DeviceBuffer<u64>,
+    /// NORM_BLOCKS partials per range.
+    partial: DeviceBuffer<f32>,
+    /// One sum per range.
+    out: DeviceBuffer<f32>,
+    count: usize,
+    end: usize,
 }
 
-/// Σ x² of each range `(offset, len)` of `x` into `out[k]`, each summed in
-/// the fixed order of `sum_squares`; one download at the end. `partial`
-/// holds NORM_BLOCKS floats and `out` one per range.
-pub fn sum_squares_ranges(
-    gpu: &Gpu,
-    x: &DeviceBuffer<f32>,
-    ranges: &[(usize, usize)],
-    partial: &DeviceBuffer<f32>,
-    out: &DeviceBuffer<f32>,
-) -> Result<Vec<f32>> {
-    ensure(partial.len() >= NORM_BLOCKS && out.len() >= ranges.len(), || {
-        "sum_squares_ranges: scratch too small".into()
+impl NormRanges {
+    /// `ranges`: (first element, length) of each range.
+    pub fn new(gpu: &Gpu, ranges: &[(usize, usize)]) -> Result<Self> {
+        // blockIdx.y picks the range.
+        ensure(ranges.len() <= 65_535, || {
+            format!("sum of squares: {} ranges (at most 65535)", ranges.len())
+        })?;
+        let words: Vec<u64> = ranges.iter().flat_map(|&(o, n)| [o as u64, n as u64]).collect();
+        Ok(NormRanges {
+            table: gpu.upload(&words)?,
+            partial: gpu.alloc(NORM_BLOCKS * ranges.len())?,
+            out: gpu.alloc(ranges.len())?,
+            count: ranges.len(),
+            end: ranges.iter().map(|&(o, n)| o + n).max().unwrap_or(0),
+        })
+    }
+}
+
+/// Σ x² of each range of `r` into element k of the result, each summed in
+/// the fixed order a range has alone (NORM_BLOCKS blocks of 256 threads,
+/// then one block over their partials): two launches for all the ranges,
+/// and one download.
+pub fn sum_squares_ranges(gpu: &Gpu, x: &DeviceBuffer<f32>, r: &NormRanges) -> Result<Vec<f32>> {
+    ensure(r.end <= x.len(), || {
+        format!("sum_squares_ranges: ranges reach element {}, the buffer has {}", r.end, x.len())
     })?;
-    ensure(ranges.iter().all(|&(o, n)| o + n <= x.len()), || {
-        "sum_squares_ranges: range out of bounds".into()
-    })?;
+    if r.count == 0 {
+        return Ok(Vec::new());
+    }
     let first = gpu.function::<f32>("norm", "global_norm_partial")?;
     let finish = gpu.function::<f32>("norm", "global_norm_finish")?;
-    let (p, cnt) = (partial.ptr(), NORM_BLOCKS as i32);
-    // One stream: each range's finish reads the partials before the next range overwrites them.
-    for (k, &(offset, len)) in ranges.iter().enumerate() {
-        let (xp, n) = (x.ptr_at(offset), len as i64);
-        gpu.launch(first, (NORM_BLOCKS as u32, 1, 1), (256, 1, 1), &mut args![p, xp, n])?;
-        let o = out.ptr_at(k);
-        gpu.launch(finish, (1, 1, 1), (1024, 1, 1), &mut args![o, p, cnt])?;
-    }
-    let all = gpu.download(out)?;
-    Ok(all[..ranges.len()].to_vec())
+    let (p, xp, table, o, cnt) = (r.partial.ptr(), x.ptr(), r.table.ptr(), r.out.ptr(), NORM_BLOCKS as i32);
+    let ranges = r.count as u32;
+    gpu.launch(first, (NORM_BLOCKS as u32, ranges, 1), (256, 1, 1), &mut args![p, xp, table])?;
+    gpu.launch(finish, (ranges, 1, 1), (1024, 1, 1), &mut args![o, p, cnt])?;
+    gpu.download(&r.out)
 }
 
 /// out = a + b over `n` f32 elements at the given device addresses (out may be a).

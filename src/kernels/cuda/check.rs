@@ -520,10 +520,19 @@ fn norm_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let x = randn(70_001, 60, 1.0);
     let ranges = [(0, 1), (64, 5_000), (5_120, 64_881)];
     let gx = gpu.upload(&x)?;
-    let (partial, out) = (gpu.alloc::<f32>(adamw::NORM_BLOCKS)?, gpu.alloc::<f32>(ranges.len())?);
-    let got = adamw::sum_squares_ranges(gpu, &gx, &ranges, &partial, &out)?;
+    let got = adamw::sum_squares_ranges(gpu, &gx, &adamw::NormRanges::new(gpu, &ranges)?)?;
     let want: Vec<f32> = ranges.iter().map(|&(o, n)| cpu::adamw::sum_squares(&x[o..o + n]) as f32).collect();
     cx.push_rows("sum_squares_ranges", &got, &want, 1);
+    // All ranges in one launch give each range the bits it has alone.
+    let mut alone = Vec::new();
+    for &r in &ranges {
+        alone.extend(adamw::sum_squares_ranges(gpu, &gx, &adamw::NormRanges::new(gpu, &[r])?)?);
+    }
+    cx.out.push(Check {
+        name: format!("sum_squares_ranges: each one's bits alone ({})", cx.tagged()),
+        rel_err: bits_differ(&got, &alone),
+        tol: 0.5,
+    });
     let y = randn(70_001, 61, 1.0);
     let gy = gpu.upload(&y)?;
     let gs = gpu.alloc::<f32>(x.len())?;
@@ -622,18 +631,37 @@ fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     Ok(())
 }
 
+/// Three steps of one AdamW launch over three tensors against the CPU twin
+/// applied tensor by tensor: one of a single element, one cut into two runs
+/// (no decay), one into four (decay), with gaps between them that must come
+/// through untouched.
 fn adamw_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let gpu = cx.gpu;
-    let n = 10_000;
+    let run = adamw::ADAMW_RUN;
+    let tensors = [(0, 1, true), (256, run + 300, false), (run + 768, 3 * run + 5, true)];
+    let n = tensors[2].0 + tensors[2].1 + 77;
     let mut p = randn(n, 60, 1.0);
     let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
     let (gm, gp, gmm, gv) = (gpu.upload(&p)?, cx.up(&p)?, gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
+    let runs = adamw::AdamwRuns::new(gpu, &tensors)?;
+    assert_eq!(runs.runs(), 1 + 2 + 4);
     for step in 1..=3u64 {
         let g = randn(n, 60 + step, 1.0);
         let hp = cpu::adamw::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step };
-        cpu::adamw::adamw_update(&mut p, &g, &mut m, &mut v, &hp, true, 0.5);
+        for &(o, len, decay) in &tensors {
+            let r = o..o + len;
+            cpu::adamw::adamw_update(
+                &mut p[r.clone()],
+                &g[r.clone()],
+                &mut m[r.clone()],
+                &mut v[r],
+                &hp,
+                decay,
+                0.5,
+            );
+        }
         let gg = gpu.upload(&g)?;
-        adamw::adamw_update(gpu, &gm, &gp, &gg, &gmm, &gv, 0, n, &hp, true, 0.5)?;
+        adamw::adamw_update(gpu, &gm, &gp, &gg, &gmm, &gv, &runs, &hp, 0.5)?;
     }
     cx.push("adamw_update master", &gpu.download(&gm)?, &p);
     cx.push("adamw_update m", &gpu.download(&gmm)?, &m);
@@ -840,15 +868,15 @@ pub fn line(g: Group, c: &Check) -> String {
 /// reductions could drift between runs if they used atomics.
 fn exactness_checks(gpu: &Gpu, out: &mut Vec<Check>) -> Result<()> {
     let x = randn(3_000_001, 70, 1.0);
-    let (gx, partial, sum) = (gpu.upload(&x)?, gpu.alloc::<f32>(adamw::NORM_BLOCKS)?, gpu.alloc::<f32>(1)?);
-    let got = adamw::sum_squares(gpu, &gx, &partial, &sum)?;
+    let (gx, whole) = (gpu.upload(&x)?, adamw::NormRanges::new(gpu, &[(0, x.len())])?);
+    let got = adamw::sum_squares_ranges(gpu, &gx, &whole)?[0];
     let want = cpu::adamw::sum_squares(&x);
     out.push(Check {
         name: "global norm (sum of squares)".into(),
         rel_err: (got as f64 - want).abs() / want,
         tol: 1e-5,
     });
-    let again = adamw::sum_squares(gpu, &gx, &partial, &sum)?;
+    let again = adamw::sum_squares_ranges(gpu, &gx, &whole)?[0];
     out.push(Check {
         name: "global norm repeats bit for bit".into(),
         rel_err: bits_differ(&[got], &[again]),

@@ -71,6 +71,19 @@ pub fn tensor_layout(cfg: &Arch, params: &[Param], vp: usize) -> (Vec<TensorSlot
     (tensors, offset.max(1))
 }
 
+/// Whether a part reports this tensor's gradient in the norm: all but the
+/// head's copy of the tied embedding where another part owns the embedding
+/// (as `optim::grad_sum_squares`).
+fn reports_norm(t: &TensorSlot, embedding: bool) -> bool {
+    t.canonical != 0 || embedding
+}
+
+/// The (offset, elements) of each tensor the gradient norm covers: the
+/// tensor's own elements, not a vocabulary tensor's padded rows.
+fn norm_ranges(tensors: &[TensorSlot], embedding: bool) -> Vec<(usize, usize)> {
+    tensors.iter().filter(|t| reports_norm(t, embedding)).map(|t| (t.offset, t.numel)).collect()
+}
+
 /// The vocabulary rounded up to a multiple of 128 (50257 → 50304, as llm.c).
 pub fn padded_vocab(v: usize) -> usize {
     v.div_ceil(128) * 128
@@ -155,9 +168,11 @@ struct Scratch<X: Elem> {
     delta: DeviceBuffer<f32>,
     ln_partial: DeviceBuffer<f32>,
     bias_partial: DeviceBuffer<f32>,
-    norm_partial: DeviceBuffer<f32>,
-    /// One f32 per tensor: the per-tensor sums of squares.
-    norm_out: DeviceBuffer<f32>,
+    /// The tensors whose gradients' sums of squares this part reports
+    /// (`grad_sum_squares`), with the norm's scratch.
+    norms: adamw::NormRanges,
+    /// Every tensor's elements as the one AdamW launch updates them.
+    adamw_runs: adamw::AdamwRuns,
     /// Full recompute: one block's intermediates and its (discarded) output.
     recompute: Option<(BlockActs<X>, DeviceBuffer<X>)>,
     /// Selective recompute: the n1, n2 and act every block writes in
@@ -361,8 +376,11 @@ impl<X: Elem> GpuPart<X> {
             delta: gpu.alloc(b * share.heads.nh * t)?,
             ln_partial: gpu.alloc(block::norm_partial_len(&cfg, n, c))?,
             bias_partial: gpu.alloc(matmul::bias_partial_len(n, bias_cols))?,
-            norm_partial: gpu.alloc(adamw::NORM_BLOCKS)?,
-            norm_out: gpu.alloc(tensors.len().max(1))?,
+            norms: adamw::NormRanges::new(gpu, &norm_ranges(&tensors, spec.embedding))?,
+            adamw_runs: adamw::AdamwRuns::new(
+                gpu,
+                &tensors.iter().map(|t| (t.offset, t.stored, t.decay)).collect::<Vec<_>>(),
+            )?,
             recompute: if recompute == Recompute::Full {
                 Some((BlockActs::new(gpu, &cfg, b, size, true)?, gpu.alloc(n * c)?))
             } else {
@@ -820,35 +838,18 @@ impl<X: Elem> GpuPart<X> {
     /// 1024-element block). The head's copy of the tied embedding is left
     /// out when another part owns the embedding (as `optim::grad_sum_squares`).
     pub fn grad_sum_squares(&self, gpu: &Gpu) -> Result<Vec<(usize, f64)>> {
-        let kept: Vec<&TensorSlot> =
-            self.tensors.iter().filter(|t| t.canonical != 0 || self.spec.embedding).collect();
-        let ranges: Vec<(usize, usize)> = kept.iter().map(|t| (t.offset, t.numel)).collect();
-        let sums =
-            adamw::sum_squares_ranges(gpu, &self.grads, &ranges, &self.s.norm_partial, &self.s.norm_out)?;
+        let sums = adamw::sum_squares_ranges(gpu, &self.grads, &self.s.norms)?;
         let first = crate::optim::zero::first_slots(&self.cfg);
-        Ok(kept.iter().zip(sums).map(|(t, s)| (first[t.canonical], s as f64)).collect())
+        let kept = self.tensors.iter().filter(|t| reports_norm(t, self.spec.embedding));
+        Ok(kept.zip(sums).map(|(t, s)| (first[t.canonical], s as f64)).collect())
     }
 
     /// One AdamW update of every tensor with its (combined) gradient scaled by `clip`.
     pub fn adamw(&mut self, gpu: &Gpu, hyper: &Hyper, lr: f64, clip: f32) -> Result<()> {
         self.adam_t += 1;
         let h = hyper.adamw(lr, self.adam_t);
-        for s in &self.tensors {
-            adamw::adamw_update(
-                gpu,
-                &self.master,
-                &self.params,
-                &self.grads,
-                &self.m,
-                &self.v,
-                s.offset,
-                s.stored,
-                &h,
-                s.decay,
-                clip,
-            )?;
-        }
-        Ok(())
+        let runs = &self.s.adamw_runs;
+        adamw::adamw_update(gpu, &self.master, &self.params, &self.grads, &self.m, &self.v, runs, &h, clip)
     }
 
     /// Keeps an EMA of the master weights from now on (rank 0 only, beside
