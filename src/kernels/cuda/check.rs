@@ -605,16 +605,16 @@ fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let tokens: Vec<u32> = (0..d.n()).map(|_| r.below(37) as u32 * 7).collect();
     let mut out = vec![0.0; d.n() * d.c];
     cpu::embedding::embedding_forward(&mut out, &tokens, &wte, &wpe, d.t, d.c);
-    let (gwte, gwpe, gtok, gout) =
-        (cx.up(&wte)?, cx.up(&wpe)?, gpu.upload(&tokens)?, gpu.alloc::<X>(d.n() * d.c)?);
+    let (gwte, gwpe, mut gtok, gout) =
+        (cx.up(&wte)?, cx.up(&wpe)?, embedding::DeviceTokens::new(gpu, d.n())?, gpu.alloc::<X>(d.n() * d.c)?);
+    gtok.upload(gpu, &tokens)?;
     embedding::embedding_forward(gpu, &gout, &gtok, gwte.ptr(), gwpe.ptr(), d.n(), d.t, d.c)?;
     cx.push_rows("embedding_forward", &cx.down(&gout)?, &out, d.c);
     let dout = rounded::<X>(&randn(d.n() * d.c, 53, 1.0));
     let (mut dwte, mut dwpe) = (vec![0.0; d.v * d.c], vec![0.0; d.t * d.c]);
     cpu::embedding::embedding_backward(&mut dwte, &mut dwpe, &dout, &tokens, d.t, d.c);
-    let owners = embedding::DeviceOwners::upload(gpu, &embedding::TokenOwners::new(&tokens))?;
     let (gdwte, gdwpe, gdout) = (gpu.alloc::<f32>(d.v * d.c)?, gpu.alloc::<f32>(d.t * d.c)?, cx.up(&dout)?);
-    embedding::embedding_backward(gpu, gdwte.ptr(), Some(gdwpe.ptr()), &gdout, &owners, d.b, d.t, d.c)?;
+    embedding::embedding_backward(gpu, gdwte.ptr(), Some(gdwpe.ptr()), &gdout, &gtok, d.b, d.t, d.c)?;
     cx.push_rows("embedding_backward dwte", &gpu.download(&gdwte)?, &dwte, d.c);
     cx.push("embedding_backward dwpe", &gpu.download(&gdwpe)?, &dwpe);
     // The token embedding alone (Llama), into fresh buffers: nothing of the above carries over.
@@ -626,7 +626,7 @@ fn embedding_checks<X: Elem>(cx: &mut Ctx<X>) -> Result<()> {
     let mut dwte = vec![0.0; d.v * d.c];
     cpu::embedding::token_embedding_backward(&mut dwte, &dout, &tokens, d.c);
     let gdwte = gpu.alloc::<f32>(d.v * d.c)?;
-    embedding::embedding_backward(gpu, gdwte.ptr(), None, &gdout, &owners, d.b, d.t, d.c)?;
+    embedding::embedding_backward(gpu, gdwte.ptr(), None, &gdout, &gtok, d.b, d.t, d.c)?;
     cx.push_rows("token_embedding_backward dwte", &gpu.download(&gdwte)?, &dwte, d.c);
     Ok(())
 }

@@ -36,22 +36,52 @@ impl TokenOwners {
     }
 }
 
-/// The owner lists on the device.
-pub struct DeviceOwners {
-    pub ids: DeviceBuffer<u32>,
-    pub offsets: DeviceBuffer<u32>,
-    pub positions: DeviceBuffer<u32>,
-    pub count: usize,
+/// A microbatch's token ids and their owner lists on the device, in one
+/// buffer so that one upload (one host synchronize) carries all four, each
+/// at a fixed place: the tokens (n), the positions (n), the offsets (room
+/// for n + 1) and the distinct ids (at most n) last, so an upload copies
+/// only up to the last id.
+pub struct DeviceTokens {
+    buf: DeviceBuffer<u32>,
+    /// The staging copy of `buf`, kept so an upload allocates nothing.
+    host: Vec<u32>,
+    n: usize,
+    /// Distinct ids in the last upload.
+    count: usize,
 }
 
-impl DeviceOwners {
-    pub fn upload(gpu: &Gpu, o: &TokenOwners) -> Result<DeviceOwners> {
-        Ok(DeviceOwners {
-            ids: gpu.upload(&o.ids)?,
-            offsets: gpu.upload(&o.offsets)?,
-            positions: gpu.upload(&o.positions)?,
-            count: o.ids.len(),
-        })
+impl DeviceTokens {
+    /// Room for microbatches of `n` tokens.
+    pub fn new(gpu: &Gpu, n: usize) -> Result<Self> {
+        Ok(DeviceTokens { buf: gpu.alloc(4 * n + 1)?, host: vec![0; 4 * n + 1], n, count: 0 })
+    }
+
+    /// `tokens` (exactly n) and their owner lists, in one copy.
+    pub fn upload(&mut self, gpu: &Gpu, tokens: &[u32]) -> Result<()> {
+        let n = self.n;
+        ensure(tokens.len() == n, || format!("{} tokens for a buffer of {n}", tokens.len()))?;
+        let o = TokenOwners::new(tokens);
+        let h = &mut self.host;
+        let used = 3 * n + 1 + o.ids.len();
+        h[..n].copy_from_slice(tokens);
+        h[n..2 * n].copy_from_slice(&o.positions);
+        h[2 * n..2 * n + o.offsets.len()].copy_from_slice(&o.offsets);
+        h[3 * n + 1..used].copy_from_slice(&o.ids);
+        self.count = o.ids.len();
+        gpu.copy_to(&self.buf, 0, &h[..used])
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.buf.bytes()
+    }
+
+    fn tokens(&self) -> u64 {
+        self.buf.ptr()
+    }
+
+    /// The owner lists' ids, offsets and positions.
+    fn owners(&self) -> (u64, u64, u64) {
+        (self.buf.ptr_at(3 * self.n + 1), self.buf.ptr_at(2 * self.n), self.buf.ptr_at(self.n))
     }
 }
 
@@ -60,18 +90,18 @@ impl DeviceOwners {
 pub fn embedding_forward<X: Elem>(
     gpu: &Gpu,
     out: &DeviceBuffer<X>,
-    tokens: &DeviceBuffer<u32>,
+    tokens: &DeviceTokens,
     wte: u64,
     wpe: u64,
     n: usize,
     t: usize,
     c: usize,
 ) -> Result<()> {
-    ensure(out.len() >= n * c && tokens.len() >= n && t > 0 && n.is_multiple_of(t), || {
+    ensure(out.len() >= n * c && tokens.n == n && t > 0 && n.is_multiple_of(t), || {
         format!("embedding_forward: buffers for N={n} T={t} C={c}")
     })?;
     let f = gpu.function::<X>("embedding", "embedding_forward")?;
-    let (o, tk, ni, ti, ci) = (out.ptr(), tokens.ptr(), n as i32, t as i32, c as i32);
+    let (o, tk, ni, ti, ci) = (out.ptr(), tokens.tokens(), n as i32, t as i32, c as i32);
     gpu.launch(f, (blocks(n * c, 256), 1, 1), (256, 1, 1), &mut args![o, tk, wte, wpe, ni, ti, ci])
 }
 
@@ -79,16 +109,16 @@ pub fn embedding_forward<X: Elem>(
 pub fn token_embedding_forward<X: Elem>(
     gpu: &Gpu,
     out: &DeviceBuffer<X>,
-    tokens: &DeviceBuffer<u32>,
+    tokens: &DeviceTokens,
     wte: u64,
     n: usize,
     c: usize,
 ) -> Result<()> {
-    ensure(out.len() >= n * c && tokens.len() >= n, || {
+    ensure(out.len() >= n * c && tokens.n == n, || {
         format!("token_embedding_forward: buffers for N={n} C={c}")
     })?;
     let f = gpu.function::<X>("embedding", "embedding_forward_tokens")?;
-    let (o, tk, ni, ci) = (out.ptr(), tokens.ptr(), n as i32, c as i32);
+    let (o, tk, ni, ci) = (out.ptr(), tokens.tokens(), n as i32, c as i32);
     gpu.launch(f, (blocks(n * c, 256), 1, 1), (256, 1, 1), &mut args![o, tk, wte, ni, ci])
 }
 
@@ -101,12 +131,12 @@ pub fn embedding_backward<X: Elem>(
     dwte: u64,
     dwpe: Option<u64>,
     dout: &DeviceBuffer<X>,
-    owners: &DeviceOwners,
+    owners: &DeviceTokens,
     b: usize,
     t: usize,
     c: usize,
 ) -> Result<()> {
-    ensure(dout.len() >= b * t * c && owners.positions.len() == b * t, || {
+    ensure(dout.len() >= b * t * c && owners.n == b * t, || {
         format!("embedding_backward: buffers for B={b} T={t} C={c}")
     })?;
     let d = dout.ptr();
@@ -119,7 +149,7 @@ pub fn embedding_backward<X: Elem>(
         return Ok(());
     }
     let f = gpu.function::<X>("embedding", "embedding_backward_wte")?;
-    let (ids, offs, pos) = (owners.ids.ptr(), owners.offsets.ptr(), owners.positions.ptr());
+    let (ids, offs, pos) = owners.owners();
     gpu.launch(f, (owners.count as u32, 1, 1), (256, 1, 1), &mut args![dwte, d, ids, offs, pos, ci])
 }
 

@@ -29,7 +29,7 @@ mod tp;
 use block::{Acts, BlockActs, Remade};
 pub use tp::{GpuTp, TpDevices, TpPart};
 
-use crate::kernels::cuda::embedding::{DeviceOwners, TokenOwners};
+use crate::kernels::cuda::embedding::DeviceTokens;
 use crate::kernels::cuda::rope::DeviceRope;
 use crate::kernels::cuda::{adamw, attention, crossentropy, ema, embedding, matmul};
 use crate::kernels::cuda::{ensure, CudaError, DeviceBuffer, Elem, Gpu, Result};
@@ -126,7 +126,7 @@ struct Slot<X: Elem> {
     /// recompute); empty with full recompute.
     blocks: Vec<BlockActs<X>>,
     /// First part: the token ids and who owns each id's wte gradient row.
-    tokens: Option<(DeviceBuffer<u32>, DeviceOwners)>,
+    tokens: Option<DeviceTokens>,
     /// Last part: the gradient of the head's input, formed in forward.
     dhead: Option<DeviceBuffer<X>>,
 }
@@ -135,10 +135,7 @@ impl<X: Elem> Slot<X> {
     fn bytes(&self) -> usize {
         self.stream.iter().map(DeviceBuffer::bytes).sum::<usize>()
             + self.blocks.iter().map(BlockActs::bytes).sum::<usize>()
-            + self
-                .tokens
-                .as_ref()
-                .map_or(0, |(t, o)| t.bytes() + o.ids.bytes() + o.offsets.bytes() + o.positions.bytes())
+            + self.tokens.as_ref().map_or(0, DeviceTokens::bytes)
             + self.dhead.as_ref().map_or(0, DeviceBuffer::bytes)
     }
 }
@@ -342,17 +339,7 @@ impl<X: Elem> GpuPart<X> {
                 } else {
                     vec![]
                 },
-                tokens: if spec.embedding && owner {
-                    let owners = DeviceOwners {
-                        ids: gpu.alloc(n)?,
-                        offsets: gpu.alloc(n + 1)?,
-                        positions: gpu.alloc(n)?,
-                        count: 0,
-                    };
-                    Some((gpu.alloc(n)?, owners))
-                } else {
-                    None
-                },
+                tokens: if spec.embedding && owner { Some(DeviceTokens::new(gpu, n)?) } else { None },
                 dhead: if head && owner { Some(gpu.alloc(n * c)?) } else { None },
             })
         };
@@ -585,13 +572,8 @@ impl<X: Elem> GpuPart<X> {
                 let w0 = self.w(0);
                 let w1 = (self.cfg.positions == Positions::Learned).then(|| self.w(1));
                 let slot = &mut self.slots[k];
-                let (dev, owners) = slot.tokens.as_mut().expect("first part keeps tokens");
-                gpu.copy_to(dev, 0, tokens)?;
-                let o = TokenOwners::new(tokens);
-                gpu.copy_to(&owners.ids, 0, &o.ids)?;
-                gpu.copy_to(&owners.offsets, 0, &o.offsets)?;
-                gpu.copy_to(&owners.positions, 0, &o.positions)?;
-                owners.count = o.ids.len();
+                let dev = slot.tokens.as_mut().expect("first part keeps tokens");
+                dev.upload(gpu, tokens)?;
                 match w1 {
                     Some(wpe) => embedding::embedding_forward(gpu, &slot.stream[0], dev, w0, wpe, n, t, c)?,
                     None => embedding::token_embedding_forward(gpu, &slot.stream[0], dev, w0, n, c)?,
@@ -775,7 +757,7 @@ impl<X: Elem> GpuPart<X> {
         if self.spec.embedding {
             let dwte = self.g(0);
             let dwpe = (self.cfg.positions == Positions::Learned).then(|| self.g(1));
-            let (_, owners) = self.slots[k].tokens.as_ref().expect("first part keeps tokens");
+            let owners = self.slots[k].tokens.as_ref().expect("first part keeps tokens");
             embedding::embedding_backward(gpu, dwte, dwpe, &self.s.dres, owners, self.b, t, c)?;
             return Ok(None);
         }
